@@ -1,0 +1,65 @@
+//! `leasehold watch ID [--json]`: follow a job live until it is terminal.
+//! Shows status, attempts, epoch and a progress bar of sections for long work.
+
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use leasehold_core::{JobRecord, Status};
+use leasehold_store::{jobs, Jobs, NatsArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The job id.
+    id: String,
+    /// Print every revision of the record as one JSON line (for scripts).
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
+    let conn = nats.connect("leasehold-cli watch").await?;
+    let jobs = Jobs::open(&conn).await?;
+    let rec = follow(&jobs, &a.id, a.json, a.json).await?;
+    if !a.json {
+        println!("{}: {}", rec.id, rec.status);
+    }
+    Ok(if rec.status == "completed" { 0 } else { 1 })
+}
+
+fn terminal(r: &JobRecord) -> bool {
+    r.status.parse::<Status>().is_ok_and(|s| s.is_terminal() || s == Status::Parked)
+}
+
+/// Follows the record until it is terminal (or parked) and returns it.
+pub async fn follow(jobs: &Jobs, id: &str, json: bool, quiet: bool) -> anyhow::Result<JobRecord> {
+    let mut watch = jobs.watch(id).await?;
+    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new_spinner() };
+    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len}").expect("template").progress_chars("=> "));
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    while let Some(entry) = watch.next().await {
+        let entry = entry?;
+        if entry.operation != async_nats::jetstream::kv::Operation::Put {
+            continue;
+        }
+        let rec = jobs::decode(id, &entry.value)?;
+        if json {
+            println!("{}", serde_json::to_string(&rec)?);
+        }
+        let p = rec.progress.clone().unwrap_or_default();
+        bar.set_length(u64::from(p.sections_total.max(1)));
+        bar.set_position(u64::from(p.sections_done));
+        bar.set_message(format!(
+            "{} {} attempts={} epoch={} reclaims={}{}",
+            rec.id,
+            rec.status,
+            rec.attempts,
+            rec.epoch,
+            rec.stale_reclaims,
+            if p.phase.is_empty() { String::new() } else { format!(" phase={}", p.phase) }
+        ));
+        if terminal(&rec) {
+            bar.finish_and_clear();
+            return Ok(rec);
+        }
+    }
+    anyhow::bail!("the watch of job {id} ended before the job did (NATS connection lost?)")
+}

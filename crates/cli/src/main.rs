@@ -1,0 +1,66 @@
+//! `leasehold`: the command-line interface.
+//!
+//! One module per noun under `commands/`. Data goes to stdout, messages and
+//! errors to stderr; every error says what to do next. Exit codes: 0 success,
+//! 1 failure, 2 bad usage or unreadable input, other codes as each command
+//! documents.
+
+use clap::{Parser, Subcommand};
+use leasehold_store::NatsArgs;
+
+mod commands;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "leasehold",
+    version,
+    about = "Run and operate long AI-agent jobs on NATS JetStream",
+    long_about = "Run and operate long AI-agent jobs on NATS JetStream.\n\n\
+Every command reads NATS_URL (default nats://127.0.0.1:4222), NATS credentials \
+(NATS_CREDS, or NATS_USER/NATS_PASSWORD, or NATS_TOKEN), TLS (NATS_CA, NATS_CERT, \
+NATS_KEY) and LH_PREFIX (namespace, default lh)."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(subcommand)]
+    pub cmd: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Create the streams, buckets and consumers (idempotent).
+    Setup(commands::setup::Args),
+    /// Submit a job (a JSON spec from a file, inline, or stdin).
+    Submit(commands::submit::Args),
+    /// Show one job's record.
+    Status(commands::status::Args),
+    /// List jobs, optionally filtered by status and kind.
+    List(commands::list::Args),
+    /// Follow a job live until it reaches a terminal state.
+    Watch(commands::watch::Args),
+    /// Ask for a job's cancellation.
+    Cancel(commands::cancel::Args),
+    /// Print a finished job's result (the report, for research jobs).
+    Result(commands::result::Args),
+    /// Repair a tool-calling transcript for a warm retry (OpenAI message format).
+    Transcript(commands::transcript::Args),
+    /// Talk to the configured model provider through the workers' client.
+    Model(commands::model::Args),
+    /// Run or list tools through the same layer and effects ledger the workers use.
+    Tool(commands::tool::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let code = rt.block_on(commands::run(cli));
+    std::process::exit(code);
+}

@@ -1,0 +1,22 @@
+//! Pure job logic of leasehold: no I/O, no NATS, no clocks of its own (every
+//! function that needs "now" takes it as an argument).
+//!
+//! - [`status`]: the job statuses.
+//! - [`machine`]: the job state machine: claim decisions and every transition
+//!   as a pure function on a [`JobRecord`], owner-checked where the contract
+//!   says so.
+//! - [`spec`]: decoding and validating submissions (JSON or protobuf).
+//! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
+//! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`).
+//!
+//! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing.
+
+pub mod machine;
+pub mod retry;
+pub mod spec;
+pub mod status;
+pub mod time;
+
+pub use leasehold_proto::{JobError, JobRecord, JobSpec};
+pub use machine::{ClaimDecision, Owner, TransitionError};
+pub use status::Status;

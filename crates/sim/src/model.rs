@@ -1,0 +1,5 @@
+//! Placeholder: filled in by the model part of the simulator.
+
+pub fn router(_args: &crate::Args) -> anyhow::Result<axum::Router> {
+    Ok(axum::Router::new())
+}

@@ -1,0 +1,233 @@
+//! Job events on `lh.events.<job_id>.<type>` (stream `LH_EVENTS`).
+//!
+//! Fencing: at every claim the new owner publishes a `claimed` marker and
+//! keeps its sequence in a [`Fence`]. Every later event of that owner is
+//! published conditioned on the last sequence of *all* the job's subjects
+//! (`Nats-Expected-Last-Subject-Sequence` scoped with
+//! `Nats-Expected-Last-Subject-Sequence-Subject: lh.events.<job_id>.>`), so
+//! once another owner's marker lands, every publish of the old owner is
+//! refused by the server itself.
+//!
+//! Events from non-owners (a `heartbeat_lost` of a fenced worker, a reaper's
+//! `dead`) are published unconditionally; when one of them moves the job's
+//! last sequence, the owner's next publish is refused, reads the job's last
+//! event, sees it carries no newer epoch, adopts its sequence and retries.
+//! Readers ignore events of an epoch older than the latest `claimed` marker
+//! before them ([`coherent`]).
+
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::{self, context::PublishErrorKind};
+use futures::StreamExt;
+use leasehold_core::time::rfc3339;
+use leasehold_proto::JobEvent;
+use serde_json::Value;
+
+use crate::{server_error_code, Conn, Layout, StoreError, WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT};
+
+/// The header scoping the expected-last-subject-sequence check to a wildcard (nats-server >= 2.11).
+const EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT: &str = "Nats-Expected-Last-Subject-Sequence-Subject";
+
+/// The event stream.
+#[derive(Clone)]
+pub struct Events {
+    js: jetstream::Context,
+    layout: Layout,
+    stream: String,
+}
+
+/// A refused or failed fenced publication.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    /// A newer owner's events are on the job: this owner is fenced off.
+    #[error("ownership lost: events of epoch {newer_epoch} follow ours ({ours})")]
+    Lost { ours: u64, newer_epoch: u64 },
+    /// Transient: NATS did not answer; retry with backoff.
+    #[error("publish event: {0}")]
+    Nats(String),
+}
+
+/// Builds an event.
+pub fn event(job_id: &str, epoch: u64, ty: &str, worker_id: Option<&str>, data: Value) -> JobEvent {
+    JobEvent {
+        job_id: job_id.into(),
+        epoch,
+        at: rfc3339(SystemTime::now()),
+        r#type: ty.into(),
+        worker_id: worker_id.map(str::to_string),
+        data: if data.is_null() { String::new() } else { data.to_string() },
+    }
+}
+
+impl Events {
+    pub fn new(conn: &Conn) -> Self {
+        Events { js: conn.js.clone(), layout: conn.layout.clone(), stream: conn.layout.events_stream() }
+    }
+
+    fn message(&self, ev: &JobEvent) -> (String, bytes::Bytes) {
+        let subject = self.layout.event_subject(&ev.job_id, &ev.r#type);
+        (subject, serde_json::to_vec(ev).expect("event serializes").into())
+    }
+
+    /// Publishes without a fence; `msg_id` deduplicates repeats.
+    pub async fn publish(&self, ev: &JobEvent, msg_id: Option<&str>) -> Result<u64, StoreError> {
+        let (subject, payload) = self.message(ev);
+        let mut m = PublishMessage::build().payload(payload);
+        if let Some(id) = msg_id {
+            m = m.message_id(id);
+        }
+        let ack = self
+            .js
+            .send_publish(subject, m)
+            .await
+            .map_err(|e| StoreError::nats("publish event", e))?
+            .await
+            .map_err(|e| StoreError::nats("publish event", e))?;
+        Ok(ack.sequence)
+    }
+
+    /// Publishes the `claimed` marker of a new owner and returns its fence.
+    pub async fn claim_marker(&self, job_id: &str, epoch: u64, worker_id: &str, data: Value) -> Result<Fence, StoreError> {
+        let ev = event(job_id, epoch, "claimed", Some(worker_id), data);
+        let seq = self.publish(&ev, Some(&format!("{job_id}:claimed:{epoch}"))).await?;
+        Ok(Fence { events: self.clone(), job_id: job_id.into(), epoch, worker_id: worker_id.into(), last_seq: seq })
+    }
+
+    /// The last event of a job and its sequence.
+    pub async fn last(&self, job_id: &str) -> Result<Option<(u64, JobEvent)>, StoreError> {
+        self.last_on(self.layout.job_events_filter(job_id)).await
+    }
+
+    async fn last_on(&self, subject: String) -> Result<Option<(u64, JobEvent)>, StoreError> {
+        let stream = self.js.get_stream_no_info(&self.stream).await.map_err(|e| StoreError::nats("events stream", e))?;
+        match stream.direct_get_last_for_subject(subject).await {
+            Ok(m) => Ok(Some((m.sequence, serde_json::from_slice(&m.payload).unwrap_or_default()))),
+            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::nats("last event", e)),
+        }
+    }
+
+    /// The last event of one type of a job.
+    pub async fn last_of_type(&self, job_id: &str, ty: &str) -> Result<Option<(u64, JobEvent)>, StoreError> {
+        self.last_on(self.layout.event_subject(job_id, ty)).await
+    }
+
+    /// Every event of one job, in order, with its stream sequence.
+    pub async fn read(&self, job_id: &str) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        self.read_filter(&self.layout.job_events_filter(job_id)).await
+    }
+
+    async fn read_filter(&self, filter: &str) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        let stream = self.js.get_stream(&self.stream).await.map_err(|e| StoreError::nats("events stream", e))?;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: filter.to_string(),
+                deliver_policy: jetstream::consumer::DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| StoreError::nats("read events", e))?;
+        let info = consumer.cached_info();
+        let mut pending = info.num_pending;
+        let mut out = Vec::new();
+        if pending == 0 {
+            return Ok(out);
+        }
+        let mut msgs = consumer.messages().await.map_err(|e| StoreError::nats("read events", e))?;
+        while pending > 0 {
+            let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
+            let Ok(Some(Ok(m))) = next else {
+                return Err(StoreError::Nats(format!("reading events of {filter} stalled")));
+            };
+            let info = m.info().map_err(|e| StoreError::nats("event info", e))?;
+            pending = info.pending;
+            if let Ok(ev) = serde_json::from_slice::<JobEvent>(&m.payload) {
+                out.push((info.stream_sequence, ev));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The events of a job that readers may trust: those not older than the
+/// latest `claimed` marker before them.
+pub fn coherent(events: &[(u64, JobEvent)]) -> Vec<&JobEvent> {
+    let mut current = 0;
+    let mut out = Vec::new();
+    for (_, ev) in events {
+        if ev.r#type == "claimed" {
+            current = current.max(ev.epoch);
+        }
+        if ev.epoch >= current {
+            out.push(ev);
+        }
+    }
+    out
+}
+
+/// One owner's server-side fence on its job's events.
+pub struct Fence {
+    events: Events,
+    pub job_id: String,
+    pub epoch: u64,
+    pub worker_id: String,
+    last_seq: u64,
+}
+
+impl Fence {
+    /// The sequence this owner last published (or adopted).
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// Publishes one event of this owner, refused by the server once another
+    /// owner has claimed the job.
+    pub async fn publish(&mut self, ty: &str, data: Value) -> Result<u64, FenceError> {
+        let ev = event(&self.job_id, self.epoch, ty, Some(&self.worker_id), data);
+        self.publish_event(&ev, None).await
+    }
+
+    /// Publishes a prepared event (its epoch must be this owner's) under the fence.
+    pub async fn publish_event(&mut self, ev: &JobEvent, msg_id: Option<&str>) -> Result<u64, FenceError> {
+        let (subject, payload) = self.events.message(ev);
+        let filter = self.events.layout.job_events_filter(&self.job_id);
+        // A few rounds: each refusal either proves a newer owner (stop) or
+        // adopts an informational event's sequence (retry at once).
+        for _ in 0..16 {
+            let mut m = PublishMessage::build()
+                .payload(payload.clone())
+                .expected_last_subject_sequence(self.last_seq)
+                .header(EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT, filter.as_str());
+            if let Some(id) = msg_id {
+                m = m.message_id(id);
+            }
+            let res = match self.events.js.send_publish(subject.clone(), m).await {
+                Ok(fut) => fut.await,
+                Err(e) => Err(e),
+            };
+            match res {
+                Ok(ack) => {
+                    self.last_seq = ack.sequence;
+                    return Ok(ack.sequence);
+                }
+                Err(e) if e.kind() == PublishErrorKind::WrongLastSequence
+                    || matches!(server_error_code(&e), Some(WRONG_LAST_SEQUENCE | WRONG_LAST_SEQUENCE_CONSTANT)) =>
+                {
+                    // Read the job's last sequence first, then its last
+                    // claim marker: a marker landing after the first read
+                    // moves the sequence again, so the retry is refused too.
+                    let nats = |e: StoreError| FenceError::Nats(e.to_string());
+                    let last = self.events.last(&self.job_id).await.map_err(nats)?;
+                    let claimed = self.events.last_of_type(&self.job_id, "claimed").await.map_err(nats)?;
+                    if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > self.epoch) {
+                        return Err(FenceError::Lost { ours: self.epoch, newer_epoch: c.epoch });
+                    }
+                    self.last_seq = last.map_or(0, |(seq, _)| seq);
+                }
+                Err(e) => return Err(FenceError::Nats(e.to_string())),
+            }
+        }
+        Err(FenceError::Nats(format!("events of {} keep moving", self.job_id)))
+    }
+}

@@ -1,0 +1,277 @@
+//! The job KV bucket (`lh_jobs`): every write is conditioned on the revision
+//! it read.
+//!
+//! Reads can be stale (KV reads give no read-after-write guarantee, least of
+//! all on replicas), so no decision is ever trusted because of a read alone:
+//! [`Jobs::transition`] reads, decides with a pure function, and writes
+//! conditioned on the revision it read; a conflict re-reads and decides again.
+//! A spurious cluster rejection (10164) is a conflict like any other, so it
+//! re-reads and retries and is never mistaken for lost ownership.
+//!
+//! [`Gate`] is the one door of owner-side writes: every transition it makes
+//! first proves `status == running`, `worker_id`, `claim_token` and `epoch`
+//! (see `leasehold_core::machine::check_owner`).
+
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::kv;
+use bytes::Bytes;
+use serde_json::json;
+use futures::StreamExt;
+use leasehold_core::machine::{self, Owner, TransitionError};
+use leasehold_core::JobRecord;
+
+use crate::{server_error_code, Conn, StoreError, WRONG_LAST_SEQUENCE_CONSTANT};
+
+/// A value together with the KV revision it was read at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Versioned<T> {
+    pub value: T,
+    pub revision: u64,
+}
+
+/// Errors of job-record reads and writes.
+#[derive(Debug, thiserror::Error)]
+pub enum JobsError {
+    /// The record changed since it was read (server 10071, or the spurious
+    /// 10164): re-read and decide again.
+    #[error("revision conflict on job {0}")]
+    Conflict(String),
+    /// `create` found the key already present.
+    #[error("job {0} already exists")]
+    Exists(String),
+    #[error("no job {0}")]
+    NotFound(String),
+    /// The state machine refused the transition (including ownership lost).
+    #[error(transparent)]
+    Transition(#[from] TransitionError),
+    #[error("job {id} has an unreadable record: {message}")]
+    Corrupt { id: String, message: String },
+    /// NATS did not answer or failed: transient, retry later.
+    #[error("NATS: {0}")]
+    Nats(String),
+}
+
+impl JobsError {
+    pub fn is_ownership_lost(&self) -> bool {
+        matches!(self, JobsError::Transition(TransitionError::OwnershipLost(_)))
+    }
+
+    /// Worth retrying the same operation after a pause.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, JobsError::Nats(_) | JobsError::Conflict(_))
+    }
+}
+
+/// The job-record bucket.
+#[derive(Clone)]
+pub struct Jobs {
+    kv: kv::Store,
+}
+
+/// How many times a read-decide-write loop re-reads after conflicts before
+/// reporting the conflict (a record written this often in a row is contended
+/// by something broken).
+const MAX_CONFLICTS: usize = 32;
+
+impl Jobs {
+    pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
+        let bucket = conn.layout.jobs_bucket();
+        let kv = conn
+            .js
+            .get_key_value(&bucket)
+            .await
+            .map_err(|_| StoreError::Missing(vec![format!("KV bucket {bucket}")]))?;
+        Ok(Jobs { kv })
+    }
+
+    pub fn kv(&self) -> &kv::Store {
+        &self.kv
+    }
+
+    /// The record and its revision, if it exists.
+    pub async fn get(&self, id: &str) -> Result<Option<Versioned<JobRecord>>, JobsError> {
+        let entry = self
+            .kv
+            .entry(id)
+            .await
+            .map_err(|e| JobsError::Nats(format!("read job {id}: {e}")))?;
+        match entry {
+            Some(e) if e.operation == kv::Operation::Put => Ok(Some(Versioned {
+                value: decode(id, &e.value)?,
+                revision: e.revision,
+            })),
+            _ => Ok(None),
+        }
+    }
+
+    /// Creates the record only if the key is absent.
+    pub async fn create(&self, rec: &JobRecord) -> Result<u64, JobsError> {
+        match self.kv.create(&rec.id, encode(rec)).await {
+            Ok(rev) => Ok(rev),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Err(JobsError::Exists(rec.id.clone())),
+            Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => Err(JobsError::Conflict(rec.id.clone())),
+            Err(e) => Err(JobsError::Nats(format!("create job {}: {e}", rec.id))),
+        }
+    }
+
+    /// Writes `rec` only if the record is still at `expected` revision.
+    pub async fn update(&self, rec: &JobRecord, expected: u64) -> Result<u64, JobsError> {
+        match self.kv.update(&rec.id, encode(rec), expected).await {
+            Ok(rev) => Ok(rev),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(JobsError::Conflict(rec.id.clone())),
+            Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => {
+                tracing::debug!(job = %rec.id, "spurious 10164 on update; re-reading");
+                Err(JobsError::Conflict(rec.id.clone()))
+            }
+            Err(e) => Err(JobsError::Nats(format!("update job {}: {e}", rec.id))),
+        }
+    }
+
+    /// Read, decide, write conditioned on the revision read; on a conflict
+    /// read again and decide again. `decide` returns `Ok(None)` when there is
+    /// nothing to write (the current record is returned then).
+    pub async fn transition<F>(&self, id: &str, mut decide: F) -> Result<Versioned<JobRecord>, JobsError>
+    where
+        F: FnMut(&JobRecord) -> Result<Option<JobRecord>, TransitionError>,
+    {
+        for _ in 0..MAX_CONFLICTS {
+            let cur = self.get(id).await?.ok_or_else(|| JobsError::NotFound(id.to_string()))?;
+            let Some(next) = decide(&cur.value)? else { return Ok(cur) };
+            match self.update(&next, cur.revision).await {
+                Ok(revision) => return Ok(Versioned { value: next, revision }),
+                Err(JobsError::Conflict(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(JobsError::Conflict(id.to_string()))
+    }
+
+    /// Every job id in the bucket.
+    pub async fn ids(&self) -> Result<Vec<String>, JobsError> {
+        let mut keys = self.kv.keys().await.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
+        let mut out = Vec::new();
+        while let Some(k) = keys.next().await {
+            out.push(k.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?);
+        }
+        Ok(out)
+    }
+
+    /// Every record (a scan; fine for operators' listings and the reaper's sweep).
+    pub async fn all(&self) -> Result<Vec<Versioned<JobRecord>>, JobsError> {
+        let mut out = Vec::new();
+        for id in self.ids().await? {
+            if let Some(v) = self.get(&id).await? {
+                out.push(v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The record's revisions, oldest first (as many as the bucket keeps).
+    pub async fn history(&self, id: &str) -> Result<Vec<Versioned<JobRecord>>, JobsError> {
+        let mut h = self.kv.history(id).await.map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
+        let mut out = Vec::new();
+        while let Some(e) = h.next().await {
+            let e = e.map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
+            if e.operation == kv::Operation::Put {
+                out.push(Versioned { value: decode(id, &e.value)?, revision: e.revision });
+            }
+        }
+        Ok(out)
+    }
+
+    /// A watch of every record change (for `leasehold watch` and tests).
+    pub async fn watch(&self, id: &str) -> Result<kv::Watch, JobsError> {
+        self.kv.watch_with_history(id).await.map_err(|e| JobsError::Nats(format!("watch {id}: {e}")))
+    }
+
+    /// A watch of every change to any record.
+    pub async fn watch_all(&self) -> Result<kv::Watch, JobsError> {
+        self.kv.watch_all().await.map_err(|e| JobsError::Nats(format!("watch jobs: {e}")))
+    }
+}
+
+/// Decodes a KV value as a job record.
+pub fn decode(id: &str, bytes: &[u8]) -> Result<JobRecord, JobsError> {
+    serde_json::from_slice(bytes).map_err(|e| JobsError::Corrupt { id: id.into(), message: e.to_string() })
+}
+
+fn encode(rec: &JobRecord) -> Bytes {
+    serde_json::to_vec(rec).expect("a job record always serializes").into()
+}
+
+/// The door of every owner-side write of one claimed job.
+///
+/// Architecture invariant: no code path sets a terminal state of a running
+/// job except through a `Gate` (the reaper's `dead` and a canceller's
+/// queued→cancelled are not owner-side and go through [`Jobs::transition`]).
+#[derive(Clone)]
+pub struct Gate {
+    jobs: Jobs,
+    pub id: String,
+    pub owner: Owner,
+}
+
+impl Gate {
+    pub fn new(jobs: Jobs, id: impl Into<String>, owner: Owner) -> Self {
+        Gate { jobs, id: id.into(), owner }
+    }
+
+    /// An owner-checked transition; `f` is one of the machine's owner-side
+    /// transitions (each proves ownership on the record it is given).
+    pub async fn write<F>(&self, mut f: F) -> Result<Versioned<JobRecord>, JobsError>
+    where
+        F: FnMut(&JobRecord, &Owner, SystemTime) -> Result<JobRecord, TransitionError>,
+    {
+        let owner = self.owner.clone();
+        self.jobs
+            .transition(&self.id, |rec| f(rec, &owner, SystemTime::now()).map(Some))
+            .await
+    }
+
+    /// Extends the lease.
+    pub async fn heartbeat(&self, lease: Duration) -> Result<Versioned<JobRecord>, JobsError> {
+        self.write(|r, o, now| machine::heartbeat(r, o, now, lease)).await
+    }
+
+    /// Reads the record and proves ownership without writing.
+    pub async fn check(&self) -> Result<Versioned<JobRecord>, JobsError> {
+        let cur = self.jobs.get(&self.id).await?.ok_or_else(|| JobsError::NotFound(self.id.clone()))?;
+        machine::check_owner(&cur.value, &self.owner)?;
+        Ok(cur)
+    }
+}
+
+/// Records a cancellation request; the JSON reply says whether it was recorded.
+pub async fn cancel(jobs: &Jobs, events: &crate::events::Events, id: &str) -> serde_json::Value {
+    let mut outcome = None;
+    let res = jobs
+        .transition(id, |rec| match machine::request_cancel(rec, SystemTime::now())? {
+            machine::CancelOutcome::Cancelled(r) => {
+                outcome = Some("cancelled");
+                Ok(Some(r))
+            }
+            machine::CancelOutcome::Requested(r) => {
+                outcome = Some("requested");
+                Ok(Some(r))
+            }
+            machine::CancelOutcome::Unchanged(why) => {
+                outcome = Some(if why.contains("already requested") { "already_requested" } else { "unchanged" });
+                Ok(None)
+            }
+        })
+        .await;
+    match res {
+        Ok(v) => {
+            let what = outcome.unwrap_or("unchanged");
+            if what == "cancelled" {
+                let ev = crate::events::event(id, v.value.epoch, "cancelled", None, json!({"while": "queued"}));
+                let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
+            }
+            json!({"id": id, "recorded": matches!(what, "cancelled" | "requested" | "already_requested"), "outcome": what, "status": v.value.status})
+        }
+        Err(JobsError::NotFound(_)) => json!({"id": id, "recorded": false, "outcome": "not_found", "error": format!("no job {id}")}),
+        Err(e) => json!({"id": id, "recorded": false, "outcome": "error", "error": e.to_string()}),
+    }
+}

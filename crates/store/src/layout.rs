@@ -1,0 +1,140 @@
+//! Names of every subject, stream, bucket and consumer, derived from the
+//! namespace prefix. Architecture invariant: no other crate spells a NATS name.
+
+use crate::StoreError;
+
+/// The NATS names of one leasehold namespace (`lh` by default).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub prefix: String,
+}
+
+impl Layout {
+    /// Validates the prefix: letters, digits, `-` and `_` only (it is used in
+    /// subjects, stream names and bucket names alike).
+    pub fn new(prefix: &str) -> Result<Self, StoreError> {
+        let ok = !prefix.is_empty()
+            && prefix.len() <= 32
+            && prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !ok {
+            return Err(StoreError::Config(format!(
+                "invalid LH_PREFIX {prefix:?}: use 1-32 letters, digits, '-' or '_'"
+            )));
+        }
+        Ok(Layout {
+            prefix: prefix.to_string(),
+        })
+    }
+
+    fn upper(&self) -> String {
+        self.prefix.to_ascii_uppercase().replace('-', "_")
+    }
+
+    /// Work-queue stream holding submission tickets.
+    pub fn work_stream(&self) -> String {
+        format!("{}_WORK", self.upper())
+    }
+    /// `lh.submit.<kind>`.
+    pub fn submit_subject(&self, kind: &str) -> String {
+        format!("{}.submit.{kind}", self.prefix)
+    }
+    /// `lh.submit.>`.
+    pub fn submit_wildcard(&self) -> String {
+        format!("{}.submit.>", self.prefix)
+    }
+    /// The kind named by a submission subject, if it is one.
+    pub fn kind_of_submit_subject<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        subject
+            .strip_prefix(&self.prefix)?
+            .strip_prefix(".submit.")
+            .filter(|k| !k.is_empty())
+    }
+    /// Durable pull consumer of one kind's tickets.
+    pub fn work_consumer(&self, kind: &str) -> String {
+        format!("{}_workers_{}", self.prefix, kind.replace(['.', '*', '>'], "_"))
+    }
+    /// KV bucket of job records.
+    pub fn jobs_bucket(&self) -> String {
+        format!("{}_jobs", self.prefix.replace('-', "_"))
+    }
+    /// KV bucket of the effects ledger.
+    pub fn effects_bucket(&self) -> String {
+        format!("{}_effects", self.prefix.replace('-', "_"))
+    }
+    /// Object store of artifacts.
+    pub fn artifacts_bucket(&self) -> String {
+        format!("{}_artifacts", self.prefix.replace('-', "_"))
+    }
+    /// Event stream.
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.upper())
+    }
+    /// `lh.events.<job_id>.<type>`.
+    pub fn event_subject(&self, job_id: &str, ty: &str) -> String {
+        format!("{}.events.{job_id}.{ty}", self.prefix)
+    }
+    /// `lh.events.<job_id>.>`: every event of one job (the fence scope).
+    pub fn job_events_filter(&self, job_id: &str) -> String {
+        format!("{}.events.{job_id}.>", self.prefix)
+    }
+    /// `lh.events.>`.
+    pub fn events_wildcard(&self) -> String {
+        format!("{}.events.>", self.prefix)
+    }
+    /// Dead-letter stream.
+    pub fn dlq_stream(&self) -> String {
+        format!("{}_DLQ", self.upper())
+    }
+    /// `lh.dlq.<kind>`.
+    pub fn dlq_subject(&self, kind: &str) -> String {
+        format!("{}.dlq.{kind}", self.prefix)
+    }
+    /// `lh.dlq.>`.
+    pub fn dlq_wildcard(&self) -> String {
+        format!("{}.dlq.>", self.prefix)
+    }
+    /// `lh.cancel.<job_id>`.
+    pub fn cancel_subject(&self, job_id: &str) -> String {
+        format!("{}.cancel.{job_id}", self.prefix)
+    }
+    /// `lh.cancel.*`.
+    pub fn cancel_wildcard(&self) -> String {
+        format!("{}.cancel.*", self.prefix)
+    }
+    /// Stream capturing the server's max-deliveries advisories of the work consumers.
+    pub fn advisory_stream(&self) -> String {
+        format!("{}_ADVISORIES", self.upper())
+    }
+    /// Advisory subject of max deliveries on the work stream, every consumer.
+    pub fn max_deliveries_advisories(&self) -> String {
+        format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.*",
+            self.work_stream()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_names_match_the_contract() {
+        let l = Layout::new("lh").unwrap();
+        assert_eq!(l.work_stream(), "LH_WORK");
+        assert_eq!(l.submit_subject("research"), "lh.submit.research");
+        assert_eq!(l.jobs_bucket(), "lh_jobs");
+        assert_eq!(l.effects_bucket(), "lh_effects");
+        assert_eq!(l.artifacts_bucket(), "lh_artifacts");
+        assert_eq!(l.events_stream(), "LH_EVENTS");
+        assert_eq!(l.event_subject("j", "claimed"), "lh.events.j.claimed");
+        assert_eq!(l.dlq_subject("echo"), "lh.dlq.echo");
+        assert_eq!(l.dlq_stream(), "LH_DLQ");
+        assert_eq!(l.cancel_subject("j"), "lh.cancel.j");
+        assert_eq!(l.kind_of_submit_subject("lh.submit.echo"), Some("echo"));
+        assert_eq!(Layout::new("acme").unwrap().jobs_bucket(), "acme_jobs");
+        assert!(Layout::new("a.b").is_err());
+    }
+}

@@ -1,0 +1,215 @@
+//! Creating (idempotently) and verifying the NATS layout.
+//!
+//! | name | kind | notes |
+//! |---|---|---|
+//! | `LH_WORK` | stream, work-queue retention, file | subjects `lh.submit.<kind>` of every configured kind; dedupe window |
+//! | `lh_workers_<kind>` | durable pull consumer per kind | explicit ack, `ack_wait`, `max_deliver` |
+//! | `lh_jobs` | KV bucket | job records, history kept for audits |
+//! | `LH_EVENTS` | stream, limits | `lh.events.>`, direct get on (fencing reads) |
+//! | `lh_effects` | KV bucket | idempotency ledger, entries expire after the retention |
+//! | `lh_artifacts` | object store | reports |
+//! | `LH_DLQ` | stream, limits | `lh.dlq.>` |
+//! | `LH_ADVISORIES` | stream, limits | the server's max-deliveries advisories of `LH_WORK`, kept for the reaper |
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, kv, object_store, stream};
+
+use crate::{Conn, StoreError};
+
+/// What `leasehold setup` creates. Durations and counts have the defaults
+/// documented on each field.
+#[derive(Debug, Clone)]
+pub struct SetupOptions {
+    /// Replicas of every stream and bucket (1 on a single server, 3 in a cluster).
+    pub replicas: usize,
+    /// Kinds that get a subject and a consumer.
+    pub kinds: Vec<String>,
+    /// Consumer ack wait: how long a delivered ticket waits for an ack or a
+    /// progress ack before it is redelivered (default 30 s). Workers send
+    /// progress acks every third of it.
+    pub ack_wait: Duration,
+    /// Deliveries of one ticket before the server gives up and advises (default 20).
+    pub max_deliver: i64,
+    /// Dedupe window of submissions by `Nats-Msg-Id` (default 1 h); the job
+    /// record's existence dedupes beyond it.
+    pub dedupe_window: Duration,
+    /// How long events are kept (default 30 days).
+    pub events_max_age: Duration,
+    /// How long effects-ledger entries are kept (default 7 days).
+    pub effects_retention: Duration,
+    /// KV history kept per job record (default 64 revisions).
+    pub job_history: i64,
+}
+
+impl Default for SetupOptions {
+    fn default() -> Self {
+        SetupOptions {
+            replicas: 1,
+            kinds: leasehold_core::spec::Kinds::default().names().iter().map(|s| s.to_string()).collect(),
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 20,
+            dedupe_window: Duration::from_secs(3600),
+            events_max_age: Duration::from_secs(30 * 86_400),
+            effects_retention: Duration::from_secs(7 * 86_400),
+            job_history: 64,
+        }
+    }
+}
+
+/// The KV configuration of the effects ledger.
+pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> kv::Config {
+    kv::Config {
+        bucket,
+        description: "leasehold idempotency ledger of side-effecting tool calls".into(),
+        history: 1,
+        max_age: retention,
+        storage: stream::StorageType::File,
+        num_replicas: replicas,
+        ..Default::default()
+    }
+}
+
+/// Creates or updates everything; returns one line per object.
+pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreError> {
+    let l = &conn.layout;
+    let js = &conn.js;
+    let mut report = Vec::new();
+    let err = |what: &str, e: &dyn std::fmt::Display| StoreError::Nats(format!("setup {what}: {e}"));
+
+    let work = stream::Config {
+        name: l.work_stream(),
+        description: Some("leasehold work tickets (one per job until it is terminal)".into()),
+        subjects: o.kinds.iter().map(|k| l.submit_subject(k)).collect(),
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::File,
+        num_replicas: o.replicas,
+        duplicate_window: o.dedupe_window,
+        ..Default::default()
+    };
+    js.create_or_update_stream(work).await.map_err(|e| err("work stream", &e))?;
+    report.push(format!("stream {} (subjects {})", l.work_stream(), l.submit_wildcard()));
+
+    let ws = js.get_stream(l.work_stream()).await.map_err(|e| err("work stream", &e))?;
+    for kind in &o.kinds {
+        let name = l.work_consumer(kind);
+        let cfg = consumer::pull::Config {
+            durable_name: Some(name.clone()),
+            description: Some(format!("leasehold workers of kind {kind}")),
+            filter_subject: l.submit_subject(kind),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: o.ack_wait,
+            max_deliver: o.max_deliver,
+            max_ack_pending: 100_000,
+            ..Default::default()
+        };
+        if ws.consumer_info(&name).await.is_ok() {
+            ws.update_consumer(cfg).await.map_err(|e| err(&name, &e))?;
+        } else {
+            ws.create_consumer(cfg).await.map_err(|e| err(&name, &e))?;
+        }
+        report.push(format!("consumer {name} (ack wait {:?}, max deliver {})", o.ack_wait, o.max_deliver));
+    }
+
+    js.create_or_update_key_value(kv::Config {
+        bucket: l.jobs_bucket(),
+        description: "leasehold job records (authoritative state)".into(),
+        history: o.job_history,
+        storage: stream::StorageType::File,
+        num_replicas: o.replicas,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| err("jobs bucket", &e))?;
+    report.push(format!("kv {}", l.jobs_bucket()));
+
+    js.create_or_update_key_value(effects_config(l.effects_bucket(), o.effects_retention, o.replicas))
+        .await
+        .map_err(|e| err("effects bucket", &e))?;
+    report.push(format!("kv {}", l.effects_bucket()));
+
+    if js.get_object_store(l.artifacts_bucket()).await.is_err() {
+        js.create_object_store(object_store::Config {
+            bucket: l.artifacts_bucket(),
+            description: Some("leasehold artifacts (reports)".into()),
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err("artifacts", &e))?;
+    }
+    report.push(format!("object store {}", l.artifacts_bucket()));
+
+    for (name, subject, age, dedupe, what) in [
+        (l.events_stream(), l.events_wildcard(), o.events_max_age, Duration::from_secs(120), "job events"),
+        (l.dlq_stream(), l.dlq_wildcard(), Duration::ZERO, Duration::from_secs(3600), "dead letters"),
+        (l.advisory_stream(), l.max_deliveries_advisories(), Duration::from_secs(7 * 86_400), Duration::from_secs(120), "max-deliveries advisories"),
+    ] {
+        js.create_or_update_stream(stream::Config {
+            name: name.clone(),
+            description: Some(format!("leasehold {what}")),
+            subjects: vec![subject.clone()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            max_age: age,
+            duplicate_window: dedupe,
+            allow_direct: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err(&name, &e))?;
+        report.push(format!("stream {name} ({subject})"));
+    }
+    Ok(report)
+}
+
+/// Checks that what `kinds` need exists; the error lists exactly what is missing.
+pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
+    let l = &conn.layout;
+    let js = &conn.js;
+    let mut missing = Vec::new();
+    match js.get_stream(l.work_stream()).await {
+        Ok(mut s) => {
+            let subjects = s.info().await.map(|i| i.config.subjects.clone()).unwrap_or_default();
+            for kind in kinds {
+                let subj = l.submit_subject(kind);
+                if !subjects.contains(&subj) {
+                    missing.push(format!("subject {subj} on stream {}", l.work_stream()));
+                }
+                let name = l.work_consumer(kind);
+                if s.consumer_info(&name).await.is_err() {
+                    missing.push(format!("consumer {name}"));
+                }
+            }
+        }
+        Err(_) => missing.push(format!("stream {}", l.work_stream())),
+    }
+    for s in [l.events_stream(), l.dlq_stream(), l.advisory_stream()] {
+        if js.get_stream(&s).await.is_err() {
+            missing.push(format!("stream {s}"));
+        }
+    }
+    for b in [l.jobs_bucket(), l.effects_bucket()] {
+        if js.get_key_value(&b).await.is_err() {
+            missing.push(format!("KV bucket {b}"));
+        }
+    }
+    if js.get_object_store(l.artifacts_bucket()).await.is_err() {
+        missing.push(format!("object store {}", l.artifacts_bucket()));
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(StoreError::Missing(missing))
+    }
+}
+
+/// The server's JetStream API is reachable (used to give a clear error early).
+pub async fn ping(js: &jetstream::Context) -> Result<(), StoreError> {
+    js.query_account()
+        .await
+        .map(|_| ())
+        .map_err(|e| StoreError::Nats(format!("JetStream is not available on this server ({e}); start nats-server with -js")))
+}

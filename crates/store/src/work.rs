@@ -1,0 +1,149 @@
+//! Work tickets: the messages of the work-queue stream `LH_WORK`.
+//!
+//! A submission is the job's ticket until the job is terminal. Tickets that
+//! leasehold itself publishes (a re-enqueued stranded job, a DLQ replay, a
+//! review resume) carry the job id in `Lh-Job-Id` and the accepted spec as
+//! JSON; their `Nats-Msg-Id` is unique per re-enqueue so the stream's dedupe
+//! window cannot swallow them.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer, message::PublishMessage};
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use leasehold_core::JobRecord;
+
+use crate::{Conn, Layout, StoreError};
+
+/// Header naming the job of a ticket published by leasehold itself.
+pub const JOB_ID_HEADER: &str = "Lh-Job-Id";
+
+/// The work-queue stream.
+#[derive(Clone)]
+pub struct Work {
+    js: jetstream::Context,
+    layout: Layout,
+}
+
+/// A stored ticket.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub seq: u64,
+    pub kind: String,
+    pub payload: Bytes,
+    pub headers: HeaderMap,
+}
+
+/// The outcome of publishing a ticket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Published {
+    pub seq: u64,
+    /// The stream's dedupe window recognised the message id.
+    pub duplicate: bool,
+}
+
+impl Work {
+    pub fn new(conn: &Conn) -> Self {
+        Work { js: conn.js.clone(), layout: conn.layout.clone() }
+    }
+
+    async fn stream(&self) -> Result<jetstream::stream::Stream<()>, StoreError> {
+        self.js
+            .get_stream_no_info(self.layout.work_stream())
+            .await
+            .map_err(|e| StoreError::nats("work stream", e))
+    }
+
+    /// The durable pull consumer of one kind.
+    pub async fn consumer(&self, kind: &str) -> Result<PullConsumer, StoreError> {
+        let name = self.layout.work_consumer(kind);
+        self.stream()
+            .await?
+            .get_consumer(&name)
+            .await
+            .map_err(|_| StoreError::Missing(vec![format!("consumer {name} on {}", self.layout.work_stream())]))
+    }
+
+    /// The ack wait of one kind's consumer (the server's backoff[0] when set).
+    pub async fn ack_wait(&self, kind: &str) -> Result<Duration, StoreError> {
+        let mut c = self.consumer(kind).await?;
+        let info = c.info().await.map_err(|e| StoreError::nats("consumer info", e))?;
+        Ok(info.config.backoff.first().copied().unwrap_or(info.config.ack_wait))
+    }
+
+    /// Publishes a submission as a client would.
+    pub async fn submit(&self, kind: &str, payload: Bytes, msg_id: Option<&str>, content_type: Option<&str>) -> Result<Published, StoreError> {
+        let mut m = PublishMessage::build().payload(payload);
+        if let Some(id) = msg_id {
+            m = m.message_id(id);
+        }
+        if let Some(ct) = content_type {
+            m = m.header("Content-Type", ct);
+        }
+        self.publish(self.layout.submit_subject(kind), m).await
+    }
+
+    /// Publishes a fresh ticket for an existing record (re-enqueue, replay,
+    /// resume). `reason` and `nonce` make the dedupe id unique per re-enqueue
+    /// while repeats of the same re-enqueue collapse.
+    pub async fn reissue(&self, rec: &JobRecord, reason: &str, nonce: &str) -> Result<Published, StoreError> {
+        let spec = rec.spec.clone().unwrap_or_default();
+        let payload: Bytes = serde_json::to_vec(&spec).expect("spec serializes").into();
+        let m = PublishMessage::build()
+            .payload(payload)
+            .message_id(format!("{}:{reason}:{nonce}", rec.id))
+            .header(JOB_ID_HEADER, rec.id.as_str());
+        self.publish(self.layout.submit_subject(&rec.kind), m).await
+    }
+
+    async fn publish(&self, subject: String, m: PublishMessage) -> Result<Published, StoreError> {
+        let ack = self
+            .js
+            .send_publish(subject, m)
+            .await
+            .map_err(|e| StoreError::nats("publish ticket", e))?
+            .await
+            .map_err(|e| StoreError::nats("publish ticket", e))?;
+        Ok(Published { seq: ack.sequence, duplicate: ack.duplicate })
+    }
+
+    /// The ticket at `seq`, if it is still in the stream.
+    pub async fn get(&self, seq: u64) -> Result<Option<Ticket>, StoreError> {
+        match self.stream().await?.get_raw_message(seq).await {
+            Ok(m) => Ok(Some(Ticket {
+                seq,
+                kind: self.layout.kind_of_submit_subject(&m.subject).unwrap_or_default().to_string(),
+                payload: m.payload,
+                headers: m.headers,
+            })),
+            Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(StoreError::nats("get ticket", e)),
+        }
+    }
+
+    /// Removes a ticket (a message past max deliveries otherwise stays for ever).
+    pub async fn delete(&self, seq: u64) -> Result<bool, StoreError> {
+        match self.stream().await?.delete_message(seq).await {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                // Already gone is what we wanted.
+                tracing::debug!(seq, error = %e, "delete ticket");
+                Ok(false)
+            }
+        }
+    }
+}
+
+/// The job id a ticket names, if its headers say: `Lh-Job-Id`, else `Nats-Msg-Id`.
+pub fn ticket_job_id(headers: Option<&HeaderMap>) -> Option<String> {
+    let h = headers?;
+    h.get(JOB_ID_HEADER)
+        .or_else(|| h.get(async_nats::header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// The `Content-Type` of a ticket, if set.
+pub fn content_type(headers: Option<&HeaderMap>) -> Option<String> {
+    headers?.get("Content-Type").map(|v| v.as_str().to_string())
+}
