@@ -1,1 +1,9 @@
-//! Integration tests.
+//! Integration tests: a real `nats-server` per test (spawned on free loopback
+//! ports with its own storage), workers in-process or as real child
+//! processes where the test is about a process dying or pausing.
+
+mod ownership;
+mod reaper;
+mod submission;
+mod support;
+mod lifecycle;

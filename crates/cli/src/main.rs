@@ -43,6 +43,10 @@ pub enum Command {
     Cancel(commands::cancel::Args),
     /// Print a finished job's result (the report, for research jobs).
     Result(commands::result::Args),
+    /// Dead letters: list, show, replay, purge.
+    Dlq(commands::dlq::Args),
+    /// Parked jobs waiting for a person: list, resume, fail.
+    Review(commands::review::Args),
     /// Repair a tool-calling transcript for a warm retry (OpenAI message format).
     Transcript(commands::transcript::Args),
     /// Talk to the configured model provider through the workers' client.

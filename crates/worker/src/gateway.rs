@@ -25,15 +25,26 @@ use leasehold_store::{work, Conn, Jobs, JobsError};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+/// The gateway's subscriptions, made before the worker reports started so
+/// that no request finds nobody listening.
+pub struct Subscriptions {
+    submit: async_nats::Subscriber,
+    cancel: async_nats::Subscriber,
+}
+
+/// Subscribes (queue groups) and flushes so the server knows the interest.
+pub async fn subscribe(conn: &Conn) -> anyhow::Result<Subscriptions> {
+    let l = &conn.layout;
+    let submit = conn.client.queue_subscribe(format!("{}.submit.*", l.prefix), format!("{}-gateway", l.prefix)).await?;
+    let cancel = conn.client.queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix)).await?;
+    conn.client.flush().await?;
+    Ok(Subscriptions { submit, cancel })
+}
+
 /// Serves until `shutdown` fires.
-pub async fn run(conn: Conn, jobs: Jobs, events: Events, dlq: Dlq, kinds: Kinds, shutdown: CancellationToken) {
+pub async fn run(conn: Conn, subs: Subscriptions, jobs: Jobs, events: Events, dlq: Dlq, kinds: Kinds, shutdown: CancellationToken) {
     let l = conn.layout.clone();
-    let submit = conn.client.queue_subscribe(format!("{}.submit.*", l.prefix), format!("{}-gateway", l.prefix)).await;
-    let cancel = conn.client.queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix)).await;
-    let (Ok(mut submit), Ok(mut cancel)) = (submit, cancel) else {
-        tracing::error!("gateway: cannot subscribe; unknown kinds and cancel requests go unanswered by this worker");
-        return;
-    };
+    let Subscriptions { mut submit, mut cancel } = subs;
     // The kinds the work stream captures; anything else is unknown.
     let captured: Vec<String> = match conn.js.get_stream(l.work_stream()).await {
         Ok(mut s) => s.info().await.map(|i| i.config.subjects.clone()).unwrap_or_default(),

@@ -149,7 +149,8 @@ impl Worker {
             opts,
         });
         let stats = shared.stats.clone();
-        let join = tokio::spawn(run(shared, served, shutdown));
+        let gateway = crate::gateway::subscribe(&shared.conn).await?;
+        let join = tokio::spawn(run(shared, served, gateway, shutdown));
         Ok(Handle { worker_id, stats, join })
     }
 }
@@ -183,12 +184,12 @@ struct Running {
     ticket: TicketSlot,
 }
 
-async fn run(shared: Arc<Shared>, kinds: Vec<String>, shutdown: CancellationToken) -> anyhow::Result<()> {
+async fn run(shared: Arc<Shared>, kinds: Vec<String>, gateway: crate::gateway::Subscriptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut loops = JoinSet::new();
     for kind in &kinds {
         loops.spawn(pull_loop(shared.clone(), kind.clone(), shutdown.clone()));
     }
-    let gw = tokio::spawn(crate::gateway::run(shared.conn.clone(), shared.jobs.clone(), shared.events.clone(), shared.dlq.clone(), shared.kinds.clone(), shutdown.clone()));
+    let gw = tokio::spawn(crate::gateway::run(shared.conn.clone(), gateway, shared.jobs.clone(), shared.events.clone(), shared.dlq.clone(), shared.kinds.clone(), shutdown.clone()));
     if shared.opts.worker_id.is_some() {
         let s = shared.clone();
         tokio::spawn(async move {

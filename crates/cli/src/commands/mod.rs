@@ -1,9 +1,11 @@
 //! The subcommands, one module per noun.
 
 pub mod cancel;
+pub mod dlq;
 pub mod list;
 pub mod model;
 pub mod result;
+pub mod review;
 pub mod setup;
 pub mod status;
 pub mod submit;
@@ -25,6 +27,8 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Watch(a) => watch::run(a, &nats).await,
         Command::Cancel(a) => cancel::run(a, &nats).await,
         Command::Result(a) => result::run(a, &nats).await,
+        Command::Dlq(a) => dlq::run(a, &nats).await,
+        Command::Review(a) => review::run(a, &nats).await,
         Command::Transcript(a) => transcript::run(a, &nats).await,
         Command::Model(a) => model::run(a, &nats).await,
         Command::Tool(a) => tool::run(a, &nats).await,

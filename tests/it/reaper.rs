@@ -1,0 +1,1 @@
+//! The reaper: poison jobs, dead letters, stranded runs (placeholder).

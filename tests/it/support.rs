@@ -1,0 +1,138 @@
+//! Shared setup: a server, the layout, workers, and waiting on records.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use leasehold_core::JobRecord;
+use leasehold_harness::{wait_for_jetstream, NatsServer, Proc};
+use leasehold_store::events::Events;
+use leasehold_store::setup::{self, SetupOptions};
+use leasehold_store::work::Work;
+use leasehold_store::{jobs, Conn, Jobs, NatsArgs};
+use leasehold_worker::{Handle, Options, Worker};
+use tokio_util::sync::CancellationToken;
+
+/// Test timings: short leases so faults resolve in seconds.
+pub const ACK_WAIT: Duration = Duration::from_secs(1);
+pub const LEASE: Duration = Duration::from_secs(2);
+pub const HEARTBEAT: Duration = Duration::from_millis(400);
+
+pub struct Env {
+    pub server: NatsServer,
+    pub prefix: String,
+    pub conn: Conn,
+    pub jobs: Jobs,
+    pub events: Events,
+    pub work: Work,
+}
+
+impl Env {
+    pub async fn new() -> Env {
+        Self::with(SetupOptions { ack_wait: ACK_WAIT, ..SetupOptions::default() }).await
+    }
+
+    pub async fn with(o: SetupOptions) -> Env {
+        let server = NatsServer::start();
+        wait_for_jetstream(&server.url(), Duration::from_secs(10)).await;
+        let prefix = "lh".to_string();
+        let conn = NatsArgs::local(server.url(), &prefix).connect("test").await.unwrap();
+        setup::ensure(&conn, &o).await.unwrap();
+        Env { jobs: Jobs::open(&conn).await.unwrap(), events: Events::new(&conn), work: Work::new(&conn), conn, server, prefix }
+    }
+
+    pub fn url(&self) -> String {
+        self.server.url()
+    }
+
+    pub fn opts(&self) -> Options {
+        let mut o = Options::local(&self.url(), &self.prefix);
+        o.lease = LEASE;
+        o.heartbeat = HEARTBEAT;
+        o.pull_expires = Duration::from_millis(250);
+        o.drain_timeout = Duration::from_millis(200);
+        o.retry_base = Duration::from_millis(100);
+        o.retry_cap = Duration::from_millis(400);
+        o.kinds = vec!["echo".into(), "sleep".into(), "fail".into(), "crash".into()];
+        o
+    }
+
+    pub async fn worker(&self) -> (Handle, CancellationToken) {
+        self.worker_with(self.opts()).await
+    }
+
+    pub async fn worker_with(&self, o: Options) -> (Handle, CancellationToken) {
+        let stop = CancellationToken::new();
+        let h = Worker::new(o).start(stop.clone()).await.unwrap();
+        (h, stop)
+    }
+
+    /// The environment of a worker process with the test timings.
+    pub fn proc_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("NATS_URL", self.url()),
+            ("LH_PREFIX", self.prefix.clone()),
+            ("LH_LEASE", format!("{}ms", LEASE.as_millis())),
+            ("LH_HEARTBEAT", format!("{}ms", HEARTBEAT.as_millis())),
+            ("LH_PULL_EXPIRES", "250ms".into()),
+            ("LH_DRAIN_TIMEOUT", "200ms".into()),
+            ("LH_KINDS", "echo,sleep,fail,crash".into()),
+            ("RUST_LOG", "info".into()),
+        ]
+    }
+
+    pub fn worker_proc(&self, args: &[&str], extra: &[(&'static str, String)]) -> Proc {
+        let mut env = self.proc_env();
+        env.extend(extra.iter().cloned());
+        Proc::spawn("leasehold-worker", args, &env)
+    }
+
+    /// Publishes a raw submission as any NATS client would.
+    pub async fn submit(&self, kind: &str, spec: serde_json::Value, id: &str) -> String {
+        let p = self.work.submit(kind, spec.to_string().into(), Some(id), None).await.unwrap();
+        assert!(!p.duplicate);
+        id.to_string()
+    }
+
+    /// Waits (on a KV watch, not by polling) until `pred` holds for the record.
+    pub async fn wait_for(&self, id: &str, timeout: Duration, pred: impl Fn(&JobRecord) -> bool) -> JobRecord {
+        let mut w = self.jobs.watch(id).await.unwrap();
+        let fut = async {
+            while let Some(e) = w.next().await {
+                let e = e.unwrap();
+                if e.operation != async_nats::jetstream::kv::Operation::Put {
+                    continue;
+                }
+                let r = jobs::decode(id, &e.value).unwrap();
+                if pred(&r) {
+                    return r;
+                }
+            }
+            panic!("watch ended");
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => {
+                let cur = self.jobs.get(id).await.unwrap().map(|v| v.value);
+                panic!("job {id}: condition not met within {timeout:?}; record now: {}", serde_json::to_string_pretty(&cur).unwrap())
+            }
+        }
+    }
+
+    pub async fn wait_status(&self, id: &str, status: &str, timeout: Duration) -> JobRecord {
+        self.wait_for(id, timeout, |r| r.status == status).await
+    }
+
+    /// Events of one job, as published.
+    pub async fn events_of(&self, id: &str) -> Vec<leasehold_proto::JobEvent> {
+        self.events.read(id).await.unwrap().into_iter().map(|(_, e)| e).collect()
+    }
+}
+
+/// Polls a process's log for a line (processes give no other signal).
+pub async fn wait_log(p: &Proc, needle: &str, timeout: Duration) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !p.output().contains(needle) {
+        assert!(tokio::time::Instant::now() < deadline, "{} never logged {needle:?}:\n{}", p.name(), p.output());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
