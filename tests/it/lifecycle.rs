@@ -10,17 +10,42 @@ use crate::support::Env;
 async fn retryable_errors_requeue_with_backoff_then_complete() {
     let env = Env::new().await;
     let (w, stop) = env.worker().await;
-    env.submit("fail", json!({"input": {"class": "retryable", "times": 2}}), "flaky").await;
-    let r = env.wait_status("flaky", "completed", Duration::from_secs(20)).await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 2}}),
+        "flaky",
+    )
+    .await;
+    let r = env
+        .wait_status("flaky", "completed", Duration::from_secs(20))
+        .await;
     assert_eq!((r.attempts, r.epoch), (2, 3));
     let history = env.jobs.history("flaky").await.unwrap();
-    let requeues: Vec<_> = history.iter().filter(|v| v.value.status == "queued" && v.value.next_run_at.is_some()).collect();
+    let requeues: Vec<_> = history
+        .iter()
+        .filter(|v| v.value.status == "queued" && v.value.next_run_at.is_some())
+        .collect();
     assert_eq!(requeues.len(), 2, "two requeues with next_run_at");
-    let retries: Vec<_> = env.events_of("flaky").await.into_iter().filter(|e| e.r#type == "retry").collect();
+    let retries: Vec<_> = env
+        .events_of("flaky")
+        .await
+        .into_iter()
+        .filter(|e| e.r#type == "retry")
+        .collect();
     assert_eq!(retries.len(), 2);
     let d = retries[0].data_map();
-    assert_eq!((d["scope"].as_str(), d["attempt"].as_u64(), d["eligible"].as_bool()), (Some("job"), Some(1), Some(true)));
-    assert!(d["delay_ms"].as_u64().unwrap() <= 100, "full jitter below the first ceiling (100ms)");
+    assert_eq!(
+        (
+            d["scope"].as_str(),
+            d["attempt"].as_u64(),
+            d["eligible"].as_bool()
+        ),
+        (Some("job"), Some(1), Some(true))
+    );
+    assert!(
+        d["delay_ms"].as_u64().unwrap() <= 100,
+        "full jitter below the first ceiling (100ms)"
+    );
     stop.cancel();
     w.wait().await.unwrap();
 }
@@ -29,12 +54,26 @@ async fn retryable_errors_requeue_with_backoff_then_complete() {
 async fn terminal_errors_are_never_retried_and_budgets_run_out() {
     let env = Env::new().await;
     let (w, stop) = env.worker().await;
-    env.submit("fail", json!({"input": {"class": "terminal", "times": 5}}), "fatal").await;
-    env.submit("fail", json!({"input": {"class": "retryable", "times": 99}, "retry": {"max_attempts": 3}}), "hopeless").await;
-    let fatal = env.wait_status("fatal", "failed", Duration::from_secs(15)).await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "terminal", "times": 5}}),
+        "fatal",
+    )
+    .await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 99}, "retry": {"max_attempts": 3}}),
+        "hopeless",
+    )
+    .await;
+    let fatal = env
+        .wait_status("fatal", "failed", Duration::from_secs(15))
+        .await;
     assert_eq!((fatal.attempts, fatal.epoch), (1, 1));
     assert_eq!(fatal.error.unwrap().class, "terminal");
-    let hopeless = env.wait_status("hopeless", "failed", Duration::from_secs(20)).await;
+    let hopeless = env
+        .wait_status("hopeless", "failed", Duration::from_secs(20))
+        .await;
     assert_eq!(hopeless.attempts, 3);
     let e = hopeless.error.unwrap();
     assert_eq!(e.class, "exhausted");
@@ -44,7 +83,12 @@ async fn terminal_errors_are_never_retried_and_budgets_run_out() {
 }
 
 async fn cancel(env: &Env, id: &str) -> serde_json::Value {
-    let m = env.conn.client.request(format!("lh.cancel.{id}"), "".into()).await.unwrap();
+    let m = env
+        .conn
+        .client
+        .request(format!("lh.cancel.{id}"), "".into())
+        .await
+        .unwrap();
     serde_json::from_slice(&m.payload).unwrap()
 }
 
@@ -59,13 +103,21 @@ async fn cancellation_while_queued_running_and_in_backoff() {
     o.retry_base = Duration::from_secs(30);
     o.retry_cap = Duration::from_secs(30);
     // Running: a long sleep stops within one heartbeat of the request.
-    env.submit("sleep", json!({"input": {"ms": 60000}}), "long").await;
-    env.wait_status("long", "running", Duration::from_secs(10)).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "long")
+        .await;
+    env.wait_status("long", "running", Duration::from_secs(10))
+        .await;
     let reply = cancel(&env, "long").await;
     assert_eq!(reply["outcome"], "requested", "{reply}");
     let t0 = tokio::time::Instant::now();
-    let r = env.wait_status("long", "cancelled", Duration::from_secs(5)).await;
-    assert!(t0.elapsed() < crate::support::HEARTBEAT * 3, "stopped within about one heartbeat: {:?}", t0.elapsed());
+    let r = env
+        .wait_status("long", "cancelled", Duration::from_secs(5))
+        .await;
+    assert!(
+        t0.elapsed() < crate::support::HEARTBEAT * 3,
+        "stopped within about one heartbeat: {:?}",
+        t0.elapsed()
+    );
     assert!(r.cancel_requested);
     stop.cancel();
     w.wait().await.unwrap();
@@ -73,28 +125,53 @@ async fn cancellation_while_queued_running_and_in_backoff() {
     // Queued: with no worker for sleep running, the job waits; cancelling
     // it is immediate and a later worker drops the ticket.
     let (w2, stop2) = env.worker_with(o).await;
-    env.submit("sleep", json!({"input": {"ms": 1}}), "queued").await;
-    let rec = leasehold_core::machine::new_record("queued", "sleep", Default::default(), 0, std::time::SystemTime::now());
+    env.submit("sleep", json!({"input": {"ms": 1}}), "queued")
+        .await;
+    let rec = leasehold_core::machine::new_record(
+        "queued",
+        "sleep",
+        Default::default(),
+        0,
+        std::time::SystemTime::now(),
+    );
     let _ = env.jobs.create(&rec).await;
     let reply = cancel(&env, "queued").await;
     assert_eq!(reply["outcome"], "cancelled", "{reply}");
     // Backoff: the first failure requeues with a 30 s ceiling; the cancel
     // ends the wait at once and the job never runs again.
     env.submit("fail", json!({"input": {"class": "retryable", "times": 9}, "retry": {"base_ms": 30000, "cap_ms": 30000}}), "backoff").await;
-    env.wait_for("backoff", Duration::from_secs(10), |r| r.status == "queued" && r.attempts == 1).await;
+    env.wait_for("backoff", Duration::from_secs(10), |r| {
+        r.status == "queued" && r.attempts == 1
+    })
+    .await;
     let reply = cancel(&env, "backoff").await;
     assert_eq!(reply["outcome"], "cancelled", "{reply}");
     stop2.cancel();
     w2.wait().await.unwrap();
     let (w3, stop3) = env.worker().await;
     env.submit("echo", json!({"input": {}}), "sentinel").await;
-    env.wait_status("sentinel", "completed", Duration::from_secs(10)).await;
+    env.wait_status("sentinel", "completed", Duration::from_secs(10))
+        .await;
     for id in ["queued", "backoff"] {
         let r = env.jobs.get(id).await.unwrap().unwrap().value;
         assert_eq!(r.status, "cancelled", "{id}");
     }
-    assert_eq!(env.jobs.get("backoff").await.unwrap().unwrap().value.attempts, 1, "never retried");
-    assert_eq!(env.jobs.get("queued").await.unwrap().unwrap().value.epoch, 0, "never claimed");
+    assert_eq!(
+        env.jobs
+            .get("backoff")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .attempts,
+        1,
+        "never retried"
+    );
+    assert_eq!(
+        env.jobs.get("queued").await.unwrap().unwrap().value.epoch,
+        0,
+        "never claimed"
+    );
     stop3.cancel();
     w3.wait().await.unwrap();
 }

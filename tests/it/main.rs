@@ -2,8 +2,8 @@
 //! ports with its own storage), workers in-process or as real child
 //! processes where the test is about a process dying or pausing.
 
+mod lifecycle;
 mod ownership;
 mod reaper;
 mod submission;
 mod support;
-mod lifecycle;

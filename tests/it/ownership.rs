@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::machine::{self, Claimant, ClaimDecision, Owner};
+use leasehold_core::machine::{self, ClaimDecision, Claimant, Owner};
 use leasehold_core::JobSpec;
 use leasehold_store::events::FenceError;
 use leasehold_store::{Gate, JobsError};
@@ -24,16 +24,24 @@ fn claimant(worker: &str, lease: Duration) -> Claimant<'_> {
 }
 
 /// Claims `id` as `worker` through the real KV; `None` when the decision is not a claim.
-async fn try_claim(env: &Env, id: &str, worker: &str, lease: Duration) -> Result<Option<Owner>, JobsError> {
+async fn try_claim(
+    env: &Env,
+    id: &str,
+    worker: &str,
+    lease: Duration,
+) -> Result<Option<Owner>, JobsError> {
     let c = claimant(worker, lease);
     let v = env
         .jobs
         .transition(id, |r| match machine::decide_claim(r, &c) {
-            ClaimDecision::Claim { record, .. } => Ok(Some(record)),
+            ClaimDecision::Claim { record, .. } => Ok(Some(*record)),
             _ => Ok(None),
         })
         .await?;
-    Ok((v.value.claim_token.as_deref() == Some(c.claim_token.as_str())).then(|| Owner::of(&v.value).unwrap()))
+    Ok(
+        (v.value.claim_token.as_deref() == Some(c.claim_token.as_str()))
+            .then(|| Owner::of(&v.value).unwrap()),
+    )
 }
 
 #[tokio::test]
@@ -41,7 +49,16 @@ async fn two_workers_race_to_claim_one_job_exactly_one_wins() {
     let env = Env::new().await;
     for round in 0..20 {
         let id = format!("race-{round}");
-        env.jobs.create(&machine::new_record(&id, "echo", JobSpec::default(), 1, SystemTime::now())).await.unwrap();
+        env.jobs
+            .create(&machine::new_record(
+                &id,
+                "echo",
+                JobSpec::default(),
+                1,
+                SystemTime::now(),
+            ))
+            .await
+            .unwrap();
         let mut tasks = Vec::new();
         for w in 0..4 {
             let jobs = env.jobs.clone();
@@ -51,7 +68,7 @@ async fn two_workers_race_to_claim_one_job_exactly_one_wins() {
                 let token = c.claim_token.clone();
                 let v = jobs
                     .transition(&id, |r| match machine::decide_claim(r, &c) {
-                        ClaimDecision::Claim { record, .. } => Ok(Some(record)),
+                        ClaimDecision::Claim { record, .. } => Ok(Some(*record)),
                         _ => Ok(None),
                     })
                     .await
@@ -81,13 +98,24 @@ async fn a_fleet_runs_each_job_once() {
         env.submit("echo", json!({"input": {"n": id}}), id).await;
     }
     for id in &ids {
-        let r = env.wait_status(id, "completed", Duration::from_secs(20)).await;
+        let r = env
+            .wait_status(id, "completed", Duration::from_secs(20))
+            .await;
         assert_eq!(r.epoch, 1, "{id} was claimed more than once");
         let history = env.jobs.history(id).await.unwrap();
-        let completions = history.iter().filter(|v| v.value.status == "completed").count();
-        assert_eq!(completions, 1, "{id}: exactly one completion in the record's history");
+        let completions = history
+            .iter()
+            .filter(|v| v.value.status == "completed")
+            .count();
+        assert_eq!(
+            completions, 1,
+            "{id}: exactly one completion in the record's history"
+        );
     }
-    let claimed: u64 = workers.iter().map(|(h, _)| h.stats.claimed.load(Ordering::Relaxed)).sum();
+    let claimed: u64 = workers
+        .iter()
+        .map(|(h, _)| h.stats.claimed.load(Ordering::Relaxed))
+        .sum();
     assert_eq!(claimed, 40);
     for (h, stop) in workers {
         stop.cancel();
@@ -98,19 +126,40 @@ async fn a_fleet_runs_each_job_once() {
 #[tokio::test]
 async fn same_worker_reclaiming_its_expired_job_fences_its_older_task() {
     let env = Env::new().await;
-    env.jobs.create(&machine::new_record("self", "echo", JobSpec::default(), 1, SystemTime::now())).await.unwrap();
+    env.jobs
+        .create(&machine::new_record(
+            "self",
+            "echo",
+            JobSpec::default(),
+            1,
+            SystemTime::now(),
+        ))
+        .await
+        .unwrap();
     // A zero lease is expired at once: the next claim is a reclaim.
-    let old = try_claim(&env, "self", "w1", Duration::ZERO).await.unwrap().expect("first claim");
-    let new = try_claim(&env, "self", "w1", Duration::from_secs(10)).await.unwrap().expect("reclaim");
+    let old = try_claim(&env, "self", "w1", Duration::ZERO)
+        .await
+        .unwrap()
+        .expect("first claim");
+    let new = try_claim(&env, "self", "w1", Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("reclaim");
     assert_eq!(new.worker_id, old.worker_id);
     assert_eq!(new.epoch, old.epoch + 1);
     let old_gate = Gate::new(env.jobs.clone(), "self", old);
     let err = old_gate.heartbeat(LEASE).await.unwrap_err();
     assert!(err.is_ownership_lost(), "{err}");
-    let err = old_gate.write(|r, o, now| machine::complete(r, o, now, Default::default())).await.unwrap_err();
+    let err = old_gate
+        .write(|r, o, now| machine::complete(r, o, now, Default::default()))
+        .await
+        .unwrap_err();
     assert!(err.is_ownership_lost(), "{err}");
     let new_gate = Gate::new(env.jobs.clone(), "self", new);
-    new_gate.write(|r, o, now| machine::complete(r, o, now, Default::default())).await.unwrap();
+    new_gate
+        .write(|r, o, now| machine::complete(r, o, now, Default::default()))
+        .await
+        .unwrap();
     let rec = env.jobs.get("self").await.unwrap().unwrap().value;
     assert_eq!((rec.status.as_str(), rec.stale_reclaims), ("completed", 1));
 }
@@ -118,11 +167,22 @@ async fn same_worker_reclaiming_its_expired_job_fences_its_older_task() {
 #[tokio::test]
 async fn stale_owners_events_are_refused_by_the_server() {
     let env = Env::new().await;
-    let mut a = env.events.claim_marker("fenced", 1, "a", json!({})).await.unwrap();
+    let mut a = env
+        .events
+        .claim_marker("fenced", 1, "a", json!({}))
+        .await
+        .unwrap();
     a.publish("section", json!({"n": 1})).await.unwrap();
-    let mut b = env.events.claim_marker("fenced", 2, "b", json!({})).await.unwrap();
+    let mut b = env
+        .events
+        .claim_marker("fenced", 2, "b", json!({}))
+        .await
+        .unwrap();
     match a.publish("section", json!({"n": 2})).await {
-        Err(FenceError::Lost { ours: 1, newer_epoch: 2 }) => {}
+        Err(FenceError::Lost {
+            ours: 1,
+            newer_epoch: 2,
+        }) => {}
         other => panic!("the stale owner's checkpoint must be refused, got {other:?}"),
     }
     // An informational event from a non-owner does not fence the owner out.
@@ -130,35 +190,72 @@ async fn stale_owners_events_are_refused_by_the_server() {
     env.events.publish(&info, None).await.unwrap();
     b.publish("section", json!({"n": 2})).await.unwrap();
     let evs = env.events.read("fenced").await.unwrap();
-    let sections: Vec<(u64, u64)> = evs.iter().filter(|(_, e)| e.r#type == "section").map(|(_, e)| (e.epoch, e.data_map()["n"].as_u64().unwrap())).collect();
-    assert_eq!(sections, vec![(1, 1), (2, 2)], "exactly the owners' checkpoints were stored");
+    let sections: Vec<(u64, u64)> = evs
+        .iter()
+        .filter(|(_, e)| e.r#type == "section")
+        .map(|(_, e)| (e.epoch, e.data_map()["n"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        sections,
+        vec![(1, 1), (2, 2)],
+        "exactly the owners' checkpoints were stored"
+    );
     let coherent = leasehold_store::events::coherent(&evs);
-    assert!(coherent.iter().all(|e| e.epoch == 2 || e.r#type != "heartbeat_lost"));
+    assert!(coherent
+        .iter()
+        .all(|e| e.epoch == 2 || e.r#type != "heartbeat_lost"));
 }
 
 #[tokio::test]
 async fn delayed_worker_paused_past_its_lease_can_never_write() {
     let env = Env::new().await;
     let mut a = env.worker_proc(&["--worker-id", "worker-a"], &[]);
-    env.submit("sleep", json!({"input": {"ms": 3000}}), "delayed").await;
-    env.wait_for("delayed", Duration::from_secs(15), |r| r.status == "running" && r.worker_id.as_deref() == Some("worker-a")).await;
+    env.submit("sleep", json!({"input": {"ms": 3000}}), "delayed")
+        .await;
+    env.wait_for("delayed", Duration::from_secs(15), |r| {
+        r.status == "running" && r.worker_id.as_deref() == Some("worker-a")
+    })
+    .await;
     a.stop();
     let (b, stop_b) = env.worker().await;
-    let reclaimed = env.wait_for("delayed", Duration::from_secs(15), |r| r.status == "running" && r.worker_id.as_deref() == Some(b.worker_id.as_str())).await;
+    let reclaimed = env
+        .wait_for("delayed", Duration::from_secs(15), |r| {
+            r.status == "running" && r.worker_id.as_deref() == Some(b.worker_id.as_str())
+        })
+        .await;
     assert_eq!((reclaimed.epoch, reclaimed.stale_reclaims), (2, 1));
-    let done = env.wait_status("delayed", "completed", Duration::from_secs(15)).await;
+    let done = env
+        .wait_status("delayed", "completed", Duration::from_secs(15))
+        .await;
     a.cont();
     wait_log(&a, "ownership lost", Duration::from_secs(10)).await;
     // A kept running and tried to write; nothing it did landed.
     let after = env.jobs.get("delayed").await.unwrap().unwrap().value;
     assert_eq!(after, done, "B's result stands");
     let history = env.jobs.history("delayed").await.unwrap();
-    assert_eq!(history.iter().filter(|v| v.value.status == "completed").count(), 1);
+    assert_eq!(
+        history
+            .iter()
+            .filter(|v| v.value.status == "completed")
+            .count(),
+        1
+    );
     let claim_b = history.iter().position(|v| v.value.epoch == 2).unwrap();
-    assert!(history[claim_b..].iter().all(|v| v.value.epoch == 2), "no write of epoch 1 after B's claim");
+    assert!(
+        history[claim_b..].iter().all(|v| v.value.epoch == 2),
+        "no write of epoch 1 after B's claim"
+    );
     let evs = env.events_of("delayed").await;
-    let marker_b = evs.iter().position(|e| e.r#type == "claimed" && e.epoch == 2).unwrap();
-    assert!(evs[marker_b..].iter().all(|e| e.epoch == 2 || e.r#type == "heartbeat_lost"), "{evs:#?}");
+    let marker_b = evs
+        .iter()
+        .position(|e| e.r#type == "claimed" && e.epoch == 2)
+        .unwrap();
+    assert!(
+        evs[marker_b..]
+            .iter()
+            .all(|e| e.epoch == 2 || e.r#type == "heartbeat_lost"),
+        "{evs:#?}"
+    );
     assert!(a.alive(), "a fenced worker keeps serving other work");
     stop_b.cancel();
     b.wait().await.unwrap();
@@ -168,11 +265,16 @@ async fn delayed_worker_paused_past_its_lease_can_never_write() {
 async fn killed_worker_is_reclaimed_after_its_lease() {
     let env = Env::new().await;
     let mut a = env.worker_proc(&[], &[]);
-    env.submit("sleep", json!({"input": {"ms": 1500}}), "killed").await;
-    let first = env.wait_status("killed", "running", Duration::from_secs(15)).await;
+    env.submit("sleep", json!({"input": {"ms": 1500}}), "killed")
+        .await;
+    let first = env
+        .wait_status("killed", "running", Duration::from_secs(15))
+        .await;
     a.kill9();
     let (b, stop) = env.worker().await;
-    let done = env.wait_status("killed", "completed", Duration::from_secs(20)).await;
+    let done = env
+        .wait_status("killed", "completed", Duration::from_secs(20))
+        .await;
     assert_eq!(done.worker_id.as_deref(), Some(b.worker_id.as_str()));
     assert_ne!(first.worker_id, done.worker_id);
     assert_eq!((done.epoch, done.stale_reclaims), (2, 1));
@@ -184,19 +286,42 @@ async fn killed_worker_is_reclaimed_after_its_lease() {
 async fn sigterm_hands_running_jobs_back_at_once() {
     let env = Env::new().await;
     // A long lease: only an explicit handoff lets B take over quickly.
-    let mut a = env.worker_proc(&[], &[("LH_LEASE", "60s".into()), ("LH_HEARTBEAT", "20s".into())]);
-    env.submit("sleep", json!({"input": {"ms": 1500}}), "handoff").await;
-    env.wait_status("handoff", "running", Duration::from_secs(15)).await;
+    let mut a = env.worker_proc(
+        &[],
+        &[("LH_LEASE", "60s".into()), ("LH_HEARTBEAT", "20s".into())],
+    );
+    env.submit("sleep", json!({"input": {"ms": 1500}}), "handoff")
+        .await;
+    env.wait_status("handoff", "running", Duration::from_secs(15))
+        .await;
     let (b, stop) = env.worker().await;
     let t0 = tokio::time::Instant::now();
     a.term();
-    let handed = env.wait_for("handoff", Duration::from_secs(10), |r| r.status == "running" && r.worker_id.as_deref() == Some(b.worker_id.as_str())).await;
+    let handed = env
+        .wait_for("handoff", Duration::from_secs(10), |r| {
+            r.status == "running" && r.worker_id.as_deref() == Some(b.worker_id.as_str())
+        })
+        .await;
     let took = t0.elapsed();
-    assert!(took < Duration::from_secs(5), "handoff took {took:?}, far less than the 60 s lease");
-    assert_eq!((handed.epoch, handed.stale_reclaims), (2, 0), "a handoff is not a stale reclaim");
-    let status = a.wait_timeout(Duration::from_secs(10)).expect("worker exits after SIGTERM");
-    assert!(status.success(), "exit 0 after a graceful shutdown: {status:?}\n{}", a.output());
-    env.wait_status("handoff", "completed", Duration::from_secs(10)).await;
+    assert!(
+        took < Duration::from_secs(5),
+        "handoff took {took:?}, far less than the 60 s lease"
+    );
+    assert_eq!(
+        (handed.epoch, handed.stale_reclaims),
+        (2, 0),
+        "a handoff is not a stale reclaim"
+    );
+    let status = a
+        .wait_timeout(Duration::from_secs(10))
+        .expect("worker exits after SIGTERM");
+    assert!(
+        status.success(),
+        "exit 0 after a graceful shutdown: {status:?}\n{}",
+        a.output()
+    );
+    env.wait_status("handoff", "completed", Duration::from_secs(10))
+        .await;
     stop.cancel();
     b.wait().await.unwrap();
 }
@@ -206,15 +331,29 @@ async fn stable_identity_restart_reclaims_at_once() {
     let env = Env::new().await;
     let extra = [("LH_LEASE", "60s".into()), ("LH_HEARTBEAT", "20s".into())];
     let mut a = env.worker_proc(&["--worker-id", "pod-1"], &extra);
-    env.submit("sleep", json!({"input": {"ms": 1000}}), "restart").await;
-    env.wait_for("restart", Duration::from_secs(15), |r| r.status == "running" && r.worker_id.as_deref() == Some("pod-1")).await;
+    env.submit("sleep", json!({"input": {"ms": 1000}}), "restart")
+        .await;
+    env.wait_for("restart", Duration::from_secs(15), |r| {
+        r.status == "running" && r.worker_id.as_deref() == Some("pod-1")
+    })
+    .await;
     a.kill9();
     let t0 = tokio::time::Instant::now();
     let _a2 = env.worker_proc(&["--worker-id", "pod-1"], &extra);
-    let r = env.wait_for("restart", Duration::from_secs(20), |r| r.epoch == 2).await;
-    assert!(t0.elapsed() < Duration::from_secs(10), "reclaimed well before the 60 s lease");
-    assert_eq!((r.worker_id.as_deref(), r.stale_reclaims), (Some("pod-1"), 1));
-    let done = env.wait_status("restart", "completed", Duration::from_secs(15)).await;
+    let r = env
+        .wait_for("restart", Duration::from_secs(20), |r| r.epoch == 2)
+        .await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "reclaimed well before the 60 s lease"
+    );
+    assert_eq!(
+        (r.worker_id.as_deref(), r.stale_reclaims),
+        (Some("pod-1"), 1)
+    );
+    let done = env
+        .wait_status("restart", "completed", Duration::from_secs(15))
+        .await;
     assert_eq!(done.epoch, 2);
 }
 
@@ -228,14 +367,24 @@ async fn a_paused_worker_holds_no_work_hostage() {
     let (b, stop) = env.worker().await;
     let t0 = tokio::time::Instant::now();
     for i in 0..8 {
-        env.submit("echo", json!({"input": {}}), &format!("hostage-{i}")).await;
+        env.submit("echo", json!({"input": {}}), &format!("hostage-{i}"))
+            .await;
     }
     for i in 0..8 {
-        env.wait_status(&format!("hostage-{i}"), "completed", Duration::from_secs(10)).await;
+        env.wait_status(
+            &format!("hostage-{i}"),
+            "completed",
+            Duration::from_secs(10),
+        )
+        .await;
     }
     // A delivery swallowed by the frozen worker waits at most one ack wait
     // (1 s) plus one pull expiry before B gets it.
-    assert!(t0.elapsed() < Duration::from_secs(4), "took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t0.elapsed()
+    );
     a.cont();
     stop.cancel();
     b.wait().await.unwrap();

@@ -15,34 +15,108 @@ async fn ids_dedupe_and_protobuf() {
     let (w, stop) = env.worker().await;
     // Header id; the same id twice is one job.
     env.submit("echo", json!({"input": {"x": 1}}), "dup").await;
-    let again = env.work.submit("echo", json!({"input": {"x": 2}}).to_string().into(), Some("dup"), None).await.unwrap();
-    assert!(again.duplicate, "the stream's dedupe window recognises the id");
-    let r = env.wait_status("dup", "completed", Duration::from_secs(10)).await;
-    assert_eq!(serde_json::to_value(&r.result.unwrap()).unwrap()["output"], json!({"x": 1}));
+    let again = env
+        .work
+        .submit(
+            "echo",
+            json!({"input": {"x": 2}}).to_string().into(),
+            Some("dup"),
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(
+        again.duplicate,
+        "the stream's dedupe window recognises the id"
+    );
+    let r = env
+        .wait_status("dup", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        serde_json::to_value(r.result.unwrap()).unwrap()["output"],
+        json!({"x": 1})
+    );
     // Spec id, then sequence-derived id.
-    env.work.submit("echo", json!({"id": "from-spec", "input": {}}).to_string().into(), None, None).await.unwrap();
-    env.wait_status("from-spec", "completed", Duration::from_secs(10)).await;
-    let p = env.work.submit("echo", json!({"input": {}}).to_string().into(), None, None).await.unwrap();
-    env.wait_status(&format!("seq-{}", p.seq), "completed", Duration::from_secs(10)).await;
+    env.work
+        .submit(
+            "echo",
+            json!({"id": "from-spec", "input": {}}).to_string().into(),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    env.wait_status("from-spec", "completed", Duration::from_secs(10))
+        .await;
+    let p = env
+        .work
+        .submit("echo", json!({"input": {}}).to_string().into(), None, None)
+        .await
+        .unwrap();
+    env.wait_status(
+        &format!("seq-{}", p.seq),
+        "completed",
+        Duration::from_secs(10),
+    )
+    .await;
     // Protobuf.
-    let spec = leasehold_proto::JobSpec { input: r#"{"pb":true}"#.into(), ..Default::default() };
-    env.work.submit("echo", spec.encode_to_vec().into(), Some("pb"), Some("application/protobuf")).await.unwrap();
-    let r = env.wait_status("pb", "completed", Duration::from_secs(10)).await;
-    assert_eq!(serde_json::to_value(&r.result.unwrap()).unwrap()["output"], json!({"pb": true}));
+    let spec = leasehold_proto::JobSpec {
+        input: r#"{"pb":true}"#.into(),
+        ..Default::default()
+    };
+    env.work
+        .submit(
+            "echo",
+            spec.encode_to_vec().into(),
+            Some("pb"),
+            Some("application/protobuf"),
+        )
+        .await
+        .unwrap();
+    let r = env
+        .wait_status("pb", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        serde_json::to_value(r.result.unwrap()).unwrap()["output"],
+        json!({"pb": true})
+    );
     // Beyond the dedupe window the record's existence still makes it one job:
     // a late duplicate ticket of a completed job is dropped, not re-run.
-    env.work.submit("echo", json!({"input": {"x": 3}}).to_string().into(), Some("dup2"), None).await.unwrap();
-    env.wait_status("dup2", "completed", Duration::from_secs(10)).await;
-    let late = leasehold_core::machine::new_record("dup2", "echo", Default::default(), 0, std::time::SystemTime::now());
-    let p = env.work.reissue(&late, "late-duplicate", "1").await.unwrap();
+    env.work
+        .submit(
+            "echo",
+            json!({"input": {"x": 3}}).to_string().into(),
+            Some("dup2"),
+            None,
+        )
+        .await
+        .unwrap();
+    env.wait_status("dup2", "completed", Duration::from_secs(10))
+        .await;
+    let late = leasehold_core::machine::new_record(
+        "dup2",
+        "echo",
+        Default::default(),
+        0,
+        std::time::SystemTime::now(),
+    );
+    let p = env
+        .work
+        .reissue(&late, "late-duplicate", "1")
+        .await
+        .unwrap();
     assert!(!p.duplicate);
-    env.wait_for("dup2", Duration::from_secs(10), |r| r.status == "completed").await;
+    env.wait_for("dup2", Duration::from_secs(10), |r| r.status == "completed")
+        .await;
     // The late ticket is acked away without a second claim.
     let stream = env.conn.js.get_stream("LH_WORK").await.unwrap();
     let mut info = stream;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while info.info().await.unwrap().state.messages > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "tickets left in the work stream");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "tickets left in the work stream"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(env.jobs.get("dup2").await.unwrap().unwrap().value.epoch, 1);
@@ -61,38 +135,100 @@ struct Bad {
 #[tokio::test]
 async fn every_bad_submission_is_rejected_precisely_and_kept() {
     let env = Env::new().await;
-    let (w, stop) = env.worker_with({
-        let mut o = env.opts();
-        o.max_submission_bytes = 4096;
-        o
-    })
-    .await;
+    let (w, stop) = env
+        .worker_with({
+            let mut o = env.opts();
+            o.max_submission_bytes = 4096;
+            o
+        })
+        .await;
     let cases = vec![
-        Bad { kind: "echo", payload: b"not json".to_vec(), id: Some("bad-notjson"), expect: "not JSON" },
-        Bad { kind: "echo", payload: b"[1,2,3]".to_vec(), id: Some("bad-shape"), expect: "wrong shape" },
-        Bad { kind: "sleep", payload: br#"{"input":{"ms":"soon"}}"#.to_vec(), id: Some("bad-type"), expect: "input.ms" },
-        Bad { kind: "echo", payload: br#"{"input":{},"budget":{"max_steps":"x"}}"#.to_vec(), id: Some("bad-type2"), expect: "budget.max_steps" },
-        Bad { kind: "echo", payload: Vec::new(), id: Some("bad-empty"), expect: "empty submission" },
-        Bad { kind: "echo", payload: vec![b' '; 5000], id: Some("bad-large"), expect: "over the limit of 4096" },
-        Bad { kind: "echo", payload: br#"{"input":{},"budget":{"max_cost_usd":-1}}"#.to_vec(), id: Some("bad-budget"), expect: "out of range" },
-        Bad { kind: "echo", payload: b"{\"input\":{\"a\":\"\xff\"}}".to_vec(), id: Some("bad-utf8"), expect: "not valid UTF-8" },
-        Bad { kind: "nosuchkind", payload: br#"{"input":{}}"#.to_vec(), id: Some("bad-kind"), expect: "unknown kind" },
-        Bad { kind: "echo", payload: b"garbage without id".to_vec(), id: None, expect: "not JSON" },
+        Bad {
+            kind: "echo",
+            payload: b"not json".to_vec(),
+            id: Some("bad-notjson"),
+            expect: "not JSON",
+        },
+        Bad {
+            kind: "echo",
+            payload: b"[1,2,3]".to_vec(),
+            id: Some("bad-shape"),
+            expect: "wrong shape",
+        },
+        Bad {
+            kind: "sleep",
+            payload: br#"{"input":{"ms":"soon"}}"#.to_vec(),
+            id: Some("bad-type"),
+            expect: "input.ms",
+        },
+        Bad {
+            kind: "echo",
+            payload: br#"{"input":{},"budget":{"max_steps":"x"}}"#.to_vec(),
+            id: Some("bad-type2"),
+            expect: "budget.max_steps",
+        },
+        Bad {
+            kind: "echo",
+            payload: Vec::new(),
+            id: Some("bad-empty"),
+            expect: "empty submission",
+        },
+        Bad {
+            kind: "echo",
+            payload: vec![b' '; 5000],
+            id: Some("bad-large"),
+            expect: "over the limit of 4096",
+        },
+        Bad {
+            kind: "echo",
+            payload: br#"{"input":{},"budget":{"max_cost_usd":-1}}"#.to_vec(),
+            id: Some("bad-budget"),
+            expect: "out of range",
+        },
+        Bad {
+            kind: "echo",
+            payload: b"{\"input\":{\"a\":\"\xff\"}}".to_vec(),
+            id: Some("bad-utf8"),
+            expect: "not valid UTF-8",
+        },
+        Bad {
+            kind: "nosuchkind",
+            payload: br#"{"input":{}}"#.to_vec(),
+            id: Some("bad-kind"),
+            expect: "unknown kind",
+        },
+        Bad {
+            kind: "echo",
+            payload: b"garbage without id".to_vec(),
+            id: None,
+            expect: "not JSON",
+        },
     ];
     for c in &cases {
         let mut h = HeaderMap::new();
         if let Some(id) = c.id {
             h.insert("Nats-Msg-Id", id);
         }
-        env.conn.client.publish_with_headers(format!("lh.submit.{}", c.kind), h, c.payload.clone().into()).await.unwrap();
+        env.conn
+            .client
+            .publish_with_headers(format!("lh.submit.{}", c.kind), h, c.payload.clone().into())
+            .await
+            .unwrap();
     }
     env.conn.client.flush().await.unwrap();
     for c in cases.iter().filter(|c| c.id.is_some()) {
         let id = c.id.unwrap();
-        let r = env.wait_status(id, "rejected", Duration::from_secs(10)).await;
+        let r = env
+            .wait_status(id, "rejected", Duration::from_secs(10))
+            .await;
         let err = r.error.unwrap();
         assert_eq!(err.class, "rejected");
-        assert!(err.message.contains(c.expect), "{id}: {:?} should mention {:?}", err.message, c.expect);
+        assert!(
+            err.message.contains(c.expect),
+            "{id}: {:?} should mention {:?}",
+            err.message,
+            c.expect
+        );
     }
     // The raw bytes are kept byte for byte in lh.dlq.<kind>.
     let dlq = leasehold_store::dlq::Dlq::new(&env.conn);
@@ -102,22 +238,40 @@ async fn every_bad_submission_is_rejected_precisely_and_kept() {
         if l.len() >= cases.len() {
             break l;
         }
-        assert!(tokio::time::Instant::now() < deadline, "only {} dead letters", l.len());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} dead letters",
+            l.len()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(letters.len(), cases.len());
     for c in &cases {
         let l = letters
             .iter()
-            .find(|l| (l.job_id.as_deref() == c.id || (c.id.is_none() && l.job_id.as_deref().is_some_and(|j| j.starts_with("seq-")))) && l.kind == c.kind && l.payload.as_ref() == c.payload.as_slice())
+            .find(|l| {
+                (l.job_id.as_deref() == c.id
+                    || (c.id.is_none()
+                        && l.job_id.as_deref().is_some_and(|j| j.starts_with("seq-"))))
+                    && l.kind == c.kind
+                    && l.payload.as_ref() == c.payload.as_slice()
+            })
             .unwrap_or_else(|| panic!("no dead letter with the raw bytes of {:?}", c.id));
         assert_eq!(l.class, "rejected");
-        assert!(l.reason.contains(c.expect) || c.kind == "nosuchkind", "{}", l.reason);
+        assert!(
+            l.reason.contains(c.expect) || c.kind == "nosuchkind",
+            "{}",
+            l.reason
+        );
     }
     // The worker kept running and nothing else was affected.
     env.submit("echo", json!({"input": {}}), "after-bad").await;
-    env.wait_status("after-bad", "completed", Duration::from_secs(10)).await;
-    assert_eq!(w.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 9);
+    env.wait_status("after-bad", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        w.stats.rejected.load(std::sync::atomic::Ordering::Relaxed),
+        9
+    );
     stop.cancel();
     w.wait().await.unwrap();
 }
@@ -127,25 +281,61 @@ async fn request_reply_submitters_get_the_error_in_the_reply() {
     let env = Env::new().await;
     let (w, stop) = env.worker().await;
     // Unknown kind: nothing stores it, so the gateway's error is the reply.
-    let reply = env.conn.client.request("lh.submit.nosuch", br#"{"input":{}}"#.to_vec().into()).await.unwrap();
+    let reply = env
+        .conn
+        .client
+        .request("lh.submit.nosuch", br#"{"input":{}}"#.to_vec().into())
+        .await
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
-    assert!(v["error"]["description"].as_str().unwrap().contains("unknown kind \"nosuch\""), "{v}");
+    assert!(
+        v["error"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("unknown kind \"nosuch\""),
+        "{v}"
+    );
     // Known kind, bad body: the stream's ack first, then the precise error.
     let inbox = env.conn.client.new_inbox();
     let mut sub = env.conn.client.subscribe(inbox.clone()).await.unwrap();
     let mut h = HeaderMap::new();
     h.insert("Nats-Msg-Id", "rr-bad");
-    env.conn.client.publish_with_reply_and_headers("lh.submit.sleep", inbox, h, br#"{"input":{"ms":-5}}"#.to_vec().into()).await.unwrap();
+    env.conn
+        .client
+        .publish_with_reply_and_headers(
+            "lh.submit.sleep",
+            inbox,
+            h,
+            br#"{"input":{"ms":-5}}"#.to_vec().into(),
+        )
+        .await
+        .unwrap();
     let mut replies = Vec::new();
     for _ in 0..2 {
-        let m = tokio::time::timeout(Duration::from_secs(5), sub.next()).await.unwrap().unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(5), sub.next())
+            .await
+            .unwrap()
+            .unwrap();
         replies.push(serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap());
     }
-    assert!(replies.iter().any(|r| r["stream"] == "LH_WORK"), "{replies:?}");
-    let err = replies.iter().find(|r| r.get("error").is_some()).expect("an error reply");
-    assert!(err["error"]["description"].as_str().unwrap().contains("input.ms"), "{err}");
+    assert!(
+        replies.iter().any(|r| r["stream"] == "LH_WORK"),
+        "{replies:?}"
+    );
+    let err = replies
+        .iter()
+        .find(|r| r.get("error").is_some())
+        .expect("an error reply");
+    assert!(
+        err["error"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("input.ms"),
+        "{err}"
+    );
     assert_eq!(err["id"], "rr-bad");
-    env.wait_status("rr-bad", "rejected", Duration::from_secs(10)).await;
+    env.wait_status("rr-bad", "rejected", Duration::from_secs(10))
+        .await;
     stop.cancel();
     w.wait().await.unwrap();
 }

@@ -28,16 +28,30 @@ pub struct Env {
 
 impl Env {
     pub async fn new() -> Env {
-        Self::with(SetupOptions { ack_wait: ACK_WAIT, ..SetupOptions::default() }).await
+        Self::with(SetupOptions {
+            ack_wait: ACK_WAIT,
+            ..SetupOptions::default()
+        })
+        .await
     }
 
     pub async fn with(o: SetupOptions) -> Env {
         let server = NatsServer::start();
         wait_for_jetstream(&server.url(), Duration::from_secs(10)).await;
         let prefix = "lh".to_string();
-        let conn = NatsArgs::local(server.url(), &prefix).connect("test").await.unwrap();
+        let conn = NatsArgs::local(server.url(), &prefix)
+            .connect("test")
+            .await
+            .unwrap();
         setup::ensure(&conn, &o).await.unwrap();
-        Env { jobs: Jobs::open(&conn).await.unwrap(), events: Events::new(&conn), work: Work::new(&conn), conn, server, prefix }
+        Env {
+            jobs: Jobs::open(&conn).await.unwrap(),
+            events: Events::new(&conn),
+            work: Work::new(&conn),
+            conn,
+            server,
+            prefix,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -88,13 +102,22 @@ impl Env {
 
     /// Publishes a raw submission as any NATS client would.
     pub async fn submit(&self, kind: &str, spec: serde_json::Value, id: &str) -> String {
-        let p = self.work.submit(kind, spec.to_string().into(), Some(id), None).await.unwrap();
+        let p = self
+            .work
+            .submit(kind, spec.to_string().into(), Some(id), None)
+            .await
+            .unwrap();
         assert!(!p.duplicate);
         id.to_string()
     }
 
     /// Waits (on a KV watch, not by polling) until `pred` holds for the record.
-    pub async fn wait_for(&self, id: &str, timeout: Duration, pred: impl Fn(&JobRecord) -> bool) -> JobRecord {
+    pub async fn wait_for(
+        &self,
+        id: &str,
+        timeout: Duration,
+        pred: impl Fn(&JobRecord) -> bool,
+    ) -> JobRecord {
         let mut w = self.jobs.watch(id).await.unwrap();
         let fut = async {
             while let Some(e) = w.next().await {
@@ -113,7 +136,10 @@ impl Env {
             Ok(r) => r,
             Err(_) => {
                 let cur = self.jobs.get(id).await.unwrap().map(|v| v.value);
-                panic!("job {id}: condition not met within {timeout:?}; record now: {}", serde_json::to_string_pretty(&cur).unwrap())
+                panic!(
+                    "job {id}: condition not met within {timeout:?}; record now: {}",
+                    serde_json::to_string_pretty(&cur).unwrap()
+                )
             }
         }
     }
@@ -124,7 +150,13 @@ impl Env {
 
     /// Events of one job, as published.
     pub async fn events_of(&self, id: &str) -> Vec<leasehold_proto::JobEvent> {
-        self.events.read(id).await.unwrap().into_iter().map(|(_, e)| e).collect()
+        self.events
+            .read(id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect()
     }
 }
 
@@ -132,7 +164,12 @@ impl Env {
 pub async fn wait_log(p: &Proc, needle: &str, timeout: Duration) {
     let deadline = tokio::time::Instant::now() + timeout;
     while !p.output().contains(needle) {
-        assert!(tokio::time::Instant::now() < deadline, "{} never logged {needle:?}:\n{}", p.name(), p.output());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} never logged {needle:?}:\n{}",
+            p.name(),
+            p.output()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

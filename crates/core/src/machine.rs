@@ -66,7 +66,10 @@ pub fn status_of(rec: &JobRecord) -> Option<Status> {
 /// Proves that `owner` still owns `rec`.
 pub fn check_owner(rec: &JobRecord, owner: &Owner) -> Result<(), TransitionError> {
     if rec.status != Status::Running.as_str() {
-        return Err(TransitionError::OwnershipLost(format!("job is {}", rec.status)));
+        return Err(TransitionError::OwnershipLost(format!(
+            "job is {}",
+            rec.status
+        )));
     }
     if rec.worker_id.as_deref() != Some(owner.worker_id.as_str()) {
         return Err(TransitionError::OwnershipLost(format!(
@@ -84,7 +87,13 @@ pub fn check_owner(rec: &JobRecord, owner: &Owner) -> Result<(), TransitionError
 }
 
 /// A fresh `queued` record for an accepted submission.
-pub fn new_record(id: &str, kind: &str, spec: JobSpec, ticket_seq: u64, now: SystemTime) -> JobRecord {
+pub fn new_record(
+    id: &str,
+    kind: &str,
+    spec: JobSpec,
+    ticket_seq: u64,
+    now: SystemTime,
+) -> JobRecord {
     let at = rfc3339(now);
     JobRecord {
         id: id.into(),
@@ -99,13 +108,24 @@ pub fn new_record(id: &str, kind: &str, spec: JobSpec, ticket_seq: u64, now: Sys
 }
 
 /// A `rejected` record for a refused submission whose id is known.
-pub fn rejected_record(id: &str, kind: &str, class: &str, message: &str, ticket_seq: u64, now: SystemTime) -> JobRecord {
+pub fn rejected_record(
+    id: &str,
+    kind: &str,
+    class: &str,
+    message: &str,
+    ticket_seq: u64,
+    now: SystemTime,
+) -> JobRecord {
     let at = rfc3339(now);
     JobRecord {
         id: id.into(),
         kind: kind.into(),
         status: Status::Rejected.as_str().into(),
-        error: Some(JobError { class: class.into(), message: message.into(), at: at.clone() }),
+        error: Some(JobError {
+            class: class.into(),
+            message: message.into(),
+            at: at.clone(),
+        }),
         created_at: at.clone(),
         updated_at: at,
         ticket_seq,
@@ -134,7 +154,10 @@ pub struct Claimant<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ClaimDecision {
     /// Write this record (revision-conditioned) and run the job.
-    Claim { record: JobRecord, reclaim: bool },
+    Claim {
+        record: Box<JobRecord>,
+        reclaim: bool,
+    },
     /// Not runnable yet (lease live elsewhere, or `next_run_at` ahead): NAK
     /// with this delay, never busy-poll.
     Wait(Duration),
@@ -164,7 +187,10 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
             if wait > Duration::ZERO {
                 return ClaimDecision::Wait(wait);
             }
-            ClaimDecision::Claim { record: claimed(rec, c, false), reclaim: false }
+            ClaimDecision::Claim {
+                record: Box::new(claimed(rec, c, false)),
+                reclaim: false,
+            }
         }
         Status::Running => {
             let own_restart = c.restart_reclaim && rec.worker_id.as_deref() == Some(c.worker_id);
@@ -175,7 +201,10 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
             if rec.stale_reclaims >= c.max_stale_reclaims {
                 return ClaimDecision::Poison(c.lease);
             }
-            ClaimDecision::Claim { record: claimed(rec, c, true), reclaim: true }
+            ClaimDecision::Claim {
+                record: Box::new(claimed(rec, c, true)),
+                reclaim: true,
+            }
         }
         _ => unreachable!("all statuses handled"),
     }
@@ -220,7 +249,12 @@ fn release(r: &mut JobRecord) {
 }
 
 /// Owner extends its lease.
-pub fn heartbeat(rec: &JobRecord, owner: &Owner, now: SystemTime, lease: Duration) -> Result<JobRecord, TransitionError> {
+pub fn heartbeat(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+    lease: Duration,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.last_heartbeat_at = Some(rfc3339(now));
     r.lease_expires_at = Some(rfc3339(now + lease));
@@ -228,7 +262,13 @@ pub fn heartbeat(rec: &JobRecord, owner: &Owner, now: SystemTime, lease: Duratio
 }
 
 /// Owner requeues after a retryable error: `attempts`+1, `next_run_at` = now + delay.
-pub fn requeue(rec: &JobRecord, owner: &Owner, now: SystemTime, error: JobError, delay: Duration) -> Result<JobRecord, TransitionError> {
+pub fn requeue(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+    error: JobError,
+    delay: Duration,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Queued.as_str().into();
     r.attempts += 1;
@@ -239,7 +279,11 @@ pub fn requeue(rec: &JobRecord, owner: &Owner, now: SystemTime, error: JobError,
 }
 
 /// Owner hands the job back at shutdown: runnable at once, no attempt spent.
-pub fn hand_back(rec: &JobRecord, owner: &Owner, now: SystemTime) -> Result<JobRecord, TransitionError> {
+pub fn hand_back(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Queued.as_str().into();
     r.next_run_at = Some(rfc3339(now));
@@ -248,7 +292,12 @@ pub fn hand_back(rec: &JobRecord, owner: &Owner, now: SystemTime) -> Result<JobR
 }
 
 /// Owner fails the job (terminal error, or retries exhausted; `attempts`+1).
-pub fn fail(rec: &JobRecord, owner: &Owner, now: SystemTime, error: JobError) -> Result<JobRecord, TransitionError> {
+pub fn fail(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+    error: JobError,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Failed.as_str().into();
     r.attempts += 1;
@@ -258,7 +307,12 @@ pub fn fail(rec: &JobRecord, owner: &Owner, now: SystemTime, error: JobError) ->
 }
 
 /// Owner completes the job with its result.
-pub fn complete(rec: &JobRecord, owner: &Owner, now: SystemTime, result: leasehold_proto::JobResult) -> Result<JobRecord, TransitionError> {
+pub fn complete(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+    result: leasehold_proto::JobResult,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Completed.as_str().into();
     r.result = Some(result);
@@ -268,20 +322,38 @@ pub fn complete(rec: &JobRecord, owner: &Owner, now: SystemTime, result: leaseho
 }
 
 /// Owner honours a cancellation request.
-pub fn cancel_owned(rec: &JobRecord, owner: &Owner, now: SystemTime) -> Result<JobRecord, TransitionError> {
+pub fn cancel_owned(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Cancelled.as_str().into();
-    r.error = Some(JobError { class: "cancelled".into(), message: "cancelled on request".into(), at: rfc3339(now) });
+    r.error = Some(JobError {
+        class: "cancelled".into(),
+        message: "cancelled on request".into(),
+        at: rfc3339(now),
+    });
     release(&mut r);
     Ok(r)
 }
 
 /// Owner parks the job for a person (refusal, uncertain effect, loop).
-pub fn park(rec: &JobRecord, owner: &Owner, now: SystemTime, reason: &str, message: &str) -> Result<JobRecord, TransitionError> {
+pub fn park(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+    reason: &str,
+    message: &str,
+) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Parked.as_str().into();
     r.parked_reason = Some(reason.into());
-    r.error = Some(JobError { class: reason.into(), message: message.into(), at: rfc3339(now) });
+    r.error = Some(JobError {
+        class: reason.into(),
+        message: message.into(),
+        at: rfc3339(now),
+    });
     release(&mut r);
     Ok(r)
 }
@@ -304,11 +376,17 @@ pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome,
             let mut r = rec.clone();
             r.status = Status::Cancelled.as_str().into();
             r.cancel_requested = true;
-            r.error = Some(JobError { class: "cancelled".into(), message: "cancelled while queued".into(), at: rfc3339(now) });
+            r.error = Some(JobError {
+                class: "cancelled".into(),
+                message: "cancelled while queued".into(),
+                at: rfc3339(now),
+            });
             r.updated_at = rfc3339(now);
             Ok(CancelOutcome::Cancelled(r))
         }
-        Some(Status::Running) if rec.cancel_requested => Ok(CancelOutcome::Unchanged("cancellation already requested".into())),
+        Some(Status::Running) if rec.cancel_requested => Ok(CancelOutcome::Unchanged(
+            "cancellation already requested".into(),
+        )),
         Some(Status::Running) => {
             let mut r = rec.clone();
             r.cancel_requested = true;
@@ -325,26 +403,50 @@ pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome,
 }
 
 /// Reaper: the job becomes `dead` (poison or max deliveries).
-pub fn mark_dead(rec: &JobRecord, now: SystemTime, class: &str, message: &str) -> Result<JobRecord, TransitionError> {
+pub fn mark_dead(
+    rec: &JobRecord,
+    now: SystemTime,
+    class: &str,
+    message: &str,
+) -> Result<JobRecord, TransitionError> {
     match status_of(rec) {
         Some(Status::Queued | Status::Running) => {
             let mut r = rec.clone();
             r.status = Status::Dead.as_str().into();
-            r.error = Some(JobError { class: class.into(), message: message.into(), at: rfc3339(now) });
+            r.error = Some(JobError {
+                class: class.into(),
+                message: message.into(),
+                at: rfc3339(now),
+            });
             release(&mut r);
             r.updated_at = rfc3339(now);
             Ok(r)
         }
-        _ => Err(TransitionError::NotAllowed { status: rec.status.clone(), action: "dead-letter", allowed: "queued or running" }),
+        _ => Err(TransitionError::NotAllowed {
+            status: rec.status.clone(),
+            action: "dead-letter",
+            allowed: "queued or running",
+        }),
     }
 }
 
 /// A person resumes a parked job, or an operator replays a dead letter: the
 /// job is queued again with a fresh attempt budget; its history stays in the
 /// KV revisions and the events.
-pub fn requeue_fresh(rec: &JobRecord, now: SystemTime, ticket_seq: u64) -> Result<JobRecord, TransitionError> {
+pub fn requeue_fresh(
+    rec: &JobRecord,
+    now: SystemTime,
+    ticket_seq: u64,
+) -> Result<JobRecord, TransitionError> {
     match status_of(rec) {
-        Some(Status::Parked | Status::Failed | Status::Dead | Status::Rejected | Status::Cancelled | Status::Queued) => {
+        Some(
+            Status::Parked
+            | Status::Failed
+            | Status::Dead
+            | Status::Rejected
+            | Status::Cancelled
+            | Status::Queued,
+        ) => {
             let mut r = rec.clone();
             r.status = Status::Queued.as_str().into();
             r.attempts = 0;
@@ -366,13 +468,25 @@ pub fn requeue_fresh(rec: &JobRecord, now: SystemTime, ticket_seq: u64) -> Resul
 }
 
 /// A person fails a parked job with a reason.
-pub fn fail_parked(rec: &JobRecord, now: SystemTime, reason: &str) -> Result<JobRecord, TransitionError> {
+pub fn fail_parked(
+    rec: &JobRecord,
+    now: SystemTime,
+    reason: &str,
+) -> Result<JobRecord, TransitionError> {
     if status_of(rec) != Some(Status::Parked) {
-        return Err(TransitionError::NotAllowed { status: rec.status.clone(), action: "fail from review", allowed: "parked" });
+        return Err(TransitionError::NotAllowed {
+            status: rec.status.clone(),
+            action: "fail from review",
+            allowed: "parked",
+        });
     }
     let mut r = rec.clone();
     r.status = Status::Failed.as_str().into();
-    r.error = Some(JobError { class: "review".into(), message: reason.into(), at: rfc3339(now) });
+    r.error = Some(JobError {
+        class: "review".into(),
+        message: reason.into(),
+        at: rfc3339(now),
+    });
     r.updated_at = rfc3339(now);
     Ok(r)
 }
@@ -412,7 +526,7 @@ mod tests {
 
     fn claim(rec: &JobRecord, c: &Claimant<'_>) -> JobRecord {
         match decide_claim(rec, c) {
-            ClaimDecision::Claim { record, .. } => record,
+            ClaimDecision::Claim { record, .. } => *record,
             other => panic!("expected a claim, got {other:?}"),
         }
     }
@@ -424,19 +538,39 @@ mod tests {
         // The same worker reclaiming its own expired job fences its older task.
         let b = claim(&a, &claimant("w", "t2", t(11)));
         assert_eq!((b.epoch, b.stale_reclaims), (2, 1));
-        let old = Owner { worker_id: "w".into(), claim_token: "t1".into(), epoch: 1 };
-        assert!(matches!(heartbeat(&b, &old, t(12), Duration::from_secs(10)), Err(TransitionError::OwnershipLost(_))));
+        let old = Owner {
+            worker_id: "w".into(),
+            claim_token: "t1".into(),
+            epoch: 1,
+        };
+        assert!(matches!(
+            heartbeat(&b, &old, t(12), Duration::from_secs(10)),
+            Err(TransitionError::OwnershipLost(_))
+        ));
         assert!(heartbeat(&b, &Owner::of(&b).unwrap(), t(12), Duration::from_secs(10)).is_ok());
     }
 
     #[test]
     fn live_lease_and_future_run_time_wait_exactly_the_remaining_time() {
         let a = claim(&fresh(), &claimant("a", "t1", t(0)));
-        assert_eq!(decide_claim(&a, &claimant("b", "t2", t(4))), ClaimDecision::Wait(Duration::from_secs(6)));
+        assert_eq!(
+            decide_claim(&a, &claimant("b", "t2", t(4))),
+            ClaimDecision::Wait(Duration::from_secs(6))
+        );
         let owner = Owner::of(&a).unwrap();
-        let q = requeue(&a, &owner, t(5), JobError::default(), Duration::from_secs(30)).unwrap();
+        let q = requeue(
+            &a,
+            &owner,
+            t(5),
+            JobError::default(),
+            Duration::from_secs(30),
+        )
+        .unwrap();
         assert_eq!(q.attempts, 1);
-        assert_eq!(decide_claim(&q, &claimant("b", "t2", t(20))), ClaimDecision::Wait(Duration::from_secs(15)));
+        assert_eq!(
+            decide_claim(&q, &claimant("b", "t2", t(20))),
+            ClaimDecision::Wait(Duration::from_secs(15))
+        );
         let c = claim(&q, &claimant("b", "t2", t(35)));
         assert_eq!((c.epoch, c.stale_reclaims), (2, 0));
     }
@@ -446,7 +580,10 @@ mod tests {
         let a = claim(&fresh(), &claimant("pod-1", "t1", t(0)));
         let mut c = claimant("pod-1", "t2", t(1));
         c.restart_reclaim = true;
-        assert!(matches!(decide_claim(&a, &c), ClaimDecision::Claim { reclaim: true, .. }));
+        assert!(matches!(
+            decide_claim(&a, &c),
+            ClaimDecision::Claim { reclaim: true, .. }
+        ));
         c.worker_id = "pod-2";
         assert!(matches!(decide_claim(&a, &c), ClaimDecision::Wait(_)));
     }
@@ -455,12 +592,17 @@ mod tests {
     fn terminal_parked_and_superseded_tickets_are_dropped() {
         let a = claim(&fresh(), &claimant("a", "t1", t(0)));
         let done = complete(&a, &Owner::of(&a).unwrap(), t(1), Default::default()).unwrap();
-        assert!(matches!(decide_claim(&done, &claimant("b", "t", t(2))), ClaimDecision::Drop(_)));
+        assert!(matches!(
+            decide_claim(&done, &claimant("b", "t", t(2))),
+            ClaimDecision::Drop(_)
+        ));
         let mut newer = fresh();
         newer.ticket_seq = 5;
         let mut c = claimant("b", "t", t(2));
         c.ticket_seq = 3;
-        assert!(matches!(decide_claim(&newer, &c), ClaimDecision::Drop(m) if m.contains("superseded")));
+        assert!(
+            matches!(decide_claim(&newer, &c), ClaimDecision::Drop(m) if m.contains("superseded"))
+        );
         // A later ticket of the same job is adopted.
         c.ticket_seq = 9;
         assert_eq!(claim(&newer, &c).ticket_seq, 9);
@@ -473,26 +615,40 @@ mod tests {
             r = claim(&r, &claimant("b", &format!("x{i}"), t(100 * (i + 1))));
         }
         assert_eq!(r.stale_reclaims, 3);
-        assert!(matches!(decide_claim(&r, &claimant("c", "y", t(1000))), ClaimDecision::Poison(_)));
+        assert!(matches!(
+            decide_claim(&r, &claimant("c", "y", t(1000))),
+            ClaimDecision::Poison(_)
+        ));
     }
 
     #[test]
     fn cancellation_queued_running_terminal() {
         let q = fresh();
-        assert!(matches!(request_cancel(&q, t(1)).unwrap(), CancelOutcome::Cancelled(r) if r.status == "cancelled"));
+        assert!(
+            matches!(request_cancel(&q, t(1)).unwrap(), CancelOutcome::Cancelled(r) if r.status == "cancelled")
+        );
         let a = claim(&q, &claimant("a", "t1", t(0)));
-        let CancelOutcome::Requested(r) = request_cancel(&a, t(1)).unwrap() else { panic!() };
+        let CancelOutcome::Requested(r) = request_cancel(&a, t(1)).unwrap() else {
+            panic!()
+        };
         assert!(r.cancel_requested);
         // The owner is still the owner after a cancel request.
         let c = cancel_owned(&r, &Owner::of(&a).unwrap(), t(2)).unwrap();
         assert_eq!(c.status, "cancelled");
-        assert!(matches!(request_cancel(&c, t(3)).unwrap(), CancelOutcome::Unchanged(_)));
+        assert!(matches!(
+            request_cancel(&c, t(3)).unwrap(),
+            CancelOutcome::Unchanged(_)
+        ));
     }
 
     #[test]
     fn only_the_owner_can_end_a_job() {
         let a = claim(&fresh(), &claimant("a", "t1", t(0)));
-        let stranger = Owner { worker_id: "b".into(), claim_token: "t1".into(), epoch: 1 };
+        let stranger = Owner {
+            worker_id: "b".into(),
+            claim_token: "t1".into(),
+            epoch: 1,
+        };
         assert!(complete(&a, &stranger, t(1), Default::default()).is_err());
         assert!(fail(&a, &stranger, t(1), JobError::default()).is_err());
         assert!(park(&a, &stranger, t(1), "loop", "x").is_err());

@@ -22,14 +22,20 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy { max_attempts: 5, base: Duration::from_secs(1), cap: Duration::from_secs(300) }
+        RetryPolicy {
+            max_attempts: 5,
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(300),
+        }
     }
 }
 
 impl RetryPolicy {
     /// This policy with the spec's overrides applied.
     pub fn for_spec(self, spec: Option<&JobSpec>) -> Self {
-        let Some(r) = spec.and_then(|s| s.retry.as_ref()) else { return self };
+        let Some(r) = spec.and_then(|s| s.retry.as_ref()) else {
+            return self;
+        };
         RetryPolicy {
             max_attempts: r.max_attempts.unwrap_or(self.max_attempts),
             base: r.base_ms.map(Duration::from_millis).unwrap_or(self.base),
@@ -75,7 +81,11 @@ mod tests {
 
     #[test]
     fn ceiling_doubles_then_caps_and_jitter_stays_below() {
-        let p = RetryPolicy { max_attempts: 5, base: Duration::from_millis(100), cap: Duration::from_millis(500) };
+        let p = RetryPolicy {
+            max_attempts: 5,
+            base: Duration::from_millis(100),
+            cap: Duration::from_millis(500),
+        };
         let c: Vec<u128> = (0..5).map(|i| p.ceiling(i).as_millis()).collect();
         assert_eq!(c, vec![100, 200, 400, 500, 500]);
         let mut rng = rand::thread_rng();

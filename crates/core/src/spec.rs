@@ -16,10 +16,13 @@ use crate::JobSpec;
 /// Default size limit of a submission: 1 MiB.
 pub const DEFAULT_MAX_BYTES: usize = 1024 * 1024;
 
+/// Checks one kind's input object; the error names the field.
+pub type InputCheck = fn(&serde_json::Map<String, Value>) -> Result<(), String>;
+
 /// The kinds this deployment accepts and how each validates its input.
 #[derive(Clone)]
 pub struct Kinds {
-    kinds: Vec<(String, fn(&serde_json::Map<String, Value>) -> Result<(), String>)>,
+    kinds: Vec<(String, InputCheck)>,
 }
 
 impl Default for Kinds {
@@ -36,7 +39,7 @@ impl Default for Kinds {
 }
 
 impl Kinds {
-    pub fn add(&mut self, name: &str, v: fn(&serde_json::Map<String, Value>) -> Result<(), String>) {
+    pub fn add(&mut self, name: &str, v: InputCheck) {
         self.kinds.retain(|(n, _)| n != name);
         self.kinds.push((name.to_string(), v));
     }
@@ -49,7 +52,7 @@ impl Kinds {
         self.kinds.iter().any(|(n, _)| n == name)
     }
 
-    fn validator(&self, name: &str) -> Option<fn(&serde_json::Map<String, Value>) -> Result<(), String>> {
+    fn validator(&self, name: &str) -> Option<InputCheck> {
         self.kinds.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
     }
 }
@@ -67,7 +70,9 @@ fn get_u64(input: &serde_json::Map<String, Value>, field: &str) -> Result<Option
 fn validate_sleep(input: &serde_json::Map<String, Value>) -> Result<(), String> {
     match get_u64(input, "ms")? {
         None => Err("input.ms: required (milliseconds to sleep, e.g. {\"ms\": 1000})".into()),
-        Some(ms) if ms > 86_400_000 => Err(format!("input.ms: {ms} is over the 24 h limit (86400000)")),
+        Some(ms) if ms > 86_400_000 => {
+            Err(format!("input.ms: {ms} is over the 24 h limit (86400000)"))
+        }
         Some(_) => Ok(()),
     }
 }
@@ -78,7 +83,9 @@ fn validate_fail(input: &serde_json::Map<String, Value>) -> Result<(), String> {
         _ => {
             return Err(format!(
                 "input.class: expected \"retryable\" or \"terminal\", got {}",
-                input.get("class").map_or("nothing".to_string(), |v| v.to_string())
+                input
+                    .get("class")
+                    .map_or("nothing".to_string(), |v| v.to_string())
             ))
         }
     }
@@ -90,7 +97,10 @@ fn validate_research(input: &serde_json::Map<String, Value>) -> Result<(), Strin
     match input.get("topic") {
         Some(Value::String(t)) if !t.trim().is_empty() && t.len() <= 1000 => {}
         Some(Value::String(t)) if t.len() > 1000 => {
-            return Err(format!("input.topic: {} characters, over the limit of 1000", t.len()))
+            return Err(format!(
+                "input.topic: {} characters, over the limit of 1000",
+                t.len()
+            ))
         }
         Some(v) => return Err(format!("input.topic: expected a non-empty string, got {v}")),
         None => return Err("input.topic: required (what the report is about)".into()),
@@ -209,15 +219,29 @@ pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Ac
         }
     }
     if sub.payload.len() > max_bytes {
-        return Err(reject(id, SubmitError::TooLarge { size: sub.payload.len(), limit: max_bytes }));
+        return Err(reject(
+            id,
+            SubmitError::TooLarge {
+                size: sub.payload.len(),
+                limit: max_bytes,
+            },
+        ));
     }
     if sub.payload.iter().all(u8::is_ascii_whitespace) {
-        return Err(reject(id.or_else(|| seq_opt(sub.stream_seq)), SubmitError::Empty));
+        return Err(reject(
+            id.or_else(|| seq_opt(sub.stream_seq)),
+            SubmitError::Empty,
+        ));
     }
-    let protobuf = sub
-        .content_type
-        .is_some_and(|c| c.eq_ignore_ascii_case("application/protobuf") || c.eq_ignore_ascii_case("application/x-protobuf"));
-    let parsed = if protobuf { decode_protobuf(sub.payload) } else { decode_json(sub.payload) };
+    let protobuf = sub.content_type.is_some_and(|c| {
+        c.eq_ignore_ascii_case("application/protobuf")
+            || c.eq_ignore_ascii_case("application/x-protobuf")
+    });
+    let parsed = if protobuf {
+        decode_protobuf(sub.payload)
+    } else {
+        decode_json(sub.payload)
+    };
     let mut spec = match parsed {
         Ok(s) => s,
         Err(e) => return Err(reject(id.or_else(|| seq_opt(sub.stream_seq)), e)),
@@ -234,7 +258,10 @@ pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Ac
     if !kinds.contains(sub.kind) {
         return Err(reject(
             id,
-            SubmitError::UnknownKind { kind: sub.kind.into(), known: kinds.names().join(", ") },
+            SubmitError::UnknownKind {
+                kind: sub.kind.into(),
+                known: kinds.names().join(", "),
+            },
         ));
     }
     if let Err(e) = validate(&spec, kinds.validator(sub.kind).expect("checked")) {
@@ -243,7 +270,10 @@ pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Ac
     let Some(id) = id else {
         // Only possible before the ticket is stored (stream_seq 0): the
         // caller learns the sequence from the publish ack.
-        return Err(Rejected { id: None, error: SubmitError::InvalidId(String::new()) });
+        return Err(Rejected {
+            id: None,
+            error: SubmitError::InvalidId(String::new()),
+        });
     };
     spec.id = Some(id.clone());
     Ok(Accepted { id, spec })
@@ -254,8 +284,11 @@ fn seq_opt(seq: u64) -> Option<String> {
 }
 
 fn decode_json(payload: &[u8]) -> Result<JobSpec, SubmitError> {
-    let text = std::str::from_utf8(payload).map_err(|e| SubmitError::NotUtf8 { offset: e.valid_up_to() })?;
-    let value: Value = serde_json::from_str(text).map_err(|e| SubmitError::NotJson(e.to_string()))?;
+    let text = std::str::from_utf8(payload).map_err(|e| SubmitError::NotUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| SubmitError::NotJson(e.to_string()))?;
     match &value {
         Value::Object(_) => {}
         other => {
@@ -301,59 +334,87 @@ fn json_type(v: &Value) -> &'static str {
 }
 
 fn field(path: &str, message: impl Into<String>) -> SubmitError {
-    SubmitError::Field { path: path.into(), message: message.into() }
+    SubmitError::Field {
+        path: path.into(),
+        message: message.into(),
+    }
 }
 
-fn validate(
-    spec: &JobSpec,
-    kind_check: fn(&serde_json::Map<String, Value>) -> Result<(), String>,
-) -> Result<(), SubmitError> {
+fn validate(spec: &JobSpec, kind_check: InputCheck) -> Result<(), SubmitError> {
     let input: Value = if spec.input.is_empty() {
-        return Err(field("input", "required: a JSON object with the job's input"));
+        return Err(field(
+            "input",
+            "required: a JSON object with the job's input",
+        ));
     } else {
         serde_json::from_str(&spec.input).map_err(|e| field("input", e.to_string()))?
     };
     let Value::Object(map) = &input else {
-        return Err(field("input", format!("expected a JSON object, got {}", json_type(&input))));
+        return Err(field(
+            "input",
+            format!("expected a JSON object, got {}", json_type(&input)),
+        ));
     };
     kind_check(map).map_err(SubmitError::InvalidInput)?;
     if !spec.metadata.is_empty() {
-        let m: Value = serde_json::from_str(&spec.metadata).map_err(|e| field("metadata", e.to_string()))?;
+        let m: Value =
+            serde_json::from_str(&spec.metadata).map_err(|e| field("metadata", e.to_string()))?;
         if !m.is_object() {
-            return Err(field("metadata", format!("expected a JSON object, got {}", json_type(&m))));
+            return Err(field(
+                "metadata",
+                format!("expected a JSON object, got {}", json_type(&m)),
+            ));
         }
     }
     if let Some(b) = &spec.budget {
         if let Some(s) = b.max_steps {
             if !(1..=100_000).contains(&s) {
-                return Err(field("budget.max_steps", format!("{s} is out of range 1..=100000")));
+                return Err(field(
+                    "budget.max_steps",
+                    format!("{s} is out of range 1..=100000"),
+                ));
             }
         }
         if let Some(t) = b.max_tokens {
             if !(1..=100_000_000).contains(&t) {
-                return Err(field("budget.max_tokens", format!("{t} is out of range 1..=100000000")));
+                return Err(field(
+                    "budget.max_tokens",
+                    format!("{t} is out of range 1..=100000000"),
+                ));
             }
         }
         if let Some(w) = b.max_wall_s {
             if !(w > 0.0 && w <= 7.0 * 86_400.0) {
-                return Err(field("budget.max_wall_s", format!("{w} is out of range (0, 604800] seconds")));
+                return Err(field(
+                    "budget.max_wall_s",
+                    format!("{w} is out of range (0, 604800] seconds"),
+                ));
             }
         }
         if let Some(c) = b.max_cost_usd {
             if !(c > 0.0 && c <= 10_000.0) {
-                return Err(field("budget.max_cost_usd", format!("{c} is out of range (0, 10000] USD")));
+                return Err(field(
+                    "budget.max_cost_usd",
+                    format!("{c} is out of range (0, 10000] USD"),
+                ));
             }
         }
     }
     if let Some(r) = &spec.retry {
         if let Some(m) = r.max_attempts {
             if !(1..=100).contains(&m) {
-                return Err(field("retry.max_attempts", format!("{m} is out of range 1..=100")));
+                return Err(field(
+                    "retry.max_attempts",
+                    format!("{m} is out of range 1..=100"),
+                ));
             }
         }
         if let (Some(b), Some(c)) = (r.base_ms, r.cap_ms) {
             if b > c {
-                return Err(field("retry.base_ms", format!("{b} is greater than retry.cap_ms {c}")));
+                return Err(field(
+                    "retry.base_ms",
+                    format!("{b} is greater than retry.cap_ms {c}"),
+                ));
             }
         }
         if let Some(c) = r.cap_ms {
@@ -370,7 +431,13 @@ mod tests {
     use super::*;
 
     fn sub<'a>(kind: &'a str, payload: &'a [u8]) -> Submission<'a> {
-        Submission { kind, payload, msg_id: None, content_type: None, stream_seq: 7 }
+        Submission {
+            kind,
+            payload,
+            msg_id: None,
+            content_type: None,
+            stream_seq: 7,
+        }
     }
 
     fn err(kind: &str, payload: &[u8]) -> Rejected {
@@ -384,28 +451,53 @@ mod tests {
         assert_eq!(decode(s, &k, 1024).unwrap().id, "from-spec");
         s.msg_id = Some("from-header");
         assert_eq!(decode(s, &k, 1024).unwrap().id, "from-header");
-        assert_eq!(decode(sub("echo", br#"{"input":{}}"#), &k, 1024).unwrap().id, "seq-7");
+        assert_eq!(
+            decode(sub("echo", br#"{"input":{}}"#), &k, 1024)
+                .unwrap()
+                .id,
+            "seq-7"
+        );
     }
 
     #[test]
     fn every_bad_submission_gets_a_precise_error() {
-        assert!(matches!(err("echo", b"not json").error, SubmitError::NotJson(_)));
+        assert!(matches!(
+            err("echo", b"not json").error,
+            SubmitError::NotJson(_)
+        ));
         assert!(matches!(err("echo", b"").error, SubmitError::Empty));
-        assert!(matches!(err("echo", b"[1,2]").error, SubmitError::WrongShape(m) if m.contains("an array")));
+        assert!(
+            matches!(err("echo", b"[1,2]").error, SubmitError::WrongShape(m) if m.contains("an array"))
+        );
         let e = err("sleep", br#"{"input":{"ms":"soon"}}"#).error;
-        assert_eq!(e.to_string(), "input.ms: expected a non-negative integer, got \"soon\"");
+        assert_eq!(
+            e.to_string(),
+            "input.ms: expected a non-negative integer, got \"soon\""
+        );
         let e = err("echo", br#"{"input":{},"budget":{"max_steps":"x"}}"#).error;
-        assert!(matches!(&e, SubmitError::Field { path, .. } if path == "budget.max_steps"), "{e}");
+        assert!(
+            matches!(&e, SubmitError::Field { path, .. } if path == "budget.max_steps"),
+            "{e}"
+        );
         let e = err("echo", br#"{"input":{},"budget":{"max_steps":0}}"#).error;
         assert!(e.to_string().contains("out of range"), "{e}");
         let e = err("nope", br#"{"input":{}}"#).error;
         assert!(matches!(&e, SubmitError::UnknownKind { .. }) && e.to_string().contains("echo"));
-        assert!(matches!(err("echo", &[b'{', 0xff, b'}']).error, SubmitError::NotUtf8 { offset: 1 }));
-        assert!(matches!(err("echo", &[b' '; 2000]).error, SubmitError::TooLarge { size: 2000, .. }));
+        assert!(matches!(
+            err("echo", &[b'{', 0xff, b'}']).error,
+            SubmitError::NotUtf8 { offset: 1 }
+        ));
+        assert!(matches!(
+            err("echo", &[b' '; 2000]).error,
+            SubmitError::TooLarge { size: 2000, .. }
+        ));
         let e = err("echo", br#"{"inptu":{}}"#).error;
         assert!(e.to_string().contains("unknown field"), "{e}");
         let e = err("echo", br#"{"budget":{}}"#).error;
-        assert_eq!(e.to_string(), "input: required: a JSON object with the job's input");
+        assert_eq!(
+            e.to_string(),
+            "input: required: a JSON object with the job's input"
+        );
         let e = err("research", br#"{"input":{"topic":"x","experts":99}}"#).error;
         assert!(e.to_string().contains("input.experts"), "{e}");
     }
@@ -414,7 +506,13 @@ mod tests {
     fn rejected_keeps_the_id_when_known() {
         let mut s = sub("echo", b"garbage");
         s.msg_id = Some("job-1");
-        assert_eq!(decode(s, &Kinds::default(), 1024).unwrap_err().id.as_deref(), Some("job-1"));
+        assert_eq!(
+            decode(s, &Kinds::default(), 1024)
+                .unwrap_err()
+                .id
+                .as_deref(),
+            Some("job-1")
+        );
         assert_eq!(err("echo", b"garbage").id.as_deref(), Some("seq-7"));
         s.msg_id = Some("bad.id");
         assert_eq!(decode(s, &Kinds::default(), 1024).unwrap_err().id, None);
@@ -422,7 +520,10 @@ mod tests {
 
     #[test]
     fn protobuf_submissions_decode() {
-        let spec = JobSpec { input: r#"{"ms":5}"#.into(), ..Default::default() };
+        let spec = JobSpec {
+            input: r#"{"ms":5}"#.into(),
+            ..Default::default()
+        };
         let bytes = spec.encode_to_vec();
         let mut s = sub("sleep", &bytes);
         s.content_type = Some("application/protobuf");
@@ -430,6 +531,9 @@ mod tests {
         assert_eq!(a.spec.input, r#"{"ms":5}"#);
         let mut s = sub("sleep", b"\xff\xff\xff");
         s.content_type = Some("application/protobuf");
-        assert!(matches!(decode(s, &Kinds::default(), 1024).unwrap_err().error, SubmitError::Protobuf(_)));
+        assert!(matches!(
+            decode(s, &Kinds::default(), 1024).unwrap_err().error,
+            SubmitError::Protobuf(_)
+        ));
     }
 }

@@ -46,7 +46,11 @@ impl Status {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            Status::Completed | Status::Failed | Status::Cancelled | Status::Rejected | Status::Dead
+            Status::Completed
+                | Status::Failed
+                | Status::Cancelled
+                | Status::Rejected
+                | Status::Dead
         )
     }
 }

@@ -53,7 +53,10 @@ mod tests {
         let s = rfc3339(t);
         assert!(s.ends_with('Z'));
         assert_eq!(parse_rfc3339(&s), Some(t));
-        assert_eq!(until(t, Some(&rfc3339(t + Duration::from_secs(2)))), Duration::from_secs(2));
+        assert_eq!(
+            until(t, Some(&rfc3339(t + Duration::from_secs(2)))),
+            Duration::from_secs(2)
+        );
         assert_eq!(until(t, Some(&s)), Duration::ZERO);
     }
 }

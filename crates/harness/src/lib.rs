@@ -45,6 +45,7 @@ fn nats_server_bin() -> PathBuf {
 /// One JetStream-enabled nats-server process.
 pub struct NatsServer {
     child: Option<Child>,
+    fixed_dir: Option<PathBuf>,
     port: u16,
     cluster_port: Option<u16>,
     routes: Vec<u16>,
@@ -77,6 +78,7 @@ impl NatsServer {
             .expect("temp dir");
         let mut s = NatsServer {
             child: None,
+            fixed_dir: None,
             port,
             cluster_port,
             routes,
@@ -88,8 +90,33 @@ impl NatsServer {
         s
     }
 
+    /// Starts a single server whose storage lives in `dir` (kept after drop).
+    pub fn start_in(dir: &Path) -> Self {
+        std::fs::create_dir_all(dir).expect("storage dir");
+        let tmp = tempfile::Builder::new()
+            .prefix("lh-nats-")
+            .tempdir()
+            .expect("temp dir");
+        let mut s = NatsServer {
+            child: None,
+            fixed_dir: Some(dir.to_path_buf()),
+            port: free_port(),
+            cluster_port: None,
+            routes: Vec::new(),
+            name: "lh-demo".into(),
+            dir: tmp,
+            sync_always: false,
+        };
+        s.spawn();
+        s
+    }
+
     fn config(&self) -> String {
-        let store = self.dir.path().join("js");
+        let store = self
+            .fixed_dir
+            .clone()
+            .unwrap_or_else(|| self.dir.path().to_path_buf())
+            .join("js");
         let mut c = format!(
             "server_name: {name}\nlisten: 127.0.0.1:{port}\njetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n{sync}}}\n",
             name = self.name,
@@ -120,7 +147,9 @@ impl NatsServer {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start nats-server: {e}; install it with `make setup`"));
+            .unwrap_or_else(|e| {
+                panic!("cannot start nats-server: {e}; install it with `make setup`")
+            });
         let stderr = child.stderr.take().expect("stderr");
         let (tx, rx) = mpsc::channel();
         let log_path = self.dir.path().join("server.log");
@@ -141,7 +170,8 @@ impl NatsServer {
         });
         if rx.recv_timeout(Duration::from_secs(30)).is_err() {
             let _ = child.kill();
-            let log = std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
+            let log =
+                std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
             panic!("nats-server did not become ready within 30s:\n{log}");
         }
         self.child = Some(child);
@@ -278,18 +308,25 @@ pub struct Proc {
 impl Proc {
     /// Spawns `bin` with `args` and extra environment; stdout and stderr go to a log file.
     pub fn spawn(bin: &str, args: &[&str], env: &[(&str, String)]) -> Self {
+        Self::spawn_logged(bin, args, env, None)
+    }
+
+    /// Like [`Proc::spawn`], writing the output to `log` when given.
+    pub fn spawn_logged(
+        bin: &str,
+        args: &[&str],
+        env: &[(&str, String)],
+        log: Option<PathBuf>,
+    ) -> Self {
         let logdir = tempfile::Builder::new()
             .prefix("lh-proc-")
             .tempdir()
             .expect("temp dir");
-        let log = logdir.path().join(format!("{bin}.log"));
+        let log = log.unwrap_or_else(|| logdir.path().join(format!("{bin}.log")));
         let out = std::fs::File::create(&log).expect("log file");
         let err = out.try_clone().expect("log file");
         let mut cmd = Command::new(bin_path(bin));
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err);
+        cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -44,7 +44,9 @@ impl<'de> Deserialize<'de> for JobEvent {
         let text = |map: &mut Map<String, Value>, k: &str| match map.remove(k) {
             Some(Value::String(s)) => Ok(Some(s)),
             None | Some(Value::Null) => Ok(None),
-            Some(other) => Err(D::Error::custom(format!("{k}: expected a string, got {other}"))),
+            Some(other) => Err(D::Error::custom(format!(
+                "{k}: expected a string, got {other}"
+            ))),
         };
         let job_id = text(&mut map, "job_id")?.unwrap_or_default();
         let at = text(&mut map, "at")?.unwrap_or_default();

@@ -14,7 +14,11 @@ mod web;
 
 /// Command-line options. Every flag also reads `LH_SIM_<FLAG>`.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "leasehold-sim", version, about = "Deterministic OpenAI-compatible model server, web and effects sink for leasehold's demo and tests")]
+#[command(
+    name = "leasehold-sim",
+    version,
+    about = "Deterministic OpenAI-compatible model server, web and effects sink for leasehold's demo and tests"
+)]
 pub struct Args {
     /// Address to listen on, e.g. 127.0.0.1:8089 (port 0 picks a free port; the bound address is printed on stdout as `listening on ADDR`).
     #[arg(long, env = "LH_SIM_LISTEN", default_value = "127.0.0.1:8089")]
@@ -31,8 +35,7 @@ pub struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

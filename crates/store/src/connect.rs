@@ -15,7 +15,12 @@ use crate::StoreError;
 #[derive(clap::Args, Debug, Clone)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated.
-    #[arg(long = "nats-url", env = "NATS_URL", default_value = "nats://127.0.0.1:4222", global = true)]
+    #[arg(
+        long = "nats-url",
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        global = true
+    )]
     pub url: String,
     /// NATS credentials file (JWT + nkey seed).
     #[arg(long = "nats-creds", env = "NATS_CREDS", global = true)]
@@ -24,10 +29,20 @@ pub struct NatsArgs {
     #[arg(long = "nats-user", env = "NATS_USER", global = true)]
     pub user: Option<String>,
     /// NATS password (with --nats-user).
-    #[arg(long = "nats-password", env = "NATS_PASSWORD", hide_env_values = true, global = true)]
+    #[arg(
+        long = "nats-password",
+        env = "NATS_PASSWORD",
+        hide_env_values = true,
+        global = true
+    )]
     pub password: Option<String>,
     /// NATS token.
-    #[arg(long = "nats-token", env = "NATS_TOKEN", hide_env_values = true, global = true)]
+    #[arg(
+        long = "nats-token",
+        env = "NATS_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
     pub token: Option<String>,
     /// CA certificate (PEM) to verify the server's TLS certificate.
     #[arg(long = "nats-ca", env = "NATS_CA", global = true)]
@@ -39,7 +54,12 @@ pub struct NatsArgs {
     #[arg(long = "nats-key", env = "NATS_KEY", global = true)]
     pub key: Option<PathBuf>,
     /// Namespace prefix of every subject, stream and bucket (`lh` gives `lh.submit.>`, `lh_jobs`, `LH_WORK`).
-    #[arg(long = "prefix", env = "LH_PREFIX", default_value = "lh", global = true)]
+    #[arg(
+        long = "prefix",
+        env = "LH_PREFIX",
+        default_value = "lh",
+        global = true
+    )]
     pub prefix: String,
 }
 
@@ -95,7 +115,11 @@ impl NatsArgs {
             opts = opts.add_root_certificates(ca.clone()).require_tls(true);
         }
         match (&self.cert, &self.key) {
-            (Some(c), Some(k)) => opts = opts.add_client_certificate(c.clone(), k.clone()).require_tls(true),
+            (Some(c), Some(k)) => {
+                opts = opts
+                    .add_client_certificate(c.clone(), k.clone())
+                    .require_tls(true)
+            }
             (None, None) => {}
             _ => {
                 return Err(StoreError::Config(

@@ -53,7 +53,10 @@ pub struct Letter {
 
 impl Dlq {
     pub fn new(conn: &Conn) -> Self {
-        Dlq { js: conn.js.clone(), layout: conn.layout.clone() }
+        Dlq {
+            js: conn.js.clone(),
+            layout: conn.layout.clone(),
+        }
     }
 
     /// Keeps a refused submission: raw bytes as they came, reason in headers.
@@ -82,16 +85,27 @@ impl Dlq {
         }
         m = m
             .header(CLASS_HEADER, "rejected")
-            .header(REASON_HEADER, single_line(&format!("{code}: {message}")).as_str())
+            .header(
+                REASON_HEADER,
+                single_line(&format!("{code}: {message}")).as_str(),
+            )
             .header(KIND_HEADER, kind);
         if let Some(id) = job_id {
             m = m.header(crate::work::JOB_ID_HEADER, id);
         }
-        self.publish(self.layout.dlq_subject(&subject_token(kind)), m).await
+        self.publish(self.layout.dlq_subject(&subject_token(kind)), m)
+            .await
     }
 
     /// Dead-letters a job (once per job and epoch, whoever calls).
-    pub async fn dead(&self, rec: &JobRecord, class: &str, reason: &str, recent_events: Vec<JobEvent>, ticket: Option<Bytes>) -> Result<u64, StoreError> {
+    pub async fn dead(
+        &self,
+        rec: &JobRecord,
+        class: &str,
+        reason: &str,
+        recent_events: Vec<JobEvent>,
+        ticket: Option<Bytes>,
+    ) -> Result<u64, StoreError> {
         let body = DeadJob {
             record: rec.clone(),
             recent_events,
@@ -105,7 +119,8 @@ impl Dlq {
             .header(KIND_HEADER, rec.kind.as_str())
             .header(crate::work::JOB_ID_HEADER, rec.id.as_str())
             .header("Content-Type", "application/json");
-        self.publish(self.layout.dlq_subject(&subject_token(&rec.kind)), m).await
+        self.publish(self.layout.dlq_subject(&subject_token(&rec.kind)), m)
+            .await
     }
 
     async fn publish(&self, subject: String, m: PublishMessage) -> Result<u64, StoreError> {
@@ -120,7 +135,10 @@ impl Dlq {
     }
 
     async fn stream(&self) -> Result<jetstream::stream::Stream, StoreError> {
-        self.js.get_stream(self.layout.dlq_stream()).await.map_err(|e| StoreError::nats("DLQ stream", e))
+        self.js
+            .get_stream(self.layout.dlq_stream())
+            .await
+            .map_err(|e| StoreError::nats("DLQ stream", e))
     }
 
     /// Every dead letter, oldest first.
@@ -138,16 +156,27 @@ impl Dlq {
         if pending == 0 {
             return Ok(out);
         }
-        let mut msgs = consumer.messages().await.map_err(|e| StoreError::nats("read DLQ", e))?;
+        let mut msgs = consumer
+            .messages()
+            .await
+            .map_err(|e| StoreError::nats("read DLQ", e))?;
         while pending > 0 {
-            let Ok(Some(Ok(m))) = tokio::time::timeout(std::time::Duration::from_secs(10), msgs.next()).await else {
+            let Ok(Some(Ok(m))) =
+                tokio::time::timeout(std::time::Duration::from_secs(10), msgs.next()).await
+            else {
                 return Err(StoreError::Nats("reading the DLQ stalled".into()));
             };
             let info = m.info().map_err(|e| StoreError::nats("DLQ info", e))?;
             pending = info.pending;
             let seq = info.stream_sequence;
             let at = leasehold_core::time::rfc3339(std::time::SystemTime::from(info.published));
-            out.push(self.letter(seq, &m.subject, m.headers.clone().unwrap_or_default(), m.payload.clone(), at));
+            out.push(self.letter(
+                seq,
+                &m.subject,
+                m.headers.clone().unwrap_or_default(),
+                m.payload.clone(),
+                at,
+            ));
         }
         Ok(out)
     }
@@ -159,27 +188,44 @@ impl Dlq {
                 let at = leasehold_core::time::rfc3339(std::time::SystemTime::from(m.time));
                 Ok(Some(self.letter(seq, &m.subject, m.headers, m.payload, at)))
             }
-            Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => {
+                Ok(None)
+            }
             Err(e) => Err(StoreError::nats("get dead letter", e)),
         }
     }
 
     /// Deletes one dead letter.
     pub async fn delete(&self, seq: u64) -> Result<bool, StoreError> {
-        self.stream().await?.delete_message(seq).await.map_err(|e| StoreError::nats("delete dead letter", e))
+        self.stream()
+            .await?
+            .delete_message(seq)
+            .await
+            .map_err(|e| StoreError::nats("delete dead letter", e))
     }
 
     /// Deletes every dead letter; returns how many.
     pub async fn purge(&self) -> Result<u64, StoreError> {
-        let r = self.stream().await?.purge().await.map_err(|e| StoreError::nats("purge DLQ", e))?;
+        let r = self
+            .stream()
+            .await?
+            .purge()
+            .await
+            .map_err(|e| StoreError::nats("purge DLQ", e))?;
         Ok(r.purged)
     }
 
-    fn letter(&self, seq: u64, subject: &str, headers: HeaderMap, payload: Bytes, at: String) -> Letter {
+    fn letter(
+        &self,
+        seq: u64,
+        subject: &str,
+        headers: HeaderMap,
+        payload: Bytes,
+        at: String,
+    ) -> Letter {
         let get = |k: &str| headers.get(k).map(|v| v.as_str().to_string());
-        let kind = get(KIND_HEADER).unwrap_or_else(|| {
-            subject.rsplit('.').next().unwrap_or_default().to_string()
-        });
+        let kind = get(KIND_HEADER)
+            .unwrap_or_else(|| subject.rsplit('.').next().unwrap_or_default().to_string());
         Letter {
             seq,
             kind,
@@ -199,6 +245,19 @@ fn single_line(s: &str) -> String {
 
 /// A kind as a single subject token (an unknown kind may hold anything).
 fn subject_token(kind: &str) -> String {
-    let t: String = kind.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-    if t.is_empty() { "_".into() } else { t }
+    let t: String = kind
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if t.is_empty() {
+        "_".into()
+    } else {
+        t
+    }
 }

@@ -24,7 +24,9 @@ use leasehold_core::time::rfc3339;
 use leasehold_proto::JobEvent;
 use serde_json::Value;
 
-use crate::{server_error_code, Conn, Layout, StoreError, WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT};
+use crate::{
+    server_error_code, Conn, Layout, StoreError, WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT,
+};
 
 /// The header scoping the expected-last-subject-sequence check to a wildcard (nats-server >= 2.11).
 const EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT: &str = "Nats-Expected-Last-Subject-Sequence-Subject";
@@ -56,18 +58,29 @@ pub fn event(job_id: &str, epoch: u64, ty: &str, worker_id: Option<&str>, data: 
         at: rfc3339(SystemTime::now()),
         r#type: ty.into(),
         worker_id: worker_id.map(str::to_string),
-        data: if data.is_null() { String::new() } else { data.to_string() },
+        data: if data.is_null() {
+            String::new()
+        } else {
+            data.to_string()
+        },
     }
 }
 
 impl Events {
     pub fn new(conn: &Conn) -> Self {
-        Events { js: conn.js.clone(), layout: conn.layout.clone(), stream: conn.layout.events_stream() }
+        Events {
+            js: conn.js.clone(),
+            layout: conn.layout.clone(),
+            stream: conn.layout.events_stream(),
+        }
     }
 
     fn message(&self, ev: &JobEvent) -> (String, bytes::Bytes) {
         let subject = self.layout.event_subject(&ev.job_id, &ev.r#type);
-        (subject, serde_json::to_vec(ev).expect("event serializes").into())
+        (
+            subject,
+            serde_json::to_vec(ev).expect("event serializes").into(),
+        )
     }
 
     /// Publishes without a fence; `msg_id` deduplicates repeats.
@@ -88,10 +101,24 @@ impl Events {
     }
 
     /// Publishes the `claimed` marker of a new owner and returns its fence.
-    pub async fn claim_marker(&self, job_id: &str, epoch: u64, worker_id: &str, data: Value) -> Result<Fence, StoreError> {
+    pub async fn claim_marker(
+        &self,
+        job_id: &str,
+        epoch: u64,
+        worker_id: &str,
+        data: Value,
+    ) -> Result<Fence, StoreError> {
         let ev = event(job_id, epoch, "claimed", Some(worker_id), data);
-        let seq = self.publish(&ev, Some(&format!("{job_id}:claimed:{epoch}"))).await?;
-        Ok(Fence { events: self.clone(), job_id: job_id.into(), epoch, worker_id: worker_id.into(), last_seq: seq })
+        let seq = self
+            .publish(&ev, Some(&format!("{job_id}:claimed:{epoch}")))
+            .await?;
+        Ok(Fence {
+            events: self.clone(),
+            job_id: job_id.into(),
+            epoch,
+            worker_id: worker_id.into(),
+            last_seq: seq,
+        })
     }
 
     /// The last event of a job and its sequence.
@@ -100,26 +127,42 @@ impl Events {
     }
 
     async fn last_on(&self, subject: String) -> Result<Option<(u64, JobEvent)>, StoreError> {
-        let stream = self.js.get_stream_no_info(&self.stream).await.map_err(|e| StoreError::nats("events stream", e))?;
+        let stream = self
+            .js
+            .get_stream_no_info(&self.stream)
+            .await
+            .map_err(|e| StoreError::nats("events stream", e))?;
         match stream.direct_get_last_for_subject(subject).await {
-            Ok(m) => Ok(Some((m.sequence, serde_json::from_slice(&m.payload).unwrap_or_default()))),
+            Ok(m) => Ok(Some((
+                m.sequence,
+                serde_json::from_slice(&m.payload).unwrap_or_default(),
+            ))),
             Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(StoreError::nats("last event", e)),
         }
     }
 
     /// The last event of one type of a job.
-    pub async fn last_of_type(&self, job_id: &str, ty: &str) -> Result<Option<(u64, JobEvent)>, StoreError> {
+    pub async fn last_of_type(
+        &self,
+        job_id: &str,
+        ty: &str,
+    ) -> Result<Option<(u64, JobEvent)>, StoreError> {
         self.last_on(self.layout.event_subject(job_id, ty)).await
     }
 
     /// Every event of one job, in order, with its stream sequence.
     pub async fn read(&self, job_id: &str) -> Result<Vec<(u64, JobEvent)>, StoreError> {
-        self.read_filter(&self.layout.job_events_filter(job_id)).await
+        self.read_filter(&self.layout.job_events_filter(job_id))
+            .await
     }
 
     async fn read_filter(&self, filter: &str) -> Result<Vec<(u64, JobEvent)>, StoreError> {
-        let stream = self.js.get_stream(&self.stream).await.map_err(|e| StoreError::nats("events stream", e))?;
+        let stream = self
+            .js
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| StoreError::nats("events stream", e))?;
         let consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: filter.to_string(),
@@ -134,11 +177,16 @@ impl Events {
         if pending == 0 {
             return Ok(out);
         }
-        let mut msgs = consumer.messages().await.map_err(|e| StoreError::nats("read events", e))?;
+        let mut msgs = consumer
+            .messages()
+            .await
+            .map_err(|e| StoreError::nats("read events", e))?;
         while pending > 0 {
             let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
             let Ok(Some(Ok(m))) = next else {
-                return Err(StoreError::Nats(format!("reading events of {filter} stalled")));
+                return Err(StoreError::Nats(format!(
+                    "reading events of {filter} stalled"
+                )));
             };
             let info = m.info().map_err(|e| StoreError::nats("event info", e))?;
             pending = info.pending;
@@ -189,7 +237,11 @@ impl Fence {
     }
 
     /// Publishes a prepared event (its epoch must be this owner's) under the fence.
-    pub async fn publish_event(&mut self, ev: &JobEvent, msg_id: Option<&str>) -> Result<u64, FenceError> {
+    pub async fn publish_event(
+        &mut self,
+        ev: &JobEvent,
+        msg_id: Option<&str>,
+    ) -> Result<u64, FenceError> {
         let (subject, payload) = self.events.message(ev);
         let filter = self.events.layout.job_events_filter(&self.job_id);
         // A few rounds: each refusal either proves a newer owner (stop) or
@@ -211,23 +263,37 @@ impl Fence {
                     self.last_seq = ack.sequence;
                     return Ok(ack.sequence);
                 }
-                Err(e) if e.kind() == PublishErrorKind::WrongLastSequence
-                    || matches!(server_error_code(&e), Some(WRONG_LAST_SEQUENCE | WRONG_LAST_SEQUENCE_CONSTANT)) =>
+                Err(e)
+                    if e.kind() == PublishErrorKind::WrongLastSequence
+                        || matches!(
+                            server_error_code(&e),
+                            Some(WRONG_LAST_SEQUENCE | WRONG_LAST_SEQUENCE_CONSTANT)
+                        ) =>
                 {
                     // Read the job's last sequence first, then its last
                     // claim marker: a marker landing after the first read
                     // moves the sequence again, so the retry is refused too.
                     let nats = |e: StoreError| FenceError::Nats(e.to_string());
                     let last = self.events.last(&self.job_id).await.map_err(nats)?;
-                    let claimed = self.events.last_of_type(&self.job_id, "claimed").await.map_err(nats)?;
+                    let claimed = self
+                        .events
+                        .last_of_type(&self.job_id, "claimed")
+                        .await
+                        .map_err(nats)?;
                     if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > self.epoch) {
-                        return Err(FenceError::Lost { ours: self.epoch, newer_epoch: c.epoch });
+                        return Err(FenceError::Lost {
+                            ours: self.epoch,
+                            newer_epoch: c.epoch,
+                        });
                     }
                     self.last_seq = last.map_or(0, |(seq, _)| seq);
                 }
                 Err(e) => return Err(FenceError::Nats(e.to_string())),
             }
         }
-        Err(FenceError::Nats(format!("events of {} keep moving", self.job_id)))
+        Err(FenceError::Nats(format!(
+            "events of {} keep moving",
+            self.job_id
+        )))
     }
 }

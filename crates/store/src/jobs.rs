@@ -16,10 +16,10 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::kv;
 use bytes::Bytes;
-use serde_json::json;
 use futures::StreamExt;
 use leasehold_core::machine::{self, Owner, TransitionError};
 use leasehold_core::JobRecord;
+use serde_json::json;
 
 use crate::{server_error_code, Conn, StoreError, WRONG_LAST_SEQUENCE_CONSTANT};
 
@@ -54,7 +54,10 @@ pub enum JobsError {
 
 impl JobsError {
     pub fn is_ownership_lost(&self) -> bool {
-        matches!(self, JobsError::Transition(TransitionError::OwnershipLost(_)))
+        matches!(
+            self,
+            JobsError::Transition(TransitionError::OwnershipLost(_))
+        )
     }
 
     /// Worth retrying the same operation after a pause.
@@ -109,8 +112,12 @@ impl Jobs {
     pub async fn create(&self, rec: &JobRecord) -> Result<u64, JobsError> {
         match self.kv.create(&rec.id, encode(rec)).await {
             Ok(rev) => Ok(rev),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Err(JobsError::Exists(rec.id.clone())),
-            Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => Err(JobsError::Conflict(rec.id.clone())),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                Err(JobsError::Exists(rec.id.clone()))
+            }
+            Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => {
+                Err(JobsError::Conflict(rec.id.clone()))
+            }
             Err(e) => Err(JobsError::Nats(format!("create job {}: {e}", rec.id))),
         }
     }
@@ -119,7 +126,9 @@ impl Jobs {
     pub async fn update(&self, rec: &JobRecord, expected: u64) -> Result<u64, JobsError> {
         match self.kv.update(&rec.id, encode(rec), expected).await {
             Ok(rev) => Ok(rev),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(JobsError::Conflict(rec.id.clone())),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Err(JobsError::Conflict(rec.id.clone()))
+            }
             Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => {
                 tracing::debug!(job = %rec.id, "spurious 10164 on update; re-reading");
                 Err(JobsError::Conflict(rec.id.clone()))
@@ -131,15 +140,29 @@ impl Jobs {
     /// Read, decide, write conditioned on the revision read; on a conflict
     /// read again and decide again. `decide` returns `Ok(None)` when there is
     /// nothing to write (the current record is returned then).
-    pub async fn transition<F>(&self, id: &str, mut decide: F) -> Result<Versioned<JobRecord>, JobsError>
+    pub async fn transition<F>(
+        &self,
+        id: &str,
+        mut decide: F,
+    ) -> Result<Versioned<JobRecord>, JobsError>
     where
         F: FnMut(&JobRecord) -> Result<Option<JobRecord>, TransitionError>,
     {
         for _ in 0..MAX_CONFLICTS {
-            let cur = self.get(id).await?.ok_or_else(|| JobsError::NotFound(id.to_string()))?;
-            let Some(next) = decide(&cur.value)? else { return Ok(cur) };
+            let cur = self
+                .get(id)
+                .await?
+                .ok_or_else(|| JobsError::NotFound(id.to_string()))?;
+            let Some(next) = decide(&cur.value)? else {
+                return Ok(cur);
+            };
             match self.update(&next, cur.revision).await {
-                Ok(revision) => return Ok(Versioned { value: next, revision }),
+                Ok(revision) => {
+                    return Ok(Versioned {
+                        value: next,
+                        revision,
+                    })
+                }
                 Err(JobsError::Conflict(_)) => continue,
                 Err(e) => return Err(e),
             }
@@ -149,7 +172,11 @@ impl Jobs {
 
     /// Every job id in the bucket.
     pub async fn ids(&self) -> Result<Vec<String>, JobsError> {
-        let mut keys = self.kv.keys().await.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
+        let mut keys = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
         let mut out = Vec::new();
         while let Some(k) = keys.next().await {
             out.push(k.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?);
@@ -170,12 +197,19 @@ impl Jobs {
 
     /// The record's revisions, oldest first (as many as the bucket keeps).
     pub async fn history(&self, id: &str) -> Result<Vec<Versioned<JobRecord>>, JobsError> {
-        let mut h = self.kv.history(id).await.map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
+        let mut h = self
+            .kv
+            .history(id)
+            .await
+            .map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
         let mut out = Vec::new();
         while let Some(e) = h.next().await {
             let e = e.map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
             if e.operation == kv::Operation::Put {
-                out.push(Versioned { value: decode(id, &e.value)?, revision: e.revision });
+                out.push(Versioned {
+                    value: decode(id, &e.value)?,
+                    revision: e.revision,
+                });
             }
         }
         Ok(out)
@@ -183,22 +217,33 @@ impl Jobs {
 
     /// A watch of every record change (for `leasehold watch` and tests).
     pub async fn watch(&self, id: &str) -> Result<kv::Watch, JobsError> {
-        self.kv.watch_with_history(id).await.map_err(|e| JobsError::Nats(format!("watch {id}: {e}")))
+        self.kv
+            .watch_with_history(id)
+            .await
+            .map_err(|e| JobsError::Nats(format!("watch {id}: {e}")))
     }
 
     /// A watch of every change to any record.
     pub async fn watch_all(&self) -> Result<kv::Watch, JobsError> {
-        self.kv.watch_all().await.map_err(|e| JobsError::Nats(format!("watch jobs: {e}")))
+        self.kv
+            .watch_all()
+            .await
+            .map_err(|e| JobsError::Nats(format!("watch jobs: {e}")))
     }
 }
 
 /// Decodes a KV value as a job record.
 pub fn decode(id: &str, bytes: &[u8]) -> Result<JobRecord, JobsError> {
-    serde_json::from_slice(bytes).map_err(|e| JobsError::Corrupt { id: id.into(), message: e.to_string() })
+    serde_json::from_slice(bytes).map_err(|e| JobsError::Corrupt {
+        id: id.into(),
+        message: e.to_string(),
+    })
 }
 
 fn encode(rec: &JobRecord) -> Bytes {
-    serde_json::to_vec(rec).expect("a job record always serializes").into()
+    serde_json::to_vec(rec)
+        .expect("a job record always serializes")
+        .into()
 }
 
 /// The door of every owner-side write of one claimed job.
@@ -215,7 +260,11 @@ pub struct Gate {
 
 impl Gate {
     pub fn new(jobs: Jobs, id: impl Into<String>, owner: Owner) -> Self {
-        Gate { jobs, id: id.into(), owner }
+        Gate {
+            jobs,
+            id: id.into(),
+            owner,
+        }
     }
 
     /// An owner-checked transition; `f` is one of the machine's owner-side
@@ -232,12 +281,17 @@ impl Gate {
 
     /// Extends the lease.
     pub async fn heartbeat(&self, lease: Duration) -> Result<Versioned<JobRecord>, JobsError> {
-        self.write(|r, o, now| machine::heartbeat(r, o, now, lease)).await
+        self.write(|r, o, now| machine::heartbeat(r, o, now, lease))
+            .await
     }
 
     /// Reads the record and proves ownership without writing.
     pub async fn check(&self) -> Result<Versioned<JobRecord>, JobsError> {
-        let cur = self.jobs.get(&self.id).await?.ok_or_else(|| JobsError::NotFound(self.id.clone()))?;
+        let cur = self
+            .jobs
+            .get(&self.id)
+            .await?
+            .ok_or_else(|| JobsError::NotFound(self.id.clone()))?;
         machine::check_owner(&cur.value, &self.owner)?;
         Ok(cur)
     }
@@ -247,18 +301,24 @@ impl Gate {
 pub async fn cancel(jobs: &Jobs, events: &crate::events::Events, id: &str) -> serde_json::Value {
     let mut outcome = None;
     let res = jobs
-        .transition(id, |rec| match machine::request_cancel(rec, SystemTime::now())? {
-            machine::CancelOutcome::Cancelled(r) => {
-                outcome = Some("cancelled");
-                Ok(Some(r))
-            }
-            machine::CancelOutcome::Requested(r) => {
-                outcome = Some("requested");
-                Ok(Some(r))
-            }
-            machine::CancelOutcome::Unchanged(why) => {
-                outcome = Some(if why.contains("already requested") { "already_requested" } else { "unchanged" });
-                Ok(None)
+        .transition(id, |rec| {
+            match machine::request_cancel(rec, SystemTime::now())? {
+                machine::CancelOutcome::Cancelled(r) => {
+                    outcome = Some("cancelled");
+                    Ok(Some(r))
+                }
+                machine::CancelOutcome::Requested(r) => {
+                    outcome = Some("requested");
+                    Ok(Some(r))
+                }
+                machine::CancelOutcome::Unchanged(why) => {
+                    outcome = Some(if why.contains("already requested") {
+                        "already_requested"
+                    } else {
+                        "unchanged"
+                    });
+                    Ok(None)
+                }
             }
         })
         .await;
@@ -266,12 +326,20 @@ pub async fn cancel(jobs: &Jobs, events: &crate::events::Events, id: &str) -> se
         Ok(v) => {
             let what = outcome.unwrap_or("unchanged");
             if what == "cancelled" {
-                let ev = crate::events::event(id, v.value.epoch, "cancelled", None, json!({"while": "queued"}));
+                let ev = crate::events::event(
+                    id,
+                    v.value.epoch,
+                    "cancelled",
+                    None,
+                    json!({"while": "queued"}),
+                );
                 let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
             }
             json!({"id": id, "recorded": matches!(what, "cancelled" | "requested" | "already_requested"), "outcome": what, "status": v.value.status})
         }
-        Err(JobsError::NotFound(_)) => json!({"id": id, "recorded": false, "outcome": "not_found", "error": format!("no job {id}")}),
+        Err(JobsError::NotFound(_)) => {
+            json!({"id": id, "recorded": false, "outcome": "not_found", "error": format!("no job {id}")})
+        }
         Err(e) => json!({"id": id, "recorded": false, "outcome": "error", "error": e.to_string()}),
     }
 }

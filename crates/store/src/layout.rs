@@ -53,7 +53,11 @@ impl Layout {
     }
     /// Durable pull consumer of one kind's tickets.
     pub fn work_consumer(&self, kind: &str) -> String {
-        format!("{}_workers_{}", self.prefix, kind.replace(['.', '*', '>'], "_"))
+        format!(
+            "{}_workers_{}",
+            self.prefix,
+            kind.replace(['.', '*', '>'], "_")
+        )
     }
     /// KV bucket of job records.
     pub fn jobs_bucket(&self) -> String {
@@ -113,6 +117,20 @@ impl Layout {
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.*",
             self.work_stream()
         )
+    }
+}
+
+
+/// Names used by the reaper service.
+impl Layout {
+    /// Durable consumer of the reapers on the advisory stream. Every replica
+    /// shares it, so each advisory goes to one reaper at a time.
+    pub fn reaper_consumer(&self) -> String {
+        format!("{}_reaper", self.prefix)
+    }
+    /// Request subject answered by every reaper with its metrics as JSON.
+    pub fn reaper_metrics_subject(&self) -> String {
+        format!("{}.reaper.metrics", self.prefix)
     }
 }
 

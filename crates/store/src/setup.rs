@@ -46,7 +46,11 @@ impl Default for SetupOptions {
     fn default() -> Self {
         SetupOptions {
             replicas: 1,
-            kinds: leasehold_core::spec::Kinds::default().names().iter().map(|s| s.to_string()).collect(),
+            kinds: leasehold_core::spec::Kinds::default()
+                .names()
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             ack_wait: Duration::from_secs(30),
             max_deliver: 20,
             dedupe_window: Duration::from_secs(3600),
@@ -75,7 +79,8 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
     let l = &conn.layout;
     let js = &conn.js;
     let mut report = Vec::new();
-    let err = |what: &str, e: &dyn std::fmt::Display| StoreError::Nats(format!("setup {what}: {e}"));
+    let err =
+        |what: &str, e: &dyn std::fmt::Display| StoreError::Nats(format!("setup {what}: {e}"));
 
     let work = stream::Config {
         name: l.work_stream(),
@@ -87,10 +92,19 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
         duplicate_window: o.dedupe_window,
         ..Default::default()
     };
-    js.create_or_update_stream(work).await.map_err(|e| err("work stream", &e))?;
-    report.push(format!("stream {} (subjects {})", l.work_stream(), l.submit_wildcard()));
+    js.create_or_update_stream(work)
+        .await
+        .map_err(|e| err("work stream", &e))?;
+    report.push(format!(
+        "stream {} (subjects {})",
+        l.work_stream(),
+        l.submit_wildcard()
+    ));
 
-    let ws = js.get_stream(l.work_stream()).await.map_err(|e| err("work stream", &e))?;
+    let ws = js
+        .get_stream(l.work_stream())
+        .await
+        .map_err(|e| err("work stream", &e))?;
     for kind in &o.kinds {
         let name = l.work_consumer(kind);
         let cfg = consumer::pull::Config {
@@ -108,7 +122,10 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
         } else {
             ws.create_consumer(cfg).await.map_err(|e| err(&name, &e))?;
         }
-        report.push(format!("consumer {name} (ack wait {:?}, max deliver {})", o.ack_wait, o.max_deliver));
+        report.push(format!(
+            "consumer {name} (ack wait {:?}, max deliver {})",
+            o.ack_wait, o.max_deliver
+        ));
     }
 
     js.create_or_update_key_value(kv::Config {
@@ -123,9 +140,13 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
     .map_err(|e| err("jobs bucket", &e))?;
     report.push(format!("kv {}", l.jobs_bucket()));
 
-    js.create_or_update_key_value(effects_config(l.effects_bucket(), o.effects_retention, o.replicas))
-        .await
-        .map_err(|e| err("effects bucket", &e))?;
+    js.create_or_update_key_value(effects_config(
+        l.effects_bucket(),
+        o.effects_retention,
+        o.replicas,
+    ))
+    .await
+    .map_err(|e| err("effects bucket", &e))?;
     report.push(format!("kv {}", l.effects_bucket()));
 
     if js.get_object_store(l.artifacts_bucket()).await.is_err() {
@@ -142,9 +163,27 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
     report.push(format!("object store {}", l.artifacts_bucket()));
 
     for (name, subject, age, dedupe, what) in [
-        (l.events_stream(), l.events_wildcard(), o.events_max_age, Duration::from_secs(120), "job events"),
-        (l.dlq_stream(), l.dlq_wildcard(), Duration::ZERO, Duration::from_secs(3600), "dead letters"),
-        (l.advisory_stream(), l.max_deliveries_advisories(), Duration::from_secs(7 * 86_400), Duration::from_secs(120), "max-deliveries advisories"),
+        (
+            l.events_stream(),
+            l.events_wildcard(),
+            o.events_max_age,
+            Duration::from_secs(120),
+            "job events",
+        ),
+        (
+            l.dlq_stream(),
+            l.dlq_wildcard(),
+            Duration::ZERO,
+            Duration::from_secs(3600),
+            "dead letters",
+        ),
+        (
+            l.advisory_stream(),
+            l.max_deliveries_advisories(),
+            Duration::from_secs(7 * 86_400),
+            Duration::from_secs(120),
+            "max-deliveries advisories",
+        ),
     ] {
         js.create_or_update_stream(stream::Config {
             name: name.clone(),
@@ -172,7 +211,11 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
     let mut missing = Vec::new();
     match js.get_stream(l.work_stream()).await {
         Ok(mut s) => {
-            let subjects = s.info().await.map(|i| i.config.subjects.clone()).unwrap_or_default();
+            let subjects = s
+                .info()
+                .await
+                .map(|i| i.config.subjects.clone())
+                .unwrap_or_default();
             for kind in kinds {
                 let subj = l.submit_subject(kind);
                 if !subjects.contains(&subj) {
@@ -208,8 +251,9 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
 
 /// The server's JetStream API is reachable (used to give a clear error early).
 pub async fn ping(js: &jetstream::Context) -> Result<(), StoreError> {
-    js.query_account()
-        .await
-        .map(|_| ())
-        .map_err(|e| StoreError::Nats(format!("JetStream is not available on this server ({e}); start nats-server with -js")))
+    js.query_account().await.map(|_| ()).map_err(|e| {
+        StoreError::Nats(format!(
+            "JetStream is not available on this server ({e}); start nats-server with -js"
+        ))
+    })
 }

@@ -44,7 +44,10 @@ pub struct Published {
 
 impl Work {
     pub fn new(conn: &Conn) -> Self {
-        Work { js: conn.js.clone(), layout: conn.layout.clone() }
+        Work {
+            js: conn.js.clone(),
+            layout: conn.layout.clone(),
+        }
     }
 
     async fn stream(&self) -> Result<jetstream::stream::Stream<()>, StoreError> {
@@ -57,22 +60,37 @@ impl Work {
     /// The durable pull consumer of one kind.
     pub async fn consumer(&self, kind: &str) -> Result<PullConsumer, StoreError> {
         let name = self.layout.work_consumer(kind);
-        self.stream()
-            .await?
-            .get_consumer(&name)
-            .await
-            .map_err(|_| StoreError::Missing(vec![format!("consumer {name} on {}", self.layout.work_stream())]))
+        self.stream().await?.get_consumer(&name).await.map_err(|_| {
+            StoreError::Missing(vec![format!(
+                "consumer {name} on {}",
+                self.layout.work_stream()
+            )])
+        })
     }
 
     /// The ack wait of one kind's consumer (the server's backoff[0] when set).
     pub async fn ack_wait(&self, kind: &str) -> Result<Duration, StoreError> {
         let mut c = self.consumer(kind).await?;
-        let info = c.info().await.map_err(|e| StoreError::nats("consumer info", e))?;
-        Ok(info.config.backoff.first().copied().unwrap_or(info.config.ack_wait))
+        let info = c
+            .info()
+            .await
+            .map_err(|e| StoreError::nats("consumer info", e))?;
+        Ok(info
+            .config
+            .backoff
+            .first()
+            .copied()
+            .unwrap_or(info.config.ack_wait))
     }
 
     /// Publishes a submission as a client would.
-    pub async fn submit(&self, kind: &str, payload: Bytes, msg_id: Option<&str>, content_type: Option<&str>) -> Result<Published, StoreError> {
+    pub async fn submit(
+        &self,
+        kind: &str,
+        payload: Bytes,
+        msg_id: Option<&str>,
+        content_type: Option<&str>,
+    ) -> Result<Published, StoreError> {
         let mut m = PublishMessage::build().payload(payload);
         if let Some(id) = msg_id {
             m = m.message_id(id);
@@ -86,7 +104,12 @@ impl Work {
     /// Publishes a fresh ticket for an existing record (re-enqueue, replay,
     /// resume). `reason` and `nonce` make the dedupe id unique per re-enqueue
     /// while repeats of the same re-enqueue collapse.
-    pub async fn reissue(&self, rec: &JobRecord, reason: &str, nonce: &str) -> Result<Published, StoreError> {
+    pub async fn reissue(
+        &self,
+        rec: &JobRecord,
+        reason: &str,
+        nonce: &str,
+    ) -> Result<Published, StoreError> {
         let spec = rec.spec.clone().unwrap_or_default();
         let payload: Bytes = serde_json::to_vec(&spec).expect("spec serializes").into();
         let m = PublishMessage::build()
@@ -104,7 +127,10 @@ impl Work {
             .map_err(|e| StoreError::nats("publish ticket", e))?
             .await
             .map_err(|e| StoreError::nats("publish ticket", e))?;
-        Ok(Published { seq: ack.sequence, duplicate: ack.duplicate })
+        Ok(Published {
+            seq: ack.sequence,
+            duplicate: ack.duplicate,
+        })
     }
 
     /// The ticket at `seq`, if it is still in the stream.
@@ -112,11 +138,17 @@ impl Work {
         match self.stream().await?.get_raw_message(seq).await {
             Ok(m) => Ok(Some(Ticket {
                 seq,
-                kind: self.layout.kind_of_submit_subject(&m.subject).unwrap_or_default().to_string(),
+                kind: self
+                    .layout
+                    .kind_of_submit_subject(&m.subject)
+                    .unwrap_or_default()
+                    .to_string(),
                 payload: m.payload,
                 headers: m.headers,
             })),
-            Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => {
+                Ok(None)
+            }
             Err(e) => Err(StoreError::nats("get ticket", e)),
         }
     }

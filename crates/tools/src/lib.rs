@@ -1,1 +1,68 @@
-//! placeholder
+//! Tools and side effects: the layer between an agent's tool calls and the
+//! outside world.
+//!
+//! A [`Tool`] declares its name, the JSON Schema of its arguments, its
+//! [`ToolKind`] (read, write, hosted) and its timeout; writes may also declare
+//! a business key and a `find_existing` reconciliation. The [`Toolbox`] runs
+//! every call the same way, for workers and for `leasehold tool call`:
+//!
+//! 1. arguments are validated against the schema; an invalid call is an
+//!    [`ToolError::InvalidArgs`] whose [`ToolError::disposition`] says "give
+//!    this back to the model", never a crash;
+//! 2. the idempotency key is derived from (job id, step id, tool name,
+//!    canonical JSON of the arguments) by [`idempotency_key`];
+//! 3. reads run with capped exponential backoff and full jitter (this is the
+//!    single retry layer for tools) and return their result so the caller can
+//!    record it with the step;
+//! 4. writes go through the effects ledger ([`EffectsLedger`], KV bucket
+//!    `lh_effects`): `in_flight` is created if absent before the effect,
+//!    `done` with the result after it; a `done` key replays, an `in_flight`
+//!    key is reconciled (found → done; not found and the destination dedupes
+//!    by key → run again with the same key; destination unreachable for the
+//!    lookup → [`ToolError::Unreachable`], retry later with the key still in
+//!    flight; otherwise fail closed with [`ToolError::UncertainEffect`], which
+//!    parks the job); an executor whose epoch is older than the one holding
+//!    an `in_flight` key gets [`ToolError::Superseded`]; the same key with
+//!    other arguments is [`ToolError::KeyReuse`]; a business key already
+//!    delivered by another step replays that step's result;
+//! 5. every step of that is reported as a [`ToolEvent`] to a [`ToolEvents`]
+//!    sink, which the workflow publishes as `tool` events.
+//!
+//! Fault injection ([`Faults::fail_next`]) sits inside the layer, around the
+//! tool's own execution, so tests, the demo and the chaos suite exercise the
+//! real ledger logic.
+//!
+//! Configuration ([`ToolboxConfig::from_env`]): `LH_SEARCH_URL`,
+//! `LH_FETCH_ALLOW`, `LH_FETCH_MAX_BYTES`, `LH_FETCH_TIMEOUT`,
+//! `LH_PUBLISH_URL`, `LH_PUBLISH_DEDUPES`, `LH_TOOL_FAULTS`; see the
+//! `toolbox` module's table.
+//!
+//! Architecture Invariant: a write tool's `execute` is only ever called after
+//! this process created or took over the key's `in_flight` entry.
+
+mod builtin;
+mod error;
+mod events;
+mod faults;
+mod key;
+mod ledger;
+mod netguard;
+mod schema;
+mod tool;
+mod toolbox;
+
+pub use builtin::fetch::{FetchConfig, FetchTool};
+pub use builtin::publish::{PublishConfig, PublishTool};
+pub use builtin::search::{SearchConfig, SearchTool};
+pub use error::{Disposition, ToolError};
+pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
+pub use faults::{FaultMode, Faults};
+pub use key::{arg_digest, business_key_id, canonical_json, idempotency_key, step_id};
+pub use ledger::{
+    effects_bucket_config, EffectState, EffectsLedger, LedgerEntry, DEFAULT_RETENTION,
+};
+pub use netguard::{AllowList, NetGuard};
+pub use tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
+pub use toolbox::{
+    CallCtx, Outcome, RetryPolicy, ToolOutput, Toolbox, ToolboxConfig, DEFAULT_BASE_URL,
+};

@@ -53,7 +53,12 @@ pub struct Options {
     #[arg(long, env = "LH_PULL_EXPIRES", default_value = "1s", value_parser = parse_duration)]
     pub pull_expires: Duration,
     /// Kinds served, comma-separated.
-    #[arg(long, env = "LH_KINDS", value_delimiter = ',', default_value = "echo,sleep,fail,crash,research")]
+    #[arg(
+        long,
+        env = "LH_KINDS",
+        value_delimiter = ',',
+        default_value = "echo,sleep,fail,crash,research"
+    )]
     pub kinds: Vec<String>,
     /// Submissions larger than this many bytes are rejected.
     #[arg(long, env = "LH_MAX_SUBMISSION_BYTES", default_value_t = leasehold_core::spec::DEFAULT_MAX_BYTES)]
@@ -102,6 +107,10 @@ impl Options {
     }
 
     pub fn retry_policy(&self) -> RetryPolicy {
-        RetryPolicy { max_attempts: self.max_attempts, base: self.retry_base, cap: self.retry_cap }
+        RetryPolicy {
+            max_attempts: self.max_attempts,
+            base: self.retry_base,
+            cap: self.retry_cap,
+        }
     }
 }

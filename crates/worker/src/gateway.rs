@@ -35,19 +35,38 @@ pub struct Subscriptions {
 /// Subscribes (queue groups) and flushes so the server knows the interest.
 pub async fn subscribe(conn: &Conn) -> anyhow::Result<Subscriptions> {
     let l = &conn.layout;
-    let submit = conn.client.queue_subscribe(format!("{}.submit.*", l.prefix), format!("{}-gateway", l.prefix)).await?;
-    let cancel = conn.client.queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix)).await?;
+    let submit = conn
+        .client
+        .queue_subscribe(
+            format!("{}.submit.*", l.prefix),
+            format!("{}-gateway", l.prefix),
+        )
+        .await?;
+    let cancel = conn
+        .client
+        .queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix))
+        .await?;
     conn.client.flush().await?;
     Ok(Subscriptions { submit, cancel })
 }
 
 /// Serves until `shutdown` fires.
-pub async fn run(conn: Conn, subs: Subscriptions, jobs: Jobs, events: Events, dlq: Dlq, kinds: Kinds, shutdown: CancellationToken) {
+pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) {
+    let Gateway {
+        conn, jobs, events, ..
+    } = &gw;
     let l = conn.layout.clone();
-    let Subscriptions { mut submit, mut cancel } = subs;
+    let Subscriptions {
+        mut submit,
+        mut cancel,
+    } = subs;
     // The kinds the work stream captures; anything else is unknown.
     let captured: Vec<String> = match conn.js.get_stream(l.work_stream()).await {
-        Ok(mut s) => s.info().await.map(|i| i.config.subjects.clone()).unwrap_or_default(),
+        Ok(mut s) => s
+            .info()
+            .await
+            .map(|i| i.config.subjects.clone())
+            .unwrap_or_default(),
         Err(_) => Vec::new(),
     };
     loop {
@@ -56,11 +75,11 @@ pub async fn run(conn: Conn, subs: Subscriptions, jobs: Jobs, events: Events, dl
             Some(m) = submit.next() => {
                 let Some(kind) = l.kind_of_submit_subject(&m.subject).map(str::to_string) else { continue };
                 let stream_has_it = captured.iter().any(|s| s == m.subject.as_str());
-                on_submission(&conn, &jobs, &events, &dlq, &kinds, &kind, stream_has_it, m).await;
+                gw.on_submission(&kind, stream_has_it, m).await;
             }
             Some(m) = cancel.next() => {
                 let id = m.subject.rsplit('.').next().unwrap_or_default().to_string();
-                let reply = leasehold_store::jobs::cancel(&jobs, &events, &id).await;
+                let reply = leasehold_store::jobs::cancel(jobs, events, &id).await;
                 if let Some(r) = m.reply {
                     let _ = conn.client.publish(r, reply.to_string().into()).await;
                 }
@@ -69,45 +88,102 @@ pub async fn run(conn: Conn, subs: Subscriptions, jobs: Jobs, events: Events, dl
     }
 }
 
-async fn on_submission(conn: &Conn, jobs: &Jobs, events: &Events, dlq: &Dlq, kinds: &Kinds, kind: &str, stream_has_it: bool, m: async_nats::Message) {
-    let hint = work::ticket_job_id(m.headers.as_ref());
-    let ct = work::content_type(m.headers.as_ref());
-    let sub = Submission { kind, payload: &m.payload, msg_id: hint.as_deref(), content_type: ct.as_deref(), stream_seq: 0 };
-    let result = spec::decode(sub, kinds, usize::MAX);
-    if stream_has_it {
-        // The ticket is stored; its consumer records any rejection. Only
-        // tell a waiting submitter now.
-        if let (Err(rej), Some(reply)) = (&result, &m.reply) {
-            if !matches!(rej.error, spec::SubmitError::InvalidId(ref s) if s.is_empty()) {
-                let _ = conn.client.publish(reply.clone(), error_reply(rej.id.as_deref(), &rej.error).into()).await;
+/// What the gateway needs to record rejections.
+pub struct Gateway {
+    pub conn: Conn,
+    pub jobs: Jobs,
+    pub events: Events,
+    pub dlq: Dlq,
+    pub kinds: Kinds,
+}
+
+impl Gateway {
+    async fn on_submission(&self, kind: &str, stream_has_it: bool, m: async_nats::Message) {
+        let Gateway {
+            conn,
+            jobs,
+            events,
+            dlq,
+            kinds,
+        } = self;
+        let hint = work::ticket_job_id(m.headers.as_ref());
+        let ct = work::content_type(m.headers.as_ref());
+        let sub = Submission {
+            kind,
+            payload: &m.payload,
+            msg_id: hint.as_deref(),
+            content_type: ct.as_deref(),
+            stream_seq: 0,
+        };
+        let result = spec::decode(sub, kinds, usize::MAX);
+        if stream_has_it {
+            // The ticket is stored; its consumer records any rejection. Only
+            // tell a waiting submitter now.
+            if let (Err(rej), Some(reply)) = (&result, &m.reply) {
+                if !matches!(rej.error, spec::SubmitError::InvalidId(ref s) if s.is_empty()) {
+                    let _ = conn
+                        .client
+                        .publish(reply.clone(), error_reply(rej.id.as_deref(), &rej.error))
+                        .await;
+                }
+            }
+            return;
+        }
+        // Nothing stores this subject: the gateway is the only one who sees it.
+        let error = spec::SubmitError::UnknownKind {
+            kind: kind.to_string(),
+            known: kinds.names().join(", "),
+        };
+        let id = match &result {
+            Ok(a) => Some(a.id.clone()),
+            Err(r) => r.id.clone(),
+        };
+        let message = error.to_string();
+        if let Some(id) = &id {
+            let rec =
+                machine::rejected_record(id, kind, "rejected", &message, 0, SystemTime::now());
+            match jobs.create(&rec).await {
+                Ok(_) => {
+                    let ev = events::event(
+                        id,
+                        0,
+                        "rejected",
+                        None,
+                        json!({"error": message, "code": error.code()}),
+                    );
+                    let _ = events
+                        .publish(&ev, Some(&format!("{id}:rejected:unknown-kind")))
+                        .await;
+                }
+                Err(JobsError::Exists(_)) => {}
+                Err(e) => tracing::warn!(error = %e, "gateway: cannot record the rejection"),
             }
         }
-        return;
-    }
-    // Nothing stores this subject: the gateway is the only one who sees it.
-    let error = spec::SubmitError::UnknownKind { kind: kind.to_string(), known: kinds.names().join(", ") };
-    let id = match &result {
-        Ok(a) => Some(a.id.clone()),
-        Err(r) => r.id.clone(),
-    };
-    let message = error.to_string();
-    if let Some(id) = &id {
-        let rec = machine::rejected_record(id, kind, "rejected", &message, 0, SystemTime::now());
-        match jobs.create(&rec).await {
-            Ok(_) => {
-                let ev = events::event(id, 0, "rejected", None, json!({"error": message, "code": error.code()}));
-                let _ = events.publish(&ev, Some(&format!("{id}:rejected:unknown-kind"))).await;
-            }
-            Err(JobsError::Exists(_)) => {}
-            Err(e) => tracing::warn!(error = %e, "gateway: cannot record the rejection"),
+        let dedupe = format!(
+            "rejected:{kind}:{}",
+            id.clone()
+                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+        );
+        if let Err(e) = dlq
+            .reject(
+                kind,
+                id.as_deref(),
+                error.code(),
+                &message,
+                m.payload.clone(),
+                m.headers.as_ref(),
+                &dedupe,
+            )
+            .await
+        {
+            tracing::warn!(error = %e, "gateway: cannot dead-letter a submission of an unknown kind");
         }
-    }
-    let dedupe = format!("rejected:{kind}:{}", id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()));
-    if let Err(e) = dlq.reject(kind, id.as_deref(), error.code(), &message, m.payload.clone(), m.headers.as_ref(), &dedupe).await {
-        tracing::warn!(error = %e, "gateway: cannot dead-letter a submission of an unknown kind");
-    }
-    if let Some(reply) = m.reply {
-        let _ = conn.client.publish(reply, error_reply(id.as_deref(), &error).into()).await;
+        if let Some(reply) = m.reply {
+            let _ = conn
+                .client
+                .publish(reply, error_reply(id.as_deref(), &error))
+                .await;
+        }
     }
 }
 
@@ -116,4 +192,3 @@ fn error_reply(id: Option<&str>, e: &spec::SubmitError) -> Bytes {
         .to_string()
         .into()
 }
-

@@ -24,7 +24,10 @@ use tokio_util::sync::CancellationToken;
 pub enum Outcome {
     Completed(JobResult),
     /// Stop for a person: a refusal, an uncertain external effect, a loop.
-    Parked { reason: String, message: String },
+    Parked {
+        reason: String,
+        message: String,
+    },
 }
 
 /// Error classes of a failed attempt.
@@ -48,13 +51,22 @@ pub struct HandlerError {
 
 impl HandlerError {
     pub fn retryable(m: impl Into<String>) -> Self {
-        HandlerError { class: ErrorClass::Retryable, message: m.into() }
+        HandlerError {
+            class: ErrorClass::Retryable,
+            message: m.into(),
+        }
     }
     pub fn terminal(m: impl Into<String>) -> Self {
-        HandlerError { class: ErrorClass::Terminal, message: m.into() }
+        HandlerError {
+            class: ErrorClass::Terminal,
+            message: m.into(),
+        }
     }
     pub fn cancelled() -> Self {
-        HandlerError { class: ErrorClass::Cancelled, message: "cancelled".into() }
+        HandlerError {
+            class: ErrorClass::Cancelled,
+            message: "cancelled".into(),
+        }
     }
     pub fn class_name(&self) -> &'static str {
         match self.class {
@@ -100,7 +112,10 @@ pub struct Echo;
 #[async_trait]
 impl Handler for Echo {
     async fn run(&self, ctx: JobCtx) -> Result<Outcome, HandlerError> {
-        Ok(Outcome::Completed(JobResult { output: ctx.input.to_string(), ..Default::default() }))
+        Ok(Outcome::Completed(JobResult {
+            output: ctx.input.to_string(),
+            ..Default::default()
+        }))
     }
 }
 
@@ -127,7 +142,11 @@ pub struct Fail;
 #[async_trait]
 impl Handler for Fail {
     async fn run(&self, ctx: JobCtx) -> Result<Outcome, HandlerError> {
-        let times = ctx.input.get("times").and_then(Value::as_u64).unwrap_or(u64::MAX);
+        let times = ctx
+            .input
+            .get("times")
+            .and_then(Value::as_u64)
+            .unwrap_or(u64::MAX);
         let failed = u64::from(ctx.record.attempts);
         if failed < times {
             let m = format!("injected failure {} of {times}", failed + 1);
@@ -136,7 +155,10 @@ impl Handler for Fail {
                 _ => HandlerError::retryable(m),
             });
         }
-        Ok(Outcome::Completed(JobResult { output: json!({"failed_attempts": failed}).to_string(), ..Default::default() }))
+        Ok(Outcome::Completed(JobResult {
+            output: json!({"failed_attempts": failed}).to_string(),
+            ..Default::default()
+        }))
     }
 }
 

@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use leasehold_core::machine::{self, Claimant, ClaimDecision, Owner, TransitionError};
+use leasehold_core::machine::{self, ClaimDecision, Claimant, Owner, TransitionError};
 use leasehold_core::retry::RetryPolicy;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_core::{JobError, JobRecord};
@@ -82,7 +82,11 @@ impl Handle {
 impl Worker {
     /// A worker with the built-in handlers.
     pub fn new(opts: Options) -> Self {
-        let mut w = Worker { opts, handlers: HashMap::new(), kinds: Kinds::default() };
+        let mut w = Worker {
+            opts,
+            handlers: HashMap::new(),
+            kinds: Kinds::default(),
+        };
         for (k, h) in handler::builtins() {
             w.handlers.insert(k, h);
         }
@@ -100,14 +104,36 @@ impl Worker {
     pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Handle> {
         let opts = self.opts;
         opts.validate().map_err(anyhow::Error::msg)?;
-        let served: Vec<String> = opts.kinds.iter().filter(|k| self.handlers.contains_key(*k)).cloned().collect();
-        let unserved: Vec<&String> = opts.kinds.iter().filter(|k| !self.handlers.contains_key(*k)).collect();
+        let served: Vec<String> = opts
+            .kinds
+            .iter()
+            .filter(|k| self.handlers.contains_key(*k))
+            .cloned()
+            .collect();
+        let unserved: Vec<&String> = opts
+            .kinds
+            .iter()
+            .filter(|k| !self.handlers.contains_key(*k))
+            .collect();
         if !unserved.is_empty() {
-            tracing::warn!(?unserved, "no handler for these kinds in this worker; not serving them");
+            tracing::warn!(
+                ?unserved,
+                "no handler for these kinds in this worker; not serving them"
+            );
         }
-        anyhow::ensure!(!served.is_empty(), "none of the kinds {:?} has a handler in this worker", opts.kinds);
-        let worker_id = opts.worker_id.clone().unwrap_or_else(|| format!("w-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
-        let conn = opts.nats.connect(&format!("leasehold-worker {worker_id}")).await?;
+        anyhow::ensure!(
+            !served.is_empty(),
+            "none of the kinds {:?} has a handler in this worker",
+            opts.kinds
+        );
+        let worker_id = opts
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("w-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
+        let conn = opts
+            .nats
+            .connect(&format!("leasehold-worker {worker_id}"))
+            .await?;
         setup::ping(&conn.js).await?;
         setup::verify(&conn, &served).await?;
         let work = Work::new(&conn);
@@ -151,7 +177,11 @@ impl Worker {
         let stats = shared.stats.clone();
         let gateway = crate::gateway::subscribe(&shared.conn).await?;
         let join = tokio::spawn(run(shared, served, gateway, shutdown));
-        Ok(Handle { worker_id, stats, join })
+        Ok(Handle {
+            worker_id,
+            stats,
+            join,
+        })
     }
 }
 
@@ -184,12 +214,24 @@ struct Running {
     ticket: TicketSlot,
 }
 
-async fn run(shared: Arc<Shared>, kinds: Vec<String>, gateway: crate::gateway::Subscriptions, shutdown: CancellationToken) -> anyhow::Result<()> {
+async fn run(
+    shared: Arc<Shared>,
+    kinds: Vec<String>,
+    gateway: crate::gateway::Subscriptions,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let mut loops = JoinSet::new();
     for kind in &kinds {
         loops.spawn(pull_loop(shared.clone(), kind.clone(), shutdown.clone()));
     }
-    let gw = tokio::spawn(crate::gateway::run(shared.conn.clone(), gateway, shared.jobs.clone(), shared.events.clone(), shared.dlq.clone(), shared.kinds.clone(), shutdown.clone()));
+    let gw = crate::gateway::Gateway {
+        conn: shared.conn.clone(),
+        jobs: shared.jobs.clone(),
+        events: shared.events.clone(),
+        dlq: shared.dlq.clone(),
+        kinds: shared.kinds.clone(),
+    };
+    let gw = tokio::spawn(crate::gateway::run(gw, gateway, shutdown.clone()));
     if shared.opts.worker_id.is_some() {
         let s = shared.clone();
         tokio::spawn(async move {
@@ -200,14 +242,25 @@ async fn run(shared: Arc<Shared>, kinds: Vec<String>, gateway: crate::gateway::S
     }
 
     shutdown.cancelled().await;
-    tracing::info!("shutdown: stop pulling; draining in-flight jobs for up to {:?}", shared.opts.drain_timeout);
-    let drained = tokio::time::timeout(shared.opts.drain_timeout, wait_idle(&shared)).await.is_ok();
+    tracing::info!(
+        "shutdown: stop pulling; draining in-flight jobs for up to {:?}",
+        shared.opts.drain_timeout
+    );
+    let drained = tokio::time::timeout(shared.opts.drain_timeout, wait_idle(&shared))
+        .await
+        .is_ok();
     if !drained {
         let n = shared.running.lock().unwrap().len();
-        tracing::info!(jobs = n, "shutdown: drain timeout passed; handing jobs back");
+        tracing::info!(
+            jobs = n,
+            "shutdown: drain timeout passed; handing jobs back"
+        );
     }
     shared.handoff.cancel();
-    if tokio::time::timeout(Duration::from_secs(15), wait_idle(&shared)).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(15), wait_idle(&shared))
+        .await
+        .is_err()
+    {
         tracing::warn!("shutdown: some jobs did not hand back in 15s; their leases will expire");
     }
     while loops.join_next().await.is_some() {}
@@ -256,7 +309,12 @@ async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToke
                 Err(_) => break,
             }
         }
-        let batch = c.batch().max_messages(permits.len()).expires(shared.opts.pull_expires).messages().await;
+        let batch = c
+            .batch()
+            .max_messages(permits.len())
+            .expires(shared.opts.pull_expires)
+            .messages()
+            .await;
         let mut batch = match batch {
             Ok(b) => b,
             Err(e) => {
@@ -279,7 +337,9 @@ async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToke
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
                 continue;
             }
-            let permit = permits.pop().expect("never more messages than reserved slots");
+            let permit = permits
+                .pop()
+                .expect("never more messages than reserved slots");
             tokio::spawn(handle_delivery(shared.clone(), msg, permit));
         }
     }
@@ -299,10 +359,19 @@ fn attach(shared: &Shared, id: &str, msg: &mut Option<jetstream::Message>) -> bo
     false
 }
 
-async fn handle_delivery(shared: Arc<Shared>, msg: jetstream::Message, permit: OwnedSemaphorePermit) {
+async fn handle_delivery(
+    shared: Arc<Shared>,
+    msg: jetstream::Message,
+    permit: OwnedSemaphorePermit,
+) {
     let mut slot = Some(msg);
     let msg = slot.as_ref().expect("set");
-    let kind = shared.conn.layout.kind_of_submit_subject(&msg.subject).unwrap_or_default().to_string();
+    let kind = shared
+        .conn
+        .layout
+        .kind_of_submit_subject(&msg.subject)
+        .unwrap_or_default()
+        .to_string();
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
     let hint = header_id(msg);
     if let Some(id) = &hint {
@@ -312,7 +381,13 @@ async fn handle_delivery(shared: Arc<Shared>, msg: jetstream::Message, permit: O
     }
     let msg = slot.take().expect("set");
     let ct = work::content_type(msg.headers.as_ref());
-    let sub = Submission { kind: &kind, payload: &msg.payload, msg_id: hint.as_deref(), content_type: ct.as_deref(), stream_seq: seq };
+    let sub = Submission {
+        kind: &kind,
+        payload: &msg.payload,
+        msg_id: hint.as_deref(),
+        content_type: ct.as_deref(),
+        stream_seq: seq,
+    };
     let accepted = match spec::decode(sub, &shared.kinds, shared.opts.max_submission_bytes) {
         Ok(a) => a,
         Err(rej) => {
@@ -340,20 +415,37 @@ async fn handle_delivery(shared: Arc<Shared>, msg: jetstream::Message, permit: O
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(job = %accepted.id, error = %e, "cannot read the record; retrying the ticket in 1s");
-                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
                 return;
             }
         };
         let (write, reclaim) = match &current {
             None => {
-                let record = machine::claim_new(machine::new_record(&accepted.id, &kind, accepted.spec.clone(), seq, now), &claimant);
-                (shared.jobs.create(&record).await.map(|r| (r, record)), false)
+                let record = machine::claim_new(
+                    machine::new_record(&accepted.id, &kind, accepted.spec.clone(), seq, now),
+                    &claimant,
+                );
+                (
+                    shared.jobs.create(&record).await.map(|r| (r, record)),
+                    false,
+                )
             }
             Some(Versioned { value, revision }) => match machine::decide_claim(value, &claimant) {
-                ClaimDecision::Claim { record, reclaim } => (shared.jobs.update(&record, *revision).await.map(|r| (r, record)), reclaim),
+                ClaimDecision::Claim { record, reclaim } => (
+                    shared
+                        .jobs
+                        .update(&record, *revision)
+                        .await
+                        .map(|r| (r, *record)),
+                    reclaim,
+                ),
                 ClaimDecision::Wait(d) => {
                     tracing::debug!(job = %accepted.id, delay = ?d, "not runnable yet; NAK with the remaining delay");
-                    let _ = msg.ack_with(AckKind::Nak(Some(d + Duration::from_millis(20)))).await;
+                    let _ = msg
+                        .ack_with(AckKind::Nak(Some(d + Duration::from_millis(20))))
+                        .await;
                     return;
                 }
                 ClaimDecision::Poison(d) => {
@@ -380,16 +472,26 @@ async fn handle_delivery(shared: Arc<Shared>, msg: jetstream::Message, permit: O
             Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
             Err(e) => {
                 tracing::warn!(job = %accepted.id, error = %e, "claim write failed; retrying the ticket in 1s");
-                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
                 return;
             }
         }
     }
-    let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+    let _ = msg
+        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+        .await;
 }
 
 /// A bad submission: never crashes the worker, never silently dropped.
-async fn reject(shared: &Shared, kind: &str, seq: u64, msg: &jetstream::Message, rej: spec::Rejected) {
+async fn reject(
+    shared: &Shared,
+    kind: &str,
+    seq: u64,
+    msg: &jetstream::Message,
+    rej: spec::Rejected,
+) {
     shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
     let message = rej.error.to_string();
     tracing::info!(kind, seq, id = ?rej.id, error = %message, "rejected submission");
@@ -397,21 +499,42 @@ async fn reject(shared: &Shared, kind: &str, seq: u64, msg: &jetstream::Message,
         let rec = machine::rejected_record(id, kind, "rejected", &message, seq, SystemTime::now());
         match shared.jobs.create(&rec).await {
             Ok(_) => {
-                let ev = events::event(id, 0, "rejected", Some(&shared.worker_id), json!({"error": message, "code": rej.error.code()}));
-                let _ = shared.events.publish(&ev, Some(&format!("{id}:rejected:{seq}"))).await;
+                let ev = events::event(
+                    id,
+                    0,
+                    "rejected",
+                    Some(&shared.worker_id),
+                    json!({"error": message, "code": rej.error.code()}),
+                );
+                let _ = shared
+                    .events
+                    .publish(&ev, Some(&format!("{id}:rejected:{seq}")))
+                    .await;
             }
             // An existing job keeps its record: a bad duplicate must not clobber it.
-            Err(JobsError::Exists(_)) => tracing::info!(job = %id, "a job with this id exists; its record is left alone"),
+            Err(JobsError::Exists(_)) => {
+                tracing::info!(job = %id, "a job with this id exists; its record is left alone")
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot record the rejection; retrying the ticket");
-                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
                 return;
             }
         }
     }
     match shared
         .dlq
-        .reject(kind, rej.id.as_deref(), rej.error.code(), &message, msg.payload.clone(), msg.headers.as_ref(), &format!("rejected:{kind}:{seq}"))
+        .reject(
+            kind,
+            rej.id.as_deref(),
+            rej.error.code(),
+            &message,
+            msg.payload.clone(),
+            msg.headers.as_ref(),
+            &format!("rejected:{kind}:{seq}"),
+        )
         .await
     {
         Ok(_) => {
@@ -419,7 +542,9 @@ async fn reject(shared: &Shared, kind: &str, seq: u64, msg: &jetstream::Message,
         }
         Err(e) => {
             tracing::warn!(error = %e, "cannot dead-letter the rejected submission; retrying");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
         }
     }
 }
@@ -433,7 +558,11 @@ async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
         .await?
         .into_iter()
         .map(|v| v.value)
-        .filter(|r| r.status == "running" && r.worker_id.as_deref() == Some(shared.worker_id.as_str()) && shared.handlers.contains_key(&r.kind))
+        .filter(|r| {
+            r.status == "running"
+                && r.worker_id.as_deref() == Some(shared.worker_id.as_str())
+                && shared.handlers.contains_key(&r.kind)
+        })
         .collect();
     for rec in mine {
         if shared.running.lock().unwrap().contains_key(&rec.id) {
@@ -449,30 +578,29 @@ async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
             max_stale_reclaims: shared.opts.max_stale_reclaims,
             restart_reclaim: true,
         };
-        let mut claimed = None;
         let res = shared
             .jobs
             .transition(&rec.id, |cur| {
-                if cur.worker_id.as_deref() != Some(shared.worker_id.as_str()) || cur.status != "running" {
+                if cur.worker_id.as_deref() != Some(shared.worker_id.as_str())
+                    || cur.status != "running"
+                {
                     return Ok(None);
                 }
                 match machine::decide_claim(cur, &claimant) {
-                    ClaimDecision::Claim { record, .. } => {
-                        claimed = Some(record.clone());
-                        Ok(Some(record))
-                    }
+                    ClaimDecision::Claim { record, .. } => Ok(Some(*record)),
                     _ => Ok(None),
                 }
             })
             .await;
-        match (res, claimed) {
-            (Ok(v), Some(_)) if v.value.claim_token.as_deref() == Some(claimant.claim_token.as_str()) => {
+        match res {
+            // Only our own fresh token proves the claim is ours.
+            Ok(v) if v.value.claim_token.as_deref() == Some(claimant.claim_token.as_str()) => {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
                 shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
                 shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
                 tokio::spawn(run_claimed(shared.clone(), v.value, None, permit, true));
             }
-            (Err(e), _) => tracing::warn!(job = %rec.id, error = %e, "restart reclaim failed"),
+            Err(e) => tracing::warn!(job = %rec.id, error = %e, "restart reclaim failed"),
             _ => {}
         }
     }
@@ -488,11 +616,22 @@ enum Stop {
 }
 
 /// Runs one claimed job to an owner-checked outcome.
-async fn run_claimed(shared: Arc<Shared>, rec: JobRecord, msg: Option<jetstream::Message>, permit: OwnedSemaphorePermit, reclaim: bool) {
+async fn run_claimed(
+    shared: Arc<Shared>,
+    rec: JobRecord,
+    msg: Option<jetstream::Message>,
+    permit: OwnedSemaphorePermit,
+    reclaim: bool,
+) {
     let id = rec.id.clone();
     let owner = Owner::of(&rec).expect("a claimed record is running");
     let ticket: TicketSlot = Arc::new(StdMutex::new(msg));
-    shared.running.lock().unwrap().insert(id.clone(), Running { ticket: ticket.clone() });
+    shared.running.lock().unwrap().insert(
+        id.clone(),
+        Running {
+            ticket: ticket.clone(),
+        },
+    );
     run_attempt(&shared, rec, owner, ticket, reclaim).await;
     {
         let mut running = shared.running.lock().unwrap();
@@ -502,13 +641,23 @@ async fn run_claimed(shared: Arc<Shared>, rec: JobRecord, msg: Option<jetstream:
     shared.idle.notify_waiters();
 }
 
-async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket: TicketSlot, reclaim: bool) {
+async fn run_attempt(
+    shared: &Arc<Shared>,
+    rec: JobRecord,
+    owner: Owner,
+    ticket: TicketSlot,
+    reclaim: bool,
+) {
     let id = rec.id.clone();
     let gate = Gate::new(shared.jobs.clone(), &id, owner.clone());
     let claimed_data = json!({"reclaim": reclaim, "attempts": rec.attempts, "stale_reclaims": rec.stale_reclaims, "ticket_seq": rec.ticket_seq});
     let mut fence = None;
     for i in 0..5u32 {
-        match shared.events.claim_marker(&id, rec.epoch, &shared.worker_id, claimed_data.clone()).await {
+        match shared
+            .events
+            .claim_marker(&id, rec.epoch, &shared.worker_id, claimed_data.clone())
+            .await
+        {
             Ok(f) => {
                 fence = Some(f);
                 break;
@@ -525,7 +674,11 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
         return;
     };
     let fence = Arc::new(tokio::sync::Mutex::new(fence));
-    let input: Value = rec.spec.as_ref().and_then(|s| serde_json::from_str(&s.input).ok()).unwrap_or(Value::Null);
+    let input: Value = rec
+        .spec
+        .as_ref()
+        .and_then(|s| serde_json::from_str(&s.input).ok())
+        .unwrap_or(Value::Null);
     let cancel = CancellationToken::new();
     let done = CancellationToken::new();
     let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel::<Stop>(4);
@@ -533,7 +686,13 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
     // Heartbeat: extends the lease through the gate; notices cancellation
     // requests and lost ownership.
     {
-        let (gate, done, stop_tx, lease, every) = (gate.clone(), done.clone(), stop_tx.clone(), shared.opts.lease, shared.opts.heartbeat);
+        let (gate, done, stop_tx, lease, every) = (
+            gate.clone(),
+            done.clone(),
+            stop_tx.clone(),
+            shared.opts.lease,
+            shared.opts.heartbeat,
+        );
         tokio::spawn(async move {
             loop {
                 tokio::select! { _ = tokio::time::sleep(every) => {}, _ = done.cancelled() => return }
@@ -547,7 +706,9 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
                         let _ = stop_tx.send(Stop::Lost(e.to_string())).await;
                         return;
                     }
-                    Err(e) => tracing::warn!(job = %gate.id, error = %e, "heartbeat failed; retrying at the next interval"),
+                    Err(e) => {
+                        tracing::warn!(job = %gate.id, error = %e, "heartbeat failed; retrying at the next interval")
+                    }
                 }
             }
         });
@@ -555,11 +716,20 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
     // Progress acks: keep the ticket from being redelivered while we work.
     {
         let (ticket, done, client) = (ticket.clone(), done.clone(), shared.conn.client.clone());
-        let every = shared.ack_wait.get(&rec.kind).copied().unwrap_or(Duration::from_secs(30)) / 3;
+        let every = shared
+            .ack_wait
+            .get(&rec.kind)
+            .copied()
+            .unwrap_or(Duration::from_secs(30))
+            / 3;
         tokio::spawn(async move {
             loop {
                 tokio::select! { _ = tokio::time::sleep(every) => {}, _ = done.cancelled() => return }
-                let reply = ticket.lock().unwrap().as_ref().and_then(|m| m.reply.clone());
+                let reply = ticket
+                    .lock()
+                    .unwrap()
+                    .as_ref()
+                    .and_then(|m| m.reply.clone());
                 if let Some(reply) = reply {
                     // Fire-and-forget +WPI, as `ack_with(Progress)` does,
                     // without holding the slot's lock across an await.
@@ -577,8 +747,19 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
     }
     drop(stop_tx);
 
-    let handler = shared.handlers.get(&rec.kind).cloned().expect("served kinds have handlers");
-    let ctx = JobCtx { record: rec.clone(), input, cancel: cancel.clone(), gate: gate.clone(), fence: fence.clone(), conn: shared.conn.clone() };
+    let handler = shared
+        .handlers
+        .get(&rec.kind)
+        .cloned()
+        .expect("served kinds have handlers");
+    let ctx = JobCtx {
+        record: rec.clone(),
+        input,
+        cancel: cancel.clone(),
+        gate: gate.clone(),
+        fence: fence.clone(),
+        conn: shared.conn.clone(),
+    };
     let mut task = tokio::spawn(async move { handler.run(ctx).await });
     let result = tokio::select! {
         r = &mut task => Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
@@ -589,7 +770,10 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
         Err(stop) => {
             cancel.cancel();
             // Give the handler a moment to reach a safe point, then abort it.
-            if tokio::time::timeout(Duration::from_secs(10), &mut task).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(10), &mut task)
+                .await
+                .is_err()
+            {
                 task.abort();
             }
             done.cancel();
@@ -613,11 +797,25 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
     match result {
         Ok(Outcome::Completed(res)) => {
             let out = res.clone();
-            match persist(shared, &gate, move |r, o, now| machine::complete(r, o, now, out.clone())).await {
+            match persist(shared, &gate, move |r, o, now| {
+                machine::complete(r, o, now, out.clone())
+            })
+            .await
+            {
                 Ok(_) => {
                     shared.stats.completed.fetch_add(1, Ordering::Relaxed);
-                    let ev = events::event(&id, rec.epoch, "completed", Some(&shared.worker_id), json!({"partial": res.partial, "artifact": res.artifact, "digest": res.digest}));
-                    let _ = fence.lock().await.publish_event(&ev, Some(&format!("{id}:completed"))).await;
+                    let ev = events::event(
+                        &id,
+                        rec.epoch,
+                        "completed",
+                        Some(&shared.worker_id),
+                        json!({"partial": res.partial, "artifact": res.artifact, "digest": res.digest}),
+                    );
+                    let _ = fence
+                        .lock()
+                        .await
+                        .publish_event(&ev, Some(&format!("{id}:completed")))
+                        .await;
                     settle(&ticket, AckKind::Ack).await;
                 }
                 Err(e) => refused(shared, &rec, "completion", e).await,
@@ -625,9 +823,17 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
         }
         Ok(Outcome::Parked { reason, message }) => {
             let (r2, m2) = (reason.clone(), message.clone());
-            match persist(shared, &gate, move |r, o, now| machine::park(r, o, now, &r2, &m2)).await {
+            match persist(shared, &gate, move |r, o, now| {
+                machine::park(r, o, now, &r2, &m2)
+            })
+            .await
+            {
                 Ok(_) => {
-                    let _ = fence.lock().await.publish("parked", json!({"reason": reason, "message": message})).await;
+                    let _ = fence
+                        .lock()
+                        .await
+                        .publish("parked", json!({"reason": reason, "message": message}))
+                        .await;
                     settle(&ticket, AckKind::Ack).await;
                 }
                 Err(e) => refused(shared, &rec, "parking", e).await,
@@ -638,7 +844,14 @@ async fn run_attempt(shared: &Arc<Shared>, rec: JobRecord, owner: Owner, ticket:
 }
 
 /// A failed attempt: requeue with backoff while the budget lasts, else fail.
-async fn job_error(shared: &Arc<Shared>, rec: &JobRecord, gate: &Gate, fence: &tokio::sync::Mutex<Fence>, ticket: &TicketSlot, err: HandlerError) {
+async fn job_error(
+    shared: &Arc<Shared>,
+    rec: &JobRecord,
+    gate: &Gate,
+    fence: &tokio::sync::Mutex<Fence>,
+    ticket: &TicketSlot,
+    err: HandlerError,
+) {
     let policy = shared.retry.for_spec(rec.spec.as_ref());
     let failed = rec.attempts + 1;
     let now = SystemTime::now();
@@ -654,8 +867,16 @@ async fn job_error(shared: &Arc<Shared>, rec: &JobRecord, gate: &Gate, fence: &t
                 json!({"scope": "job", "reason": err.message, "eligible": true, "retained": "completed checkpoints", "attempt": failed, "budget_left": policy.max_attempts - failed, "delay_ms": delay.as_millis() as u64}),
             )
             .await;
-        let error = JobError { class: "retryable".into(), message: err.message.clone(), at };
-        match persist(shared, gate, move |r, o, now| machine::requeue(r, o, now, error.clone(), delay)).await {
+        let error = JobError {
+            class: "retryable".into(),
+            message: err.message.clone(),
+            at,
+        };
+        match persist(shared, gate, move |r, o, now| {
+            machine::requeue(r, o, now, error.clone(), delay)
+        })
+        .await
+        {
             Ok(_) => {
                 shared.stats.requeued.fetch_add(1, Ordering::Relaxed);
                 settle(ticket, AckKind::Nak(Some(delay))).await;
@@ -664,15 +885,39 @@ async fn job_error(shared: &Arc<Shared>, rec: &JobRecord, gate: &Gate, fence: &t
         }
     } else {
         let (class, message) = match err.class {
-            ErrorClass::Retryable => ("exhausted".to_string(), format!("{} (retry budget of {} attempts exhausted)", err.message, policy.max_attempts)),
+            ErrorClass::Retryable => (
+                "exhausted".to_string(),
+                format!(
+                    "{} (retry budget of {} attempts exhausted)",
+                    err.message, policy.max_attempts
+                ),
+            ),
             _ => (err.class_name().to_string(), err.message.clone()),
         };
-        let error = JobError { class: class.clone(), message: message.clone(), at };
-        match persist(shared, gate, move |r, o, now| machine::fail(r, o, now, error.clone())).await {
+        let error = JobError {
+            class: class.clone(),
+            message: message.clone(),
+            at,
+        };
+        match persist(shared, gate, move |r, o, now| {
+            machine::fail(r, o, now, error.clone())
+        })
+        .await
+        {
             Ok(_) => {
                 shared.stats.failed.fetch_add(1, Ordering::Relaxed);
-                let ev = events::event(&rec.id, rec.epoch, "failed", Some(&shared.worker_id), json!({"class": class, "message": message, "attempts": failed}));
-                let _ = fence.lock().await.publish_event(&ev, Some(&format!("{}:failed", rec.id))).await;
+                let ev = events::event(
+                    &rec.id,
+                    rec.epoch,
+                    "failed",
+                    Some(&shared.worker_id),
+                    json!({"class": class, "message": message, "attempts": failed}),
+                );
+                let _ = fence
+                    .lock()
+                    .await
+                    .publish_event(&ev, Some(&format!("{}:failed", rec.id)))
+                    .await;
                 settle(ticket, AckKind::Ack).await;
             }
             Err(e) => refused(shared, rec, "failure", e).await,
@@ -712,7 +957,13 @@ async fn refused(shared: &Shared, rec: &JobRecord, what: &str, e: JobsError) {
 async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
     shared.stats.ownership_lost.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(job = %rec.id, epoch = rec.epoch, worker = %shared.worker_id, "ownership lost: {why}; task cancelled, ticket left alone");
-    let ev = events::event(&rec.id, rec.epoch, "heartbeat_lost", Some(&shared.worker_id), json!({"reason": why}));
+    let ev = events::event(
+        &rec.id,
+        rec.epoch,
+        "heartbeat_lost",
+        Some(&shared.worker_id),
+        json!({"reason": why}),
+    );
     let _ = shared.events.publish(&ev, None).await;
 }
 
@@ -723,8 +974,12 @@ async fn hand_back(shared: &Shared, gate: &Gate, ticket: &TicketSlot) {
             tracing::info!(job = %gate.id, "handed back");
             settle(ticket, AckKind::Nak(None)).await;
         }
-        Err(e) if e.is_ownership_lost() => tracing::info!(job = %gate.id, "not handed back: ownership already lost"),
-        Err(e) => tracing::warn!(job = %gate.id, error = %e, "hand back failed; the lease will expire"),
+        Err(e) if e.is_ownership_lost() => {
+            tracing::info!(job = %gate.id, "not handed back: ownership already lost")
+        }
+        Err(e) => {
+            tracing::warn!(job = %gate.id, error = %e, "hand back failed; the lease will expire")
+        }
     }
 }
 

@@ -16,7 +16,12 @@ pub struct Args {
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli cancel").await?;
     let subject = conn.layout.cancel_subject(&a.id);
-    let reply: serde_json::Value = match tokio::time::timeout(Duration::from_secs(3), conn.client.request(subject, "".into())).await {
+    let reply: serde_json::Value = match tokio::time::timeout(
+        Duration::from_secs(3),
+        conn.client.request(subject, "".into()),
+    )
+    .await
+    {
         Ok(Ok(m)) => serde_json::from_slice(&m.payload)?,
         _ => {
             // No worker answered: record it ourselves through the same transition.
@@ -25,5 +30,9 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         }
     };
     println!("{reply}");
-    Ok(if reply["recorded"].as_bool() == Some(true) { 0 } else { 1 })
+    Ok(if reply["recorded"].as_bool() == Some(true) {
+        0
+    } else {
+        1
+    })
 }

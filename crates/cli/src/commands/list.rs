@@ -37,9 +37,15 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         }
         return Ok(0);
     }
-    println!("{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {}", "ID", "KIND", "STATUS", "ATTEMPTS", "EPOCH", "RECLAIM", "UPDATED");
+    println!(
+        "{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {}",
+        "ID", "KIND", "STATUS", "ATTEMPTS", "EPOCH", "RECLAIM", "UPDATED"
+    );
     for r in &recs {
-        println!("{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {}", r.id, r.kind, r.status, r.attempts, r.epoch, r.stale_reclaims, r.updated_at);
+        println!(
+            "{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {}",
+            r.id, r.kind, r.status, r.attempts, r.epoch, r.stale_reclaims, r.updated_at
+        );
     }
     eprintln!("{} job(s)", recs.len());
     Ok(0)

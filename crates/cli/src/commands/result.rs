@@ -20,21 +20,41 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     };
     let rec = v.value;
     if rec.status != "completed" {
-        eprintln!("error: job {} is {}, not completed; follow it with `leasehold watch {}`", rec.id, rec.status, rec.id);
+        eprintln!(
+            "error: job {} is {}, not completed; follow it with `leasehold watch {}`",
+            rec.id, rec.status, rec.id
+        );
         return Ok(1);
     }
     let res = rec.result.unwrap_or_default();
     if let Some(name) = &res.artifact {
-        let store = conn.js.get_object_store(conn.layout.artifacts_bucket()).await.context("artifacts store")?;
-        let mut obj = store.get(name).await.with_context(|| format!("artifact {name}"))?;
+        let store = conn
+            .js
+            .get_object_store(conn.layout.artifacts_bucket())
+            .await
+            .context("artifacts store")?;
+        let mut obj = store
+            .get(name)
+            .await
+            .with_context(|| format!("artifact {name}"))?;
         let mut text = String::new();
         obj.read_to_string(&mut text).await?;
         print!("{text}");
         if res.partial {
-            eprintln!("note: partial result; skipped sections: {}", res.skipped_sections.join(", "));
+            eprintln!(
+                "note: partial result; skipped sections: {}",
+                res.skipped_sections.join(", ")
+            );
         }
     } else {
-        println!("{}", if res.output.is_empty() { "null".to_string() } else { res.output });
+        println!(
+            "{}",
+            if res.output.is_empty() {
+                "null".to_string()
+            } else {
+                res.output
+            }
+        );
     }
     Ok(0)
 }

@@ -13,7 +13,12 @@ pub struct Args {
     #[arg(long, env = "LH_REPLICAS", default_value_t = 1)]
     replicas: usize,
     /// Kinds that get a submit subject and a consumer, comma-separated.
-    #[arg(long, env = "LH_KINDS", value_delimiter = ',', default_value = "echo,sleep,fail,crash,research")]
+    #[arg(
+        long,
+        env = "LH_KINDS",
+        value_delimiter = ',',
+        default_value = "echo,sleep,fail,crash,research"
+    )]
     kinds: Vec<String>,
     /// Ack wait of the work consumers: how long a delivered ticket waits
     /// before redelivery when its worker goes silent.

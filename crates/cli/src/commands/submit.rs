@@ -41,17 +41,27 @@ fn read_spec(a: &Args) -> anyhow::Result<Vec<u8>> {
     match a.spec.as_deref() {
         None | Some("-") => {
             let mut b = Vec::new();
-            std::io::stdin().read_to_end(&mut b).context("reading the spec from stdin")?;
+            std::io::stdin()
+                .read_to_end(&mut b)
+                .context("reading the spec from stdin")?;
             Ok(b)
         }
-        Some(s) if s.starts_with('@') => std::fs::read(&s[1..]).with_context(|| format!("reading {}", &s[1..])),
+        Some(s) if s.starts_with('@') => {
+            std::fs::read(&s[1..]).with_context(|| format!("reading {}", &s[1..]))
+        }
         Some(s) => Ok(s.as_bytes().to_vec()),
     }
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let raw = read_spec(&a)?;
-    let sub = Submission { kind: &a.kind, payload: &raw, msg_id: a.id.as_deref(), content_type: None, stream_seq: 0 };
+    let sub = Submission {
+        kind: &a.kind,
+        payload: &raw,
+        msg_id: a.id.as_deref(),
+        content_type: None,
+        stream_seq: 0,
+    };
     let accepted = match spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES) {
         Ok(acc) => Some(acc),
         // No id yet: it will come from the stream sequence.
@@ -68,13 +78,20 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     } else {
         (raw, None)
     };
-    let msg_id = a.id.clone().or_else(|| accepted.as_ref().map(|acc| acc.id.clone()));
+    let msg_id =
+        a.id.clone()
+            .or_else(|| accepted.as_ref().map(|acc| acc.id.clone()));
     let conn = nats.connect("leasehold-cli submit").await?;
     let work = Work::new(&conn);
     let published = work
         .submit(&a.kind, payload.into(), msg_id.as_deref(), ct)
         .await
-        .with_context(|| format!("publishing on {} (is the kind set up? run `leasehold setup --kinds ...`)", conn.layout.submit_subject(&a.kind)))?;
+        .with_context(|| {
+            format!(
+                "publishing on {} (is the kind set up? run `leasehold setup --kinds ...`)",
+                conn.layout.submit_subject(&a.kind)
+            )
+        })?;
     let id = msg_id.unwrap_or_else(|| spec::seq_id(published.seq));
     let jobs = Jobs::open(&conn).await?;
     if published.duplicate {
@@ -82,10 +99,18 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     } else if let Some(acc) = accepted {
         // Make the job visible as queued at once; a worker may already have
         // created the record, which is fine.
-        let rec = leasehold_core::machine::new_record(&id, &a.kind, acc.spec, published.seq, std::time::SystemTime::now());
+        let rec = leasehold_core::machine::new_record(
+            &id,
+            &a.kind,
+            acc.spec,
+            published.seq,
+            std::time::SystemTime::now(),
+        );
         match jobs.create(&rec).await {
             Ok(_) | Err(JobsError::Exists(_)) => {}
-            Err(e) => eprintln!("warning: the job is queued but its record could not be created yet: {e}"),
+            Err(e) => {
+                eprintln!("warning: the job is queued but its record could not be created yet: {e}")
+            }
         }
     }
     println!("{id}");

@@ -26,14 +26,24 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
 }
 
 fn terminal(r: &JobRecord) -> bool {
-    r.status.parse::<Status>().is_ok_and(|s| s.is_terminal() || s == Status::Parked)
+    r.status
+        .parse::<Status>()
+        .is_ok_and(|s| s.is_terminal() || s == Status::Parked)
 }
 
 /// Follows the record until it is terminal (or parked) and returns it.
 pub async fn follow(jobs: &Jobs, id: &str, json: bool, quiet: bool) -> anyhow::Result<JobRecord> {
     let mut watch = jobs.watch(id).await?;
-    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new_spinner() };
-    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len}").expect("template").progress_chars("=> "));
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new_spinner()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
     while let Some(entry) = watch.next().await {
         let entry = entry?;
@@ -54,7 +64,11 @@ pub async fn follow(jobs: &Jobs, id: &str, json: bool, quiet: bool) -> anyhow::R
             rec.attempts,
             rec.epoch,
             rec.stale_reclaims,
-            if p.phase.is_empty() { String::new() } else { format!(" phase={}", p.phase) }
+            if p.phase.is_empty() {
+                String::new()
+            } else {
+                format!(" phase={}", p.phase)
+            }
         ));
         if terminal(&rec) {
             bar.finish_and_clear();

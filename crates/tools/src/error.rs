@@ -1,0 +1,174 @@
+//! The one error type of the tool layer and its classifier.
+//!
+//! [`ToolError::disposition`] is the single place that decides what the
+//! workflow does with a failed call: give it back to the model, retry the
+//! step, park the job for a person, or fail the job.
+
+use std::time::Duration;
+
+/// What the workflow should do with a failed tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Disposition {
+    /// Hand the error text to the model as the tool result (bad arguments,
+    /// a page that is not text, a 404): the model can do something else.
+    ReturnToModel,
+    /// A transient failure: retrying the step later may succeed.
+    Retry,
+    /// The outcome of a side effect is unknown or contradictory: stop and
+    /// park the job for human review with the reason; never guess.
+    Park,
+    /// A configuration or ledger fault that retrying will not fix.
+    Fail,
+}
+
+/// Every way a tool call can fail.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    #[error("unknown tool `{0}`")]
+    UnknownTool(String),
+    #[error("invalid arguments for `{tool}`: {message}")]
+    InvalidArgs { tool: String, message: String },
+    /// `fetch` refused a destination (private address, not allow-listed, bad scheme).
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// The destination answered with an error status.
+    #[error("upstream answered HTTP {status}: {message}")]
+    Upstream { status: u16, message: String },
+    /// A transport failure after the request may have left (reset, broken
+    /// body, DNS of a redirect).
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// The destination could not be reached at all (connection refused or
+    /// failed before anything was sent), or could not answer a
+    /// reconciliation lookup for now: retry later.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// A success status with nothing in it: not a result (seed: "a tool that
+    /// returns success with an empty body").
+    #[error("the destination answered success with an empty body")]
+    EmptySuccess,
+    /// The answer was not what the tool expects (not JSON, wrong content type).
+    #[error("unexpected response: {0}")]
+    BadResponse(String),
+    /// The same idempotency key was used with different arguments (as Stripe does).
+    #[error("idempotency key {key} was first used with different arguments (digest {stored}, now {given})")]
+    KeyReuse {
+        key: String,
+        stored: String,
+        given: String,
+    },
+    /// The outcome of an earlier attempt of this write is unknown and cannot be
+    /// found out: the job must be parked for review with this reason.
+    #[error("uncertain effect for key {key}: {reason}")]
+    UncertainEffect { key: String, reason: String },
+    /// Another executor took this key over (a newer owner after a reclaim);
+    /// this executor must stop.
+    #[error("effect key {key} was taken over by another executor: {reason}")]
+    Superseded { key: String, reason: String },
+    /// The effects ledger (NATS KV) failed.
+    #[error("effects ledger: {0}")]
+    Ledger(String),
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+impl ToolError {
+    /// The single classifier: what the workflow does with this error.
+    pub fn disposition(&self) -> Disposition {
+        match self {
+            ToolError::UnknownTool(_)
+            | ToolError::InvalidArgs { .. }
+            | ToolError::Refused(_)
+            | ToolError::BadResponse(_) => Disposition::ReturnToModel,
+            ToolError::Upstream { status, .. } => {
+                if *status == 429 || *status == 408 || *status >= 500 {
+                    Disposition::Retry
+                } else {
+                    Disposition::ReturnToModel
+                }
+            }
+            ToolError::Timeout(_)
+            | ToolError::Transport(_)
+            | ToolError::Unreachable(_)
+            | ToolError::EmptySuccess
+            | ToolError::Ledger(_) => Disposition::Retry,
+            ToolError::KeyReuse { .. } | ToolError::UncertainEffect { .. } => Disposition::Park,
+            ToolError::Superseded { .. } | ToolError::Config(_) => Disposition::Fail,
+        }
+    }
+
+    /// Whether the step may be retried (the read retry loop uses this).
+    pub fn is_retryable(&self) -> bool {
+        self.disposition() == Disposition::Retry
+    }
+
+    /// A short stable name for events, records and metrics.
+    pub fn class(&self) -> &'static str {
+        match self {
+            ToolError::UnknownTool(_) => "unknown_tool",
+            ToolError::InvalidArgs { .. } => "validation",
+            ToolError::Refused(_) => "refused",
+            ToolError::Timeout(_) => "timeout",
+            ToolError::Upstream { .. } => "upstream",
+            ToolError::Transport(_) => "transport",
+            ToolError::Unreachable(_) => "unreachable",
+            ToolError::EmptySuccess => "empty_success",
+            ToolError::BadResponse(_) => "bad_response",
+            ToolError::KeyReuse { .. } => "key_reuse",
+            ToolError::UncertainEffect { .. } => "uncertain_effect",
+            ToolError::Superseded { .. } => "superseded",
+            ToolError::Ledger(_) => "ledger",
+            ToolError::Config(_) => "config",
+        }
+    }
+
+    /// The JSON to hand to the model as the tool result when
+    /// [`Disposition::ReturnToModel`] applies.
+    pub fn to_tool_result(&self) -> serde_json::Value {
+        serde_json::json!({ "error": { "class": self.class(), "message": self.to_string() } })
+    }
+
+    /// True when the request certainly did not reach the destination, so an
+    /// `in_flight` ledger entry can be withdrawn instead of reconciled.
+    pub(crate) fn certainly_not_committed(&self) -> bool {
+        matches!(
+            self,
+            ToolError::InvalidArgs { .. }
+                | ToolError::Refused(_)
+                | ToolError::Config(_)
+                | ToolError::Unreachable(_)
+        )
+    }
+}
+
+/// Maps a reqwest error to the tool error that says what happened.
+pub(crate) fn from_reqwest(e: reqwest::Error, timeout: Duration) -> ToolError {
+    if e.is_timeout() {
+        ToolError::Timeout(timeout)
+    } else if e.is_connect() {
+        // No connection, so no request: nothing can have been committed.
+        ToolError::Unreachable(chain(&e))
+    } else if let Some(s) = e.status() {
+        ToolError::Upstream {
+            status: s.as_u16(),
+            message: e.to_string(),
+        }
+    } else {
+        ToolError::Transport(chain(&e))
+    }
+}
+
+/// The error with its sources: reqwest's Display alone hides the cause.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
