@@ -31,7 +31,7 @@ demo: setup build
 ## bench: throughput, recovery and handoff figures as JSON in bench-results/.
 bench: setup
 	$(CARGO) build --workspace --bins --release
-	$(CARGO) run --release -p leasehold-tests --bin leasehold-bench -- --out bench-results
+	target/release/leasehold-bench --out bench-results
 
 ## verify: formatting, lints and tests.
 verify: fmt clippy test
