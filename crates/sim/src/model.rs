@@ -1,5 +1,309 @@
-//! Placeholder: filled in by the model part of the simulator.
+//! The simulated model: an OpenAI-compatible `/v1/chat/completions` that
+//! plays a research agent, with fault injection, plus `GET /stats`.
+//!
+//! # Behaviour
+//! Deterministic for a given `--seed` and request body (faults chosen by rate
+//! also depend on the request's sequence number, so a retry can succeed).
+//! With `tools` offered it plans like an agent: no tool result since the last
+//! user message → a `search` call (`{"query": ...}` from the prompt); after a
+//! `search` result → a `fetch` call whose `url` is the first `url` in the
+//! result JSON (fallback `http://<Host>/page/<slug>`); after a `fetch` result
+//! → the section: a few paragraphs of Markdown citing the fetched URL. With
+//! `response_format` `json_schema` it returns an instance of the schema
+//! (required properties, arrays of `minItems` (3 if unset, bounded by
+//! `maxItems`), strings, numbers, integers, booleans, enums); `json_object`
+//! gets a small object. Streaming follows OpenAI's chunk format: a role
+//! chunk, content or tool-call fragments, a chunk with `finish_reason`, a
+//! usage chunk when `stream_options.include_usage` is set, then
+//! `data: [DONE]`.
+//!
+//! # Faults
+//! Three sources, checked in this order; the first that fires wins:
+//! 1. the request header `x-sim-fault: <kind>` (always fires);
+//! 2. the rules of the `--faults FILE` (env `LH_SIM_FAULTS`);
+//! 3. `LH_SIM_FAULT_RATE` (0..1) with `LH_SIM_FAULT_KINDS` (comma-separated,
+//!    default `cut,empty,error_event,rate_limit,overloaded`): each request
+//!    faults with that probability, the kind chosen by the seed.
+//!
+//! Fault kinds: `cut` (stream ends after some content, before the finish
+//! signal), `empty` (HTTP 200, no events), `error_event` (an error object
+//! mid-stream, then `[DONE]`, as vLLM does), `rate_limit` (429 with
+//! `Retry-After`), `quota` (429 `insufficient_quota`), `server_error` (500),
+//! `overloaded` (503), `hang` (never answers), `slow` (tokens paced at
+//! `delay_ms`, default 200), `malformed_args` (tool-call arguments that are
+//! not JSON), `context_exceeded` (400 `context_length_exceeded`), `refusal`
+//! (a refusal delta).
+//!
+//! The fault file is JSON:
+//! ```json
+//! {"rules": [
+//!   {"kind": "cut", "nth": [2, 5]},
+//!   {"kind": "rate_limit", "every": 4, "retry_after": "1"},
+//!   {"kind": "overloaded", "rate": 0.1, "times": 3},
+//!   {"kind": "context_exceeded", "above_chars": 20000},
+//!   {"kind": "slow", "rate": 0.5, "delay_ms": 50, "match": "reliability"}
+//! ]}
+//! ```
+//! Rule fields: `kind` (required); when it fires: `nth` (1-based numbers of
+//! chat requests since start), `every` (every Nth request), `rate`
+//! (probability from the seed), `after` (only from the Nth request on),
+//! `times` (fire at most this often), `match` (only when the last user
+//! message contains this text), `above_chars` (only when the request's
+//! messages exceed this many characters; alone, it fires on every such
+//! request); parameters: `retry_after` (seconds, for `rate_limit`),
+//! `delay_ms` (for `slow`). A rule with no condition fires on every request.
+//!
+//! # Pacing
+//! `LH_SIM_TOKEN_DELAY_MS` (default 2) between streamed tokens; 0 for tests.
 
-pub fn router(_args: &crate::Args) -> anyhow::Result<axum::Router> {
-    Ok(axum::Router::new())
+mod faults;
+mod play;
+mod schema;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+use faults::{FaultKind, Faults};
+
+/// Counts served, for `GET /stats`.
+#[derive(Default)]
+struct Stats {
+    chat_requests: u64,
+    streaming: u64,
+    faults: BTreeMap<String, u64>,
+    tool_calls_proposed: u64,
+    by_tool: BTreeMap<String, u64>,
+}
+
+struct Sim {
+    seed: u64,
+    faults: Faults,
+    token_delay: Duration,
+    counter: AtomicU64,
+    stats: Mutex<Stats>,
+}
+
+/// The model routes.
+pub fn router(args: &crate::Args) -> anyhow::Result<Router> {
+    let faults = Faults::load(args.faults.as_deref(), args.seed)?;
+    let token_delay = std::env::var("LH_SIM_TOKEN_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(Duration::from_millis(2));
+    let sim = Arc::new(Sim {
+        seed: args.seed,
+        faults,
+        token_delay,
+        counter: AtomicU64::new(0),
+        stats: Mutex::new(Stats::default()),
+    });
+    Ok(Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/stats", get(stats))
+        .with_state(sim))
+}
+
+async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
+    let s = sim.stats.lock().expect("stats lock");
+    Json(json!({
+        "chat_requests": s.chat_requests,
+        "streaming_requests": s.streaming,
+        "faults": s.faults,
+        "faults_total": s.faults.values().sum::<u64>(),
+        "tool_calls_proposed": s.tool_calls_proposed,
+        "tool_calls_by_name": s.by_tool,
+    }))
+}
+
+fn error_json(status: StatusCode, message: &str, kind: &str, code: &str) -> Response {
+    (
+        status,
+        Json(json!({"error": {"message": message, "type": kind, "param": null, "code": code}})),
+    )
+        .into_response()
+}
+
+async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
+    let n = sim.counter.fetch_add(1, Ordering::SeqCst) + 1;
+    let req: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error_json(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid JSON body: {e}"),
+                "invalid_request_error",
+                "invalid_json",
+            )
+        }
+    };
+    let Some(messages) = req.get("messages").and_then(Value::as_array) else {
+        return error_json(
+            StatusCode::BAD_REQUEST,
+            "messages is required",
+            "invalid_request_error",
+            "missing_messages",
+        );
+    };
+    let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = req
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let model = req
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("sim-1")
+        .to_string();
+    let host = headers
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("127.0.0.1:8089")
+        .to_string();
+    let prompt_chars: usize = messages.iter().map(|m| m.to_string().len()).sum();
+    let last_user = play::last_user(messages);
+
+    let header_fault = headers
+        .get("x-sim-fault")
+        .and_then(|h| h.to_str().ok())
+        .and_then(FaultKind::parse);
+    let fault = header_fault
+        .map(|k| (k, faults::Params::default()))
+        .or_else(|| sim.faults.pick(n, &last_user, prompt_chars));
+    {
+        let mut s = sim.stats.lock().expect("stats lock");
+        s.chat_requests += 1;
+        if stream {
+            s.streaming += 1;
+        }
+        if let Some((k, _)) = &fault {
+            *s.faults.entry(k.name().to_string()).or_default() += 1;
+        }
+    }
+    let (kind, params) = match fault {
+        Some((k, p)) => (Some(k), p),
+        None => (None, faults::Params::default()),
+    };
+    tracing::debug!(n, ?kind, stream, "chat request");
+    match kind {
+        Some(FaultKind::RateLimit) => {
+            let mut r = error_json(StatusCode::TOO_MANY_REQUESTS, "Rate limit reached (simulated)", "requests", "rate_limit_exceeded");
+            let ra = params.retry_after.clone().unwrap_or_else(|| "1".into());
+            r.headers_mut().insert("retry-after", ra.parse().unwrap_or_else(|_| "1".parse().expect("valid header")));
+            return r;
+        }
+        Some(FaultKind::Quota) => {
+            return error_json(StatusCode::TOO_MANY_REQUESTS, "You exceeded your current quota (simulated)", "insufficient_quota", "insufficient_quota")
+        }
+        Some(FaultKind::ServerError) => return error_json(StatusCode::INTERNAL_SERVER_ERROR, "Internal server error (simulated)", "server_error", "server_error"),
+        Some(FaultKind::Overloaded) => return error_json(StatusCode::SERVICE_UNAVAILABLE, "The server is overloaded (simulated)", "overloaded_error", "overloaded"),
+        Some(FaultKind::ContextExceeded) => {
+            return error_json(
+                StatusCode::BAD_REQUEST,
+                &format!("This model's maximum context length is exceeded: the request has {prompt_chars} characters (simulated)"),
+                "invalid_request_error",
+                "context_length_exceeded",
+            )
+        }
+        Some(FaultKind::Hang) => {
+            // Never answer; the client's timeout ends it and drops this future.
+            futures::future::pending::<()>().await;
+            unreachable!()
+        }
+        _ => {}
+    }
+
+    // What the agent does next.
+    let seed = sim.seed ^ play::hash64(&body);
+    let mut turn = play::decide(&req, messages, &host, seed);
+    if kind == Some(FaultKind::Refusal) {
+        turn = play::Turn::Refusal("I can't help with that request.".into());
+    }
+    if kind == Some(FaultKind::MalformedArgs) {
+        if let play::Turn::Tool { arguments, .. } = &mut turn {
+            *arguments = arguments
+                .trim_end_matches('}')
+                .trim_end_matches('"')
+                .to_string();
+        }
+    }
+    if let play::Turn::Tool { name, .. } = &turn {
+        let mut s = sim.stats.lock().expect("stats lock");
+        s.tool_calls_proposed += 1;
+        *s.by_tool.entry(name.clone()).or_default() += 1;
+    }
+    let completion_chars = turn.size();
+    let usage = json!({
+        "prompt_tokens": prompt_chars.div_ceil(4),
+        "completion_tokens": completion_chars.div_ceil(4),
+        "total_tokens": prompt_chars.div_ceil(4) + completion_chars.div_ceil(4),
+    });
+    let id = format!("chatcmpl-sim{}", &hex::encode(seed.to_be_bytes())[..12]);
+    if !stream {
+        if kind == Some(FaultKind::Empty) || kind == Some(FaultKind::Cut) {
+            // The non-streaming analogue of a cut: a 200 with a truncated body.
+            return (
+                StatusCode::OK,
+                [("content-type", "application/json")],
+                "{\"id\":\"x\",\"choices\":[",
+            )
+                .into_response();
+        }
+        if kind == Some(FaultKind::ErrorEvent) {
+            return (StatusCode::OK, Json(json!({"error": {"message": "model overloaded mid-generation (simulated)", "type": "overloaded_error", "code": 503}}))).into_response();
+        }
+        return Json(play::full_response(&id, &model, &turn, usage)).into_response();
+    }
+
+    let delay = match kind {
+        Some(FaultKind::Slow) => Duration::from_millis(params.delay_ms.unwrap_or(200)),
+        _ => sim.token_delay,
+    };
+    let mut events: Vec<String> = play::stream_chunks(&id, &model, &turn);
+    let finish_at = events.len() - 1; // the last chunk carries finish_reason
+    match kind {
+        Some(FaultKind::Empty) => events.clear(),
+        Some(FaultKind::Cut) => events.truncate((finish_at / 2).max(1)),
+        Some(FaultKind::ErrorEvent) => {
+            events.truncate((finish_at / 2).max(1));
+            events.push(json!({"error": {"message": "The model is overloaded (simulated)", "type": "overloaded_error", "code": 503}}).to_string());
+            events.push("[DONE]".into());
+        }
+        _ => {
+            if include_usage {
+                events.push(json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [], "usage": usage}).to_string());
+            }
+            events.push("[DONE]".into());
+        }
+    }
+    let body = futures::stream::unfold(
+        (events.into_iter(), true),
+        move |(mut it, first)| async move {
+            let ev = it.next()?;
+            if !first && !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            Some((
+                Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {ev}\n\n"))),
+                (it, false),
+            ))
+        },
+    );
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }

@@ -1,0 +1,434 @@
+//! The one retry layer: the generation retry loop, its backoff, restart
+//! eligibility and retry reports.
+//!
+//! A failed attempt is retried only when its class is retryable, the attempt
+//! is still *eligible* (seed 002: no visible output reached a watcher, the
+//! generation did not complete, no unknown or hosted-tool event arrived, not
+//! cancelled), attempts remain, and the wait fits before the deadline. The
+//! wait is capped exponential backoff with full jitter, never shorter than a
+//! server-stated `Retry-After`, and cancellation or the deadline interrupt
+//! it. Every decision to retry or not is a [`RetryReport`].
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold_transcript::Message;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::breaker::CircuitBreaker;
+use crate::budget::{Budget, BudgetLeft};
+use crate::client::{AttemptState, Completion, ModelClient, Watcher};
+use crate::error::{FailureClass, ModelError};
+use crate::wire::ChatRequest;
+
+/// Which unit a retry repeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetryScope {
+    /// The current model request, same input.
+    Generation,
+    /// The same thread, repaired (valid prefix kept).
+    Warm,
+    /// A new thread generation from the section prompt.
+    Cold,
+    /// The whole job, from its last checkpoint (the workflow layer's).
+    Job,
+}
+
+/// One retry decision, as published in `retry` events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RetryReport {
+    pub scope: RetryScope,
+    /// Why a retry was considered (the failure) and, if refused, why not.
+    pub reason: String,
+    /// Whether the retry happens.
+    pub eligible: bool,
+    /// What the retry keeps (input, messages, tool results).
+    pub retained: String,
+    /// The attempt number the retry would be (1 = the first try).
+    pub attempt: u32,
+    pub budget_left: BudgetLeft,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<FailureClass>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay_ms: Option<u64>,
+    /// The fallback model, when this retry switches to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_model: Option<String>,
+}
+
+/// Where retry reports go; the workflow layer publishes them as events.
+pub trait RetryReporter: Send + Sync {
+    fn report(&self, r: RetryReport);
+}
+
+/// Drops reports.
+pub struct NoopReporter;
+
+impl RetryReporter for NoopReporter {
+    fn report(&self, _r: RetryReport) {}
+}
+
+/// Keeps reports in memory (tests, `leasehold model check`).
+#[derive(Default)]
+pub struct CollectingReporter(pub Mutex<Vec<RetryReport>>);
+
+impl CollectingReporter {
+    pub fn take(&self) -> Vec<RetryReport> {
+        std::mem::take(&mut *self.0.lock().expect("reporter lock"))
+    }
+}
+
+impl RetryReporter for CollectingReporter {
+    fn report(&self, r: RetryReport) {
+        self.0.lock().expect("reporter lock").push(r);
+    }
+}
+
+/// Why a fresh generation retry is refused (seed 002).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ineligible {
+    VisibleOutput,
+    Completed,
+    UnknownEvent,
+    Cancelled,
+}
+
+impl std::fmt::Display for Ineligible {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Ineligible::VisibleOutput => "visible output already reached a watcher",
+            Ineligible::Completed => "the generation had completed",
+            Ineligible::UnknownEvent => "an unknown or hosted-tool event arrived",
+            Ineligible::Cancelled => "cancelled",
+        })
+    }
+}
+
+/// The restart-eligibility rule. Partial tool-call fragments do not make an
+/// attempt ineligible: they are never executed, so repeating is safe.
+pub fn eligibility(state: &AttemptState, cancelled: bool) -> Result<(), Ineligible> {
+    if cancelled {
+        Err(Ineligible::Cancelled)
+    } else if state.completed {
+        Err(Ineligible::Completed)
+    } else if state.visible_output {
+        Err(Ineligible::VisibleOutput)
+    } else if state.unknown_event {
+        Err(Ineligible::UnknownEvent)
+    } else {
+        Ok(())
+    }
+}
+
+/// Tuning of the generation loop.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GenerationPolicy {
+    /// Attempts per model, including the first.
+    pub max_attempts: u32,
+    pub base: Duration,
+    pub cap: Duration,
+    /// A server asking for a longer wait than this is not retried (the
+    /// OpenAI SDK uses two minutes).
+    pub max_server_delay: Duration,
+}
+
+impl Default for GenerationPolicy {
+    fn default() -> Self {
+        GenerationPolicy {
+            max_attempts: 3,
+            base: Duration::from_millis(500),
+            cap: Duration::from_secs(20),
+            max_server_delay: Duration::from_secs(120),
+        }
+    }
+}
+
+impl GenerationPolicy {
+    /// Full jitter: uniform in `[0, min(cap, base * 2^(attempt-1))]`.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self
+            .base
+            .saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+        let ceiling = exp.min(self.cap);
+        Duration::from_secs_f64(rand::thread_rng().gen_range(0.0..=ceiling.as_secs_f64()))
+    }
+}
+
+/// Everything a run shares: cancellation, deadline, budget, reporting.
+#[derive(Clone)]
+pub struct RunContext {
+    pub cancel: CancellationToken,
+    /// The job's deadline; the budget's wall time also bounds waits.
+    pub deadline: Option<Instant>,
+    pub budget: Arc<Mutex<Budget>>,
+    pub reporter: Arc<dyn RetryReporter>,
+    pub watcher: Option<Watcher>,
+}
+
+impl RunContext {
+    pub fn new(budget: Budget) -> Self {
+        RunContext {
+            cancel: CancellationToken::new(),
+            deadline: None,
+            budget: Arc::new(Mutex::new(budget)),
+            reporter: Arc::new(NoopReporter),
+            watcher: None,
+        }
+    }
+
+    pub fn budget_left(&self) -> BudgetLeft {
+        self.budget.lock().expect("budget lock").left()
+    }
+
+    /// The earlier of the job deadline and the wall-time budget.
+    pub fn effective_deadline(&self) -> Option<Instant> {
+        let wall = self.budget.lock().expect("budget lock").wall_deadline();
+        match (self.deadline, wall) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub(crate) fn emit(&self, r: RetryReport, into: &mut Vec<RetryReport>) {
+        tracing::info!(scope = ?r.scope, eligible = r.eligible, attempt = r.attempt, reason = %r.reason, "retry decision");
+        self.reporter.report(r.clone());
+        into.push(r);
+    }
+
+    /// Waits `delay` unless cancellation or the deadline comes first.
+    pub async fn wait(&self, delay: Duration) -> Result<(), ModelError> {
+        let until = Instant::now() + delay;
+        if self.effective_deadline().is_some_and(|d| d < until) {
+            return Err(ModelError::Deadline);
+        }
+        tokio::select! {
+            biased;
+            _ = self.cancel.cancelled() => Err(ModelError::Cancelled),
+            _ = tokio::time::sleep_until(until) => Ok(()),
+        }
+    }
+}
+
+/// A successful generation.
+#[derive(Debug, Clone)]
+pub struct Generated {
+    pub completion: Completion,
+    /// Attempts made, including the successful one.
+    pub attempts: u32,
+    pub fallback_used: Option<String>,
+}
+
+/// A generation that could not be completed, with why.
+#[derive(Debug, Clone)]
+pub struct GenerationFailure {
+    pub error: ModelError,
+    pub attempts: u32,
+    /// Set when a retryable failure was refused by the eligibility rule.
+    pub ineligible: Option<Ineligible>,
+}
+
+/// The generation retry loop around one client and its breakers.
+pub struct Generator {
+    pub client: ModelClient,
+    pub breaker: Arc<CircuitBreaker>,
+    pub fallback_breaker: Arc<CircuitBreaker>,
+    pub policy: GenerationPolicy,
+}
+
+impl Generator {
+    pub fn new(
+        client: ModelClient,
+        policy: GenerationPolicy,
+        breaker_cfg: crate::breaker::BreakerConfig,
+    ) -> Self {
+        let primary = client.config().model.clone();
+        let fallback = client
+            .config()
+            .fallback_model
+            .clone()
+            .unwrap_or_else(|| "fallback".into());
+        Generator {
+            breaker: Arc::new(CircuitBreaker::new(
+                format!("model:{primary}"),
+                breaker_cfg.clone(),
+            )),
+            fallback_breaker: Arc::new(CircuitBreaker::new(
+                format!("model:{fallback}"),
+                breaker_cfg,
+            )),
+            client,
+            policy,
+        }
+    }
+
+    /// Generates one complete response for `req`, retrying at this one
+    /// layer. Reports go to `ctx.reporter` and into `reports`.
+    pub async fn generate(
+        &self,
+        req: &ChatRequest,
+        ctx: &RunContext,
+        reports: &mut Vec<RetryReport>,
+    ) -> Result<Generated, GenerationFailure> {
+        let mut model = self.client.config().model.clone();
+        let mut fallback_used: Option<String> = None;
+        let mut attempt = 0u32;
+        let mut total = 0u32;
+        let fail =
+            |error: ModelError, total: u32, ineligible: Option<Ineligible>| GenerationFailure {
+                error,
+                attempts: total,
+                ineligible,
+            };
+        loop {
+            attempt += 1;
+            total += 1;
+            if ctx.cancel.is_cancelled() {
+                return Err(fail(ModelError::Cancelled, total, None));
+            }
+            if let Err(kind) = ctx.budget.lock().expect("budget lock").check() {
+                return Err(fail(ModelError::Budget(kind), total, None));
+            }
+            let deadline = ctx.effective_deadline();
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(fail(ModelError::Deadline, total, None));
+            }
+            let breaker = if fallback_used.is_some() {
+                &self.fallback_breaker
+            } else {
+                &self.breaker
+            };
+            let mut state = AttemptState {
+                watcher: ctx.watcher.clone(),
+                ..Default::default()
+            };
+            let result = match breaker.try_acquire() {
+                Err(retry_after) => Err(ModelError::CircuitOpen {
+                    dependency: breaker.name().to_string(),
+                    retry_after,
+                }),
+                Ok(()) => {
+                    let fut = self.client.generate_once(req, &model, &mut state);
+                    let r = tokio::select! {
+                        biased;
+                        _ = ctx.cancel.cancelled() => Err(ModelError::Cancelled),
+                        r = async {
+                            match deadline {
+                                Some(d) => tokio::time::timeout_at(d, fut).await.unwrap_or(Err(ModelError::Deadline)),
+                                None => fut.await,
+                            }
+                        } => r,
+                    };
+                    match &r {
+                        Ok(_) => breaker.record(true),
+                        Err(e) => match e.class() {
+                            FailureClass::Cancelled | FailureClass::DeadlineExceeded => {
+                                breaker.release()
+                            }
+                            c => breaker.record(!c.counts_against_dependency()),
+                        },
+                    }
+                    r
+                }
+            };
+            let e = match result {
+                Ok(completion) => {
+                    ctx.budget
+                        .lock()
+                        .expect("budget lock")
+                        .charge(&model, &completion.usage);
+                    return Ok(Generated {
+                        completion,
+                        attempts: total,
+                        fallback_used,
+                    });
+                }
+                Err(e) => e,
+            };
+            let class = e.class();
+            if !class.is_retryable() {
+                return Err(fail(e, total, None));
+            }
+            let retained = retained_input(&req.messages);
+            let mut report = RetryReport {
+                scope: RetryScope::Generation,
+                reason: format!("{class}: {e}"),
+                eligible: false,
+                retained: retained.clone(),
+                attempt: total + 1,
+                budget_left: ctx.budget_left(),
+                class: Some(class),
+                delay_ms: None,
+                fallback_model: None,
+            };
+            if let Err(why) = eligibility(&state, ctx.cancel.is_cancelled()) {
+                report.reason = format!("{class}: refused: {why}");
+                report.retained = "nothing: the generation is not repeated".into();
+                ctx.emit(report, reports);
+                return Err(fail(e, total, Some(why)));
+            }
+            if attempt >= self.policy.max_attempts {
+                let fallback = self.client.config().fallback_model.clone();
+                match fallback {
+                    Some(fb) if fallback_used.is_none() && fb != model => {
+                        report.reason = format!("{class}: {attempt} attempts on {model} failed; switching to fallback {fb}");
+                        report.eligible = true;
+                        report.fallback_model = Some(fb.clone());
+                        ctx.emit(report, reports);
+                        model = fb.clone();
+                        fallback_used = Some(fb);
+                        attempt = 0;
+                        continue;
+                    }
+                    _ => {
+                        report.reason = format!(
+                            "{class}: generation attempts exhausted ({attempt} of {})",
+                            self.policy.max_attempts
+                        );
+                        ctx.emit(report, reports);
+                        return Err(fail(e, total, None));
+                    }
+                }
+            }
+            let mut delay = self.policy.backoff(attempt);
+            if let Some(ra) = e.retry_after() {
+                if ra > self.policy.max_server_delay {
+                    report.reason = format!(
+                        "{class}: server asks to wait {}, longer than allowed",
+                        humantime::format_duration(ra)
+                    );
+                    ctx.emit(report, reports);
+                    return Err(fail(e, total, None));
+                }
+                delay = delay.max(ra);
+            }
+            if deadline.is_some_and(|d| Instant::now() + delay > d) {
+                report.reason = format!("{class}: the deadline comes before the next attempt");
+                ctx.emit(report, reports);
+                return Err(fail(ModelError::Deadline, total, None));
+            }
+            report.eligible = true;
+            report.delay_ms = Some(delay.as_millis() as u64);
+            ctx.emit(report, reports);
+            if let Err(stop) = ctx.wait(delay).await {
+                return Err(fail(stop, total, None));
+            }
+        }
+    }
+}
+
+fn retained_input(messages: &[Message]) -> String {
+    let results = messages
+        .iter()
+        .filter(|m| matches!(m, Message::Tool { .. }))
+        .count();
+    format!(
+        "same input: {} messages, {} tool results",
+        messages.len(),
+        results
+    )
+}
