@@ -38,8 +38,8 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         return Ok(0);
     }
     println!(
-        "{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {}",
-        "ID", "KIND", "STATUS", "ATTEMPTS", "EPOCH", "RECLAIM", "UPDATED"
+        "{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  UPDATED",
+        "ID", "KIND", "STATUS", "ATTEMPTS", "EPOCH", "RECLAIM"
     );
     for r in &recs {
         println!(
