@@ -5,5 +5,6 @@
 mod lifecycle;
 mod ownership;
 mod reaper;
+mod research;
 mod submission;
 mod support;

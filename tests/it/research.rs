@@ -1,0 +1,1 @@
+//! The research workload end to end (placeholder).
