@@ -173,3 +173,22 @@ pub async fn wait_log(p: &Proc, needle: &str, timeout: Duration) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Starts `leasehold-sim` on a free port; returns it and its base URL.
+pub async fn spawn_sim(extra: &[(&'static str, String)]) -> (Proc, String) {
+    let mut env: Vec<(&'static str, String)> = vec![
+        ("LH_SIM_TOKEN_DELAY_MS", "0".into()),
+        ("RUST_LOG", "warn".into()),
+    ];
+    env.extend(extra.iter().cloned());
+    let p = Proc::spawn("leasehold-sim", &["--listen", "127.0.0.1:0"], &env);
+    wait_log(&p, "listening on ", Duration::from_secs(10)).await;
+    let out = p.output();
+    let addr = out
+        .lines()
+        .find_map(|l| l.strip_prefix("listening on "))
+        .expect("address")
+        .trim()
+        .to_string();
+    (p, format!("http://{addr}"))
+}

@@ -26,7 +26,7 @@ pub struct Kinds {
 }
 
 impl Default for Kinds {
-    /// The built-in kinds: `echo`, `sleep`, `fail`, `crash`, `research`.
+    /// The built-in kinds: `echo`, `sleep`, `fail`, `crash`, `research`, `deliver`.
     fn default() -> Self {
         let mut k = Kinds { kinds: Vec::new() };
         k.add("echo", |_| Ok(()));
@@ -34,6 +34,7 @@ impl Default for Kinds {
         k.add("fail", validate_fail);
         k.add("crash", |_| Ok(()));
         k.add("research", validate_research);
+        k.add("deliver", validate_deliver);
         k
     }
 }
@@ -91,6 +92,16 @@ fn validate_fail(input: &serde_json::Map<String, Value>) -> Result<(), String> {
     }
     get_u64(input, "times")?;
     Ok(())
+}
+
+fn validate_deliver(input: &serde_json::Map<String, Value>) -> Result<(), String> {
+    match input.get("document") {
+        Some(Value::String(d)) if !d.is_empty() => Ok(()),
+        Some(v) => Err(format!(
+            "input.document: expected a non-empty string, got {v}"
+        )),
+        None => Err("input.document: required (the text to deliver)".into()),
+    }
 }
 
 fn validate_research(input: &serde_json::Map<String, Value>) -> Result<(), String> {

@@ -57,7 +57,7 @@ pub struct Options {
         long,
         env = "LH_KINDS",
         value_delimiter = ',',
-        default_value = "echo,sleep,fail,crash,research"
+        default_value = "echo,sleep,fail,crash,research,deliver"
     )]
     pub kinds: Vec<String>,
     /// Submissions larger than this many bytes are rejected.

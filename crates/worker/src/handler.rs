@@ -180,5 +180,9 @@ pub fn builtins() -> Vec<(String, Arc<dyn Handler>)> {
         ("sleep".into(), Arc::new(Sleep)),
         ("fail".into(), Arc::new(Fail)),
         ("crash".into(), Arc::new(Crash)),
+        (
+            "deliver".into(),
+            Arc::new(crate::deliver::Deliver::default()),
+        ),
     ]
 }

@@ -10,6 +10,7 @@
 //!   kinds, error replies to request/reply submitters, and `lh.cancel.<id>`.
 
 pub mod config;
+pub mod deliver;
 pub mod gateway;
 pub mod handler;
 pub mod service;

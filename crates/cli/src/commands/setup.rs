@@ -17,7 +17,7 @@ pub struct Args {
         long,
         env = "LH_KINDS",
         value_delimiter = ',',
-        default_value = "echo,sleep,fail,crash,research"
+        default_value = "echo,sleep,fail,crash,research,deliver"
     )]
     kinds: Vec<String>,
     /// Ack wait of the work consumers: how long a delivered ticket waits
