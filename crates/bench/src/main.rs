@@ -25,7 +25,10 @@ use leasehold_store::{Conn, Jobs, NatsArgs};
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
-#[command(name = "leasehold-bench", about = "leasehold benchmarks: CAS ceiling, throughput, recovery, handoff, 1,000 in flight")]
+#[command(
+    name = "leasehold-bench",
+    about = "leasehold benchmarks: CAS ceiling, throughput, recovery, handoff, 1,000 in flight"
+)]
 struct Args {
     /// Output directory for bench.json.
     #[arg(long, default_value = "bench-results")]
@@ -63,7 +66,10 @@ async fn main() -> anyhow::Result<()> {
     let writes = w4["kv_writes_per_job"].as_f64().unwrap_or(1.0).max(1.0);
     let target = 0.4 * ceiling / writes;
     report.insert("throughput".into(), Value::Array(tp.clone()));
-    report.insert("throughput_target_4_workers".into(), json!({"jobs_per_s_min": target, "met": w4["jobs_per_s"].as_f64().unwrap() >= target}));
+    report.insert(
+        "throughput_target_4_workers".into(),
+        json!({"jobs_per_s_min": target, "met": w4["jobs_per_s"].as_f64().unwrap() >= target}),
+    );
 
     let rec = recovery(a.reps).await?;
     eprintln!("recovery after kill -9: {rec}");
@@ -76,20 +82,50 @@ async fn main() -> anyhow::Result<()> {
     report.insert("inflight".into(), inf);
 
     let path = a.out.join("bench.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&Value::Object(report.clone()))?)?;
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&Value::Object(report.clone()))?,
+    )?;
     println!("{:<44} {:>14}", "figure", "value");
-    println!("{:<44} {:>14.0}", "KV CAS ceiling (updates/s, 64 writers)", ceiling);
+    println!(
+        "{:<44} {:>14.0}",
+        "KV CAS ceiling (updates/s, 64 writers)", ceiling
+    );
     for r in &tp {
-        println!("{:<44} {:>14.0}", format!("echo jobs/s, {} worker(s)", r["workers"]), r["jobs_per_s"].as_f64().unwrap());
+        println!(
+            "{:<44} {:>14.0}",
+            format!("echo jobs/s, {} worker(s)", r["workers"]),
+            r["jobs_per_s"].as_f64().unwrap()
+        );
     }
     println!("{:<44} {:>14.1}", "KV writes per job", writes);
-    println!("{:<44} {:>14.1}", "event publishes per job", w4["event_publishes_per_job"].as_f64().unwrap());
-    println!("{:<44} {:>14.0}", "target 4-worker jobs/s (40% of ceiling/writes)", target);
-    for (k, name) in [("recovery_after_kill9_ms", "recovery after kill -9"), ("handoff_after_sigterm_ms", "handoff after SIGTERM")] {
-        println!("{:<44} {:>14}", format!("{name} p50/p95 ms"), format!("{}/{}", report[k]["p50"], report[k]["p95"]));
+    println!(
+        "{:<44} {:>14.1}",
+        "event publishes per job",
+        w4["event_publishes_per_job"].as_f64().unwrap()
+    );
+    println!(
+        "{:<44} {:>14.0}",
+        "target 4-worker jobs/s (40% of ceiling/writes)", target
+    );
+    for (k, name) in [
+        ("recovery_after_kill9_ms", "recovery after kill -9"),
+        ("handoff_after_sigterm_ms", "handoff after SIGTERM"),
+    ] {
+        println!(
+            "{:<44} {:>14}",
+            format!("{name} p50/p95 ms"),
+            format!("{}/{}", report[k]["p50"], report[k]["p95"])
+        );
     }
-    println!("{:<44} {:>14}", "lease expiries at 1,000 in flight", report["inflight"]["lease_expiries"]);
-    println!("{:<44} {:>14}", "worker peak RSS MiB at 1,000 in flight", report["inflight"]["peak_rss_mib"]);
+    println!(
+        "{:<44} {:>14}",
+        "lease expiries at 1,000 in flight", report["inflight"]["lease_expiries"]
+    );
+    println!(
+        "{:<44} {:>14}",
+        "worker peak RSS MiB at 1,000 in flight", report["inflight"]["peak_rss_mib"]
+    );
     println!("results: {}", path.display());
     Ok(())
 }
@@ -156,7 +192,9 @@ async fn run_batch(conn: &Conn, n: usize, tag: &str) -> anyhow::Result<Duration>
     let mut acks = Vec::with_capacity(n);
     for i in 0..n {
         let id = format!("{tag}-{i}");
-        let m = async_nats::jetstream::message::PublishMessage::build().payload(r#"{"input":{}}"#.into()).message_id(id);
+        let m = async_nats::jetstream::message::PublishMessage::build()
+            .payload(r#"{"input":{}}"#.into())
+            .message_id(id);
         acks.push(js.send_publish("lh.submit.echo", m).await?);
     }
     for a in acks {
@@ -165,8 +203,12 @@ async fn run_batch(conn: &Conn, n: usize, tag: &str) -> anyhow::Result<Duration>
     drop(work);
     let mut done = std::collections::HashSet::new();
     while done.len() < n {
-        let e = tokio::time::timeout(Duration::from_secs(120), watch.next()).await?.ok_or_else(|| anyhow::anyhow!("watch ended"))??;
-        if e.key.starts_with(tag) && std::str::from_utf8(&e.value).is_ok_and(|v| v.contains("\"status\":\"completed\"")) {
+        let e = tokio::time::timeout(Duration::from_secs(120), watch.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("watch ended"))??;
+        if e.key.starts_with(tag)
+            && std::str::from_utf8(&e.value).is_ok_and(|v| v.contains("\"status\":\"completed\""))
+        {
             done.insert(e.key.clone());
         }
     }
@@ -174,8 +216,20 @@ async fn run_batch(conn: &Conn, n: usize, tag: &str) -> anyhow::Result<Duration>
 }
 
 async fn throughput(workers: usize, n: usize) -> anyhow::Result<Value> {
-    let (s, conn) = server(SetupOptions { ack_wait: Duration::from_secs(5), ..SetupOptions::default() }).await?;
-    let procs: Vec<Proc> = (0..workers).map(|_| Proc::spawn("leasehold-worker", &[], &worker_env(&s.url(), &[("LH_CONCURRENCY", "64".into())]))).collect();
+    let (s, conn) = server(SetupOptions {
+        ack_wait: Duration::from_secs(5),
+        ..SetupOptions::default()
+    })
+    .await?;
+    let procs: Vec<Proc> = (0..workers)
+        .map(|_| {
+            Proc::spawn(
+                "leasehold-worker",
+                &[],
+                &worker_env(&s.url(), &[("LH_CONCURRENCY", "64".into())]),
+            )
+        })
+        .collect();
     // Warm up: the workers are connected and pulling once one job completes.
     run_batch(&conn, workers * 4, "warm").await?;
     let kv0 = stream_msgs(&conn, "KV_lh_jobs").await?;
@@ -201,10 +255,16 @@ fn percentiles(mut v: Vec<f64>) -> Value {
 }
 
 /// Waits until the job's record satisfies `pred`; returns when it was seen.
-async fn wait_record(jobs: &Jobs, id: &str, pred: impl Fn(&leasehold_core::JobRecord) -> bool) -> anyhow::Result<Instant> {
+async fn wait_record(
+    jobs: &Jobs,
+    id: &str,
+    pred: impl Fn(&leasehold_core::JobRecord) -> bool,
+) -> anyhow::Result<Instant> {
     let mut w = jobs.watch(id).await?;
     loop {
-        let e = tokio::time::timeout(Duration::from_secs(60), w.next()).await?.ok_or_else(|| anyhow::anyhow!("watch ended"))??;
+        let e = tokio::time::timeout(Duration::from_secs(60), w.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("watch ended"))??;
         if let Ok(r) = leasehold_store::jobs::decode(id, &e.value) {
             if pred(&r) {
                 return Ok(Instant::now());
@@ -215,18 +275,51 @@ async fn wait_record(jobs: &Jobs, id: &str, pred: impl Fn(&leasehold_core::JobRe
 
 /// Kill -9 (or SIGTERM) the owner of a running job; time until another worker owns it.
 async fn takeover(reps: usize, term: bool) -> anyhow::Result<Value> {
-    let (s, conn) = server(SetupOptions { ack_wait: Duration::from_secs(1), ..SetupOptions::default() }).await?;
+    let (s, conn) = server(SetupOptions {
+        ack_wait: Duration::from_secs(1),
+        ..SetupOptions::default()
+    })
+    .await?;
     let jobs = Jobs::open(&conn).await?;
     let work = Work::new(&conn);
     let mut samples = Vec::new();
     for i in 0..reps {
-        let mut a = Proc::spawn("leasehold-worker", &[], &worker_env(&s.url(), &[("LH_WORKER_ID", format!("victim-{i}")), ("LH_KINDS", "sleep".into())]));
+        let mut a = Proc::spawn(
+            "leasehold-worker",
+            &[],
+            &worker_env(
+                &s.url(),
+                &[
+                    ("LH_WORKER_ID", format!("victim-{i}")),
+                    ("LH_KINDS", "sleep".into()),
+                ],
+            ),
+        );
         let id = format!("take-{i}");
         // Only the victim runs until it holds the job; then the rescuer starts.
-        work.submit("sleep", json!({"input": {"ms": 60000}}).to_string().into(), Some(&id), None).await?;
+        work.submit(
+            "sleep",
+            json!({"input": {"ms": 60000}}).to_string().into(),
+            Some(&id),
+            None,
+        )
+        .await?;
         let victim = format!("victim-{i}");
-        wait_record(&jobs, &id, |r| r.status == "running" && r.worker_id.as_deref() == Some(victim.as_str())).await?;
-        let mut c = Proc::spawn("leasehold-worker", &[], &worker_env(&s.url(), &[("LH_WORKER_ID", format!("rescuer-{i}")), ("LH_KINDS", "sleep".into())]));
+        wait_record(&jobs, &id, |r| {
+            r.status == "running" && r.worker_id.as_deref() == Some(victim.as_str())
+        })
+        .await?;
+        let mut c = Proc::spawn(
+            "leasehold-worker",
+            &[],
+            &worker_env(
+                &s.url(),
+                &[
+                    ("LH_WORKER_ID", format!("rescuer-{i}")),
+                    ("LH_KINDS", "sleep".into()),
+                ],
+            ),
+        );
         tokio::time::sleep(Duration::from_millis(300)).await; // let the rescuer connect before the fault
         let t0 = Instant::now();
         if term {
@@ -235,7 +328,10 @@ async fn takeover(reps: usize, term: bool) -> anyhow::Result<Value> {
             a.kill9();
         }
         let rescuer = format!("rescuer-{i}");
-        let t1 = wait_record(&jobs, &id, |r| r.status == "running" && r.worker_id.as_deref() == Some(rescuer.as_str())).await?;
+        let t1 = wait_record(&jobs, &id, |r| {
+            r.status == "running" && r.worker_id.as_deref() == Some(rescuer.as_str())
+        })
+        .await?;
         samples.push((t1 - t0).as_secs_f64() * 1000.0);
         c.kill9();
         let _ = a.wait_timeout(Duration::from_secs(5));
@@ -261,13 +357,30 @@ fn rss_mib(pid: u32) -> f64 {
 }
 
 async fn inflight(n: usize) -> anyhow::Result<Value> {
-    let (s, conn) = server(SetupOptions { ack_wait: Duration::from_secs(3), ..SetupOptions::default() }).await?;
-    let w = Proc::spawn("leasehold-worker", &[], &worker_env(&s.url(), &[("LH_CONCURRENCY", n.to_string()), ("LH_LEASE", "3s".into()), ("LH_HEARTBEAT", "1s".into())]));
+    let (s, conn) = server(SetupOptions {
+        ack_wait: Duration::from_secs(3),
+        ..SetupOptions::default()
+    })
+    .await?;
+    let w = Proc::spawn(
+        "leasehold-worker",
+        &[],
+        &worker_env(
+            &s.url(),
+            &[
+                ("LH_CONCURRENCY", n.to_string()),
+                ("LH_LEASE", "3s".into()),
+                ("LH_HEARTBEAT", "1s".into()),
+            ],
+        ),
+    );
     let jobs = Jobs::open(&conn).await?;
     let js = conn.js.clone();
     let mut acks = Vec::new();
     for i in 0..n {
-        let m = async_nats::jetstream::message::PublishMessage::build().payload(r#"{"input":{"ms":10000}}"#.into()).message_id(format!("inf-{i}"));
+        let m = async_nats::jetstream::message::PublishMessage::build()
+            .payload(r#"{"input":{"ms":10000}}"#.into())
+            .message_id(format!("inf-{i}"));
         acks.push(js.send_publish("lh.submit.sleep", m).await?);
     }
     for a in acks {
@@ -288,7 +401,10 @@ async fn inflight(n: usize) -> anyhow::Result<Value> {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let all = jobs.all().await?;
-    let expiries = all.iter().filter(|v| v.value.stale_reclaims > 0 || v.value.epoch > 1).count();
+    let expiries = all
+        .iter()
+        .filter(|v| v.value.stale_reclaims > 0 || v.value.epoch > 1)
+        .count();
     let rss = rss_mib(w.pid());
     let budget = 64.0 + 64.0 * n as f64 / 1024.0;
     Ok(json!({
