@@ -130,6 +130,7 @@ impl Worker {
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("w-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
+        let incarnation = uuid::Uuid::new_v4().simple().to_string();
         let conn = opts
             .nats
             .connect(&format!("leasehold-worker {worker_id}"))
@@ -143,6 +144,7 @@ impl Worker {
         }
         tracing::info!(
             worker_id,
+            incarnation = %incarnation,
             kinds = ?served,
             concurrency = opts.concurrency,
             lease = ?opts.lease,
@@ -167,6 +169,7 @@ impl Worker {
             kinds: self.kinds,
             retry: opts.retry_policy(),
             worker_id: worker_id.clone(),
+            incarnation,
             running: StdMutex::new(HashMap::new()),
             idle: Notify::new(),
             handoff: CancellationToken::new(),
@@ -196,6 +199,10 @@ struct Shared {
     kinds: Kinds,
     retry: RetryPolicy,
     worker_id: String,
+    /// Unique per process, even under a stable `--worker-id`: recorded in
+    /// every claim marker so an operator can tell two processes of one
+    /// identity apart (the claim token is what fences them).
+    incarnation: String,
     slots: Arc<Semaphore>,
     /// Jobs running in this process, by id.
     running: StdMutex<HashMap<String, Running>>,
@@ -650,7 +657,13 @@ async fn run_attempt(
 ) {
     let id = rec.id.clone();
     let gate = Gate::new(shared.jobs.clone(), &id, owner.clone());
-    let claimed_data = json!({"reclaim": reclaim, "attempts": rec.attempts, "stale_reclaims": rec.stale_reclaims, "ticket_seq": rec.ticket_seq});
+    let claimed_data = json!({
+        "reclaim": reclaim,
+        "attempts": rec.attempts,
+        "stale_reclaims": rec.stale_reclaims,
+        "ticket_seq": rec.ticket_seq,
+        "incarnation": shared.incarnation,
+    });
     let mut fence = None;
     for i in 0..5u32 {
         match shared
