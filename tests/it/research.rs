@@ -1,1 +1,546 @@
-//! The research workload end to end (placeholder).
+//! The research workload end to end: a real `nats-server`, the real
+//! `leasehold-sim` (model, search, pages, effects sink) and real worker
+//! processes, killed with `abort()` at exact points (`LH_RESEARCH_CRASH_AT`,
+//! armed only while the job has no stale reclaims, so the reclaiming worker
+//! runs through). Rework is counted at the simulator (`/stats`) and in the
+//! job's events; a clean run of 2 experts x 2 sections makes 16 model calls:
+//! outline 1, perspectives 1, 4 sections x (search, fetch, write) 12, final 2.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use leasehold_core::JobRecord;
+use leasehold_harness::Proc;
+use leasehold_proto::JobEvent;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::{wait_log, Env};
+
+/// Model calls of one clean run with 2 experts x 2 sections.
+const CLEAN_CALLS: u64 = 16;
+
+struct Lab {
+    env: Env,
+    sim: Proc,
+    addr: String,
+}
+
+impl Lab {
+    async fn new(sim_env: &[(&str, String)]) -> Lab {
+        let env = Env::new().await;
+        let mut e = vec![("LH_SIM_TOKEN_DELAY_MS", "0".to_string())];
+        e.extend(sim_env.iter().map(|(k, v)| (*k, v.clone())));
+        let sim = Proc::spawn("leasehold-sim", &["--listen", "127.0.0.1:0"], &e);
+        wait_log(&sim, "listening on ", Duration::from_secs(10)).await;
+        let out = sim.output();
+        let addr = out
+            .split("listening on ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .expect("sim address")
+            .trim_start_matches("http://")
+            .to_string();
+        Lab { env, sim, addr }
+    }
+
+    fn worker(&self, extra: &[(&'static str, &str)]) -> Proc {
+        let mut env: Vec<(&'static str, String)> = vec![
+            ("LH_KINDS", "research".into()),
+            ("LH_MODEL_BASE_URL", format!("http://{}/v1", self.addr)),
+            ("LH_SEARCH_URL", format!("http://{}", self.addr)),
+            ("LH_PUBLISH_URL", format!("http://{}/effects", self.addr)),
+            ("LH_FETCH_ALLOW", "127.0.0.1".into()),
+            ("LH_RESEARCH_RETRY_BASE", "20ms".into()),
+            ("LH_RESEARCH_RETRY_CAP", "200ms".into()),
+        ];
+        env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        self.env.worker_proc(&[], &env)
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let mut s = tokio::net::TcpStream::connect(&self.addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n", self.addr).as_bytes())
+            .await
+            .unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        let body = buf.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("GET {path}: {e}: {buf}"))
+    }
+
+    async fn chat_requests(&self) -> u64 {
+        self.get("/stats").await["chat_requests"].as_u64().unwrap()
+    }
+
+    async fn deliveries(&self) -> usize {
+        self.get("/effects").await.as_array().map_or(0, Vec::len)
+    }
+
+    async fn submit(&self, id: &str) {
+        self.env
+            .submit(
+                "research",
+                json!({"input": {"topic": "lease-based ownership in distributed systems", "experts": 2, "sections": 2}}),
+                id,
+            )
+            .await;
+    }
+
+    async fn completed(&self, id: &str) -> JobRecord {
+        let r = self
+            .env
+            .wait_for(id, Duration::from_secs(40), |r| {
+                matches!(
+                    r.status.as_str(),
+                    "completed" | "failed" | "parked" | "dead"
+                )
+            })
+            .await;
+        assert_eq!(r.status, "completed", "record: {r:?}");
+        r
+    }
+
+    async fn artifact(&self, rec: &JobRecord) -> String {
+        let res = rec.result.clone().unwrap();
+        let store = self
+            .env
+            .conn
+            .js
+            .get_object_store(self.env.conn.layout.artifacts_bucket())
+            .await
+            .unwrap();
+        let mut obj = store.get(res.artifact.as_deref().unwrap()).await.unwrap();
+        let mut text = String::new();
+        obj.read_to_string(&mut text).await.unwrap();
+        text
+    }
+}
+
+fn sha256_hex(s: &str) -> String {
+    leasehold_research::report::sha256_hex(s)
+}
+
+/// Waits until a process has exited (a crash point aborted it).
+async fn exited(p: &mut Proc, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while p.alive() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker did not crash:\n{}",
+            p.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Reap it, so dropping the handle signals nothing.
+    let _ = p.wait_timeout(Duration::ZERO);
+}
+
+fn payload(ev: &JobEvent) -> Value {
+    ev.data_map().get("payload").cloned().unwrap_or(Value::Null)
+}
+
+/// How often each expert section was checkpointed, across all epochs.
+fn section_counts(events: &[JobEvent]) -> HashMap<(u64, u64), usize> {
+    let mut m = HashMap::new();
+    for ev in events.iter().filter(|e| e.r#type == "section") {
+        let p = payload(ev);
+        *m.entry((p["expert"].as_u64().unwrap(), p["index"].as_u64().unwrap()))
+            .or_default() += 1;
+    }
+    m
+}
+
+fn phase_count(events: &[JobEvent], phase: &str) -> usize {
+    events
+        .iter()
+        .filter(|e| e.r#type == "phase" && e.data_map()["phase"] == phase)
+        .count()
+}
+
+/// A crash run: worker A dies at `point`, worker B (same env: the point is
+/// disarmed by the stale reclaim) finishes. Returns the record, the events
+/// and the model calls made.
+async fn crash_run(
+    lab: &Lab,
+    id: &str,
+    point: &str,
+    between: impl std::future::Future<Output = ()>,
+) -> (JobRecord, Vec<JobEvent>, u64) {
+    let env = [
+        ("LH_RESEARCH_CRASH_AT", point),
+        ("LH_RESEARCH_EXPERT_CONCURRENCY", "1"),
+    ];
+    let mut a = lab.worker(&env);
+    lab.submit(id).await;
+    exited(&mut a, Duration::from_secs(30)).await;
+    assert!(
+        a.output().contains("LH_RESEARCH_CRASH_AT reached"),
+        "A did not stop at {point}:\n{}",
+        a.output()
+    );
+    between.await;
+    let _b = lab.worker(&env);
+    let rec = lab.completed(id).await;
+    assert_eq!(rec.stale_reclaims, 1);
+    let events = lab.env.events_of(id).await;
+    (rec, events, lab.chat_requests().await)
+}
+
+/// Common assertions: one delivery, the artifact's digest, each section once.
+async fn assert_clean_finish(lab: &Lab, rec: &JobRecord, events: &[JobEvent]) {
+    assert_eq!(lab.deliveries().await, 1, "exactly one delivery");
+    let doc = lab.artifact(rec).await;
+    assert_eq!(
+        rec.result.as_ref().unwrap().digest.as_deref(),
+        Some(sha256_hex(&doc).as_str())
+    );
+    let counts = section_counts(events);
+    assert_eq!(counts.len(), 4);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "a section was redone: {counts:?}"
+    );
+    assert_eq!(phase_count(events, "final"), 2, "final sections redone");
+}
+
+#[tokio::test]
+async fn research_completes_end_to_end() {
+    let lab = Lab::new(&[]).await;
+    let _w = lab.worker(&[]);
+    lab.submit("r-e2e").await;
+    let rec = lab.completed("r-e2e").await;
+    let res = rec.result.clone().unwrap();
+    assert_eq!(res.artifact.as_deref(), Some("r-e2e/report.md"));
+    assert!(!res.partial);
+    let doc = lab.artifact(&rec).await;
+    assert!(doc.contains("## Appendix A: Sources") && doc.contains("## Appendix B: Recovery"));
+    assert!(doc.contains("/page/"), "sources cited:\n{doc}");
+    if std::env::var("LH_PRINT_REPORT").is_ok() {
+        eprintln!("{doc}");
+    }
+    let events = lab.env.events_of("r-e2e").await;
+    assert_clean_finish(&lab, &rec, &events).await;
+    assert_eq!(lab.chat_requests().await, CLEAN_CALLS);
+    let v = rec.versions.clone().unwrap();
+    assert_eq!(
+        (v.workflow.as_str(), v.model.as_str()),
+        ("research/1", "sim-1")
+    );
+    let p = rec.progress.clone().unwrap();
+    assert_eq!((p.sections_done, p.sections_total, p.skipped), (6, 6, 0));
+    // The journal recorded every model response and tool result.
+    assert!(events.iter().filter(|e| e.r#type == "journal").count() >= 4 * 6);
+    let _ = &lab.sim;
+}
+
+#[tokio::test]
+async fn research_kill_after_phase_checkpoint() {
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) = crash_run(&lab, "r-phase", "after_phase:outline", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS, "no model call repeated");
+    assert_eq!(phase_count(&events, "outline"), 1, "outline reused");
+    assert_clean_finish(&lab, &rec, &events).await;
+}
+
+#[tokio::test]
+async fn research_kill_mid_expert_after_k_sections() {
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) = crash_run(&lab, "r-mid-expert", "after_section:1", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS, "no model call repeated");
+    assert_clean_finish(&lab, &rec, &events).await;
+    // The partial expert restarted at its second section with its rolling summary.
+    let first_of_b = events
+        .iter()
+        .filter(|e| e.r#type == "section" && e.epoch == 2)
+        .map(payload)
+        .next()
+        .unwrap();
+    assert_eq!(
+        (first_of_b["expert"].as_u64(), first_of_b["index"].as_u64()),
+        (Some(0), Some(1))
+    );
+    assert!(first_of_b["summary"].as_str().unwrap().lines().count() == 2);
+}
+
+#[tokio::test]
+async fn research_kill_mid_section_after_recorded_tool_result() {
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) =
+        crash_run(&lab, "r-mid-section", "after_tool_result:1", async {}).await;
+    // The journal held the search proposal and its result: neither the model
+    // call nor the search is repeated.
+    assert_eq!(calls, CLEAN_CALLS, "no model call repeated");
+    // No tool step ran twice: the recorded result was reused, not re-fetched.
+    let mut started: HashMap<String, usize> = HashMap::new();
+    for e in events.iter().filter(|e| e.r#type == "tool") {
+        let d = e.data_map();
+        if d["kind"] == "started" {
+            *started
+                .entry(d["step_id"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        }
+    }
+    assert!(!started.is_empty());
+    assert!(
+        started.values().all(|n| *n == 1),
+        "a tool step ran twice: {started:?}"
+    );
+    assert_clean_finish(&lab, &rec, &events).await;
+}
+
+#[tokio::test]
+async fn research_kill_mid_final_document() {
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) = crash_run(&lab, "r-mid-final", "mid_final:1", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS, "no model call repeated");
+    assert_clean_finish(&lab, &rec, &events).await;
+}
+
+#[tokio::test]
+async fn research_kill_between_artifact_and_completion() {
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) = crash_run(&lab, "r-artifact", "after_artifact", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS);
+    assert_clean_finish(&lab, &rec, &events).await;
+    let lab2 = Lab::new(&[]).await;
+    let (rec, events, calls) = crash_run(&lab2, "r-delivery", "after_delivery", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS);
+    // Delivered before the crash, replayed from the ledger after it: one effect.
+    assert_clean_finish(&lab2, &rec, &events).await;
+    let delivered: Vec<_> = events
+        .iter()
+        .filter(|e| e.r#type == "phase" && e.data_map()["phase"] == "delivered")
+        .map(|e| payload(e)["outcome"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(delivered, vec!["replayed".to_string()]);
+}
+
+#[tokio::test]
+async fn research_corrupted_checkpoint_walks_back() {
+    let lab = Lab::new(&[]).await;
+    let id = "r-corrupt";
+    let corrupt = async {
+        // A truncated outline checkpoint of the current epoch lands after
+        // the perspectives: nothing built on the outline may be trusted.
+        let events = lab.env.events_of(id).await;
+        let good = events
+            .iter()
+            .find(|e| e.r#type == "phase" && e.data_map()["phase"] == "outline")
+            .unwrap();
+        let fp = good.data_map()["v"].clone();
+        let ev = leasehold_store::events::event(
+            id,
+            good.epoch,
+            "phase",
+            Some("corrupter"),
+            json!({"v": fp, "phase": "outline", "payload": {"title": "t", "sections": [{"title": "only one"}]}}),
+        );
+        lab.env.events.publish(&ev, None).await.unwrap();
+    };
+    let (rec, events, calls) = crash_run(&lab, id, "after_phase:perspectives", corrupt).await;
+    // Outline and perspectives run again: two model calls repeated.
+    assert_eq!(calls, CLEAN_CALLS + 2);
+    assert_eq!(phase_count(&events, "outline"), 3);
+    assert_eq!(phase_count(&events, "perspectives"), 2);
+    assert_clean_finish(&lab, &rec, &events).await;
+    let doc = lab.artifact(&rec).await;
+    assert!(doc.contains("walked back"), "{doc}");
+}
+
+#[tokio::test]
+async fn research_version_change_does_not_reuse_checkpoints() {
+    let lab = Lab::new(&[]).await;
+    let id = "r-version";
+    let mut a = lab.worker(&[
+        ("LH_RESEARCH_CRASH_AT", "after_section:1"),
+        ("LH_RESEARCH_EXPERT_CONCURRENCY", "1"),
+    ]);
+    lab.submit(id).await;
+    exited(&mut a, Duration::from_secs(30)).await;
+    let before = lab.chat_requests().await;
+    assert_eq!(before, 5, "outline, perspectives, one section");
+    let _b = lab.worker(&[("LH_MODEL", "sim-2")]);
+    let rec = lab.completed(id).await;
+    assert_eq!(rec.versions.as_ref().unwrap().model, "sim-2");
+    // Everything again under the new model: nothing of sim-1 is trusted.
+    assert_eq!(lab.chat_requests().await, before + CLEAN_CALLS);
+    let events = lab.env.events_of(id).await;
+    assert_eq!(section_counts(&events)[&(0, 0)], 2);
+    assert_eq!(lab.deliveries().await, 1);
+    let doc = lab.artifact(&rec).await;
+    assert!(doc.contains("another version"), "{doc}");
+}
+
+#[tokio::test]
+async fn research_fault_heavy_run_is_honest() {
+    let lab = Lab::new(&[("LH_SIM_FAULT_RATE", "0.1".to_string())]).await;
+    let _w = lab.worker(&[]);
+    lab.submit("r-faults").await;
+    let rec = lab.completed("r-faults").await;
+    let events = lab.env.events_of("r-faults").await;
+    let stats = lab.get("/stats").await;
+    let faults = stats["faults_total"].as_u64().unwrap();
+    let retries: Vec<Value> = events
+        .iter()
+        .filter(|e| e.r#type == "retry")
+        .map(|e| serde_json::to_value(e).unwrap())
+        .collect();
+    // The faulted request numbers are fixed by the simulator's seed.
+    assert!(faults > 0, "no faults served: {stats}");
+    assert!(!retries.is_empty(), "faults served but no retry reports");
+    for r in &retries {
+        for k in [
+            "scope",
+            "reason",
+            "eligible",
+            "retained",
+            "attempt",
+            "budget_left",
+        ] {
+            assert!(r.get(k).is_some(), "retry report without {k}: {r}");
+        }
+    }
+    assert_eq!(lab.deliveries().await, 1);
+    let res = rec.result.clone().unwrap();
+    let doc = lab.artifact(&rec).await;
+    eprintln!(
+        "fault-heavy run: {} chat requests, {faults} faults, {} retry reports, skipped {:?}, attempts {}",
+        stats["chat_requests"],
+        retries.len(),
+        res.skipped_sections,
+        rec.attempts
+    );
+    let skipped = section_counts(&events).len()
+        - events
+            .iter()
+            .filter(|e| e.r#type == "section" && payload(e)["status"] == "completed")
+            .count();
+    assert_eq!(res.partial, skipped > 0);
+    assert_eq!(res.skipped_sections.len(), skipped);
+    if res.partial {
+        assert!(doc.contains("Partial report"), "{doc}");
+    }
+    assert!(doc.contains("- Retries: "), "{doc}");
+}
+
+#[tokio::test]
+async fn research_stale_owner_checkpoints_are_refused() {
+    // Paced tokens so the job is still mid-expert when its worker freezes.
+    let rules = std::env::temp_dir().join(format!("lh-slow-{}.json", std::process::id()));
+    std::fs::write(&rules, r#"{"rules": [{"kind": "slow", "delay_ms": 3}]}"#).unwrap();
+    let lab = Lab::new(&[("LH_SIM_FAULTS", rules.display().to_string())]).await;
+    let id = "r-stale";
+    let a = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
+    lab.submit(id).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !lab
+        .env
+        .events_of(id)
+        .await
+        .iter()
+        .any(|e| e.r#type == "section")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no section checkpoint"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.stop();
+    let _b = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
+    let rec = lab.completed(id).await;
+    assert_eq!(rec.epoch, 2);
+    a.cont();
+    // A wakes up mid-section: its next checkpoint (or heartbeat) meets the fence.
+    wait_log(&a, "ownership lost", Duration::from_secs(15)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let events = lab.env.events_of(id).await;
+    let marker = events
+        .iter()
+        .position(|e| e.r#type == "claimed" && e.epoch == 2)
+        .unwrap();
+    let stale: Vec<_> = events[marker..]
+        .iter()
+        .filter(|e| e.epoch == 1 && e.r#type != "heartbeat_lost")
+        .map(|e| e.r#type.clone())
+        .collect();
+    assert!(stale.is_empty(), "stale owner's events landed: {stale:?}");
+    assert_eq!(lab.deliveries().await, 1);
+    eprintln!(
+        "stale owner: fence refusal logged: {}",
+        a.output().contains("checkpoint refused")
+    );
+    let _ = std::fs::remove_file(rules);
+}
+
+#[tokio::test]
+async fn research_exhausted_section_is_skipped_honestly() {
+    // Every generation of one expert's second section fails (1 try + 2 warm
+    // + 2 cold attempts, 3 generations each); the other expert's succeeds.
+    let rules = std::env::temp_dir().join(format!("lh-skip-{}.json", std::process::id()));
+    std::fs::write(
+        &rules,
+        r#"{"rules": [{"kind": "server_error", "match": "section 2 of 2 of a report", "times": 15}]}"#,
+    )
+    .unwrap();
+    let lab = Lab::new(&[("LH_SIM_FAULTS", rules.display().to_string())]).await;
+    let _w = lab.worker(&[
+        ("LH_RESEARCH_EXPERT_CONCURRENCY", "1"),
+        ("LH_RESEARCH_BREAKER_MIN_CALLS", "1000"),
+    ]);
+    lab.submit("r-skip").await;
+    let rec = lab.completed("r-skip").await;
+    let res = rec.result.clone().unwrap();
+    assert!(res.partial);
+    assert_eq!(res.skipped_sections.len(), 1, "{:?}", res.skipped_sections);
+    assert_eq!(rec.progress.as_ref().unwrap().skipped, 1);
+    let events = lab.env.events_of("r-skip").await;
+    let scopes: Vec<String> = events
+        .iter()
+        .filter(|e| e.r#type == "retry")
+        .map(|e| e.data_map()["scope"].as_str().unwrap().to_string())
+        .collect();
+    for s in ["generation", "warm", "cold"] {
+        assert!(scopes.iter().any(|x| x == s), "no {s} retry: {scopes:?}");
+    }
+    let doc = lab.artifact(&rec).await;
+    assert!(doc.contains("Partial report"), "{doc}");
+    assert!(doc.contains("- Skipped sections:\n  - section 2"), "{doc}");
+    // The other expert's content still makes section 2 of the document.
+    let finals: Vec<Value> = events
+        .iter()
+        .filter(|e| e.r#type == "phase" && e.data_map()["phase"] == "final")
+        .map(payload)
+        .collect();
+    assert_eq!(finals.len(), 2);
+    assert!(finals.iter().all(|f| f["missing"] == false));
+    assert_eq!(lab.deliveries().await, 1);
+    let _ = std::fs::remove_file(rules);
+}
+
+#[tokio::test]
+async fn research_kill_after_journaled_model_responses() {
+    // The 3rd journaled response is the first section's answer: the section
+    // checkpoint was not written, the journal holds the text, no call repeats.
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) =
+        crash_run(&lab, "r-answer", "after_model_response:3", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS, "no model call repeated");
+    assert_clean_finish(&lab, &rec, &events).await;
+    let first = events
+        .iter()
+        .filter(|e| e.r#type == "section")
+        .map(|e| (e.epoch, payload(e)))
+        .next()
+        .unwrap();
+    assert_eq!(first.0, 2, "checkpointed by the reclaiming worker");
+    assert_eq!(first.1["model_calls"], 0, "taken from the journal");
+    // The 1st is a tool proposal whose call never ran: the repair drops the
+    // unanswered proposal and asks again, exactly one model call repeated.
+    let lab = Lab::new(&[]).await;
+    let (rec, events, calls) =
+        crash_run(&lab, "r-proposal", "after_model_response:1", async {}).await;
+    assert_eq!(calls, CLEAN_CALLS + 1, "one model call repeated");
+    assert_clean_finish(&lab, &rec, &events).await;
+}

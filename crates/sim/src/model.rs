@@ -5,7 +5,7 @@
 //! Deterministic for a given `--seed` and request body (faults chosen by rate
 //! also depend on the request's sequence number, so a retry can succeed).
 //! With `tools` offered it plans like an agent: no tool result since the last
-//! user message → a `search` call (`{"query": ...}` from the prompt); after a
+//! user message → a `search` call (`{"q": ...}` from the prompt, the SearxNG parameter); after a
 //! `search` result → a `fetch` call whose `url` is the first `url` in the
 //! result JSON (fallback `http://<Host>/page/<slug>`); after a `fetch` result
 //! → the section: a few paragraphs of Markdown citing the fetched URL. With

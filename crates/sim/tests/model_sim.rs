@@ -98,7 +98,7 @@ impl ToolExecutor for Tools {
             function_tool(
                 "search",
                 "web search",
-                json!({"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}),
+                json!({"type":"object","properties":{"q":{"type":"string"}},"required":["q"]}),
             ),
             function_tool(
                 "fetch",
@@ -172,7 +172,7 @@ async fn sim_plays_search_fetch_write() {
     let calls = tools.0.lock().unwrap().clone();
     assert_eq!(calls.len(), 2);
     assert_eq!(calls[0].0, "search");
-    assert!(calls[0].1["query"].as_str().unwrap().contains("lease"));
+    assert!(calls[0].1["q"].as_str().unwrap().contains("lease"));
     assert_eq!(
         calls[1],
         (

@@ -156,7 +156,7 @@ pub fn decide(req: &Value, messages: &[Value], host: &str, seed: u64) -> Turn {
     let has = |n: &str| tools.iter().any(|t| t == n);
     if !tools.is_empty() {
         match last_result {
-            None if has("search") => return tool("search", json!({"query": query})),
+            None if has("search") => return tool("search", json!({"q": query})),
             None if has("fetch") => return tool("fetch", json!({"url": fallback})),
             Some(res) => {
                 let id = res["tool_call_id"].as_str().unwrap_or("");

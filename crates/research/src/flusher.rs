@@ -1,0 +1,288 @@
+//! The per-job flusher: the single background path of every checkpoint.
+//!
+//! Sections, hooks and reporters hand items to an unbounded channel and go
+//! on: a section completion never waits on persistence. The flusher task
+//! takes everything queued at once, publishes the events in order through the
+//! owner's fence, coalesces all progress updates of the batch into one
+//! `progress` event and one gate write of the record (`progress`,
+//! `resume_from`, `budget_used`), and only then answers barriers.
+//!
+//! Transient failures (NATS did not answer, a KV conflict) are retried with
+//! capped exponential backoff and jitter until the job's token fires. A fence
+//! refusal ([`FenceError::Lost`]) or an ownership error of the gate means a
+//! newer owner exists: the flusher cancels the job's token and drops
+//! everything still queued, so a stale owner's checkpoints never land.
+//!
+//! What a crash can lose: the items queued and not yet published, i.e. at
+//! most what completed since the last flush (typically milliseconds of work:
+//! the last journal entries of in-flight sections and the last section
+//! checkpoints). Recovery redoes exactly those.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_core::machine::check_owner;
+use leasehold_proto::{BudgetUsed, Progress};
+use leasehold_store::events::{Fence, FenceError};
+use leasehold_store::Gate;
+use rand::Rng;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_util::sync::CancellationToken;
+
+/// A progress snapshot; the latest in a batch wins.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProgressSnap {
+    pub phase: String,
+    pub sections_done: u32,
+    pub sections_total: u32,
+    pub skipped: u32,
+    pub resume_from: String,
+    pub budget: BudgetUsed,
+}
+
+enum Item {
+    Event { ty: &'static str, data: Value },
+    Progress(ProgressSnap),
+    Barrier(oneshot::Sender<bool>),
+}
+
+/// Counters of the flusher (for the bench and logs).
+#[derive(Debug, Default)]
+pub struct FlushStats {
+    pub events: AtomicU64,
+    pub progress_updates: AtomicU64,
+    pub progress_writes: AtomicU64,
+    pub batches: AtomicU64,
+}
+
+/// The sending side; cheap to clone, usable from sync code (hooks).
+#[derive(Clone)]
+pub struct Flusher {
+    tx: mpsc::UnboundedSender<(u64, Item)>,
+    queued: Arc<AtomicU64>,
+    published: Arc<AtomicU64>,
+    lost: Arc<AtomicBool>,
+    pub stats: Arc<FlushStats>,
+}
+
+/// The flusher was told ownership is lost.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("ownership lost: checkpoints refused")]
+pub struct Lost;
+
+impl Flusher {
+    /// Starts the task. `cancel` is the job's token, fired on lost ownership.
+    pub fn start(
+        fence: Arc<Mutex<Fence>>,
+        gate: Gate,
+        cancel: CancellationToken,
+    ) -> (Flusher, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let f = Flusher {
+            tx,
+            queued: Arc::new(AtomicU64::new(0)),
+            published: Arc::new(AtomicU64::new(0)),
+            lost: Arc::new(AtomicBool::new(false)),
+            stats: Arc::new(FlushStats::default()),
+        };
+        let task = tokio::spawn(run(f.clone(), rx, fence, gate, cancel));
+        (f, task)
+    }
+
+    fn push(&self, item: Item) -> u64 {
+        let n = self.queued.fetch_add(1, Ordering::SeqCst) + 1;
+        // A closed channel means the job is over; nothing left to persist.
+        let _ = self.tx.send((n, item));
+        n
+    }
+
+    /// Queues an event; returns its ticket (see [`Flusher::published`]).
+    pub fn event(&self, ty: &'static str, data: Value) -> u64 {
+        self.push(Item::Event { ty, data })
+    }
+
+    /// Queues a progress snapshot (coalesced with the others of its batch).
+    pub fn progress(&self, p: ProgressSnap) {
+        self.stats.progress_updates.fetch_add(1, Ordering::Relaxed);
+        self.push(Item::Progress(p));
+    }
+
+    /// The highest ticket whose item is durable.
+    pub fn published(&self) -> u64 {
+        self.published.load(Ordering::SeqCst)
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Waits until everything queued before it is durable.
+    pub async fn barrier(&self) -> Result<(), Lost> {
+        let (tx, rx) = oneshot::channel();
+        self.push(Item::Barrier(tx));
+        match rx.await {
+            Ok(true) => Ok(()),
+            _ => Err(Lost),
+        }
+    }
+
+    /// Blocks the calling thread until ticket `n` is durable (crash hooks in
+    /// sync callbacks only; needs the multi-threaded runtime).
+    pub fn block_until_published(&self, n: u64, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        let wait = || {
+            while self.published() < n && !self.is_lost() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        };
+        if tokio::runtime::Handle::try_current()
+            .map(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+            .unwrap_or(false)
+        {
+            tokio::task::block_in_place(wait);
+        } else {
+            wait();
+        }
+    }
+}
+
+fn backoff(attempt: u32) -> Duration {
+    let ceiling = (50u64 << attempt.min(6)).min(2000);
+    Duration::from_millis(rand::thread_rng().gen_range(ceiling / 2..=ceiling))
+}
+
+async fn run(
+    f: Flusher,
+    mut rx: mpsc::UnboundedReceiver<(u64, Item)>,
+    fence: Arc<Mutex<Fence>>,
+    gate: Gate,
+    cancel: CancellationToken,
+) {
+    let mut last_written: Option<ProgressSnap> = None;
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while let Ok(more) = rx.try_recv() {
+            batch.push(more);
+        }
+        f.stats.batches.fetch_add(1, Ordering::Relaxed);
+        let top = batch.last().map_or(0, |(n, _)| *n);
+        let mut progress: Option<ProgressSnap> = None;
+        let mut barriers = Vec::new();
+        for (n, item) in batch {
+            match item {
+                Item::Barrier(tx) => barriers.push(tx),
+                Item::Progress(p) => progress = Some(p),
+                Item::Event { ty, data } => {
+                    if !f.is_lost() {
+                        publish(&f, &fence, &cancel, ty, &data).await;
+                        f.stats.events.fetch_add(1, Ordering::Relaxed);
+                    }
+                    f.published.fetch_max(n, Ordering::SeqCst);
+                }
+            }
+        }
+        if let Some(p) = progress.filter(|p| Some(p) != last_written.as_ref()) {
+            if !f.is_lost() {
+                write_progress(&f, &fence, &gate, &cancel, &p).await;
+                last_written = Some(p);
+            }
+        }
+        f.published.fetch_max(top, Ordering::SeqCst);
+        let ok = !f.is_lost();
+        for b in barriers {
+            let _ = b.send(ok);
+        }
+    }
+}
+
+fn mark_lost(f: &Flusher, cancel: &CancellationToken, why: &str) {
+    if !f.lost.swap(true, Ordering::SeqCst) {
+        tracing::warn!(why, "checkpoint refused: ownership lost, stopping the job");
+    }
+    cancel.cancel();
+}
+
+async fn publish(
+    f: &Flusher,
+    fence: &Mutex<Fence>,
+    cancel: &CancellationToken,
+    ty: &str,
+    data: &Value,
+) {
+    let mut attempt = 0;
+    loop {
+        let res = fence.lock().await.publish(ty, data.clone()).await;
+        match res {
+            Ok(_) => return,
+            Err(FenceError::Lost { .. }) => return mark_lost(f, cancel, "fence"),
+            Err(FenceError::Nats(e)) => {
+                attempt += 1;
+                tracing::warn!(ty, attempt, error = %e, "checkpoint publish failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff(attempt)) => {}
+                    // The job is over (cancelled, handed back): give up.
+                    _ = cancel.cancelled() => return,
+                }
+            }
+        }
+    }
+}
+
+async fn write_progress(
+    f: &Flusher,
+    fence: &Mutex<Fence>,
+    gate: &Gate,
+    cancel: &CancellationToken,
+    p: &ProgressSnap,
+) {
+    publish(
+        f,
+        fence,
+        cancel,
+        "progress",
+        &json!({"phase": p.phase, "sections_done": p.sections_done, "sections_total": p.sections_total, "skipped": p.skipped}),
+    )
+    .await;
+    if f.is_lost() {
+        return;
+    }
+    let mut attempt = 0;
+    loop {
+        let res = gate
+            .write(|rec, owner, _now| {
+                check_owner(rec, owner)?;
+                let mut r = rec.clone();
+                r.progress = Some(Progress {
+                    phase: p.phase.clone(),
+                    sections_done: p.sections_done,
+                    sections_total: p.sections_total,
+                    skipped: p.skipped,
+                });
+                r.resume_from = Some(p.resume_from.clone());
+                r.budget_used = Some(p.budget);
+                Ok(r)
+            })
+            .await;
+        match res {
+            Ok(_) => {
+                f.stats.progress_writes.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            Err(e) if e.is_ownership_lost() => return mark_lost(f, cancel, "record"),
+            Err(e) => {
+                attempt += 1;
+                if attempt > 5 {
+                    // The record is advisory for resume; events are the truth.
+                    tracing::warn!(error = %e, "progress write failed; keeping the next one");
+                    return;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff(attempt)) => {}
+                    _ = cancel.cancelled() => return,
+                }
+            }
+        }
+    }
+}

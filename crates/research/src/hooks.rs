@@ -1,0 +1,272 @@
+//! The adapters between the section runner and the job's checkpoints: the
+//! transcript journal, retry reports and tool events as `journal`, `retry`
+//! and `tool` events (all through the flusher), the tools offered to the
+//! model, and the crash points used by tests.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_model::agent::{ToolExecutor, ToolOutcome, TranscriptHook};
+use leasehold_model::{RetryReport, RetryReporter};
+use leasehold_tools::{CallCtx, Disposition, ToolEvent, ToolEvents, Toolbox};
+use leasehold_transcript::{Message, Thread};
+use serde_json::{json, Value};
+
+use crate::flusher::Flusher;
+use crate::state::JournalOp;
+
+/// Journals one expert section's transcript as `journal` events.
+pub struct Journal {
+    pub flusher: Flusher,
+    pub fp: String,
+    pub expert: usize,
+    pub index: usize,
+    pub crash: Arc<Crash>,
+}
+
+impl Journal {
+    fn entry(&self, op: JournalOp) -> u64 {
+        self.flusher.event(
+            "journal",
+            json!({"v": self.fp, "expert": self.expert, "index": self.index, "entry": op}),
+        )
+    }
+}
+
+impl TranscriptHook for Journal {
+    fn on_message(&self, generation: u32, message: &Message) {
+        let n = self.entry(JournalOp::Message {
+            generation,
+            message: message.clone(),
+        });
+        match message {
+            Message::Tool { .. } => self.crash.tool_result(&self.flusher, n),
+            Message::Assistant { .. } => self.crash.model_response(&self.flusher, n),
+            _ => {}
+        }
+    }
+
+    fn on_thread(&self, thread: &Thread) {
+        self.entry(JournalOp::Thread {
+            generation: thread.generation,
+            messages: thread.messages.clone(),
+        });
+    }
+}
+
+/// Publishes retry reports as `retry` events, tagged with their section.
+pub struct Reporter {
+    pub flusher: Flusher,
+    pub tags: Value,
+}
+
+impl RetryReporter for Reporter {
+    fn report(&self, r: RetryReport) {
+        let mut v = serde_json::to_value(&r).unwrap_or_default();
+        if let (Some(obj), Some(tags)) = (v.as_object_mut(), self.tags.as_object()) {
+            for (k, t) in tags {
+                obj.insert(k.clone(), t.clone());
+            }
+        }
+        self.flusher.event("retry", v);
+    }
+}
+
+/// Publishes tool events as `tool` events.
+pub struct ToolSink(pub Flusher);
+
+impl ToolEvents for ToolSink {
+    fn emit(&self, ev: ToolEvent) {
+        self.0
+            .event("tool", serde_json::to_value(&ev).unwrap_or_default());
+    }
+}
+
+/// The read tools of one section, offered to the model.
+pub struct SectionTools {
+    pub toolbox: Arc<Toolbox>,
+    pub job_id: String,
+    pub epoch: u64,
+    /// Stable section id (`e<expert>.s<index>`), the prefix of step ids.
+    pub section: String,
+    pub offered: Vec<&'static str>,
+}
+
+impl ToolExecutor for SectionTools {
+    fn specs(&self) -> Vec<Value> {
+        match self.toolbox.openai_tools() {
+            Value::Array(all) => all
+                .into_iter()
+                .filter(|t| {
+                    t.pointer("/function/name")
+                        .and_then(Value::as_str)
+                        .is_some_and(|n| self.offered.contains(&n))
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn call<'a>(
+        &'a self,
+        name: &'a str,
+        args: &'a Value,
+        call_id: &'a str,
+    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
+        Box::pin(async move {
+            if !self.offered.contains(&name) {
+                return ToolOutcome::Error(format!("tool `{name}` is not available here"));
+            }
+            // The call id is stable across retries of the same proposal and
+            // across resumes (the journal keeps it), so the step id is too.
+            let ctx = CallCtx::new(
+                &self.job_id,
+                format!("{}/{call_id}", self.section),
+                self.epoch,
+            );
+            match self.toolbox.call(&ctx, name, args).await {
+                Ok(out) => ToolOutcome::Ok(match out.value {
+                    Value::String(s) => s,
+                    v => v.to_string(),
+                }),
+                Err(e) => match e.disposition() {
+                    Disposition::ReturnToModel => {
+                        ToolOutcome::Error(e.to_tool_result().to_string())
+                    }
+                    Disposition::Park => ToolOutcome::Uncertain(e.to_string()),
+                    Disposition::Retry | Disposition::Fail => ToolOutcome::Failed(e.to_string()),
+                },
+            }
+        })
+    }
+}
+
+/// No tools (outline, perspectives, final synthesis).
+pub struct NoTools;
+
+impl ToolExecutor for NoTools {
+    fn specs(&self) -> Vec<Value> {
+        Vec::new()
+    }
+
+    fn call<'a>(
+        &'a self,
+        name: &'a str,
+        _args: &'a Value,
+        _call_id: &'a str,
+    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
+        Box::pin(async move { ToolOutcome::Error(format!("no tools here (asked for `{name}`)")) })
+    }
+}
+
+/// Where a test asks the worker to die (`LH_RESEARCH_CRASH_AT`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// After the phase's checkpoint is durable (`outline`, `perspectives`).
+    AfterPhase(String),
+    /// After the k-th expert section of this process is durable.
+    AfterSection(u32),
+    /// After the k-th journaled tool result of this process is durable.
+    AfterToolResult(u32),
+    /// After the k-th journaled model response of this process is durable.
+    AfterModelResponse(u32),
+    /// After the k-th final-document section is durable.
+    MidFinal(u32),
+    /// After the artifact is in the object store, before anything else.
+    AfterArtifact,
+    /// After the delivery, before the completion.
+    AfterDelivery,
+}
+
+impl CrashPoint {
+    pub fn parse(s: &str) -> Option<CrashPoint> {
+        let (what, arg) = s.split_once(':').unwrap_or((s, ""));
+        let k = || arg.parse::<u32>().ok().filter(|k| *k > 0);
+        Some(match what {
+            "after_phase" if !arg.is_empty() => CrashPoint::AfterPhase(arg.to_string()),
+            "after_section" => CrashPoint::AfterSection(k()?),
+            "after_tool_result" => CrashPoint::AfterToolResult(k()?),
+            "after_model_response" => CrashPoint::AfterModelResponse(k()?),
+            "mid_final" => CrashPoint::MidFinal(k()?),
+            "after_artifact" => CrashPoint::AfterArtifact,
+            "after_delivery" => CrashPoint::AfterDelivery,
+            _ => return None,
+        })
+    }
+}
+
+/// The armed crash point of one run (armed only on a job's first owner
+/// without stale reclaims, so the reclaiming worker proceeds).
+#[derive(Debug, Default)]
+pub struct Crash {
+    point: Option<CrashPoint>,
+    sections: AtomicU32,
+    tool_results: AtomicU32,
+    responses: AtomicU32,
+    finals: AtomicU32,
+}
+
+impl Crash {
+    pub fn new(point: Option<CrashPoint>, stale_reclaims: u32) -> Crash {
+        Crash {
+            point: point.filter(|_| stale_reclaims == 0),
+            ..Crash::default()
+        }
+    }
+
+    fn die(&self, what: &str) -> ! {
+        tracing::error!(point = what, "LH_RESEARCH_CRASH_AT reached: aborting");
+        std::process::abort();
+    }
+
+    /// After a durable phase checkpoint.
+    pub async fn phase(&self, flusher: &Flusher, phase: &str) {
+        if matches!(&self.point, Some(CrashPoint::AfterPhase(p)) if p == phase) {
+            let _ = flusher.barrier().await;
+            self.die(phase);
+        }
+    }
+
+    pub async fn section(&self, flusher: &Flusher) {
+        let k = self.sections.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.point == Some(CrashPoint::AfterSection(k)) {
+            let _ = flusher.barrier().await;
+            self.die("after_section");
+        }
+    }
+
+    pub async fn final_section(&self, flusher: &Flusher) {
+        let k = self.finals.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.point == Some(CrashPoint::MidFinal(k)) {
+            let _ = flusher.barrier().await;
+            self.die("mid_final");
+        }
+    }
+
+    /// In the (sync) transcript hook: waits for the journal entry `n`.
+    pub fn tool_result(&self, flusher: &Flusher, n: u64) {
+        let k = self.tool_results.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.point == Some(CrashPoint::AfterToolResult(k)) {
+            flusher.block_until_published(n, Duration::from_secs(10));
+            self.die("after_tool_result");
+        }
+    }
+
+    /// In the (sync) transcript hook: waits for the journal entry `n`.
+    pub fn model_response(&self, flusher: &Flusher, n: u64) {
+        let k = self.responses.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.point == Some(CrashPoint::AfterModelResponse(k)) {
+            flusher.block_until_published(n, Duration::from_secs(10));
+            self.die("after_model_response");
+        }
+    }
+
+    pub fn at(&self, p: CrashPoint) {
+        if self.point.as_ref() == Some(&p) {
+            self.die(&format!("{p:?}"));
+        }
+    }
+}

@@ -1,0 +1,1052 @@
+//! The `research` workload: outline → perspectives → expert content → final
+//! document → delivery, surviving any crash with the least rework.
+//!
+//! - Checkpoints are events on the job's subjects, published through the
+//!   owner's server-side fence by one background [`flusher::Flusher`] per job
+//!   (`phase`, `section`, `journal`, `retry`, `tool`, `progress`).
+//! - Every run starts with a semantic resume ([`state::State::rebuild`]):
+//!   typed, validated state from the events; `resume_from` is advisory; the
+//!   run walks back to the earliest phase it can run safely.
+//! - In-flight sections continue from their journaled transcript (repaired
+//!   by the section runner's sanitizer), so recorded model responses are not
+//!   asked again and recorded tool results are not run again.
+//! - Terminal publication is idempotent: the artifact is written once under
+//!   the job id (an existing one is reused), the delivery goes through the
+//!   `publish` tool's idempotency key and effects ledger, and the result
+//!   carries the artifact's digest.
+//!
+//! Architecture invariant: this crate never writes a job's status; the
+//! worker's runner does, through the gate, from the returned outcome.
+
+pub mod flusher;
+pub mod hooks;
+pub mod report;
+pub mod state;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use async_nats::jetstream::object_store::ObjectMetadata;
+use futures::StreamExt;
+use leasehold_core::machine::check_owner;
+use leasehold_core::JobRecord;
+use leasehold_model::agent::{
+    NoHook, SectionInput, SectionOutcome, SectionPolicy, SectionResult, SectionRunner,
+    ToolExecutor, TranscriptHook,
+};
+use leasehold_model::{
+    BreakerConfig, Budget, BudgetLimits, BudgetUsed, GenerationPolicy, Generator, ModelClient,
+    ModelConfig, PriceTable, RunContext,
+};
+use leasehold_proto::{JobResult, Versions};
+use leasehold_store::events::{Events, Fence};
+use leasehold_store::{Conn, Gate};
+use leasehold_tools::{CallCtx, Disposition, EffectsLedger, Toolbox, ToolboxConfig};
+use leasehold_transcript::{Message, Thread};
+use serde_json::{json, Value};
+use tokio::io::AsyncReadExt;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::flusher::{Flusher, ProgressSnap};
+use crate::hooks::{Crash, CrashPoint, Journal, NoTools, Reporter, SectionTools, ToolSink};
+use crate::report::{Input, Recovery};
+use crate::state::{validate_experts, validate_outline, FinalCk, Resume, SectionCk, State};
+
+/// The workflow version: bump when checkpoint meaning changes.
+pub const WORKFLOW_VERSION: &str = "research/1";
+
+/// Artifact metadata keys: the version fingerprint it was made under, and the
+/// result facts (title, skipped sections) a later attempt needs to finish.
+const META_VERSION: &str = "lh-version";
+const META_TITLE: &str = "lh-title";
+const META_SKIPPED: &str = "lh-skipped";
+
+/// Everything one attempt of a research job may use.
+#[derive(Clone)]
+pub struct ResearchCtx {
+    pub job_id: String,
+    pub epoch: u64,
+    pub worker_id: String,
+    /// The record as claimed.
+    pub record: JobRecord,
+    pub input: Value,
+    /// Fires when the attempt must stop; the flusher fires it on lost ownership.
+    pub cancel: CancellationToken,
+    pub gate: Gate,
+    pub fence: Arc<Mutex<Fence>>,
+    pub conn: Conn,
+}
+
+/// How an attempt ended, when it did not fail.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResearchOutcome {
+    Completed(JobResult),
+    /// Needs a person (a refusal, an uncertain delivery, a loop).
+    Parked {
+        reason: String,
+        message: String,
+    },
+}
+
+/// Error classes, mapped one to one onto the worker's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    Retryable,
+    Terminal,
+    Cancelled,
+}
+
+/// A failed attempt.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct ResearchError {
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+impl ResearchError {
+    pub fn retryable(m: impl Into<String>) -> Self {
+        ResearchError {
+            class: ErrorClass::Retryable,
+            message: m.into(),
+        }
+    }
+    pub fn terminal(m: impl Into<String>) -> Self {
+        ResearchError {
+            class: ErrorClass::Terminal,
+            message: m.into(),
+        }
+    }
+    pub fn cancelled() -> Self {
+        ResearchError {
+            class: ErrorClass::Cancelled,
+            message: "cancelled".into(),
+        }
+    }
+}
+
+/// Configuration of the workload.
+///
+/// | field | default | env |
+/// |---|---|---|
+/// | `model` | see `ModelConfig` | `LH_MODEL_*` |
+/// | `toolbox` | see `ToolboxConfig` | `LH_SEARCH_URL`, `LH_FETCH_ALLOW`, `LH_PUBLISH_URL`, ... |
+/// | `expert_concurrency` | 3 | `LH_RESEARCH_EXPERT_CONCURRENCY` |
+/// | `generation.base` / `.cap` | 500 ms / 20 s | `LH_RESEARCH_RETRY_BASE` / `LH_RESEARCH_RETRY_CAP` |
+/// | `breaker.cool_down` / `.min_calls` | 15 s / 10 | `LH_RESEARCH_BREAKER_COOL_DOWN` / `LH_RESEARCH_BREAKER_MIN_CALLS` |
+/// | `crash_at` | none | `LH_RESEARCH_CRASH_AT` (tests: `after_phase:outline`, `after_section:K`, `after_tool_result:K`, `after_model_response:K`, `mid_final:K`, `after_artifact`, `after_delivery`) |
+#[derive(Debug, Clone)]
+pub struct ResearchConfig {
+    pub model: ModelConfig,
+    pub toolbox: ToolboxConfig,
+    pub expert_concurrency: usize,
+    pub section_policy: SectionPolicy,
+    pub generation: GenerationPolicy,
+    pub breaker: BreakerConfig,
+    pub crash_at: Option<CrashPoint>,
+}
+
+impl ResearchConfig {
+    pub fn from_env() -> Result<Self, ResearchError> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let bad = |k: &str, v: &str, e: &dyn std::fmt::Display| {
+            ResearchError::terminal(format!("{k}={v}: {e}"))
+        };
+        let mut generation = GenerationPolicy::default();
+        for (k, d) in [
+            ("LH_RESEARCH_RETRY_BASE", &mut generation.base),
+            ("LH_RESEARCH_RETRY_CAP", &mut generation.cap),
+        ] {
+            if let Some(v) = var(k) {
+                *d = humantime::parse_duration(v.trim()).map_err(|e| bad(k, &v, &e))?;
+            }
+        }
+        let mut breaker = BreakerConfig::default();
+        if let Some(v) = var("LH_RESEARCH_BREAKER_COOL_DOWN") {
+            breaker.cool_down = humantime::parse_duration(v.trim())
+                .map_err(|e| bad("LH_RESEARCH_BREAKER_COOL_DOWN", &v, &e))?;
+        }
+        if let Some(v) = var("LH_RESEARCH_BREAKER_MIN_CALLS") {
+            breaker.min_calls = v
+                .trim()
+                .parse()
+                .map_err(|e| bad("LH_RESEARCH_BREAKER_MIN_CALLS", &v, &e))?;
+        }
+        let expert_concurrency = match var("LH_RESEARCH_EXPERT_CONCURRENCY") {
+            Some(v) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| {
+                    bad(
+                        "LH_RESEARCH_EXPERT_CONCURRENCY",
+                        &v,
+                        &"expected a positive integer",
+                    )
+                })?,
+            None => 3,
+        };
+        let crash_at = match var("LH_RESEARCH_CRASH_AT") {
+            Some(v) => Some(
+                CrashPoint::parse(v.trim())
+                    .ok_or_else(|| bad("LH_RESEARCH_CRASH_AT", &v, &"unknown crash point"))?,
+            ),
+            None => None,
+        };
+        Ok(ResearchConfig {
+            model: ModelConfig::from_env().map_err(|e| ResearchError::terminal(e.to_string()))?,
+            toolbox: ToolboxConfig::from_env()
+                .map_err(|e| ResearchError::terminal(e.to_string()))?,
+            expert_concurrency,
+            section_policy: SectionPolicy::default(),
+            generation,
+            breaker,
+            crash_at,
+        })
+    }
+}
+
+/// Why a phase stopped the run.
+enum Stop {
+    Park { reason: String, message: String },
+    Err(ResearchError),
+}
+
+impl From<ResearchError> for Stop {
+    fn from(e: ResearchError) -> Self {
+        Stop::Err(e)
+    }
+}
+
+fn stop_of(outcome: SectionOutcome, what: &str) -> Stop {
+    match outcome {
+        SectionOutcome::Parked { class, reason } => Stop::Park {
+            reason: class.to_string(),
+            message: format!("{what}: {reason}"),
+        },
+        SectionOutcome::Failed { reason, .. } => {
+            Stop::Err(ResearchError::terminal(format!("{what}: {reason}")))
+        }
+        SectionOutcome::BudgetExhausted { kind } => Stop::Err(ResearchError::terminal(format!(
+            "{what}: budget exhausted ({kind:?})"
+        ))),
+        SectionOutcome::Skipped { reason } => Stop::Err(ResearchError::retryable(format!(
+            "{what} could not be generated: {reason}"
+        ))),
+        SectionOutcome::Completed { .. } | SectionOutcome::Cancelled => {
+            Stop::Err(ResearchError::cancelled())
+        }
+    }
+}
+
+/// Runs one attempt of a research job.
+pub async fn run(ctx: ResearchCtx, cfg: &ResearchConfig) -> Result<ResearchOutcome, ResearchError> {
+    let input = Input::parse(&ctx.input).map_err(ResearchError::terminal)?;
+    let (flusher, task) = Flusher::start(ctx.fence.clone(), ctx.gate.clone(), ctx.cancel.clone());
+    let res = Job::prepare(&ctx, cfg, input, flusher.clone()).await;
+    let res = match res {
+        Ok(job) => job.run().await,
+        Err(e) => Err(Stop::Err(e)),
+    };
+    // Whatever happened, persist what is queued (retry reports above all)
+    // before the runner writes the outcome; bounded, the outcome matters more.
+    let flushed = tokio::time::timeout(Duration::from_secs(5), flusher.barrier()).await;
+    task.abort();
+    let st = &flusher.stats;
+    tracing::info!(
+        job = %ctx.job_id,
+        events = st.events.load(Ordering::Relaxed),
+        batches = st.batches.load(Ordering::Relaxed),
+        progress_updates = st.progress_updates.load(Ordering::Relaxed),
+        progress_writes = st.progress_writes.load(Ordering::Relaxed),
+        "research: checkpoints flushed"
+    );
+    if flusher.is_lost() {
+        return Err(ResearchError::cancelled());
+    }
+    match res {
+        Ok(r) => match flushed {
+            Ok(Ok(())) => Ok(ResearchOutcome::Completed(r)),
+            _ => Err(ResearchError::retryable("checkpoints could not be flushed")),
+        },
+        Err(Stop::Park { reason, message }) => Ok(ResearchOutcome::Parked { reason, message }),
+        Err(Stop::Err(e)) => Err(e),
+    }
+}
+
+/// One attempt's working set.
+struct Job<'a> {
+    ctx: &'a ResearchCtx,
+    cfg: &'a ResearchConfig,
+    input: Input,
+    fp: String,
+    flusher: Flusher,
+    toolbox: Arc<Toolbox>,
+    generator: Arc<Generator>,
+    budget: Arc<StdMutex<Budget>>,
+    crash: Arc<Crash>,
+    /// Child of the job's token: a failing expert stops its siblings.
+    work: CancellationToken,
+    state: State,
+    notes: Vec<String>,
+    done: AtomicU32,
+    skipped: AtomicU32,
+}
+
+fn digest12(v: &str) -> String {
+    report::sha256_hex(v)[..12].to_string()
+}
+
+impl<'a> Job<'a> {
+    async fn prepare(
+        ctx: &'a ResearchCtx,
+        cfg: &'a ResearchConfig,
+        input: Input,
+        flusher: Flusher,
+    ) -> Result<Job<'a>, ResearchError> {
+        let spec = ctx.record.spec.clone().unwrap_or_default();
+        let mut model = cfg.model.clone();
+        if let Some(m) = spec.model.as_ref().and_then(|m| m.model.clone()) {
+            model.model = m;
+        }
+        let ledger = EffectsLedger::open(&ctx.conn.js, &ctx.conn.layout.effects_bucket())
+            .await
+            .map_err(|e| ResearchError::retryable(e.to_string()))?;
+        let toolbox = Toolbox::builtin(
+            &cfg.toolbox,
+            Some(ledger),
+            Arc::new(ToolSink(flusher.clone())),
+        )
+        .map_err(|e| ResearchError::terminal(e.to_string()))?;
+        let versions = Versions {
+            workflow: WORKFLOW_VERSION.into(),
+            prompt: report::prompt_version(),
+            model: model.model.clone(),
+            tools: digest12(&toolbox.openai_tools().to_string()),
+        };
+        let fp = format!(
+            "{}|{}|{}|{}",
+            versions.workflow, versions.prompt, versions.model, versions.tools
+        );
+        let client = ModelClient::new(model).map_err(|e| ResearchError::terminal(e.to_string()))?;
+        let generator = Arc::new(Generator::new(
+            client,
+            cfg.generation.clone(),
+            cfg.breaker.clone(),
+        ));
+        let b = spec.budget.unwrap_or_default();
+        let limits = BudgetLimits {
+            max_steps: b.max_steps,
+            max_tokens: b.max_tokens,
+            max_wall: b.max_wall_s.map(Duration::from_secs_f64),
+            max_cost_usd: b.max_cost_usd,
+        };
+        let carried = ctx.record.budget_used.unwrap_or_default();
+        let budget = Budget::resume(
+            limits,
+            PriceTable::default(),
+            BudgetUsed {
+                steps: carried.steps,
+                tokens: carried.tokens,
+                wall_s: carried.wall_s,
+                cost_usd: carried.cost_usd,
+            },
+        );
+        // The versions this attempt runs under, on the record before any work.
+        let v2 = versions.clone();
+        ctx.gate
+            .write(|rec, owner, _| {
+                check_owner(rec, owner)?;
+                let mut r = rec.clone();
+                r.versions = Some(v2.clone());
+                Ok(r)
+            })
+            .await
+            .map_err(|e| {
+                if e.is_ownership_lost() {
+                    ResearchError::cancelled()
+                } else {
+                    ResearchError::retryable(e.to_string())
+                }
+            })?;
+        if let Some(old) = ctx.record.versions.as_ref().filter(|o| **o != versions) {
+            tracing::info!(job = %ctx.job_id, ?old, new = ?versions, "versions changed: incompatible checkpoints are not reused");
+        }
+        let events = Events::new(&ctx.conn)
+            .read(&ctx.job_id)
+            .await
+            .map_err(|e| ResearchError::retryable(e.to_string()))?;
+        let state = State::rebuild(&events, &fp, input.experts, input.sections);
+        let point = state.resume_point(input.experts, input.sections);
+        let mut notes = state.notes.clone();
+        if let Some(adv) = ctx.record.resume_from.as_deref().and_then(Resume::parse) {
+            if adv > point {
+                notes.push(format!(
+                    "resume_from said `{}` but the checkpoints support only `{}`: walked back",
+                    adv.as_str(),
+                    point.as_str()
+                ));
+            }
+        }
+        if ctx.record.epoch > 1 {
+            notes.push(format!(
+                "attempt at epoch {} resumed at `{}` with {} expert sections, {} final sections and {} journaled transcripts reused",
+                ctx.record.epoch,
+                point.as_str(),
+                state.sections.len(),
+                state.finals.len(),
+                state.journals.len()
+            ));
+        }
+        tracing::info!(job = %ctx.job_id, epoch = ctx.epoch, resume = point.as_str(), sections = state.sections.len(), journals = state.journals.len(), "research: resuming");
+        let crash = Arc::new(Crash::new(cfg.crash_at.clone(), ctx.record.stale_reclaims));
+        let done = state.sections.len() + state.finals.len();
+        let skipped = state.sections.values().filter(|s| !s.completed()).count();
+        Ok(Job {
+            ctx,
+            cfg,
+            input,
+            fp,
+            flusher,
+            toolbox: Arc::new(toolbox),
+            generator,
+            budget: Arc::new(StdMutex::new(budget)),
+            crash,
+            work: ctx.cancel.child_token(),
+            state,
+            notes,
+            done: AtomicU32::new(done as u32),
+            skipped: AtomicU32::new(skipped as u32),
+        })
+    }
+
+    fn total(&self) -> u32 {
+        (self.input.experts * self.input.sections + self.input.sections) as u32
+    }
+
+    fn progress(&self, phase: Resume) {
+        let used = self.budget.lock().expect("budget lock").used();
+        self.flusher.progress(ProgressSnap {
+            phase: phase.as_str().into(),
+            sections_done: self.done.load(Ordering::SeqCst),
+            sections_total: self.total(),
+            skipped: self.skipped.load(Ordering::SeqCst),
+            resume_from: phase.as_str().into(),
+            budget: leasehold_proto::BudgetUsed {
+                steps: used.steps,
+                tokens: used.tokens,
+                wall_s: used.wall_s,
+                cost_usd: used.cost_usd,
+            },
+        });
+    }
+
+    fn run_ctx(&self, tags: Value) -> RunContext {
+        RunContext {
+            cancel: self.work.clone(),
+            deadline: None,
+            budget: self.budget.clone(),
+            reporter: Arc::new(Reporter {
+                flusher: self.flusher.clone(),
+                tags,
+            }),
+            watcher: None,
+        }
+    }
+
+    async fn section(
+        &self,
+        tools: Arc<dyn ToolExecutor>,
+        hook: Arc<dyn TranscriptHook>,
+        policy: SectionPolicy,
+        input: SectionInput,
+        tags: Value,
+    ) -> SectionResult {
+        let runner = SectionRunner {
+            generator: self.generator.clone(),
+            tools,
+            hook,
+            policy,
+        };
+        runner.run(input, &self.run_ctx(tags)).await
+    }
+
+    fn cancelled(&self) -> Result<(), Stop> {
+        if self.work.is_cancelled() {
+            Err(Stop::Err(ResearchError::cancelled()))
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn run(mut self) -> Result<JobResult, Stop> {
+        let (ne, ns) = (self.input.experts, self.input.sections);
+        if let Some(art) = self.stored_artifact().await? {
+            tracing::info!(job = %self.ctx.job_id, "research: artifact already stored; delivering it");
+            return self.deliver(art).await;
+        }
+        if self.state.outline.is_none() {
+            self.progress(Resume::Outline);
+            let prompt = self.input.outline_prompt();
+            let v = self
+                .structured("outline", prompt, report::outline_format(ns), |v| {
+                    validate_outline(v, ns).map(|o| json!(o))
+                })
+                .await?;
+            self.state.outline = validate_outline(&v, ns).ok();
+            self.checkpoint_phase("outline", v).await;
+        }
+        if self.state.experts.is_none() {
+            self.progress(Resume::Perspectives);
+            let prompt = self.input.perspectives_prompt();
+            let v = self
+                .structured(
+                    "perspectives",
+                    prompt,
+                    report::perspectives_format(ne),
+                    |v| {
+                        validate_experts(v.get("experts").unwrap_or(&Value::Null), ne)
+                            .map(|e| json!(e))
+                    },
+                )
+                .await?;
+            self.state.experts = validate_experts(&v, ne).ok();
+            self.checkpoint_phase("perspectives", v).await;
+        }
+        self.cancelled()?;
+        self.progress(Resume::Experts);
+        let fresh = self.experts_phase().await?;
+        for s in fresh {
+            self.state.sections.insert((s.expert, s.index), s);
+        }
+        self.cancelled()?;
+        self.progress(Resume::Final);
+        self.final_phase().await?;
+        self.cancelled()?;
+        let art = self.write_artifact().await?;
+        self.deliver(art).await
+    }
+
+    async fn checkpoint_phase(&self, phase: &'static str, payload: Value) {
+        self.flusher.event(
+            "phase",
+            json!({"v": self.fp, "phase": phase, "payload": payload}),
+        );
+        self.crash.phase(&self.flusher, phase).await;
+    }
+
+    /// A validated JSON phase (outline, perspectives): two tries, then a
+    /// job-level retry.
+    async fn structured(
+        &self,
+        what: &str,
+        prompt: String,
+        format: Value,
+        validate: impl Fn(&Value) -> Result<Value, String>,
+    ) -> Result<Value, Stop> {
+        let mut why = String::new();
+        for _ in 0..2 {
+            self.cancelled()?;
+            let policy = SectionPolicy {
+                response_format: Some(format.clone()),
+                ..self.cfg.section_policy.clone()
+            };
+            let r = self
+                .section(
+                    Arc::new(NoTools),
+                    Arc::new(NoHook),
+                    policy,
+                    SectionInput {
+                        system: report::SYSTEM.into(),
+                        section_prompt: prompt.clone(),
+                        ..Default::default()
+                    },
+                    json!({"phase": what}),
+                )
+                .await;
+            match r.outcome {
+                SectionOutcome::Completed { text } => {
+                    match serde_json::from_str::<Value>(text.trim())
+                        .map_err(|e| e.to_string())
+                        .and_then(|v| validate(&v))
+                    {
+                        Ok(v) => return Ok(v),
+                        Err(e) => why = e,
+                    }
+                }
+                other => return Err(stop_of(other, what)),
+            }
+        }
+        Err(Stop::Err(ResearchError::retryable(format!(
+            "{what}: no valid answer ({why})"
+        ))))
+    }
+
+    async fn experts_phase(&self) -> Result<Vec<SectionCk>, Stop> {
+        let ne = self.input.experts;
+        let results: Vec<Result<Vec<SectionCk>, Stop>> = futures::stream::iter(0..ne)
+            .map(|e| async move {
+                let r = self.expert(e).await;
+                if r.is_err() {
+                    self.work.cancel();
+                }
+                r
+            })
+            .buffer_unordered(self.cfg.expert_concurrency.max(1))
+            .collect()
+            .await;
+        let mut out = Vec::new();
+        let mut first: Option<Stop> = None;
+        for r in results {
+            match r {
+                Ok(v) => out.extend(v),
+                // Prefer the real cause over the siblings' cancellations.
+                Err(Stop::Err(e)) if e.class == ErrorClass::Cancelled => {
+                    first.get_or_insert(Stop::Err(e));
+                }
+                Err(s) => {
+                    if matches!(
+                        &first,
+                        None | Some(Stop::Err(ResearchError {
+                            class: ErrorClass::Cancelled,
+                            ..
+                        }))
+                    ) {
+                        first = Some(s);
+                    }
+                }
+            }
+        }
+        match first {
+            Some(s) => Err(s),
+            None => Ok(out),
+        }
+    }
+
+    /// One expert's sections, in order, from its first unrecorded one.
+    async fn expert(&self, e: usize) -> Result<Vec<SectionCk>, Stop> {
+        let outline = self.state.outline.as_ref().expect("outline");
+        let experts = self.state.experts.as_ref().expect("experts");
+        let expert = &experts[e];
+        let mut summary = String::new();
+        let mut out = Vec::new();
+        for i in 0..self.input.sections {
+            if let Some(s) = self.state.sections.get(&(e, i)) {
+                summary = s.summary.clone();
+                continue;
+            }
+            self.cancelled()?;
+            let title = outline.sections[i].title.clone();
+            let prompt = self.input.section_prompt(outline, expert, i);
+            let journal = self.state.journals.get(&(e, i)).cloned();
+            let (outcome, thread, model_calls, tool_calls) =
+                match journal.as_ref().and_then(|t| finished_answer(t, &prompt)) {
+                    // The answer was journaled but its checkpoint was not: no call.
+                    Some(text) => (
+                        SectionOutcome::Completed { text },
+                        journal.clone().unwrap_or(Thread {
+                            generation: 0,
+                            messages: vec![],
+                        }),
+                        0,
+                        0,
+                    ),
+                    None => {
+                        let tools = Arc::new(SectionTools {
+                            toolbox: self.toolbox.clone(),
+                            job_id: self.ctx.job_id.clone(),
+                            epoch: self.ctx.epoch,
+                            section: format!("e{e}.s{i}"),
+                            offered: vec!["search", "fetch"],
+                        });
+                        let hook = Arc::new(Journal {
+                            flusher: self.flusher.clone(),
+                            fp: self.fp.clone(),
+                            expert: e,
+                            index: i,
+                            crash: self.crash.clone(),
+                        });
+                        let r = self
+                            .section(
+                                tools,
+                                hook,
+                                self.cfg.section_policy.clone(),
+                                SectionInput {
+                                    system: report::SYSTEM.into(),
+                                    section_prompt: prompt,
+                                    rolling_context: summary.clone(),
+                                    initial: journal,
+                                },
+                                json!({"expert": e, "index": i}),
+                            )
+                            .await;
+                        (r.outcome, r.thread, r.model_calls, r.tool_calls)
+                    }
+                };
+            let ck = match outcome {
+                SectionOutcome::Completed { text } => {
+                    let mut sources = report::urls_in(&text);
+                    for u in fetched_urls(&thread) {
+                        if !sources.contains(&u) {
+                            sources.push(u);
+                        }
+                    }
+                    SectionCk {
+                        expert: e,
+                        index: i,
+                        title: title.clone(),
+                        status: "completed".into(),
+                        summary: report::roll_summary(&summary, &title, Some(&text)),
+                        content: text,
+                        sources,
+                        reason: None,
+                        model_calls,
+                        tool_calls,
+                    }
+                }
+                SectionOutcome::Skipped { reason } => {
+                    self.skipped.fetch_add(1, Ordering::SeqCst);
+                    SectionCk {
+                        expert: e,
+                        index: i,
+                        title: title.clone(),
+                        status: "skipped".into(),
+                        content: String::new(),
+                        summary: report::roll_summary(&summary, &title, None),
+                        sources: vec![],
+                        reason: Some(reason),
+                        model_calls,
+                        tool_calls,
+                    }
+                }
+                other => {
+                    return Err(stop_of(
+                        other,
+                        &format!("section {} of {}", i + 1, expert.name),
+                    ))
+                }
+            };
+            summary = ck.summary.clone();
+            self.flusher
+                .event("section", json!({"v": self.fp, "payload": ck}));
+            self.done.fetch_add(1, Ordering::SeqCst);
+            self.progress(Resume::Experts);
+            self.crash.section(&self.flusher).await;
+            out.push(ck);
+        }
+        Ok(out)
+    }
+
+    /// The final document's sections, in order, from the first unrecorded one.
+    async fn final_phase(&mut self) -> Result<(), Stop> {
+        let outline = self.state.outline.clone().expect("outline");
+        let experts = self.state.experts.clone().expect("experts");
+        for i in 0..self.input.sections {
+            if self.state.finals.contains_key(&i) {
+                continue;
+            }
+            self.cancelled()?;
+            let secs: Vec<&SectionCk> = (0..self.input.experts)
+                .filter_map(|e| self.state.sections.get(&(e, i)))
+                .collect();
+            let title = &outline.sections[i].title;
+            let ck = if !secs.iter().any(|s| s.completed()) {
+                FinalCk {
+                    index: i,
+                    content: report::missing_section(title, &secs, &experts),
+                    missing: true,
+                    unsynthesized: false,
+                }
+            } else {
+                let r = self
+                    .section(
+                        Arc::new(NoTools),
+                        Arc::new(NoHook),
+                        self.cfg.section_policy.clone(),
+                        SectionInput {
+                            system: report::SYSTEM.into(),
+                            section_prompt: self.input.final_prompt(&outline, i),
+                            rolling_context: report::contributions(&experts, &secs),
+                            initial: None,
+                        },
+                        json!({"phase": "final", "index": i}),
+                    )
+                    .await;
+                match r.outcome {
+                    SectionOutcome::Completed { text } => FinalCk {
+                        index: i,
+                        content: text,
+                        missing: false,
+                        unsynthesized: false,
+                    },
+                    SectionOutcome::Skipped { reason } => FinalCk {
+                        index: i,
+                        content: report::unsynthesized(&experts, &secs, &reason),
+                        missing: false,
+                        unsynthesized: true,
+                    },
+                    other => return Err(stop_of(other, &format!("final section {}", i + 1))),
+                }
+            };
+            self.flusher.event(
+                "phase",
+                json!({"v": self.fp, "phase": "final", "payload": ck}),
+            );
+            self.state.finals.insert(i, ck);
+            self.done.fetch_add(1, Ordering::SeqCst);
+            self.progress(Resume::Final);
+            self.crash.final_section(&self.flusher).await;
+        }
+        Ok(())
+    }
+
+    fn skipped_sections(&self) -> Vec<String> {
+        let experts = self.state.experts.as_deref().unwrap_or_default();
+        let mut v: Vec<_> = self
+            .state
+            .sections
+            .values()
+            .filter(|s| !s.completed())
+            .collect();
+        v.sort_by_key(|s| (s.index, s.expert));
+        v.iter()
+            .map(|s| {
+                format!(
+                    "{}. {} ({})",
+                    s.index + 1,
+                    s.title,
+                    experts.get(s.expert).map_or("?", |e| e.name.as_str())
+                )
+            })
+            .collect()
+    }
+
+    async fn recovery(&self) -> Recovery {
+        let mut r = Recovery {
+            stale_reclaims: self.ctx.record.stale_reclaims,
+            attempts: self.ctx.record.attempts,
+            notes: self.notes.clone(),
+            ..Recovery::default()
+        };
+        // All epochs: what earlier owners did happened, even if fenced off now.
+        if let Ok(events) = Events::new(&self.ctx.conn).read(&self.ctx.job_id).await {
+            for (_, ev) in &events {
+                match ev.r#type.as_str() {
+                    "claimed" => r.claims += 1,
+                    "retry" => {
+                        let d = ev.data_map();
+                        if d.get("eligible").and_then(Value::as_bool) == Some(false) {
+                            r.refused_retries += 1;
+                        } else {
+                            let scope = d.get("scope").and_then(Value::as_str).unwrap_or("?");
+                            *r.retries.entry(scope.to_string()).or_default() += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        r
+    }
+
+    async fn artifacts(&self) -> Result<async_nats::jetstream::object_store::ObjectStore, Stop> {
+        self.ctx
+            .conn
+            .js
+            .get_object_store(self.ctx.conn.layout.artifacts_bucket())
+            .await
+            .map_err(|e| Stop::Err(ResearchError::retryable(e.to_string())))
+    }
+
+    fn artifact_name(&self) -> String {
+        format!("{}/report.md", self.ctx.job_id)
+    }
+
+    /// The job's stored artifact, if any. Once it exists it *is* the job's
+    /// document, whatever version made it: only the delivery and the
+    /// completion remain, and rewriting it would change its digest and so
+    /// the delivery's idempotency key.
+    async fn stored_artifact(&self) -> Result<Option<Artifact>, Stop> {
+        let retryable =
+            |e: &dyn std::fmt::Display| Stop::Err(ResearchError::retryable(e.to_string()));
+        let store = self.artifacts().await?;
+        let name = self.artifact_name();
+        match store.get(&name).await {
+            Ok(mut obj) => {
+                let mut doc = String::new();
+                obj.read_to_string(&mut doc)
+                    .await
+                    .map_err(|e| retryable(&e))?;
+                let meta = &obj.info.metadata;
+                Ok(Some(Artifact {
+                    title: meta.get(META_TITLE).cloned().unwrap_or_default(),
+                    skipped: meta
+                        .get(META_SKIPPED)
+                        .and_then(|s| serde_json::from_str(s).ok())
+                        .unwrap_or_default(),
+                    version: meta.get(META_VERSION).cloned().unwrap_or_default(),
+                    name,
+                    doc,
+                }))
+            }
+            Err(e) if e.kind() == async_nats::jetstream::object_store::GetErrorKind::NotFound => {
+                Ok(None)
+            }
+            Err(e) => Err(retryable(&e)),
+        }
+    }
+
+    /// Assembles the document and stores it under the job id.
+    async fn write_artifact(&self) -> Result<Artifact, Stop> {
+        let outline = self.state.outline.as_ref().expect("outline");
+        let experts = self.state.experts.as_deref().expect("experts");
+        let skipped = self.skipped_sections();
+        // Everything before this point durable, so the appendix can count it.
+        self.flusher
+            .barrier()
+            .await
+            .map_err(|_| Stop::Err(ResearchError::cancelled()))?;
+        let recovery = self.recovery().await;
+        let sections: BTreeMap<_, _> = self
+            .state
+            .sections
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        let doc = report::document(&report::Doc {
+            input: &self.input,
+            outline,
+            experts,
+            sections: &sections,
+            finals: &self.state.finals,
+            skipped: &skipped,
+            recovery: &recovery,
+        });
+        let art = Artifact {
+            name: self.artifact_name(),
+            title: outline.title.trim().to_string(),
+            skipped,
+            version: self.fp.clone(),
+            doc,
+        };
+        // The result's facts travel with the document, so a later attempt
+        // can deliver and complete from the artifact alone.
+        let meta = ObjectMetadata {
+            name: art.name.clone(),
+            description: Some(format!("research report of job {}", self.ctx.job_id)),
+            metadata: [
+                (META_VERSION.to_string(), art.version.clone()),
+                (META_TITLE.to_string(), art.title.clone()),
+                (META_SKIPPED.to_string(), json!(art.skipped).to_string()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        self.artifacts()
+            .await?
+            .put(meta, &mut art.doc.as_bytes())
+            .await
+            .map_err(|e| Stop::Err(ResearchError::retryable(e.to_string())))?;
+        self.crash.at(CrashPoint::AfterArtifact);
+        Ok(art)
+    }
+
+    /// The delivery (once, by its key) and the result.
+    async fn deliver(&self, art: Artifact) -> Result<JobResult, Stop> {
+        let digest = report::sha256_hex(&art.doc);
+        self.flusher.event(
+            "phase",
+            json!({"v": self.fp, "phase": "artifact", "payload": {"name": art.name, "digest": digest, "version": art.version}}),
+        );
+        self.progress(Resume::Publish);
+        self.cancelled()?;
+        let call = CallCtx::new(
+            &self.ctx.job_id,
+            leasehold_tools::step_id("publish", 0),
+            self.ctx.epoch,
+        );
+        let title = if art.title.is_empty() {
+            self.input.topic.clone()
+        } else {
+            art.title.clone()
+        };
+        let args = json!({"title": title, "document": art.doc, "format": "markdown"});
+        let out = match self.toolbox.call(&call, "publish", &args).await {
+            Ok(o) => o,
+            Err(e) => {
+                return Err(match e.disposition() {
+                    Disposition::Retry => Stop::Err(ResearchError::retryable(e.to_string())),
+                    Disposition::Park => Stop::Park {
+                        reason: e.class().into(),
+                        message: format!("delivery of {}: {e}", art.name),
+                    },
+                    _ => Stop::Err(ResearchError::terminal(format!("delivery: {e}"))),
+                })
+            }
+        };
+        self.crash.at(CrashPoint::AfterDelivery);
+        self.flusher.event(
+            "phase",
+            json!({"v": self.fp, "phase": "delivered", "payload": {"key": out.key, "outcome": out.outcome, "digest": digest}}),
+        );
+        Ok(JobResult {
+            artifact: Some(art.name),
+            partial: !art.skipped.is_empty(),
+            skipped_sections: art.skipped,
+            digest: Some(digest),
+            output: json!({
+                "title": title,
+                "delivery": {"key": out.key, "outcome": out.outcome},
+                "sections": self.input.sections,
+                "experts": self.input.experts,
+            })
+            .to_string(),
+        })
+    }
+}
+
+/// The stored document and the result facts kept with it.
+struct Artifact {
+    name: String,
+    doc: String,
+    title: String,
+    skipped: Vec<String>,
+    version: String,
+}
+
+/// A journaled thread that already ends in the section's final answer.
+fn finished_answer(t: &Thread, prompt: &str) -> Option<String> {
+    let prompt_at = t
+        .messages
+        .iter()
+        .rposition(|m| matches!(m, Message::User { content } if content == prompt))?;
+    match t.messages.last()? {
+        Message::Assistant {
+            content: Some(c),
+            tool_calls,
+            refusal: None,
+            partial: false,
+        } if tool_calls.is_empty() && !c.trim().is_empty() && t.messages.len() > prompt_at + 1 => {
+            Some(c.clone())
+        }
+        _ => None,
+    }
+}
+
+/// URLs the section fetched (its sources even if the text cites none).
+fn fetched_urls(t: &Thread) -> Vec<String> {
+    t.messages
+        .iter()
+        .flat_map(|m| m.tool_calls().to_vec())
+        .filter(|c| c.function.name == "fetch")
+        .filter_map(|c| {
+            serde_json::from_str::<Value>(&c.function.arguments)
+                .ok()
+                .and_then(|a| a["url"].as_str().map(str::to_string))
+        })
+        .collect()
+}

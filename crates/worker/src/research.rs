@@ -1,0 +1,41 @@
+//! The `research` kind: an adapter from the worker's [`Handler`] to
+//! [`leasehold_research::run`]. The workflow lives in its own crate; this
+//! file only maps the context in and the outcome and error classes out.
+
+use async_trait::async_trait;
+use leasehold_research::{ErrorClass as RClass, ResearchConfig, ResearchCtx, ResearchOutcome};
+
+use crate::handler::{Handler, HandlerError, JobCtx, Outcome};
+
+/// Serves `research` jobs. The configuration is read from the environment
+/// at each attempt, so a bad variable fails that job, not the worker.
+pub struct ResearchHandler;
+
+#[async_trait]
+impl Handler for ResearchHandler {
+    async fn run(&self, ctx: JobCtx) -> Result<Outcome, HandlerError> {
+        let cfg = ResearchConfig::from_env().map_err(|e| HandlerError::terminal(e.message))?;
+        let rctx = ResearchCtx {
+            job_id: ctx.record.id.clone(),
+            epoch: ctx.record.epoch,
+            worker_id: ctx.gate.owner.worker_id.clone(),
+            record: ctx.record.clone(),
+            input: ctx.input.clone(),
+            cancel: ctx.cancel.clone(),
+            gate: ctx.gate.clone(),
+            fence: ctx.fence.clone(),
+            conn: ctx.conn.clone(),
+        };
+        match leasehold_research::run(rctx, &cfg).await {
+            Ok(ResearchOutcome::Completed(r)) => Ok(Outcome::Completed(r)),
+            Ok(ResearchOutcome::Parked { reason, message }) => {
+                Ok(Outcome::Parked { reason, message })
+            }
+            Err(e) => Err(match e.class {
+                RClass::Retryable => HandlerError::retryable(e.message),
+                RClass::Terminal => HandlerError::terminal(e.message),
+                RClass::Cancelled => HandlerError::cancelled(),
+            }),
+        }
+    }
+}
