@@ -1,38 +1,47 @@
 //! `leasehold-demo`: the offline demo behind `make demo`.
 //!
 //! Starts a local nats-server (unless `NATS_URL` answers) with its storage
-//! under `.demo/`, creates the layout, starts a small fleet of
-//! `leasehold-worker` processes (and `leasehold-reaper` when built), submits a
-//! batch of jobs, then injects the faults the system exists for: one worker is
-//! killed with SIGKILL mid-job (and restarted under the same identity), another
-//! is frozen with SIGSTOP past its lease and then resumed. It shows live
-//! progress, prints a summary, checks the invariants on the job records'
-//! histories, tears down only what it started, and exits non-zero if an
+//! under `.demo/`, the simulated model `leasehold-sim` (model faults at a few
+//! percent), the reaper, and three `leasehold-worker` processes; submits six
+//! research jobs; then injects the faults the system exists for: one worker is
+//! killed with SIGKILL in the middle of an expert's sections (and restarted
+//! under the same identity), another is frozen with SIGSTOP past its lease and
+//! resumed. It shows live progress per job, prints a summary, checks the
+//! invariants, tears down only what it started, and exits non-zero if an
 //! invariant failed.
+//!
+//! Rework is counted from the job's events: a section checkpointed twice is a
+//! repeated section; a model response journaled twice (the simulator is
+//! deterministic, so a repeated call returns the same message) or a phase
+//! result checkpointed twice is a repeated model call.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
+use futures::StreamExt;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use leasehold_core::JobRecord;
 use leasehold_harness::{bin_dir, NatsServer, Proc};
+use leasehold_store::events::Events;
 use leasehold_store::setup::{self, SetupOptions};
 use leasehold_store::work::Work;
 use leasehold_store::{Jobs, NatsArgs};
-use serde_json::json;
+use serde_json::{json, Value};
+use sha2::Digest;
 
 #[derive(Parser, Debug)]
 #[command(
     name = "leasehold-demo",
     version,
-    about = "Run leasehold's offline demo: a local NATS server, a worker fleet, injected crashes and pauses, checked invariants"
+    about = "Run leasehold's offline demo: research jobs on a local NATS server and the simulated model, a worker fleet, an injected crash and pause, checked invariants"
 )]
 struct Args {
-    /// Jobs to submit.
-    #[arg(long, default_value_t = 24)]
+    /// Research jobs to submit.
+    #[arg(long, default_value_t = 6)]
     jobs: usize,
     /// Worker processes.
     #[arg(long, default_value_t = 3)]
@@ -43,14 +52,22 @@ struct Args {
     /// Lease of the demo workers (short, so recoveries show within seconds).
     #[arg(long, default_value = "3s", value_parser = leasehold_core::time::parse_duration)]
     lease: Duration,
+    /// Model fault rate of the simulator (0 to 1).
+    #[arg(long, default_value_t = 0.03)]
+    fault_rate: f64,
     /// Give up waiting for the jobs after this long.
-    #[arg(long, default_value = "120s", value_parser = leasehold_core::time::parse_duration)]
+    #[arg(long, default_value = "150s", value_parser = leasehold_core::time::parse_duration)]
     timeout: Duration,
 }
 
-struct Fleet {
-    procs: Vec<Proc>,
-}
+const TOPICS: [&str; 6] = [
+    "lease-based ownership in distributed systems",
+    "idempotency keys for side-effecting APIs",
+    "checkpointing long-running agent workflows",
+    "exponential backoff with jitter",
+    "work-queue delivery semantics in NATS JetStream",
+    "transcript repair for tool-calling language models",
+];
 
 #[tokio::main]
 async fn main() {
@@ -68,16 +85,21 @@ fn say(s: impl AsRef<str>) {
     eprintln!("demo: {}", s.as_ref());
 }
 
+/// Live per-job counts from `lh.events.>`.
+#[derive(Default, Clone)]
+struct Live {
+    retries: u32,
+}
+
 async fn run(a: Args) -> anyhow::Result<bool> {
     let logs = a.state_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     // Use the user's NATS when it answers; otherwise start our own.
-    let external = std::env::var("NATS_URL").ok();
     let mut server = None;
-    let url = match &external {
+    let url = match std::env::var("NATS_URL").ok() {
         Some(u) if async_nats::connect(u.as_str()).await.is_ok() => {
             say(format!("using the NATS server at {u}"));
-            u.clone()
+            u
         }
         _ => {
             let s = NatsServer::start_in(&a.state_dir.join("nats"));
@@ -106,7 +128,24 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     )
     .await
     .context("leasehold setup")?;
-    say("layout ready (streams LH_WORK, LH_EVENTS, LH_DLQ; buckets lh_jobs, lh_effects, lh_artifacts)");
+    say("layout ready (streams LH_WORK, LH_EVENTS, LH_DLQ; buckets lh_jobs, lh_effects; object store lh_artifacts)");
+
+    let sim = Proc::spawn_logged(
+        "leasehold-sim",
+        &["--listen", "127.0.0.1:0"],
+        &[
+            ("LH_SIM_FAULT_RATE", a.fault_rate.to_string()),
+            ("LH_SIM_TOKEN_DELAY_MS", "1".into()),
+            ("RUST_LOG", "warn".into()),
+        ],
+        Some(logs.join("sim.log")),
+    );
+    let sim_addr = wait_for_line(&sim, "listening on ").await?;
+    let sim_url = format!("http://{sim_addr}");
+    say(format!(
+        "started leasehold-sim at {sim_url} (model faults at {:.0}%)",
+        a.fault_rate * 100.0
+    ));
 
     let lease_ms = a.lease.as_millis();
     let env = |id: &str| -> Vec<(&'static str, String)> {
@@ -118,11 +157,14 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             ("LH_PULL_EXPIRES", "500ms".into()),
             ("LH_DRAIN_TIMEOUT", "1s".into()),
             ("LH_CONCURRENCY", "4".into()),
-            ("LH_KINDS", "echo,sleep,fail".into()),
+            ("LH_KINDS", "research".into()),
+            ("LH_MODEL_BASE_URL", format!("{sim_url}/v1")),
+            ("LH_SEARCH_URL", sim_url.clone()),
+            ("LH_PUBLISH_URL", format!("{sim_url}/effects")),
+            ("LH_FETCH_ALLOW", "127.0.0.1".into()),
             ("RUST_LOG", "info".into()),
         ]
     };
-    let mut fleet = Fleet { procs: Vec::new() };
     let mut reaper = None;
     if bin_dir().join("leasehold-reaper").is_file() {
         reaper = Some(Proc::spawn_logged(
@@ -137,9 +179,10 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         ));
         say("started leasehold-reaper");
     }
+    let mut procs = Vec::new();
     for i in 1..=a.workers {
         let id = format!("demo-w{i}");
-        fleet.procs.push(Proc::spawn_logged(
+        procs.push(Proc::spawn_logged(
             "leasehold-worker",
             &[],
             &env(&id),
@@ -153,6 +196,24 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         logs.display()
     ));
 
+    // Live retry counts per job from the event subjects.
+    let live: Arc<Mutex<HashMap<String, Live>>> = Arc::default();
+    {
+        let mut sub = conn.client.subscribe("lh.events.*.retry").await?;
+        let live = live.clone();
+        tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                if let Some(job) = m.subject.split('.').nth(2) {
+                    live.lock()
+                        .unwrap()
+                        .entry(job.to_string())
+                        .or_default()
+                        .retries += 1;
+                }
+            }
+        });
+    }
+
     let run_id = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
@@ -160,61 +221,79 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     let jobs = Jobs::open(&conn).await?;
     let mut ids = Vec::new();
     for n in 0..a.jobs {
-        let id = format!("demo-{run_id}-{n:02}");
-        let (kind, spec) = match n % 4 {
-            0 => ("echo", json!({"input": {"n": n}})),
-            1 => ("fail", json!({"input": {"class": "retryable", "times": 1}})),
-            _ => (
-                "sleep",
-                json!({"input": {"ms": 1500 + 250 * (n % 6) as u64}}),
-            ),
-        };
-        work.submit(kind, spec.to_string().into(), Some(&id), None)
+        let id = format!("research-{run_id}-{n}");
+        let spec =
+            json!({"input": {"topic": TOPICS[n % TOPICS.len()], "experts": 3, "sections": 3}});
+        work.submit("research", spec.to_string().into(), Some(&id), None)
             .await?;
         ids.push(id);
     }
     say(format!(
-        "submitted {} jobs (echo, sleep, fail-once)",
+        "submitted {} research jobs (3 experts x 3 sections each)",
         ids.len()
     ));
 
-    let bar = ProgressBar::new(ids.len() as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")?
-            .progress_chars("=> "),
-    );
+    let multi = MultiProgress::new();
+    let style = ProgressStyle::with_template("{prefix:<26} [{bar:24}] {pos:>2}/{len:<2} {msg}")?
+        .progress_chars("=> ");
+    let bars: Vec<ProgressBar> = ids
+        .iter()
+        .map(|id| {
+            let b = multi.add(ProgressBar::new(1));
+            b.set_style(style.clone());
+            b.set_prefix(id.clone());
+            b
+        })
+        .collect();
     let start = Instant::now();
     let mut killed = None;
-    let mut paused: Option<(usize, Instant)> = None;
+    let mut paused: Option<Instant> = None;
     let mut resumed = false;
     loop {
         let recs = snapshot(&jobs, &ids).await?;
-        let mut by: BTreeMap<&str, usize> = BTreeMap::new();
-        for r in recs.values() {
-            *by.entry(r.status.as_str()).or_default() += 1;
+        let counts = live.lock().unwrap().clone();
+        for (id, bar) in ids.iter().zip(&bars) {
+            let r = &recs[id];
+            let p = r.progress.clone().unwrap_or_default();
+            bar.set_length(u64::from(p.sections_total.max(1)));
+            bar.set_position(u64::from(p.sections_done));
+            bar.set_message(format!(
+                "{:<9} {:<12} retries={} reclaims={} {}",
+                r.status,
+                if p.phase.is_empty() {
+                    "-"
+                } else {
+                    p.phase.as_str()
+                },
+                counts.get(id).map_or(0, |l| l.retries),
+                r.stale_reclaims,
+                r.worker_id.clone().unwrap_or_default()
+            ));
         }
-        let done = recs.values().filter(|r| terminal(r)).count();
-        let reclaims: u32 = recs.values().map(|r| r.stale_reclaims).sum();
-        bar.set_position(done as u64);
-        bar.set_message(format!("{by:?} reclaims={reclaims}"));
-        // Fault 1: SIGKILL a worker while it runs a job, then restart it
-        // under the same identity (it reclaims its jobs at once).
+        // Fault 1: SIGKILL a worker in the middle of an expert's sections,
+        // then restart it under the same identity (it reclaims at once).
         if killed.is_none() {
             if let Some(r) = recs.values().find(|r| {
                 r.status == "running"
                     && r.worker_id.as_deref() == Some("demo-w1")
-                    && r.kind == "sleep"
+                    && r.progress
+                        .as_ref()
+                        .is_some_and(|p| p.phase == "experts" && p.sections_done >= 2)
             }) {
-                fleet.procs[0].kill9();
-                bar.println(format!("fault: SIGKILL demo-w1 while it ran {}", r.id));
+                procs[0].kill9();
+                multi.println(format!(
+                    "fault: SIGKILL demo-w1 mid-expert in {} ({} sections done)",
+                    r.id,
+                    r.progress.clone().unwrap_or_default().sections_done
+                ))?;
                 killed = Some(r.id.clone());
-                fleet.procs[0] = Proc::spawn_logged(
+                procs[0] = Proc::spawn_logged(
                     "leasehold-worker",
                     &[],
                     &env("demo-w1"),
                     Some(logs.join("demo-w1.restarted.log")),
                 );
-                bar.println("fault: restarted demo-w1 (same identity: reclaims its jobs without waiting for the lease)");
+                multi.println("fault: restarted demo-w1 under the same identity: it reclaims its jobs without waiting for the lease")?;
             }
         }
         // Fault 2: freeze another worker past its lease, then resume it.
@@ -223,53 +302,105 @@ async fn run(a: Args) -> anyhow::Result<bool> {
                 .values()
                 .find(|r| r.status == "running" && r.worker_id.as_deref() == Some("demo-w2"))
             {
-                fleet.procs[1].stop();
-                bar.println(format!(
-                    "fault: SIGSTOP demo-w2 while it ran {} (for lease + 2s)",
+                procs[1].stop();
+                multi.println(format!(
+                    "fault: SIGSTOP demo-w2 while it runs {} (for the lease + 2s)",
                     r.id
-                ));
-                paused = Some((1, Instant::now()));
+                ))?;
+                paused = Some(Instant::now());
             }
         }
-        if let Some((i, at)) = paused {
+        if let Some(at) = paused {
             if !resumed && at.elapsed() > a.lease + Duration::from_secs(2) {
-                fleet.procs[i].cont();
+                procs[1].cont();
                 resumed = true;
-                bar.println("fault: SIGCONT demo-w2; its stale writes must all be refused");
+                multi.println("fault: SIGCONT demo-w2: every write it attempts for reclaimed jobs must be refused")?;
             }
         }
+        let done = recs.values().filter(|r| terminal(r)).count();
         if done == ids.len() && (paused.is_none() || resumed) {
             break;
         }
         if start.elapsed() > a.timeout {
-            bar.println("timeout: not every job finished");
+            multi.println("timeout: not every job finished")?;
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    bar.finish_and_clear();
+    for b in &bars {
+        b.finish();
+    }
 
     // Summary and invariants.
     let recs = snapshot(&jobs, &ids).await?;
+    let events = Events::new(&conn);
+    let deliveries = deliveries_by_job(&sim_url).await.unwrap_or_default();
+    let store = conn.js.get_object_store("lh_artifacts").await?;
     let mut failures = Vec::new();
+    println!();
     println!(
-        "{:<22} {:<6} {:<10} {:>8} {:>6} {:>8}  WORKER",
-        "JOB", "KIND", "STATUS", "ATTEMPTS", "EPOCH", "RECLAIMS"
+        "{:<26} {:<10} {:<7} {:>8} {:>8} {:>5} {:>5} {:>5} {:>9} {:>9} {:>10}",
+        "JOB",
+        "STATUS",
+        "PARTIAL",
+        "ATTEMPTS",
+        "RECLAIMS",
+        "GEN",
+        "WARM",
+        "COLD",
+        "SECT.REP",
+        "CALLS.REP",
+        "DELIVERED"
     );
+    let mut total_reclaims = 0;
     for id in &ids {
         let r = &recs[id];
+        total_reclaims += r.stale_reclaims;
+        let evs: Vec<_> = events.read(id).await?.into_iter().map(|(_, e)| e).collect();
+        let rework = Rework::of(&evs);
+        let delivered = deliveries.get(id.as_str()).copied().unwrap_or(0);
+        let res = r.result.clone().unwrap_or_default();
         println!(
-            "{:<22} {:<6} {:<10} {:>8} {:>6} {:>8}  {}",
-            r.id,
-            r.kind,
+            "{:<26} {:<10} {:<7} {:>8} {:>8} {:>5} {:>5} {:>5} {:>9} {:>9} {:>10}",
+            id,
             r.status,
+            res.partial,
             r.attempts,
-            r.epoch,
             r.stale_reclaims,
-            r.worker_id.clone().unwrap_or_default()
+            rework.generation,
+            rework.warm,
+            rework.cold,
+            rework.sections,
+            rework.calls,
+            delivered
         );
         if r.status != "completed" {
             failures.push(format!("{id} ended {} ({:?})", r.status, r.error));
+            continue;
+        }
+        if delivered != 1 {
+            failures.push(format!(
+                "{id}: {delivered} deliveries at the sink (must be exactly 1)"
+            ));
+        }
+        match (&res.artifact, &res.digest) {
+            (Some(name), Some(digest)) => match store.get(name).await {
+                Ok(mut obj) => {
+                    use tokio::io::AsyncReadExt;
+                    let mut body = Vec::new();
+                    obj.read_to_end(&mut body).await?;
+                    let got = hex::encode(sha2::Sha256::digest(&body));
+                    if &got != digest {
+                        failures.push(format!(
+                            "{id}: the artifact's digest differs from the record's"
+                        ));
+                    }
+                }
+                Err(e) => {
+                    failures.push(format!("{id}: completed without its artifact {name}: {e}"))
+                }
+            },
+            _ => failures.push(format!("{id}: completed without artifact and digest")),
         }
         let history = jobs.history(id).await?;
         let completions = history
@@ -292,24 +423,38 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             max_epoch = max_epoch.max(v.value.epoch);
         }
     }
-    let reclaims: u32 = recs.values().map(|r| r.stale_reclaims).sum();
-    let retried = recs.values().filter(|r| r.attempts > 0).count();
+    let stats: Value = reqwest::get(format!("{sim_url}/stats"))
+        .await?
+        .json()
+        .await
+        .unwrap_or_default();
     println!();
-    println!("jobs: {}  completed: {}  reclaimed after a crash/pause: {reclaims}  job-level retries: {retried}  time: {:.1}s", ids.len(), recs.values().filter(|r| r.status == "completed").count(), start.elapsed().as_secs_f64());
+    println!(
+        "jobs: {}  completed: {}  reclaims: {total_reclaims}  model requests: {}  model faults injected: {}  time: {:.1}s",
+        ids.len(),
+        recs.values().filter(|r| r.status == "completed").count(),
+        stats["chat_requests"],
+        stats["faults_total"],
+        start.elapsed().as_secs_f64()
+    );
+    println!("GEN/WARM/COLD: retries by scope; SECT.REP / CALLS.REP: sections and model calls repeated after recoveries.");
+    println!(
+        "read a report with: NATS_URL={url} target/debug/leasehold result {}",
+        ids[0]
+    );
     if killed.is_none() {
-        failures.push("the kill fault never fired (no job ran on demo-w1)".into());
+        failures.push("the kill fault never fired (no job ran mid-expert on demo-w1)".into());
     }
-    if reclaims == 0 {
+    if total_reclaims == 0 {
         failures.push("no job was reclaimed: the faults did not exercise recovery".into());
     }
-    println!("read any result with: target/debug/leasehold result <job id>   (NATS_URL={url})");
 
     // Tear down only what we started.
-    for p in fleet.procs.iter_mut() {
+    for p in procs.iter_mut() {
         p.cont();
         p.term();
     }
-    for p in fleet.procs.iter_mut() {
+    for p in procs.iter_mut() {
         if p.wait_timeout(Duration::from_secs(10)).is_none() {
             p.kill9();
         }
@@ -318,9 +463,10 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         r.term();
         let _ = r.wait_timeout(Duration::from_secs(5));
     }
+    drop(sim);
     drop(server);
     if failures.is_empty() {
-        println!("invariants: OK (every job completed exactly once; no stale write landed)");
+        println!("invariants: OK (every job completed once, with its artifact, delivered exactly once; no stale write landed)");
         Ok(true)
     } else {
         println!("invariants FAILED:");
@@ -328,6 +474,99 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             println!("  - {f}");
         }
         Ok(false)
+    }
+}
+
+/// Retries and repeated work of one job, from its events.
+#[derive(Default)]
+struct Rework {
+    generation: u32,
+    warm: u32,
+    cold: u32,
+    sections: u32,
+    calls: u32,
+}
+
+impl Rework {
+    fn of(evs: &[leasehold_proto::JobEvent]) -> Self {
+        let mut r = Rework::default();
+        let mut sections = HashSet::new();
+        let mut responses = HashSet::new();
+        let mut phases = HashSet::new();
+        for e in evs {
+            let d = e.data_map();
+            match e.r#type.as_str() {
+                "retry" => match d.get("scope").and_then(Value::as_str) {
+                    Some("generation") => r.generation += 1,
+                    Some("warm") => r.warm += 1,
+                    Some("cold") => r.cold += 1,
+                    _ => {}
+                },
+                "section" => {
+                    let p = &d["payload"];
+                    if !sections.insert((p["expert"].as_u64(), p["index"].as_u64())) {
+                        r.sections += 1;
+                    }
+                }
+                "journal" => {
+                    let m = &d["entry"]["message"];
+                    if m["role"] == "assistant"
+                        && !responses.insert((
+                            d["expert"].as_u64(),
+                            d["index"].as_u64(),
+                            m.to_string(),
+                        ))
+                    {
+                        r.calls += 1;
+                    }
+                }
+                "phase" => {
+                    let key = (
+                        d["phase"].as_str().unwrap_or_default().to_string(),
+                        d["payload"]["index"].as_u64(),
+                    );
+                    let model_phase =
+                        matches!(key.0.as_str(), "outline" | "perspectives" | "final");
+                    if model_phase && !phases.insert(key) {
+                        r.calls += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        r
+    }
+}
+
+/// Deliveries recorded at the simulator's effects sink, by job.
+async fn deliveries_by_job(sim: &str) -> anyhow::Result<HashMap<String, u32>> {
+    let all: Value = reqwest::get(format!("{sim}/effects")).await?.json().await?;
+    let mut out = HashMap::new();
+    for e in all.as_array().cloned().unwrap_or_default() {
+        if let Some(job) = e["body"]["job_id"].as_str() {
+            *out.entry(job.to_string()).or_default() += 1;
+        }
+    }
+    Ok(out)
+}
+
+async fn wait_for_line(p: &Proc, prefix: &str) -> anyhow::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(rest) = p
+            .output()
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix).map(str::to_string))
+        {
+            return Ok(rest.trim().to_string());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{} did not start:\n{}",
+            p.name(),
+            p.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
