@@ -1,1 +1,670 @@
-//! The reaper: poison jobs, dead letters, stranded runs (placeholder).
+//! The reaper: poison jobs, max deliveries, stranded runs, two replicas at
+//! once, and the operators' `dlq` and `review` commands, against a real
+//! nats-server with real worker processes where a process has to die.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use leasehold_core::machine;
+use leasehold_core::time::rfc3339;
+use leasehold_core::{JobRecord, JobSpec};
+use leasehold_harness::{bin_path, Proc};
+use leasehold_reaper::{Handle, Options, Reaper};
+use leasehold_store::dlq::{Dlq, Letter};
+use leasehold_store::setup::SetupOptions;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{Env, ACK_WAIT};
+
+fn reaper_opts(env: &Env) -> Options {
+    let mut o = Options::local(&env.url(), &env.prefix);
+    o.interval = Duration::from_millis(300);
+    o.stranded_grace = Duration::from_millis(500);
+    o
+}
+
+async fn reaper(env: &Env) -> (Handle, CancellationToken) {
+    let stop = CancellationToken::new();
+    let h = Reaper::new(reaper_opts(env))
+        .start(stop.clone())
+        .await
+        .unwrap();
+    (h, stop)
+}
+
+async fn stop_reaper((h, stop): (Handle, CancellationToken)) {
+    stop.cancel();
+    h.wait().await.unwrap();
+}
+
+fn spec(input: serde_json::Value) -> JobSpec {
+    JobSpec {
+        input: input.to_string(),
+        ..Default::default()
+    }
+}
+
+/// A record as a worker that died long ago would have left it.
+fn abandoned(
+    id: &str,
+    kind: &str,
+    input: serde_json::Value,
+    ticket_seq: u64,
+    stale_reclaims: u32,
+) -> JobRecord {
+    let past = SystemTime::now() - Duration::from_secs(30);
+    let mut r = machine::new_record(id, kind, spec(input), ticket_seq, past);
+    r.spec.as_mut().unwrap().id = Some(id.into());
+    r.status = "running".into();
+    r.worker_id = Some("gone".into());
+    r.claim_token = Some("token".into());
+    r.epoch = u64::from(stale_reclaims) + 1;
+    r.stale_reclaims = stale_reclaims;
+    r.lease_expires_at = Some(rfc3339(past + Duration::from_secs(2)));
+    r
+}
+
+async fn letters_of(env: &Env, id: &str) -> Vec<Letter> {
+    Dlq::new(&env.conn)
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.job_id.as_deref() == Some(id))
+        .collect()
+}
+
+async fn dead_events_of(env: &Env, id: &str) -> usize {
+    env.events_of(id)
+        .await
+        .iter()
+        .filter(|e| e.r#type == "dead")
+        .count()
+}
+
+/// Runs the CLI; returns (exit code, stdout, stderr).
+async fn cli(env: &Env, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(bin_path("leasehold"))
+        .args(args)
+        .env("NATS_URL", env.url())
+        .env("LH_PREFIX", &env.prefix)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
+    let env = Env::new().await;
+    // A running record whose worker and ticket are both gone (ticket 4242
+    // never existed), and a queued record that never had a ticket.
+    env.jobs
+        .create(&abandoned("stranded-run", "echo", json!({"n": 1}), 4242, 0))
+        .await
+        .unwrap();
+    let mut q = machine::new_record(
+        "stranded-queued",
+        "echo",
+        spec(json!({"n": 2})),
+        0,
+        SystemTime::now() - Duration::from_secs(30),
+    );
+    q.spec.as_mut().unwrap().id = Some("stranded-queued".into());
+    env.jobs.create(&q).await.unwrap();
+    let (w, stop_w) = env.worker().await;
+    let r = reaper(&env).await;
+    let run = env
+        .wait_status("stranded-run", "completed", Duration::from_secs(15))
+        .await;
+    let queued = env
+        .wait_status("stranded-queued", "completed", Duration::from_secs(15))
+        .await;
+    assert_eq!(run.result.unwrap().output, json!({"n": 1}).to_string());
+    assert_eq!(queued.result.unwrap().output, json!({"n": 2}).to_string());
+    // The running one was a stale reclaim; the queued one an ordinary claim.
+    assert_eq!((run.stale_reclaims, queued.stale_reclaims), (1, 0));
+    assert!(run.ticket_seq > 0 && run.ticket_seq != 4242);
+    for id in ["stranded-run", "stranded-queued"] {
+        let recovered = env
+            .events_of(id)
+            .await
+            .into_iter()
+            .filter(|e| {
+                e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true))
+            })
+            .count();
+        assert_eq!(recovered, 1, "{id}: one recovery event");
+    }
+    assert_eq!(r.0.stats.recoveries.load(Ordering::Relaxed), 2);
+    stop_reaper(r).await;
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn ticket_past_max_deliveries_is_dead_lettered_once() {
+    let env = Env::with(SetupOptions {
+        ack_wait: ACK_WAIT,
+        max_deliver: 2,
+        ..SetupOptions::default()
+    })
+    .await;
+    let r = reaper(&env).await;
+    // One job never claimed (no record), one with a queued record: no
+    // worker runs; a test consumer NAKs each ticket until the server gives up.
+    env.submit("echo", json!({"input": {"n": 1}}), "md-unclaimed")
+        .await;
+    let t2 = env
+        .work
+        .submit(
+            "echo",
+            json!({"input": {"n": 2}}).to_string().into(),
+            Some("md-queued"),
+            None,
+        )
+        .await
+        .unwrap();
+    env.jobs
+        .create(&machine::new_record(
+            "md-queued",
+            "echo",
+            spec(json!({"n": 2})),
+            t2.seq,
+            SystemTime::now(),
+        ))
+        .await
+        .unwrap();
+    // The server notices max deliveries when it would deliver again, so
+    // the NAKing consumer keeps pulling, as a fleet of workers would.
+    let consumer = env.work.consumer("echo").await.unwrap();
+    let naker_stop = CancellationToken::new();
+    let naker = {
+        let stop = naker_stop.clone();
+        tokio::spawn(async move {
+            let mut naks = 0;
+            while !stop.is_cancelled() {
+                let mut batch = consumer
+                    .batch()
+                    .max_messages(2)
+                    .expires(Duration::from_millis(300))
+                    .messages()
+                    .await
+                    .unwrap();
+                while let Some(Ok(m)) = batch.next().await {
+                    m.ack_with(AckKind::Nak(None)).await.unwrap();
+                    naks += 1;
+                }
+            }
+            naks
+        })
+    };
+    for id in ["md-unclaimed", "md-queued"] {
+        let rec = env.wait_status(id, "dead", Duration::from_secs(10)).await;
+        assert_eq!(rec.error.as_ref().unwrap().class, "max_deliveries", "{id}");
+        // The dead event is published last: once it is there, all is done.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while dead_events_of(&env, id).await == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{id}: no dead event"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let letters = letters_of(&env, id).await;
+        assert_eq!(letters.len(), 1, "{id}: exactly one dead letter");
+        assert_eq!(letters[0].class, "max_deliveries");
+        let body: serde_json::Value = serde_json::from_slice(&letters[0].payload).unwrap();
+        assert_eq!(body["record"]["status"], "dead");
+        assert!(
+            body["ticket"].as_str().unwrap().contains("\"n\""),
+            "the ticket payload is kept: {body}"
+        );
+    }
+    assert!(
+        env.work.get(1).await.unwrap().is_none() && env.work.get(t2.seq).await.unwrap().is_none(),
+        "tickets deleted"
+    );
+    naker_stop.cancel();
+    assert_eq!(
+        naker.await.unwrap(),
+        4,
+        "each ticket was delivered max_deliver (2) times"
+    );
+    // Later sweeps change nothing.
+    let mut m = r.0.metrics_watch();
+    for _ in 0..3 {
+        m.changed().await.unwrap();
+    }
+    assert_eq!(letters_of(&env, "md-queued").await.len(), 1);
+    assert_eq!(
+        r.0.metrics().dead_letters_by_class.get("max_deliveries"),
+        Some(&2)
+    );
+    stop_reaper(r).await;
+}
+
+#[tokio::test]
+async fn two_reapers_act_on_each_job_exactly_once() {
+    let env = Env::new().await;
+    // Stranded jobs (tickets lost) beside the poison ones: both replicas
+    // see them, one ticket each must come out.
+    let stranded: Vec<String> = (0..4).map(|i| format!("lost-{i}")).collect();
+    for (i, id) in stranded.iter().enumerate() {
+        env.jobs
+            .create(&abandoned(id, "echo", json!({"i": i}), 900 + i as u64, 0))
+            .await
+            .unwrap();
+    }
+    let ids: Vec<String> = (0..8).map(|i| format!("poison-{i}")).collect();
+    for id in &ids {
+        let p = env
+            .work
+            .submit(
+                "sleep",
+                json!({"input": {"ms": 1}}).to_string().into(),
+                Some(id),
+                None,
+            )
+            .await
+            .unwrap();
+        env.jobs
+            .create(&abandoned(id, "sleep", json!({"ms": 1}), p.seq, 3))
+            .await
+            .unwrap();
+    }
+    let a = reaper(&env).await;
+    let b = reaper(&env).await;
+    for id in &ids {
+        let rec = env.wait_status(id, "dead", Duration::from_secs(10)).await;
+        assert_eq!(rec.error.as_ref().unwrap().class, "poison");
+    }
+    // Let both replicas sweep a few more times over the dead records.
+    let (mut wa, mut wb) = (a.0.metrics_watch(), b.0.metrics_watch());
+    for _ in 0..3 {
+        wa.changed().await.unwrap();
+        wb.changed().await.unwrap();
+    }
+    for id in &ids {
+        assert_eq!(
+            letters_of(&env, id).await.len(),
+            1,
+            "{id}: exactly one dead letter"
+        );
+        assert_eq!(
+            dead_events_of(&env, id).await,
+            1,
+            "{id}: exactly one dead event"
+        );
+        let rec = env.jobs.get(id).await.unwrap().unwrap().value;
+        assert!(
+            env.work.get(rec.ticket_seq).await.unwrap().is_none(),
+            "{id}: ticket deleted"
+        );
+        let deaths = env
+            .jobs
+            .history(id)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|v| v.value.status == "dead")
+            .count();
+        assert_eq!(deaths, 1, "{id}: one dead write");
+    }
+    for id in &stranded {
+        let rec = env
+            .wait_for(id, Duration::from_secs(10), |r| {
+                r.ticket_seq > 0 && r.ticket_seq < 900
+            })
+            .await;
+        assert!(
+            env.work.get(rec.ticket_seq).await.unwrap().is_some(),
+            "{id}: new ticket in place"
+        );
+        let recovered = env
+            .events_of(id)
+            .await
+            .iter()
+            .filter(|e| e.r#type == "progress")
+            .count();
+        assert_eq!(recovered, 1, "{id}: one recovery event");
+    }
+    let mut work = env
+        .conn
+        .js
+        .get_stream(env.conn.layout.work_stream())
+        .await
+        .unwrap();
+    let tickets = work.info().await.unwrap().state.messages;
+    assert_eq!(
+        tickets,
+        stranded.len() as u64,
+        "one ticket per stranded job, none left for the dead ones"
+    );
+    let recoveries =
+        a.0.stats.recoveries.load(Ordering::Relaxed) + b.0.stats.recoveries.load(Ordering::Relaxed);
+    assert_eq!(
+        recoveries,
+        stranded.len() as u64,
+        "each recovery counted once"
+    );
+    // Purge asks for confirmation; without a terminal it needs --yes.
+    let (code, _, err) = cli(&env, &["dlq", "purge"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("--yes"), "{err}");
+    let (code, out, err) = cli(&env, &["dlq", "purge", "--yes"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("\"purged\":{}", ids.len())), "{out}");
+    let won = a.0.stats.poison.load(Ordering::Relaxed) + b.0.stats.poison.load(Ordering::Relaxed);
+    assert_eq!(
+        won,
+        ids.len() as u64,
+        "each death written by exactly one replica"
+    );
+    stop_reaper(a).await;
+    stop_reaper(b).await;
+}
+
+/// Keeps `n` worker processes alive, restarting those that die, until cancelled.
+fn supervise(
+    env: &Env,
+    n: usize,
+    extra: Vec<(&'static str, String)>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<usize> {
+    let mut procs: Vec<Proc> = (0..n).map(|_| env.worker_proc(&[], &extra)).collect();
+    let envv = env.proc_env();
+    tokio::spawn(async move {
+        let mut deaths = 0;
+        while !stop.is_cancelled() {
+            for p in procs.iter_mut() {
+                // Reaps the dead one, so dropping it signals nobody.
+                if p.wait_timeout(Duration::ZERO).is_some() {
+                    deaths += 1;
+                    let mut e = envv.clone();
+                    e.extend(extra.iter().cloned());
+                    *p = Proc::spawn("leasehold-worker", &[], &e);
+                }
+            }
+            tokio::select! { _ = tokio::time::sleep(Duration::from_millis(50)) => {}, _ = stop.cancelled() => {} }
+        }
+        for p in procs.iter_mut() {
+            p.kill9();
+        }
+        deaths
+    })
+}
+
+#[tokio::test]
+async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
+    let env = Env::new().await;
+    let stop = CancellationToken::new();
+    // One job per worker: a crash takes down every job of its process, and
+    // jobs pulled in one batch with the crash job share its fate at every
+    // reclaim (their leases expire together), so with more slots a
+    // bystander can be reclaimed as often as the crash job and die with it.
+    let extra = vec![
+        ("LH_LEASE", "1s".to_string()),
+        ("LH_HEARTBEAT", "300ms".to_string()),
+        ("LH_CONCURRENCY", "1".to_string()),
+    ];
+    let fleet = supervise(&env, 3, extra, stop.clone());
+    let r = reaper(&env).await;
+    env.submit("crash", json!({"input": {}}), "crasher").await;
+    let others: Vec<String> = (0..12).map(|i| format!("bystander-{i}")).collect();
+    for (i, id) in others.iter().enumerate() {
+        if i % 2 == 0 {
+            env.submit("echo", json!({"input": {"i": i}}), id).await;
+        } else {
+            env.submit("sleep", json!({"input": {"ms": 100}}), id).await;
+        }
+    }
+    let dead = env
+        .wait_status("crasher", "dead", Duration::from_secs(25))
+        .await;
+    assert_eq!(dead.error.as_ref().unwrap().class, "poison");
+    assert_eq!(dead.stale_reclaims, 3);
+    for id in &others {
+        env.wait_status(id, "completed", Duration::from_secs(15))
+            .await;
+    }
+    let mut m = r.0.metrics_watch();
+    m.changed().await.unwrap();
+    m.changed().await.unwrap();
+    assert_eq!(
+        letters_of(&env, "crasher").await.len(),
+        1,
+        "one dead letter"
+    );
+    assert_eq!(dead_events_of(&env, "crasher").await, 1);
+    stop.cancel();
+    let deaths = fleet.await.unwrap();
+    assert!(
+        deaths >= 4,
+        "the crash job killed a worker at each of its 4 claims (saw {deaths})"
+    );
+    stop_reaper(r).await;
+}
+
+#[tokio::test]
+async fn dlq_replay_completes_the_job_with_a_fresh_budget() {
+    let env = Env::new().await;
+    let p = env
+        .work
+        .submit(
+            "echo",
+            json!({"input": {"v": 7}}).to_string().into(),
+            Some("replayed"),
+            None,
+        )
+        .await
+        .unwrap();
+    env.jobs
+        .create(&abandoned("replayed", "echo", json!({"v": 7}), p.seq, 3))
+        .await
+        .unwrap();
+    let r = reaper(&env).await;
+    env.wait_status("replayed", "dead", Duration::from_secs(10))
+        .await;
+    stop_reaper(r).await;
+    let letters = letters_of(&env, "replayed").await;
+    assert_eq!(letters.len(), 1);
+    let seq = letters[0].seq.to_string();
+
+    let (code, out, err) = cli(&env, &["dlq", "list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("\"replayed\"") && out.contains("poison"),
+        "{out}"
+    );
+    let (code, out, err) = cli(&env, &["dlq", "show", &seq]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"stale_reclaims\": 3"), "{out}");
+
+    let (w, stop_w) = env.worker().await;
+    let (code, _, err) = cli(&env, &["dlq", "replay", &seq]).await;
+    assert_eq!(code, 0, "{err}");
+    let done = env
+        .wait_status("replayed", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(done.result.unwrap().output, json!({"v": 7}).to_string());
+    // A fresh attempt budget: the replayed claim is not a stale reclaim.
+    assert_eq!(done.stale_reclaims, 0);
+    let history = env.jobs.history("replayed").await.unwrap();
+    assert!(
+        history.iter().any(|v| v.value.status == "dead"),
+        "history kept"
+    );
+    // Replaying a letter whose job is running again is refused; a missing letter says so.
+    let (code, _, err) = cli(&env, &["dlq", "replay", "999"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("dlq list"), "{err}");
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn review_resume_and_fail_parked_jobs() {
+    let env = Env::new().await;
+    for id in ["parked-a", "parked-b"] {
+        let mut r = machine::new_record(id, "echo", spec(json!({"id": id})), 0, SystemTime::now());
+        r.spec.as_mut().unwrap().id = Some(id.into());
+        r.status = "parked".into();
+        r.epoch = 1;
+        r.parked_reason = Some("uncertain_effect".into());
+        r.error = Some(leasehold_core::JobError {
+            class: "uncertain_effect".into(),
+            message: "publish may have happened".into(),
+            at: rfc3339(SystemTime::now()),
+        });
+        env.jobs.create(&r).await.unwrap();
+    }
+    let (code, out, err) = cli(&env, &["review", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("parked-a")
+            && out.contains("uncertain_effect")
+            && out.contains("publish may have happened"),
+        "{out}"
+    );
+
+    let (w, stop_w) = env.worker().await;
+    let (code, _, err) = cli(&env, &["review", "resume", "parked-a"]).await;
+    assert_eq!(code, 0, "{err}");
+    let done = env
+        .wait_status("parked-a", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        done.result.unwrap().output,
+        json!({"id": "parked-a"}).to_string()
+    );
+
+    let (code, _, err) = cli(
+        &env,
+        &[
+            "review",
+            "fail",
+            "parked-b",
+            "--reason",
+            "operator declined",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let failed = env.jobs.get("parked-b").await.unwrap().unwrap().value;
+    assert_eq!(failed.status, "failed");
+    assert_eq!(failed.error.unwrap().message, "operator declined");
+    // Only parked jobs can be resumed or failed; the error says what to do.
+    let (code, _, err) = cli(&env, &["review", "resume", "parked-b"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("parked"), "{err}");
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn dlq_replay_of_a_rejected_submission_resends_its_raw_bytes() {
+    let env = Env::new().await;
+    // A worker with a tiny size limit rejects the submission...
+    let mut o = env.opts();
+    o.max_submission_bytes = 16;
+    let (strict, stop_strict) = env.worker_with(o).await;
+    let raw = json!({"input": {"text": "more than sixteen bytes"}}).to_string();
+    env.work
+        .submit("echo", raw.clone().into(), Some("too-big"), None)
+        .await
+        .unwrap();
+    let rejected = env
+        .wait_status("too-big", "rejected", Duration::from_secs(10))
+        .await;
+    assert!(rejected.error.unwrap().message.contains("16"));
+    stop_strict.cancel();
+    strict.wait().await.unwrap();
+    let letters = letters_of(&env, "too-big").await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].class, "rejected");
+    assert_eq!(
+        &letters[0].payload[..],
+        raw.as_bytes(),
+        "raw bytes kept byte for byte"
+    );
+
+    // ...and after the limit is raised, the replay runs it under the same id.
+    let (w, stop_w) = env.worker().await;
+    let seq = letters[0].seq.to_string();
+    let (code, out, err) = cli(&env, &["dlq", "replay", &seq]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("rejected submission") && err.contains("16"),
+        "the reason is shown first: {err}"
+    );
+    assert!(out.contains("too-big"), "{out}");
+    let done = env
+        .wait_status("too-big", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        done.result.unwrap().output,
+        json!({"text": "more than sixteen bytes"}).to_string()
+    );
+    assert!(
+        letters_of(&env, "too-big").await.is_empty(),
+        "the replayed letter is deleted"
+    );
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn reaper_binary_serves_metrics_and_stops_on_sigterm() {
+    let env = Env::new().await;
+    let mut q = machine::new_record("waiting", "echo", spec(json!({})), 0, SystemTime::now());
+    q.status = "parked".into();
+    env.jobs.create(&q).await.unwrap();
+    let mut p = Proc::spawn(
+        "leasehold-reaper",
+        &["--reaper-id", "reaper-bin"],
+        &[
+            ("NATS_URL", env.url()),
+            ("LH_PREFIX", env.prefix.clone()),
+            ("LH_INTERVAL", "200ms".into()),
+        ],
+    );
+    let subject = env.conn.layout.reaper_metrics_subject();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no metrics reply:\n{}",
+            p.output()
+        );
+        let reply = tokio::time::timeout(
+            Duration::from_millis(500),
+            env.conn.client.request(subject.clone(), "".into()),
+        )
+        .await;
+        if let Ok(Ok(m)) = reply {
+            let m: leasehold_reaper::Metrics = serde_json::from_slice(&m.payload).unwrap();
+            if m.sweeps > 0 {
+                break m;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (metrics.reaper_id.as_str(), metrics.parked, metrics.jobs),
+        ("reaper-bin", 1, 1)
+    );
+    p.term();
+    let status = p
+        .wait_timeout(Duration::from_secs(10))
+        .expect("the reaper exits on SIGTERM");
+    assert!(status.success(), "{}", p.output());
+}

@@ -106,20 +106,8 @@ impl Dlq {
         recent_events: Vec<JobEvent>,
         ticket: Option<Bytes>,
     ) -> Result<u64, StoreError> {
-        let body = DeadJob {
-            record: rec.clone(),
-            recent_events,
-            ticket: ticket.and_then(|t| String::from_utf8(t.to_vec()).ok()),
-        };
-        let m = PublishMessage::build()
-            .payload(serde_json::to_vec(&body).expect("serializes").into())
-            .message_id(format!("{}:dead:{}", rec.id, rec.epoch))
-            .header(CLASS_HEADER, class)
-            .header(REASON_HEADER, single_line(reason).as_str())
-            .header(KIND_HEADER, rec.kind.as_str())
-            .header(crate::work::JOB_ID_HEADER, rec.id.as_str())
-            .header("Content-Type", "application/json");
-        self.publish(self.layout.dlq_subject(&subject_token(&rec.kind)), m)
+        let id = format!("{}:dead:{}", rec.id, rec.epoch);
+        self.dead_with_id(rec, class, reason, recent_events, ticket, &id)
             .await
     }
 
@@ -259,5 +247,38 @@ fn subject_token(kind: &str) -> String {
         "_".into()
     } else {
         t
+    }
+}
+
+/// Dead letters with a caller-chosen dedupe id.
+impl Dlq {
+    /// [`Dlq::dead`] deduplicated by `msg_id` instead of `<job>:dead:<epoch>`:
+    /// the reaper names each death (`<job>:dead:<epoch>:<marked_at>`), so a
+    /// replayed job that dies again before any claim (same epoch) still gets
+    /// its own letter, while replicas finishing the same death publish one.
+    pub async fn dead_with_id(
+        &self,
+        rec: &JobRecord,
+        class: &str,
+        reason: &str,
+        recent_events: Vec<JobEvent>,
+        ticket: Option<Bytes>,
+        msg_id: &str,
+    ) -> Result<u64, StoreError> {
+        let body = DeadJob {
+            record: rec.clone(),
+            recent_events,
+            ticket: ticket.and_then(|t| String::from_utf8(t.to_vec()).ok()),
+        };
+        let m = PublishMessage::build()
+            .payload(serde_json::to_vec(&body).expect("serializes").into())
+            .message_id(msg_id)
+            .header(CLASS_HEADER, class)
+            .header(REASON_HEADER, single_line(reason).as_str())
+            .header(KIND_HEADER, rec.kind.as_str())
+            .header(crate::work::JOB_ID_HEADER, rec.id.as_str())
+            .header("Content-Type", "application/json");
+        self.publish(self.layout.dlq_subject(&subject_token(&rec.kind)), m)
+            .await
     }
 }

@@ -120,7 +120,6 @@ impl Layout {
     }
 }
 
-
 /// Names used by the reaper service.
 impl Layout {
     /// Durable consumer of the reapers on the advisory stream. Every replica

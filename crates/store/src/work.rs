@@ -179,3 +179,43 @@ pub fn ticket_job_id(headers: Option<&HeaderMap>) -> Option<String> {
 pub fn content_type(headers: Option<&HeaderMap>) -> Option<String> {
     headers?.get("Content-Type").map(|v| v.as_str().to_string())
 }
+
+/// Resubmission of raw bytes (an operator replaying a rejected submission).
+impl Work {
+    /// Publishes `payload` byte for byte on the kind's submit subject with
+    /// the original headers (without dedupe and expectation headers), the
+    /// job id, when known, in `Lh-Job-Id`, and `msg_id` as the dedupe id.
+    /// Without a job id, pass no `msg_id`: a worker takes `Nats-Msg-Id` as
+    /// the job id when `Lh-Job-Id` is absent.
+    pub async fn resubmit_raw(
+        &self,
+        kind: &str,
+        payload: Bytes,
+        original: Option<&HeaderMap>,
+        job_id: Option<&str>,
+        msg_id: Option<&str>,
+    ) -> Result<Published, StoreError> {
+        let mut m = PublishMessage::build().payload(payload);
+        if let Some(id) = msg_id {
+            m = m.message_id(id);
+        }
+        if let Some(h) = original {
+            for (name, values) in h.iter() {
+                let n = name.to_string();
+                let skip = n.eq_ignore_ascii_case("Nats-Msg-Id")
+                    || n.starts_with("Nats-Expected")
+                    || n.starts_with("Lh-");
+                if skip {
+                    continue;
+                }
+                for v in values {
+                    m = m.header(n.as_str(), v.as_str());
+                }
+            }
+        }
+        if let Some(id) = job_id {
+            m = m.header(JOB_ID_HEADER, id);
+        }
+        self.publish(self.layout.submit_subject(kind), m).await
+    }
+}

@@ -1,10 +1,179 @@
-//! `leasehold review` (placeholder).
+//! `leasehold review list|resume ID|fail ID --reason TEXT`: the queue of
+//! parked jobs waiting for a person (a policy refusal, an external effect
+//! whose outcome is uncertain, a loop).
+//!
+//! A parked job keeps its full state (checkpoints, progress, budget used).
+//! `resume` queues it again with a fresh attempt budget and a new ticket; the
+//! workflow continues from its checkpoints. `fail` ends it as `failed` with
+//! the reviewer's reason (error class `review`).
 
-use leasehold_store::NatsArgs;
+use std::time::SystemTime;
+
+use leasehold_core::machine;
+use leasehold_core::{JobRecord, Status};
+use leasehold_store::events::{self, Events};
+use leasehold_store::{Jobs, NatsArgs};
+use serde_json::{json, Value};
+
+use super::dlq::{explain, requeue_ticket};
 
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
 
-pub async fn run(_args: Args, _nats: &NatsArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("`leasehold review` is not built yet")
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Parked jobs with their reason and state, oldest first.
+    List {
+        /// One JSON object per line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Queue a parked job again (fresh attempt budget; its checkpoints are kept).
+    Resume {
+        /// The job id.
+        id: String,
+    },
+    /// End a parked job as failed.
+    Fail {
+        /// The job id.
+        id: String,
+        /// Why (recorded as the job's error message).
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
+    let conn = nats.connect("leasehold-cli review").await?;
+    let jobs = Jobs::open(&conn).await?;
+    let events = Events::new(&conn);
+    match args.cmd {
+        Cmd::List { json } => list(&jobs, json).await,
+        Cmd::Resume { id } => {
+            let v = jobs
+                .transition(&id, |cur| {
+                    only_parked(cur, "resume")?;
+                    machine::requeue_fresh(cur, SystemTime::now(), 0).map(Some)
+                })
+                .await
+                .map_err(|e| explain(e, &id))?;
+            let ticket =
+                requeue_ticket(&conn, &jobs, &v.value, "resume", &v.revision.to_string()).await?;
+            let ev = events::event(
+                &id,
+                v.value.epoch,
+                "progress",
+                None,
+                json!({"phase": "resumed", "ticket_seq": ticket}),
+            );
+            let _ = events
+                .publish(&ev, Some(&format!("{id}:resumed:{ticket}")))
+                .await;
+            eprintln!(
+                "job {id} queued again (ticket {ticket}); follow it with `leasehold watch {id}`"
+            );
+            println!(
+                "{}",
+                json!({"id": id, "status": "queued", "ticket_seq": ticket})
+            );
+            Ok(0)
+        }
+        Cmd::Fail { id, reason } => {
+            anyhow::ensure!(
+                !reason.trim().is_empty(),
+                "--reason must say why the job is failed"
+            );
+            let v = jobs
+                .transition(&id, |cur| {
+                    only_parked(cur, "fail")?;
+                    machine::fail_parked(cur, SystemTime::now(), &reason).map(Some)
+                })
+                .await
+                .map_err(|e| explain(e, &id))?;
+            let ev = events::event(
+                &id,
+                v.value.epoch,
+                "failed",
+                None,
+                json!({"class": "review", "message": reason}),
+            );
+            let _ = events
+                .publish(&ev, Some(&format!("{id}:failed:review:{}", v.revision)))
+                .await;
+            eprintln!("job {id} failed: {reason}");
+            println!("{}", json!({"id": id, "status": v.value.status}));
+            Ok(0)
+        }
+    }
+}
+
+/// Refuses anything but a parked job with a message that says what to do.
+fn only_parked(rec: &JobRecord, action: &'static str) -> Result<(), machine::TransitionError> {
+    if rec.status == Status::Parked.as_str() {
+        return Ok(());
+    }
+    Err(machine::TransitionError::NotAllowed {
+        status: rec.status.clone(),
+        action,
+        allowed: "parked (`leasehold review list` shows the parked jobs)",
+    })
+}
+
+fn summary(r: &JobRecord) -> Value {
+    json!({
+        "id": r.id,
+        "kind": r.kind,
+        "reason": r.parked_reason.clone().or_else(|| r.error.as_ref().map(|e| e.class.clone())),
+        "message": r.error.as_ref().map(|e| e.message.clone()),
+        "parked_at": r.error.as_ref().map(|e| e.at.clone()).unwrap_or_else(|| r.updated_at.clone()),
+        "epoch": r.epoch,
+        "attempts": r.attempts,
+        "resume_from": r.resume_from,
+        "progress": r.progress,
+        "budget_used": r.budget_used,
+    })
+}
+
+async fn list(jobs: &Jobs, as_json: bool) -> anyhow::Result<i32> {
+    let mut parked: Vec<JobRecord> = jobs
+        .all()
+        .await?
+        .into_iter()
+        .map(|v| v.value)
+        .filter(|r| r.status == Status::Parked.as_str())
+        .collect();
+    parked.sort_by(|a, b| a.updated_at.cmp(&b.updated_at));
+    if as_json {
+        for r in &parked {
+            println!("{}", summary(r));
+        }
+    } else {
+        println!(
+            "{:<28} {:<10} {:<18} {:<24} {:>5} {:<14}  MESSAGE",
+            "ID", "KIND", "REASON", "PARKED AT", "EPOCH", "PROGRESS"
+        );
+        for r in &parked {
+            let s = summary(r);
+            let progress = r
+                .progress
+                .as_ref()
+                .map(|p| format!("{} {}/{}", p.phase, p.sections_done, p.sections_total))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "{:<28} {:<10} {:<18} {:<24} {:>5} {:<14}  {}",
+                r.id,
+                r.kind,
+                s["reason"].as_str().unwrap_or("-"),
+                s["parked_at"].as_str().unwrap_or("-"),
+                r.epoch,
+                progress,
+                s["message"].as_str().unwrap_or("")
+            );
+        }
+    }
+    eprintln!("{} parked job(s); `leasehold review resume ID` or `leasehold review fail ID --reason TEXT`", parked.len());
+    Ok(0)
 }

@@ -1,0 +1,99 @@
+//! Reaper configuration. Every flag also reads `LH_<FLAG>` (e.g.
+//! `--interval 3s` or `LH_INTERVAL=3s`); durations are written like `500ms`,
+//! `3s`, `2m`.
+//!
+//! | flag | default | meaning |
+//! |---|---|---|
+//! | `--reaper-id` | unique per process | name in logs and metrics |
+//! | `--max-stale-reclaims` | 3 | a running job with an expired lease that was already reclaimed this often is poison (keep it equal to the workers' value) |
+//! | `--interval` | 10s | sweep period (poison, stranded runs, metrics) |
+//! | `--stranded-grace` | 60s | how long past its lease a running job, or since its last write a queued job, may lack a work ticket before it is re-enqueued |
+//!
+//! Plus the NATS variables of every binary (`NATS_URL`, credentials, TLS,
+//! `LH_PREFIX`).
+
+use std::time::Duration;
+
+use clap::Parser;
+use leasehold_core::time::parse_duration;
+use leasehold_store::NatsArgs;
+
+/// `leasehold-reaper` options.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "leasehold-reaper",
+    version,
+    about = "leasehold reaper: dead-letters poison jobs and jobs past max deliveries, re-enqueues stranded runs, exports fleet metrics; safe to run more than one",
+    long_about = None
+)]
+pub struct Options {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Name of this replica in logs and metrics. Default: a unique id per process.
+    #[arg(long, env = "LH_REAPER_ID")]
+    pub reaper_id: Option<String>,
+    /// A running job whose lease expired after this many stale reclaims is
+    /// dead-lettered as poison (the workers refuse to reclaim it further).
+    #[arg(long, env = "LH_MAX_STALE_RECLAIMS", default_value_t = 3)]
+    pub max_stale_reclaims: u32,
+    /// Sweep period: poison jobs, stranded runs, unfinished dead-lettering, metrics.
+    #[arg(long, env = "LH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// How long a running job may be past its lease, or a queued job past
+    /// its last write, without a work ticket before it is re-enqueued.
+    #[arg(long, env = "LH_STRANDED_GRACE", default_value = "60s", value_parser = parse_duration)]
+    pub stranded_grace: Duration,
+}
+
+impl Options {
+    /// Options for tests and the demo: defaults, the given server and prefix.
+    pub fn local(url: &str, prefix: &str) -> Self {
+        let mut o = Options::parse_from(["leasehold-reaper"]);
+        o.nats = NatsArgs::local(url, prefix);
+        o
+    }
+
+    /// Rejects settings that cannot work, saying what to change.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.interval < Duration::from_millis(50) {
+            return Err("--interval must be at least 50ms".into());
+        }
+        if self.max_stale_reclaims == 0 {
+            return Err(
+                "--max-stale-reclaims must be at least 1 (the workers' value, 3 by default)".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_durations() {
+        let o = Options::parse_from(["leasehold-reaper"]);
+        assert_eq!(
+            (o.max_stale_reclaims, o.interval, o.stranded_grace),
+            (3, Duration::from_secs(10), Duration::from_secs(60))
+        );
+        let o = Options::parse_from([
+            "leasehold-reaper",
+            "--interval",
+            "500ms",
+            "--stranded-grace",
+            "3s",
+        ]);
+        assert_eq!(
+            (o.interval, o.stranded_grace),
+            (Duration::from_millis(500), Duration::from_secs(3))
+        );
+        assert!(o.validate().is_ok());
+        assert!(
+            Options::parse_from(["leasehold-reaper", "--interval", "1ms"])
+                .validate()
+                .is_err()
+        );
+    }
+}
