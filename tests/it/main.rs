@@ -3,6 +3,7 @@
 //! processes where the test is about a process dying or pausing.
 
 mod cli;
+mod cluster;
 mod effects;
 mod lifecycle;
 mod ownership;

@@ -458,7 +458,9 @@ mod tests {
     async fn three_node_cluster_forms() {
         let c = Cluster::start();
         wait_for_jetstream(&c.nodes[0].url(), Duration::from_secs(30)).await;
-        let client = async_nats::connect(c.url()).await.unwrap();
+        let addrs: Vec<async_nats::ServerAddr> =
+            c.url().split(',').map(|u| u.parse().unwrap()).collect();
+        let client = async_nats::connect(addrs).await.unwrap();
         let js = async_nats::jetstream::new(client);
         let kv = js
             .create_key_value(async_nats::jetstream::kv::Config {

@@ -127,9 +127,16 @@ impl NatsArgs {
                 ))
             }
         }
+        // NATS_URL may list several servers, comma-separated (a cluster).
+        let addrs = self
+            .url
+            .split(',')
+            .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| StoreError::Config(format!("NATS_URL {:?}: {e}", self.url)))?;
         // Fail fast with a clear message when nothing answers, instead of the
         // client's silent retry loop.
-        let client = tokio::time::timeout(Duration::from_secs(10), opts.connect(self.url.as_str()))
+        let client = tokio::time::timeout(Duration::from_secs(10), opts.connect(addrs))
             .await
             .map_err(|_| {
                 StoreError::Connect(format!(
@@ -137,7 +144,7 @@ impl NatsArgs {
                     self.url
                 ))
             })?
-            .map_err(|e| StoreError::Connect(format!("{}: {e}", self.url)))?;
+            .map_err(|e| StoreError::Connect(format!("{}: {e}; set NATS_URL to a running server (`nats-server -js`)", self.url)))?;
         Ok(Conn::new(client, layout))
     }
 }
