@@ -150,3 +150,133 @@ async fn cli_submit_wait_status_list_result_cancel() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+/// Runs the CLI with extra environment and stdin.
+async fn cli_with(args: &[&str], env: &[(&str, String)], stdin: &str) -> (i32, String, String) {
+    use tokio::io::AsyncWriteExt;
+    let mut cmd = tokio::process::Command::new(bin_path("leasehold"));
+    cmd.args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.as_bytes()).await.unwrap();
+    drop(input);
+    let out = child.wait_with_output().await.unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn transcript_repair_exit_codes_say_warm_cold_or_unreadable() {
+    // The seed's example: one complete exchange, one call without its result.
+    let warm = serde_json::json!([
+        {"role": "system", "content": "You write sections."},
+        {"role": "user", "content": "Write the reliability section."},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{\"q\":\"worker leases\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "search results"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "fetch", "arguments": "{\"url\":\"https://example.com/article\"}"}}]}
+    ]);
+    let (code, out, err) = cli_with(&["transcript", "repair"], &[], &warm.to_string()).await;
+    assert_eq!(code, 0, "{err}");
+    let kept: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        kept.len(),
+        4,
+        "the unresolved call is dropped, the complete exchange kept: {out}"
+    );
+    assert_eq!(kept[3]["role"], "tool");
+    assert!(!err.is_empty(), "a report on stderr");
+    // A tool result before any call cannot be repaired into a warm thread.
+    let cold = serde_json::json!([
+        {"role": "user", "content": "Write it."},
+        {"role": "tool", "tool_call_id": "ghost", "content": "orphan"}
+    ]);
+    let (code, _, _) = cli_with(
+        &[
+            "transcript",
+            "repair",
+            "--section-prompt",
+            "Not in the transcript",
+        ],
+        &[],
+        &cold.to_string(),
+    )
+    .await;
+    assert_eq!(code, 3, "only a cold retry can continue");
+    let (code, _, err) = cli_with(&["transcript", "repair"], &[], "not json").await;
+    assert_eq!(code, 2, "{err}");
+}
+
+#[tokio::test]
+async fn model_check_and_tool_call_through_the_workers_layers() {
+    let env = Env::new().await;
+    let (_sim, base) = crate::support::spawn_sim(&[]).await;
+    let model_env = [("LH_MODEL_BASE_URL", format!("{base}/v1"))];
+    let (code, out, err) = cli_with(
+        &["model", "check", "--prompt", "Say hello."],
+        &model_env,
+        "",
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["outcome"], "complete", "{report}");
+    // A model that cuts the stream before its terminal event: incomplete, retried.
+    let (_bad, bad_base) = crate::support::spawn_sim(&[
+        ("LH_SIM_FAULT_RATE", "1".into()),
+        ("LH_SIM_FAULT_KINDS", "cut".into()),
+    ])
+    .await;
+    let (code, out, _) = cli_with(
+        &["model", "check", "--attempts", "2"],
+        &[("LH_MODEL_BASE_URL", format!("{bad_base}/v1"))],
+        "",
+    )
+    .await;
+    assert_ne!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["class"], "incomplete_generation", "{report}");
+    // The same tool call twice with a job and step: one effect, then a replay.
+    let tool_env = [
+        ("NATS_URL", env.url()),
+        ("LH_PUBLISH_URL", format!("{base}/effects")),
+    ];
+    let args = r#"{"title":"t","document":"once"}"#;
+    let call = [
+        "tool",
+        "call",
+        "publish",
+        "--args",
+        args,
+        "--job",
+        "j1",
+        "--step",
+        "publish#0",
+    ];
+    let (code, first, err) = cli_with(&call, &tool_env, "").await;
+    assert_eq!(code, 0, "{err}");
+    let (code, second, err) = cli_with(&call, &tool_env, "").await;
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = reqwest::get(format!("{base}/effects/count"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["count"], 1, "the repeat replayed the stored result");
+    assert_eq!(first, second, "the same result both times");
+    let (code, out, _) = cli_with(&["tool", "list"], &tool_env, "").await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("publish") && out.contains("fetch") && out.contains("search"),
+        "{out}"
+    );
+}
