@@ -407,14 +407,14 @@ fn supervise(
 async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
     let env = Env::new().await;
     let stop = CancellationToken::new();
-    // One job per worker: a crash takes down every job of its process, and
-    // jobs pulled in one batch with the crash job share its fate at every
-    // reclaim (their leases expire together), so with more slots a
-    // bystander can be reclaimed as often as the crash job and die with it.
+    // Several slots per worker: a crash takes down every job of its process,
+    // but a job that already lost a worker runs alone afterwards, so the
+    // bystanders of the first crash complete and only the crash job keeps
+    // losing workers.
     let extra = vec![
         ("LH_LEASE", "1s".to_string()),
         ("LH_HEARTBEAT", "300ms".to_string()),
-        ("LH_CONCURRENCY", "1".to_string()),
+        ("LH_CONCURRENCY", "4".to_string()),
     ];
     let fleet = supervise(&env, 3, extra, stop.clone());
     let r = reaper(&env).await;
@@ -424,7 +424,8 @@ async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
         if i % 2 == 0 {
             env.submit("echo", json!({"input": {"i": i}}), id).await;
         } else {
-            env.submit("sleep", json!({"input": {"ms": 100}}), id).await;
+            env.submit("sleep", json!({"input": {"ms": 1500}}), id)
+                .await;
         }
     }
     let dead = env
@@ -433,8 +434,10 @@ async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
     assert_eq!(dead.error.as_ref().unwrap().class, "poison");
     assert_eq!(dead.stale_reclaims, 3);
     for id in &others {
-        env.wait_status(id, "completed", Duration::from_secs(15))
+        let r = env
+            .wait_status(id, "completed", Duration::from_secs(20))
             .await;
+        assert!(r.stale_reclaims < 3, "{id} was never near the poison limit");
     }
     let mut m = r.0.metrics_watch();
     m.changed().await.unwrap();

@@ -32,7 +32,7 @@ pub struct Subscriptions {
     cancel: async_nats::Subscriber,
 }
 
-/// Subscribes (queue groups) and flushes so the server knows the interest.
+/// Subscribes (queue groups) and waits until the server knows the interest.
 pub async fn subscribe(conn: &Conn) -> anyhow::Result<Subscriptions> {
     let l = &conn.layout;
     let submit = conn
@@ -46,7 +46,10 @@ pub async fn subscribe(conn: &Conn) -> anyhow::Result<Subscriptions> {
         .client
         .queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix))
         .await?;
-    conn.client.flush().await?;
+    // A flush only writes the SUBs to the socket; a request on the same
+    // connection returns only after the server processed everything before
+    // it, so the interest is registered when this returns.
+    conn.js.query_account().await?;
     Ok(Subscriptions { submit, cancel })
 }
 

@@ -173,6 +173,7 @@ impl Worker {
             running: StdMutex::new(HashMap::new()),
             idle: Notify::new(),
             handoff: CancellationToken::new(),
+            solo: tokio::sync::Mutex::new(()),
             stats: Arc::new(Stats::default()),
             ack_wait,
             opts,
@@ -209,6 +210,8 @@ struct Shared {
     idle: Notify,
     /// Phase 3 of shutdown: hand every running job back.
     handoff: CancellationToken,
+    /// One suspect at a time may wait to run alone (see [`go_solo`]).
+    solo: tokio::sync::Mutex<()>,
     stats: Arc<Stats>,
     ack_wait: HashMap<String, Duration>,
 }
@@ -369,7 +372,7 @@ fn attach(shared: &Shared, id: &str, msg: &mut Option<jetstream::Message>) -> bo
 async fn handle_delivery(
     shared: Arc<Shared>,
     msg: jetstream::Message,
-    permit: OwnedSemaphorePermit,
+    mut permit: OwnedSemaphorePermit,
 ) {
     let mut slot = Some(msg);
     let msg = slot.as_ref().expect("set");
@@ -407,17 +410,19 @@ async fn handle_delivery(
         return;
     }
     let msg = slot.take().expect("set");
-    let now = SystemTime::now();
-    let claimant = Claimant {
+    let mut claimant = Claimant {
         worker_id: &shared.worker_id,
         claim_token: uuid::Uuid::new_v4().to_string(),
         lease: shared.opts.lease,
-        now,
+        now: SystemTime::now(),
         ticket_seq: seq,
         max_stale_reclaims: shared.opts.max_stale_reclaims,
         restart_reclaim: false,
     };
+    let mut alone = shared.opts.concurrency <= 1;
     for _ in 0..16 {
+        claimant.now = SystemTime::now();
+        let now = claimant.now;
         let current = match shared.jobs.get(&accepted.id).await {
             Ok(c) => c,
             Err(e) => {
@@ -440,6 +445,17 @@ async fn handle_delivery(
                 )
             }
             Some(Versioned { value, revision }) => match machine::decide_claim(value, &claimant) {
+                // A job that already lost a worker may be what kills workers:
+                // run it alone, so its next crash takes no bystander down
+                // (whose stale reclaims would otherwise climb with it).
+                ClaimDecision::Claim { .. } if value.stale_reclaims >= 1 && !alone => {
+                    if go_solo(&shared, &mut permit, &msg, &kind).await {
+                        alone = true;
+                        continue;
+                    }
+                    let _ = msg.ack_with(AckKind::Nak(None)).await;
+                    return;
+                }
                 ClaimDecision::Claim { record, reclaim } => (
                     shared
                         .jobs
@@ -489,6 +505,48 @@ async fn handle_delivery(
     let _ = msg
         .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
         .await;
+}
+
+/// Takes every slot of this worker for a suspect job (one that already
+/// lost a worker), waiting up to one lease for the running jobs to finish
+/// while keeping the suspect's ticket from being redelivered. `false` when
+/// another suspect is waiting already or the slots did not free up in time:
+/// the caller hands the ticket back for another worker.
+async fn go_solo(
+    shared: &Shared,
+    permit: &mut OwnedSemaphorePermit,
+    msg: &jetstream::Message,
+    kind: &str,
+) -> bool {
+    let Ok(_one_at_a_time) = shared.solo.try_lock() else {
+        return false;
+    };
+    let want = (shared.opts.concurrency - 1) as u32;
+    let every = shared
+        .ack_wait
+        .get(kind)
+        .copied()
+        .unwrap_or(Duration::from_secs(30))
+        / 3;
+    let acquire = shared.slots.clone().acquire_many_owned(want);
+    tokio::pin!(acquire);
+    let deadline = tokio::time::Instant::now() + shared.opts.lease;
+    loop {
+        tokio::select! {
+            p = &mut acquire => {
+                let Ok(p) = p else { return false };
+                permit.merge(p);
+                tracing::info!(subject = %msg.subject, "suspect job: running it alone");
+                return true;
+            }
+            _ = tokio::time::sleep(every) => {
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
+                let _ = msg.ack_with(AckKind::Progress).await;
+            }
+        }
+    }
 }
 
 /// A bad submission: never crashes the worker, never silently dropped.
@@ -575,7 +633,13 @@ async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
         if shared.running.lock().unwrap().contains_key(&rec.id) {
             continue;
         }
-        let permit = shared.slots.clone().acquire_owned().await?;
+        // A job that already lost a worker before runs alone (see go_solo).
+        let slots = if rec.stale_reclaims >= 1 {
+            shared.opts.concurrency as u32
+        } else {
+            1
+        };
+        let permit = shared.slots.clone().acquire_many_owned(slots).await?;
         let claimant = Claimant {
             worker_id: &shared.worker_id,
             claim_token: uuid::Uuid::new_v4().to_string(),
