@@ -61,7 +61,8 @@ impl Default for SetupOptions {
     }
 }
 
-/// The KV configuration of the effects ledger.
+/// The KV configuration of the effects ledger: only the latest state of a
+/// key matters (history 1), and entries expire after the retention.
 pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> kv::Config {
     kv::Config {
         bucket,

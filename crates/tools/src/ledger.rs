@@ -10,32 +10,13 @@
 //! days): long enough for any resume or review, short enough to bound the
 //! bucket.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use serde_json::Value;
 
 use crate::error::ToolError;
-
-/// Default retention of ledger entries: 7 days.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-
-/// The bucket configuration `leasehold setup` creates (and tests use).
-pub fn effects_bucket_config(bucket: &str, retention: Duration, replicas: usize) -> kv::Config {
-    kv::Config {
-        bucket: bucket.to_string(),
-        description: "leasehold effects ledger: idempotency keys of side-effecting tool calls"
-            .into(),
-        // Only the latest state of a key matters; older states are history
-        // nobody reads.
-        history: 1,
-        max_age: retention,
-        storage: async_nats::jetstream::stream::StorageType::File,
-        num_replicas: replicas.max(1),
-        ..Default::default()
-    }
-}
 
 /// The state of one effect key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

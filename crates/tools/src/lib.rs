@@ -58,9 +58,7 @@ pub use error::{Disposition, ToolError};
 pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
 pub use faults::{FaultMode, Faults};
 pub use key::{arg_digest, business_key_id, canonical_json, idempotency_key, step_id};
-pub use ledger::{
-    effects_bucket_config, EffectState, EffectsLedger, LedgerEntry, DEFAULT_RETENTION,
-};
+pub use ledger::{EffectState, EffectsLedger, LedgerEntry};
 pub use netguard::{AllowList, NetGuard};
 pub use tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
 pub use toolbox::{

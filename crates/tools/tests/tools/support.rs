@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use leasehold_harness::{wait_for_jetstream, NatsServer};
 use leasehold_tools::{
-    effects_bucket_config, AllowList, CallCtx, CollectEvents, EffectsLedger, RetryPolicy, Toolbox,
-    ToolboxConfig, DEFAULT_RETENTION,
+    AllowList, CallCtx, CollectEvents, EffectsLedger, RetryPolicy, Toolbox, ToolboxConfig,
 };
 use serde_json::Value;
 
@@ -95,9 +94,13 @@ impl Env {
         wait_for_jetstream(&nats.url(), Duration::from_secs(10)).await;
         let client = async_nats::connect(nats.url()).await.unwrap();
         let js = async_nats::jetstream::new(client);
-        js.create_key_value(effects_bucket_config("lh_effects", DEFAULT_RETENTION, 1))
-            .await
-            .unwrap();
+        js.create_key_value(leasehold_store::setup::effects_config(
+            "lh_effects".into(),
+            Duration::from_secs(7 * 86_400),
+            1,
+        ))
+        .await
+        .unwrap();
         let ledger = EffectsLedger::open(&js, "lh_effects").await.unwrap();
         Env {
             sim: Sim::start().await,
