@@ -55,7 +55,19 @@ pub enum Command {
     Tool(commands::tool::Args),
 }
 
+/// Restores the default SIGPIPE action, so `leasehold list | head` ends
+/// quietly like any Unix tool instead of panicking on the closed pipe.
+#[allow(unsafe_code)]
+fn restore_sigpipe() {
+    // SAFETY: called first in main, before any other thread exists; setting
+    // a signal's disposition to its default has no other precondition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() {
+    restore_sigpipe();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
