@@ -389,3 +389,50 @@ async fn a_paused_worker_holds_no_work_hostage() {
     stop.cancel();
     b.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_worker_never_runs_more_jobs_than_its_slots() {
+    let env = Env::new().await;
+    let mut o = env.opts();
+    o.concurrency = 2;
+    o.kinds = vec!["sleep".into()];
+    let (w, stop) = env.worker_with(o).await;
+    let mut watch = env.jobs.watch_all().await.unwrap();
+    for i in 0..8 {
+        env.submit("sleep", json!({"input": {"ms": 300}}), &format!("slot-{i}"))
+            .await;
+    }
+    // Follow every record change: the set of jobs running on this worker
+    // must never exceed its two slots.
+    let mut running = std::collections::HashSet::new();
+    let mut done = 0;
+    let mut peak = 0;
+    while done < 8 {
+        let e = tokio::time::timeout(
+            Duration::from_secs(20),
+            futures::StreamExt::next(&mut watch),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+        let r = leasehold_store::jobs::decode(&e.key, &e.value).unwrap();
+        if r.status == "running" {
+            running.insert(r.id.clone());
+        } else {
+            running.remove(&r.id);
+        }
+        if r.status == "completed" {
+            done += 1;
+        }
+        peak = peak.max(running.len());
+        assert!(
+            running.len() <= 2,
+            "{} jobs running on a worker with 2 slots",
+            running.len()
+        );
+    }
+    assert_eq!(peak, 2, "both slots were used");
+    stop.cancel();
+    w.wait().await.unwrap();
+}
