@@ -95,7 +95,13 @@ pub fn decide(req: &Value, messages: &[Value], host: &str, seed: u64) -> Turn {
                     .pointer("/json_schema/schema")
                     .cloned()
                     .unwrap_or(json!({"type": "object"}));
-                let hint = words(&prompt, 4).join(" ");
+                // The topic is the first quoted phrase, when the prompt has one.
+                let hint = prompt
+                    .split('"')
+                    .nth(1)
+                    .filter(|t| !t.trim().is_empty())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| words(&prompt, 4).join(" "));
                 return Turn::Text(super::schema::instance(&schema, &schema, &hint, 0).to_string());
             }
             Some("json_object") => {
@@ -209,6 +215,13 @@ const CLOSERS: &[&str] = &[
 /// A few paragraphs of Markdown for the section, citing `url`.
 pub fn write_section(prompt: &str, url: &str, seed: u64) -> String {
     let title: String = {
+        // Prompts that lead with "Title: ..." name their section.
+        if let Some((head, _)) = prompt
+            .split_once(':')
+            .filter(|(h, _)| !h.trim().is_empty() && h.len() <= 120)
+        {
+            return write_body(head.trim(), url, seed);
+        }
         let w = words(prompt, 8);
         let t = if w.is_empty() {
             "Section".to_string()
@@ -220,6 +233,10 @@ pub fn write_section(prompt: &str, url: &str, seed: u64) -> String {
             .map(|f| f.to_uppercase().collect::<String>() + c.as_str())
             .unwrap_or_default()
     };
+    write_body(&title, url, seed)
+}
+
+fn write_body(title: &str, url: &str, seed: u64) -> String {
     let pick =
         |bank: &[&'static str], salt: u64| bank[(mix(seed ^ salt) % bank.len() as u64) as usize];
     format!(

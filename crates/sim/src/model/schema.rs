@@ -3,8 +3,11 @@
 
 use serde_json::{json, Map, Value};
 
-/// An instance of `schema`; `hint` seeds the strings so answers differ by
-/// topic. `$ref`s into `$defs`/`definitions` are followed (to a depth limit).
+/// An instance of `schema`; `hint` (the topic) seeds the strings so answers
+/// differ by topic, and each string is phrased after its property name and
+/// item index (a `title`, a `name`, a `focus`, a `goal`...), so outlines and
+/// expert lists read like plausible ones. `$ref`s into `$defs`/`definitions`
+/// are followed (to a depth limit).
 pub fn instance(schema: &Value, root: &Value, hint: &str, depth: usize) -> Value {
     if depth > 8 {
         return Value::Null;
@@ -54,14 +57,14 @@ pub fn instance(schema: &Value, root: &Value, hint: &str, depth: usize) -> Value
                 for (k, v) in props {
                     out.insert(
                         k.clone(),
-                        instance(v, root, &format!("{hint} {k}"), depth + 1),
+                        instance(v, root, &format!("{hint}{SEP}{k}"), depth + 1),
                     );
                 }
             }
             if let Some(req) = schema.get("required").and_then(Value::as_array) {
                 for k in req.iter().filter_map(Value::as_str) {
                     out.entry(k.to_string())
-                        .or_insert_with(|| json!(format!("{hint} {k}").trim().to_string()));
+                        .or_insert_with(|| json!(phrase(&format!("{hint}{SEP}{k}"))));
                 }
             }
             Value::Object(out)
@@ -79,7 +82,7 @@ pub fn instance(schema: &Value, root: &Value, hint: &str, depth: usize) -> Value
                 .unwrap_or(json!({"type": "string"}));
             Value::Array(
                 (0..n)
-                    .map(|i| instance(&items, root, &format!("{hint} {}", i + 1), depth + 1))
+                    .map(|i| instance(&items, root, &format!("{hint}{SEP}#{i}"), depth + 1))
                     .collect(),
             )
         }
@@ -88,12 +91,7 @@ pub fn instance(schema: &Value, root: &Value, hint: &str, depth: usize) -> Value
         "boolean" => json!(true),
         "null" => Value::Null,
         _ => {
-            let text = hint.trim().to_string();
-            let text = if text.is_empty() {
-                "text".to_string()
-            } else {
-                text
-            };
+            let text = phrase(hint);
             let min = schema.get("minLength").and_then(Value::as_u64).unwrap_or(0) as usize;
             let max = schema
                 .get("maxLength")
@@ -108,6 +106,78 @@ pub fn instance(schema: &Value, root: &Value, hint: &str, depth: usize) -> Value
             }
             json!(s)
         }
+    }
+}
+
+/// Separates the topic, property names and `#index` parts of a hint.
+const SEP: char = '\u{1f}';
+
+/// A string for the property and item index named at the end of `hint`.
+fn phrase(hint: &str) -> String {
+    let mut parts = hint.split(SEP);
+    let topic = parts.next().unwrap_or_default().trim();
+    let topic = if topic.is_empty() {
+        "the subject"
+    } else {
+        topic
+    };
+    let (mut key, mut idx) = ("", 0usize);
+    for p in parts {
+        match p.strip_prefix('#') {
+            Some(n) => idx = n.parse().unwrap_or(0),
+            None => key = p,
+        }
+    }
+    const ASPECTS: [&str; 8] = [
+        "Foundations",
+        "Failure modes",
+        "Design patterns",
+        "Operating in production",
+        "Testing and verification",
+        "Trade-offs",
+        "Case studies",
+        "Open questions",
+    ];
+    const EXPERTS: [(&str, &str); 6] = [
+        (
+            "Dr. Ada Lin, distributed systems researcher",
+            "correctness under partial failure",
+        ),
+        (
+            "Sam Okafor, site reliability engineer",
+            "operating it at scale and on call",
+        ),
+        (
+            "Priya Raman, security architect",
+            "abuse, isolation and blast radius",
+        ),
+        (
+            "Jonas Weber, platform engineer",
+            "developer experience and APIs",
+        ),
+        (
+            "Mei Tanaka, performance engineer",
+            "latency, throughput and cost",
+        ),
+        (
+            "Luis Ortega, product manager",
+            "what users need and will pay for",
+        ),
+    ];
+    let aspect = ASPECTS[idx % ASPECTS.len()];
+    let (name, focus) = EXPERTS[idx % EXPERTS.len()];
+    match key {
+        "title" | "heading" => format!("{aspect} of {topic}"),
+        "name" | "expert" => name.to_string(),
+        "focus" | "perspective" | "angle" => focus.to_string(),
+        "goal" | "description" | "purpose" | "summary" => {
+            format!(
+                "Explain the {} of {topic}, with concrete examples and sources.",
+                aspect.to_lowercase()
+            )
+        }
+        "" => topic.to_string(),
+        other => format!("{topic}: {other} {}", idx + 1),
     }
 }
 
@@ -131,7 +201,8 @@ mod tests {
         });
         let v = instance(&schema, &schema, "topic", 0);
         assert_eq!(v["sections"].as_array().unwrap().len(), 4);
-        assert!(v["sections"][0]["heading"].is_string());
+        assert_eq!(v["sections"][0]["heading"], "Foundations of topic");
+        assert_eq!(v["sections"][1]["heading"], "Failure modes of topic");
         assert_eq!(v["tags"].as_array().unwrap().len(), 2);
         assert_eq!(v["kind"], "a");
         assert_eq!(v["n"], 1);
