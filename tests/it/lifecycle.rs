@@ -114,7 +114,8 @@ async fn cancellation_while_queued_running_and_in_backoff() {
         .wait_status("long", "cancelled", Duration::from_secs(5))
         .await;
     assert!(
-        t0.elapsed() < crate::support::HEARTBEAT * 3,
+        // One heartbeat (400 ms) plus the write and some slack for a loaded CI machine.
+        t0.elapsed() < crate::support::HEARTBEAT * 5,
         "stopped within about one heartbeat: {:?}",
         t0.elapsed()
     );
