@@ -4,7 +4,7 @@ CARGO ?= cargo
 NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup build test test-all demo bench verify fmt clippy chaos clean-demo
+.PHONY: setup build test test-cluster demo bench verify fmt clippy clean-demo
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11); idempotent.
 setup:
@@ -23,6 +23,10 @@ build:
 ## test: unit and integration tests against real nats-server processes.
 test: setup build
 	$(CARGO) test --workspace --no-fail-fast -- --test-threads=4
+
+## test-cluster: the 3-node cluster tier (slower; leader elections on 2 cores).
+test-cluster: setup build
+	$(CARGO) test -p leasehold-tests --test it -- --ignored cluster
 
 ## demo: the main job on embedded defaults (local nats-server, a small fleet).
 demo: setup build

@@ -9,7 +9,11 @@ use leasehold_worker::{Options, Worker};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+// Three servers plus failover on two cores take 20 s and leader elections
+// make its timing loaded-machine sensitive: it runs with `make test-cluster`
+// (the chaos and cluster tier), not in `make test`.
 #[tokio::test]
+#[ignore = "cluster tier: make test-cluster"]
 async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
     let mut c = Cluster::start();
     wait_for_jetstream(&c.nodes[0].url(), Duration::from_secs(30)).await;
@@ -77,7 +81,11 @@ async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
                     // A claim whose reply was lost in the failover is
                     // reclaimed after its lease (epoch 2): safe, not a
                     // second run. What must hold is one completion.
-                    let history = jobs.history(&id).await.unwrap();
+                    // Reads may fail while the cluster elects new leaders.
+                    let Ok(history) = jobs.history(&id).await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
                     let done = history
                         .iter()
                         .filter(|h| h.value.status == "completed")

@@ -12,6 +12,7 @@
 //! first proves `status == running`, `worker_id`, `claim_token` and `epoch`
 //! (see `leasehold_core::machine::check_owner`).
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::kv;
@@ -256,6 +257,11 @@ pub struct Gate {
     jobs: Jobs,
     pub id: String,
     pub owner: Owner,
+    /// The record as this owner last wrote it. A write is first tried at
+    /// its revision, saving a read; any change by someone else (a cancel
+    /// request, a reclaim) makes that write conflict, and the slow path
+    /// re-reads and decides on the fresh record.
+    last: Arc<Mutex<Option<Versioned<JobRecord>>>>,
 }
 
 impl Gate {
@@ -264,7 +270,15 @@ impl Gate {
             jobs,
             id: id.into(),
             owner,
+            last: Arc::default(),
         }
+    }
+
+    /// A gate that starts from the record the claim wrote.
+    pub fn claimed(jobs: Jobs, claimed: Versioned<JobRecord>, owner: Owner) -> Self {
+        let g = Gate::new(jobs, claimed.value.id.clone(), owner);
+        *g.last.lock().expect("gate cache") = Some(claimed);
+        g
     }
 
     /// An owner-checked transition; `f` is one of the machine's owner-side
@@ -274,9 +288,31 @@ impl Gate {
         F: FnMut(&JobRecord, &Owner, SystemTime) -> Result<JobRecord, TransitionError>,
     {
         let owner = self.owner.clone();
-        self.jobs
+        let cached = self.last.lock().expect("gate cache").clone();
+        if let Some(cur) = cached {
+            if let Ok(next) = f(&cur.value, &owner, SystemTime::now()) {
+                match self.jobs.update(&next, cur.revision).await {
+                    Ok(revision) => {
+                        return Ok(self.remember(Versioned {
+                            value: next,
+                            revision,
+                        }))
+                    }
+                    Err(JobsError::Conflict(_)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        let v = self
+            .jobs
             .transition(&self.id, |rec| f(rec, &owner, SystemTime::now()).map(Some))
-            .await
+            .await?;
+        Ok(self.remember(v))
+    }
+
+    fn remember(&self, v: Versioned<JobRecord>) -> Versioned<JobRecord> {
+        *self.last.lock().expect("gate cache") = Some(v.clone());
+        v
     }
 
     /// Extends the lease.

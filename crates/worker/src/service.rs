@@ -455,10 +455,16 @@ async fn handle_delivery(
         restart_reclaim: false,
     };
     let mut alone = shared.opts.concurrency <= 1;
-    for _ in 0..16 {
+    for round in 0..16 {
         claimant.now = SystemTime::now();
         let now = claimant.now;
-        let current = match shared.jobs.get(&accepted.id).await {
+        // Most tickets are new jobs: try the create first and read only
+        // when the record turns out to exist.
+        let current = match if round == 0 {
+            Ok(None)
+        } else {
+            shared.jobs.get(&accepted.id).await
+        } {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(job = %accepted.id, error = %e, "cannot read the record; retrying the ticket in 1s");
@@ -519,12 +525,16 @@ async fn handle_delivery(
             },
         };
         match write {
-            Ok((_, record)) => {
+            Ok((revision, record)) => {
                 shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
                 if reclaim {
                     shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
                 }
-                run_claimed(shared.clone(), record, Some(msg), permit, reclaim).await;
+                let claimed = Versioned {
+                    value: record,
+                    revision,
+                };
+                run_claimed(shared.clone(), claimed, Some(msg), permit, reclaim).await;
                 return;
             }
             Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
@@ -704,7 +714,7 @@ async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
                 shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
                 shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(run_claimed(shared.clone(), v.value, None, permit, true));
+                tokio::spawn(run_claimed(shared.clone(), v, None, permit, true));
             }
             Err(e) => tracing::warn!(job = %rec.id, error = %e, "restart reclaim failed"),
             _ => {}
@@ -724,13 +734,12 @@ enum Stop {
 /// Runs one claimed job to an owner-checked outcome.
 async fn run_claimed(
     shared: Arc<Shared>,
-    rec: JobRecord,
+    claimed: Versioned<JobRecord>,
     msg: Option<jetstream::Message>,
     permit: OwnedSemaphorePermit,
     reclaim: bool,
 ) {
-    let id = rec.id.clone();
-    let owner = Owner::of(&rec).expect("a claimed record is running");
+    let id = claimed.value.id.clone();
     let ticket: TicketSlot = Arc::new(StdMutex::new(msg));
     shared.running.lock().unwrap().insert(
         id.clone(),
@@ -738,7 +747,7 @@ async fn run_claimed(
             ticket: ticket.clone(),
         },
     );
-    run_attempt(&shared, rec, owner, ticket, reclaim).await;
+    run_attempt(&shared, claimed, ticket, reclaim).await;
     {
         let mut running = shared.running.lock().unwrap();
         running.remove(&id);
@@ -749,13 +758,14 @@ async fn run_claimed(
 
 async fn run_attempt(
     shared: &Arc<Shared>,
-    rec: JobRecord,
-    owner: Owner,
+    claimed: Versioned<JobRecord>,
     ticket: TicketSlot,
     reclaim: bool,
 ) {
+    let rec = claimed.value.clone();
     let id = rec.id.clone();
-    let gate = Gate::new(shared.jobs.clone(), &id, owner.clone());
+    let owner = Owner::of(&rec).expect("a claimed record is running");
+    let gate = Gate::claimed(shared.jobs.clone(), claimed, owner);
     let claimed_data = json!({
         "reclaim": reclaim,
         "attempts": rec.attempts,
