@@ -20,7 +20,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use leasehold_core::machine::check_owner;
 use leasehold_proto::{BudgetUsed, Progress};
@@ -55,12 +55,43 @@ pub struct FlushStats {
     pub progress_updates: AtomicU64,
     pub progress_writes: AtomicU64,
     pub batches: AtomicU64,
+    /// Per published event, microseconds from queued to durable (the
+    /// server's ack): how long a completion stays losable. One entry per
+    /// event of the attempt, so bounded by the job's size.
+    pub latencies_us: std::sync::Mutex<Vec<u32>>,
+}
+
+impl FlushStats {
+    /// The counters and the flush latency's p50/p99/max, as JSON (the
+    /// completed result's `output.checkpoints`, read by `make bench`).
+    pub fn summary(&self) -> Value {
+        let mut l = self
+            .latencies_us
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default();
+        l.sort_unstable();
+        let q = |q: f64| {
+            l.get(((l.len().saturating_sub(1)) as f64 * q).round() as usize)
+                .copied()
+                .unwrap_or(0)
+        };
+        let updates = self.progress_updates.load(Ordering::Relaxed);
+        let writes = self.progress_writes.load(Ordering::Relaxed);
+        json!({
+            "events": self.events.load(Ordering::Relaxed),
+            "batches": self.batches.load(Ordering::Relaxed),
+            "progress_updates": updates,
+            "progress_writes": writes,
+            "flush_latency_us": {"n": l.len(), "p50": q(0.5), "p99": q(0.99), "max": q(1.0)},
+        })
+    }
 }
 
 /// The sending side; cheap to clone, usable from sync code (hooks).
 #[derive(Clone)]
 pub struct Flusher {
-    tx: mpsc::UnboundedSender<(u64, Item)>,
+    tx: mpsc::UnboundedSender<(u64, Instant, Item)>,
     queued: Arc<AtomicU64>,
     published: Arc<AtomicU64>,
     lost: Arc<AtomicBool>,
@@ -94,7 +125,7 @@ impl Flusher {
     fn push(&self, item: Item) -> u64 {
         let n = self.queued.fetch_add(1, Ordering::SeqCst) + 1;
         // A closed channel means the job is over; nothing left to persist.
-        let _ = self.tx.send((n, item));
+        let _ = self.tx.send((n, Instant::now(), item));
         n
     }
 
@@ -155,7 +186,7 @@ fn backoff(attempt: u32) -> Duration {
 
 async fn run(
     f: Flusher,
-    mut rx: mpsc::UnboundedReceiver<(u64, Item)>,
+    mut rx: mpsc::UnboundedReceiver<(u64, Instant, Item)>,
     fence: Arc<Mutex<Fence>>,
     gate: Gate,
     cancel: CancellationToken,
@@ -167,10 +198,10 @@ async fn run(
             batch.push(more);
         }
         f.stats.batches.fetch_add(1, Ordering::Relaxed);
-        let top = batch.last().map_or(0, |(n, _)| *n);
+        let top = batch.last().map_or(0, |(n, _, _)| *n);
         let mut progress: Option<ProgressSnap> = None;
         let mut barriers = Vec::new();
-        for (n, item) in batch {
+        for (n, queued, item) in batch {
             match item {
                 Item::Barrier(tx) => barriers.push(tx),
                 Item::Progress(p) => progress = Some(p),
@@ -178,6 +209,10 @@ async fn run(
                     if !f.is_lost() {
                         publish(&f, &fence, &cancel, ty, &data).await;
                         f.stats.events.fetch_add(1, Ordering::Relaxed);
+                        let us = u32::try_from(queued.elapsed().as_micros()).unwrap_or(u32::MAX);
+                        if let Ok(mut l) = f.stats.latencies_us.lock() {
+                            l.push(us);
+                        }
                     }
                     f.published.fetch_max(n, Ordering::SeqCst);
                 }

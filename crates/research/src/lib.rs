@@ -257,20 +257,32 @@ pub async fn run(ctx: ResearchCtx, cfg: &ResearchConfig) -> Result<ResearchOutco
     let flushed = tokio::time::timeout(Duration::from_secs(5), flusher.barrier()).await;
     task.abort();
     let st = &flusher.stats;
+    let summary = st.summary();
+    let lat = &summary["flush_latency_us"];
     tracing::info!(
         job = %ctx.job_id,
         events = st.events.load(Ordering::Relaxed),
         batches = st.batches.load(Ordering::Relaxed),
         progress_updates = st.progress_updates.load(Ordering::Relaxed),
         progress_writes = st.progress_writes.load(Ordering::Relaxed),
+        flush_p50_us = lat["p50"].as_u64(),
+        flush_p99_us = lat["p99"].as_u64(),
         "research: checkpoints flushed"
     );
     if flusher.is_lost() {
         return Err(ResearchError::cancelled());
     }
     match res {
-        Ok(r) => match flushed {
-            Ok(Ok(())) => Ok(ResearchOutcome::Completed(r)),
+        Ok(mut r) => match flushed {
+            Ok(Ok(())) => {
+                // The completing attempt's flusher figures ride along in the
+                // output so `make bench` reads them from the record, not logs.
+                if let Ok(Value::Object(mut o)) = serde_json::from_str::<Value>(&r.output) {
+                    o.insert("checkpoints".into(), summary);
+                    r.output = Value::Object(o).to_string();
+                }
+                Ok(ResearchOutcome::Completed(r))
+            }
             _ => Err(ResearchError::retryable("checkpoints could not be flushed")),
         },
         Err(Stop::Park { reason, message }) => Ok(ResearchOutcome::Parked { reason, message }),
