@@ -63,6 +63,11 @@ pub trait ToolExecutor: Send + Sync {
 pub trait TranscriptHook: Send + Sync {
     fn on_message(&self, generation: u32, message: &Message);
     fn on_thread(&self, _thread: &Thread) {}
+    /// Awaited before each model call. A journaling hook returns once what it
+    /// recorded is durable, so a crash during the call repeats only that call.
+    fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async {})
+    }
 }
 
 /// A hook that does nothing.
@@ -414,6 +419,7 @@ impl SectionRunner {
                 response_format: self.policy.response_format.clone(),
                 ..Default::default()
             };
+            self.hook.before_generation().await;
             run.model_calls += 1;
             let generated = self
                 .generator

@@ -55,6 +55,16 @@ impl TranscriptHook for Journal {
             messages: thread.messages.clone(),
         });
     }
+
+    /// The journal is durable before each model call: a kill -9 during the
+    /// call then repeats that call only, never a recorded tool result's
+    /// exchange. Costs one flush round trip per call (milliseconds, against
+    /// a model call's seconds). A lost fence cancels the job elsewhere.
+    fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            let _ = self.flusher.barrier().await;
+        })
+    }
 }
 
 /// Publishes retry reports as `retry` events, tagged with their section.
