@@ -178,9 +178,14 @@ impl Jobs {
             .keys()
             .await
             .map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
+        // A key updated while the listing runs can be delivered twice.
+        let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
         while let Some(k) = keys.next().await {
-            out.push(k.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?);
+            let k = k.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
+            if seen.insert(k.clone()) {
+                out.push(k);
+            }
         }
         Ok(out)
     }
