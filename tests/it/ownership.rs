@@ -185,6 +185,18 @@ async fn stale_owners_events_are_refused_by_the_server() {
         }) => {}
         other => panic!("the stale owner's checkpoint must be refused, got {other:?}"),
     }
+    // An owner paused between its KV claim and its marker cannot land the
+    // marker after a newer owner's.
+    match env.events.claim_marker("fenced", 1, "a", json!({})).await {
+        Err(FenceError::Lost {
+            ours: 1,
+            newer_epoch: 2,
+        }) => {}
+        other => panic!(
+            "a stale claim marker must be refused, got {:?}",
+            other.map(|f| f.last_seq())
+        ),
+    }
     // An informational event from a non-owner does not fence the owner out.
     let info = leasehold_store::events::event("fenced", 1, "heartbeat_lost", Some("a"), json!({}));
     env.events.publish(&info, None).await.unwrap();

@@ -107,18 +107,32 @@ impl Events {
         epoch: u64,
         worker_id: &str,
         data: Value,
-    ) -> Result<Fence, StoreError> {
-        let ev = event(job_id, epoch, "claimed", Some(worker_id), data);
-        let seq = self
-            .publish(&ev, Some(&format!("{job_id}:claimed:{epoch}")))
-            .await?;
-        Ok(Fence {
+    ) -> Result<Fence, FenceError> {
+        // The marker is fenced like every later event: an owner paused
+        // between its KV claim and this publish must not land a marker after
+        // a newer owner's. Start from the job's last sequence as read now; a
+        // newer marker already there, or one landing meanwhile, refuses it.
+        let nats = |e: StoreError| FenceError::Nats(e.to_string());
+        let last = self.last(job_id).await.map_err(nats)?;
+        let mut fence = Fence {
             events: self.clone(),
             job_id: job_id.into(),
             epoch,
             worker_id: worker_id.into(),
-            last_seq: seq,
-        })
+            last_seq: last.map_or(0, |(seq, _)| seq),
+        };
+        let claimed = self.last_of_type(job_id, "claimed").await.map_err(nats)?;
+        if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > epoch) {
+            return Err(FenceError::Lost {
+                ours: epoch,
+                newer_epoch: c.epoch,
+            });
+        }
+        let ev = event(job_id, epoch, "claimed", Some(worker_id), data);
+        fence
+            .publish_event(&ev, Some(&format!("{job_id}:claimed:{epoch}")))
+            .await?;
+        Ok(fence)
     }
 
     /// The last event of a job and its sequence.

@@ -33,7 +33,7 @@ use leasehold_core::retry::RetryPolicy;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_core::{JobError, JobRecord};
 use leasehold_store::dlq::Dlq;
-use leasehold_store::events::{self, Events, Fence};
+use leasehold_store::events::{self, Events, Fence, FenceError};
 use leasehold_store::work::{self, Work};
 use leasehold_store::{setup, Conn, Gate, Jobs, JobsError, Versioned};
 use serde_json::{json, Value};
@@ -783,6 +783,12 @@ async fn run_attempt(
             Ok(f) => {
                 fence = Some(f);
                 break;
+            }
+            // A newer owner's marker is already there: this claim is stale
+            // (the process was paused between its claim and this publish).
+            Err(e @ FenceError::Lost { .. }) => {
+                ownership_lost(shared, &rec, &e.to_string()).await;
+                return;
             }
             Err(e) => {
                 tracing::warn!(job = %id, error = %e, "cannot publish the claim marker; retrying");
