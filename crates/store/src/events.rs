@@ -110,23 +110,28 @@ impl Events {
     ) -> Result<Fence, FenceError> {
         // The marker is fenced like every later event: an owner paused
         // between its KV claim and this publish must not land a marker after
-        // a newer owner's. Start from the job's last sequence as read now; a
-        // newer marker already there, or one landing meanwhile, refuses it.
-        let nats = |e: StoreError| FenceError::Nats(e.to_string());
-        let last = self.last(job_id).await.map_err(nats)?;
+        // a newer owner's. A first claim expects no events at all (saving two
+        // reads per new job); anything already there refuses it and takes the
+        // checked path of `publish_event`. A later claim starts from the job's
+        // last sequence as read now, after checking no newer marker is there.
         let mut fence = Fence {
             events: self.clone(),
             job_id: job_id.into(),
             epoch,
             worker_id: worker_id.into(),
-            last_seq: last.map_or(0, |(seq, _)| seq),
+            last_seq: 0,
         };
-        let claimed = self.last_of_type(job_id, "claimed").await.map_err(nats)?;
-        if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > epoch) {
-            return Err(FenceError::Lost {
-                ours: epoch,
-                newer_epoch: c.epoch,
-            });
+        if epoch > 1 {
+            let nats = |e: StoreError| FenceError::Nats(e.to_string());
+            let last = self.last(job_id).await.map_err(nats)?;
+            fence.last_seq = last.map_or(0, |(seq, _)| seq);
+            let claimed = self.last_of_type(job_id, "claimed").await.map_err(nats)?;
+            if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > epoch) {
+                return Err(FenceError::Lost {
+                    ours: epoch,
+                    newer_epoch: c.epoch,
+                });
+            }
         }
         let ev = event(job_id, epoch, "claimed", Some(worker_id), data);
         fence
