@@ -133,6 +133,12 @@ async fn cli_submit_wait_status_list_result_cancel() {
     assert_eq!((code, out.trim()), (0, "cli-2"));
     env.wait_status("cli-2", "running", Duration::from_secs(10))
         .await;
+    let (code, _, err) = cli(&url, &["watch", "cli-2", "--timeout", "300ms"]).await;
+    assert_eq!(code, 124, "a watch that times out says so: {err}");
+    assert!(
+        err.contains("still running") && err.contains("leasehold watch cli-2"),
+        "{err}"
+    );
     let (code, out, _) = cli(&url, &["cancel", "cli-2"]).await;
     assert_eq!(code, 0, "{out}");
     let (code, out, _) = cli(&url, &["watch", "cli-2", "--json"]).await;

@@ -31,6 +31,9 @@ pub struct Args {
     /// Wait until the job is terminal, print its record, and exit 0 only if it completed.
     #[arg(long)]
     wait: bool,
+    /// With --wait: stop waiting after this long (exit 124; the job goes on).
+    #[arg(long, requires = "wait", value_parser = leasehold_core::time::parse_duration)]
+    timeout: Option<std::time::Duration>,
 }
 
 fn read_spec(a: &Args) -> anyhow::Result<Vec<u8>> {
@@ -115,7 +118,9 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     }
     println!("{id}");
     if a.wait {
-        let rec = super::watch::follow(&jobs, &id, false, true).await?;
+        let Some(rec) = super::watch::follow_for(&jobs, &id, false, true, a.timeout).await? else {
+            return Ok(super::watch::TIMED_OUT);
+        };
         println!("{}", serde_json::to_string_pretty(&rec)?);
         return Ok(if rec.status == "completed" { 0 } else { 1 });
     }

@@ -1,5 +1,7 @@
-//! `leasehold watch ID [--json]`: follow a job live until it is terminal.
-//! Shows status, attempts, epoch and a progress bar of sections for long work.
+//! `leasehold watch ID [--json] [--timeout D]`: follow a job live until it
+//! is terminal. Shows status, attempts, epoch and a progress bar of sections
+//! for long work. Exit 0 when it completed, 1 when it ended otherwise, 124
+//! when the timeout passed first (the job goes on).
 
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -13,12 +15,20 @@ pub struct Args {
     /// Print every revision of the record as one JSON line (for scripts).
     #[arg(long)]
     json: bool,
+    /// Stop waiting after this long (e.g. 30s, 10m); the job is not affected.
+    #[arg(long, value_parser = leasehold_core::time::parse_duration)]
+    timeout: Option<std::time::Duration>,
 }
+
+/// Exit code when a wait's timeout passed before the job ended (as timeout(1)).
+pub const TIMED_OUT: i32 = 124;
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli watch").await?;
     let jobs = Jobs::open(&conn).await?;
-    let rec = follow(&jobs, &a.id, a.json, a.json).await?;
+    let Some(rec) = follow_for(&jobs, &a.id, a.json, a.json, a.timeout).await? else {
+        return Ok(TIMED_OUT);
+    };
     if !a.json {
         println!("{}: {}", rec.id, rec.status);
     }
@@ -29,6 +39,35 @@ fn terminal(r: &JobRecord) -> bool {
     r.status
         .parse::<Status>()
         .is_ok_and(|s| s.is_terminal() || s == Status::Parked)
+}
+
+/// Like [`follow`], giving up after `timeout` (then `None`, with a message
+/// saying how to keep following).
+pub async fn follow_for(
+    jobs: &Jobs,
+    id: &str,
+    json: bool,
+    quiet: bool,
+    timeout: Option<std::time::Duration>,
+) -> anyhow::Result<Option<JobRecord>> {
+    let Some(t) = timeout else {
+        return follow(jobs, id, json, quiet).await.map(Some);
+    };
+    match tokio::time::timeout(t, follow(jobs, id, json, quiet)).await {
+        Ok(rec) => rec.map(Some),
+        Err(_) => {
+            let status = jobs
+                .get(id)
+                .await?
+                .map(|v| v.value.status)
+                .unwrap_or_else(|| "not picked up yet".into());
+            eprintln!(
+                "job {id} is still {status} after {}; it goes on: follow it with `leasehold watch {id}`",
+                leasehold_core::time::format_duration(t)
+            );
+            Ok(None)
+        }
+    }
 }
 
 /// Follows the record until it is terminal (or parked) and returns it.
