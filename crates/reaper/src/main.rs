@@ -17,7 +17,7 @@ async fn main() {
     let handle = match Reaper::new(opts).start(shutdown.clone()).await {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {e:#}");
             std::process::exit(1);
         }
     };
@@ -31,7 +31,7 @@ async fn main() {
         shutdown.cancel();
     });
     if let Err(e) = handle.wait().await {
-        eprintln!("error: {e}");
+        eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }

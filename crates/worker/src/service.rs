@@ -223,6 +223,18 @@ struct Shared {
     ack_wait: HashMap<String, Duration>,
 }
 
+impl Shared {
+    /// How often a held ticket gets a progress ack: a third of its
+    /// consumer's ack wait, so two can be lost before it is redelivered.
+    fn progress_every(&self, kind: &str) -> Duration {
+        self.ack_wait
+            .get(kind)
+            .copied()
+            .unwrap_or(Duration::from_secs(30))
+            / 3
+    }
+}
+
 /// The ticket slot of a running job: a redelivery of its ticket to this
 /// process replaces the held message, so acks go to the live delivery.
 type TicketSlot = Arc<StdMutex<Option<jetstream::Message>>>;
@@ -567,12 +579,7 @@ async fn go_solo(
         return false;
     };
     let want = (shared.opts.concurrency - 1) as u32;
-    let every = shared
-        .ack_wait
-        .get(kind)
-        .copied()
-        .unwrap_or(Duration::from_secs(30))
-        / 3;
+    let every = shared.progress_every(kind);
     let acquire = shared.slots.clone().acquire_many_owned(want);
     tokio::pin!(acquire);
     let deadline = tokio::time::Instant::now() + shared.opts.lease;
@@ -844,12 +851,7 @@ async fn run_attempt(
     // Progress acks: keep the ticket from being redelivered while we work.
     {
         let (ticket, done, client) = (ticket.clone(), done.clone(), shared.conn.client.clone());
-        let every = shared
-            .ack_wait
-            .get(&rec.kind)
-            .copied()
-            .unwrap_or(Duration::from_secs(30))
-            / 3;
+        let every = shared.progress_every(&rec.kind);
         tokio::spawn(async move {
             loop {
                 tokio::select! { _ = tokio::time::sleep(every) => {}, _ = done.cancelled() => return }
