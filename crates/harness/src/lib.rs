@@ -6,9 +6,19 @@
 //! - [`Cluster`] starts three such servers as one JetStream cluster.
 //! - [`Proc`] runs one of the workspace's binaries as a child process that a
 //!   test can SIGKILL, SIGSTOP/SIGCONT or SIGTERM; it is killed when dropped.
+//! - [`FaultProxy`] (module [`proxy`]) sits between one client and a server
+//!   and injects network faults a signal cannot: it holds, delays or drops
+//!   the client's publishes on chosen subjects (and, for a hold, everything
+//!   sent after), cuts connections and refuses reconnects, or freezes both
+//!   directions like a partition. Start a worker with `NATS_URL` set to the
+//!   proxy's URL to control that worker's network alone.
 //!
 //! The `nats-server` binary is taken from `NATS_SERVER_BIN`, else from `PATH`;
 //! when it is missing the harness panics with install instructions.
+
+pub mod proxy;
+
+pub use proxy::{FaultProxy, Hold};
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
