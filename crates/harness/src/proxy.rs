@@ -26,18 +26,20 @@
 //! - [`FaultProxy::freeze`] / [`FaultProxy::thaw`]: a partition. No byte
 //!   flows either way while the sockets stay open.
 //!
-//! The client→server stream is framed by protocol op (a control line ending
-//! in `\r\n`; PUB and HPUB are followed by a payload framed by its byte count,
-//! which may itself contain `\r\n`) so rules act on whole ops and bytes are
-//! forwarded untouched. The server→client stream is forwarded as raw bytes:
-//! only a freeze or a cut stops it, so a held client still receives PINGs and
-//! MSGs (and its PONGs are then held too: they come after the held op).
+//! Both streams are framed by protocol op (a control line ending in `\r\n`;
+//! PUB, HPUB, MSG and HMSG are followed by a payload framed by its byte
+//! count, which may itself contain `\r\n`), so rules act on whole ops and
+//! bytes are forwarded untouched. Rules apply to the client's publishes only:
+//! the server→client direction is stopped by nothing but a freeze or a cut,
+//! so a held client still receives PINGs and MSGs (and its PONGs are then
+//! held too: they come after the held op).
 //!
-//! INFO is forwarded unchanged. A single server advertises no
-//! `connect_urls`; a cluster member does, and async-nats adds those to its
-//! server pool at connect time unless the client was built with
-//! `ignore_discovered_servers()`, so a proxied client of a cluster may
-//! reconnect to a real node directly after a [`FaultProxy::cut`].
+//! One rewrite: the server's INFO loses its `connect_urls` (and
+//! `ws_connect_urls`). A cluster member advertises every node there, itself
+//! included, and async-nats adds them to its server pool, so after a
+//! [`FaultProxy::cut`] a proxied client of a cluster would reconnect to a real
+//! node directly and leave the proxy behind. A single server advertises none;
+//! its INFO passes unchanged.
 //!
 //! Timing seen from async-nats 0.51 (useful when choosing fault lengths):
 //! the client pings every 60 s without server traffic and disconnects when
@@ -516,9 +518,13 @@ fn ingest(shared: &Shared, buf: &mut BytesMut, queue: &mut VecDeque<Chunk>, eof:
     }
     let mut run = 0;
     loop {
-        let (len, verdict) = match frame(&buf[run..]) {
+        let (len, verdict) = match frame(&buf[run..], Side::Client) {
             Frame::Partial => break,
-            Frame::Op { len, subject } => (len, subject.map_or(Verdict::Pass, |s| shared.judge(s))),
+            Frame::Op {
+                len,
+                kind: Kind::Publish(subject),
+            } => (len, shared.judge(subject)),
+            Frame::Op { len, .. } => (len, Verdict::Pass),
         };
         if let Verdict::Pass = verdict {
             run += len;
@@ -543,54 +549,73 @@ fn ingest(shared: &Shared, buf: &mut BytesMut, queue: &mut VecDeque<Chunk>, eof:
     push_run(buf, &mut run, queue);
 }
 
-/// The server→client direction: raw bytes, stopped only by a freeze.
+/// The server→client direction: ops forwarded as they are, but for INFO
+/// (see [`rewrite_info`]); stopped only by a freeze.
 async fn server_to_client(
     shared: &Shared,
     mut server: OwnedReadHalf,
     mut client: OwnedWriteHalf,
 ) -> DownEnd {
     let mut frozen = shared.frozen.subscribe();
-    let mut buf = vec![0u8; READ_CHUNK];
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
     loop {
         let _ = frozen.wait_for(|f| !*f).await;
-        let n = match server.read(&mut buf).await {
+        if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+            buf.reserve(READ_CHUNK);
+        }
+        match server.read_buf(&mut buf).await {
             Ok(0) | Err(_) => return DownEnd::ServerGone,
-            Ok(n) => n,
-        };
+            Ok(_) => {}
+        }
+        let out = server_ops(&mut buf);
         // A freeze may have begun while the read was pending.
         let _ = frozen.wait_for(|f| !*f).await;
-        if client.write_all(&buf[..n]).await.is_err() {
+        if client.write_all(&out).await.is_err() {
             return DownEnd::ClientGone;
         }
     }
 }
 
-/// One client→server op framed at the front of a buffer.
+/// Which peer wrote a stream; it decides which ops carry a payload.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    Client,
+    Server,
+}
+
+/// One protocol op framed at the front of a buffer.
 #[derive(Debug, PartialEq)]
 enum Frame<'a> {
     /// The buffer does not yet hold a whole op.
     Partial,
-    /// The first `len` bytes are one op; `subject` is set for PUB and HPUB.
-    Op {
-        len: usize,
-        subject: Option<&'a [u8]>,
-    },
+    /// The first `len` bytes are one op (with its payload, if any).
+    Op { len: usize, kind: Kind<'a> },
 }
 
-/// Frames the op at the front of `buf`.
+#[derive(Debug, PartialEq)]
+enum Kind<'a> {
+    /// A client's PUB or HPUB, with its subject.
+    Publish(&'a [u8]),
+    /// A server's INFO line.
+    Info,
+    Other,
+}
+
+/// Frames the op at the front of `buf`, written by `side`.
 ///
 /// Op names are case-insensitive and fields are separated by runs of spaces
-/// or tabs, as in the server's parser; a line may end in `\n` alone. A PUB or
-/// HPUB line whose byte counts do not parse is passed on as a bare line for
-/// the server to reject.
-fn frame(buf: &[u8]) -> Frame<'_> {
+/// or tabs, as in the server's parser; a line may end in `\n` alone. Ops with
+/// a payload (client PUB and HPUB, server MSG and HMSG) span their control
+/// line, the byte count it announces and a closing `\r\n`. A line whose byte
+/// counts do not parse is framed as a bare line, for the peer to reject.
+fn frame(buf: &[u8], side: Side) -> Frame<'_> {
     let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
         return Frame::Partial;
     };
     let line_len = nl + 1;
     let line = &buf[..nl];
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let mut fields: [&[u8]; 5] = [&[]; 5];
+    let mut fields: [&[u8]; 6] = [&[]; 6];
     let mut n = 0;
     for f in line
         .split(|&b| b == b' ' || b == b'\t')
@@ -604,32 +629,91 @@ fn frame(buf: &[u8]) -> Frame<'_> {
         n += 1;
     }
     let name = fields[0];
-    // PUB <subject> [reply] <#bytes>; HPUB <subject> [reply] <#hdr> <#total>.
-    let payload = if name.eq_ignore_ascii_case(b"PUB") && (n == 3 || n == 4) {
-        parse_len(fields[n - 1])
-    } else if name.eq_ignore_ascii_case(b"HPUB") && (n == 4 || n == 5) {
-        parse_len(fields[n - 2]).and(parse_len(fields[n - 1]))
-    } else {
-        None
+    let bare = |kind| Frame::Op {
+        len: line_len,
+        kind,
     };
-    let Some(payload) = payload else {
-        return Frame::Op {
-            len: line_len,
-            subject: None,
-        };
+    if matches!(side, Side::Server) && name.eq_ignore_ascii_case(b"INFO") {
+        return bare(Kind::Info);
+    }
+    // Fields with the optional reply subject left out, and whether a header
+    // size precedes the total size:
+    //   PUB <subject> [reply] <#bytes>
+    //   HPUB <subject> [reply] <#hdr> <#total>
+    //   MSG <subject> <sid> [reply] <#bytes>
+    //   HMSG <subject> <sid> [reply] <#hdr> <#total>
+    let is = |op: &[u8]| name.eq_ignore_ascii_case(op);
+    let (min_fields, headers) = match side {
+        Side::Client if is(b"PUB") => (3, false),
+        Side::Client if is(b"HPUB") => (4, true),
+        Side::Server if is(b"MSG") => (4, false),
+        Side::Server if is(b"HMSG") => (5, true),
+        _ => return bare(Kind::Other),
     };
-    let Some(len) = line_len.checked_add(payload).and_then(|l| l.checked_add(2)) else {
-        return Frame::Op {
-            len: line_len,
-            subject: None,
-        };
+    if n != min_fields && n != min_fields + 1 {
+        return bare(Kind::Other);
+    }
+    if headers && parse_len(fields[n - 2]).is_none() {
+        return bare(Kind::Other);
+    }
+    let Some(len) = parse_len(fields[n - 1]).and_then(|p| p.checked_add(line_len + 2)) else {
+        return bare(Kind::Other);
     };
     if buf.len() < len {
         return Frame::Partial;
     }
-    Frame::Op {
-        len,
-        subject: Some(fields[1]),
+    let kind = match side {
+        Side::Client => Kind::Publish(fields[1]),
+        Side::Server => Kind::Other,
+    };
+    Frame::Op { len, kind }
+}
+
+/// An INFO line with `connect_urls` and `ws_connect_urls` emptied, or `None`
+/// when it has none (or is not JSON) and can pass unchanged.
+fn rewrite_info(line: &[u8]) -> Option<Vec<u8>> {
+    let json = line.get(4..)?.trim_ascii();
+    let mut info: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(json).ok()?;
+    let mut changed = false;
+    for key in ["connect_urls", "ws_connect_urls"] {
+        if let Some(serde_json::Value::Array(urls)) = info.get_mut(key) {
+            changed |= !urls.is_empty();
+            urls.clear();
+        }
+    }
+    if !changed {
+        return None;
+    }
+    let mut out = b"INFO ".to_vec();
+    out.extend_from_slice(&serde_json::to_vec(&info).ok()?);
+    out.extend_from_slice(b"\r\n");
+    Some(out)
+}
+
+/// Splits off every whole op at the front of `buf` for the client, with
+/// INFO rewritten by [`rewrite_info`]. Without an INFO to rewrite (all but
+/// the first read of a connection, usually) nothing is copied.
+fn server_ops(buf: &mut BytesMut) -> BytesMut {
+    let mut out = BytesMut::new();
+    loop {
+        let mut run = 0;
+        let mut info = None;
+        while let Frame::Op { len, kind } = frame(&buf[run..], Side::Server) {
+            if kind == Kind::Info {
+                info = Some(len);
+                break;
+            }
+            run += len;
+        }
+        out.unsplit(buf.split_to(run));
+        let Some(len) = info else {
+            return out;
+        };
+        let line = buf.split_to(len);
+        match rewrite_info(&line) {
+            Some(new) => out.extend_from_slice(&new),
+            None => out.unsplit(line),
+        }
     }
 }
 
@@ -671,41 +755,72 @@ mod tests {
         assert!(!subject_matches("a.b*", "a.bc"));
     }
 
-    /// One op's bytes and its subject, if it is a publish.
-    type Op = (&'static [u8], Option<&'static [u8]>);
-    type OwnedOp = (Vec<u8>, Option<Vec<u8>>);
+    /// One op's bytes and what it is: `"pub <subject>"`, `"info"` or `""`.
+    type Op = (&'static [u8], &'static str);
 
-    /// A client→server stream and the ops it is made of.
-    fn sample() -> (Vec<u8>, Vec<Op>) {
-        let ops: Vec<Op> = vec![
-            (b"CONNECT {\"verbose\":false,\"name\":\"x y\"}\r\n", None),
-            (b"PING\r\n", None),
-            (b"SUB a.> 1\r\n", None),
-            (b"PUB a.b 14\r\nhi\r\nPUB fake 3\r\n", Some(b"a.b")),
-            (b"PUB a.c _INBOX.1 0\r\n\r\n", Some(b"a.c")),
+    fn describe(kind: Kind<'_>) -> String {
+        match kind {
+            Kind::Publish(s) => format!("pub {}", String::from_utf8_lossy(s)),
+            Kind::Info => "info".into(),
+            Kind::Other => String::new(),
+        }
+    }
+
+    /// A client→server stream's ops.
+    fn client_ops() -> Vec<Op> {
+        vec![
+            (b"CONNECT {\"verbose\":false,\"name\":\"x y\"}\r\n", ""),
+            (b"PING\r\n", ""),
+            (b"SUB a.> 1\r\n", ""),
+            (b"PUB a.b 14\r\nhi\r\nPUB fake 3\r\n", "pub a.b"),
+            (b"PUB a.c _INBOX.1 0\r\n\r\n", "pub a.c"),
             (
                 b"HPUB h.1 22 27\r\nNATS/1.0\r\nX: \r\nPUB\r\n\r\nhello\r\n",
-                Some(b"h.1"),
+                "pub h.1",
             ),
-            (b"HPUB h.2 _R.1 12 12\r\nNATS/1.0\r\n\r\n\r\n", Some(b"h.2")),
-            (b"pub\tlow  2\r\nok\r\n", Some(b"low")),
-            (b"PUB bad x\r\n", None),
-            (b"UNSUB 1 5\r\n", None),
-            (b"PONG\n", None),
-        ];
-        let stream = ops.iter().flat_map(|(b, _)| b.iter().copied()).collect();
-        (stream, ops)
+            (b"HPUB h.2 _R.1 12 12\r\nNATS/1.0\r\n\r\n\r\n", "pub h.2"),
+            (b"pub\tlow  2\r\nok\r\n", "pub low"),
+            (b"PUB bad x\r\n", ""),
+            // Only a server's INFO is one; a client's is a line to reject.
+            (b"INFO {}\r\n", ""),
+            (b"MSG a 1 2\r\n", ""),
+            (b"UNSUB 1 5\r\n", ""),
+            (b"PONG\n", ""),
+        ]
+    }
+
+    /// A server→client stream's ops.
+    fn server_ops_sample() -> Vec<Op> {
+        vec![
+            (
+                b"INFO {\"server_id\":\"x\",\"connect_urls\":[\"a:1\"]}\r\n",
+                "info",
+            ),
+            (b"+OK\r\n", ""),
+            (b"MSG a.b 1 14\r\nhi\r\nMSG fake 3\r\n", ""),
+            (b"MSG a.c 2 _INBOX.1 0\r\n\r\n", ""),
+            (
+                b"HMSG h.1 3 23 28\r\nNATS/1.0\r\nX: \r\nINFO\r\n\r\nhello\r\n",
+                "",
+            ),
+            (b"HMSG h.2 4 _R.1 12 12\r\nNATS/1.0\r\n\r\n\r\n", ""),
+            (b"PING\r\n", ""),
+            (b"info\t{}\r\n", "info"),
+            // A server never sends PUB; it is a line.
+            (b"PUB a 3\r\n", ""),
+            (b"-ERR 'Unknown Protocol Operation'\r\n", ""),
+        ]
     }
 
     /// Frames `stream` fed in pieces of `step` bytes, as reads would deliver it.
-    fn frame_in_pieces(stream: &[u8], step: usize) -> Vec<OwnedOp> {
+    fn frame_in_pieces(stream: &[u8], step: usize, side: Side) -> Vec<(Vec<u8>, String)> {
         let mut buf = Vec::new();
         let mut out = Vec::new();
         for piece in stream.chunks(step) {
             buf.extend_from_slice(piece);
-            while let Frame::Op { len, subject } = frame(&buf) {
-                let subject = subject.map(|s| s.to_vec());
-                out.push((buf.drain(..len).collect(), subject));
+            while let Frame::Op { len, kind } = frame(&buf, side) {
+                let kind = describe(kind);
+                out.push((buf.drain(..len).collect(), kind));
             }
         }
         assert!(
@@ -718,36 +833,75 @@ mod tests {
 
     #[test]
     fn frames_ops_split_anywhere() {
-        let (stream, ops) = sample();
-        for step in 1..=stream.len() {
-            let got = frame_in_pieces(&stream, step);
-            let want: Vec<OwnedOp> = ops
+        for (ops, side) in [
+            (client_ops(), Side::Client),
+            (server_ops_sample(), Side::Server),
+        ] {
+            let stream: Vec<u8> = ops.iter().flat_map(|(b, _)| b.iter().copied()).collect();
+            let want: Vec<(Vec<u8>, String)> = ops
                 .iter()
-                .map(|(b, s)| (b.to_vec(), s.map(|s| s.to_vec())))
+                .map(|(b, k)| (b.to_vec(), k.to_string()))
                 .collect();
-            assert_eq!(got, want, "step {step}");
+            for step in 1..=stream.len() {
+                let got = frame_in_pieces(&stream, step, side);
+                assert_eq!(got, want, "{side:?} step {step}");
+            }
         }
     }
 
     #[test]
     fn partial_payload_waits_for_its_bytes() {
-        assert_eq!(frame(b"PUB a 5\r\nab"), Frame::Partial);
-        assert_eq!(frame(b"PUB a 5\r\nabcde\r"), Frame::Partial);
-        assert_eq!(frame(b"PUB a"), Frame::Partial);
+        let c = Side::Client;
+        assert_eq!(frame(b"PUB a 5\r\nab", c), Frame::Partial);
+        assert_eq!(frame(b"PUB a 5\r\nabcde\r", c), Frame::Partial);
+        assert_eq!(frame(b"PUB a", c), Frame::Partial);
         assert_eq!(
-            frame(b"PUB a 5\r\nabcde\r\nPING\r\n"),
+            frame(b"PUB a 5\r\nabcde\r\nPING\r\n", c),
             Frame::Op {
                 len: 16,
-                subject: Some(b"a")
+                kind: Kind::Publish(b"a")
             }
         );
+        assert_eq!(frame(b"MSG a 1 5\r\nabc", Side::Server), Frame::Partial);
         // Absurd sizes are not trusted to frame anything.
         assert_eq!(
-            frame(b"PUB a 99999999999999999999999\r\n"),
+            frame(b"PUB a 99999999999999999999999\r\n", c),
             Frame::Op {
                 len: 31,
-                subject: None
+                kind: Kind::Other
             }
         );
+    }
+
+    #[test]
+    fn info_loses_its_connect_urls_and_nothing_else() {
+        let line = br#"INFO {"port":4222,"connect_urls":["10.0.0.1:4222","[::1]:4223"],"ws_connect_urls":["w:1"],"max_payload":1048576}"#;
+        let new = rewrite_info(&[&line[..], b"\r\n"].concat()).expect("rewritten");
+        assert!(new.starts_with(b"INFO {") && new.ends_with(b"}\r\n"));
+        let json: serde_json::Value = serde_json::from_slice(&new[5..]).unwrap();
+        assert_eq!(json["connect_urls"], serde_json::json!([]));
+        assert_eq!(json["ws_connect_urls"], serde_json::json!([]));
+        assert_eq!(json["port"], 4222);
+        assert_eq!(json["max_payload"], 1048576);
+        // Nothing to remove, or not JSON: forwarded as it is.
+        assert_eq!(rewrite_info(b"INFO {\"port\":1}\r\n"), None);
+        assert_eq!(rewrite_info(b"INFO {\"connect_urls\":[]}\r\n"), None);
+        assert_eq!(rewrite_info(b"INFO garbage\r\n"), None);
+    }
+
+    #[test]
+    fn server_stream_keeps_its_bytes_but_info() {
+        let ops = server_ops_sample();
+        let stream: Vec<u8> = ops.iter().flat_map(|(b, _)| b.iter().copied()).collect();
+        let mut buf = BytesMut::from(&stream[..stream.len() - 3]);
+        let out = server_ops(&mut buf);
+        // The INFO lost its URLs; the rest is byte for byte, up to the last
+        // whole op.
+        let info = br#"INFO {"connect_urls":[],"server_id":"x"}"#;
+        assert!(out.starts_with(info), "{:?}", String::from_utf8_lossy(&out));
+        let rest = &stream[ops[0].0.len()..];
+        let last = ops.last().unwrap().0.len();
+        assert_eq!(&out[info.len() + 2..], &rest[..rest.len() - last]);
+        assert_eq!(buf.len(), last - 3);
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_nats::{jetstream, Event};
 use futures::StreamExt;
-use leasehold_harness::{wait_for_jetstream, FaultProxy, NatsServer};
+use leasehold_harness::{wait_for_jetstream, Cluster, FaultProxy, NatsServer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{timeout, Instant};
 
@@ -377,4 +377,40 @@ async fn payloads_are_framed_by_their_byte_counts() {
     hold.release();
     assert_eq!(next(&mut seen).await.subject.as_str(), "f.4");
     assert_eq!(s.proxy.published("f.*"), 4);
+}
+
+#[tokio::test]
+async fn a_cluster_client_cannot_bypass_the_proxy() {
+    // Cluster members advertise every node in INFO's connect_urls; without
+    // the proxy's rewrite, a cut client reconnects to one of them directly.
+    let cluster = Cluster::start();
+    wait_for_jetstream(&cluster.nodes[0].url(), Duration::from_secs(30)).await;
+    let proxy = FaultProxy::start(&cluster.nodes[0].url()).await;
+    let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let proxied = async_nats::ConnectOptions::new()
+        .event_callback(move |e| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(e);
+            }
+        })
+        .connect(proxy.url())
+        .await
+        .unwrap();
+    assert!(roundtrip(&proxied, WAIT).await);
+
+    proxy.refuse_new(true);
+    proxy.cut();
+    expect_event(&mut events, Event::Disconnected).await;
+    // Long enough for several reconnect attempts (0, 2, 4, 8... ms apart).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        proxied.connection_state(),
+        async_nats::connection::State::Disconnected
+    );
+
+    proxy.refuse_new(false);
+    expect_event(&mut events, Event::Connected).await;
+    assert!(roundtrip(&proxied, WAIT).await);
+    assert_eq!(proxy.accepted(), 2);
 }
