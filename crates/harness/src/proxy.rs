@@ -41,13 +41,18 @@
 //! node directly and leave the proxy behind. A single server advertises none;
 //! its INFO passes unchanged.
 //!
-//! Timing seen from async-nats 0.51 (useful when choosing fault lengths):
-//! the client pings every 60 s without server traffic and disconnects when
-//! more than two pings are outstanding; the server pings every 2 min. A
-//! short hold or freeze therefore goes unnoticed by both ends. After a cut,
+//! Timing, from async-nats 0.51's source and nats-server's defaults (useful
+//! when choosing fault lengths): the client pings after 60 s without server
+//! traffic and disconnects itself when more than two pings are outstanding;
+//! the server pings every 2 min and closes after two unanswered. A hold or
+//! freeze of seconds therefore goes unnoticed by both ends. After a cut,
 //! async-nats reconnects at once, then with a backoff doubling from 2 ms up
 //! to 4 s between attempts, so a test must allow a few seconds after
 //! `refuse_new(false)` for the client to come back.
+//!
+//! To know that the server has processed what a client sent, make a request
+//! (to `$JS.API.INFO`, say): async-nats' `flush()` only empties the client's
+//! write buffer into its socket, that is into the proxy, and proves nothing.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -88,7 +93,10 @@ pub fn subject_matches(pattern: &str, subject: &str) -> bool {
 /// A proxy listening on a free loopback port, forwarding each accepted
 /// connection to its own connection to the upstream server.
 ///
-/// Dropping it stops accepting and closes every connection.
+/// When several rules match a publish, the first one armed wins. Commands
+/// take effect on the connections' tasks promptly but not synchronously
+/// (bytes already handed to a socket are delivered). Dropping the proxy
+/// stops accepting and closes every connection.
 pub struct FaultProxy {
     shared: Arc<Shared>,
     addr: SocketAddr,
@@ -143,7 +151,8 @@ enum Verdict {
 }
 
 impl FaultProxy {
-    /// Starts a proxy to `upstream` (`nats://host:port` or `host:port`).
+    /// Starts a proxy to `upstream` (`nats://host:port` or `host:port`): one
+    /// server; for a cluster, proxy one node (see the module docs on INFO).
     ///
     /// The upstream connection is opened per accepted client, so a proxy can
     /// be started before the server and outlives server restarts (a client
