@@ -51,7 +51,7 @@ async fn setup_is_idempotent_and_workers_name_what_is_missing() {
 #[tokio::test]
 async fn bad_configuration_is_refused_with_what_to_change() {
     let w = tokio::process::Command::new(bin_path("leasehold-worker"))
-        .args(["--lease", "1s", "--heartbeat", "2s"])
+        .args(["--session-timeout", "2s", "--session-renew", "1500ms"])
         .env("NATS_URL", "nats://127.0.0.1:1")
         .output()
         .await
@@ -59,11 +59,22 @@ async fn bad_configuration_is_refused_with_what_to_change() {
     assert!(!w.status.success());
     let err = String::from_utf8_lossy(&w.stderr);
     assert!(
-        err.contains("--heartbeat") && err.contains("shorter than --lease"),
+        err.contains("--session-renew") && err.contains("half of --session-timeout"),
         "{err}"
     );
     let w = tokio::process::Command::new(bin_path("leasehold-worker"))
-        .args(["--lease", "soon"])
+        .args(["--worker-id", "pod.1"])
+        .env("NATS_URL", "nats://127.0.0.1:1")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&w.stderr).contains("--worker-id \"pod.1\""),
+        "{}",
+        String::from_utf8_lossy(&w.stderr)
+    );
+    let w = tokio::process::Command::new(bin_path("leasehold-worker"))
+        .args(["--session-timeout", "soon"])
         .output()
         .await
         .unwrap();
@@ -110,7 +121,11 @@ async fn cli_submit_wait_status_list_result_cancel() {
         serde_json::from_str::<serde_json::Value>(&out).unwrap()["status"],
         "completed"
     );
-    let (code, out, _) = cli(&url, &["list", "--status", "completed", "--json"]).await;
+    // Finished jobs are not in the index of active jobs: listing them is
+    // an explicit scan of the history.
+    let (code, _, err) = cli(&url, &["list", "--status", "completed"]).await;
+    assert!(code != 0 && err.contains("--all"), "{err}");
+    let (code, out, _) = cli(&url, &["list", "--all", "--status", "completed", "--json"]).await;
     assert_eq!(code, 0);
     assert!(out.lines().any(|l| l.contains("\"cli-1\"")), "{out}");
     // A bad spec is refused locally with the precise error and exit 2.
@@ -133,6 +148,10 @@ async fn cli_submit_wait_status_list_result_cancel() {
     assert_eq!((code, out.trim()), (0, "cli-2"));
     env.wait_status("cli-2", "running", Duration::from_secs(10))
         .await;
+    env.wait_indexed("cli-2", Duration::from_secs(10)).await;
+    let (code, out, _) = cli(&url, &["list", "--status", "running", "--json"]).await;
+    assert_eq!(code, 0);
+    assert!(out.lines().any(|l| l.contains("\"cli-2\"")), "{out}");
     let (code, _, err) = cli(&url, &["watch", "cli-2", "--timeout", "300ms"]).await;
     assert_eq!(code, 124, "a watch that times out says so: {err}");
     assert!(

@@ -30,8 +30,7 @@ async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
     .await
     .unwrap();
     let mut o = Options::local(&c.url(), "lh");
-    o.lease = Duration::from_secs(3);
-    o.heartbeat = Duration::from_secs(1);
+    o.session_timeout = Duration::from_secs(3);
     o.kinds = vec!["echo".into(), "sleep".into()];
     let stop = CancellationToken::new();
     let w = Worker::new(o).start(stop.clone()).await.unwrap();

@@ -102,7 +102,7 @@ async fn cancellation_while_queued_running_and_in_backoff() {
     o.kinds = vec!["fail".into()];
     o.retry_base = Duration::from_secs(30);
     o.retry_cap = Duration::from_secs(30);
-    // Running: a long sleep stops within one heartbeat of the request.
+    // Running: the owner is told and a long sleep stops at once.
     env.submit("sleep", json!({"input": {"ms": 60000}}), "long")
         .await;
     env.wait_status("long", "running", Duration::from_secs(10))
@@ -114,9 +114,9 @@ async fn cancellation_while_queued_running_and_in_backoff() {
         .wait_status("long", "cancelled", Duration::from_secs(5))
         .await;
     assert!(
-        // One heartbeat (400 ms) plus the write and some slack for a loaded CI machine.
-        t0.elapsed() < crate::support::HEARTBEAT * 5,
-        "stopped within about one heartbeat: {:?}",
+        // A notification, one write, with slack for a loaded CI machine.
+        t0.elapsed() < Duration::from_secs(2),
+        "stopped at once: {:?}",
         t0.elapsed()
     );
     assert!(r.cancel_requested);

@@ -1,25 +1,29 @@
-//! The ownership protocol: claims, leases, fencing, reclaims, handoff.
+//! The ownership protocol: claims, sessions, fencing, reclaims, handoff.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::machine::{self, ClaimDecision, Claimant, Owner};
+use leasehold_core::machine::{self, ClaimDecision, Claimant, Owner, OwnerLiveness};
 use leasehold_core::JobSpec;
 use leasehold_store::events::FenceError;
 use leasehold_store::{Gate, JobsError};
 use serde_json::json;
 
-use crate::support::{wait_log, Env, LEASE};
+use crate::support::{wait_log, Env};
 
-fn claimant(worker: &str, lease: Duration) -> Claimant<'_> {
+/// A claimant that takes the recorded owner as `owner`.
+fn claimant(worker: &str, owner: OwnerLiveness) -> Claimant<'_> {
     Claimant {
         worker_id: worker,
+        session: "test-session",
         claim_token: uuid::Uuid::new_v4().to_string(),
-        lease,
+        attempt_timeout: Duration::from_secs(60),
+        skew: Duration::from_secs(2),
         now: SystemTime::now(),
         ticket_seq: 0,
         max_stale_reclaims: 3,
-        restart_reclaim: false,
+        owner,
+        deliveries: 1,
     }
 }
 
@@ -28,9 +32,9 @@ async fn try_claim(
     env: &Env,
     id: &str,
     worker: &str,
-    lease: Duration,
+    owner: OwnerLiveness,
 ) -> Result<Option<Owner>, JobsError> {
-    let c = claimant(worker, lease);
+    let c = claimant(worker, owner);
     let v = env
         .jobs
         .transition(id, |r| match machine::decide_claim(r, &c) {
@@ -64,7 +68,7 @@ async fn two_workers_race_to_claim_one_job_exactly_one_wins() {
             let jobs = env.jobs.clone();
             let id = id.clone();
             tasks.push(tokio::spawn(async move {
-                let c = claimant(["a", "b", "c", "d"][w], Duration::from_secs(30));
+                let c = claimant(["a", "b", "c", "d"][w], OwnerLiveness::Live);
                 let token = c.claim_token.clone();
                 let v = jobs
                     .transition(&id, |r| match machine::decide_claim(r, &c) {
@@ -124,7 +128,7 @@ async fn a_fleet_runs_each_job_once() {
 }
 
 #[tokio::test]
-async fn same_worker_reclaiming_its_expired_job_fences_its_older_task() {
+async fn same_worker_reclaiming_its_job_fences_its_older_task() {
     let env = Env::new().await;
     env.jobs
         .create(&machine::new_record(
@@ -136,19 +140,25 @@ async fn same_worker_reclaiming_its_expired_job_fences_its_older_task() {
         ))
         .await
         .unwrap();
-    // A zero lease is expired at once: the next claim is a reclaim.
-    let old = try_claim(&env, "self", "w1", Duration::ZERO)
+    let old = try_claim(&env, "self", "w1", OwnerLiveness::Live)
         .await
         .unwrap()
         .expect("first claim");
-    let new = try_claim(&env, "self", "w1", Duration::from_secs(10))
+    // While its owner's session lives, nobody takes the job.
+    assert!(try_claim(&env, "self", "w2", OwnerLiveness::Live)
+        .await
+        .unwrap()
+        .is_none());
+    // The session ended (a restart of the same identity): the next claim
+    // is a reclaim that fences the older task.
+    let new = try_claim(&env, "self", "w1", OwnerLiveness::Dead)
         .await
         .unwrap()
         .expect("reclaim");
     assert_eq!(new.worker_id, old.worker_id);
     assert_eq!(new.epoch, old.epoch + 1);
     let old_gate = Gate::new(env.jobs.clone(), "self", old);
-    let err = old_gate.heartbeat(LEASE).await.unwrap_err();
+    let err = old_gate.touch().await.unwrap_err();
     assert!(err.is_ownership_lost(), "{err}");
     let err = old_gate
         .write(|r, o, now| machine::complete(r, o, now, Default::default()))
@@ -219,7 +229,7 @@ async fn stale_owners_events_are_refused_by_the_server() {
 }
 
 #[tokio::test]
-async fn delayed_worker_paused_past_its_lease_can_never_write() {
+async fn delayed_worker_paused_past_its_session_can_never_write() {
     let env = Env::new().await;
     let mut a = env.worker_proc(&["--worker-id", "worker-a"], &[]);
     env.submit("sleep", json!({"input": {"ms": 3000}}), "delayed")
@@ -274,7 +284,7 @@ async fn delayed_worker_paused_past_its_lease_can_never_write() {
 }
 
 #[tokio::test]
-async fn killed_worker_is_reclaimed_after_its_lease() {
+async fn killed_worker_is_reclaimed_after_its_session_ends() {
     let env = Env::new().await;
     let mut a = env.worker_proc(&[], &[]);
     env.submit("sleep", json!({"input": {"ms": 1500}}), "killed")
@@ -297,11 +307,8 @@ async fn killed_worker_is_reclaimed_after_its_lease() {
 #[tokio::test]
 async fn sigterm_hands_running_jobs_back_at_once() {
     let env = Env::new().await;
-    // A long lease: only an explicit handoff lets B take over quickly.
-    let mut a = env.worker_proc(
-        &[],
-        &[("LH_LEASE", "60s".into()), ("LH_HEARTBEAT", "20s".into())],
-    );
+    // A long session: only an explicit handoff lets B take over quickly.
+    let mut a = env.worker_proc(&[], &[("LH_SESSION_TIMEOUT", "60s".into())]);
     env.submit("sleep", json!({"input": {"ms": 1500}}), "handoff")
         .await;
     env.wait_status("handoff", "running", Duration::from_secs(15))
@@ -317,7 +324,7 @@ async fn sigterm_hands_running_jobs_back_at_once() {
     let took = t0.elapsed();
     assert!(
         took < Duration::from_secs(5),
-        "handoff took {took:?}, far less than the 60 s lease"
+        "handoff took {took:?}, far less than the 60 s session timeout"
     );
     assert_eq!(
         (handed.epoch, handed.stale_reclaims),
@@ -341,14 +348,15 @@ async fn sigterm_hands_running_jobs_back_at_once() {
 #[tokio::test]
 async fn stable_identity_restart_reclaims_at_once() {
     let env = Env::new().await;
-    let extra = [("LH_LEASE", "60s".into()), ("LH_HEARTBEAT", "20s".into())];
+    let extra = [("LH_SESSION_TIMEOUT", "60s".into())];
     let mut a = env.worker_proc(&["--worker-id", "pod-1"], &extra);
-    env.submit("sleep", json!({"input": {"ms": 1000}}), "restart")
+    env.submit("sleep", json!({"input": {"ms": 2000}}), "restart")
         .await;
     env.wait_for("restart", Duration::from_secs(15), |r| {
         r.status == "running" && r.worker_id.as_deref() == Some("pod-1")
     })
     .await;
+    env.wait_indexed("restart", Duration::from_secs(10)).await;
     a.kill9();
     let t0 = tokio::time::Instant::now();
     let _a2 = env.worker_proc(&["--worker-id", "pod-1"], &extra);
@@ -357,7 +365,7 @@ async fn stable_identity_restart_reclaims_at_once() {
         .await;
     assert!(
         t0.elapsed() < Duration::from_secs(10),
-        "reclaimed well before the 60 s lease"
+        "reclaimed well before the 60 s session timeout"
     );
     assert_eq!(
         (r.worker_id.as_deref(), r.stale_reclaims),
@@ -392,7 +400,7 @@ async fn a_paused_worker_holds_no_work_hostage() {
     }
     // A delivery swallowed by the frozen worker waits at most one ack wait
     // (1 s) plus one pull expiry (250 ms) before B gets it; the bound leaves
-    // room for a loaded machine and is still far below a lease.
+    // room for a loaded machine and is still far below a session timeout.
     assert!(
         t0.elapsed() < Duration::from_secs(6),
         "took {:?}",

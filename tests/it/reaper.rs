@@ -107,10 +107,8 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
     let env = Env::new().await;
     // A running record whose worker and ticket are both gone (ticket 4242
     // never existed), and a queued record that never had a ticket.
-    env.jobs
-        .create(&abandoned("stranded-run", "echo", json!({"n": 1}), 4242, 0))
-        .await
-        .unwrap();
+    env.put_indexed(&abandoned("stranded-run", "echo", json!({"n": 1}), 4242, 0))
+        .await;
     let mut q = machine::new_record(
         "stranded-queued",
         "echo",
@@ -119,7 +117,7 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
         SystemTime::now() - Duration::from_secs(30),
     );
     q.spec.as_mut().unwrap().id = Some("stranded-queued".into());
-    env.jobs.create(&q).await.unwrap();
+    env.put_indexed(&q).await;
     let (w, stop_w) = env.worker().await;
     let r = reaper(&env).await;
     let run = env
@@ -142,7 +140,12 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
                 e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true))
             })
             .count();
-        assert_eq!(recovered, 1, "{id}: one recovery event");
+        assert_eq!(
+            recovered,
+            1,
+            "{id}: one recovery event: {:#?}",
+            env.events_of(id).await
+        );
     }
     assert_eq!(r.0.stats.recoveries.load(Ordering::Relaxed), 2);
     stop_reaper(r).await;
@@ -259,10 +262,8 @@ async fn two_reapers_act_on_each_job_exactly_once() {
     // see them, one ticket each must come out.
     let stranded: Vec<String> = (0..4).map(|i| format!("lost-{i}")).collect();
     for (i, id) in stranded.iter().enumerate() {
-        env.jobs
-            .create(&abandoned(id, "echo", json!({"i": i}), 900 + i as u64, 0))
-            .await
-            .unwrap();
+        env.put_indexed(&abandoned(id, "echo", json!({"i": i}), 900 + i as u64, 0))
+            .await;
     }
     let ids: Vec<String> = (0..8).map(|i| format!("poison-{i}")).collect();
     for id in &ids {
@@ -276,10 +277,8 @@ async fn two_reapers_act_on_each_job_exactly_once() {
             )
             .await
             .unwrap();
-        env.jobs
-            .create(&abandoned(id, "sleep", json!({"ms": 1}), p.seq, 3))
-            .await
-            .unwrap();
+        env.put_indexed(&abandoned(id, "sleep", json!({"ms": 1}), p.seq, 3))
+            .await;
     }
     let a = reaper(&env).await;
     let b = reaper(&env).await;
@@ -412,8 +411,7 @@ async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
     // bystanders of the first crash complete and only the crash job keeps
     // losing workers.
     let extra = vec![
-        ("LH_LEASE", "1s".to_string()),
-        ("LH_HEARTBEAT", "300ms".to_string()),
+        ("LH_SESSION_TIMEOUT", "1s".to_string()),
         ("LH_CONCURRENCY", "4".to_string()),
     ];
     let fleet = supervise(&env, 3, extra, stop.clone());
@@ -470,10 +468,8 @@ async fn dlq_replay_completes_the_job_with_a_fresh_budget() {
         )
         .await
         .unwrap();
-    env.jobs
-        .create(&abandoned("replayed", "echo", json!({"v": 7}), p.seq, 3))
-        .await
-        .unwrap();
+    env.put_indexed(&abandoned("replayed", "echo", json!({"v": 7}), p.seq, 3))
+        .await;
     let r = reaper(&env).await;
     env.wait_status("replayed", "dead", Duration::from_secs(10))
         .await;
@@ -528,7 +524,7 @@ async fn review_resume_and_fail_parked_jobs() {
             message: "publish may have happened".into(),
             at: rfc3339(SystemTime::now()),
         });
-        env.jobs.create(&r).await.unwrap();
+        env.put_indexed(&r).await;
     }
     let (code, out, err) = cli(&env, &["review", "list"]).await;
     assert_eq!(code, 0, "{err}");
@@ -630,7 +626,7 @@ async fn reaper_binary_serves_metrics_and_stops_on_sigterm() {
     let env = Env::new().await;
     let mut q = machine::new_record("waiting", "echo", spec(json!({})), 0, SystemTime::now());
     q.status = "parked".into();
-    env.jobs.create(&q).await.unwrap();
+    env.put_indexed(&q).await;
     let mut p = Proc::spawn(
         "leasehold-reaper",
         &["--reaper-id", "reaper-bin"],

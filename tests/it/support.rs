@@ -12,10 +12,11 @@ use leasehold_store::{jobs, Conn, Jobs, NatsArgs};
 use leasehold_worker::{Handle, Options, Worker};
 use tokio_util::sync::CancellationToken;
 
-/// Test timings: short leases so faults resolve in seconds.
+/// Test timings: short sessions so faults resolve in seconds.
 pub const ACK_WAIT: Duration = Duration::from_secs(1);
-pub const LEASE: Duration = Duration::from_secs(2);
-pub const HEARTBEAT: Duration = Duration::from_millis(400);
+pub const SESSION: Duration = Duration::from_secs(2);
+/// Jobs are indexed (and their tickets settled) this long after the claim.
+pub const INDEX_AFTER: Duration = Duration::from_millis(300);
 
 pub struct Env {
     pub server: NatsServer,
@@ -60,8 +61,8 @@ impl Env {
 
     pub fn opts(&self) -> Options {
         let mut o = Options::local(&self.url(), &self.prefix);
-        o.lease = LEASE;
-        o.heartbeat = HEARTBEAT;
+        o.session_timeout = SESSION;
+        o.index_after = INDEX_AFTER;
         o.pull_expires = Duration::from_millis(250);
         o.drain_timeout = Duration::from_millis(200);
         o.retry_base = Duration::from_millis(100);
@@ -85,8 +86,8 @@ impl Env {
         vec![
             ("NATS_URL", self.url()),
             ("LH_PREFIX", self.prefix.clone()),
-            ("LH_LEASE", format!("{}ms", LEASE.as_millis())),
-            ("LH_HEARTBEAT", format!("{}ms", HEARTBEAT.as_millis())),
+            ("LH_SESSION_TIMEOUT", format!("{}ms", SESSION.as_millis())),
+            ("LH_INDEX_AFTER", format!("{}ms", INDEX_AFTER.as_millis())),
             ("LH_PULL_EXPIRES", "250ms".into()),
             ("LH_DRAIN_TIMEOUT", "200ms".into()),
             ("LH_KINDS", "echo,sleep,fail,crash".into()),
@@ -141,6 +142,40 @@ impl Env {
                     serde_json::to_string_pretty(&cur).unwrap()
                 )
             }
+        }
+    }
+
+    /// Writes a record as the product leaves it: the record, then its entry
+    /// in the index of active jobs (for records made up by a test).
+    pub async fn put_indexed(&self, rec: &JobRecord) {
+        self.jobs.create(rec).await.unwrap();
+        leasehold_store::index::Active::open(&self.conn)
+            .await
+            .unwrap()
+            .reconcile(rec)
+            .await
+            .unwrap();
+    }
+
+    /// Waits until the index of active jobs lists `id` as running.
+    pub async fn wait_indexed(&self, id: &str, timeout: Duration) {
+        let active = leasehold_store::index::Active::open(&self.conn)
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let keys = active.keys_of(id).await.unwrap();
+            if keys
+                .iter()
+                .any(|k| matches!(k, leasehold_store::index::Key::Run { .. }))
+            {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "job {id} never indexed as running"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 

@@ -234,8 +234,7 @@ async fn cas_ceiling() -> anyhow::Result<f64> {
 fn worker_env(url: &str, extra: &[(&'static str, String)]) -> Vec<(&'static str, String)> {
     let mut e = vec![
         ("NATS_URL", url.to_string()),
-        ("LH_LEASE", format!("{LEASE_MS}ms")),
-        ("LH_HEARTBEAT", "600ms".into()),
+        ("LH_SESSION_TIMEOUT", format!("{LEASE_MS}ms")),
         ("LH_PULL_EXPIRES", "250ms".into()),
         ("LH_DRAIN_TIMEOUT", "0s".into()),
         ("LH_KINDS", "echo,sleep".into()),
@@ -448,8 +447,7 @@ async fn inflight(n: usize) -> anyhow::Result<Value> {
             &s.url(),
             &[
                 ("LH_CONCURRENCY", n.to_string()),
-                ("LH_LEASE", "3s".into()),
-                ("LH_HEARTBEAT", "1s".into()),
+                ("LH_SESSION_TIMEOUT", "3s".into()),
             ],
         ),
     );
@@ -470,7 +468,7 @@ async fn inflight(n: usize) -> anyhow::Result<Value> {
     // Sample while they run: every job must stay at epoch 1 (no lease expired).
     let mut completed = 0;
     while t0.elapsed() < Duration::from_secs(60) {
-        let all = jobs.all().await?;
+        let all = jobs.all().await?.records;
         let running = all.iter().filter(|v| v.value.status == "running").count();
         completed = all.iter().filter(|v| v.value.status == "completed").count();
         peak_running = peak_running.max(running);
@@ -479,7 +477,7 @@ async fn inflight(n: usize) -> anyhow::Result<Value> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let all = jobs.all().await?;
+    let all = jobs.all().await?.records;
     let expiries = all
         .iter()
         .filter(|v| v.value.stale_reclaims > 0 || v.value.epoch > 1)

@@ -6,17 +6,27 @@
 //! `running`, the same `worker_id`, `claim_token` and `epoch`.
 //!
 //! ```text
-//! queued    -> running     claim (epoch+1, new claim_token)
-//! running   -> running     heartbeat / checkpoint by the owner
-//! running   -> running     reclaim of an expired lease (epoch+1, stale_reclaims+1)
+//! queued    -> running     claim (epoch+1, new claim_token, the owner's session)
+//! running   -> running     checkpoint / progress by the owner
+//! running   -> running     reclaim: the owner's session ended, or the attempt
+//!                          deadline passed (epoch+1, stale_reclaims+1)
+//! running   -> queued      re-offer after the owner's session ended (stale_reclaims+1)
 //! running   -> queued      retryable error with budget left (next_run_at set), or handoff
 //! running   -> failed      terminal error, or retry budget exhausted
 //! running   -> completed   owner-checked completion
-//! queued|running -> cancelled
+//! queued|running -> cancelled   (a cancel request is honoured by every claim,
+//!                               requeue and hand-back: it is never undone)
 //! running   -> parked      owner stops for human review
 //! parked    -> queued|failed   a person resumes or fails it
-//! queued|running -> dead   reaper: poison or max deliveries
+//! queued|running -> dead   poison (stale reclaims over the limit) or max deliveries
 //! ```
+//!
+//! Liveness is not decided here from clocks alone: a running job is alive as
+//! long as its owner's *session* is (the store judges that with a
+//! server-side TTL, no wall clocks compared). The only cross-host clock
+//! comparison left is the attempt deadline (`lease_expires_at`), a second line
+//! for an attempt that hangs inside a live process, and it is made with a
+//! skew allowance ([`Claimant::skew`]).
 
 use std::time::{Duration, SystemTime};
 
@@ -133,22 +143,51 @@ pub fn rejected_record(
     }
 }
 
+/// What the claimer knows of a running record's owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnerLiveness {
+    /// The owner's session (the one recorded in the job) is alive.
+    Live,
+    /// The owner's session ended, or another process of that identity took
+    /// its place: the job has no live owner.
+    Dead,
+    /// Could not tell (the sessions bucket did not answer): decide later.
+    Unknown,
+}
+
 /// The worker asking to claim a job on the delivery of its ticket.
 #[derive(Debug, Clone)]
 pub struct Claimant<'a> {
     pub worker_id: &'a str,
+    /// The claimer's session: recorded in the job, which lives as long as it.
+    pub session: &'a str,
     /// Fresh per claim (a UUID).
     pub claim_token: String,
-    pub lease: Duration,
+    /// The attempt deadline: how long this claim may run at most, even while
+    /// the session lives (`lease_expires_at` = now + this).
+    pub attempt_timeout: Duration,
+    /// How far apart two hosts' clocks may be: the deadline of someone
+    /// else's claim is only trusted as passed this long after it.
+    pub skew: Duration,
     pub now: SystemTime,
-    /// Stream sequence of the delivered ticket.
+    /// Stream sequence of the delivered ticket (0: no ticket, e.g. a restart reclaim).
     pub ticket_seq: u64,
-    /// A job whose stale reclaims already reached this is left to the reaper.
+    /// A job whose stale reclaims already reached this is left to recovery as poison.
     pub max_stale_reclaims: u32,
-    /// The record was owned by this worker's stable identity in an earlier
-    /// process: take it now without waiting for the lease.
-    pub restart_reclaim: bool,
+    /// Liveness of the recorded owner of a running record.
+    pub owner: OwnerLiveness,
+    /// How many times this ticket has been delivered (this delivery included).
+    pub deliveries: u64,
 }
+
+/// A ticket newer than the one a live job's record names may be that job's
+/// next ticket, published by its owner just before the requeue or hand-back
+/// that names it: it waits this long, for at most [`NEWER_TICKET_PATIENCE`]
+/// deliveries, instead of being settled away.
+pub const NEWER_TICKET_WAIT: Duration = Duration::from_millis(500);
+/// Deliveries a newer ticket of a live job waits before it is settled (a
+/// duplicate submission of a running job, not its next ticket).
+pub const NEWER_TICKET_PATIENCE: u64 = 5;
 
 /// What to do with a delivered ticket.
 #[derive(Debug, Clone, PartialEq)]
@@ -158,13 +197,21 @@ pub enum ClaimDecision {
         record: Box<JobRecord>,
         reclaim: bool,
     },
-    /// Not runnable yet (lease live elsewhere, or `next_run_at` ahead): NAK
-    /// with this delay, never busy-poll.
+    /// Not runnable yet (`next_run_at` ahead, or the owner's liveness
+    /// unknown): NAK with this delay, never busy-poll.
     Wait(Duration),
     /// The ticket has nothing left to do (terminal, parked, superseded): ack it.
     Drop(String),
-    /// Stale reclaims reached the limit: the reaper dead-letters it; NAK with
-    /// this delay meanwhile.
+    /// A live owner holds the job: this ticket is not needed (the job's
+    /// liveness is its owner's session). Make sure the job is in the index
+    /// of active jobs, then ack the ticket at once: never NAK it (each NAK
+    /// would spend a delivery of a job that is alive).
+    Settle(String),
+    /// The job was asked to be cancelled while it waited: write this record
+    /// (`cancelled`) instead of running it.
+    Cancel(Box<JobRecord>),
+    /// Its owner is gone and its stale reclaims reached the limit: recovery
+    /// dead-letters it. Ack nothing; NAK with this delay meanwhile.
     Poison(Duration),
 }
 
@@ -182,6 +229,9 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
     match status {
         s if s.is_terminal() => ClaimDecision::Drop(format!("job is {s}")),
         Status::Parked => ClaimDecision::Drop("job is parked for review".into()),
+        Status::Queued if rec.cancel_requested => {
+            ClaimDecision::Cancel(Box::new(cancelled(rec, c.now, "cancelled before it ran")))
+        }
         Status::Queued => {
             let wait = until(c.now, rec.next_run_at.as_deref());
             if wait > Duration::ZERO {
@@ -193,21 +243,47 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
             }
         }
         Status::Running => {
-            let own_restart = c.restart_reclaim && rec.worker_id.as_deref() == Some(c.worker_id);
-            let remaining = until(c.now, rec.lease_expires_at.as_deref());
-            if remaining > Duration::ZERO && !own_restart {
-                return ClaimDecision::Wait(remaining);
-            }
-            if rec.stale_reclaims >= c.max_stale_reclaims {
-                return ClaimDecision::Poison(c.lease);
-            }
-            ClaimDecision::Claim {
-                record: Box::new(claimed(rec, c, true)),
-                reclaim: true,
+            let past_deadline = deadline_passed(rec, c.now, c.skew);
+            match c.owner {
+                OwnerLiveness::Live
+                    if !past_deadline
+                        && c.ticket_seq > rec.ticket_seq
+                        && c.deliveries < NEWER_TICKET_PATIENCE =>
+                {
+                    ClaimDecision::Wait(NEWER_TICKET_WAIT)
+                }
+                OwnerLiveness::Live if !past_deadline => {
+                    ClaimDecision::Settle("held by a live owner".into())
+                }
+                OwnerLiveness::Unknown if !past_deadline => {
+                    ClaimDecision::Wait(Duration::from_secs(1))
+                }
+                _ => {
+                    if rec.stale_reclaims >= c.max_stale_reclaims {
+                        return ClaimDecision::Poison(Duration::from_secs(5));
+                    }
+                    if rec.cancel_requested {
+                        return ClaimDecision::Cancel(Box::new(cancelled(
+                            rec,
+                            c.now,
+                            "cancelled: its owner stopped before honouring the request",
+                        )));
+                    }
+                    ClaimDecision::Claim {
+                        record: Box::new(claimed(rec, c, true)),
+                        reclaim: true,
+                    }
+                }
             }
         }
         _ => unreachable!("all statuses handled"),
     }
+}
+
+/// Whether a running record's attempt deadline passed, by more than the
+/// clock skew allowance (another host wrote it with its own clock).
+pub fn deadline_passed(rec: &JobRecord, now: SystemTime, skew: Duration) -> bool {
+    lease_expired_for(rec, now).is_some_and(|past| past > skew)
 }
 
 /// The record of a brand-new job claimed on its first delivery.
@@ -221,6 +297,7 @@ fn claimed(rec: &JobRecord, c: &Claimant<'_>, reclaim: bool) -> JobRecord {
     let at = rfc3339(c.now);
     r.status = Status::Running.as_str().into();
     r.worker_id = Some(c.worker_id.to_string());
+    r.session = Some(c.session.to_string());
     r.claim_token = Some(c.claim_token.clone());
     r.epoch += 1;
     if reclaim {
@@ -230,10 +307,110 @@ fn claimed(rec: &JobRecord, c: &Claimant<'_>, reclaim: bool) -> JobRecord {
         r.ticket_seq = c.ticket_seq;
     }
     r.last_heartbeat_at = Some(at.clone());
-    r.lease_expires_at = Some(rfc3339(c.now + c.lease));
+    r.lease_expires_at = Some(rfc3339(c.now + c.attempt_timeout));
     r.next_run_at = None;
     r.updated_at = at;
     r
+}
+
+fn cancelled(rec: &JobRecord, now: SystemTime, message: &str) -> JobRecord {
+    let mut r = rec.clone();
+    r.status = Status::Cancelled.as_str().into();
+    r.error = Some(JobError {
+        class: "cancelled".into(),
+        message: message.into(),
+        at: rfc3339(now),
+    });
+    release(&mut r);
+    r.updated_at = rfc3339(now);
+    r
+}
+
+/// What recovery does with a running job whose owner's session ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reoffer {
+    /// Write this record (`queued`, due now, the dead owner fenced off) and
+    /// publish the new ticket it names.
+    Queued(Box<JobRecord>),
+    /// Write this record (`cancelled`): it was asked to stop anyway.
+    Cancelled(Box<JobRecord>),
+    /// It has lost too many owners: dead-letter it as poison.
+    Poison,
+    /// Nothing to do: not running, another owner, or its owner is alive.
+    Nothing(String),
+}
+
+/// Re-offers a running job whose owner (`worker_id`, session `session`) is
+/// gone: the claim is released at once, so every later write of the old
+/// owner is refused even before anyone claims the job again.
+pub fn reoffer(
+    rec: &JobRecord,
+    dead_worker: &str,
+    live_session: Option<&str>,
+    now: SystemTime,
+    ticket_seq: u64,
+    max_stale_reclaims: u32,
+) -> Reoffer {
+    reoffer_if(
+        rec,
+        dead_worker,
+        live_session,
+        None,
+        now,
+        ticket_seq,
+        max_stale_reclaims,
+    )
+}
+
+/// Like [`reoffer`]; with `skew` given, a job whose attempt deadline passed
+/// (by more than the skew) is re-offered even though its owner's session
+/// lives (an attempt hung inside a live process).
+pub fn reoffer_if(
+    rec: &JobRecord,
+    dead_worker: &str,
+    live_session: Option<&str>,
+    deadline_skew: Option<Duration>,
+    now: SystemTime,
+    ticket_seq: u64,
+    max_stale_reclaims: u32,
+) -> Reoffer {
+    if rec.status != Status::Running.as_str() {
+        return Reoffer::Nothing(format!("job is {}", rec.status));
+    }
+    if rec.worker_id.as_deref() != Some(dead_worker) {
+        return Reoffer::Nothing("owned by another worker".into());
+    }
+    let overdue = deadline_skew.is_some_and(|skew| deadline_passed(rec, now, skew));
+    if !overdue && live_session.is_some() && live_session == rec.session.as_deref() {
+        return Reoffer::Nothing("its owner's session is alive".into());
+    }
+    if rec.cancel_requested {
+        return Reoffer::Cancelled(Box::new(cancelled(
+            rec,
+            now,
+            "cancelled: its owner stopped before honouring the request",
+        )));
+    }
+    if rec.stale_reclaims + 1 > max_stale_reclaims {
+        return Reoffer::Poison;
+    }
+    let mut r = rec.clone();
+    r.status = Status::Queued.as_str().into();
+    r.stale_reclaims += 1;
+    r.next_run_at = Some(rfc3339(now));
+    // The new ticket is the job's ticket from now on, whatever older
+    // sequence the record held (a restored stream numbers anew).
+    if ticket_seq > 0 {
+        r.ticket_seq = ticket_seq;
+    }
+    r.error = Some(JobError {
+        class: "owner_lost".into(),
+        message: format!("worker {dead_worker} stopped (its session ended); re-offered"),
+        at: rfc3339(now),
+    });
+    release(&mut r);
+    r.updated_at = rfc3339(now);
+    Reoffer::Queued(Box::new(r))
 }
 
 fn owned(rec: &JobRecord, owner: &Owner, now: SystemTime) -> Result<JobRecord, TransitionError> {
@@ -245,23 +422,26 @@ fn owned(rec: &JobRecord, owner: &Owner, now: SystemTime) -> Result<JobRecord, T
 
 fn release(r: &mut JobRecord) {
     r.claim_token = None;
+    r.session = None;
     r.lease_expires_at = None;
 }
 
-/// Owner extends its lease.
-pub fn heartbeat(
+/// The owner proves it is still the owner with a conditioned write that
+/// changes nothing but `last_heartbeat_at` (before a write effect, or a
+/// progress write). The attempt deadline stays where the claim put it.
+pub fn touch(
     rec: &JobRecord,
     owner: &Owner,
     now: SystemTime,
-    lease: Duration,
 ) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     r.last_heartbeat_at = Some(rfc3339(now));
-    r.lease_expires_at = Some(rfc3339(now + lease));
     Ok(r)
 }
 
-/// Owner requeues after a retryable error: `attempts`+1, `next_run_at` = now + delay.
+/// Owner requeues after a retryable error: `attempts`+1, `next_run_at` =
+/// now plus the delay. A job asked to be cancelled is cancelled instead: a
+/// retry never undoes a cancel request.
 pub fn requeue(
     rec: &JobRecord,
     owner: &Owner,
@@ -269,6 +449,12 @@ pub fn requeue(
     error: JobError,
     delay: Duration,
 ) -> Result<JobRecord, TransitionError> {
+    check_owner(rec, owner)?;
+    if rec.cancel_requested {
+        let mut r = cancelled(rec, now, "cancelled on request (instead of a retry)");
+        r.attempts += 1;
+        return Ok(r);
+    }
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Queued.as_str().into();
     r.attempts += 1;
@@ -278,12 +464,21 @@ pub fn requeue(
     Ok(r)
 }
 
-/// Owner hands the job back at shutdown: runnable at once, no attempt spent.
+/// Owner hands the job back at shutdown: runnable at once, no attempt spent
+/// (or `cancelled`, when a cancel request is pending).
 pub fn hand_back(
     rec: &JobRecord,
     owner: &Owner,
     now: SystemTime,
 ) -> Result<JobRecord, TransitionError> {
+    check_owner(rec, owner)?;
+    if rec.cancel_requested {
+        return Ok(cancelled(
+            rec,
+            now,
+            "cancelled on request (instead of a hand-back)",
+        ));
+    }
     let mut r = owned(rec, owner, now)?;
     r.status = Status::Queued.as_str().into();
     r.next_run_at = Some(rfc3339(now));
@@ -511,12 +706,15 @@ mod tests {
     fn claimant<'a>(worker: &'a str, token: &str, now: SystemTime) -> Claimant<'a> {
         Claimant {
             worker_id: worker,
+            session: "s1",
             claim_token: token.into(),
-            lease: Duration::from_secs(10),
+            attempt_timeout: Duration::from_secs(100),
+            skew: Duration::from_secs(2),
             now,
             ticket_seq: 1,
             max_stale_reclaims: 3,
-            restart_reclaim: false,
+            owner: OwnerLiveness::Live,
+            deliveries: 1,
         }
     }
 
@@ -535,8 +733,12 @@ mod tests {
     fn every_claim_bumps_epoch_and_mints_a_token() {
         let a = claim(&fresh(), &claimant("w", "t1", t(0)));
         assert_eq!((a.epoch, a.status.as_str()), (1, "running"));
-        // The same worker reclaiming its own expired job fences its older task.
-        let b = claim(&a, &claimant("w", "t2", t(11)));
+        assert_eq!(a.session.as_deref(), Some("s1"));
+        // The same worker reclaiming its own job after its session ended
+        // fences its older task.
+        let mut c = claimant("w", "t2", t(11));
+        c.owner = OwnerLiveness::Dead;
+        let b = claim(&a, &c);
         assert_eq!((b.epoch, b.stale_reclaims), (2, 1));
         let old = Owner {
             worker_id: "w".into(),
@@ -544,19 +746,60 @@ mod tests {
             epoch: 1,
         };
         assert!(matches!(
-            heartbeat(&b, &old, t(12), Duration::from_secs(10)),
+            touch(&b, &old, t(12)),
             Err(TransitionError::OwnershipLost(_))
         ));
-        assert!(heartbeat(&b, &Owner::of(&b).unwrap(), t(12), Duration::from_secs(10)).is_ok());
+        assert!(touch(&b, &Owner::of(&b).unwrap(), t(12)).is_ok());
     }
 
     #[test]
-    fn live_lease_and_future_run_time_wait_exactly_the_remaining_time() {
+    fn a_live_owner_keeps_its_job_and_the_ticket_is_settled_not_nacked() {
         let a = claim(&fresh(), &claimant("a", "t1", t(0)));
-        assert_eq!(
+        assert!(matches!(
             decide_claim(&a, &claimant("b", "t2", t(4))),
-            ClaimDecision::Wait(Duration::from_secs(6))
-        );
+            ClaimDecision::Settle(_)
+        ));
+        // Unknown liveness waits; a dead owner's job is reclaimed at once,
+        // whatever its attempt deadline says.
+        let mut c = claimant("b", "t2", t(4));
+        c.owner = OwnerLiveness::Unknown;
+        assert!(matches!(decide_claim(&a, &c), ClaimDecision::Wait(_)));
+        c.owner = OwnerLiveness::Dead;
+        assert!(matches!(
+            decide_claim(&a, &c),
+            ClaimDecision::Claim { reclaim: true, .. }
+        ));
+    }
+
+    #[test]
+    fn a_newer_ticket_of_a_live_job_waits_for_the_requeue_it_may_precede() {
+        let a = claim(&fresh(), &claimant("a", "t1", t(0)));
+        let mut c = claimant("b", "t2", t(1));
+        c.ticket_seq = 9;
+        assert_eq!(decide_claim(&a, &c), ClaimDecision::Wait(NEWER_TICKET_WAIT));
+        // A duplicate that keeps coming back is settled, not NAKed for ever.
+        c.deliveries = NEWER_TICKET_PATIENCE;
+        assert!(matches!(decide_claim(&a, &c), ClaimDecision::Settle(_)));
+    }
+
+    #[test]
+    fn the_attempt_deadline_is_trusted_only_past_the_skew_allowance() {
+        let a = claim(&fresh(), &claimant("a", "t1", t(0)));
+        // Deadline t(100); skew 2 s: at t(101) the claim still stands.
+        assert!(matches!(
+            decide_claim(&a, &claimant("b", "t2", t(101))),
+            ClaimDecision::Settle(_)
+        ));
+        assert!(!deadline_passed(&a, t(102), Duration::from_secs(2)));
+        assert!(matches!(
+            decide_claim(&a, &claimant("b", "t2", t(103))),
+            ClaimDecision::Claim { reclaim: true, .. }
+        ));
+    }
+
+    #[test]
+    fn future_run_time_waits_exactly_the_remaining_time() {
+        let a = claim(&fresh(), &claimant("a", "t1", t(0)));
         let owner = Owner::of(&a).unwrap();
         let q = requeue(
             &a,
@@ -566,26 +809,13 @@ mod tests {
             Duration::from_secs(30),
         )
         .unwrap();
-        assert_eq!(q.attempts, 1);
+        assert_eq!((q.attempts, q.session.as_deref()), (1, None));
         assert_eq!(
             decide_claim(&q, &claimant("b", "t2", t(20))),
             ClaimDecision::Wait(Duration::from_secs(15))
         );
         let c = claim(&q, &claimant("b", "t2", t(35)));
         assert_eq!((c.epoch, c.stale_reclaims), (2, 0));
-    }
-
-    #[test]
-    fn restart_reclaim_takes_own_job_at_once_but_not_others() {
-        let a = claim(&fresh(), &claimant("pod-1", "t1", t(0)));
-        let mut c = claimant("pod-1", "t2", t(1));
-        c.restart_reclaim = true;
-        assert!(matches!(
-            decide_claim(&a, &c),
-            ClaimDecision::Claim { reclaim: true, .. }
-        ));
-        c.worker_id = "pod-2";
-        assert!(matches!(decide_claim(&a, &c), ClaimDecision::Wait(_)));
     }
 
     #[test]
@@ -612,13 +842,45 @@ mod tests {
     fn poison_after_the_stale_reclaim_limit() {
         let mut r = claim(&fresh(), &claimant("a", "t1", t(0)));
         for i in 0..3 {
-            r = claim(&r, &claimant("b", &format!("x{i}"), t(100 * (i + 1))));
+            let mut c = claimant("b", &format!("x{i}"), t(10 * (i + 1)));
+            c.owner = OwnerLiveness::Dead;
+            r = claim(&r, &c);
         }
         assert_eq!(r.stale_reclaims, 3);
+        let mut c = claimant("c", "y", t(1000));
+        c.owner = OwnerLiveness::Dead;
+        assert!(matches!(decide_claim(&r, &c), ClaimDecision::Poison(_)));
+        assert_eq!(reoffer(&r, "b", None, t(1000), 9, 3), Reoffer::Poison);
+    }
+
+    #[test]
+    fn reoffer_fences_the_dead_owner_and_queues_the_job() {
+        let a = claim(&fresh(), &claimant("a", "t1", t(0)));
         assert!(matches!(
-            decide_claim(&r, &claimant("c", "y", t(1000))),
-            ClaimDecision::Poison(_)
+            reoffer(&a, "a", Some("s1"), t(1), 7, 3),
+            Reoffer::Nothing(_)
         ));
+        assert!(matches!(
+            reoffer(&a, "b", None, t(1), 7, 3),
+            Reoffer::Nothing(_)
+        ));
+        // The identity restarted: a new session of "a" does not keep s1's job.
+        let Reoffer::Queued(q) = reoffer(&a, "a", Some("s2"), t(1), 7, 3) else {
+            panic!("expected a re-offer")
+        };
+        assert_eq!(
+            (q.status.as_str(), q.stale_reclaims, q.ticket_seq, q.epoch),
+            ("queued", 1, 7, 1)
+        );
+        assert!(touch(&q, &Owner::of(&a).unwrap(), t(2)).is_err());
+        // The old ticket is superseded by the re-offer's; the new one claims.
+        assert!(matches!(
+            decide_claim(&q, &claimant("b", "t2", t(2))),
+            ClaimDecision::Drop(_)
+        ));
+        let mut c = claimant("b", "t2", t(2));
+        c.ticket_seq = 7;
+        assert_eq!(claim(&q, &c).epoch, 2);
     }
 
     #[test]
@@ -638,6 +900,36 @@ mod tests {
         assert!(matches!(
             request_cancel(&c, t(3)).unwrap(),
             CancelOutcome::Unchanged(_)
+        ));
+    }
+
+    #[test]
+    fn a_cancel_request_survives_requeue_hand_back_reclaim_and_reoffer() {
+        let a = claim(&fresh(), &claimant("a", "t1", t(0)));
+        let CancelOutcome::Requested(r) = request_cancel(&a, t(1)).unwrap() else {
+            panic!()
+        };
+        let owner = Owner::of(&a).unwrap();
+        let e = JobError::default();
+        let rq = requeue(&r, &owner, t(2), e, Duration::from_secs(1)).unwrap();
+        assert_eq!((rq.status.as_str(), rq.attempts), ("cancelled", 1));
+        assert_eq!(hand_back(&r, &owner, t(2)).unwrap().status, "cancelled");
+        let mut c = claimant("b", "t2", t(3));
+        c.owner = OwnerLiveness::Dead;
+        assert!(
+            matches!(decide_claim(&r, &c), ClaimDecision::Cancel(x) if x.status == "cancelled")
+        );
+        assert!(matches!(
+            reoffer(&r, "a", None, t(3), 2, 3),
+            Reoffer::Cancelled(_)
+        ));
+        // A queued job with a pending request (set by an older binary, or
+        // racing a requeue) is cancelled by the claim instead of running.
+        let mut q = fresh();
+        q.cancel_requested = true;
+        assert!(matches!(
+            decide_claim(&q, &claimant("b", "t", t(1))),
+            ClaimDecision::Cancel(_)
         ));
     }
 

@@ -5,8 +5,8 @@
 //! percent), the reaper, and three `leasehold-worker` processes; submits six
 //! research jobs; then injects the faults the system exists for: one worker is
 //! killed with SIGKILL in the middle of an expert's sections (and restarted
-//! under the same identity), another is frozen with SIGSTOP past its lease and
-//! resumed. It shows live progress per job, prints a summary, checks the
+//! under the same identity), another is frozen with SIGSTOP past its session timeout
+//! and resumed. It shows live progress per job, prints a summary, checks the
 //! invariants, tears down only what it started, and exits non-zero if an
 //! invariant failed.
 //!
@@ -49,9 +49,10 @@ struct Args {
     /// Where the local server's storage and the logs go.
     #[arg(long, default_value = ".demo")]
     state_dir: PathBuf,
-    /// Lease of the demo workers (short, so recoveries show within seconds).
+    /// Session timeout of the demo workers (short, so a paused worker's
+    /// jobs move within seconds; a killed one's move at once).
     #[arg(long, default_value = "3s", value_parser = leasehold_core::time::parse_duration)]
-    lease: Duration,
+    session_timeout: Duration,
     /// Model fault rate of the simulator (0 to 1).
     #[arg(long, default_value_t = 0.03)]
     fault_rate: f64,
@@ -147,13 +148,12 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         a.fault_rate * 100.0
     ));
 
-    let lease_ms = a.lease.as_millis();
+    let session_ms = a.session_timeout.as_millis();
     let env = |id: &str| -> Vec<(&'static str, String)> {
         vec![
             ("NATS_URL", url.clone()),
             ("LH_WORKER_ID", id.to_string()),
-            ("LH_LEASE", format!("{lease_ms}ms")),
-            ("LH_HEARTBEAT", format!("{}ms", lease_ms / 3)),
+            ("LH_SESSION_TIMEOUT", format!("{session_ms}ms")),
             ("LH_PULL_EXPIRES", "500ms".into()),
             ("LH_DRAIN_TIMEOUT", "1s".into()),
             ("LH_CONCURRENCY", "4".into()),
@@ -190,9 +190,9 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         ));
     }
     say(format!(
-        "started {} workers (lease {:?}; logs in {})",
+        "started {} workers (session timeout {:?}; logs in {})",
         a.workers,
-        a.lease,
+        a.session_timeout,
         logs.display()
     ));
 
@@ -293,10 +293,10 @@ async fn run(a: Args) -> anyhow::Result<bool> {
                     &env("demo-w1"),
                     Some(logs.join("demo-w1.restarted.log")),
                 );
-                multi.println("fault: restarted demo-w1 under the same identity: it reclaims its jobs without waiting for the lease")?;
+                multi.println("fault: restarted demo-w1 under the same identity: it reclaims its jobs at once, without waiting for its old session to time out")?;
             }
         }
-        // Fault 2: freeze another worker past its lease, then resume it.
+        // Fault 2: freeze another worker past its session timeout, then resume it.
         if paused.is_none() && a.workers > 1 {
             if let Some(r) = recs
                 .values()
@@ -304,14 +304,14 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             {
                 procs[1].stop();
                 multi.println(format!(
-                    "fault: SIGSTOP demo-w2 while it runs {} (for the lease + 2s)",
+                    "fault: SIGSTOP demo-w2 while it runs {} (for its session timeout + 2s)",
                     r.id
                 ))?;
                 paused = Some(Instant::now());
             }
         }
         if let Some(at) = paused {
-            if !resumed && at.elapsed() > a.lease + Duration::from_secs(2) {
+            if !resumed && at.elapsed() > a.session_timeout + Duration::from_secs(2) {
                 procs[1].cont();
                 resumed = true;
                 multi.println("fault: SIGCONT demo-w2: every write it attempts for reclaimed jobs must be refused")?;

@@ -5,9 +5,11 @@
 //! | flag | default | meaning |
 //! |---|---|---|
 //! | `--reaper-id` | unique per process | name in logs and metrics |
-//! | `--max-stale-reclaims` | 3 | a running job with an expired lease that was already reclaimed this often is poison (keep it equal to the workers' value) |
-//! | `--interval` | 10s | sweep period (poison, stranded runs, metrics) |
-//! | `--stranded-grace` | 60s | how long past its lease a running job, or since its last write a queued job, may lack a work ticket before it is re-enqueued |
+//! | `--max-stale-reclaims` | 3 | a job whose workers stopped this often while running it is poison (keep it equal to the workers' value) |
+//! | `--interval` | 10s | sweep period over the index of active jobs (ended sessions, hung attempts, stranded waits, metrics) |
+//! | `--stranded-grace` | 60s | how long past its due time a waiting job may go unclaimed before its ticket is replaced |
+//! | `--probe-interval` | 500ms | how often every live worker is pinged; a closed connection ends its session at once (0: off, rely on the session timeout) |
+//! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (attempt deadlines only) |
 //!
 //! Plus the NATS variables of every binary (`NATS_URL`, credentials, TLS,
 //! `LH_PREFIX`).
@@ -23,7 +25,7 @@ use leasehold_store::NatsArgs;
 #[command(
     name = "leasehold-reaper",
     version,
-    about = "leasehold reaper: dead-letters poison jobs and jobs past max deliveries, re-enqueues stranded runs, exports fleet metrics; safe to run more than one",
+    about = "leasehold reaper: notices crashed workers at once and re-offers their jobs, dead-letters poison jobs and jobs past max deliveries, replaces lost tickets, exports fleet metrics; safe to run more than one",
     long_about = None
 )]
 pub struct Options {
@@ -39,10 +41,21 @@ pub struct Options {
     /// Sweep period: poison jobs, stranded runs, unfinished dead-lettering, metrics.
     #[arg(long, env = "LH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub interval: Duration,
-    /// How long a running job may be past its lease, or a queued job past
-    /// its last write, without a work ticket before it is re-enqueued.
+    /// How long past its due time a waiting job may go unclaimed before its
+    /// work ticket is replaced by a fresh one (a lost ticket, or one past the
+    /// consumer's max deliveries whose advisory was lost).
     #[arg(long, env = "LH_STRANDED_GRACE", default_value = "60s", value_parser = parse_duration)]
     pub stranded_grace: Duration,
+    /// How often every live worker process is pinged. A ping the server
+    /// answers with "no responders" means the process's connection closed
+    /// (a crash): its session is ended at once instead of after its
+    /// timeout. 0 turns probing off.
+    #[arg(long, env = "LH_PROBE_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
+    pub probe_interval: Duration,
+    /// How far apart two hosts' clocks may be: an attempt deadline written
+    /// by a worker is trusted as passed only this long after it says.
+    #[arg(long, env = "LH_CLOCK_SKEW", default_value = "2s", value_parser = parse_duration)]
+    pub clock_skew: Duration,
 }
 
 impl Options {

@@ -1,23 +1,24 @@
-//! The leasehold reaper: what keeps a fleet healthy when jobs, not workers,
-//! are the problem.
+//! The leasehold reaper: what keeps a fleet healthy when processes die and
+//! jobs, not workers, are the problem. Recovery itself needs no reaper
+//! (workers handle ended sessions too); the reaper makes it fast and
+//! finishes what nobody else does.
 //!
-//! - Poison jobs: a running job whose lease expired after `--max-stale-reclaims`
-//!   stale reclaims (the workers refuse to reclaim it further) becomes `dead`
-//!   with class `poison`; its ticket is deleted and a dead letter with its
-//!   last record and recent events goes to `lh.dlq.<kind>`.
+//! - Crashes, fast: every live worker session is pinged; a closed
+//!   connection ("no responders") ends the session at once, and its jobs
+//!   are re-offered within about a second instead of after the timeout.
+//! - Ended sessions: like every worker, a member of the durable consumer of
+//!   session ends (`leasehold_store::recovery`).
+//! - The sweep over the index of active jobs: running jobs of ended
+//!   sessions and hung attempts (past their deadline) re-offered; waiting
+//!   jobs whose ticket is gone or stuck given a fresh one; index entries
+//!   that disagree with their record repaired; poison jobs dead-lettered.
 //! - Max deliveries: the server's advisories, captured durably by the
-//!   `LH_ADVISORIES` stream, are consumed by a durable consumer shared by
-//!   every replica; the ticket is loaded by sequence, its job becomes `dead`
-//!   with class `max_deliveries`, and the ticket is deleted.
-//! - Stranded runs: a running job past its lease by `--stranded-grace`, or a
-//!   queued job untouched for as long, whose ticket is gone gets a fresh
-//!   deduplicated ticket (a recovery, counted and announced by a `progress`
-//!   event with `"recovered": true`).
+//!   `LH_ADVISORIES` stream; a live job is never killed for them.
 //! - Metrics: [`Metrics`] per sweep, logged, on the [`Handle`], and served on
 //!   `<prefix>.reaper.metrics`.
 //!
-//! Modules: [`config`] ([`Options`]), [`decide`] (pure decisions per
-//! record), [`metrics`], [`service`] ([`Reaper::start`] and the tasks).
+//! Modules: [`config`] ([`Options`]), [`decide`] (pure decisions per index
+//! entry), [`metrics`], [`service`] ([`Reaper::start`] and the tasks).
 //!
 //! Architecture invariant: every action is a revision-conditioned write or
 //! a deduplicated publish, so two or more replicas are safe at once.

@@ -1,13 +1,13 @@
 //! The reaper's exported metrics: one snapshot per sweep, logged, kept on the
 //! [`crate::Handle`], and served as JSON on `<prefix>.reaper.metrics`
-//! (`nats req lh.reaper.metrics ''`).
+//! (`nats req lh.reaper.metrics ''`). Fleet figures come from the index of
+//! active jobs and the streams' own counts, never from reading every record.
 
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
-use leasehold_core::machine::status_of;
 use leasehold_core::time::rfc3339;
-use leasehold_core::{JobRecord, Status};
+use leasehold_store::index::{Entry, Key};
 use serde::{Deserialize, Serialize};
 
 use crate::decide::since;
@@ -20,29 +20,37 @@ pub struct Metrics {
     pub at: String,
     /// Sweeps this replica has completed.
     pub sweeps: u64,
-    /// Job records seen.
+    /// Active jobs indexed (running, waiting, parked).
     pub jobs: u64,
-    /// Jobs queued or running.
+    /// Jobs indexed as running or waiting.
     pub in_flight: u64,
-    /// Age in seconds of the oldest queued or running job (since its creation).
+    /// Of which running.
+    pub running: u64,
+    /// Tickets waiting in the work stream, over every kind.
+    pub queue_depth: u64,
+    /// Age in seconds of the oldest running or waiting job (since its creation).
     pub oldest_in_flight_age_s: Option<f64>,
     pub oldest_in_flight_job: Option<String>,
     /// Jobs parked for a person (`leasehold review list`).
     pub parked: u64,
-    /// Dead letters by class, counted from the job records: `dead` jobs by
-    /// their error class (`poison`, `max_deliveries`) and `rejected` jobs.
-    /// Rejected submissions whose id could not be determined have no record
-    /// and are only in the DLQ stream (`leasehold dlq list`).
+    /// Worker sessions alive at the sweep.
+    pub sessions: u64,
+    /// Dead letters in the DLQ stream, by kind (its subjects).
+    pub dead_letters_by_kind: BTreeMap<String, u64>,
+    /// Jobs this replica dead-lettered since it started, by class.
     pub dead_letters_by_class: BTreeMap<String, u64>,
-    /// Stranded jobs this replica re-enqueued since it started.
+    /// Jobs this replica re-offered (ended sessions, hung attempts,
+    /// stranded waits) since it started.
     pub recoveries: u64,
     /// Jobs this replica dead-lettered as poison since it started.
     pub poison_dead_lettered: u64,
     /// Jobs this replica dead-lettered after max deliveries since it started.
     pub max_deliveries_dead_lettered: u64,
+    /// Sessions this replica ended after their process's connection closed.
+    pub sessions_ended_fast: u64,
 }
 
-/// Accumulates one sweep's view of the records.
+/// Accumulates one sweep's view of the index.
 #[derive(Debug, Default)]
 pub struct Tally {
     m: Metrics,
@@ -50,50 +58,53 @@ pub struct Tally {
 }
 
 impl Tally {
-    pub fn observe(&mut self, rec: &JobRecord, now: SystemTime) {
+    pub fn observe(&mut self, key: &Key, entry: &Entry, now: SystemTime) {
         self.m.jobs += 1;
-        match status_of(rec) {
-            Some(Status::Queued | Status::Running) => {
+        match key {
+            Key::Run { .. } | Key::Wait { .. } => {
                 self.m.in_flight += 1;
-                let age = since(&rec.created_at, now).as_secs_f64();
+                if matches!(key, Key::Run { .. }) {
+                    self.m.running += 1;
+                }
+                let age = since(&entry.created_at, now).as_secs_f64();
                 if self.oldest.as_ref().is_none_or(|(_, a)| age > *a) {
-                    self.oldest = Some((rec.id.clone(), age));
+                    self.oldest = Some((entry.job.clone(), age));
                 }
             }
-            Some(Status::Parked) => self.m.parked += 1,
-            Some(Status::Dead) => {
-                let class = rec
-                    .error
-                    .as_ref()
-                    .map(|e| e.class.clone())
-                    .filter(|c| !c.is_empty())
-                    .unwrap_or_else(|| "dead".into());
-                *self.m.dead_letters_by_class.entry(class).or_default() += 1;
-            }
-            Some(Status::Rejected) => {
-                *self
-                    .m
-                    .dead_letters_by_class
-                    .entry("rejected".into())
-                    .or_default() += 1
-            }
-            _ => {}
+            Key::Park { .. } => self.m.parked += 1,
         }
     }
 
-    /// The snapshot, completed with this replica's counters.
-    pub fn finish(mut self, reaper_id: &str, now: SystemTime, counters: Counters) -> Metrics {
+    /// The snapshot, completed with the streams' counts and this replica's counters.
+    pub fn finish(mut self, reaper_id: &str, now: SystemTime, c: Counters) -> Metrics {
         self.m.reaper_id = reaper_id.to_string();
         self.m.at = rfc3339(now);
         if let Some((id, age)) = self.oldest {
             self.m.oldest_in_flight_job = Some(id);
             self.m.oldest_in_flight_age_s = Some((age * 1000.0).round() / 1000.0);
         }
-        self.m.sweeps = counters.sweeps;
-        self.m.recoveries = counters.recoveries;
-        self.m.poison_dead_lettered = counters.poison;
-        self.m.max_deliveries_dead_lettered = counters.max_deliveries;
+        self.m.sweeps = c.sweeps;
+        self.m.recoveries = c.recoveries;
+        self.m.poison_dead_lettered = c.poison;
+        self.m.max_deliveries_dead_lettered = c.max_deliveries;
+        self.m.sessions_ended_fast = c.sessions_ended_fast;
+        if c.poison > 0 {
+            self.m
+                .dead_letters_by_class
+                .insert("poison".into(), c.poison);
+        }
+        if c.max_deliveries > 0 {
+            self.m
+                .dead_letters_by_class
+                .insert("max_deliveries".into(), c.max_deliveries);
+        }
         self.m
+    }
+
+    pub fn set_queue(&mut self, depth: u64, sessions: u64, dlq_by_kind: BTreeMap<String, u64>) {
+        self.m.queue_depth = depth;
+        self.m.sessions = sessions;
+        self.m.dead_letters_by_kind = dlq_by_kind;
     }
 }
 
@@ -104,49 +115,59 @@ pub struct Counters {
     pub recoveries: u64,
     pub poison: u64,
     pub max_deliveries: u64,
+    pub sessions_ended_fast: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leasehold_core::machine::new_record;
-    use leasehold_core::{JobError, JobSpec};
     use std::time::Duration;
 
     #[test]
-    fn tally_counts_by_status_and_class() {
+    fn tally_counts_by_index_key() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let at = |s: u64| rfc3339(t0 + Duration::from_secs(s));
         let mut t = Tally::default();
-        let old = new_record("old", "echo", JobSpec::default(), 1, t0);
-        let young = new_record(
-            "young",
-            "echo",
-            JobSpec::default(),
-            2,
-            t0 + Duration::from_secs(30),
-        );
-        let mut parked = young.clone();
-        parked.status = "parked".into();
-        let mut dead = young.clone();
-        dead.status = "dead".into();
-        dead.error = Some(JobError {
-            class: "poison".into(),
+        let entry = |job: &str, created: u64| Entry {
+            job: job.into(),
+            created_at: at(created),
             ..Default::default()
-        });
-        for r in [&old, &young, &parked, &dead, &dead] {
-            t.observe(r, t0 + Duration::from_secs(100));
-        }
+        };
+        t.observe(
+            &Key::Run {
+                worker: "w".into(),
+                job: "old".into(),
+            },
+            &entry("old", 0),
+            t0 + Duration::from_secs(100),
+        );
+        t.observe(
+            &Key::Wait {
+                job: "young".into(),
+            },
+            &entry("young", 30),
+            t0 + Duration::from_secs(100),
+        );
+        t.observe(
+            &Key::Park { job: "p".into() },
+            &entry("p", 1),
+            t0 + Duration::from_secs(100),
+        );
         let m = t.finish(
             "r1",
             t0,
             Counters {
                 recoveries: 2,
+                poison: 1,
                 ..Default::default()
             },
         );
-        assert_eq!((m.jobs, m.in_flight, m.parked, m.recoveries), (5, 2, 1, 2));
+        assert_eq!(
+            (m.jobs, m.in_flight, m.running, m.parked, m.recoveries),
+            (3, 2, 1, 1, 2)
+        );
         assert_eq!(m.oldest_in_flight_job.as_deref(), Some("old"));
         assert_eq!(m.oldest_in_flight_age_s, Some(100.0));
-        assert_eq!(m.dead_letters_by_class.get("poison"), Some(&2));
+        assert_eq!(m.dead_letters_by_class.get("poison"), Some(&1));
     }
 }

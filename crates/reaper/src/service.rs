@@ -1,56 +1,59 @@
 //! The reaper service: `Reaper::start(shutdown) -> Handle`.
 //!
-//! Three tasks share one connection:
-//! 1. The sweep, every `--interval`: reads every job record and, through
-//!    [`crate::decide::sweep_action`], dead-letters poison jobs, re-enqueues
-//!    stranded runs, finishes dead-lettering a replica left half-done, and
-//!    publishes a [`Metrics`] snapshot.
-//! 2. The advisory loop: a durable pull consumer (`<prefix>_reaper`) on the
-//!    stream that captures the server's max-deliveries advisories of the
-//!    work consumers. Each advisory names a ticket by stream sequence; the
-//!    ticket's job is dead-lettered (class `max_deliveries`) and the ticket
-//!    deleted (past max deliveries it would otherwise stay for ever). The
-//!    advisory is acked only after that, so a reaper dying mid-way leaves it
-//!    to be redelivered.
-//! 3. The metrics responder on `<prefix>.reaper.metrics`.
+//! Five tasks share one connection:
+//! 1. The prober, every `--probe-interval`: pings every live worker
+//!    session. "No responders" twice in a row means the process's
+//!    connection is gone (kill -9, OOM, node loss): its session key is
+//!    ended at once (conditioned on the revision seen), which the session
+//!    watcher turns into a re-offer of its jobs within about a second. A
+//!    paused or partitioned process keeps its connection and is left to its
+//!    session timeout.
+//! 2. The session watcher (`leasehold_store::recovery`): the durable
+//!    consumer of ended sessions, shared with every worker.
+//! 3. The sweep, every `--interval`, over the index of active jobs (never
+//!    the records): running jobs whose session is not their worker's live
+//!    one, or whose attempt deadline passed, are recovered; waiting jobs
+//!    past their due time by `--stranded-grace` get their ticket checked
+//!    and replaced; index entries whose record disagrees are repaired; and
+//!    a [`Metrics`] snapshot is published.
+//! 4. The advisory loop: max-deliveries advisories captured in
+//!    `LH_ADVISORIES`. A ticket past max deliveries whose job a live owner
+//!    holds is only deleted (the job is alive and needs no ticket); a
+//!    running job with a gone owner is recovered; a waiting one becomes
+//!    `dead` (class `max_deliveries`).
+//! 5. The metrics responder on `<prefix>.reaper.metrics`.
 //!
 //! Architecture invariant: every action is a revision-conditioned write of
 //! the job record or a deduplicated publish, so any number of replicas may
-//! run at once. Killing a job is always, in this order: the record CAS to
-//! `dead`, the dead letter (deduplicated by `<job>:dead:<epoch>:<marked_at>`), the
-//! ticket deletion, the `dead` event (same id). The `dead` event is the
-//! completion marker: the sweep finishes recently dead records that lack it.
-//!
-//! Shutdown: on the token each task stops taking new work, finishes the
-//! action it is in (none is interrupted half-way), and the connection is
-//! flushed so buffered acks reach the server.
+//! run at once.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, consumer, AckKind};
-use bytes::Bytes;
+use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use leasehold_core::machine::{self, status_of};
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_core::time::rfc3339;
 use leasehold_core::{JobRecord, Status};
-use leasehold_store::dlq::Dlq;
-use leasehold_store::events::{self, Events};
-use leasehold_store::work::{self, Ticket, Work};
-use leasehold_store::{setup, Conn, Jobs, JobsError, StoreError};
+use leasehold_store::index::{Filter, Key};
+use leasehold_store::recovery::{self, Action, Recovery};
+use leasehold_store::sessions::{Ping, SessionInfo};
+use leasehold_store::work::{self, Ticket};
+use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::decide::{self, SweepAction};
+use crate::decide::{self, RunningAction};
 use crate::metrics::{Counters, Metrics, Tally};
 use crate::Options;
 
-/// How many of a job's latest events go into its dead letter.
-const RECENT_EVENTS: usize = 20;
+/// How long start-up waits for an unavailable NATS before giving up.
+const START_DEADLINE: Duration = Duration::from_secs(120);
 
 /// Errors of the reaper.
 #[derive(Debug, thiserror::Error)]
@@ -71,7 +74,7 @@ impl ReaperError {
     /// Worth trying again at the next sweep or redelivery.
     pub fn is_transient(&self) -> bool {
         match self {
-            ReaperError::Store(StoreError::Nats(_)) => true,
+            ReaperError::Store(e) => e.is_transient(),
             ReaperError::Jobs(e) => e.is_transient(),
             _ => false,
         }
@@ -82,16 +85,20 @@ impl ReaperError {
 #[derive(Debug, Default)]
 pub struct Stats {
     pub sweeps: AtomicU64,
-    /// Jobs this replica turned `dead` as poison (its CAS won).
+    /// Jobs this replica dead-lettered as poison.
     pub poison: AtomicU64,
     /// Jobs this replica turned `dead` after max deliveries (its CAS won).
     pub max_deliveries: AtomicU64,
-    /// Stranded jobs this replica re-enqueued (its ticket was the new one).
+    /// Jobs this replica re-offered (its write won).
     pub recoveries: AtomicU64,
     /// Advisories processed and acked.
     pub advisories: AtomicU64,
-    /// Dead-letterings completed (including finishing another replica's).
-    pub finished: AtomicU64,
+    /// Sessions this replica ended after "no responders".
+    pub sessions_ended_fast: AtomicU64,
+    /// Index entries whose record disagreed, repaired.
+    pub index_repairs: AtomicU64,
+    /// Waiting jobs whose ticket was lost or stuck, given a fresh one.
+    pub tickets_replaced: AtomicU64,
 }
 
 impl Stats {
@@ -101,6 +108,19 @@ impl Stats {
             recoveries: self.recoveries.load(Ordering::Relaxed),
             poison: self.poison.load(Ordering::Relaxed),
             max_deliveries: self.max_deliveries.load(Ordering::Relaxed),
+            sessions_ended_fast: self.sessions_ended_fast.load(Ordering::Relaxed),
+        }
+    }
+
+    fn count(&self, a: &Action) {
+        match a {
+            Action::Reoffered { .. } | Action::Cancelled => {
+                self.recoveries.fetch_add(1, Ordering::Relaxed);
+            }
+            Action::Poisoned => {
+                self.poison.fetch_add(1, Ordering::Relaxed);
+            }
+            Action::Nothing(_) => {}
         }
     }
 }
@@ -142,8 +162,9 @@ impl Reaper {
         Reaper { opts }
     }
 
-    /// Connects, verifies the layout, creates the advisory consumer, and
-    /// starts the three tasks. Stops when `shutdown` fires.
+    /// Connects, verifies the layout (waiting out an unavailable NATS),
+    /// binds the advisory consumer, and starts the tasks. Stops when
+    /// `shutdown` fires.
     pub async fn start(self, shutdown: CancellationToken) -> Result<Handle, ReaperError> {
         let opts = self.opts;
         opts.validate().map_err(ReaperError::Config)?;
@@ -156,8 +177,16 @@ impl Reaper {
             .connect(&format!("leasehold-reaper {reaper_id}"))
             .await?;
         setup::ping(&conn.js).await?;
-        setup::verify(&conn, &[]).await?;
+        retry_unavailable("layout", START_DEADLINE, || setup::verify(&conn, &[])).await?;
         let advisories = advisory_consumer(&conn).await?;
+        let recovery = retry_unavailable("buckets", START_DEADLINE, || {
+            Recovery::open(
+                &conn,
+                format!("reaper {reaper_id}"),
+                opts.max_stale_reclaims,
+            )
+        })
+        .await?;
         let metrics_sub = conn
             .client
             .subscribe(conn.layout.reaper_metrics_subject())
@@ -172,7 +201,8 @@ impl Reaper {
             max_stale_reclaims = opts.max_stale_reclaims,
             interval = ?opts.interval,
             stranded_grace = ?opts.stranded_grace,
-            nats = %opts.nats.url,
+            probe_interval = ?opts.probe_interval,
+            nats = %opts.nats.url_for_logs(),
             prefix = %opts.nats.prefix,
             "reaper starting"
         );
@@ -181,15 +211,13 @@ impl Reaper {
             ..Default::default()
         });
         let inner = Arc::new(Inner {
-            jobs: Jobs::open(&conn).await?,
-            events: Events::new(&conn),
-            work: Work::new(&conn),
-            dlq: Dlq::new(&conn),
+            recovery: Arc::new(recovery),
             conn,
             id: reaper_id.clone(),
             stats: Arc::new(Stats::default()),
             metrics: metrics_tx,
             kinds: Kinds::default(),
+            verify_cursor: std::sync::Mutex::new(String::new()),
             opts,
         });
         let stats = inner.stats.clone();
@@ -238,14 +266,19 @@ struct Inner {
     opts: Options,
     id: String,
     conn: Conn,
-    jobs: Jobs,
-    events: Events,
-    work: Work,
-    dlq: Dlq,
+    recovery: Arc<Recovery>,
     kinds: Kinds,
     stats: Arc<Stats>,
     metrics: watch::Sender<Metrics>,
+    /// Where the rotating check of running entries against their records
+    /// goes on at the next sweep (a job id).
+    verify_cursor: std::sync::Mutex<String>,
 }
+
+/// How many running entries with a live owner each sweep compares with
+/// their records (a rotating window: stale entries are found within a few
+/// sweeps without reading every record every time).
+const VERIFY_PER_SWEEP: usize = 256;
 
 async fn run(
     inner: Arc<Inner>,
@@ -253,7 +286,7 @@ async fn run(
     metrics_sub: async_nats::Subscriber,
     shutdown: CancellationToken,
 ) -> Result<(), ReaperError> {
-    // All three are awaited at shutdown: each finishes its current action first.
+    // All are awaited at shutdown: each finishes its current action first.
     let sweep = tokio::spawn(sweep_loop(inner.clone(), shutdown.clone()));
     let adv = tokio::spawn(advisory_loop(inner.clone(), advisories, shutdown.clone()));
     let srv = tokio::spawn(metrics_responder(
@@ -261,9 +294,16 @@ async fn run(
         metrics_sub,
         shutdown.clone(),
     ));
+    let ends = tokio::spawn(recovery::watch_session_ends(
+        inner.conn.clone(),
+        inner.recovery.clone(),
+        recovery::WatchOptions::default(),
+        shutdown.clone(),
+    ));
+    let probe = tokio::spawn(probe_loop(inner.clone(), shutdown.clone()));
     shutdown.cancelled().await;
     tracing::info!(reaper_id = %inner.id, "shutdown: finishing the actions in progress");
-    for t in [sweep, adv, srv] {
+    for t in [sweep, adv, srv, ends, probe] {
         if let Err(e) = t.await {
             tracing::error!(error = %e, "reaper task panicked");
         }
@@ -276,16 +316,20 @@ async fn run(
 
 async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
     loop {
+        let started = tokio::time::Instant::now();
         match inner.sweep().await {
             Ok(m) => {
                 tracing::info!(
                     reaper_id = %m.reaper_id,
                     jobs = m.jobs,
+                    running = m.running,
                     in_flight = m.in_flight,
+                    queue_depth = m.queue_depth,
                     oldest_in_flight_age_s = ?m.oldest_in_flight_age_s,
                     parked = m.parked,
-                    dead_letters = ?m.dead_letters_by_class,
+                    sessions = m.sessions,
                     recoveries = m.recoveries,
+                    took_ms = started.elapsed().as_millis() as u64,
                     "sweep"
                 );
                 inner.metrics.send_replace(m);
@@ -313,6 +357,82 @@ async fn metrics_responder(
         let body = serde_json::to_vec(&*inner.metrics.borrow()).expect("metrics serialize");
         if let Err(e) = inner.conn.client.publish(reply, body.into()).await {
             tracing::debug!(error = %e, "metrics reply failed");
+        }
+    }
+}
+
+/// Pings every live session; ends those whose process's connection is gone.
+async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
+    if inner.opts.probe_interval.is_zero() {
+        return;
+    }
+    let sessions = inner.recovery.sessions.clone();
+    // Live sessions as the watch shows them: worker -> (session, revision).
+    let mut live: HashMap<String, (String, u64)> = HashMap::new();
+    let mut suspects: HashMap<String, (u64, u32)> = HashMap::new();
+    let mut watch: Option<kv::Watch> = None;
+    let mut tick = tokio::time::interval(inner.opts.probe_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if watch.is_none() {
+            match sessions.kv().watch_with_history(">").await {
+                Ok(w) => {
+                    live.clear();
+                    watch = Some(w);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot watch sessions; retrying");
+                    tokio::select! { _ = tokio::time::sleep(Duration::from_secs(1)) => continue, _ = shutdown.cancelled() => return }
+                }
+            }
+        }
+        let w = watch.as_mut().expect("set above");
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            e = w.next() => match e {
+                Some(Ok(e)) if e.operation == kv::Operation::Put => {
+                    let info: SessionInfo = serde_json::from_slice(&e.value).unwrap_or_default();
+                    live.insert(e.key.clone(), (info.session, e.revision));
+                }
+                Some(Ok(e)) => { live.remove(&e.key); suspects.remove(&e.key); }
+                _ => { watch = None; }
+            },
+            _ = tick.tick() => {
+                // Our own view of the server must have settled first: right
+                // after a reconnect every worker may still be reconnecting.
+                if inner.conn.link.reconnects() > 0 && inner.conn.connected_for() < Duration::from_secs(4) {
+                    continue;
+                }
+                let timeout = inner.opts.probe_interval.max(Duration::from_millis(200));
+                let pings = futures::future::join_all(live.iter().map(|(w, (_, rev))| {
+                    let (s, w, rev) = (sessions.clone(), w.clone(), *rev);
+                    async move { (w.clone(), rev, s.ping(&w, timeout).await) }
+                }))
+                .await;
+                for (worker, rev, ping) in pings {
+                    if ping != Ping::NoResponders {
+                        suspects.remove(&worker);
+                        continue;
+                    }
+                    let seen = suspects.entry(worker.clone()).or_insert((rev, 0));
+                    if seen.0 != rev {
+                        *seen = (rev, 0);
+                    }
+                    seen.1 += 1;
+                    if seen.1 < 2 {
+                        continue;
+                    }
+                    suspects.remove(&worker);
+                    match sessions.end_if(&worker, rev).await {
+                        Ok(true) => {
+                            inner.stats.sessions_ended_fast.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(worker, reaper_id = %inner.id, "worker's connection is gone (no responders): ended its session");
+                        }
+                        Ok(false) => {}
+                        Err(e) => tracing::debug!(worker, error = %e, "ending a session failed"),
+                    }
+                }
+            }
         }
     }
 }
@@ -368,243 +488,258 @@ async fn advisory_loop(
 }
 
 impl Inner {
-    /// One sweep over every record; returns the metrics snapshot.
+    /// One sweep over the index of active jobs; returns the metrics snapshot.
     async fn sweep(&self) -> Result<Metrics, ReaperError> {
-        let records = self.jobs.all().await?;
+        let r = &self.recovery;
+        let entries = r.active.list(Filter::All).await?;
         let now = SystemTime::now();
         let mut tally = Tally::default();
-        for v in &records {
-            let rec = &v.value;
-            tally.observe(rec, now);
-            let res = match decide::sweep_action(
-                rec,
-                now,
-                self.opts.max_stale_reclaims,
-                self.opts.stranded_grace,
-            ) {
-                SweepAction::Nothing => Ok(()),
-                SweepAction::Poison => self.poison(&rec.id).await,
-                SweepAction::CheckTicket => self.recover_if_stranded(&rec.id).await,
-                SweepAction::FinishDead => self.finish_if_unfinished(rec).await,
+        let mut live_of: HashMap<String, Option<String>> = HashMap::new();
+        let mut to_verify: Vec<(String, String)> = Vec::new();
+        for (key, entry) in &entries {
+            tally.observe(key, entry, now);
+            let res: Result<(), ReaperError> = match key {
+                Key::Run { worker, job } => {
+                    let live = match live_of.get(worker) {
+                        Some(l) => l.clone(),
+                        None => {
+                            let l = r.live_session(worker).await?;
+                            live_of.insert(worker.clone(), l.clone());
+                            l
+                        }
+                    };
+                    match decide::running_action(entry, live.as_deref(), now, self.opts.clock_skew)
+                    {
+                        RunningAction::Nothing => {
+                            to_verify.push((worker.clone(), job.clone()));
+                            Ok(())
+                        }
+                        RunningAction::OwnerGone => r
+                            .recover_job(worker, job, live.as_deref(), None)
+                            .await
+                            .map(|a| self.stats.count(&a))
+                            .map_err(Into::into),
+                        RunningAction::Overdue => {
+                            tracing::warn!(
+                                job,
+                                worker,
+                                "attempt past its deadline while its worker lives; re-offering it"
+                            );
+                            r.recover_job(worker, job, live.as_deref(), Some(self.opts.clock_skew))
+                                .await
+                                .map(|a| self.stats.count(&a))
+                                .map_err(Into::into)
+                        }
+                    }
+                }
+                Key::Wait { job }
+                    if decide::waiting_is_stranded(entry, now, self.opts.stranded_grace) =>
+                {
+                    self.check_waiting(job, key).await
+                }
+                _ => Ok(()),
             };
             if let Err(e) = res {
-                tracing::warn!(job = %rec.id, error = %e, "reaper action failed; retrying at the next sweep");
+                tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep");
             }
         }
-        self.stats.sweeps.fetch_add(1, Ordering::Relaxed);
-        Ok(tally.finish(&self.id, now, self.stats.counters()))
-    }
-
-    /// Dead-letters a poison job: the lease expired after the stale-reclaim limit.
-    async fn poison(&self, id: &str) -> Result<(), ReaperError> {
-        let max = self.opts.max_stale_reclaims;
-        let mut wrote = false;
-        let v = self
-            .jobs
-            .transition(id, |cur| {
-                wrote = false;
-                let now = SystemTime::now();
-                if !decide::is_poison(cur, now, max) {
-                    return Ok(None);
-                }
-                let reason = format!(
-                    "poison: the lease expired after {} stale reclaims (limit {max}); the job keeps killing or stalling its workers",
-                    cur.stale_reclaims
-                );
-                wrote = true;
-                machine::mark_dead(cur, now, "poison", &reason).map(Some)
-            })
-            .await?;
-        if wrote {
-            self.stats.poison.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(job = %id, epoch = v.value.epoch, stale_reclaims = v.value.stale_reclaims, "poison job marked dead");
-        }
-        if v.value.status == Status::Dead.as_str() {
-            self.finish(&v.value, None, None).await?;
-        }
-        Ok(())
-    }
-
-    /// Finishes the dead-lettering of a dead record if its `dead` event is missing.
-    async fn finish_if_unfinished(&self, rec: &JobRecord) -> Result<(), ReaperError> {
-        let last = self.events.last_of_type(&rec.id, "dead").await?;
-        let covered = last.is_some_and(|(_, ev)| {
-            let marked = ev
-                .data_map()
-                .get("marked_at")
-                .and_then(|v| v.as_str().map(str::to_string));
-            decide::dead_event_covers(rec, ev.epoch, marked.as_deref())
-        });
-        if covered {
-            return Ok(());
-        }
-        tracing::info!(job = %rec.id, "finishing an interrupted dead-lettering");
-        self.finish(rec, None, None).await
-    }
-
-    /// The steps after a record became dead, each idempotent: the dead letter
-    /// and the `dead` event are both deduplicated by the death's id
-    /// (`<job>:dead:<epoch>:<marked_at>`); the event is published last, as
-    /// the completion marker, after the ticket deletion.
-    async fn finish(
-        &self,
-        rec: &JobRecord,
-        ticket: Option<&Ticket>,
-        extra_seq: Option<u64>,
-    ) -> Result<(), ReaperError> {
-        let (class, reason) = rec
-            .error
-            .as_ref()
-            .map(|e| (e.class.clone(), e.message.clone()))
-            .unwrap_or_else(|| ("dead".into(), "dead-lettered by the reaper".into()));
-        let payload: Option<Bytes> = match ticket {
-            Some(t) => Some(t.payload.clone()),
-            None if rec.ticket_seq > 0 => self.work.get(rec.ticket_seq).await?.map(|t| t.payload),
-            None => None,
-        };
-        // The spec is in the record, so a lost ticket still leaves a replayable letter.
-        let payload = payload.or_else(|| {
-            rec.spec
-                .as_ref()
-                .and_then(|s| serde_json::to_vec(s).ok())
-                .map(Bytes::from)
-        });
-        let recent = match self.events.read(&rec.id).await {
-            Ok(evs) => {
-                let skip = evs.len().saturating_sub(RECENT_EVENTS);
-                evs.into_iter().skip(skip).map(|(_, e)| e).collect()
-            }
-            Err(e) => {
-                tracing::warn!(job = %rec.id, error = %e, "cannot read the job's events; dead-lettering without them");
-                Vec::new()
-            }
-        };
-        let dlq_seq = self
-            .dlq
-            .dead_with_id(
-                rec,
-                &class,
-                &reason,
-                recent,
-                payload,
-                &decide::death_id(rec),
-            )
-            .await?;
-        for seq in [Some(rec.ticket_seq), extra_seq]
-            .into_iter()
-            .flatten()
-            .filter(|s| *s > 0)
-        {
-            self.work.delete(seq).await?;
-        }
-        let ev = events::event(
-            &rec.id,
-            rec.epoch,
-            "dead",
-            None,
-            json!({"class": class, "reason": reason, "dlq_seq": dlq_seq, "marked_at": rec.error.as_ref().map(|e| e.at.clone()), "reaper_id": self.id}),
+        self.verify_some(to_verify).await;
+        let depth = self.queue_depth().await;
+        let dlq = self.dlq_by_kind().await;
+        tally.set_queue(
+            depth,
+            live_of.values().filter(|v| v.is_some()).count() as u64,
+            dlq,
         );
-        self.events
-            .publish(&ev, Some(&decide::death_id(rec)))
-            .await?;
-        self.stats.finished.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(job = %rec.id, class, dlq_seq, "dead-lettered");
-        Ok(())
+        self.stats.sweeps.fetch_add(1, Ordering::Relaxed);
+        let mut m = tally.finish(&self.id, now, self.stats.counters());
+        m.sessions = self.count_sessions().await.unwrap_or(m.sessions);
+        Ok(m)
     }
 
-    /// Whether the ticket at `seq` is still in the work stream.
-    async fn ticket_exists(&self, seq: u64) -> Result<bool, ReaperError> {
-        Ok(seq > 0 && self.work.get(seq).await?.is_some())
+    /// Compares a rotating window of running entries (live owners) with
+    /// their records: an entry left behind by a crash between a record
+    /// write and its index write is repaired.
+    async fn verify_some(&self, mut run: Vec<(String, String)>) {
+        if run.is_empty() {
+            return;
+        }
+        run.sort_by(|a, b| a.1.cmp(&b.1));
+        let cursor = self.verify_cursor.lock().unwrap().clone();
+        let start = run.iter().position(|(_, j)| *j > cursor).unwrap_or(0);
+        let window: Vec<_> = run
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(VERIFY_PER_SWEEP.min(run.len()))
+            .cloned()
+            .collect();
+        if let Some((_, last)) = window.last() {
+            *self.verify_cursor.lock().unwrap() = last.clone();
+        }
+        for (worker, job) in window {
+            let key = Key::Run {
+                worker: worker.clone(),
+                job: job.clone(),
+            };
+            match self.recovery.jobs.get(&job).await {
+                Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {}
+                Ok(Some(v)) => {
+                    if v.value.status == Status::Dead.as_str() {
+                        let _ = self.recovery.finish_if_unfinished(&v.value).await;
+                    }
+                    if self
+                        .recovery
+                        .active
+                        .sync(&v.value, Some(&key))
+                        .await
+                        .is_ok()
+                    {
+                        self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Ok(None) => {
+                    if self.recovery.active.remove(&key).await.is_ok() {
+                        self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Err(e) => tracing::debug!(job, error = %e, "verify: record unreadable"),
+            }
+        }
     }
 
-    /// Re-enqueues a stranded job: running long past its lease, or queued,
-    /// with no work ticket left.
-    async fn recover_if_stranded(&self, id: &str) -> Result<(), ReaperError> {
-        let Some(cur) = self.jobs.get(id).await? else {
+    /// A waiting job past its due time by the grace: repair the index if
+    /// the record moved on; otherwise make sure it has a ticket that a
+    /// worker will actually be given.
+    async fn check_waiting(&self, job: &str, key: &Key) -> Result<(), ReaperError> {
+        let r = &self.recovery;
+        let Some(cur) = r.jobs.get(job).await? else {
+            r.active.remove(key).await?;
             return Ok(());
         };
         let rec = cur.value;
-        let now = SystemTime::now();
-        if decide::sweep_action(
-            &rec,
-            now,
-            self.opts.max_stale_reclaims,
-            self.opts.stranded_grace,
-        ) != SweepAction::CheckTicket
-        {
+        if Key::of(&rec).as_ref() != Some(key) {
+            if rec.status == Status::Dead.as_str() {
+                r.finish_if_unfinished(&rec).await?;
+            }
+            r.active.sync(&rec, Some(key)).await?;
+            self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        if self.ticket_exists(rec.ticket_seq).await? {
-            return Ok(());
-        }
-        // First mark the lost ticket as lost (ticket_seq 0): a worker drops a
-        // ticket older than the record's `ticket_seq` as superseded, and a
-        // restored stream can number new tickets below the lost one. The
-        // write is conditioned on the record as read, so of two replicas only
-        // one goes on from here.
-        let (status, epoch, lost) = (rec.status.clone(), rec.epoch, rec.ticket_seq);
-        let same = |r: &JobRecord| r.status == status && r.epoch == epoch;
-        let marked = if lost > 0 {
-            let mut wrote = false;
-            let v = self
+        if rec.cancel_requested {
+            // A claim honours it, but this job is not being claimed: do it here.
+            let v = r
                 .jobs
-                .transition(id, |r| {
-                    wrote = false;
-                    if !same(r) || r.ticket_seq != lost {
-                        return Ok(None);
+                .transition(job, |c| {
+                    match machine::request_cancel(c, SystemTime::now())? {
+                        machine::CancelOutcome::Cancelled(n) => Ok(Some(n)),
+                        _ => Ok(None),
                     }
-                    let mut n = r.clone();
-                    n.ticket_seq = 0;
-                    n.updated_at = rfc3339(SystemTime::now());
-                    wrote = true;
-                    Ok(Some(n))
                 })
                 .await?;
-            if !wrote {
+            r.active.sync(&v.value, Some(key)).await?;
+            return Ok(());
+        }
+        // A ticket is stuck when it is gone, or was delivered already and
+        // still not claimed long past its due time (past max deliveries with
+        // its advisory lost, or held by a worker that stopped before
+        // claiming). One not yet delivered is only waiting in a backlog.
+        let ticket = if rec.ticket_seq > 0 {
+            r.work.get(rec.ticket_seq).await?
+        } else {
+            None
+        };
+        if ticket.is_some() {
+            let delivered = self.delivered_seq(&rec.kind).await;
+            if delivered.is_none_or(|d| rec.ticket_seq > d) {
                 return Ok(());
             }
-            v.revision
-        } else {
-            cur.revision
-        };
-        // The nonce is the revision of the record that says "no ticket": every
-        // replica that sees that record publishes the same deduplicated
-        // ticket, while a later stranding of the job gets a new one.
-        let nonce = format!("r{marked}");
-        let published = self.work.reissue(&rec, "recover", &nonce).await?;
-        // Best effort: a worker claiming the new ticket first adopts its
-        // sequence itself.
-        self.jobs
-            .transition(id, |r| {
-                if r.ticket_seq != 0 || !same(r) {
+        }
+        let lost = rec.ticket_seq;
+        let published = r
+            .work
+            .reissue(&rec, "stranded", &format!("r{}", cur.revision))
+            .await?;
+        let res = r
+            .jobs
+            .transition(job, |c| {
+                if c.status != Status::Queued.as_str() || c.ticket_seq != lost {
                     return Ok(None);
                 }
-                let mut n = r.clone();
+                let mut n = c.clone();
                 n.ticket_seq = published.seq;
                 n.updated_at = rfc3339(SystemTime::now());
                 Ok(Some(n))
             })
             .await?;
-        if !published.duplicate {
+        if res.value.ticket_seq == published.seq && !published.duplicate {
+            if ticket.is_some() && lost > 0 {
+                r.work.delete(lost).await?;
+            }
+            self.stats.tickets_replaced.fetch_add(1, Ordering::Relaxed);
             self.stats.recoveries.fetch_add(1, Ordering::Relaxed);
-            let why = if status == Status::Running.as_str() {
-                "running past its lease without a work ticket"
+            let why = if ticket.is_some() {
+                "its ticket was delivered but never claimed"
             } else {
-                "queued without a work ticket"
+                "its ticket was gone"
             };
-            tracing::warn!(job = %id, status, lost_ticket = lost, new_ticket = published.seq, "stranded job re-enqueued: {why}");
-            let ev = events::event(
-                id,
-                epoch,
+            tracing::warn!(
+                job,
+                lost_ticket = lost,
+                new_ticket = published.seq,
+                "waiting job given a fresh ticket: {why}"
+            );
+            let ev = leasehold_store::events::event(
+                job,
+                rec.epoch,
                 "progress",
                 None,
                 json!({"phase": "recovered", "recovered": true, "reason": why, "ticket_seq": published.seq, "lost_ticket_seq": lost, "reaper_id": self.id}),
             );
-            self.events
-                .publish(&ev, Some(&format!("{id}:recovered:{}", published.seq)))
+            r.events
+                .publish(&ev, Some(&format!("{job}:recovered:{}", published.seq)))
                 .await?;
         }
         Ok(())
+    }
+
+    /// The last stream sequence the kind's consumer delivered.
+    async fn delivered_seq(&self, kind: &str) -> Option<u64> {
+        let mut c = self.recovery.work.consumer(kind).await.ok()?;
+        c.info().await.ok().map(|i| i.delivered.stream_sequence)
+    }
+
+    /// Tickets in the work stream (waiting or in progress).
+    async fn queue_depth(&self) -> u64 {
+        let name = self.conn.layout.work_stream();
+        match self.conn.js.get_stream(&name).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+            Err(_) => 0,
+        }
+    }
+
+    async fn dlq_by_kind(&self) -> BTreeMap<String, u64> {
+        let l = &self.conn.layout;
+        let mut out = BTreeMap::new();
+        if let Ok(s) = self.conn.js.get_stream(l.dlq_stream()).await {
+            if let Ok(info) = s.info_with_subjects(l.dlq_wildcard()).await {
+                let mut subjects = info;
+                while let Some(Ok((subject, n))) = subjects.next().await {
+                    let kind = subject.rsplit('.').next().unwrap_or_default().to_string();
+                    *out.entry(kind).or_default() += n as u64;
+                }
+            }
+        }
+        out
+    }
+
+    async fn count_sessions(&self) -> Option<u64> {
+        let mut keys = self.recovery.sessions.kv().keys().await.ok()?;
+        let mut n = 0;
+        while let Some(Ok(_)) = keys.next().await {
+            n += 1;
+        }
+        Some(n)
     }
 
     /// Handles one captured advisory; acks it once handled, NAKs it on a
@@ -636,16 +771,18 @@ impl Inner {
         }
     }
 
-    /// A ticket reached max deliveries: its job becomes `dead` (class
-    /// `max_deliveries`), is dead-lettered with the ticket's payload, and the
-    /// ticket is deleted.
+    /// A ticket reached max deliveries. A live job is never killed for it:
+    /// a running job with a live owner needs no ticket (it is only
+    /// deleted), one whose owner is gone is recovered; a waiting job becomes
+    /// `dead` (class `max_deliveries`) with the ticket's payload.
     async fn max_deliveries(&self, adv: &MaxDeliveries) -> Result<(), ReaperError> {
+        let r = &self.recovery;
         let seq = adv.stream_seq;
-        let Some(ticket) = self.work.get(seq).await? else {
+        let Some(ticket) = r.work.get(seq).await? else {
             tracing::debug!(seq, "ticket already gone; nothing to do");
             return Ok(());
         };
-        let Some(id) = self.job_of(&ticket).await? else {
+        let Some(id) = self.job_of(&ticket) else {
             // Nothing names a job: keep the raw bytes, as for a rejection.
             tracing::warn!(
                 seq,
@@ -655,7 +792,7 @@ impl Inner {
                 "{} deliveries to consumer {} without an ack",
                 adv.deliveries, adv.consumer
             );
-            self.dlq
+            r.dlq
                 .reject(
                     &ticket.kind,
                     None,
@@ -666,71 +803,69 @@ impl Inner {
                     &format!("max_deliveries:{seq}"),
                 )
                 .await?;
-            self.work.delete(seq).await?;
+            r.work.delete(seq).await?;
             return Ok(());
         };
         let reason = format!(
             "max deliveries: ticket {seq} was delivered {} times to {} without an ack",
             adv.deliveries, adv.consumer
         );
-        for _ in 0..4 {
-            let Some(cur) = self.jobs.get(&id).await? else {
-                // The ticket was never claimed: record the job as dead so it
-                // is visible and replayable like any other.
-                match self
-                    .dead_record_for_unclaimed(&id, &ticket, &reason)
-                    .await?
-                {
-                    Some(rec) => {
-                        self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
-                        return self.finish(&rec, Some(&ticket), Some(seq)).await;
-                    }
-                    None => continue,
-                }
-            };
-            let rec = cur.value;
-            if rec.ticket_seq > seq {
-                tracing::info!(job = %id, seq, current = rec.ticket_seq, "superseded ticket past max deliveries; deleting it");
-                self.work.delete(seq).await?;
-                return Ok(());
+        let Some(cur) = r.jobs.get(&id).await? else {
+            // The ticket was never claimed: record the job as dead so it
+            // is visible and replayable like any other.
+            if let Some(rec) = self
+                .dead_record_for_unclaimed(&id, &ticket, &reason)
+                .await?
+            {
+                self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
+                r.finish(&rec, Some(&ticket), Some(seq)).await?;
             }
-            return match status_of(&rec) {
-                Some(Status::Queued | Status::Running) => {
-                    let mut wrote = false;
-                    let v = self
-                        .jobs
-                        .transition(&id, |r| {
-                            wrote = false;
-                            if r.ticket_seq > seq
-                                || !matches!(status_of(r), Some(Status::Queued | Status::Running))
-                            {
-                                return Ok(None);
-                            }
-                            wrote = true;
-                            machine::mark_dead(r, SystemTime::now(), "max_deliveries", &reason)
-                                .map(Some)
-                        })
-                        .await?;
-                    if wrote {
-                        self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(job = %id, seq, deliveries = adv.deliveries, "job past max deliveries marked dead");
-                    }
-                    if v.value.status == Status::Dead.as_str() {
-                        self.finish(&v.value, Some(&ticket), Some(seq)).await
-                    } else {
-                        self.work.delete(seq).await.map(|_| ()).map_err(Into::into)
-                    }
-                }
-                Some(Status::Dead) => self.finish(&rec, Some(&ticket), Some(seq)).await,
-                // Terminal or parked: the ticket has nothing left to do.
-                _ => self.work.delete(seq).await.map(|_| ()).map_err(Into::into),
-            };
+            return Ok(());
+        };
+        let rec = cur.value;
+        if rec.ticket_seq > seq {
+            tracing::info!(job = %id, seq, current = rec.ticket_seq, "superseded ticket past max deliveries; deleting it");
+            r.work.delete(seq).await?;
+            return Ok(());
         }
-        Err(ReaperError::Jobs(JobsError::Conflict(id)))
+        match status_of(&rec) {
+            Some(Status::Running) => {
+                let worker = rec.worker_id.clone().unwrap_or_default();
+                let live = r.live_session(&worker).await?;
+                if live.is_some() && live == rec.session {
+                    tracing::info!(job = %id, seq, worker, "ticket past max deliveries of a job its live owner runs: deleted, the job goes on");
+                    r.work.delete(seq).await?;
+                    return Ok(());
+                }
+                let a = r.recover_job(&worker, &id, live.as_deref(), None).await?;
+                self.stats.count(&a);
+                r.work.delete(seq).await?;
+                Ok(())
+            }
+            Some(Status::Queued) => {
+                let killed = r
+                    .kill(&id, "max_deliveries", &reason, |c| {
+                        c.status == Status::Queued.as_str() && c.ticket_seq <= seq
+                    })
+                    .await?;
+                if killed == recovery::Killed::Now {
+                    self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(job = %id, seq, deliveries = adv.deliveries, "waiting job past max deliveries marked dead");
+                }
+                r.work.delete(seq).await?;
+                Ok(())
+            }
+            Some(Status::Dead) => {
+                r.finish(&rec, Some(&ticket), Some(seq)).await?;
+                Ok(())
+            }
+            // Terminal or parked: the ticket has nothing left to do.
+            _ => r.work.delete(seq).await.map(|_| ()).map_err(Into::into),
+        }
     }
 
     /// Creates a dead record for a ticket whose job was never recorded;
-    /// `None` when a record appeared meanwhile (decide again).
+    /// `None` when a record appeared meanwhile.
     async fn dead_record_for_unclaimed(
         &self,
         id: &str,
@@ -752,7 +887,7 @@ impl Inner {
         let fresh = machine::new_record(id, &ticket.kind, spec, ticket.seq, now);
         let dead = machine::mark_dead(&fresh, now, "max_deliveries", reason)
             .expect("a queued record can die");
-        match self.jobs.create(&dead).await {
+        match self.recovery.jobs.create(&dead).await {
             Ok(_) => Ok(Some(dead)),
             Err(JobsError::Exists(_) | JobsError::Conflict(_)) => Ok(None),
             Err(e) => Err(e.into()),
@@ -760,11 +895,10 @@ impl Inner {
     }
 
     /// The job a ticket belongs to: its `Lh-Job-Id` or `Nats-Msg-Id`
-    /// header, else the id its payload gives (spec `id`, else `seq-<n>`),
-    /// else the record whose `ticket_seq` is this ticket.
-    async fn job_of(&self, ticket: &Ticket) -> Result<Option<String>, ReaperError> {
+    /// header, else the id its payload gives (spec `id`, else `seq-<n>`).
+    fn job_of(&self, ticket: &Ticket) -> Option<String> {
         if let Some(id) = work::ticket_job_id(Some(&ticket.headers)) {
-            return Ok(Some(id));
+            return Some(id);
         }
         let ct = work::content_type(Some(&ticket.headers));
         let sub = Submission {
@@ -774,17 +908,9 @@ impl Inner {
             content_type: ct.as_deref(),
             stream_seq: ticket.seq,
         };
-        let decoded = match spec::decode(sub, &self.kinds, usize::MAX) {
+        match spec::decode(sub, &self.kinds, usize::MAX) {
             Ok(a) => Some(a.id),
             Err(r) => r.id,
-        };
-        if decoded.is_some() {
-            return Ok(decoded);
         }
-        let all = self.jobs.all().await?;
-        Ok(all
-            .into_iter()
-            .find(|v| v.value.ticket_seq == ticket.seq)
-            .map(|v| v.value.id))
     }
 }

@@ -6,7 +6,8 @@
 //! default `lh`).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::layout::Layout;
 use crate::StoreError;
@@ -89,12 +90,24 @@ impl NatsArgs {
         }
     }
 
+    /// The server URL(s) with any credentials in them replaced by `***`,
+    /// for logs and errors.
+    pub fn url_for_logs(&self) -> String {
+        redact_url(&self.url)
+    }
+
     /// Connects and returns the client together with the namespace layout.
     pub async fn connect(&self, name: &str) -> Result<Conn, StoreError> {
         let layout = Layout::new(&self.prefix)?;
+        let link = Link::default();
+        let events = link.clone();
         let mut opts = async_nats::ConnectOptions::new()
             .name(name)
-            .connection_timeout(Duration::from_secs(5));
+            .connection_timeout(Duration::from_secs(5))
+            .event_callback(move |ev| {
+                let events = events.clone();
+                async move { events.on(ev) }
+            });
         if let Some(creds) = &self.creds {
             opts = opts
                 .credentials_file(creds)
@@ -133,7 +146,7 @@ impl NatsArgs {
             .split(',')
             .map(|u| u.trim().parse::<async_nats::ServerAddr>())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| StoreError::Config(format!("NATS_URL {:?}: {e}", self.url)))?;
+            .map_err(|e| StoreError::Config(format!("NATS_URL {:?}: {e}", self.url_for_logs())))?;
         // Fail fast with a clear message when nothing answers, instead of the
         // client's silent retry loop.
         let client = tokio::time::timeout(Duration::from_secs(10), opts.connect(addrs))
@@ -141,11 +154,124 @@ impl NatsArgs {
             .map_err(|_| {
                 StoreError::Connect(format!(
                     "no NATS server answered at {} within 10s (set NATS_URL, or start one: `nats-server -js`)",
-                    self.url
+                    self.url_for_logs()
                 ))
             })?
-            .map_err(|e| StoreError::Connect(format!("{}: {e}; set NATS_URL to a running server (`nats-server -js`)", self.url)))?;
-        Ok(Conn::new(client, layout))
+            .map_err(|e| StoreError::Connect(format!("{}: {e}; set NATS_URL to a running server (`nats-server -js`)", self.url_for_logs())))?;
+        let mut conn = Conn::new(client, layout);
+        conn.link = link;
+        Ok(conn)
+    }
+}
+
+/// What the connection's events tell: whether it is up, since when, and
+/// how often it came back (for readiness, and for judging others' sessions
+/// only once our own view of the server has settled).
+#[derive(Clone, Debug)]
+pub struct Link {
+    inner: Arc<Mutex<LinkState>>,
+}
+
+#[derive(Debug)]
+struct LinkState {
+    connected: bool,
+    since: Instant,
+    reconnects: u64,
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link {
+            inner: Arc::new(Mutex::new(LinkState {
+                connected: true,
+                since: Instant::now(),
+                reconnects: 0,
+            })),
+        }
+    }
+}
+
+impl Link {
+    fn on(&self, ev: async_nats::Event) {
+        let mut s = self.inner.lock().expect("link state");
+        match ev {
+            async_nats::Event::Connected => {
+                if !s.connected {
+                    s.reconnects += 1;
+                }
+                s.connected = true;
+                s.since = Instant::now();
+            }
+            async_nats::Event::Disconnected => {
+                s.connected = false;
+                s.since = Instant::now();
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether the client is connected now.
+    pub fn is_connected(&self) -> bool {
+        self.inner.lock().expect("link state").connected
+    }
+
+    /// How long the connection has been up (zero while it is down).
+    pub fn connected_for(&self) -> Duration {
+        let s = self.inner.lock().expect("link state");
+        if s.connected {
+            s.since.elapsed()
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// How many times the connection came back after a loss.
+    pub fn reconnects(&self) -> u64 {
+        self.inner.lock().expect("link state").reconnects
+    }
+}
+
+/// `url` (or a comma-separated list of URLs) with the user-info part's
+/// secrets replaced: `nats://user:pw@h` → `nats://user:***@h`,
+/// `nats://token@h` → `nats://***@h`.
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(|u| {
+            let u = u.trim();
+            let (scheme, rest) = match u.find("://") {
+                Some(i) => (&u[..i + 3], &u[i + 3..]),
+                None => ("", u),
+            };
+            let host_end = rest.find(['/', '?']).unwrap_or(rest.len());
+            match rest[..host_end].rfind('@') {
+                Some(at) => {
+                    let info = &rest[..at];
+                    let hidden = match info.find(':') {
+                        Some(c) => format!("{}:***", &info[..c]),
+                        None => "***".to_string(),
+                    };
+                    format!("{scheme}{hidden}{}", &rest[at..])
+                }
+                None => u.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn credentials_never_reach_a_log() {
+        assert_eq!(redact_url("nats://a:secret@h:4222"), "nats://a:***@h:4222");
+        assert_eq!(redact_url("nats://tok@h"), "nats://***@h");
+        assert_eq!(
+            redact_url("nats://h1:4222, tls://u:p@h2:4222"),
+            "nats://h1:4222,tls://u:***@h2:4222"
+        );
+        assert_eq!(redact_url("nats://h/path@x"), "nats://h/path@x");
     }
 }
 
@@ -155,11 +281,22 @@ pub struct Conn {
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     pub layout: Layout,
+    pub link: Link,
 }
 
 impl Conn {
     pub fn new(client: async_nats::Client, layout: Layout) -> Self {
         let js = async_nats::jetstream::new(client.clone());
-        Conn { client, js, layout }
+        Conn {
+            client,
+            js,
+            layout,
+            link: Link::default(),
+        }
+    }
+
+    /// How long the connection has been up (see [`Link`]).
+    pub fn connected_for(&self) -> Duration {
+        self.link.connected_for()
     }
 }

@@ -123,9 +123,9 @@ impl Events {
         };
         if epoch > 1 {
             let nats = |e: StoreError| FenceError::Nats(e.to_string());
-            let last = self.last(job_id).await.map_err(nats)?;
+            let last = self.last_from_leader(job_id).await.map_err(nats)?;
             fence.last_seq = last.map_or(0, |(seq, _)| seq);
-            let claimed = self.last_of_type(job_id, "claimed").await.map_err(nats)?;
+            let claimed = self.last_claim_from_leader(job_id).await.map_err(nats)?;
             if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > epoch) {
                 return Err(FenceError::Lost {
                     ours: epoch,
@@ -142,15 +142,42 @@ impl Events {
 
     /// The last event of a job and its sequence.
     pub async fn last(&self, job_id: &str) -> Result<Option<(u64, JobEvent)>, StoreError> {
-        self.last_on(self.layout.job_events_filter(job_id)).await
+        self.last_on(self.layout.job_events_filter(job_id), false)
+            .await
     }
 
-    async fn last_on(&self, subject: String) -> Result<Option<(u64, JobEvent)>, StoreError> {
+    /// Like [`Events::last`], read from the stream's leader: what decides a
+    /// fence must not come from a replica that lags behind (a direct get
+    /// may be answered by any replica).
+    async fn last_from_leader(&self, job_id: &str) -> Result<Option<(u64, JobEvent)>, StoreError> {
+        self.last_on(self.layout.job_events_filter(job_id), true)
+            .await
+    }
+
+    async fn last_on(
+        &self,
+        subject: String,
+        leader: bool,
+    ) -> Result<Option<(u64, JobEvent)>, StoreError> {
         let stream = self
             .js
             .get_stream_no_info(&self.stream)
             .await
             .map_err(|e| StoreError::nats("events stream", e))?;
+        if leader {
+            return match stream.get_last_raw_message_by_subject(&subject).await {
+                Ok(m) => Ok(Some((
+                    m.sequence,
+                    serde_json::from_slice(&m.payload).unwrap_or_default(),
+                ))),
+                Err(e)
+                    if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+                {
+                    Ok(None)
+                }
+                Err(e) => Err(StoreError::nats("last event", e)),
+            };
+        }
         match stream.direct_get_last_for_subject(subject).await {
             Ok(m) => Ok(Some((
                 m.sequence,
@@ -167,7 +194,16 @@ impl Events {
         job_id: &str,
         ty: &str,
     ) -> Result<Option<(u64, JobEvent)>, StoreError> {
-        self.last_on(self.layout.event_subject(job_id, ty)).await
+        self.last_on(self.layout.event_subject(job_id, ty), false)
+            .await
+    }
+
+    async fn last_claim_from_leader(
+        &self,
+        job_id: &str,
+    ) -> Result<Option<(u64, JobEvent)>, StoreError> {
+        self.last_on(self.layout.event_subject(job_id, "claimed"), true)
+            .await
     }
 
     /// Every event of one job, in order, with its stream sequence.
@@ -293,10 +329,14 @@ impl Fence {
                     // claim marker: a marker landing after the first read
                     // moves the sequence again, so the retry is refused too.
                     let nats = |e: StoreError| FenceError::Nats(e.to_string());
-                    let last = self.events.last(&self.job_id).await.map_err(nats)?;
+                    let last = self
+                        .events
+                        .last_from_leader(&self.job_id)
+                        .await
+                        .map_err(nats)?;
                     let claimed = self
                         .events
-                        .last_of_type(&self.job_id, "claimed")
+                        .last_claim_from_leader(&self.job_id)
                         .await
                         .map_err(nats)?;
                     if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > self.epoch) {

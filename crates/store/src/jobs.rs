@@ -13,7 +13,7 @@
 //! (see `leasehold_core::machine::check_owner`).
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use async_nats::jetstream::kv;
 use bytes::Bytes;
@@ -51,6 +51,10 @@ pub enum JobsError {
     /// NATS did not answer or failed: transient, retry later.
     #[error("NATS: {0}")]
     Nats(String),
+    /// The owner's session was not confirmed recently enough to act on it
+    /// (the process was paused, or cut off from NATS): wait for a renewal.
+    #[error("this worker's session was last confirmed {0:?} ago; not acting until it is renewed")]
+    SessionStale(std::time::Duration),
 }
 
 impl JobsError {
@@ -63,7 +67,10 @@ impl JobsError {
 
     /// Worth retrying the same operation after a pause.
     pub fn is_transient(&self) -> bool {
-        matches!(self, JobsError::Nats(_) | JobsError::Conflict(_))
+        matches!(
+            self,
+            JobsError::Nats(_) | JobsError::Conflict(_) | JobsError::SessionStale(_)
+        )
     }
 }
 
@@ -80,12 +87,7 @@ const MAX_CONFLICTS: usize = 32;
 
 impl Jobs {
     pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
-        let bucket = conn.layout.jobs_bucket();
-        let kv = conn
-            .js
-            .get_key_value(&bucket)
-            .await
-            .map_err(|_| StoreError::Missing(vec![format!("KV bucket {bucket}")]))?;
+        let kv = crate::open_kv(conn, &conn.layout.jobs_bucket()).await?;
         Ok(Jobs { kv })
     }
 
@@ -190,12 +192,21 @@ impl Jobs {
         Ok(out)
     }
 
-    /// Every record (a scan; fine for operators' listings and the reaper's sweep).
-    pub async fn all(&self) -> Result<Vec<Versioned<JobRecord>>, JobsError> {
-        let mut out = Vec::new();
+    /// Every record (a scan of the whole history: only `leasehold list
+    /// --all` uses it; everything periodic reads the index of active jobs).
+    /// An unreadable record is skipped and reported in `corrupt`, never
+    /// aborting the listing.
+    pub async fn all(&self) -> Result<Listing, JobsError> {
+        let mut out = Listing::default();
         for id in self.ids().await? {
-            if let Some(v) = self.get(&id).await? {
-                out.push(v);
+            match self.get(&id).await {
+                Ok(Some(v)) => out.records.push(v),
+                Ok(None) => {}
+                Err(JobsError::Corrupt { id, message }) => {
+                    tracing::warn!(job = %id, error = %message, "unreadable job record skipped");
+                    out.corrupt.push((id, message));
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(out)
@@ -238,6 +249,14 @@ impl Jobs {
     }
 }
 
+/// A listing of records, with the ones that could not be read.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub records: Vec<Versioned<JobRecord>>,
+    /// `(id, error)` of each record that did not decode.
+    pub corrupt: Vec<(String, String)>,
+}
+
 /// Decodes a KV value as a job record.
 pub fn decode(id: &str, bytes: &[u8]) -> Result<JobRecord, JobsError> {
     serde_json::from_slice(bytes).map_err(|e| JobsError::Corrupt {
@@ -267,6 +286,11 @@ pub struct Gate {
     /// request, a reclaim) makes that write conflict, and the slow path
     /// re-reads and decides on the fresh record.
     last: Arc<Mutex<Option<Versioned<JobRecord>>>>,
+    /// Fires once any record this gate reads or writes carries
+    /// `cancel_requested`: every owner write doubles as a cancellation check.
+    cancel_seen: tokio_util::sync::CancellationToken,
+    /// The owner process's session, checked before [`Gate::touch`].
+    session: Option<crate::sessions::SessionClock>,
 }
 
 impl Gate {
@@ -276,7 +300,21 @@ impl Gate {
             id: id.into(),
             owner,
             last: Arc::default(),
+            cancel_seen: tokio_util::sync::CancellationToken::new(),
+            session: None,
         }
+    }
+
+    /// This gate's [`Gate::touch`] also requires a recently confirmed session.
+    pub fn with_session(mut self, clock: crate::sessions::SessionClock) -> Self {
+        self.session = Some(clock);
+        self
+    }
+
+    /// Fires when a record read or written by this gate says the job was
+    /// asked to be cancelled.
+    pub fn cancel_seen(&self) -> tokio_util::sync::CancellationToken {
+        self.cancel_seen.clone()
     }
 
     /// A gate that starts from the record the claim wrote.
@@ -316,14 +354,23 @@ impl Gate {
     }
 
     fn remember(&self, v: Versioned<JobRecord>) -> Versioned<JobRecord> {
+        if v.value.cancel_requested {
+            self.cancel_seen.cancel();
+        }
         *self.last.lock().expect("gate cache") = Some(v.clone());
         v
     }
 
-    /// Extends the lease.
-    pub async fn heartbeat(&self, lease: Duration) -> Result<Versioned<JobRecord>, JobsError> {
-        self.write(|r, o, now| machine::heartbeat(r, o, now, lease))
-            .await
+    /// Proves ownership with a conditioned write (the record's
+    /// `last_heartbeat_at`): refused once anyone else changed the job's
+    /// ownership. Called right before every write effect, where a read
+    /// would prove nothing (it can be stale, and the owner can pause between
+    /// the read and the effect).
+    pub async fn touch(&self) -> Result<Versioned<JobRecord>, JobsError> {
+        if let Some(c) = self.session.as_ref().filter(|c| !c.is_fresh()) {
+            return Err(JobsError::SessionStale(c.age()));
+        }
+        self.write(machine::touch).await
     }
 
     /// Reads the record and proves ownership without writing.
@@ -334,12 +381,20 @@ impl Gate {
             .await?
             .ok_or_else(|| JobsError::NotFound(self.id.clone()))?;
         machine::check_owner(&cur.value, &self.owner)?;
+        if cur.value.cancel_requested {
+            self.cancel_seen.cancel();
+        }
         Ok(cur)
     }
 }
 
-/// Records a cancellation request; the JSON reply says whether it was recorded.
-pub async fn cancel(jobs: &Jobs, events: &crate::events::Events, id: &str) -> serde_json::Value {
+/// Records a cancellation request; the JSON reply says whether it was
+/// recorded, and the worker to notify (the owner of a running job).
+pub async fn cancel(
+    jobs: &Jobs,
+    events: &crate::events::Events,
+    id: &str,
+) -> (serde_json::Value, Option<String>) {
     let mut outcome = None;
     let res = jobs
         .transition(id, |rec| {
@@ -376,11 +431,21 @@ pub async fn cancel(jobs: &Jobs, events: &crate::events::Events, id: &str) -> se
                 );
                 let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
             }
-            json!({"id": id, "recorded": matches!(what, "cancelled" | "requested" | "already_requested"), "outcome": what, "status": v.value.status})
+            let owner = (v.value.status == "running")
+                .then(|| v.value.worker_id.clone())
+                .flatten();
+            (
+                json!({"id": id, "recorded": matches!(what, "cancelled" | "requested" | "already_requested"), "outcome": what, "status": v.value.status}),
+                owner,
+            )
         }
-        Err(JobsError::NotFound(_)) => {
-            json!({"id": id, "recorded": false, "outcome": "not_found", "error": format!("no job {id}")})
-        }
-        Err(e) => json!({"id": id, "recorded": false, "outcome": "error", "error": e.to_string()}),
+        Err(JobsError::NotFound(_)) => (
+            json!({"id": id, "recorded": false, "outcome": "not_found", "error": format!("no job {id}")}),
+            None,
+        ),
+        Err(e) => (
+            json!({"id": id, "recorded": false, "outcome": "error", "error": e.to_string()}),
+            None,
+        ),
     }
 }

@@ -120,6 +120,44 @@ impl Layout {
     }
 }
 
+/// Names of worker liveness (sessions) and the index of active jobs.
+impl Layout {
+    /// KV bucket of worker sessions: key = worker id, kept alive by the
+    /// worker's renewals, removed by the server when they stop (per-key TTL).
+    pub fn sessions_bucket(&self) -> String {
+        format!("{}_sessions", self.prefix.replace('-', "_"))
+    }
+    /// Durable consumer (headers only) of the sessions bucket's stream,
+    /// shared by every worker and reaper: each ended session is handled by
+    /// one of them.
+    pub fn session_watch_consumer(&self) -> String {
+        format!("{}_session_ends", self.prefix)
+    }
+    /// KV bucket indexing the jobs that are not finished: `run.<worker>.<job>`,
+    /// `wait.<job>`, `park.<job>`. Nothing ever lists the job records themselves.
+    pub fn active_bucket(&self) -> String {
+        format!("{}_active", self.prefix.replace('-', "_"))
+    }
+    /// `lh.workers.<worker>.<what>`: requests to one worker process (`ping`, `cancel`).
+    pub fn worker_subject(&self, worker_id: &str, what: &str) -> String {
+        format!("{}.workers.{worker_id}.{what}", self.prefix)
+    }
+    /// `lh.workers.<worker>.*`: everything addressed to one worker.
+    pub fn worker_wildcard(&self, worker_id: &str) -> String {
+        format!("{}.workers.{worker_id}.*", self.prefix)
+    }
+}
+
+/// Whether `id` can name a worker: it is a KV key and a subject token
+/// (letters, digits, `-`, `_`, `=`; at most 128).
+pub fn valid_worker_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='))
+}
+
 /// Names used by the reaper service.
 impl Layout {
     /// Durable consumer of the reapers on the advisory stream. Every replica
@@ -153,5 +191,10 @@ mod tests {
         assert_eq!(l.kind_of_submit_subject("lh.submit.echo"), Some("echo"));
         assert_eq!(Layout::new("acme").unwrap().jobs_bucket(), "acme_jobs");
         assert!(Layout::new("a.b").is_err());
+        assert_eq!(l.sessions_bucket(), "lh_sessions");
+        assert_eq!(l.active_bucket(), "lh_active");
+        assert_eq!(l.worker_subject("w-1", "ping"), "lh.workers.w-1.ping");
+        assert!(valid_worker_id("pod-7_a"));
+        assert!(!valid_worker_id("a.b") && !valid_worker_id("a b") && !valid_worker_id(""));
     }
 }

@@ -12,12 +12,24 @@
 //! - [`events`]: job events, and [`events::Fence`], server-side fenced publication.
 //! - [`work`]: work tickets in the work-queue stream.
 //! - [`dlq`]: dead letters.
+//! - [`sessions`]: worker sessions (liveness with one write per period per process).
+//! - [`index`]: the index of active jobs (running by owner, waiting, parked).
+//! - [`recovery`]: re-offering the jobs of ended sessions, dead-lettering,
+//!   shared by workers and reapers.
+//!
+//! Lookups tell *missing* from *unavailable*: a stream, bucket or consumer
+//! the server says does not exist is [`StoreError::Missing`] (run `leasehold
+//! setup`); any other failure is [`StoreError::Unavailable`] (a leader
+//! election, a restarting node), retried at start by [`retry_unavailable`].
 
 pub mod connect;
 pub mod dlq;
 pub mod events;
+pub mod index;
 pub mod jobs;
 pub mod layout;
+pub mod recovery;
+pub mod sessions;
 pub mod setup;
 pub mod work;
 
@@ -34,6 +46,10 @@ pub enum StoreError {
     Connect(String),
     #[error("the NATS layout is incomplete, run `leasehold setup`: missing {}", .0.join(", "))]
     Missing(Vec<String>),
+    /// The server did not answer a lookup (a leader election, a node
+    /// restarting): not a missing layout; try again.
+    #[error("NATS JetStream is unavailable ({0}); retrying may help")]
+    Unavailable(String),
     #[error("{0}")]
     Nats(String),
 }
@@ -41,6 +57,94 @@ pub enum StoreError {
 impl StoreError {
     pub(crate) fn nats(context: &str, e: impl std::fmt::Display) -> Self {
         StoreError::Nats(format!("{context}: {e}"))
+    }
+
+    /// Worth trying again (the server did not answer, or failed).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Nats(_))
+    }
+}
+
+/// Whether `err` says a stream, consumer or bucket does not exist (the
+/// server's definite answer), as opposed to a failure to answer.
+pub fn is_not_found(err: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{
+        ConsumerInfoError, ConsumerInfoErrorKind, GetStreamError, GetStreamErrorKind,
+    };
+    use async_nats::jetstream::ErrorCode;
+    let not_found = |c: ErrorCode| {
+        matches!(
+            c,
+            ErrorCode::STREAM_NOT_FOUND | ErrorCode::CONSUMER_NOT_FOUND
+        )
+    };
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if let Some(g) = e.downcast_ref::<GetStreamError>() {
+            if let GetStreamErrorKind::JetStream(js) = g.kind() {
+                return not_found(js.error_code());
+            }
+        }
+        if let Some(c) = e.downcast_ref::<ConsumerInfoError>() {
+            if matches!(
+                c.kind(),
+                ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
+            ) {
+                return true;
+            }
+        }
+        if let Some(js) = e.downcast_ref::<async_nats::jetstream::Error>() {
+            return not_found(js.error_code());
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// Maps a lookup error of `what` to `Missing` or `Unavailable`.
+pub fn lookup_error(what: String, e: &(dyn std::error::Error + 'static)) -> StoreError {
+    if is_not_found(e) {
+        StoreError::Missing(vec![what])
+    } else {
+        StoreError::Unavailable(format!("{what}: {e}"))
+    }
+}
+
+/// Opens a KV bucket, telling a missing bucket from an unavailable server.
+pub async fn open_kv(
+    conn: &Conn,
+    bucket: &str,
+) -> Result<async_nats::jetstream::kv::Store, StoreError> {
+    conn.js
+        .get_key_value(bucket)
+        .await
+        .map_err(|e| lookup_error(format!("KV bucket {bucket}"), &e))
+}
+
+/// Runs `op` until it succeeds, fails with anything but
+/// [`StoreError::Unavailable`], or `deadline` passes (then the last
+/// error is returned). For start-up lookups during a NATS rolling restart:
+/// an unavailable server is waited for, a missing layout stops at once.
+pub async fn retry_unavailable<T, F, Fut>(
+    what: &str,
+    deadline: std::time::Duration,
+    mut op: F,
+) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let end = tokio::time::Instant::now() + deadline;
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        match op().await {
+            Err(StoreError::Unavailable(m)) if tokio::time::Instant::now() + pause < end => {
+                tracing::warn!(what, error = %m, "NATS unavailable; retrying in {pause:?}");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(2));
+            }
+            other => return other,
+        }
     }
 }
 

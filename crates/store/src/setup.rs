@@ -10,6 +10,9 @@
 //! | `lh_artifacts` | object store | reports |
 //! | `LH_DLQ` | stream, limits | `lh.dlq.>` |
 //! | `LH_ADVISORIES` | stream, limits | the server's max-deliveries advisories of `LH_WORK`, kept for the reaper |
+//! | `lh_sessions` | KV bucket, per-key TTL | worker sessions; the server removes a key when its renewals stop and leaves a marker |
+//! | `lh_session_ends` | durable consumer of `KV_lh_sessions`, headers only | shared by workers and reapers: each ended session handled once |
+//! | `lh_active` | KV bucket | the index of active jobs (`run.<worker>.<job>`, `wait.<job>`, `park.<job>`) |
 
 use std::time::Duration;
 
@@ -141,6 +144,62 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
     .map_err(|e| err("jobs bucket", &e))?;
     report.push(format!("kv {}", l.jobs_bucket()));
 
+    // Sessions: per-key TTL with markers, so an ended session is an event.
+    // A marker stays a day: long enough for a recoverer to come back.
+    js.create_or_update_key_value(kv::Config {
+        bucket: l.sessions_bucket(),
+        description: "leasehold worker sessions (one key per live worker process)".into(),
+        history: 1,
+        storage: stream::StorageType::File,
+        num_replicas: o.replicas,
+        limit_markers: Some(Duration::from_secs(86_400)),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| err("sessions bucket", &e))?;
+    report.push(format!("kv {}", l.sessions_bucket()));
+    let ss = js
+        .get_stream(format!("KV_{}", l.sessions_bucket()))
+        .await
+        .map_err(|e| err("sessions stream", &e))?;
+    let watch = l.session_watch_consumer();
+    let watch_cfg = consumer::pull::Config {
+        durable_name: Some(watch.clone()),
+        description: Some(
+            "leasehold: ended worker sessions, handled by any worker or reaper".into(),
+        ),
+        filter_subject: format!("$KV.{}.>", l.sessions_bucket()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(30),
+        headers_only: true,
+        deliver_policy: consumer::DeliverPolicy::New,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
+    if ss.consumer_info(&watch).await.is_ok() {
+        ss.update_consumer(watch_cfg)
+            .await
+            .map_err(|e| err(&watch, &e))?;
+    } else {
+        ss.create_consumer(watch_cfg)
+            .await
+            .map_err(|e| err(&watch, &e))?;
+    }
+    report.push(format!("consumer {watch} (ended sessions)"));
+
+    js.create_or_update_key_value(kv::Config {
+        bucket: l.active_bucket(),
+        description: "leasehold index of active jobs (running by owner, waiting, parked)".into(),
+        history: 1,
+        storage: stream::StorageType::File,
+        num_replicas: o.replicas,
+        limit_markers: Some(Duration::from_secs(60)),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| err("active index", &e))?;
+    report.push(format!("kv {}", l.active_bucket()));
+
     js.create_or_update_key_value(effects_config(
         l.effects_bucket(),
         o.effects_retention,
@@ -205,44 +264,91 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
     Ok(report)
 }
 
-/// Checks that what `kinds` need exists; the error lists exactly what is missing.
+/// Checks that what `kinds` need exists; the error lists exactly what is
+/// missing. A lookup the server did not answer is
+/// [`StoreError::Unavailable`], never "missing": callers retry it (see
+/// [`crate::retry_unavailable`]) instead of sending the operator to re-run
+/// setup during a leader election.
 pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
     let l = &conn.layout;
     let js = &conn.js;
     let mut missing = Vec::new();
-    match js.get_stream(l.work_stream()).await {
+    // Not found is collected; anything else stops the check as unavailable.
+    let mut note = |r: Result<(), StoreError>| -> Result<(), StoreError> {
+        match r {
+            Ok(()) => Ok(()),
+            Err(StoreError::Missing(m)) => {
+                missing.extend(m);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    };
+    let work = js
+        .get_stream(l.work_stream())
+        .await
+        .map_err(|e| crate::lookup_error(format!("stream {}", l.work_stream()), &e));
+    match work {
         Ok(mut s) => {
             let subjects = s
                 .info()
                 .await
                 .map(|i| i.config.subjects.clone())
-                .unwrap_or_default();
+                .map_err(|e| StoreError::Unavailable(format!("stream {}: {e}", l.work_stream())))?;
             for kind in kinds {
                 let subj = l.submit_subject(kind);
                 if !subjects.contains(&subj) {
-                    missing.push(format!("subject {subj} on stream {}", l.work_stream()));
+                    note(Err(StoreError::Missing(vec![format!(
+                        "subject {subj} on stream {}",
+                        l.work_stream()
+                    )])))?;
                 }
                 let name = l.work_consumer(kind);
-                if s.consumer_info(&name).await.is_err() {
-                    missing.push(format!("consumer {name}"));
-                }
+                note(
+                    s.consumer_info(&name)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| crate::lookup_error(format!("consumer {name}"), &e)),
+                )?;
             }
         }
-        Err(_) => missing.push(format!("stream {}", l.work_stream())),
+        Err(e) => note(Err(e))?,
     }
-    for s in [l.events_stream(), l.dlq_stream(), l.advisory_stream()] {
-        if js.get_stream(&s).await.is_err() {
-            missing.push(format!("stream {s}"));
-        }
+    for name in [l.events_stream(), l.dlq_stream(), l.advisory_stream()] {
+        note(
+            js.get_stream(&name)
+                .await
+                .map(|_| ())
+                .map_err(|e| crate::lookup_error(format!("stream {name}"), &e)),
+        )?;
     }
-    for b in [l.jobs_bucket(), l.effects_bucket()] {
-        if js.get_key_value(&b).await.is_err() {
-            missing.push(format!("KV bucket {b}"));
-        }
+    for b in [
+        l.jobs_bucket(),
+        l.effects_bucket(),
+        l.sessions_bucket(),
+        l.active_bucket(),
+    ] {
+        note(crate::open_kv(conn, &b).await.map(|_| ()))?;
     }
-    if js.get_object_store(l.artifacts_bucket()).await.is_err() {
-        missing.push(format!("object store {}", l.artifacts_bucket()));
+    let watch = l.session_watch_consumer();
+    if let Ok(ss) = js
+        .get_stream_no_info(format!("KV_{}", l.sessions_bucket()))
+        .await
+    {
+        note(
+            ss.consumer_info(&watch)
+                .await
+                .map(|_| ())
+                .map_err(|e| crate::lookup_error(format!("consumer {watch}"), &e)),
+        )?;
     }
+    let obj = l.artifacts_bucket();
+    note(
+        js.get_object_store(&obj)
+            .await
+            .map(|_| ())
+            .map_err(|e| crate::lookup_error(format!("object store {obj}"), &e)),
+    )?;
     if missing.is_empty() {
         Ok(())
     } else {

@@ -51,21 +51,22 @@ impl Work {
     }
 
     async fn stream(&self) -> Result<jetstream::stream::Stream<()>, StoreError> {
+        let name = self.layout.work_stream();
         self.js
-            .get_stream_no_info(self.layout.work_stream())
+            .get_stream_no_info(&name)
             .await
-            .map_err(|e| StoreError::nats("work stream", e))
+            .map_err(|e| crate::lookup_error(format!("stream {name}"), &e))
     }
 
     /// The durable pull consumer of one kind.
     pub async fn consumer(&self, kind: &str) -> Result<PullConsumer, StoreError> {
         let name = self.layout.work_consumer(kind);
-        self.stream().await?.get_consumer(&name).await.map_err(|_| {
-            StoreError::Missing(vec![format!(
-                "consumer {name} on {}",
-                self.layout.work_stream()
-            )])
-        })
+        let what = format!("consumer {name} on {}", self.layout.work_stream());
+        self.stream()
+            .await?
+            .get_consumer(&name)
+            .await
+            .map_err(|e| crate::lookup_error(what, &*e))
     }
 
     /// The ack wait of one kind's consumer (the server's backoff[0] when set).

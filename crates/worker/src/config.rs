@@ -1,12 +1,15 @@
-//! Worker configuration. Every flag also reads `LH_<FLAG>` (e.g. `--lease 3s`
-//! or `LH_LEASE=3s`); durations are written like `500ms`, `3s`, `2m`.
+//! Worker configuration. Every flag also reads `LH_<FLAG>` (e.g.
+//! `--session-timeout 3s` or `LH_SESSION_TIMEOUT=3s`); durations are written like `500ms`, `3s`, `2m`.
 //!
 //! | flag | default | meaning |
 //! |---|---|---|
 //! | `--worker-id` | unique per process | stable identity (e.g. the pod name): jobs this identity held in an earlier process are reclaimed at start |
 //! | `--concurrency` | 16 | jobs run at once; never more tickets are pulled than free slots |
-//! | `--lease` | 180s | how long a claim stays valid without a heartbeat |
-//! | `--heartbeat` | 60s | how often the lease is extended |
+//! | `--session-timeout` | 10s | a worker whose session is not renewed for this long has lost its jobs |
+//! | `--session-renew` | timeout / 5 | how often the session is renewed (one write for the whole process) |
+//! | `--attempt-timeout` | 6h | the longest one attempt may hold a job, even while the session lives |
+//! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (only attempt deadlines compare them) |
+//! | `--index-after` | 1s | a job still running after this is entered in the index of active jobs and its ticket settled |
 //! | `--drain-timeout` | 30s | at SIGTERM, how long in-flight jobs may finish before they are handed back |
 //! | `--pull-expires` | 1s | lifetime of one pull request (short, so a paused worker cannot hold work hostage) |
 //! | `--kinds` | all built-in | kinds served |
@@ -26,26 +29,44 @@ use leasehold_store::NatsArgs;
 #[command(
     name = "leasehold-worker",
     version,
-    about = "Stateless leasehold worker: pulls tickets, claims jobs, heartbeats, runs them, hands them back on shutdown",
+    about = "Stateless leasehold worker: pulls tickets, claims jobs, proves it is alive with one session, runs them, hands them back on shutdown",
     long_about = None
 )]
 pub struct Options {
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Stable identity (e.g. the pod name). Jobs this identity owned in an
-    /// earlier process are reclaimed at start without waiting for their
-    /// leases. Default: a unique id per process.
+    /// earlier process are reclaimed at start without waiting for that
+    /// process's session to time out. Default: a unique id per process.
     #[arg(long, env = "LH_WORKER_ID")]
     pub worker_id: Option<String>,
     /// Jobs run at once (free slots bound every pull).
     #[arg(long, env = "LH_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
-    /// Lease of a claim without heartbeat.
-    #[arg(long, env = "LH_LEASE", default_value = "180s", value_parser = parse_duration)]
-    pub lease: Duration,
-    /// Heartbeat interval (must be shorter than the lease; a third of it is a good choice).
-    #[arg(long, env = "LH_HEARTBEAT", default_value = "60s", value_parser = parse_duration)]
-    pub heartbeat: Duration,
+    /// How long this process may go without renewing its session before it
+    /// loses its jobs (they are re-offered to other workers). The server
+    /// judges it (a TTL on the session key); no clocks are compared.
+    #[arg(long, env = "LH_SESSION_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub session_timeout: Duration,
+    /// How often the session is renewed (default: a fifth of the timeout).
+    /// One write per interval for the whole process, whatever it runs.
+    #[arg(long, env = "LH_SESSION_RENEW", value_parser = parse_duration)]
+    pub session_renew: Option<Duration>,
+    /// The longest one attempt may hold a job while this process lives: past
+    /// it the attempt is stopped (a retryable error) and any worker may
+    /// reclaim the job. A second line for an attempt that hangs.
+    #[arg(long, env = "LH_ATTEMPT_TIMEOUT", default_value = "6h", value_parser = parse_duration)]
+    pub attempt_timeout: Duration,
+    /// How far apart two hosts' clocks may be. Only attempt deadlines written
+    /// by other hosts are compared with this host's clock, and only trusted
+    /// as passed this long after they say.
+    #[arg(long, env = "LH_CLOCK_SKEW", default_value = "2s", value_parser = parse_duration)]
+    pub clock_skew: Duration,
+    /// A job still running after this long is entered in the index of
+    /// active jobs and its work ticket settled; until then the ticket (held,
+    /// with a wake-up one session timeout after the claim) covers it.
+    #[arg(long, env = "LH_INDEX_AFTER", default_value = "1s", value_parser = parse_duration)]
+    pub index_after: Duration,
     /// At SIGTERM/SIGINT, how long in-flight jobs may run on before they are handed back.
     #[arg(long, env = "LH_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
@@ -63,7 +84,8 @@ pub struct Options {
     /// Submissions larger than this many bytes are rejected.
     #[arg(long, env = "LH_MAX_SUBMISSION_BYTES", default_value_t = leasehold_core::spec::DEFAULT_MAX_BYTES)]
     pub max_submission_bytes: usize,
-    /// A job already reclaimed this many times after lost leases is left to the reaper.
+    /// A job whose workers already stopped this many times while running it
+    /// is dead-lettered as poison instead of being re-offered again.
     #[arg(long, env = "LH_MAX_STALE_RECLAIMS", default_value_t = 3)]
     pub max_stale_reclaims: u32,
     /// Attempts of a job (the first included) before a retryable error fails it.
@@ -85,17 +107,48 @@ impl Options {
         o
     }
 
+    /// The session renewal interval.
+    pub fn renew_every(&self) -> Duration {
+        self.session_renew.unwrap_or(self.session_timeout / 5)
+    }
+
+    /// When a held ticket comes back if its job is neither finished nor
+    /// indexed: one session timeout after the claim, and never before the
+    /// job had its chance to be indexed.
+    pub fn wake_after(&self) -> Duration {
+        self.session_timeout
+            .max(self.index_after + Duration::from_secs(2))
+    }
+
     /// Rejects contradictory settings with a message saying what to change.
     pub fn validate(&self) -> Result<(), String> {
+        let fmt = leasehold_core::time::format_duration;
         if self.concurrency == 0 {
             return Err("--concurrency must be at least 1".into());
         }
-        if self.heartbeat >= self.lease {
+        if self.session_timeout < Duration::from_secs(1) {
             return Err(format!(
-                "--heartbeat ({}) must be shorter than --lease ({}); a third of the lease is a good choice",
-                leasehold_core::time::format_duration(self.heartbeat),
-                leasehold_core::time::format_duration(self.lease)
+                "--session-timeout ({}) must be at least 1s (the server's TTL resolution)",
+                fmt(self.session_timeout)
             ));
+        }
+        let renew = self.renew_every();
+        if renew.is_zero() || renew * 2 > self.session_timeout {
+            return Err(format!(
+                "--session-renew ({}) must be at most half of --session-timeout ({}); a fifth is the default",
+                fmt(renew),
+                fmt(self.session_timeout)
+            ));
+        }
+        if self.attempt_timeout < Duration::from_secs(1) {
+            return Err("--attempt-timeout must be at least 1s".into());
+        }
+        if let Some(id) = &self.worker_id {
+            if !leasehold_store::layout::valid_worker_id(id) {
+                return Err(format!(
+                    "--worker-id {id:?}: use 1-128 letters, digits, '-', '_' or '=' (it names a KV key and a subject token)"
+                ));
+            }
         }
         if self.pull_expires < Duration::from_millis(100) {
             return Err("--pull-expires must be at least 100ms".into());
@@ -104,6 +157,18 @@ impl Options {
             return Err("--kinds must name at least one kind".into());
         }
         Ok(())
+    }
+
+    /// Variables of an older release that no longer mean anything, with
+    /// what replaced them (named at start so a stale deployment is noticed).
+    pub fn retired_variables() -> Vec<(&'static str, &'static str)> {
+        [
+            ("LH_LEASE", "liveness is per process now: --session-timeout (LH_SESSION_TIMEOUT); the longest attempt is --attempt-timeout"),
+            ("LH_HEARTBEAT", "sessions are renewed every --session-renew (LH_SESSION_RENEW)"),
+        ]
+        .into_iter()
+        .filter(|(k, _)| std::env::var_os(k).is_some())
+        .collect()
     }
 
     pub fn retry_policy(&self) -> RetryPolicy {

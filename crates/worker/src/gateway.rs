@@ -82,7 +82,16 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
             }
             Some(m) = cancel.next() => {
                 let id = m.subject.rsplit('.').next().unwrap_or_default().to_string();
-                let reply = leasehold_store::jobs::cancel(jobs, events, &id).await;
+                let (reply, owner) = leasehold_store::jobs::cancel(jobs, events, &id).await;
+                // The owner stops at once when told; if it is not reachable
+                // now, its next write sees the request, and a claim,
+                // requeue, hand-back or re-offer honours it.
+                if let Some(w) = owner {
+                    let _ = conn
+                        .client
+                        .publish(l.worker_subject(&w, "cancel"), id.clone().into())
+                        .await;
+                }
                 if let Some(r) = m.reply {
                     let _ = conn.client.publish(r, reply.to_string().into()).await;
                 }

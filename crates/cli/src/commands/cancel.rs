@@ -1,6 +1,8 @@
 //! `leasehold cancel ID`: ask for cancellation on `lh.cancel.<ID>`.
-//! A queued job is cancelled at once; a running job's owner stops within one
-//! heartbeat. When no worker answers, the request is recorded directly.
+//! A queued job is cancelled at once; a running job's owner is told and
+//! stops at once (or, if it cannot be reached, at its next write; a retry,
+//! hand-back or reclaim never undoes the request). When no worker answers,
+//! the request is recorded directly.
 
 use std::time::Duration;
 
@@ -26,7 +28,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         _ => {
             // No worker answered: record it ourselves through the same transition.
             let jobs = Jobs::open(&conn).await?;
-            jobs::cancel(&jobs, &Events::new(&conn), &a.id).await
+            jobs::cancel(&jobs, &Events::new(&conn), &a.id).await.0
         }
     };
     println!("{reply}");

@@ -312,8 +312,15 @@ pub(crate) async fn requeue_ticket(
             Ok(Some(r))
         })
         .await;
-    if let Err(e) = res {
-        tracing::debug!(job = %rec.id, error = %e, "ticket_seq not recorded; the claiming worker adopts it");
+    match res {
+        Ok(v) => {
+            // The job is waiting again: the index lists it (and no longer as parked).
+            let active = leasehold_store::index::Active::open(conn).await?;
+            active.reconcile(&v.value).await?;
+        }
+        Err(e) => {
+            tracing::debug!(job = %rec.id, error = %e, "ticket_seq not recorded; the claiming worker adopts it")
+        }
     }
     Ok(p.seq)
 }

@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use leasehold_core::machine;
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::events::{self, Events};
+use leasehold_store::index::{Active, Filter};
 use leasehold_store::{Jobs, NatsArgs};
 use serde_json::{json, Value};
 
@@ -51,7 +52,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let jobs = Jobs::open(&conn).await?;
     let events = Events::new(&conn);
     match args.cmd {
-        Cmd::List { json } => list(&jobs, json).await,
+        Cmd::List { json } => list(&jobs, &Active::open(&conn).await?, json).await,
         Cmd::Resume { id } => {
             let v = jobs
                 .transition(&id, |cur| {
@@ -93,6 +94,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 })
                 .await
                 .map_err(|e| explain(e, &id))?;
+            Active::open(&conn).await?.reconcile(&v.value).await?;
             let ev = events::event(
                 &id,
                 v.value.epoch,
@@ -137,14 +139,16 @@ fn summary(r: &JobRecord) -> Value {
     })
 }
 
-async fn list(jobs: &Jobs, as_json: bool) -> anyhow::Result<i32> {
-    let mut parked: Vec<JobRecord> = jobs
-        .all()
-        .await?
-        .into_iter()
-        .map(|v| v.value)
-        .filter(|r| r.status == Status::Parked.as_str())
-        .collect();
+async fn list(jobs: &Jobs, active: &Active, as_json: bool) -> anyhow::Result<i32> {
+    // The index lists the parked jobs; the records say what they are now.
+    let mut parked: Vec<JobRecord> = Vec::new();
+    for (_, e) in active.list(Filter::Parked).await? {
+        if let Some(v) = jobs.get(&e.job).await? {
+            if v.value.status == Status::Parked.as_str() {
+                parked.push(v.value);
+            }
+        }
+    }
     parked.sort_by(|a, b| a.updated_at.cmp(&b.updated_at));
     if as_json {
         for r in &parked {

@@ -1,0 +1,324 @@
+//! The index of active jobs (`lh_active`): what is not finished, so nothing
+//! periodic or operator-facing ever lists the job records themselves.
+//!
+//! | key | a job that is |
+//! |---|---|
+//! | `run.<worker>.<job>` | running, owned by that worker (listed by owner for recovery) |
+//! | `wait.<job>` | queued: backing off, handed back, re-offered |
+//! | `park.<job>` | parked for a person |
+//!
+//! The record stays the authority; the index is kept beside it by the same
+//! code paths and may be briefly behind: every reader that acts on an entry
+//! reads the record first, and an entry whose record disagrees is repaired
+//! ([`Active::sync`]). Entries are written *before* the record change that
+//! depends on them when a crash between the two writes would otherwise hide
+//! a job (a claim that is registered, a re-offer), and removed *after* the
+//! record became terminal, so the index can hold a stale entry but never
+//! miss an active job that needs recovering. A running job younger than the
+//! worker's `--index-after` may not be indexed yet: its work ticket, still
+//! held, covers it (see the worker's claim path).
+//!
+//! Removal is a purge whose marker carries a short TTL, so removed keys
+//! vanish from the bucket instead of accumulating.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, kv};
+use futures::StreamExt;
+use leasehold_core::machine::status_of;
+use leasehold_core::{JobRecord, Status};
+use serde::{Deserialize, Serialize};
+
+use crate::{Conn, Layout, StoreError};
+
+/// How long the marker of a removed entry stays (then the key is gone).
+const REMOVED_MARKER_TTL: Duration = Duration::from_secs(60);
+
+/// One index key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Key {
+    Run { worker: String, job: String },
+    Wait { job: String },
+    Park { job: String },
+}
+
+impl Key {
+    pub fn as_string(&self) -> String {
+        match self {
+            Key::Run { worker, job } => format!("run.{worker}.{job}"),
+            Key::Wait { job } => format!("wait.{job}"),
+            Key::Park { job } => format!("park.{job}"),
+        }
+    }
+
+    /// Parses `run.<w>.<job>`, `wait.<job>`, `park.<job>`.
+    pub fn parse(s: &str) -> Option<Key> {
+        let mut it = s.splitn(3, '.');
+        match (it.next()?, it.next()?, it.next()) {
+            ("run", worker, Some(job)) => Some(Key::Run {
+                worker: worker.into(),
+                job: job.into(),
+            }),
+            ("wait", job, None) => Some(Key::Wait { job: job.into() }),
+            ("park", job, None) => Some(Key::Park { job: job.into() }),
+            _ => None,
+        }
+    }
+
+    pub fn job(&self) -> &str {
+        match self {
+            Key::Run { job, .. } | Key::Wait { job } | Key::Park { job } => job,
+        }
+    }
+
+    /// The key a record should be indexed under (`None`: terminal, or unknown).
+    pub fn of(rec: &JobRecord) -> Option<Key> {
+        let job = rec.id.clone();
+        match status_of(rec)? {
+            Status::Running => Some(Key::Run {
+                worker: rec.worker_id.clone().unwrap_or_default(),
+                job,
+            }),
+            Status::Queued => Some(Key::Wait { job }),
+            Status::Parked => Some(Key::Park { job }),
+            _ => None,
+        }
+    }
+}
+
+/// What an index entry says (a small summary of the record).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct Entry {
+    pub job: String,
+    pub kind: String,
+    pub status: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    pub epoch: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_run_at: Option<String>,
+    /// A running job's attempt deadline (the record's `lease_expires_at`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parked_reason: Option<String>,
+    pub ticket_seq: u64,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+impl Entry {
+    pub fn of(rec: &JobRecord) -> Entry {
+        Entry {
+            job: rec.id.clone(),
+            kind: rec.kind.clone(),
+            status: rec.status.clone(),
+            worker_id: rec.worker_id.clone(),
+            session: rec.session.clone(),
+            epoch: rec.epoch,
+            next_run_at: rec.next_run_at.clone(),
+            deadline: rec.lease_expires_at.clone(),
+            parked_reason: rec.parked_reason.clone(),
+            ticket_seq: rec.ticket_seq,
+            created_at: rec.created_at.clone(),
+            updated_at: rec.updated_at.clone(),
+        }
+    }
+}
+
+/// Which entries to list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filter<'a> {
+    All,
+    Running,
+    RunningBy(&'a str),
+    Waiting,
+    Parked,
+}
+
+/// The index bucket.
+#[derive(Clone)]
+pub struct Active {
+    js: jetstream::Context,
+    kv: kv::Store,
+    layout: Layout,
+}
+
+impl Active {
+    pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
+        let kv = crate::open_kv(conn, &conn.layout.active_bucket()).await?;
+        Ok(Active {
+            js: conn.js.clone(),
+            kv,
+            layout: conn.layout.clone(),
+        })
+    }
+
+    pub fn kv(&self) -> &kv::Store {
+        &self.kv
+    }
+
+    /// Writes the entry of `rec` under `key`.
+    pub async fn put(&self, key: &Key, rec: &JobRecord) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(&Entry::of(rec)).expect("entry serializes");
+        self.kv
+            .put(key.as_string(), value.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| StoreError::nats("index put", e))
+    }
+
+    /// Removes `key` (a purge whose marker soon expires).
+    pub async fn remove(&self, key: &Key) -> Result<(), StoreError> {
+        self.kv
+            .purge_with_ttl(key.as_string(), REMOVED_MARKER_TTL)
+            .await
+            .map_err(|e| StoreError::nats("index remove", e))
+    }
+
+    /// Makes the index agree with `rec`: its key written (unless terminal),
+    /// and `stale` (the key of the record's previous state, if known and
+    /// different) removed.
+    pub async fn sync(&self, rec: &JobRecord, stale: Option<&Key>) -> Result<(), StoreError> {
+        let key = Key::of(rec);
+        if let Some(k) = &key {
+            self.put(k, rec).await?;
+        }
+        if let Some(old) = stale.filter(|o| Some(*o) != key.as_ref()) {
+            self.remove(old).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes the index agree with `rec` when its previous key is not known
+    /// (operators' commands): its key written, every other key of the job
+    /// removed. Three small filtered reads; not for hot paths.
+    pub async fn reconcile(&self, rec: &JobRecord) -> Result<(), StoreError> {
+        let want = Key::of(rec);
+        if let Some(k) = &want {
+            self.put(k, rec).await?;
+        }
+        for k in self.keys_of(&rec.id).await? {
+            if Some(&k) != want.as_ref() {
+                self.remove(&k).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every key naming `job` (normally one; more after a crash between writes).
+    pub async fn keys_of(&self, job: &str) -> Result<Vec<Key>, StoreError> {
+        let mut out = Vec::new();
+        for f in [
+            format!("run.*.{job}"),
+            format!("wait.{job}"),
+            format!("park.{job}"),
+        ] {
+            for (k, _) in self.scan(&f).await? {
+                out.push(k);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The entries matching `filter`, sorted by key (job id within a status).
+    pub async fn list(&self, filter: Filter<'_>) -> Result<Vec<(Key, Entry)>, StoreError> {
+        let pattern = match filter {
+            Filter::All => ">".to_string(),
+            Filter::Running => "run.>".to_string(),
+            Filter::RunningBy(w) => format!("run.{w}.*"),
+            Filter::Waiting => "wait.*".to_string(),
+            Filter::Parked => "park.*".to_string(),
+        };
+        let mut v = self.scan(&pattern).await?;
+        v.sort_by(|a, b| a.1.job.cmp(&b.1.job).then(a.0.cmp(&b.0)));
+        Ok(v)
+    }
+
+    /// The live entries under `pattern` (a key pattern with `*`/`>`), read
+    /// with one ordered consumer delivering the last message per key.
+    async fn scan(&self, pattern: &str) -> Result<Vec<(Key, Entry)>, StoreError> {
+        let bucket = self.layout.active_bucket();
+        let stream = self
+            .js
+            .get_stream_no_info(format!("KV_{bucket}"))
+            .await
+            .map_err(|e| StoreError::nats("index stream", e))?;
+        let consumer = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: format!("$KV.{bucket}.{pattern}"),
+                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| StoreError::nats("index scan", e))?;
+        let mut pending = consumer.cached_info().num_pending;
+        let mut out = Vec::new();
+        if pending == 0 {
+            return Ok(out);
+        }
+        let mut msgs = consumer
+            .messages()
+            .await
+            .map_err(|e| StoreError::nats("index scan", e))?;
+        let prefix = format!("$KV.{bucket}.");
+        while pending > 0 {
+            let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
+            let Ok(Some(Ok(m))) = next else {
+                return Err(StoreError::Nats(format!(
+                    "scanning the index ({pattern}) stalled"
+                )));
+            };
+            pending = m.info().map(|i| i.pending).unwrap_or(0);
+            let removed = m.headers.as_ref().is_some_and(|h| {
+                h.get("KV-Operation").is_some() || h.get("Nats-Marker-Reason").is_some()
+            });
+            if removed {
+                continue;
+            }
+            let Some(key) = m.subject.strip_prefix(&prefix).and_then(Key::parse) else {
+                continue;
+            };
+            match serde_json::from_slice::<Entry>(&m.payload) {
+                Ok(e) => out.push((key, e)),
+                Err(e) => {
+                    tracing::warn!(key = %key.as_string(), error = %e, "unreadable index entry; skipped")
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_and_follow_the_record() {
+        for k in [
+            Key::Run {
+                worker: "w-1".into(),
+                job: "j_2".into(),
+            },
+            Key::Wait { job: "j".into() },
+            Key::Park { job: "j".into() },
+        ] {
+            assert_eq!(Key::parse(&k.as_string()), Some(k));
+        }
+        assert_eq!(Key::parse("done.j"), None);
+        let mut r = leasehold_core::machine::new_record(
+            "j",
+            "echo",
+            Default::default(),
+            1,
+            std::time::SystemTime::now(),
+        );
+        assert_eq!(Key::of(&r), Some(Key::Wait { job: "j".into() }));
+        r.status = "completed".into();
+        assert_eq!(Key::of(&r), None);
+    }
+}

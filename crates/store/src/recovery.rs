@@ -1,0 +1,555 @@
+//! Recovery: what happens to a job whose owner is gone, and to a job that
+//! must die. Shared by workers and reapers, so recovery needs no reaper.
+//!
+//! - [`Recovery::recover_worker`] re-offers every job the index says a
+//!   worker runs, unless the session its record names is still alive: a new
+//!   ticket is published, then the record is released (`running -> queued`,
+//!   `stale_reclaims`+1, the new ticket's sequence) with a write conditioned
+//!   on the revision read, so the old owner is fenced off at once and of two
+//!   recoverers only one moves the job (the ticket's dedupe id comes from
+//!   that revision, so both publish the same ticket).
+//! - [`Recovery::kill`] dead-letters a job: the record CAS to `dead`, the dead
+//!   letter, the ticket deletion, the `dead` event (the completion marker),
+//!   the index entry removed; every step idempotent ([`death_id`]).
+//! - [`watch_session_ends`]: the durable consumer of the sessions bucket's
+//!   markers, shared by every worker and reaper process. An ended session's
+//!   worker is pinged first: a process that answers as the same session only
+//!   lost its key (the server was down past the timeout) and writes it again
+//!   itself; otherwise its jobs are re-offered.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, consumer, AckKind};
+use bytes::Bytes;
+use futures::StreamExt;
+use leasehold_core::machine::{self, Reoffer};
+use leasehold_core::{JobRecord, Status};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::dlq::Dlq;
+use crate::events::{self, Events};
+use crate::index::{Active, Filter, Key};
+use crate::sessions::{Current, Ping, Sessions};
+use crate::work::{Ticket, Work};
+use crate::{Conn, Jobs, JobsError, StoreError};
+
+/// How many of a job's latest events go into its dead letter.
+const RECENT_EVENTS: usize = 20;
+
+/// What recovery did with one job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Reoffered {
+        ticket_seq: u64,
+    },
+    Cancelled,
+    Poisoned,
+    /// Nothing to recover; a stale index entry may have been repaired.
+    Nothing(String),
+}
+
+/// What a [`Recovery::kill`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Killed {
+    /// This call wrote the death.
+    Now,
+    /// The job was dead already (its dead-lettering is finished now).
+    Already,
+    /// The condition no longer held: the job lives.
+    No,
+}
+
+/// Counts of one recovery pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    pub reoffered: u64,
+    pub cancelled: u64,
+    pub poisoned: u64,
+    pub untouched: u64,
+}
+
+impl Report {
+    fn add(&mut self, a: &Action) {
+        match a {
+            Action::Reoffered { .. } => self.reoffered += 1,
+            Action::Cancelled => self.cancelled += 1,
+            Action::Poisoned => self.poisoned += 1,
+            Action::Nothing(_) => self.untouched += 1,
+        }
+    }
+}
+
+/// The handles recovery needs.
+#[derive(Clone)]
+pub struct Recovery {
+    pub jobs: Jobs,
+    pub active: Active,
+    pub sessions: Sessions,
+    pub work: Work,
+    pub events: Events,
+    pub dlq: Dlq,
+    /// Who acts (`reaper r-..`, `worker w-..`), in events and logs.
+    pub actor: String,
+    pub max_stale_reclaims: u32,
+}
+
+impl Recovery {
+    pub async fn open(
+        conn: &Conn,
+        actor: String,
+        max_stale_reclaims: u32,
+    ) -> Result<Self, StoreError> {
+        Ok(Recovery {
+            jobs: Jobs::open(conn).await?,
+            active: Active::open(conn).await?,
+            sessions: Sessions::open(conn).await?,
+            work: Work::new(conn),
+            events: Events::new(conn),
+            dlq: Dlq::new(conn),
+            actor,
+            max_stale_reclaims,
+        })
+    }
+
+    /// The session of `worker` that is alive now, if any.
+    pub async fn live_session(&self, worker: &str) -> Result<Option<String>, StoreError> {
+        Ok(match self.sessions.current(worker).await? {
+            Current::Live { info, .. } => Some(info.session),
+            _ => None,
+        })
+    }
+
+    /// Re-offers every job indexed as run by `worker` whose recorded session
+    /// is not `worker`'s live one.
+    pub async fn recover_worker(&self, worker: &str) -> Result<Report, StoreError> {
+        let live = self.live_session(worker).await?;
+        let mut report = Report::default();
+        for (key, _) in self.active.list(Filter::RunningBy(worker)).await? {
+            match self
+                .recover_job(worker, key.job(), live.as_deref(), None)
+                .await
+            {
+                Ok(a) => report.add(&a),
+                Err(e) => {
+                    tracing::warn!(job = key.job(), worker, error = %e, "recovery of one job failed; the next pass retries");
+                    report.untouched += 1;
+                }
+            }
+        }
+        if report.reoffered + report.cancelled + report.poisoned > 0 {
+            tracing::warn!(worker, actor = %self.actor, reoffered = report.reoffered, cancelled = report.cancelled, poisoned = report.poisoned, "recovered the jobs of an ended session");
+        }
+        Ok(report)
+    }
+
+    /// Recovers one job that `worker` ran, unless its session `live` runs
+    /// it (and, with `overdue` given, its attempt deadline has not passed by
+    /// more than that skew allowance).
+    pub async fn recover_job(
+        &self,
+        worker: &str,
+        job: &str,
+        live: Option<&str>,
+        overdue: Option<Duration>,
+    ) -> Result<Action, StoreError> {
+        let run_key = Key::Run {
+            worker: worker.into(),
+            job: job.into(),
+        };
+        for _ in 0..8 {
+            let Some(cur) = self.jobs.get(job).await.map_err(jobs_err)? else {
+                self.active.remove(&run_key).await?;
+                return Ok(Action::Nothing("no record".into()));
+            };
+            let now = SystemTime::now();
+            let decision = machine::reoffer_if(
+                &cur.value,
+                worker,
+                live,
+                overdue,
+                now,
+                0,
+                self.max_stale_reclaims,
+            );
+            match decision {
+                Reoffer::Nothing(why) => {
+                    // A kill interrupted half-way left its index entry: finish it.
+                    if cur.value.status == Status::Dead.as_str() {
+                        self.finish_if_unfinished(&cur.value).await?;
+                    }
+                    // Not (any more) this worker's running job: make the
+                    // index agree with the record.
+                    if Key::of(&cur.value).as_ref() != Some(&run_key) {
+                        self.active.sync(&cur.value, Some(&run_key)).await?;
+                    }
+                    return Ok(Action::Nothing(why));
+                }
+                Reoffer::Poison => {
+                    let reason = format!(
+                        "poison: its worker stopped {} times while running it (limit {}); the job keeps killing or stalling its workers",
+                        cur.value.stale_reclaims + 1,
+                        self.max_stale_reclaims
+                    );
+                    let w = worker.to_string();
+                    let l = live.map(str::to_string);
+                    let max = self.max_stale_reclaims;
+                    let killed = self
+                        .kill(job, "poison", &reason, move |r| {
+                            matches!(
+                                machine::reoffer_if(
+                                    r,
+                                    &w,
+                                    l.as_deref(),
+                                    overdue,
+                                    SystemTime::now(),
+                                    0,
+                                    max
+                                ),
+                                Reoffer::Poison
+                            )
+                        })
+                        .await?;
+                    return Ok(match killed {
+                        Killed::Now => Action::Poisoned,
+                        Killed::Already => Action::Nothing("dead already".into()),
+                        Killed::No => Action::Nothing("changed meanwhile".into()),
+                    });
+                }
+                Reoffer::Cancelled(r) => match self.jobs.update(&r, cur.revision).await {
+                    Ok(_) => {
+                        let ev = events::event(
+                            job,
+                            r.epoch,
+                            "cancelled",
+                            None,
+                            json!({"while": "owner_lost", "by": self.actor}),
+                        );
+                        let _ = self
+                            .events
+                            .publish(&ev, Some(&format!("{job}:cancelled:{}", r.epoch)))
+                            .await;
+                        self.active.sync(&r, Some(&run_key)).await?;
+                        return Ok(Action::Cancelled);
+                    }
+                    Err(JobsError::Conflict(_)) => continue,
+                    Err(e) => return Err(jobs_err(e)),
+                },
+                Reoffer::Queued(_) => {
+                    // The ticket first: a queued record always names a
+                    // ticket that was published.
+                    let nonce = format!("r{}", cur.revision);
+                    let published = self.work.reissue(&cur.value, "reoffer", &nonce).await?;
+                    let Reoffer::Queued(r) = machine::reoffer_if(
+                        &cur.value,
+                        worker,
+                        live,
+                        overdue,
+                        now,
+                        published.seq,
+                        self.max_stale_reclaims,
+                    ) else {
+                        unreachable!("same record, same decision")
+                    };
+                    match self.jobs.update(&r, cur.revision).await {
+                        Ok(_) => {
+                            self.active.sync(&r, Some(&run_key)).await?;
+                            let ev = events::event(
+                                job,
+                                r.epoch,
+                                "progress",
+                                None,
+                                json!({"phase": "recovered", "recovered": true, "reason": "owner_lost", "worker": worker, "ticket_seq": published.seq, "by": self.actor}),
+                            );
+                            let _ = self
+                                .events
+                                .publish(&ev, Some(&format!("{job}:recovered:{}", published.seq)))
+                                .await;
+                            return Ok(Action::Reoffered {
+                                ticket_seq: published.seq,
+                            });
+                        }
+                        Err(JobsError::Conflict(_)) => continue,
+                        Err(e) => return Err(jobs_err(e)),
+                    }
+                }
+            }
+        }
+        Err(StoreError::Nats(format!("job {job} keeps changing")))
+    }
+
+    /// Marks `id` dead (class `class`) if `still` holds for its record at
+    /// the moment of the write, then finishes the dead-lettering (also when
+    /// an earlier call wrote the death and stopped half-way).
+    pub async fn kill<F>(
+        &self,
+        id: &str,
+        class: &str,
+        reason: &str,
+        still: F,
+    ) -> Result<Killed, StoreError>
+    where
+        F: Fn(&JobRecord) -> bool,
+    {
+        let mut wrote = false;
+        let v = self
+            .jobs
+            .transition(id, |cur| {
+                wrote = false;
+                if !still(cur) {
+                    return Ok(None);
+                }
+                wrote = true;
+                machine::mark_dead(cur, SystemTime::now(), class, reason).map(Some)
+            })
+            .await
+            .map_err(jobs_err)?;
+        if v.value.status != Status::Dead.as_str() {
+            return Ok(Killed::No);
+        }
+        if wrote {
+            tracing::warn!(job = %id, class, epoch = v.value.epoch, actor = %self.actor, "job marked dead");
+            self.finish(&v.value, None, None).await?;
+            Ok(Killed::Now)
+        } else {
+            self.finish_if_unfinished(&v.value).await?;
+            Ok(Killed::Already)
+        }
+    }
+
+    /// Finishes the dead-lettering of a dead record if its `dead` event is
+    /// missing (a recoverer stopped half-way; its index entry, removed
+    /// last, is what brings the job back here).
+    pub async fn finish_if_unfinished(&self, rec: &JobRecord) -> Result<(), StoreError> {
+        let last = self.events.last_of_type(&rec.id, "dead").await?;
+        let covered = last.is_some_and(|(_, ev)| {
+            let marked = ev
+                .data_map()
+                .get("marked_at")
+                .and_then(|v| v.as_str().map(str::to_string));
+            dead_event_covers(rec, ev.epoch, marked.as_deref())
+        });
+        if covered {
+            for k in self.active.keys_of(&rec.id).await? {
+                self.active.remove(&k).await?;
+            }
+            return Ok(());
+        }
+        tracing::info!(job = %rec.id, "finishing an interrupted dead-lettering");
+        self.finish(rec, None, None).await.map(|_| ())
+    }
+
+    /// The steps after a record became dead, each idempotent: the dead letter
+    /// and the `dead` event are both deduplicated by the death's id; the
+    /// event is published last, as the completion marker, after the ticket
+    /// deletion; the index entries go last of all.
+    pub async fn finish(
+        &self,
+        rec: &JobRecord,
+        ticket: Option<&Ticket>,
+        extra_seq: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let (class, reason) = rec
+            .error
+            .as_ref()
+            .map(|e| (e.class.clone(), e.message.clone()))
+            .unwrap_or_else(|| ("dead".into(), "dead-lettered".into()));
+        let payload: Option<Bytes> = match ticket {
+            Some(t) => Some(t.payload.clone()),
+            None if rec.ticket_seq > 0 => self.work.get(rec.ticket_seq).await?.map(|t| t.payload),
+            None => None,
+        };
+        // The spec is in the record, so a lost ticket still leaves a replayable letter.
+        let payload = payload.or_else(|| {
+            rec.spec
+                .as_ref()
+                .and_then(|s| serde_json::to_vec(s).ok())
+                .map(Bytes::from)
+        });
+        let recent = match self.events.read(&rec.id).await {
+            Ok(evs) => {
+                let skip = evs.len().saturating_sub(RECENT_EVENTS);
+                evs.into_iter().skip(skip).map(|(_, e)| e).collect()
+            }
+            Err(e) => {
+                tracing::warn!(job = %rec.id, error = %e, "cannot read the job's events; dead-lettering without them");
+                Vec::new()
+            }
+        };
+        let dlq_seq = self
+            .dlq
+            .dead_with_id(rec, &class, &reason, recent, payload, &death_id(rec))
+            .await?;
+        for seq in [Some(rec.ticket_seq), extra_seq]
+            .into_iter()
+            .flatten()
+            .filter(|s| *s > 0)
+        {
+            self.work.delete(seq).await?;
+        }
+        let ev = events::event(
+            &rec.id,
+            rec.epoch,
+            "dead",
+            None,
+            json!({"class": class, "reason": reason, "dlq_seq": dlq_seq, "marked_at": rec.error.as_ref().map(|e| e.at.clone()), "by": self.actor}),
+        );
+        self.events.publish(&ev, Some(&death_id(rec))).await?;
+        for k in self.active.keys_of(&rec.id).await? {
+            self.active.remove(&k).await?;
+        }
+        tracing::info!(job = %rec.id, class, dlq_seq, "dead-lettered");
+        Ok(dlq_seq)
+    }
+}
+
+fn jobs_err(e: JobsError) -> StoreError {
+    match e {
+        JobsError::Nats(m) => StoreError::Nats(m),
+        other => StoreError::Nats(other.to_string()),
+    }
+}
+
+/// The id shared by every publication of one death (dead letter and `dead`
+/// event), so recoverers finishing the same death publish once.
+pub fn death_id(rec: &JobRecord) -> String {
+    let marked = rec.error.as_ref().map(|e| e.at.as_str()).unwrap_or("");
+    format!("{}:dead:{}:{marked}", rec.id, rec.epoch)
+}
+
+/// Whether a dead-lettering is complete: the job's last `dead` event
+/// belongs to this death (same epoch, and the `marked_at` it carries is the
+/// record's `error.at`, so a replayed job that dies again at the same epoch
+/// is not mistaken for its earlier death; no clocks are compared).
+pub fn dead_event_covers(rec: &JobRecord, event_epoch: u64, event_marked_at: Option<&str>) -> bool {
+    let marked = rec.error.as_ref().map(|e| e.at.as_str());
+    event_epoch == rec.epoch && (event_marked_at.is_none() || event_marked_at == marked)
+}
+
+/// Settings of the session-ends watcher.
+#[derive(Debug, Clone)]
+pub struct WatchOptions {
+    /// How long a ping of an ended session's worker waits for an answer.
+    pub ping_timeout: Duration,
+    /// After our own connection was re-established, wait this long before
+    /// acting on markers: a server restart ends every session at once, and
+    /// their workers need a moment to reconnect and answer.
+    pub settle_after_connect: Duration,
+}
+
+impl Default for WatchOptions {
+    fn default() -> Self {
+        WatchOptions {
+            ping_timeout: Duration::from_millis(500),
+            settle_after_connect: Duration::from_secs(4),
+        }
+    }
+}
+
+/// Handles ended sessions until `shutdown`: one durable consumer shared by
+/// every worker and reaper process, so each end is handled once, and by
+/// someone even when no reaper runs.
+pub async fn watch_session_ends(
+    conn: Conn,
+    recovery: Arc<Recovery>,
+    opts: WatchOptions,
+    shutdown: CancellationToken,
+) {
+    let stream_name = format!("KV_{}", conn.layout.sessions_bucket());
+    let consumer_name = conn.layout.session_watch_consumer();
+    let pause = Duration::from_secs(1);
+    while !shutdown.is_cancelled() {
+        let consumer: Result<consumer::PullConsumer, String> = async {
+            let s = conn
+                .js
+                .get_stream_no_info(&stream_name)
+                .await
+                .map_err(|e| e.to_string())?;
+            s.get_consumer(&consumer_name)
+                .await
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        let consumer = match consumer {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "session-ends consumer unavailable; retrying");
+                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = shutdown.cancelled() => return }
+            }
+        };
+        let mut msgs = match consumer.messages().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot pull session ends; retrying");
+                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = shutdown.cancelled() => return }
+            }
+        };
+        loop {
+            let next = tokio::select! { m = msgs.next() => m, _ = shutdown.cancelled() => return };
+            match next {
+                Some(Ok(m)) => on_session_message(&conn, &recovery, &opts, m).await,
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "session-ends pull interrupted; pulling again");
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+async fn on_session_message(
+    conn: &Conn,
+    recovery: &Recovery,
+    opts: &WatchOptions,
+    m: jetstream::Message,
+) {
+    let ended = m.headers.as_ref().is_some_and(|h| {
+        h.get("Nats-Marker-Reason").is_some()
+            || h.get("KV-Operation")
+                .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
+    });
+    if !ended {
+        let _ = m.ack().await;
+        return;
+    }
+    let prefix = format!("$KV.{}.", conn.layout.sessions_bucket());
+    let Some(worker) = m.subject.strip_prefix(&prefix).map(str::to_string) else {
+        let _ = m.ack().await;
+        return;
+    };
+    // A server restart ends every session at once: after our own
+    // connection came back, give the other workers time to reconnect and
+    // answer before judging anyone.
+    let up = conn.connected_for();
+    if conn.link.reconnects() > 0 && up < opts.settle_after_connect {
+        tokio::time::sleep(opts.settle_after_connect - up).await;
+    }
+    let deliveries = m.info().map(|i| i.delivered).unwrap_or(1);
+    match recovery.sessions.ping(&worker, opts.ping_timeout).await {
+        Ping::Alive(session) if deliveries < 3 => {
+            // Alive: it writes its key again itself at its next renewal.
+            // Look again shortly; a process that answers pings but never
+            // renews is recovered on the third look.
+            let live = recovery.live_session(&worker).await.ok().flatten();
+            if live.as_deref() != Some(session.as_str()) {
+                let _ = m.ack_with(AckKind::Nak(Some(Duration::from_secs(3)))).await;
+                return;
+            }
+            let _ = m.ack().await;
+        }
+        ping => {
+            tracing::info!(worker, ?ping, actor = %recovery.actor, "a worker's session ended; re-offering its jobs");
+            match recovery.recover_worker(&worker).await {
+                Ok(_) => {
+                    let _ = m.ack().await;
+                }
+                Err(e) => {
+                    tracing::warn!(worker, error = %e, "recovering an ended session failed; retrying");
+                    let _ = m.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! Worker sessions: how a worker process proves it is alive, with one write
+//! per period for the whole process.
+//!
+//! A session is one key of the `lh_sessions` bucket, named by the worker id,
+//! whose value names the process incarnation (`session`). The worker rewrites
+//! it every `renew` interval with a per-message TTL of the session timeout
+//! (`Nats-TTL`) and conditioned on the revision it last wrote; when the
+//! renewals stop (kill -9, SIGSTOP, partition, node loss) the *server*
+//! removes the key after the timeout and leaves a marker there. No two
+//! hosts' clocks are ever compared: the server's TTL timer alone decides.
+//!
+//! A job record names its owner's worker id and session; the job is alive
+//! exactly as long as that session is (see [`Sessions::liveness`]). The
+//! markers of ended sessions are read by a durable consumer shared by every
+//! worker and reaper (`crate::recovery`), which re-offers the jobs.
+//!
+//! A process can lose its key while it is alive (the server was down longer
+//! than the timeout, or a reaper saw its connection close): its next renewal
+//! is refused (wrong last sequence). It then writes the key again under the
+//! *same* incarnation, so jobs nobody re-offered stay its own, and re-checks
+//! each job it runs (a re-offered job refuses its next write anyway).
+//!
+//! Each process also answers `lh.workers.<id>.ping` with its incarnation:
+//! "no responders" to that request means the process's connection is gone,
+//! which a reaper uses to notice a crash long before the TTL runs out.
+
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, context::PublishErrorKind, kv, message::PublishMessage};
+use leasehold_core::machine::OwnerLiveness;
+use leasehold_core::time::rfc3339;
+use serde::{Deserialize, Serialize};
+
+use crate::{server_error_code, Conn, Layout, StoreError, WRONG_LAST_SEQUENCE};
+
+/// Header carrying the incarnation on every session write, so a
+/// headers-only reader knows whose session a message is.
+pub const SESSION_HEADER: &str = "Lh-Session";
+/// Header set on the first write of an incarnation.
+pub const SESSION_START_HEADER: &str = "Lh-Session-Start";
+
+/// The value of a session key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct SessionInfo {
+    pub worker_id: String,
+    /// The process incarnation: unique per process, even under a stable id.
+    pub session: String,
+    pub started_at: String,
+    pub renewed_at: String,
+    pub host: String,
+    pub pid: u32,
+    pub kinds: Vec<String>,
+    pub version: String,
+    /// Session timeout in milliseconds (the TTL of each renewal).
+    pub timeout_ms: u64,
+}
+
+/// The current state of one worker id's key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Current {
+    /// A live session.
+    Live { info: SessionInfo, revision: u64 },
+    /// The key ended (expired, purged or deleted) at this revision.
+    Ended { revision: u64 },
+    /// The key never existed (or its marker expired).
+    Absent,
+}
+
+/// What a ping of a worker process said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ping {
+    /// The process answered, naming its incarnation.
+    Alive(String),
+    /// No process of that id is connected: the server said "no responders".
+    NoResponders,
+    /// Nobody answered in time (a paused or partitioned process, or a slow one).
+    Timeout,
+    /// The request could not be made (our own connection is down).
+    Failed(String),
+}
+
+/// A refused or failed session write.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// The key is not at the revision we wrote last: it expired, was
+    /// purged, or another process of this identity wrote it.
+    #[error("session key changed under us")]
+    Changed,
+    #[error("session write: {0}")]
+    Nats(String),
+}
+
+/// The sessions bucket.
+#[derive(Clone)]
+pub struct Sessions {
+    js: jetstream::Context,
+    client: async_nats::Client,
+    kv: kv::Store,
+    layout: Layout,
+}
+
+impl Sessions {
+    pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
+        let bucket = conn.layout.sessions_bucket();
+        let kv = crate::open_kv(conn, &bucket).await?;
+        Ok(Sessions {
+            js: conn.js.clone(),
+            client: conn.client.clone(),
+            kv,
+            layout: conn.layout.clone(),
+        })
+    }
+
+    pub fn kv(&self) -> &kv::Store {
+        &self.kv
+    }
+
+    /// The state of `worker_id`'s key.
+    pub async fn current(&self, worker_id: &str) -> Result<Current, StoreError> {
+        let entry = self
+            .kv
+            .entry(worker_id)
+            .await
+            .map_err(|e| StoreError::nats("read session", e))?;
+        Ok(match entry {
+            Some(e) if e.operation == kv::Operation::Put => Current::Live {
+                info: serde_json::from_slice(&e.value).unwrap_or_default(),
+                revision: e.revision,
+            },
+            Some(e) => Current::Ended {
+                revision: e.revision,
+            },
+            None => Current::Absent,
+        })
+    }
+
+    /// Whether the session `session` of `worker_id` is alive (the owner of a
+    /// running job as its record names it).
+    pub async fn liveness(&self, worker_id: &str, session: Option<&str>) -> OwnerLiveness {
+        match self.current(worker_id).await {
+            Ok(Current::Live { info, .. }) if Some(info.session.as_str()) == session => {
+                OwnerLiveness::Live
+            }
+            Ok(_) => OwnerLiveness::Dead,
+            Err(e) => {
+                tracing::debug!(worker_id, error = %e, "session liveness unknown");
+                OwnerLiveness::Unknown
+            }
+        }
+    }
+
+    /// Writes the session key with a TTL of `timeout`, conditioned on the
+    /// key's last revision being `expected` (0: no message at all).
+    pub async fn write(
+        &self,
+        info: &SessionInfo,
+        timeout: Duration,
+        expected: u64,
+        start: bool,
+    ) -> Result<u64, SessionError> {
+        let mut info = info.clone();
+        info.renewed_at = rfc3339(SystemTime::now());
+        info.timeout_ms = timeout.as_millis() as u64;
+        let payload = serde_json::to_vec(&info).expect("session info serializes");
+        let mut m = PublishMessage::build()
+            .payload(payload.into())
+            .header(async_nats::header::NATS_MESSAGE_TTL, ttl_header(timeout))
+            .header(SESSION_HEADER, info.session.as_str())
+            .expected_last_subject_sequence(expected);
+        if start {
+            m = m.header(SESSION_START_HEADER, "1");
+        }
+        let subject = format!("$KV.{}.{}", self.layout.sessions_bucket(), info.worker_id);
+        let res = match self.js.send_publish(subject, m).await {
+            Ok(f) => f.await,
+            Err(e) => Err(e),
+        };
+        match res {
+            Ok(ack) => Ok(ack.sequence),
+            Err(e)
+                if e.kind() == PublishErrorKind::WrongLastSequence
+                    || server_error_code(&e) == Some(WRONG_LAST_SEQUENCE) =>
+            {
+                Err(SessionError::Changed)
+            }
+            Err(e) => Err(SessionError::Nats(e.to_string())),
+        }
+    }
+
+    /// Ends `worker_id`'s session if its key is still at `revision` (a reaper
+    /// that saw the process's connection close). The marker this leaves is
+    /// handled like an expiry. `false` when the key moved on meanwhile.
+    pub async fn end_if(&self, worker_id: &str, revision: u64) -> Result<bool, StoreError> {
+        match self
+            .kv
+            .purge_expect_revision(worker_id, Some(revision))
+            .await
+        {
+            Ok(()) => Ok(true),
+            Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE) => Ok(false),
+            Err(e) => Err(StoreError::nats("end session", e)),
+        }
+    }
+
+    /// Asks the process of `worker_id` which session it runs.
+    pub async fn ping(&self, worker_id: &str, timeout: Duration) -> Ping {
+        let subject = self.layout.worker_subject(worker_id, "ping");
+        let req = async_nats::Request::new().timeout(Some(timeout));
+        match self.client.send_request(subject, req).await {
+            Ok(m) => Ping::Alive(String::from_utf8_lossy(&m.payload).to_string()),
+            Err(e) => match e.kind() {
+                async_nats::RequestErrorKind::NoResponders => Ping::NoResponders,
+                async_nats::RequestErrorKind::TimedOut => Ping::Timeout,
+                _ => Ping::Failed(e.to_string()),
+            },
+        }
+    }
+}
+
+/// The owner process's own view of its session: when a renewal was last
+/// confirmed by the server, on this process's monotonic clock (which keeps
+/// counting while the process is stopped). A session not confirmed for
+/// `max_age` may already have ended: before a write effect the owner then
+/// waits for its next renewal instead of acting.
+#[derive(Clone, Debug)]
+pub struct SessionClock {
+    last_ok: std::sync::Arc<std::sync::Mutex<std::time::Instant>>,
+    max_age: Duration,
+}
+
+impl SessionClock {
+    pub fn new(max_age: Duration) -> Self {
+        SessionClock {
+            last_ok: std::sync::Arc::new(std::sync::Mutex::new(std::time::Instant::now())),
+            max_age,
+        }
+    }
+
+    /// A renewal was confirmed now.
+    pub fn confirm(&self) {
+        *self.last_ok.lock().expect("session clock") = std::time::Instant::now();
+    }
+
+    /// Time since the last confirmed renewal.
+    pub fn age(&self) -> Duration {
+        self.last_ok.lock().expect("session clock").elapsed()
+    }
+
+    pub fn is_fresh(&self) -> bool {
+        self.age() < self.max_age
+    }
+}
+
+/// The `Nats-TTL` value of a duration (the server takes `1500ms`; at least 1 s).
+pub fn ttl_header(d: Duration) -> String {
+    format!("{}ms", d.as_millis().max(1000))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_is_written_in_milliseconds_and_never_below_a_second() {
+        assert_eq!(ttl_header(Duration::from_secs(10)), "10000ms");
+        assert_eq!(ttl_header(Duration::from_millis(2500)), "2500ms");
+        assert_eq!(ttl_header(Duration::from_millis(10)), "1000ms");
+    }
+}

@@ -1,0 +1,681 @@
+//! One attempt of a claimed job, from the `claimed` marker to the
+//! owner-checked outcome.
+//!
+//! Beside the handler run small watchers, all ended with the attempt:
+//! - the index task: once the job outlives `--index-after`, it is entered
+//!   in the index under its owner and its (held) ticket acked;
+//! - the stop watcher: shutdown hand-back, a cancel request seen by any
+//!   owner write, the attempt deadline (`--attempt-timeout`).
+//!
+//! A cancel notification, lost ownership (seen by a write, a re-check after
+//! the session was away, or a takeover of the identity) arrive as [`Stop`]s
+//! through the attempt's channel. The handler is given its cancel token and
+//! a moment to stop, then aborted; no task of an attempt outlives it.
+//!
+//! Every way out of an attempt writes the record (or finds ownership lost):
+//! a panic anywhere in it requeues the job with the panic's message, so a
+//! live session never holds a job nobody runs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, AckKind};
+use leasehold_core::machine::{self, Owner, TransitionError};
+use leasehold_core::{JobError, JobRecord};
+use leasehold_proto::JobResult;
+use leasehold_store::events::{self, Fence, FenceError};
+use leasehold_store::index::Key;
+use leasehold_store::{Gate, JobsError, Versioned};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio_util::sync::CancellationToken;
+
+use super::Shared;
+use crate::handler::{ErrorClass, HandlerError, JobCtx, Outcome};
+
+/// The ticket slot of a running job: a redelivery of its ticket to this
+/// process replaces the held message, so acks go to the live delivery.
+pub(crate) type TicketSlot = Arc<StdMutex<Option<jetstream::Message>>>;
+
+/// A job running in this process.
+pub(crate) struct Running {
+    pub(crate) epoch: u64,
+    /// Stream sequence of the ticket this attempt was claimed on (0: none).
+    pub(crate) ticket_seq: u64,
+    pub(crate) ticket: TicketSlot,
+    pub(crate) stop: mpsc::Sender<Stop>,
+    /// The attempt's gate, once it has one (for re-checks of ownership).
+    pub(crate) gate: Option<Gate>,
+}
+
+/// Why a running attempt must stop before its handler finished.
+#[derive(Debug, Clone)]
+pub(crate) enum Stop {
+    Lost(String),
+    Cancel,
+    Handoff,
+    Deadline,
+}
+
+/// Runs one claimed job to an owner-checked outcome. Never leaves the job
+/// held by this process: a panic in the attempt requeues it.
+pub(crate) async fn run_claimed(
+    shared: Arc<Shared>,
+    claimed: Versioned<JobRecord>,
+    msg: Option<jetstream::Message>,
+    permit: OwnedSemaphorePermit,
+    reclaim: bool,
+) {
+    let id = claimed.value.id.clone();
+    let epoch = claimed.value.epoch;
+    let msg_seq = msg
+        .as_ref()
+        .and_then(|m| m.info().ok().map(|i| i.stream_sequence))
+        .unwrap_or(0);
+    let ticket: TicketSlot = Arc::new(StdMutex::new(msg));
+    let (stop_tx, stop_rx) = mpsc::channel::<Stop>(8);
+    {
+        let mut running = shared.running.lock().unwrap();
+        if let Some(older) = running.get(&id) {
+            if older.epoch >= epoch {
+                // This process already runs this claim (or a newer one).
+                return;
+            }
+            // An older attempt of ours is fenced off by this claim.
+            let _ = older
+                .stop
+                .try_send(Stop::Lost(format!("reclaimed at epoch {epoch}")));
+        }
+        running.insert(
+            id.clone(),
+            Running {
+                epoch,
+                ticket_seq: msg_seq,
+                ticket: ticket.clone(),
+                stop: stop_tx.clone(),
+                gate: None,
+            },
+        );
+    }
+    let rec = claimed.value.clone();
+    let task = tokio::spawn(run_attempt(
+        shared.clone(),
+        claimed,
+        ticket.clone(),
+        reclaim,
+        (stop_tx.clone(), stop_rx),
+    ));
+    if let Err(e) = task.await {
+        let why = if e.is_panic() {
+            format!("internal error: the attempt panicked: {}", panic_text(e))
+        } else {
+            "internal error: the attempt was aborted".to_string()
+        };
+        tracing::error!(job = %id, epoch, "{why}; requeueing the job");
+        let owner = Owner::of(&rec).expect("a claimed record is running");
+        let gate = Gate::new(shared.jobs.clone(), id.clone(), owner);
+        let error = JobError {
+            class: "retryable".into(),
+            message: why,
+            at: leasehold_core::time::rfc3339(SystemTime::now()),
+        };
+        let res = persist(&shared, &gate, move |r, o, now| {
+            machine::requeue(r, o, now, error.clone(), Duration::from_secs(1))
+        })
+        .await;
+        match res {
+            Ok(_) => settle(&ticket, AckKind::Nak(Some(Duration::from_secs(1)))).await,
+            Err(e) => tracing::warn!(job = %id, error = %e, "cannot requeue after the panic"),
+        }
+    }
+    {
+        let mut running = shared.running.lock().unwrap();
+        if running.get(&id).is_some_and(|r| r.epoch == epoch) {
+            running.remove(&id);
+        }
+    }
+    drop(stop_tx);
+    drop(permit);
+    shared.idle.notify_waiters();
+}
+
+fn panic_text(e: tokio::task::JoinError) -> String {
+    let p = e.into_panic();
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// What the outcome paths of one attempt share.
+struct Attempt {
+    shared: Arc<Shared>,
+    rec: JobRecord,
+    gate: Gate,
+    /// `None` when the claim marker could not be published (NATS away):
+    /// then the attempt only hands the job back, with unfenced events.
+    fence: Option<Arc<tokio::sync::Mutex<Fence>>>,
+    ticket: TicketSlot,
+    indexed: Arc<AtomicBool>,
+    started: tokio::time::Instant,
+}
+
+async fn run_attempt(
+    shared: Arc<Shared>,
+    claimed: Versioned<JobRecord>,
+    ticket: TicketSlot,
+    reclaim: bool,
+    (stop_tx, mut stop_rx): (mpsc::Sender<Stop>, mpsc::Receiver<Stop>),
+) {
+    let started = tokio::time::Instant::now();
+    let rec = claimed.value.clone();
+    let id = rec.id.clone();
+    let owner = Owner::of(&rec).expect("a claimed record is running");
+    let gate = Gate::claimed(shared.jobs.clone(), claimed, owner).with_session(shared.clock());
+    if let Some(r) = shared.running.lock().unwrap().get_mut(&id) {
+        if r.epoch == rec.epoch {
+            r.gate = Some(gate.clone());
+        }
+    }
+    let claimed_data = json!({
+        "reclaim": reclaim,
+        "attempts": rec.attempts,
+        "stale_reclaims": rec.stale_reclaims,
+        "ticket_seq": rec.ticket_seq,
+        "session": shared.session.id,
+    });
+    let mut fence = None;
+    for i in 0..5u32 {
+        match shared
+            .events
+            .claim_marker(&id, rec.epoch, &shared.worker_id, claimed_data.clone())
+            .await
+        {
+            Ok(f) => {
+                fence = Some(f);
+                break;
+            }
+            // A newer owner's marker is already there: this claim is stale
+            // (the process was paused between its claim and this publish).
+            Err(e @ FenceError::Lost { .. }) => {
+                ownership_lost(&shared, &rec, &e.to_string()).await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(job = %id, error = %e, "cannot publish the claim marker; retrying");
+                tokio::time::sleep(Duration::from_millis(100 << i)).await;
+            }
+        }
+    }
+    let indexed = Arc::new(AtomicBool::new(false));
+    let Some(fence) = fence else {
+        // Without a fence the owner cannot checkpoint safely: give it back.
+        let a = Attempt {
+            shared: shared.clone(),
+            rec,
+            gate,
+            fence: None,
+            ticket,
+            indexed,
+            started,
+        };
+        a.hand_back().await;
+        return;
+    };
+    let fence = Arc::new(tokio::sync::Mutex::new(fence));
+    let a = Attempt {
+        shared: shared.clone(),
+        rec: rec.clone(),
+        gate: gate.clone(),
+        fence: Some(fence.clone()),
+        ticket: ticket.clone(),
+        indexed: indexed.clone(),
+        started,
+    };
+    let input: Value = rec
+        .spec
+        .as_ref()
+        .and_then(|s| serde_json::from_str(&s.input).ok())
+        .unwrap_or(Value::Null);
+    let cancel = CancellationToken::new();
+    let done = CancellationToken::new();
+    let mut watchers = spawn_watchers(&a, stop_tx, &done);
+
+    let Some(handler) = shared.handlers.get(&rec.kind).cloned() else {
+        // The claim path never claims a kind this worker does not serve;
+        // a record that says otherwise is handed back, never run.
+        done.cancel();
+        watchers.abort_all();
+        tracing::error!(job = %id, kind = %rec.kind, "no handler for this kind here; handing it back");
+        a.hand_back().await;
+        return;
+    };
+    let ctx = JobCtx {
+        record: rec.clone(),
+        input,
+        cancel: cancel.clone(),
+        gate: gate.clone(),
+        fence: fence.clone(),
+        conn: shared.conn.clone(),
+    };
+    let mut task = tokio::spawn(async move { handler.run(ctx).await });
+    let result = tokio::select! {
+        r = &mut task => Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
+        s = stop_rx.recv() => Err(s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into()))),
+    };
+    let result = match result {
+        Ok(r) => r,
+        Err(stop) => {
+            cancel.cancel();
+            // Give the handler a moment to reach a safe point, then abort it.
+            if tokio::time::timeout(Duration::from_secs(10), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+                let _ = (&mut task).await;
+            }
+            done.cancel();
+            watchers.abort_all();
+            match stop {
+                Stop::Lost(why) => ownership_lost(&shared, &rec, &why).await,
+                Stop::Cancel => a.cancel().await,
+                Stop::Handoff => a.hand_back().await,
+                Stop::Deadline => {
+                    let err = HandlerError::retryable(format!(
+                        "the attempt ran past --attempt-timeout ({})",
+                        leasehold_core::time::format_duration(shared.opts.attempt_timeout)
+                    ));
+                    a.error(err).await;
+                }
+            }
+            return;
+        }
+    };
+    done.cancel();
+    cancel.cancel();
+    watchers.abort_all();
+    match result {
+        Ok(Outcome::Completed(res)) => a.complete(res).await,
+        Ok(Outcome::Parked { reason, message }) => a.park(reason, message).await,
+        Err(err) => a.error(err).await,
+    }
+}
+
+/// The index task and the stop watcher of one attempt.
+fn spawn_watchers(
+    a: &Attempt,
+    stop_tx: mpsc::Sender<Stop>,
+    done: &CancellationToken,
+) -> tokio::task::JoinSet<()> {
+    let mut set = tokio::task::JoinSet::new();
+    // Index the job once it outlives --index-after, then settle its ticket.
+    {
+        let (shared, rec, ticket, indexed, done) = (
+            a.shared.clone(),
+            a.rec.clone(),
+            a.ticket.clone(),
+            a.indexed.clone(),
+            done.clone(),
+        );
+        set.spawn(async move {
+            tokio::select! { _ = tokio::time::sleep(shared.opts.index_after) => {}, _ = done.cancelled() => return }
+            let key = Key::of(&rec).expect("running");
+            loop {
+                match shared.active.put(&key, &rec).await {
+                    Ok(()) => break,
+                    Err(e) => {
+                        tracing::warn!(job = %rec.id, error = %e, "cannot index the job; retrying (its ticket still covers it)");
+                        tokio::select! { _ = tokio::time::sleep(Duration::from_secs(1)) => {}, _ = done.cancelled() => return }
+                    }
+                }
+            }
+            indexed.store(true, Ordering::Relaxed);
+            shared.stats.indexed.fetch_add(1, Ordering::Relaxed);
+            settle(&ticket, AckKind::Ack).await;
+        });
+    }
+    // Stops that come from outside the handler.
+    {
+        let (handoff, cancel_seen, done) =
+            (a.shared.handoff.clone(), a.gate.cancel_seen(), done.clone());
+        let deadline = a.started + a.shared.opts.attempt_timeout;
+        set.spawn(async move {
+            let stop = tokio::select! {
+                _ = handoff.cancelled() => Stop::Handoff,
+                _ = cancel_seen.cancelled() => Stop::Cancel,
+                _ = tokio::time::sleep_until(deadline) => Stop::Deadline,
+                _ = done.cancelled() => return,
+            };
+            let _ = stop_tx.send(stop).await;
+        });
+    }
+    set
+}
+
+impl Attempt {
+    fn run_key(&self) -> Key {
+        Key::Run {
+            worker: self.shared.worker_id.clone(),
+            job: self.rec.id.clone(),
+        }
+    }
+
+    /// Whether someone may have indexed this job: we did, or it lived long
+    /// enough for its ticket's wake-up to reach a worker that settled it.
+    fn maybe_indexed(&self) -> bool {
+        self.indexed.load(Ordering::Relaxed)
+            || self.started.elapsed() + Duration::from_millis(200) >= self.shared.opts.wake_after()
+    }
+
+    /// After the record's new state is written: the index follows it.
+    async fn reindex(&self, rec: &JobRecord) {
+        let stale = self.maybe_indexed().then(|| self.run_key());
+        let needed = Key::of(rec).is_some();
+        if !needed && stale.is_none() {
+            return;
+        }
+        if let Err(e) = self.shared.active.sync(rec, stale.as_ref()).await {
+            tracing::warn!(job = %rec.id, error = %e, "index not updated; the reaper repairs it");
+        }
+    }
+
+    async fn publish_event(&self, ty: &str, data: Value, dedupe: Option<String>) {
+        let ev = events::event(
+            &self.rec.id,
+            self.rec.epoch,
+            ty,
+            Some(&self.shared.worker_id),
+            data,
+        );
+        match &self.fence {
+            Some(f) => {
+                let _ = f.lock().await.publish_event(&ev, dedupe.as_deref()).await;
+            }
+            None => {
+                let _ = self.shared.events.publish(&ev, dedupe.as_deref()).await;
+            }
+        }
+    }
+
+    async fn complete(&self, res: JobResult) {
+        // An output that is not JSON would make the record unwritable: fail
+        // the attempt with a clear error instead.
+        if !res.output.is_empty() && serde_json::from_str::<Value>(&res.output).is_err() {
+            let err = HandlerError::terminal(format!(
+                "the handler's result is not JSON ({} bytes); nothing was recorded",
+                res.output.len()
+            ));
+            return self.error(err).await;
+        }
+        let out = res.clone();
+        match persist(&self.shared, &self.gate, move |r, o, now| {
+            machine::complete(r, o, now, out.clone())
+        })
+        .await
+        {
+            Ok(v) => {
+                self.shared.stats.completed.fetch_add(1, Ordering::Relaxed);
+                self.publish_event(
+                    "completed",
+                    json!({"partial": res.partial, "artifact": res.artifact, "digest": res.digest}),
+                    Some(format!("{}:completed", self.rec.id)),
+                )
+                .await;
+                settle(&self.ticket, AckKind::Ack).await;
+                self.reindex(&v.value).await;
+            }
+            Err(e) => refused(&self.shared, &self.rec, "completion", e).await,
+        }
+    }
+
+    async fn park(&self, reason: String, message: String) {
+        let (r2, m2) = (reason.clone(), message.clone());
+        match persist(&self.shared, &self.gate, move |r, o, now| {
+            machine::park(r, o, now, &r2, &m2)
+        })
+        .await
+        {
+            Ok(v) => {
+                // The parked entry before the ticket goes: a parked job is
+                // always listed.
+                self.reindex(&v.value).await;
+                self.publish_event(
+                    "parked",
+                    json!({"reason": reason, "message": message}),
+                    None,
+                )
+                .await;
+                settle(&self.ticket, AckKind::Ack).await;
+            }
+            Err(e) => refused(&self.shared, &self.rec, "parking", e).await,
+        }
+    }
+
+    async fn cancel(&self) {
+        match persist(&self.shared, &self.gate, machine::cancel_owned).await {
+            Ok(v) => {
+                self.shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                self.publish_event("cancelled", json!({}), None).await;
+                settle(&self.ticket, AckKind::Ack).await;
+                self.reindex(&v.value).await;
+            }
+            Err(e) => refused(&self.shared, &self.rec, "cancellation", e).await,
+        }
+    }
+
+    /// A new ticket for the job, unless the one this attempt holds can
+    /// serve (a hand-back NAKs it back). Published before the record names
+    /// it, so a queued record never names a ticket that was not published.
+    async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
+        self.shared
+            .work
+            .reissue(&self.rec, reason, &self.rec.epoch.to_string())
+            .await
+            .map(|p| p.seq)
+            .map_err(|e| JobsError::Nats(e.to_string()))
+    }
+
+    async fn hand_back(&self) {
+        let held = self.ticket.lock().unwrap().is_some();
+        let seq = if held {
+            0
+        } else {
+            match self.fresh_ticket("handback").await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(job = %self.rec.id, error = %e, "hand back failed (no ticket); the session's end recovers it");
+                    return;
+                }
+            }
+        };
+        let res = self
+            .gate
+            .write(move |r, o, now| {
+                machine::hand_back(r, o, now).map(|mut n| {
+                    if seq > 0 {
+                        n.ticket_seq = seq;
+                    }
+                    n
+                })
+            })
+            .await;
+        match res {
+            Ok(v) if v.value.status == "cancelled" => {
+                self.shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                self.publish_event("cancelled", json!({"while": "hand_back"}), None)
+                    .await;
+                settle(&self.ticket, AckKind::Ack).await;
+                self.reindex(&v.value).await;
+            }
+            Ok(v) => {
+                self.shared
+                    .stats
+                    .handed_back
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(job = %self.rec.id, "handed back");
+                self.reindex(&v.value).await;
+                settle(&self.ticket, AckKind::Nak(None)).await;
+            }
+            Err(e) if e.is_ownership_lost() => {
+                tracing::info!(job = %self.rec.id, "not handed back: ownership already lost")
+            }
+            Err(e) => {
+                tracing::warn!(job = %self.rec.id, error = %e, "hand back failed; the session's end recovers it")
+            }
+        }
+    }
+
+    /// A failed attempt: requeue with backoff while the budget lasts, else fail.
+    async fn error(&self, err: HandlerError) {
+        let shared = &self.shared;
+        let rec = &self.rec;
+        let policy = shared.retry.for_spec(rec.spec.as_ref());
+        let failed = rec.attempts + 1;
+        let at = leasehold_core::time::rfc3339(SystemTime::now());
+        let retry = err.class == ErrorClass::Retryable && policy.allows_another(failed);
+        if retry {
+            let delay = policy.delay(rec.attempts, &mut rand::thread_rng());
+            self.publish_event(
+                "retry",
+                json!({"scope": "job", "reason": err.message, "eligible": true, "retained": "completed checkpoints", "attempt": failed, "budget_left": policy.max_attempts - failed, "delay_ms": delay.as_millis() as u64}),
+                None,
+            )
+            .await;
+            // Each retry gets a fresh ticket: retries never spend the
+            // deliveries of one ticket, so --max-attempts cannot run into
+            // the consumer's max deliveries.
+            let seq = match self.fresh_ticket("retry").await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(job = %rec.id, error = %e, "cannot publish the retry's ticket; the session's end recovers the job");
+                    return;
+                }
+            };
+            let error = JobError {
+                class: "retryable".into(),
+                message: err.message.clone(),
+                at,
+            };
+            match persist(shared, &self.gate, move |r, o, now| {
+                machine::requeue(r, o, now, error.clone(), delay).map(|mut n| {
+                    n.ticket_seq = seq;
+                    n
+                })
+            })
+            .await
+            {
+                Ok(v) if v.value.status == "cancelled" => {
+                    shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                    self.publish_event("cancelled", json!({"while": "retry"}), None)
+                        .await;
+                    settle(&self.ticket, AckKind::Ack).await;
+                    self.reindex(&v.value).await;
+                }
+                Ok(v) => {
+                    shared.stats.requeued.fetch_add(1, Ordering::Relaxed);
+                    self.reindex(&v.value).await;
+                    // The fresh ticket is the job's now.
+                    settle(&self.ticket, AckKind::Ack).await;
+                }
+                Err(e) => refused(shared, rec, "requeue", e).await,
+            }
+        } else {
+            let (class, message) = match err.class {
+                ErrorClass::Retryable => (
+                    "exhausted".to_string(),
+                    format!(
+                        "{} (retry budget of {} attempts exhausted)",
+                        err.message, policy.max_attempts
+                    ),
+                ),
+                _ => (err.class_name().to_string(), err.message.clone()),
+            };
+            let error = JobError {
+                class: class.clone(),
+                message: message.clone(),
+                at,
+            };
+            match persist(shared, &self.gate, move |r, o, now| {
+                machine::fail(r, o, now, error.clone())
+            })
+            .await
+            {
+                Ok(v) => {
+                    shared.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    self.publish_event(
+                        "failed",
+                        json!({"class": class, "message": message, "attempts": failed}),
+                        Some(format!("{}:failed", rec.id)),
+                    )
+                    .await;
+                    settle(&self.ticket, AckKind::Ack).await;
+                    self.reindex(&v.value).await;
+                }
+                Err(e) => refused(shared, rec, "failure", e).await,
+            }
+        }
+    }
+}
+
+/// Writes through the gate, retrying transient NATS errors while this
+/// process may still own the job: the owner's duty is to write its
+/// outcome, since a live session keeps the job from anyone else. It stops
+/// at a definite answer, or once the hand-back phase of shutdown is over.
+async fn persist<F>(shared: &Shared, gate: &Gate, f: F) -> Result<Versioned<JobRecord>, JobsError>
+where
+    F: Fn(&JobRecord, &Owner, SystemTime) -> Result<JobRecord, TransitionError>,
+{
+    let mut pause = Duration::from_millis(50);
+    let mut give_up: Option<tokio::time::Instant> = None;
+    loop {
+        match gate.write(&f).await {
+            Err(e) if e.is_transient() => {
+                if shared.handoff.is_cancelled() {
+                    let end = *give_up
+                        .get_or_insert(tokio::time::Instant::now() + Duration::from_secs(10));
+                    if tokio::time::Instant::now() >= end {
+                        return Err(e);
+                    }
+                }
+                tracing::warn!(job = %gate.id, error = %e, "owner write failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn refused(shared: &Shared, rec: &JobRecord, what: &str, e: JobsError) {
+    if e.is_ownership_lost() {
+        ownership_lost(shared, rec, &format!("{what} refused: {e}")).await;
+    } else {
+        tracing::error!(job = %rec.id, error = %e, "{what} could not be written; the job is recovered when this session ends");
+    }
+}
+
+/// Ownership is gone: stop, say so, and never touch the ticket again.
+async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
+    shared.stats.ownership_lost.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(job = %rec.id, epoch = rec.epoch, worker = %shared.worker_id, "ownership lost: {why}; task cancelled, ticket left alone");
+    let ev = events::event(
+        &rec.id,
+        rec.epoch,
+        "heartbeat_lost",
+        Some(&shared.worker_id),
+        json!({"reason": why}),
+    );
+    let _ = shared.events.publish(&ev, None).await;
+}
+
+/// Acks or NAKs the live delivery of the ticket, if this process holds one.
+pub(crate) async fn settle(ticket: &TicketSlot, kind: AckKind) {
+    let m = ticket.lock().unwrap().take();
+    if let Some(m) = m {
+        if let Err(e) = m.ack_with(kind).await {
+            tracing::warn!(error = %e, "ack failed; the ticket will be redelivered and dropped");
+        }
+    }
+}

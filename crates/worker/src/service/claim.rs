@@ -1,0 +1,567 @@
+//! From a delivered ticket to a claim (or to nothing, at once).
+//!
+//! The claim is a KV create (a new job) or an update at the revision read,
+//! decided by `machine::decide_claim` with what this worker knows of the
+//! recorded owner: its session alive, ended, or unknown. A ticket whose job
+//! a live owner holds is *settled*: the job is entered in the index (so its
+//! recovery does not need the ticket) and the ticket acked, never NAKed, so
+//! a live job never spends deliveries. A claim whose reply was lost is
+//! recognised by its own claim token on the retry.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, AckKind};
+use leasehold_core::machine::{self, ClaimDecision, Claimant, OwnerLiveness};
+use leasehold_core::spec::{self, Submission};
+use leasehold_core::JobRecord;
+use leasehold_store::events;
+use leasehold_store::index::Key;
+use leasehold_store::work;
+use leasehold_store::{JobsError, Versioned};
+use serde_json::json;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::{attempt, Shared};
+
+fn header_id(msg: &jetstream::Message) -> Option<String> {
+    work::ticket_job_id(msg.headers.as_ref())
+}
+
+impl Shared {
+    /// A claimant of this worker for a ticket at `seq` (0: no ticket).
+    pub(crate) fn claimant(&self, seq: u64, owner: OwnerLiveness) -> Claimant<'_> {
+        self.claimant_of(seq, 1, owner)
+    }
+
+    /// A claimant for the `deliveries`-th delivery of the ticket at `seq`.
+    pub(crate) fn claimant_of(
+        &self,
+        seq: u64,
+        deliveries: u64,
+        owner: OwnerLiveness,
+    ) -> Claimant<'_> {
+        Claimant {
+            worker_id: &self.worker_id,
+            session: &self.session.id,
+            claim_token: uuid::Uuid::new_v4().to_string(),
+            attempt_timeout: self.opts.attempt_timeout,
+            skew: self.opts.clock_skew,
+            now: SystemTime::now(),
+            ticket_seq: seq,
+            max_stale_reclaims: self.opts.max_stale_reclaims,
+            owner,
+            deliveries,
+        }
+    }
+
+    /// What this worker knows of the owner a running record names.
+    pub(crate) async fn owner_liveness(&self, rec: &JobRecord) -> OwnerLiveness {
+        let Some(worker) = rec.worker_id.as_deref() else {
+            return OwnerLiveness::Dead;
+        };
+        if worker == self.worker_id {
+            // Our own identity: alive only if this very process runs it at
+            // that epoch (an earlier process's job, or an attempt of ours
+            // that ended without its write, is ours to take back now).
+            let here = self
+                .running
+                .lock()
+                .unwrap()
+                .get(&rec.id)
+                .is_some_and(|r| r.epoch == rec.epoch);
+            return if rec.session.as_deref() == Some(self.session.id.as_str()) && here {
+                OwnerLiveness::Live
+            } else {
+                OwnerLiveness::Dead
+            };
+        }
+        self.sessions.liveness(worker, rec.session.as_deref()).await
+    }
+}
+
+/// Hands a redelivery of the ticket a job here runs on (its wake-up, come
+/// back before the job was indexed) to that job, so acks go to the live
+/// delivery. Any other ticket of the job (a retry's, racing its requeue)
+/// goes through the claim path.
+fn attach(shared: &Shared, id: &str, seq: u64, msg: &mut Option<jetstream::Message>) -> bool {
+    let running = shared.running.lock().unwrap();
+    if let Some(r) = running.get(id).filter(|r| r.ticket_seq == seq && seq != 0) {
+        *r.ticket.lock().unwrap() = msg.take();
+        return true;
+    }
+    false
+}
+
+/// One delivered ticket.
+pub(crate) async fn handle_delivery(
+    shared: Arc<Shared>,
+    msg: jetstream::Message,
+    mut permit: OwnedSemaphorePermit,
+) {
+    let mut slot = Some(msg);
+    let msg = slot.as_ref().expect("set");
+    let kind = shared
+        .conn
+        .layout
+        .kind_of_submit_subject(&msg.subject)
+        .unwrap_or_default()
+        .to_string();
+    let (seq, deliveries) = msg
+        .info()
+        .map(|i| (i.stream_sequence, i.delivered.max(1) as u64))
+        .unwrap_or((0, 1));
+    let hint = header_id(msg);
+    if let Some(id) = &hint {
+        if attach(&shared, id, seq, &mut slot) {
+            return;
+        }
+    }
+    let msg = slot.take().expect("set");
+    let ct = work::content_type(msg.headers.as_ref());
+    let sub = Submission {
+        kind: &kind,
+        payload: &msg.payload,
+        msg_id: hint.as_deref(),
+        content_type: ct.as_deref(),
+        stream_seq: seq,
+    };
+    let accepted = match spec::decode(sub, &shared.kinds, shared.opts.max_submission_bytes) {
+        Ok(a) => a,
+        Err(rej) => {
+            reject(&shared, &kind, seq, &msg, rej).await;
+            return;
+        }
+    };
+    let mut slot = Some(msg);
+    if attach(&shared, &accepted.id, seq, &mut slot) {
+        return;
+    }
+    let msg = slot.take().expect("set");
+    let mut alone = shared.opts.concurrency <= 1;
+    // The token of our own claim, kept across rounds: a claim whose reply
+    // was lost is recognised on the next read as ours.
+    let mut mine: Option<String> = None;
+    for round in 0..16 {
+        // Most tickets are new jobs: try the create first and read only
+        // when the record turns out to exist.
+        let current = if round == 0 {
+            None
+        } else {
+            match shared.jobs.get(&accepted.id).await {
+                Ok(c) => c,
+                Err(JobsError::Corrupt { id, message }) => {
+                    tracing::error!(job = %id, error = %message, "the job's record cannot be read; leaving the ticket for an operator (leasehold list --corrupt)");
+                    let _ = msg
+                        .ack_with(AckKind::Nak(Some(Duration::from_secs(30))))
+                        .await;
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(job = %accepted.id, error = %e, "cannot read the record; retrying the ticket in 1s");
+                    let _ = msg
+                        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                        .await;
+                    return;
+                }
+            }
+        };
+        let (write, reclaim) = match &current {
+            None => {
+                let c = shared.claimant(seq, OwnerLiveness::Dead);
+                let record = machine::claim_new(
+                    machine::new_record(&accepted.id, &kind, accepted.spec.clone(), seq, c.now),
+                    &c,
+                );
+                mine = record.claim_token.clone();
+                (
+                    shared.jobs.create(&record).await.map(|r| (r, record)),
+                    false,
+                )
+            }
+            // Our own claim landed although its reply was lost.
+            Some(v) if mine.is_some() && v.value.claim_token == mine => (
+                Ok((v.revision, v.value.clone())),
+                v.value.stale_reclaims > 0,
+            ),
+            Some(Versioned { value, revision }) => {
+                if value.kind != kind {
+                    // An id reused by a submission of another kind: never
+                    // run a job under a handler that is not its own.
+                    id_conflict(&shared, &kind, seq, &msg, value).await;
+                    return;
+                }
+                let owner = if value.status == "running" {
+                    shared.owner_liveness(value).await
+                } else {
+                    OwnerLiveness::Dead
+                };
+                let c = shared.claimant_of(seq, deliveries, owner);
+                match machine::decide_claim(value, &c) {
+                    // A job that already lost a worker may be what kills
+                    // workers: run it alone, so its next crash takes no
+                    // bystander down (whose stale reclaims would otherwise
+                    // climb with it).
+                    ClaimDecision::Claim { .. } if value.stale_reclaims >= 1 && !alone => {
+                        if go_solo(&shared, &mut permit, &msg, &kind).await {
+                            alone = true;
+                            continue;
+                        }
+                        let _ = msg.ack_with(AckKind::Nak(None)).await;
+                        return;
+                    }
+                    ClaimDecision::Claim { record, reclaim } => {
+                        mine = record.claim_token.clone();
+                        (
+                            shared
+                                .jobs
+                                .update(&record, *revision)
+                                .await
+                                .map(|r| (r, *record)),
+                            reclaim,
+                        )
+                    }
+                    ClaimDecision::Wait(d) => {
+                        tracing::debug!(job = %accepted.id, delay = ?d, "not runnable yet; NAK with the remaining delay");
+                        let _ = msg
+                            .ack_with(AckKind::Nak(Some(d + Duration::from_millis(20))))
+                            .await;
+                        return;
+                    }
+                    ClaimDecision::Settle(why) => {
+                        settle_live(&shared, value, &msg, &why).await;
+                        return;
+                    }
+                    ClaimDecision::Cancel(record) => {
+                        match shared.jobs.update(&record, *revision).await {
+                            Ok(_) => {
+                                cancelled_unclaimed(&shared, &record).await;
+                                let _ = msg.ack().await;
+                                return;
+                            }
+                            Err(JobsError::Conflict(_)) => continue,
+                            Err(e) => {
+                                tracing::warn!(job = %accepted.id, error = %e, "cannot record the cancellation; retrying the ticket in 1s");
+                                let _ = msg
+                                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                                    .await;
+                                return;
+                            }
+                        }
+                    }
+                    ClaimDecision::Poison(d) => {
+                        poison(&shared, value, &msg, d).await;
+                        return;
+                    }
+                    ClaimDecision::Drop(why) => {
+                        tracing::debug!(job = %accepted.id, why, "ticket has nothing left to do; acking");
+                        let _ = msg.ack().await;
+                        return;
+                    }
+                }
+            }
+        };
+        match write {
+            Ok((revision, record)) => {
+                shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
+                if reclaim {
+                    shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
+                }
+                // The ticket becomes a wake-up call: it comes back by itself
+                // one session timeout from now, unless the job finished or
+                // was indexed (then it is acked first).
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(shared.opts.wake_after())))
+                    .await;
+                let claimed = Versioned {
+                    value: record,
+                    revision,
+                };
+                attempt::run_claimed(shared.clone(), claimed, Some(msg), permit, reclaim).await;
+                return;
+            }
+            Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
+            Err(e) => {
+                tracing::warn!(job = %accepted.id, error = %e, "claim write failed; retrying the ticket in 1s");
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+                return;
+            }
+        }
+    }
+    let _ = msg
+        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+        .await;
+}
+
+/// A ticket of a job a live owner holds: make sure the job is indexed
+/// under its owner (its liveness no longer needs the ticket), then ack.
+async fn settle_live(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message, why: &str) {
+    let key = Key::of(rec).expect("a running record has a key");
+    match shared.active.put(&key, rec).await {
+        Ok(()) => {
+            shared.stats.settled.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(job = %rec.id, owner = ?rec.worker_id, why, "ticket settled: a live owner holds the job");
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            tracing::warn!(job = %rec.id, error = %e, "cannot index the job; retrying the ticket in 1s");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+        }
+    }
+}
+
+/// A job cancelled by its claim (the request came before it could run).
+async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
+    shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+    let ev = events::event(
+        &rec.id,
+        rec.epoch,
+        "cancelled",
+        Some(&shared.worker_id),
+        json!({"while": "waiting"}),
+    );
+    let _ = shared
+        .events
+        .publish(&ev, Some(&format!("{}:cancelled:{}", rec.id, rec.epoch)))
+        .await;
+    if let Ok(keys) = shared.active.keys_of(&rec.id).await {
+        for k in keys {
+            let _ = shared.active.remove(&k).await;
+        }
+    }
+}
+
+/// A job whose owner is gone after too many stale reclaims: dead-letter it
+/// here (the recovery of its owner's session may not know it: it was never
+/// indexed).
+async fn poison(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message, retry: Duration) {
+    let max = shared.opts.max_stale_reclaims;
+    let reason = format!(
+        "poison: its worker stopped {} times while running it (limit {max}); the job keeps killing or stalling its workers",
+        rec.stale_reclaims
+    );
+    let (epoch, worker) = (rec.epoch, rec.worker_id.clone());
+    let killed = shared
+        .recovery
+        .kill(&rec.id, "poison", &reason, |r| {
+            r.status == "running" && r.epoch == epoch && r.worker_id == worker
+        })
+        .await;
+    match killed {
+        Ok(_) => {
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            tracing::warn!(job = %rec.id, error = %e, "cannot dead-letter a poison job yet; retrying");
+            let _ = msg.ack_with(AckKind::Nak(Some(retry))).await;
+        }
+    }
+}
+
+/// A submission reusing the id of a job of another kind: dead-lettered, the
+/// existing job left alone.
+async fn id_conflict(
+    shared: &Shared,
+    kind: &str,
+    seq: u64,
+    msg: &jetstream::Message,
+    rec: &JobRecord,
+) {
+    let message = format!(
+        "job id {:?} already names a job of kind {:?}; a submission of kind {kind:?} cannot reuse it",
+        rec.id, rec.kind
+    );
+    tracing::warn!(job = %rec.id, seq, "{message}");
+    match shared
+        .dlq
+        .reject(
+            kind,
+            Some(&rec.id),
+            "id_conflict",
+            &message,
+            msg.payload.clone(),
+            msg.headers.as_ref(),
+            &format!("rejected:{kind}:{seq}"),
+        )
+        .await
+    {
+        Ok(_) => {
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot dead-letter the conflicting submission; retrying");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+        }
+    }
+}
+
+/// Takes every slot of this worker for a suspect job (one that already
+/// lost a worker), waiting up to one session timeout for the running jobs
+/// to finish while keeping the suspect's ticket from being redelivered.
+/// `false` when another suspect is waiting already or the slots did not
+/// free up in time: the caller hands the ticket back for another worker.
+async fn go_solo(
+    shared: &Shared,
+    permit: &mut OwnedSemaphorePermit,
+    msg: &jetstream::Message,
+    kind: &str,
+) -> bool {
+    let Ok(_one_at_a_time) = shared.solo.try_lock() else {
+        return false;
+    };
+    let want = (shared.opts.concurrency - 1) as u32;
+    let every = shared.progress_every(kind);
+    let acquire = shared.slots.clone().acquire_many_owned(want);
+    tokio::pin!(acquire);
+    let deadline = tokio::time::Instant::now() + shared.opts.session_timeout;
+    loop {
+        tokio::select! {
+            p = &mut acquire => {
+                let Ok(p) = p else { return false };
+                permit.merge(p);
+                tracing::info!(subject = %msg.subject, "suspect job: running it alone");
+                return true;
+            }
+            _ = tokio::time::sleep(every) => {
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
+                let _ = msg.ack_with(AckKind::Progress).await;
+            }
+        }
+    }
+}
+
+/// A bad submission: never crashes the worker, never silently dropped.
+async fn reject(
+    shared: &Shared,
+    kind: &str,
+    seq: u64,
+    msg: &jetstream::Message,
+    rej: spec::Rejected,
+) {
+    shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+    let message = rej.error.to_string();
+    tracing::info!(kind, seq, id = ?rej.id, error = %message, "rejected submission");
+    if let Some(id) = &rej.id {
+        let rec = machine::rejected_record(id, kind, "rejected", &message, seq, SystemTime::now());
+        match shared.jobs.create(&rec).await {
+            Ok(_) => {
+                let ev = events::event(
+                    id,
+                    0,
+                    "rejected",
+                    Some(&shared.worker_id),
+                    json!({"error": message, "code": rej.error.code()}),
+                );
+                let _ = shared
+                    .events
+                    .publish(&ev, Some(&format!("{id}:rejected:{seq}")))
+                    .await;
+            }
+            // An existing job keeps its record: a bad duplicate must not clobber it.
+            Err(JobsError::Exists(_)) => {
+                tracing::info!(job = %id, "a job with this id exists; its record is left alone")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot record the rejection; retrying the ticket");
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+                return;
+            }
+        }
+    }
+    match shared
+        .dlq
+        .reject(
+            kind,
+            rej.id.as_deref(),
+            rej.error.code(),
+            &message,
+            msg.payload.clone(),
+            msg.headers.as_ref(),
+            &format!("rejected:{kind}:{seq}"),
+        )
+        .await
+    {
+        Ok(_) => {
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot dead-letter the rejected submission; retrying");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+        }
+    }
+}
+
+/// At start with a stable identity: take back, at once, the jobs an earlier
+/// process of this identity held (listed by the index, never by a scan).
+pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
+    let entries = shared
+        .active
+        .list(leasehold_store::index::Filter::RunningBy(&shared.worker_id))
+        .await?;
+    for (_, entry) in entries {
+        if !shared.handlers.contains_key(&entry.kind) {
+            continue;
+        }
+        let Some(cur) = shared.jobs.get(&entry.job).await? else {
+            continue;
+        };
+        let rec = cur.value;
+        if rec.status != "running"
+            || rec.worker_id.as_deref() != Some(shared.worker_id.as_str())
+            || rec.session.as_deref() == Some(shared.session.id.as_str())
+        {
+            continue;
+        }
+        // A job that already lost a worker before runs alone (see go_solo).
+        let slots = if rec.stale_reclaims >= 1 {
+            shared.opts.concurrency as u32
+        } else {
+            1
+        };
+        let permit = shared.slots.clone().acquire_many_owned(slots).await?;
+        let claimant = shared.claimant(0, OwnerLiveness::Dead);
+        let token = claimant.claim_token.clone();
+        let session = shared.session.id.clone();
+        let res = shared
+            .jobs
+            .transition(&rec.id, |cur| {
+                // Still an earlier process's job of this identity?
+                if cur.worker_id.as_deref() != Some(shared.worker_id.as_str())
+                    || cur.status != "running"
+                    || cur.session.as_deref() == Some(session.as_str())
+                {
+                    return Ok(None);
+                }
+                match machine::decide_claim(cur, &claimant) {
+                    ClaimDecision::Claim { record, .. } => Ok(Some(*record)),
+                    _ => Ok(None),
+                }
+            })
+            .await;
+        match res {
+            // Only our own fresh token proves the claim is ours.
+            Ok(v) if v.value.claim_token.as_deref() == Some(token.as_str()) => {
+                tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
+                shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
+                shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(attempt::run_claimed(shared.clone(), v, None, permit, true));
+            }
+            Err(e) => tracing::warn!(job = %rec.id, error = %e, "restart reclaim failed"),
+            _ => {}
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,392 @@
+//! The worker service: `Worker::start(shutdown) -> Handle`.
+//!
+//! One claimed job passes through four concepts, one file each:
+//! - [`pull`]: pull loops that never ask for more tickets than free slots.
+//! - [`claim`]: a delivered ticket becomes a claim (a KV create or a
+//!   revision-conditioned update decided by `machine::decide_claim`), a
+//!   rejection, a settled ticket (the job is held by a live owner), or a NAK
+//!   with exactly the remaining delay; and the reclaim at start of the jobs an
+//!   earlier process of this identity held.
+//! - [`attempt`]: one attempt: the `claimed` marker (the event fence), the
+//!   handler, the index entry once the job outlives `--index-after`, the
+//!   stops (cancel, lost ownership, hand-back, deadline), and the
+//!   owner-checked outcome.
+//! - [`session`]: the process's liveness: one session key renewed every
+//!   `--session-renew` with a server-side TTL, the answers to pings and
+//!   cancel notifications, and what to do when the session was lost.
+//!
+//! Tickets are wake-up calls, not hostages: a claimed job's ticket is NAKed
+//! at once with a delay of one session timeout, so it comes back by itself
+//! only if the job neither finished nor was indexed by then; a job that
+//! outlives `--index-after` is indexed under its owner and its ticket acked.
+//! From then on the job's liveness is its owner's session alone, and a
+//! ticket that reaches a worker while the owner lives is settled at once.
+//! No progress acks, no per-job heartbeat writes, and recovery never waits
+//! for the consumer's ack wait.
+//!
+//! Shutdown has three phases on the shutdown token: stop pulling (tickets
+//! still arriving are NAKed at once), let in-flight jobs run for the drain
+//! timeout, then hand the rest back; finally the session key is deleted, so
+//! anything left is recovered at once rather than after the timeout.
+
+mod attempt;
+mod claim;
+mod pull;
+mod session;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use leasehold_core::retry::RetryPolicy;
+use leasehold_core::spec::Kinds;
+use leasehold_store::dlq::Dlq;
+use leasehold_store::events::Events;
+use leasehold_store::index::Active;
+use leasehold_store::recovery::{self, Recovery};
+use leasehold_store::sessions::{SessionClock, Sessions};
+use leasehold_store::work::Work;
+use leasehold_store::{retry_unavailable, setup, Conn, Jobs};
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::{self, Handler};
+use crate::Options;
+
+pub(crate) use attempt::Stop;
+
+/// Counters of one worker process (for tests, the demo and benchmarks).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub claimed: AtomicU64,
+    pub reclaimed: AtomicU64,
+    pub completed: AtomicU64,
+    pub failed: AtomicU64,
+    pub requeued: AtomicU64,
+    pub rejected: AtomicU64,
+    pub ownership_lost: AtomicU64,
+    pub handed_back: AtomicU64,
+    pub cancelled: AtomicU64,
+    /// Tickets acked at once because a live owner held their job.
+    pub settled: AtomicU64,
+    /// Jobs entered in the index of active jobs by their owner.
+    pub indexed: AtomicU64,
+    /// Session renewals (the process's only periodic liveness write).
+    pub session_renewals: AtomicU64,
+    /// Times the session key was found gone and written again.
+    pub session_restored: AtomicU64,
+}
+
+/// A configured worker, not yet started.
+pub struct Worker {
+    opts: Options,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+    kinds: Kinds,
+}
+
+/// A running worker.
+pub struct Handle {
+    pub worker_id: String,
+    /// This process's session (incarnation).
+    pub session: String,
+    pub stats: Arc<Stats>,
+    join: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Handle {
+    /// Waits until the worker has shut down.
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.join.await.context("worker task panicked")?
+    }
+}
+
+/// How long start-up waits for an unavailable NATS (a leader election, a
+/// rolling restart) before giving up; a missing layout fails at once.
+const START_DEADLINE: Duration = Duration::from_secs(120);
+
+impl Worker {
+    /// A worker with the built-in handlers.
+    pub fn new(opts: Options) -> Self {
+        let mut w = Worker {
+            opts,
+            handlers: HashMap::new(),
+            kinds: Kinds::default(),
+        };
+        for (k, h) in handler::builtins() {
+            w.handlers.insert(k, h);
+        }
+        w
+    }
+
+    /// Adds (or replaces) the handler of a kind.
+    pub fn with_handler(mut self, kind: &str, h: Arc<dyn Handler>) -> Self {
+        self.handlers.insert(kind.to_string(), h);
+        self
+    }
+
+    /// Connects, verifies the layout, opens the session, and starts pulling.
+    /// Stops when `shutdown` fires (see the module docs for the phases).
+    pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Handle> {
+        let opts = self.opts;
+        opts.validate().map_err(anyhow::Error::msg)?;
+        for (var, instead) in Options::retired_variables() {
+            tracing::warn!(var, "{var} is set but no longer used: {instead}");
+        }
+        let served: Vec<String> = opts
+            .kinds
+            .iter()
+            .filter(|k| self.handlers.contains_key(*k))
+            .cloned()
+            .collect();
+        let unserved: Vec<&String> = opts
+            .kinds
+            .iter()
+            .filter(|k| !self.handlers.contains_key(*k))
+            .collect();
+        if !unserved.is_empty() {
+            tracing::warn!(
+                ?unserved,
+                "no handler for these kinds in this worker; not serving them"
+            );
+        }
+        anyhow::ensure!(
+            !served.is_empty(),
+            "none of the kinds {:?} has a handler in this worker",
+            opts.kinds
+        );
+        if opts.concurrency < served.len() {
+            tracing::warn!(
+                concurrency = opts.concurrency,
+                kinds = served.len(),
+                "each idle kind keeps one slot for its pending pull: set --concurrency above the number of kinds"
+            );
+        }
+        let worker_id = opts
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("w-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
+        let session_id = uuid::Uuid::new_v4().simple().to_string();
+        let conn = opts
+            .nats
+            .connect(&format!("leasehold-worker {worker_id}"))
+            .await?;
+        setup::ping(&conn.js).await?;
+        retry_unavailable("layout", START_DEADLINE, || setup::verify(&conn, &served)).await?;
+        let work = Work::new(&conn);
+        let mut ack_wait = HashMap::new();
+        for k in &served {
+            let w = retry_unavailable("consumer", START_DEADLINE, || work.ack_wait(k)).await?;
+            ack_wait.insert(k.clone(), w);
+        }
+        let recovery = retry_unavailable("buckets", START_DEADLINE, || {
+            Recovery::open(
+                &conn,
+                format!("worker {worker_id}"),
+                opts.max_stale_reclaims,
+            )
+        })
+        .await?;
+        let renew = opts.renew_every();
+        tracing::info!(
+            worker_id,
+            session = %session_id,
+            kinds = ?served,
+            concurrency = opts.concurrency,
+            session_timeout = ?opts.session_timeout,
+            session_renew = ?renew,
+            attempt_timeout = ?opts.attempt_timeout,
+            index_after = ?opts.index_after,
+            drain_timeout = ?opts.drain_timeout,
+            pull_expires = ?opts.pull_expires,
+            max_stale_reclaims = opts.max_stale_reclaims,
+            retry = ?opts.retry_policy(),
+            nats = %opts.nats.url_for_logs(),
+            prefix = %opts.nats.prefix,
+            "worker starting"
+        );
+        let shared = Arc::new(Shared {
+            jobs: recovery.jobs.clone(),
+            events: Events::new(&conn),
+            dlq: Dlq::new(&conn),
+            active: recovery.active.clone(),
+            sessions: recovery.sessions.clone(),
+            recovery: Arc::new(recovery),
+            work,
+            conn,
+            slots: Arc::new(Semaphore::new(opts.concurrency)),
+            handlers: self.handlers,
+            kinds: self.kinds,
+            retry: opts.retry_policy(),
+            worker_id: worker_id.clone(),
+            session: session::SessionState::new(
+                &worker_id,
+                &session_id,
+                &served,
+                opts.session_timeout,
+                renew,
+            ),
+            running: StdMutex::new(HashMap::new()),
+            idle: Notify::new(),
+            handoff: CancellationToken::new(),
+            solo: tokio::sync::Mutex::new(()),
+            stats: Arc::new(Stats::default()),
+            ack_wait,
+            shutdown: shutdown.clone(),
+            opts,
+        });
+        // The session before anything else: a job claimed from here on
+        // names it. Its responder is subscribed first, so a recoverer that
+        // pings this identity as soon as the key appears gets an answer.
+        let responder = session::begin(&shared).await?;
+        let gateway = crate::gateway::subscribe(&shared.conn).await?;
+        let stats = shared.stats.clone();
+        let join = tokio::spawn(run(shared, served, gateway, responder, shutdown));
+        Ok(Handle {
+            worker_id,
+            session: session_id,
+            stats,
+            join,
+        })
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) opts: Options,
+    pub(crate) conn: Conn,
+    pub(crate) jobs: Jobs,
+    pub(crate) events: Events,
+    pub(crate) work: Work,
+    pub(crate) dlq: Dlq,
+    pub(crate) active: Active,
+    pub(crate) sessions: Sessions,
+    pub(crate) recovery: Arc<Recovery>,
+    pub(crate) handlers: HashMap<String, Arc<dyn Handler>>,
+    pub(crate) kinds: Kinds,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) worker_id: String,
+    pub(crate) session: session::SessionState,
+    pub(crate) slots: Arc<Semaphore>,
+    /// Jobs running in this process, by id.
+    pub(crate) running: StdMutex<HashMap<String, attempt::Running>>,
+    pub(crate) idle: Notify,
+    /// Phase 3 of shutdown: hand every running job back.
+    pub(crate) handoff: CancellationToken,
+    /// One suspect at a time may wait to run alone (see `claim::go_solo`).
+    pub(crate) solo: tokio::sync::Mutex<()>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) ack_wait: HashMap<String, Duration>,
+    /// The process's shutdown (fired by the session when another process
+    /// took over this identity).
+    pub(crate) shutdown: CancellationToken,
+}
+
+impl Shared {
+    /// How often a suspect's held ticket gets a progress ack while it waits
+    /// for the worker's slots: a third of its consumer's ack wait.
+    pub(crate) fn progress_every(&self, kind: &str) -> Duration {
+        self.ack_wait
+            .get(kind)
+            .copied()
+            .unwrap_or(Duration::from_secs(30))
+            / 3
+    }
+
+    /// The session clock attempts check before write effects.
+    pub(crate) fn clock(&self) -> SessionClock {
+        self.session.clock.clone()
+    }
+}
+
+async fn run(
+    shared: Arc<Shared>,
+    kinds: Vec<String>,
+    gateway: crate::gateway::Subscriptions,
+    responder: async_nats::Subscriber,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut loops = JoinSet::new();
+    for kind in &kinds {
+        loops.spawn(pull::pull_loop(
+            shared.clone(),
+            kind.clone(),
+            shutdown.clone(),
+        ));
+    }
+    let gw = crate::gateway::Gateway {
+        conn: shared.conn.clone(),
+        jobs: shared.jobs.clone(),
+        events: shared.events.clone(),
+        dlq: shared.dlq.clone(),
+        kinds: shared.kinds.clone(),
+    };
+    let gw = tokio::spawn(crate::gateway::run(gw, gateway, shutdown.clone()));
+    // The session outlives the drain and the hand-back: it stops last.
+    let session_stop = CancellationToken::new();
+    let renewals = tokio::spawn(session::renew_loop(shared.clone(), session_stop.clone()));
+    let answers = tokio::spawn(session::respond(
+        shared.clone(),
+        responder,
+        session_stop.clone(),
+    ));
+    let ends = tokio::spawn(recovery::watch_session_ends(
+        shared.conn.clone(),
+        shared.recovery.clone(),
+        recovery::WatchOptions::default(),
+        shutdown.clone(),
+    ));
+    if shared.opts.worker_id.is_some() {
+        let s = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = claim::restart_reclaim(s).await {
+                tracing::warn!(error = %e, "reclaiming this identity's earlier jobs failed; they are recovered when that process's session ends");
+            }
+        });
+    }
+
+    shutdown.cancelled().await;
+    tracing::info!(
+        "shutdown: stop pulling; draining in-flight jobs for up to {:?}",
+        shared.opts.drain_timeout
+    );
+    let drained = tokio::time::timeout(shared.opts.drain_timeout, wait_idle(&shared))
+        .await
+        .is_ok();
+    if !drained {
+        let n = shared.running.lock().unwrap().len();
+        tracing::info!(
+            jobs = n,
+            "shutdown: drain timeout passed; handing jobs back"
+        );
+    }
+    shared.handoff.cancel();
+    if tokio::time::timeout(Duration::from_secs(15), wait_idle(&shared))
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown: some jobs did not hand back in 15s; they are recovered when this session ends");
+    }
+    while loops.join_next().await.is_some() {}
+    let _ = gw.await;
+    let _ = ends.await;
+    session_stop.cancel();
+    let _ = renewals.await;
+    let _ = answers.await;
+    session::end(&shared).await;
+    // Plain acks and NAKs are buffered publishes: flush before the client goes.
+    let _ = shared.conn.client.flush().await;
+    tracing::info!("worker stopped");
+    Ok(())
+}
+
+pub(crate) async fn wait_idle(shared: &Shared) {
+    loop {
+        let notified = shared.idle.notified();
+        if shared.running.lock().unwrap().is_empty() {
+            return;
+        }
+        notified.await;
+    }
+}

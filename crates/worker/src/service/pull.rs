@@ -1,0 +1,103 @@
+//! Pulling tickets: never more than free slots.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+
+use super::{claim, Shared};
+
+/// Pulls tickets of one kind, never more than free slots.
+///
+/// An idle kind keeps one slot reserved for one long poll (expiring after
+/// `--pull-expires`); once a ticket arrives, the loop tops up with
+/// immediate fetches sized to the slots that are free at that moment, until
+/// the queue is drained or the slots are full. So a busy kind fills the
+/// worker and each idle kind holds at most one slot.
+pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToken) {
+    const MAX_BATCH: usize = 64;
+    let mut consumer = None;
+    while !shutdown.is_cancelled() {
+        if consumer.is_none() {
+            match shared.work.consumer(&kind).await {
+                Ok(c) => consumer = Some(c),
+                Err(e) => {
+                    tracing::warn!(kind, error = %e, "consumer unavailable; retrying");
+                    tokio::select! { _ = tokio::time::sleep(Duration::from_secs(1)) => continue, _ = shutdown.cancelled() => break }
+                }
+            }
+        }
+        let c = consumer.as_ref().expect("set above");
+        // Reserve the slot before asking: backpressure is explicit.
+        let first = tokio::select! {
+            p = shared.slots.clone().acquire_owned() => p.expect("semaphore open"),
+            _ = shutdown.cancelled() => break,
+        };
+        let mut permits = vec![first];
+        let got = match c
+            .batch()
+            .max_messages(1)
+            .expires(shared.opts.pull_expires)
+            .messages()
+            .await
+        {
+            Ok(batch) => take(&shared, batch, &mut permits, &shutdown).await,
+            Err(e) => {
+                tracing::warn!(kind, error = %e, "pull failed; retrying");
+                consumer = None;
+                drop(permits);
+                tokio::select! { _ = tokio::time::sleep(Duration::from_millis(500)) => continue, _ = shutdown.cancelled() => break }
+            }
+        };
+        if got == 0 {
+            continue;
+        }
+        // Busy: fetch what is queued, as much as free slots allow.
+        while !shutdown.is_cancelled() {
+            let mut permits = Vec::new();
+            while permits.len() < MAX_BATCH {
+                match shared.slots.clone().try_acquire_owned() {
+                    Ok(p) => permits.push(p),
+                    Err(_) => break,
+                }
+            }
+            let want = permits.len();
+            if want == 0 {
+                break;
+            }
+            let Ok(batch) = c.fetch().max_messages(want).messages().await else {
+                break;
+            };
+            if take(&shared, batch, &mut permits, &shutdown).await < want {
+                break;
+            }
+        }
+    }
+}
+
+/// Dispatches the messages of one pull, one reserved slot each; returns how
+/// many arrived. After shutdown began, tickets are handed back at once.
+async fn take(
+    shared: &Arc<Shared>,
+    mut batch: async_nats::jetstream::consumer::pull::Batch,
+    permits: &mut Vec<OwnedSemaphorePermit>,
+    shutdown: &CancellationToken,
+) -> usize {
+    let mut n = 0;
+    while let Some(m) = batch.next().await {
+        let Ok(msg) = m else { break };
+        n += 1;
+        if shutdown.is_cancelled() {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            continue;
+        }
+        let permit = permits
+            .pop()
+            .expect("never more messages than reserved slots");
+        tokio::spawn(claim::handle_delivery(shared.clone(), msg, permit));
+    }
+    n
+}
