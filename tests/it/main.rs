@@ -6,6 +6,7 @@ mod cli;
 mod cluster;
 mod effects;
 mod lifecycle;
+mod liveness;
 mod ownership;
 mod reaper;
 mod research;

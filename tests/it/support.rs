@@ -37,6 +37,14 @@ impl Env {
     }
 
     pub async fn with(o: SetupOptions) -> Env {
+        // In-process workers and reapers log to the test's output when
+        // RUST_LOG is set (shown for failing tests).
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_test_writer()
+                .try_init();
+        }
         let server = NatsServer::start();
         wait_for_jetstream(&server.url(), Duration::from_secs(10)).await;
         let prefix = "lh".to_string();

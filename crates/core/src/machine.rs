@@ -553,6 +553,35 @@ pub fn park(
     Ok(r)
 }
 
+/// A waiting job whose ticket this worker cannot accept (configuration or
+/// version skew: too large here, a field it does not know) is parked for a
+/// person with the reason, instead of bouncing between re-enqueues.
+pub fn park_waiting(
+    rec: &JobRecord,
+    now: SystemTime,
+    reason: &str,
+    message: &str,
+) -> Result<JobRecord, TransitionError> {
+    if status_of(rec) != Some(Status::Queued) {
+        return Err(TransitionError::NotAllowed {
+            status: rec.status.clone(),
+            action: "park a waiting job",
+            allowed: "queued",
+        });
+    }
+    let mut r = rec.clone();
+    r.status = Status::Parked.as_str().into();
+    r.parked_reason = Some(reason.into());
+    r.error = Some(JobError {
+        class: reason.into(),
+        message: message.into(),
+        at: rfc3339(now),
+    });
+    release(&mut r);
+    r.updated_at = rfc3339(now);
+    Ok(r)
+}
+
 /// Outcome of a cancellation request by anyone.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CancelOutcome {

@@ -91,6 +91,7 @@ fn validate_fail(input: &serde_json::Map<String, Value>) -> Result<(), String> {
         }
     }
     get_u64(input, "times")?;
+    get_u64(input, "ms")?;
     Ok(())
 }
 

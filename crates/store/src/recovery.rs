@@ -478,7 +478,16 @@ pub async fn watch_session_ends(
                 tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = shutdown.cancelled() => return }
             }
         };
-        let mut msgs = match consumer.messages().await {
+        // Short pulls: a member that stops holds no end for longer than a
+        // pull's expiry plus the consumer's (short) ack wait.
+        let stream = consumer
+            .stream()
+            .expires(Duration::from_secs(1))
+            .max_messages_per_batch(4)
+            .heartbeat(Duration::from_millis(400))
+            .messages()
+            .await;
+        let mut msgs = match stream {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot pull session ends; retrying");
@@ -541,7 +550,19 @@ async fn on_session_message(
         }
         ping => {
             tracing::info!(worker, ?ping, actor = %recovery.actor, "a worker's session ended; re-offering its jobs");
-            match recovery.recover_worker(&worker).await {
+            // Keep the end while working on it (the consumer's ack wait is short).
+            let progress = {
+                let m = m.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        let _ = m.ack_with(AckKind::Progress).await;
+                    }
+                })
+            };
+            let res = recovery.recover_worker(&worker).await;
+            progress.abort();
+            match res {
                 Ok(_) => {
                     let _ = m.ack().await;
                 }

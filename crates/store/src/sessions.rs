@@ -252,6 +252,36 @@ impl SessionClock {
     }
 }
 
+/// What a worker said about one job it supposedly runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runs {
+    /// It runs (or is claiming) the job at that epoch.
+    Yes,
+    /// It does not: the record names it, but nothing runs there.
+    No,
+    /// No answer (timeout, no responders, or our own connection is down).
+    Unknown,
+}
+
+impl Sessions {
+    /// Asks the process of `worker_id` whether it runs `job` at `epoch`. A
+    /// record can name a live session for a job that process does not run
+    /// (its claim's reply was lost, an attempt ended without its write):
+    /// only the process itself can tell.
+    pub async fn runs(&self, worker_id: &str, job: &str, epoch: u64, timeout: Duration) -> Runs {
+        let subject = self.layout.worker_subject(worker_id, "runs");
+        let req = async_nats::Request::new()
+            .payload(format!("{job} {epoch}").into())
+            .timeout(Some(timeout));
+        match self.client.send_request(subject, req).await {
+            Ok(m) if &m.payload[..] == b"yes" => Runs::Yes,
+            Ok(_) => Runs::No,
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Runs::No,
+            Err(_) => Runs::Unknown,
+        }
+    }
+}
+
 /// The `Nats-TTL` value of a duration (the server takes `1500ms`; at least 1 s).
 pub fn ttl_header(d: Duration) -> String {
     format!("{}ms", d.as_millis().max(1000))

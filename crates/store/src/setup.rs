@@ -170,10 +170,15 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
         ),
         filter_subject: format!("$KV.{}.>", l.sessions_bucket()),
         ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: Duration::from_secs(30),
+        // Short: a member that stops (paused, partitioned) while it holds
+        // an end gives it up within seconds; a member working on one
+        // keeps it with progress acks.
+        ack_wait: Duration::from_secs(3),
         headers_only: true,
         deliver_policy: consumer::DeliverPolicy::New,
         max_ack_pending: 10_000,
+        // Every worker and reaper long-polls it.
+        max_waiting: 4096,
         ..Default::default()
     };
     if ss.consumer_info(&watch).await.is_ok() {

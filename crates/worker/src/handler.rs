@@ -135,13 +135,21 @@ impl Handler for Sleep {
     }
 }
 
-/// `fail`: input `{"class": "retryable"|"terminal", "times": N}`: fails while
-/// fewer than N attempts have failed, then succeeds.
+/// `fail`: input `{"class": "retryable"|"terminal", "times": N, "ms": M}`:
+/// runs for M milliseconds (default 0), then fails while fewer than N
+/// attempts have failed, then succeeds.
 pub struct Fail;
 
 #[async_trait]
 impl Handler for Fail {
     async fn run(&self, ctx: JobCtx) -> Result<Outcome, HandlerError> {
+        let ms = ctx.input.get("ms").and_then(Value::as_u64).unwrap_or(0);
+        if ms > 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+                _ = ctx.cancel.cancelled() => return Err(HandlerError::cancelled()),
+            }
+        }
         let times = ctx
             .input
             .get("times")

@@ -66,6 +66,7 @@ pub(crate) async fn run_claimed(
     msg: Option<jetstream::Message>,
     permit: OwnedSemaphorePermit,
     reclaim: bool,
+    claiming: Option<super::claim::Claiming>,
 ) {
     let id = claimed.value.id.clone();
     let epoch = claimed.value.epoch;
@@ -98,6 +99,8 @@ pub(crate) async fn run_claimed(
             },
         );
     }
+    // Registered as running: the claim is no longer in flight.
+    drop(claiming);
     let rec = claimed.value.clone();
     let task = tokio::spawn(run_attempt(
         shared.clone(),

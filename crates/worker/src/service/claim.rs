@@ -18,6 +18,7 @@ use leasehold_core::spec::{self, Submission};
 use leasehold_core::JobRecord;
 use leasehold_store::events;
 use leasehold_store::index::Key;
+use leasehold_store::sessions::Runs;
 use leasehold_store::work;
 use leasehold_store::{JobsError, Versioned};
 use serde_json::json;
@@ -77,7 +78,46 @@ impl Shared {
                 OwnerLiveness::Dead
             };
         }
-        self.sessions.liveness(worker, rec.session.as_deref()).await
+        match self.sessions.liveness(worker, rec.session.as_deref()).await {
+            // A live session does not prove the job runs there: ask.
+            OwnerLiveness::Live => match self
+                .sessions
+                .runs(worker, &rec.id, rec.epoch, Duration::from_secs(1))
+                .await
+            {
+                Runs::Yes => OwnerLiveness::Live,
+                Runs::No => {
+                    tracing::info!(job = %rec.id, owner = worker, "the record's live owner does not run the job; reclaiming it");
+                    OwnerLiveness::Dead
+                }
+                Runs::Unknown => OwnerLiveness::Unknown,
+            },
+            other => other,
+        }
+    }
+}
+
+/// Registers a claim in flight for the duration of its write (see
+/// `Shared::claiming`); dropped when the claim is settled either way.
+pub(crate) struct Claiming {
+    shared: Arc<Shared>,
+    id: String,
+}
+
+impl Claiming {
+    fn new(shared: &Arc<Shared>, id: &str) -> Self {
+        shared.claiming.lock().unwrap().insert(id.to_string());
+        Claiming {
+            shared: shared.clone(),
+            id: id.to_string(),
+        }
+    }
+}
+
+impl Drop for Claiming {
+    fn drop(&mut self) {
+        self.shared.claiming.lock().unwrap().remove(&self.id);
+        self.shared.idle.notify_waiters();
     }
 }
 
@@ -143,7 +183,14 @@ pub(crate) async fn handle_delivery(
     // The token of our own claim, kept across rounds: a claim whose reply
     // was lost is recognised on the next read as ours.
     let mut mine: Option<String> = None;
+    let claiming = Claiming::new(&shared, &accepted.id);
+    // Set when a claim write failed without a definite answer: the next
+    // rounds read the record until it says whether the claim landed.
+    let mut unsure = 0u32;
     for round in 0..16 {
+        if unsure > 0 {
+            tokio::time::sleep(Duration::from_millis(200) * unsure.min(10)).await;
+        }
         // Most tickets are new jobs: try the create first and read only
         // when the record turns out to exist.
         let current = if round == 0 {
@@ -264,6 +311,16 @@ pub(crate) async fn handle_delivery(
         };
         match write {
             Ok((revision, record)) => {
+                // The job's previous index entry (waiting, or an earlier
+                // owner's) goes; its running entry comes with --index-after.
+                if let Some(old) = current.as_ref().and_then(|v| Key::of(&v.value)) {
+                    let active = shared.active.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = active.remove(&old).await {
+                            tracing::debug!(key = %old.as_string(), error = %e, "old index entry left for the reaper");
+                        }
+                    });
+                }
                 shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
                 if reclaim {
                     shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
@@ -278,16 +335,24 @@ pub(crate) async fn handle_delivery(
                     value: record,
                     revision,
                 };
-                attempt::run_claimed(shared.clone(), claimed, Some(msg), permit, reclaim).await;
+                attempt::run_claimed(
+                    shared.clone(),
+                    claimed,
+                    Some(msg),
+                    permit,
+                    reclaim,
+                    Some(claiming),
+                )
+                .await;
                 return;
             }
             Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
             Err(e) => {
-                tracing::warn!(job = %accepted.id, error = %e, "claim write failed; retrying the ticket in 1s");
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                    .await;
-                return;
+                // The write may have landed with its reply lost: read the
+                // record until it says (our own token means it did).
+                tracing::warn!(job = %accepted.id, error = %e, "claim write unanswered; reading the record to see whether it landed");
+                unsure += 1;
+                continue;
             }
         }
     }
@@ -466,9 +531,50 @@ async fn reject(
                     .publish(&ev, Some(&format!("{id}:rejected:{seq}")))
                     .await;
             }
-            // An existing job keeps its record: a bad duplicate must not clobber it.
+            // An existing job keeps its record: a bad duplicate must not
+            // clobber it. But a waiting job whose own ticket this worker
+            // refuses (configuration or version skew) would bounce between
+            // re-enqueues for ever: it is parked once, with the reason.
             Err(JobsError::Exists(_)) => {
-                tracing::info!(job = %id, "a job with this id exists; its record is left alone")
+                let code = rej.error.code();
+                let parked = shared
+                    .jobs
+                    .transition(id, |cur| {
+                        if cur.status != "queued" || (seq != 0 && cur.ticket_seq > seq) {
+                            return Ok(None);
+                        }
+                        machine::park_waiting(
+                            cur,
+                            SystemTime::now(),
+                            "rejected_ticket",
+                            &format!(
+                                "its ticket was refused by worker {}: {message}",
+                                shared.worker_id
+                            ),
+                        )
+                        .map(Some)
+                    })
+                    .await;
+                match parked {
+                    Ok(v) if v.value.status == "parked" => {
+                        tracing::warn!(job = %id, code, "a waiting job's ticket was refused here; the job is parked for review");
+                        let _ = shared.active.reconcile(&v.value).await;
+                        let ev = events::event(
+                            id,
+                            v.value.epoch,
+                            "parked",
+                            Some(&shared.worker_id),
+                            json!({"reason": "rejected_ticket", "message": message, "code": code}),
+                        );
+                        let _ = shared
+                            .events
+                            .publish(&ev, Some(&format!("{id}:parked:rejected:{code}")))
+                            .await;
+                    }
+                    _ => {
+                        tracing::info!(job = %id, "a job with this id exists; its record is left alone")
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot record the rejection; retrying the ticket");
@@ -488,7 +594,11 @@ async fn reject(
             &message,
             msg.payload.clone(),
             msg.headers.as_ref(),
-            &format!("rejected:{kind}:{seq}"),
+            // One letter per job and reason, whatever ticket carried it.
+            &match &rej.id {
+                Some(id) => format!("rejected:{kind}:{id}:{}", rej.error.code()),
+                None => format!("rejected:{kind}:{seq}"),
+            },
         )
         .await
     {
@@ -515,8 +625,14 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
         if !shared.handlers.contains_key(&entry.kind) {
             continue;
         }
-        let Some(cur) = shared.jobs.get(&entry.job).await? else {
-            continue;
+        let cur = match shared.jobs.get(&entry.job).await {
+            Ok(Some(c)) => c,
+            Ok(None) => continue,
+            // One unreadable record never stops the others' reclaim.
+            Err(e) => {
+                tracing::warn!(job = %entry.job, error = %e, "restart reclaim skips this job");
+                continue;
+            }
         };
         let rec = cur.value;
         if rec.status != "running"
@@ -557,7 +673,14 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
                 shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
                 shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(attempt::run_claimed(shared.clone(), v, None, permit, true));
+                tokio::spawn(attempt::run_claimed(
+                    shared.clone(),
+                    v,
+                    None,
+                    permit,
+                    true,
+                    None,
+                ));
             }
             Err(e) => tracing::warn!(job = %rec.id, error = %e, "restart reclaim failed"),
             _ => {}

@@ -229,6 +229,7 @@ impl Worker {
                 renew,
             ),
             running: StdMutex::new(HashMap::new()),
+            claiming: StdMutex::new(Default::default()),
             idle: Notify::new(),
             handoff: CancellationToken::new(),
             solo: tokio::sync::Mutex::new(()),
@@ -271,6 +272,10 @@ pub(crate) struct Shared {
     pub(crate) slots: Arc<Semaphore>,
     /// Jobs running in this process, by id.
     pub(crate) running: StdMutex<HashMap<String, attempt::Running>>,
+    /// Jobs whose claim write this process has sent and not yet settled
+    /// (a claim in flight at shutdown is waited for; asked whether it runs
+    /// such a job, the process says yes).
+    pub(crate) claiming: StdMutex<std::collections::HashSet<String>>,
     pub(crate) idle: Notify,
     /// Phase 3 of shutdown: hand every running job back.
     pub(crate) handoff: CancellationToken,
@@ -381,10 +386,11 @@ async fn run(
     Ok(())
 }
 
+/// Waits until no job runs here and no claim is in flight.
 pub(crate) async fn wait_idle(shared: &Shared) {
     loop {
         let notified = shared.idle.notified();
-        if shared.running.lock().unwrap().is_empty() {
+        if shared.running.lock().unwrap().is_empty() && shared.claiming.lock().unwrap().is_empty() {
             return;
         }
         notified.await;

@@ -14,8 +14,9 @@
 //!   re-checked, since any of them may have been re-offered meanwhile;
 //!   another process's key means this identity was taken over, and this
 //!   process stops.
-//! - [`respond`]: answers `lh.workers.<id>.ping` with the session and turns
-//!   `lh.workers.<id>.cancel` into a stop of that job's attempt.
+//! - [`respond`]: answers `lh.workers.<id>.ping` with the session, says
+//!   whether it runs a job (`lh.workers.<id>.runs`, "<job> <epoch>": yes/no),
+//!   and turns `lh.workers.<id>.cancel` into a stop of that job's attempt.
 //! - [`end`]: at a clean shutdown, deletes the key so recovery of anything
 //!   left starts at once.
 
@@ -284,6 +285,25 @@ pub(crate) async fn respond(
                         .client
                         .publish(reply, shared.session.id.clone().into())
                         .await;
+                }
+            }
+            "runs" => {
+                let text = String::from_utf8_lossy(&m.payload).to_string();
+                let mut it = text.split_whitespace();
+                let (job, epoch) = (
+                    it.next().unwrap_or_default(),
+                    it.next().and_then(|e| e.parse::<u64>().ok()),
+                );
+                let yes = shared.claiming.lock().unwrap().contains(job)
+                    || shared
+                        .running
+                        .lock()
+                        .unwrap()
+                        .get(job)
+                        .is_some_and(|r| Some(r.epoch) == epoch);
+                if let Some(reply) = m.reply {
+                    let body = if yes { "yes" } else { "no" };
+                    let _ = shared.conn.client.publish(reply, body.into()).await;
                 }
             }
             "cancel" => {

@@ -1,0 +1,397 @@
+//! Worker liveness by session, recovery that never waits for the consumer's
+//! ack wait, and the index of active jobs, with real processes killed,
+//! paused and partitioned at the moments that matter.
+
+use std::time::Duration;
+
+use leasehold_harness::FaultProxy;
+use leasehold_reaper::{Options as ReaperOptions, Reaper};
+use leasehold_store::index::{Active, Filter, Key};
+use leasehold_store::setup::SetupOptions;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{wait_log, Env};
+
+/// An environment made by a plain `leasehold setup` (consumer ack wait 30 s).
+async fn default_env() -> Env {
+    Env::with(SetupOptions::default()).await
+}
+
+async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken) {
+    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
+    o.interval = Duration::from_millis(300);
+    o.stranded_grace = Duration::from_millis(500);
+    let stop = CancellationToken::new();
+    let h = Reaper::new(o).start(stop.clone()).await.unwrap();
+    (h, stop)
+}
+
+async fn active(env: &Env) -> Active {
+    Active::open(&env.conn).await.unwrap()
+}
+
+/// Tickets left in the work stream.
+async fn tickets(env: &Env) -> u64 {
+    let mut s = env
+        .conn
+        .js
+        .get_stream(env.conn.layout.work_stream())
+        .await
+        .unwrap();
+    s.info().await.unwrap().state.messages
+}
+
+#[tokio::test]
+async fn kill9_is_recovered_by_the_session_timeout_not_the_ack_wait() {
+    let env = default_env().await;
+    let mut a = env.worker_proc(&[], &[]);
+    env.submit("sleep", json!({"input": {"ms": 4000}}), "k9")
+        .await;
+    let first = env
+        .wait_status("k9", "running", Duration::from_secs(15))
+        .await;
+    env.wait_indexed("k9", Duration::from_secs(10)).await;
+    a.kill9();
+    let t0 = tokio::time::Instant::now();
+    // No reaper: the surviving worker handles the ended session itself.
+    let (b, stop) = env.worker().await;
+    let moved = env
+        .wait_for("k9", Duration::from_secs(20), |r| {
+            r.status == "running" && r.worker_id.as_deref() == Some(b.worker_id.as_str())
+        })
+        .await;
+    let took = t0.elapsed();
+    // The session timeout is 2 s; the consumer's ack wait is 30 s.
+    assert!(
+        took < Duration::from_secs(8),
+        "recovered after {took:?}: must follow the 2 s session, not the 30 s ack wait"
+    );
+    assert_ne!(first.worker_id, moved.worker_id);
+    assert_eq!((moved.epoch, moved.stale_reclaims), (2, 1));
+    env.wait_status("k9", "completed", Duration::from_secs(20))
+        .await;
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_reaper_notices_a_killed_worker_in_about_a_second_with_default_sessions() {
+    let env = default_env().await;
+    // The default session timeout (10 s): only the reaper's probe of the
+    // closed connection can make this fast.
+    let mut a = env.worker_proc(&[], &[("LH_SESSION_TIMEOUT", "10s".into())]);
+    let r = start_reaper(&env).await;
+    env.submit("sleep", json!({"input": {"ms": 6000}}), "fast")
+        .await;
+    env.wait_status("fast", "running", Duration::from_secs(15))
+        .await;
+    env.wait_indexed("fast", Duration::from_secs(10)).await;
+    let (b, stop_b) = env.worker().await;
+    a.kill9();
+    let t0 = tokio::time::Instant::now();
+    env.wait_for("fast", Duration::from_secs(20), |r| r.epoch == 2)
+        .await;
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "a closed connection is noticed within the probe interval, not the 10 s session: {took:?}"
+    );
+    assert!(
+        r.0.stats
+            .sessions_ended_fast
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    env.wait_status("fast", "completed", Duration::from_secs(20))
+        .await;
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+    stop_b.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_reapers_reoffer_a_dead_sessions_jobs_exactly_once() {
+    let env = default_env().await;
+    let mut a = env.worker_proc(&[], &[("LH_CONCURRENCY", "8".into())]);
+    let ids: Vec<String> = (0..4).map(|i| format!("orphan-{i}")).collect();
+    for id in &ids {
+        env.submit("sleep", json!({"input": {"ms": 30000}}), id)
+            .await;
+    }
+    for id in &ids {
+        env.wait_status(id, "running", Duration::from_secs(15))
+            .await;
+        env.wait_indexed(id, Duration::from_secs(10)).await;
+    }
+    // Every ticket settled: the running jobs live on A's session alone.
+    assert_eq!(tickets(&env).await, 0);
+    let r1 = start_reaper(&env).await;
+    let r2 = start_reaper(&env).await;
+    a.kill9();
+    for id in &ids {
+        let q = env.wait_status(id, "queued", Duration::from_secs(15)).await;
+        assert_eq!(q.stale_reclaims, 1);
+    }
+    // Let both replicas sweep a few more times.
+    let (mut w1, mut w2) = (r1.0.metrics_watch(), r2.0.metrics_watch());
+    for _ in 0..3 {
+        w1.changed().await.unwrap();
+        w2.changed().await.unwrap();
+    }
+    assert_eq!(
+        tickets(&env).await,
+        ids.len() as u64,
+        "one new ticket per orphaned job"
+    );
+    for id in &ids {
+        let reoffers = env
+            .events_of(id)
+            .await
+            .iter()
+            .filter(|e| e.r#type == "progress" && e.data_map().get("recovered").is_some())
+            .count();
+        assert_eq!(reoffers, 1, "{id}: re-offered once");
+        let writes = env
+            .jobs
+            .history(id)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|v| v.value.status == "queued" && v.value.stale_reclaims == 1)
+            .count();
+        assert_eq!(writes, 1, "{id}: one release write");
+    }
+    let idx = active(&env).await;
+    assert_eq!(idx.list(Filter::Waiting).await.unwrap().len(), ids.len());
+    assert!(idx.list(Filter::Running).await.unwrap().is_empty());
+    // A worker now runs them to completion.
+    let (b, stop) = env.worker().await;
+    for id in &ids {
+        let done = env
+            .wait_status(id, "completed", Duration::from_secs(60))
+            .await;
+        assert_eq!(done.epoch, 2);
+    }
+    assert!(
+        idx.list(Filter::All).await.unwrap().is_empty(),
+        "index empty once all finished"
+    );
+    for r in [r1, r2] {
+        r.1.cancel();
+        r.0.wait().await.unwrap();
+    }
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_partitioned_worker_loses_its_jobs_and_comes_back_without_writing() {
+    let env = default_env().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let a = env.worker_proc(&["--worker-id", "part-a"], &[("NATS_URL", proxy.url())]);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    env.submit("sleep", json!({"input": {"ms": 5000}}), "cut-off")
+        .await;
+    env.wait_for("cut-off", Duration::from_secs(15), |r| {
+        r.status == "running" && r.worker_id.as_deref() == Some("part-a")
+    })
+    .await;
+    env.wait_indexed("cut-off", Duration::from_secs(10)).await;
+    proxy.freeze();
+    let (b, stop) = env.worker().await;
+    let moved = env
+        .wait_for("cut-off", Duration::from_secs(20), |r| {
+            r.worker_id.as_deref() == Some(b.worker_id.as_str())
+        })
+        .await;
+    assert_eq!((moved.epoch, moved.stale_reclaims), (2, 1));
+    let done = env
+        .wait_status("cut-off", "completed", Duration::from_secs(20))
+        .await;
+    proxy.thaw();
+    // A notices its session was gone, writes it again and re-checks its job.
+    wait_log(
+        &a,
+        "re-offered while this process was away",
+        Duration::from_secs(20),
+    )
+    .await;
+    let history = env.jobs.history("cut-off").await.unwrap();
+    let claim_b = history.iter().position(|v| v.value.epoch == 2).unwrap();
+    assert!(
+        history[claim_b..].iter().all(|v| v.value.epoch == 2),
+        "no write of A's epoch after B's claim"
+    );
+    assert_eq!(env.jobs.get("cut-off").await.unwrap().unwrap().value, done);
+    // A serves new work on its restored session.
+    env.submit("echo", json!({"input": {"back": true}}), "after-partition")
+        .await;
+    env.wait_status("after-partition", "completed", Duration::from_secs(15))
+        .await;
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_worker_killed_between_the_claim_and_its_index_entry_is_recovered() {
+    let env = default_env().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(&[], &[("NATS_URL", proxy.url())]);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    // The claim is written; the index entry that follows is held.
+    let hold = proxy.hold(&format!("$KV.{}.>", env.conn.layout.active_bucket()));
+    env.submit("sleep", json!({"input": {"ms": 2000}}), "between")
+        .await;
+    hold.triggered().await;
+    a.kill9();
+    let rec = env.jobs.get("between").await.unwrap().unwrap().value;
+    assert_eq!(rec.status, "running", "the claim landed");
+    assert!(active(&env)
+        .await
+        .keys_of("between")
+        .await
+        .unwrap()
+        .is_empty());
+    // Its ticket, NAKed at the claim with a one-session wake-up, brings it back.
+    let (b, stop) = env.worker().await;
+    let done = env
+        .wait_status("between", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(done.worker_id.as_deref(), Some(b.worker_id.as_str()));
+    assert!(active(&env)
+        .await
+        .keys_of("between")
+        .await
+        .unwrap()
+        .is_empty());
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_worker_killed_between_completion_and_its_index_removal_leaves_nothing_behind() {
+    let env = default_env().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(&[], &[("NATS_URL", proxy.url())]);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    env.submit("sleep", json!({"input": {"ms": 1500}}), "stale-entry")
+        .await;
+    env.wait_status("stale-entry", "running", Duration::from_secs(15))
+        .await;
+    env.wait_indexed("stale-entry", Duration::from_secs(10))
+        .await;
+    // The completion lands; the index removal after it is held.
+    let hold = proxy.hold(&format!("$KV.{}.>", env.conn.layout.active_bucket()));
+    env.wait_status("stale-entry", "completed", Duration::from_secs(15))
+        .await;
+    hold.triggered().await;
+    a.kill9();
+    assert!(
+        !active(&env)
+            .await
+            .keys_of("stale-entry")
+            .await
+            .unwrap()
+            .is_empty(),
+        "the entry outlived the completion"
+    );
+    // The ended session's recovery finds the entry, reads the record, and
+    // removes it; nothing is re-run.
+    let (b, stop) = env.worker().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !active(&env)
+        .await
+        .keys_of("stale-entry")
+        .await
+        .unwrap()
+        .is_empty()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stale entry never repaired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rec = env.jobs.get("stale-entry").await.unwrap().unwrap().value;
+    assert_eq!((rec.status.as_str(), rec.epoch), ("completed", 1));
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_hundred_thousand_finished_records_cost_the_active_paths_nothing() {
+    let env = default_env().await;
+    // History seeded with direct KV writes, as years of finished jobs.
+    let kv = env.jobs.kv().clone();
+    let n = 100_000;
+    let mut pending = futures::stream::FuturesUnordered::new();
+    for i in 0..n {
+        let mut r = leasehold_core::machine::new_record(
+            &format!("old-{i}"),
+            "echo",
+            Default::default(),
+            0,
+            std::time::SystemTime::now(),
+        );
+        r.status = "completed".into();
+        let kv = kv.clone();
+        pending.push(async move {
+            kv.put(r.id.clone(), serde_json::to_vec(&r).unwrap().into())
+                .await
+                .unwrap()
+        });
+        if pending.len() >= 512 {
+            futures::StreamExt::next(&mut pending).await;
+        }
+    }
+    while futures::StreamExt::next(&mut pending).await.is_some() {}
+    // The usual work: a worker with a stable identity (its start reclaims
+    // from the index), a reaper, jobs that complete and one that runs.
+    let mut o = env.opts();
+    o.worker_id = Some("history-w".into());
+    let t0 = tokio::time::Instant::now();
+    let (w, stop) = env.worker_with(o).await;
+    let started = t0.elapsed();
+    let r = start_reaper(&env).await;
+    for i in 0..20 {
+        env.submit("echo", json!({"input": {"i": i}}), &format!("new-{i}"))
+            .await;
+    }
+    env.submit("sleep", json!({"input": {"ms": 3000}}), "live")
+        .await;
+    for i in 0..20 {
+        env.wait_status(&format!("new-{i}"), "completed", Duration::from_secs(20))
+            .await;
+    }
+    env.wait_indexed("live", Duration::from_secs(10)).await;
+    let idx = active(&env).await;
+    let t1 = tokio::time::Instant::now();
+    let running = idx.list(Filter::Running).await.unwrap();
+    let listed = t1.elapsed();
+    assert_eq!(running.len(), 1);
+    assert!(matches!(&running[0].0, Key::Run { job, .. } if job == "live"));
+    // A sweep that started after the job was indexed.
+    let mut m = r.0.metrics_watch();
+    m.changed().await.unwrap();
+    m.changed().await.unwrap();
+    let snap = r.0.metrics();
+    assert_eq!(snap.jobs, 1, "the sweep saw the active job only: {snap:?}");
+    // Generous bounds for a loaded CI machine; a scan of 100k records takes
+    // tens of seconds here.
+    assert!(
+        started < Duration::from_secs(5),
+        "worker start took {started:?}"
+    );
+    assert!(
+        listed < Duration::from_secs(1),
+        "listing running jobs took {listed:?}"
+    );
+    env.wait_status("live", "completed", Duration::from_secs(20))
+        .await;
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+    stop.cancel();
+    w.wait().await.unwrap();
+}
