@@ -3,10 +3,24 @@
 //! - [`logs`]: stderr logs, `LH_LOG_FORMAT=text|json`, `RUST_LOG`, `NO_COLOR`.
 //! - [`redact_url`], [`Secret`]: credentials never reach a log line.
 //! - [`Readiness`]: what `/readyz` will answer, flipped by the services.
+//! - [`metrics`] (feature `metrics`): [`metrics::Metrics`] for a worker,
+//!   [`metrics::ReaperMetrics`] for a reaper replica, on a
+//!   `prometheus-client` registry.
+//! - [`observe`]: the facade through which library crates (model, tools,
+//!   research) report model requests, tool calls, effects and checkpoint
+//!   flushes without depending on Prometheus.
+//!
+//! Features: `full` (the default) enables everything; with
+//! `default-features = false` only the `tracing`-based core is built, which
+//! is what library crates should depend on.
 
 pub mod logs;
+pub mod observe;
 mod readiness;
 mod redact;
+
+#[cfg(feature = "metrics")]
+pub mod metrics;
 
 pub use readiness::Readiness;
 pub use redact::{redact_url, Secret, MASK};
