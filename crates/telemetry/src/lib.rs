@@ -9,6 +9,7 @@
 //! - [`observe`]: the facade through which library crates (model, tools,
 //!   research) report model requests, tool calls, effects and checkpoint
 //!   flushes without depending on Prometheus.
+//! - [`http`] (feature `http`): `/healthz`, `/readyz`, `/metrics`.
 //!
 //! Features: `full` (the default) enables everything; with
 //! `default-features = false` only the `tracing`-based core is built, which
@@ -19,6 +20,8 @@ pub mod observe;
 mod readiness;
 mod redact;
 
+#[cfg(feature = "http")]
+pub mod http;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 
