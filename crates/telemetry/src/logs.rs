@@ -100,7 +100,7 @@ where
 /// Installs logging only (no trace export) as the global subscriber, with
 /// `default_filter` when `RUST_LOG` is unset (`"info"` for services,
 /// `"warn"` for the CLI). Does nothing if a subscriber is already set.
-/// Services use `trace::init` instead, which adds trace export.
+/// Services use [`crate::trace::init`] instead, which adds trace export.
 pub fn init(default_filter: &str) {
     let (format, bad) = match LogFormat::from_env() {
         Ok(f) => (f, None),
