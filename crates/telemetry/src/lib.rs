@@ -1,7 +1,8 @@
 //! `leasehold-telemetry`: what an operator sees of a leasehold process.
 //!
 //! - [`logs`]: stderr logs, `LH_LOG_FORMAT=text|json`, `RUST_LOG`, `NO_COLOR`.
-//! - [`redact_url`], [`Secret`]: credentials never reach a log line.
+//! - [`redact_url`], [`redact_text`], [`Secret`]: credentials never reach a
+//!   log line.
 //! - [`metrics`] (feature `metrics`): [`metrics::Metrics`] for a worker,
 //!   [`metrics::ReaperMetrics`] for a reaper replica, on a
 //!   `prometheus-client` registry.
@@ -32,4 +33,4 @@ pub mod metrics;
 pub mod trace;
 
 pub use readiness::Readiness;
-pub use redact::{redact_url, Secret, MASK};
+pub use redact::{redact_text, redact_url, Secret, MASK};

@@ -24,6 +24,36 @@ pub fn redact_url(s: &str) -> String {
         .join(",")
 }
 
+/// Free text (an error chain, a log message) with [`redact_url`] applied to
+/// every word of it, words being separated by whitespace, quotes, angle
+/// brackets and parentheses: `connect to "nats://u:pw@h:4222": refused`
+/// becomes `connect to "nats://u:***@h:4222": refused`. An e-mail address
+/// looks like `token@host` and is masked too: the safe side.
+pub fn redact_text(s: &str) -> String {
+    let delimiter =
+        |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '`' | '<' | '>' | '(' | ')');
+    let mut out = String::with_capacity(s.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if word.contains(['@', '?', '&']) {
+            out.push_str(&redact_url(word));
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for c in s.chars() {
+        if delimiter(c) {
+            flush(&mut word, &mut out);
+            out.push(c);
+        } else {
+            word.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
 /// One element of a list: masks the userinfo of its authority.
 fn redact_userinfo(piece: &str) -> String {
     let start = piece.find("://").map(|i| i + 3).unwrap_or(0);
@@ -237,6 +267,21 @@ mod tests {
         ] {
             assert_eq!(redact_url(s), s);
         }
+    }
+
+    #[test]
+    fn text_is_redacted_word_by_word() {
+        assert_eq!(
+            redact_text(
+                r#"NATS_URL "nats://u:pw@h:4222,nats://tok@h2": invalid port; mail me@example.com"#
+            ),
+            r#"NATS_URL "nats://u:***@h:4222,nats://***@h2": invalid port; mail ***@example.com"#
+        );
+        assert_eq!(
+            redact_text("GET https://h/v1?api_key=k1 failed (https://a:b@c/)"),
+            "GET https://h/v1?api_key=*** failed (https://a:***@c/)"
+        );
+        assert_eq!(redact_text("nothing to see here"), "nothing to see here");
     }
 
     #[test]
