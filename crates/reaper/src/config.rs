@@ -43,6 +43,10 @@ pub struct Options {
     /// its last write, without a work ticket before it is re-enqueued.
     #[arg(long, env = "LH_STRANDED_GRACE", default_value = "60s", value_parser = parse_duration)]
     pub stranded_grace: Duration,
+    /// Serve /healthz, /readyz and /metrics on this address (e.g.
+    /// `0.0.0.0:9091`). No HTTP server when unset.
+    #[arg(long, env = "LH_HTTP_LISTEN")]
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 impl Options {
