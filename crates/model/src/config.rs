@@ -33,8 +33,8 @@ pub struct Quirks {
     pub no_stream_options: bool,
 }
 
-/// Where and how to reach the model.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// Where and how to reach the model. `Debug` never shows the API key.
+#[derive(Clone, Serialize, Deserialize)]
 pub struct ModelConfig {
     /// Base URL up to and including `/v1`.
     pub base_url: String,
@@ -57,6 +57,35 @@ pub struct ModelConfig {
     /// Streaming (SSE) or one JSON response.
     pub stream: bool,
     pub quirks: Quirks,
+}
+
+impl std::fmt::Debug for ModelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Spelled out rather than derived: a derived Debug printed the key
+        // wherever a config was logged with `?`.
+        let ModelConfig {
+            base_url,
+            model,
+            api_key,
+            fallback_model,
+            connect_timeout,
+            first_byte_timeout,
+            idle_timeout,
+            stream,
+            quirks,
+        } = self;
+        f.debug_struct("ModelConfig")
+            .field("base_url", base_url)
+            .field("model", model)
+            .field("api_key", &api_key.as_ref().map(|_| "***"))
+            .field("fallback_model", fallback_model)
+            .field("connect_timeout", connect_timeout)
+            .field("first_byte_timeout", first_byte_timeout)
+            .field("idle_timeout", idle_timeout)
+            .field("stream", stream)
+            .field("quirks", quirks)
+            .finish()
+    }
 }
 
 impl Default for ModelConfig {
@@ -122,5 +151,27 @@ mod humantime_serde_dur {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let s = String::deserialize(d)?;
         humantime::parse_duration(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_api_key() {
+        let c = ModelConfig {
+            api_key: Some("sk-live-0123456789".into()),
+            ..ModelConfig::default()
+        };
+        let shown = format!("{c:?} {c:#?}");
+        assert!(!shown.contains("sk-live"), "{shown}");
+        assert!(shown.contains(r#"api_key: Some("***")"#), "{shown}");
+        assert!(shown.contains("sim-1"), "the rest is still there: {shown}");
+        let none = format!("{:?}", ModelConfig::default());
+        assert!(none.contains("api_key: None"), "{none}");
+        // Nor does the JSON form (a config dump) carry it.
+        let json = serde_json::to_string(&c).expect("json");
+        assert!(!json.contains("sk-live"), "{json}");
     }
 }

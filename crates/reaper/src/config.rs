@@ -56,6 +56,10 @@ pub struct Options {
     /// by a worker is trusted as passed only this long after it says.
     #[arg(long, env = "LH_CLOCK_SKEW", default_value = "2s", value_parser = parse_duration)]
     pub clock_skew: Duration,
+    /// Serve /healthz, /readyz and /metrics on this address (e.g.
+    /// `0.0.0.0:9091`). No HTTP server when unset.
+    #[arg(long, env = "LH_HTTP_LISTEN")]
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 impl Options {

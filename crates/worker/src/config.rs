@@ -97,6 +97,10 @@ pub struct Options {
     /// Cap of the job-level retry delay.
     #[arg(long, env = "LH_RETRY_CAP", default_value = "5m", value_parser = parse_duration)]
     pub retry_cap: Duration,
+    /// Serve /healthz, /readyz and /metrics on this address (e.g.
+    /// `0.0.0.0:9090`). No HTTP server when unset.
+    #[arg(long, env = "LH_HTTP_LISTEN")]
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 impl Options {

@@ -1,0 +1,36 @@
+//! `leasehold-telemetry`: what an operator sees of a leasehold process.
+//!
+//! - [`logs`]: stderr logs, `LH_LOG_FORMAT=text|json`, `RUST_LOG`, `NO_COLOR`.
+//! - [`redact_url`], [`redact_text`], [`Secret`]: credentials never reach a
+//!   log line.
+//! - [`metrics`] (feature `metrics`): [`metrics::Metrics`] for a worker,
+//!   [`metrics::ReaperMetrics`] for a reaper replica, on a
+//!   `prometheus-client` registry.
+//! - [`observe`]: the facade through which library crates (model, tools,
+//!   research) report model requests, tool calls, effects and checkpoint
+//!   flushes without depending on Prometheus.
+//! - [`Readiness`] and [`http`] (feature `http`): `/healthz`, `/readyz`,
+//!   `/metrics`.
+//! - [`trace`] (feature `otel`): opt-in OTLP/gRPC trace export, W3C
+//!   `traceparent` in NATS headers and job records; [`spans`]: the job span
+//!   tree with the GenAI conventions for model and tool calls.
+//!
+//! Features: `full` (the default) enables everything; with
+//! `default-features = false` only the `tracing`-based core is built, which
+//! is what library crates should depend on.
+
+pub mod logs;
+pub mod observe;
+mod readiness;
+mod redact;
+pub mod spans;
+
+#[cfg(feature = "http")]
+pub mod http;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+#[cfg(feature = "otel")]
+pub mod trace;
+
+pub use readiness::Readiness;
+pub use redact::{redact_text, redact_url, Secret, MASK};

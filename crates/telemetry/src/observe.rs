@@ -1,0 +1,139 @@
+//! The observer facade: how library crates (model, tools, research) report
+//! what the metrics count without knowing about Prometheus.
+//!
+//! The binary installs one [`Observer`] per process (the worker installs its
+//! [`crate::metrics::Metrics`]); library code calls the free functions here,
+//! which go to that observer, or nowhere before one is installed (tests,
+//! the CLI). Every method has an empty default, so an observer implements
+//! only what it needs and new events do not break implementors.
+//!
+//! This is a facade on purpose: the model client and the toolbox are built
+//! deep inside the research workflow, and metrics are per process anyway
+//! (one `/metrics` per process), so threading a handle through every
+//! constructor would buy nothing but churn. Worker- and reaper-level
+//! counters, which tests want per instance, take an explicit
+//! `Arc<Metrics>` instead.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// One model request (one HTTP exchange, not a whole generation with its
+/// retries).
+#[derive(Debug, Clone, Copy)]
+pub struct ModelRequest<'a> {
+    /// The model the request named (the fallback model when it was used).
+    pub model: &'a str,
+    /// `ok`, or the failure class (`rate_limited`, `read_timeout`, ...:
+    /// `FailureClass::as_str`).
+    pub outcome: &'a str,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// From sending the request to the end of the response.
+    pub elapsed: Duration,
+}
+
+/// How a tool call ended, from the caller's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ToolOutcome {
+    /// A result came back (executed now, replayed or reconciled).
+    Ok,
+    /// The tool ran and failed.
+    Error,
+    /// Not run: invalid arguments, refused destination, key reuse.
+    Refused,
+}
+
+impl ToolOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolOutcome::Ok => "ok",
+            ToolOutcome::Error => "error",
+            ToolOutcome::Refused => "refused",
+        }
+    }
+}
+
+/// What happened to a side effect (a write tool's call) in the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EffectOutcome {
+    /// Run now, under a fresh `in_flight` key.
+    Executed,
+    /// A `done` key: the stored result was returned.
+    Replayed,
+    /// An `in_flight` key resolved by asking the destination.
+    Reconciled,
+    /// Outcome uncertain and not reconcilable: the job is parked.
+    Parked,
+}
+
+impl EffectOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EffectOutcome::Executed => "executed",
+            EffectOutcome::Replayed => "replayed",
+            EffectOutcome::Reconciled => "reconciled",
+            EffectOutcome::Parked => "parked",
+        }
+    }
+}
+
+/// Receives what library code reports. Implementations must be cheap and
+/// must not block (they run on the reporting task).
+pub trait Observer: Send + Sync {
+    fn model_request(&self, _r: &ModelRequest<'_>) {}
+    /// A generation retry was decided (eligible or not), by failure class.
+    fn model_retry(&self, _class: &str) {}
+    fn tool_call(&self, _tool: &str, _outcome: ToolOutcome) {}
+    fn effect(&self, _tool: &str, _outcome: EffectOutcome) {}
+    /// One flusher batch made durable (events published, progress written).
+    fn checkpoint_flush(&self, _elapsed: Duration, _events: usize) {}
+}
+
+/// Drops everything (the default before [`install`]).
+#[derive(Debug, Default)]
+pub struct NoObserver;
+
+impl Observer for NoObserver {}
+
+static GLOBAL: OnceLock<Arc<dyn Observer>> = OnceLock::new();
+
+/// Installs the process's observer. Only the first call wins (returns
+/// `false` afterwards): in-process tests that start several workers share
+/// the first one's.
+pub fn install(observer: Arc<dyn Observer>) -> bool {
+    GLOBAL.set(observer).is_ok()
+}
+
+/// The installed observer, or one that drops everything.
+pub fn global() -> &'static dyn Observer {
+    static NONE: NoObserver = NoObserver;
+    match GLOBAL.get() {
+        Some(o) => o.as_ref(),
+        None => &NONE,
+    }
+}
+
+/// See [`Observer::model_request`].
+pub fn model_request(r: &ModelRequest<'_>) {
+    global().model_request(r)
+}
+
+/// See [`Observer::model_retry`].
+pub fn model_retry(class: &str) {
+    global().model_retry(class)
+}
+
+/// See [`Observer::tool_call`].
+pub fn tool_call(tool: &str, outcome: ToolOutcome) {
+    global().tool_call(tool, outcome)
+}
+
+/// See [`Observer::effect`].
+pub fn effect(tool: &str, outcome: EffectOutcome) {
+    global().effect(tool, outcome)
+}
+
+/// See [`Observer::checkpoint_flush`].
+pub fn checkpoint_flush(elapsed: Duration, events: usize) {
+    global().checkpoint_flush(elapsed, events)
+}
