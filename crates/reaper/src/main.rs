@@ -1,6 +1,6 @@
 //! `leasehold-reaper`: the reaper binary. See `leasehold-reaper --help`.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use leasehold_reaper::{Options, Reaper};
 use tokio_util::sync::CancellationToken;
 
@@ -12,7 +12,19 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let opts = Options::parse();
+    // Every variable the reaper reads is a flag's (listed with `[env: ...]`)
+    // except the log filter.
+    let matches = Options::command()
+        .after_help(format!(
+            "Logging:\n  {:<32} log filter, e.g. info or leasehold_reaper=debug [default: info]",
+            "RUST_LOG"
+        ))
+        .get_matches();
+    let opts = Options::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = opts.validate() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let shutdown = CancellationToken::new();
     let handle = match Reaper::new(opts).start(shutdown.clone()).await {
         Ok(h) => h,

@@ -1,8 +1,50 @@
 //! `leasehold-worker`: the stateless worker binary. See `leasehold-worker --help`.
+//!
+//! Everything the process will ever read from its environment is read and
+//! validated here, before it connects: the flags (each with its `LH_<FLAG>`
+//! variable) and the workload's variables (model, tools, research). A bad
+//! value stops the process with exit code 2 and a message naming the
+//! variable, instead of failing every job later.
 
-use clap::Parser;
+use std::sync::Arc;
+
+use clap::{CommandFactory, FromArgMatches};
+use leasehold_research::ResearchConfig;
+use leasehold_worker::research::ResearchHandler;
 use leasehold_worker::{Options, Worker};
 use tokio_util::sync::CancellationToken;
+
+/// Exit code of a configuration error found at start (as clap's usage errors).
+const CONFIG_ERROR: i32 = 2;
+
+/// The `--help` section listing the variables that are not flags.
+fn env_help() -> String {
+    let mut s = String::from(
+        "Workload variables (not flags; read and validated at start, a bad value stops the worker).\n\
+         Durations need a unit: 500ms, 3s, 2m.\n",
+    );
+    let sections: [(&str, &[(&str, &str)]); 3] = [
+        ("Model (research)", leasehold_model::MODEL_ENV_VARS),
+        ("Tools (research, deliver)", leasehold_tools::TOOL_ENV_VARS),
+        ("Research", leasehold_research::ENV_VARS),
+    ];
+    for (title, vars) in sections {
+        s.push_str(&format!("\n{title}:\n"));
+        for (name, what) in vars {
+            s.push_str(&format!("  {name:<32} {what}\n"));
+        }
+    }
+    s.push_str(&format!(
+        "\nLogging:\n  {:<32} log filter, e.g. info or leasehold_worker=debug [default: info]\n",
+        "RUST_LOG"
+    ));
+    s
+}
+
+fn fail_config(msg: impl std::fmt::Display) -> ! {
+    eprintln!("error: {msg}");
+    std::process::exit(CONFIG_ERROR);
+}
 
 #[tokio::main]
 async fn main() {
@@ -12,9 +54,31 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let opts = Options::parse();
+    let matches = Options::command().after_help(env_help()).get_matches();
+    let opts = Options::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = opts.validate() {
+        fail_config(e);
+    }
+    let research = ResearchConfig::from_env().unwrap_or_else(|e| fail_config(e.message));
+    if research.crash_at.is_some() && !opts.dev_kinds {
+        fail_config(
+            "LH_RESEARCH_CRASH_AT aborts the worker at a checkpoint; it is for tests and needs --dev-kinds (LH_DEV_KINDS=1)",
+        );
+    }
+    tracing::info!(
+        model_base_url = %research.model.base_url,
+        model = %research.model.model,
+        api_key = if research.model.api_key.is_some() { "set" } else { "unset" },
+        search_url = %research.toolbox.search.url,
+        publish_url = %research.toolbox.publish.url,
+        fetch_allow = ?research.toolbox.fetch.allow,
+        expert_concurrency = research.expert_concurrency,
+        "workload configuration"
+    );
     let shutdown = CancellationToken::new();
-    let handle = match Worker::new(opts).start(shutdown.clone()).await {
+    let worker = Worker::new(opts)
+        .with_handler("research", Arc::new(ResearchHandler::with_config(research)));
+    let handle = match worker.start(shutdown.clone()).await {
         Ok(h) => h,
         Err(e) => {
             eprintln!("error: {e:#}");
