@@ -44,7 +44,9 @@ pub fn env_duration(
 ) -> Result<Option<Duration>, String> {
     match get(name).filter(|v| !v.trim().is_empty()) {
         None => Ok(None),
-        Some(v) => parse_duration(&v).map(Some).map_err(|e| format!("{name}: {e}")),
+        Some(v) => parse_duration(&v)
+            .map(Some)
+            .map_err(|e| format!("{name}: {e}")),
     }
 }
 
@@ -70,7 +72,10 @@ mod tests {
         assert_eq!(parse_duration("3s").unwrap(), Duration::from_secs(3));
         assert_eq!(parse_duration(" 2m ").unwrap(), Duration::from_secs(120));
         assert_eq!(parse_duration("1h 30m").unwrap(), Duration::from_secs(5400));
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
         assert!(parse_duration("soon").unwrap_err().contains("500ms"));
         assert!(parse_duration("").is_err());
         assert!(parse_duration("-3s").is_err());
