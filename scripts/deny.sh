@@ -8,13 +8,15 @@
 # skipped with a message saying so. A real finding always fails.
 #
 # Installs cargo-deny with `cargo install --locked` when it is missing (a few
-# minutes once; ~/.cargo/bin keeps it).
+# minutes once; ~/.cargo/bin keeps it, so later runs start at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The version deny.toml was written for; any later one reads it too.
+CARGO_DENY_VERSION="${CARGO_DENY_VERSION:-0.20.2}"
 if ! cargo deny --version >/dev/null 2>&1; then
-    echo "deny: installing cargo-deny (cargo install --locked cargo-deny; once)"
-    cargo install --locked --quiet cargo-deny
+    echo "deny: installing cargo-deny $CARGO_DENY_VERSION (cargo install --locked; once, a few minutes)"
+    cargo install --locked --quiet cargo-deny --version "$CARGO_DENY_VERSION"
 fi
 
 # Duplicate versions are warnings (deny.toml says why); the graphs that
