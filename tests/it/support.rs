@@ -99,6 +99,8 @@ impl Env {
             ("LH_PULL_EXPIRES", "250ms".into()),
             ("LH_DRAIN_TIMEOUT", "200ms".into()),
             ("LH_KINDS", "echo,sleep,fail,crash".into()),
+            // The test kinds (and LH_RESEARCH_CRASH_AT) need the dev switch.
+            ("LH_DEV_KINDS", "1".into()),
             ("RUST_LOG", "info".into()),
         ]
     }

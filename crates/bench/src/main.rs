@@ -238,6 +238,8 @@ fn worker_env(url: &str, extra: &[(&'static str, String)]) -> Vec<(&'static str,
         ("LH_PULL_EXPIRES", "250ms".into()),
         ("LH_DRAIN_TIMEOUT", "0s".into()),
         ("LH_KINDS", "echo,sleep".into()),
+        // The bench's kinds are test kinds: served only when allowed.
+        ("LH_DEV_KINDS", "1".into()),
         ("RUST_LOG", "warn".into()),
     ];
     e.extend(extra.iter().cloned());

@@ -1,13 +1,32 @@
 //! Job-level retry: capped exponential backoff with full jitter.
 //!
-//! The ceiling of attempt `n` (0-based) is `min(cap, base * 2^n)`, computed
-//! with the `backoff` crate; the delay is uniform in `[0, ceiling]` (full
-//! jitter), so a fleet retrying a shared failure spreads out.
+//! The ceiling of attempt `n` (0-based) is `min(cap, base * 2^n)`
+//! ([`capped_exponential`]); the delay is uniform in `[0, ceiling]`
+//! ([`full_jitter`]), so a fleet retrying a shared failure spreads out. The
+//! model client's generation retries and the tools' read retries use the
+//! same two functions.
 
 use std::time::Duration;
 
-use backoff::backoff::Backoff;
 use rand::Rng;
+
+/// `min(cap, base * 2^attempt)`, saturating: any attempt number, however
+/// large, gives at most `cap` and never overflows.
+pub fn capped_exponential(base: Duration, cap: Duration, attempt: u32) -> Duration {
+    // 2^31 * base already exceeds any sensible cap; past it the doubling
+    // would only overflow, so the exponent stops there.
+    let factor = 1u32 << attempt.min(31);
+    base.saturating_mul(factor).min(cap)
+}
+
+/// A delay uniform in `[0, ceiling]` (microsecond resolution).
+pub fn full_jitter(ceiling: Duration, rng: &mut impl Rng) -> Duration {
+    let micros = u64::try_from(ceiling.as_micros()).unwrap_or(u64::MAX);
+    if micros == 0 {
+        return Duration::ZERO;
+    }
+    Duration::from_micros(rng.gen_range(0..=micros))
+}
 
 use crate::JobSpec;
 
@@ -45,27 +64,12 @@ impl RetryPolicy {
 
     /// The capped exponential ceiling of retry number `attempt` (0-based).
     pub fn ceiling(&self, attempt: u32) -> Duration {
-        let mut b = backoff::ExponentialBackoffBuilder::new()
-            .with_initial_interval(self.base)
-            .with_multiplier(2.0)
-            .with_randomization_factor(0.0)
-            .with_max_interval(self.cap)
-            .with_max_elapsed_time(None)
-            .build();
-        let mut d = self.base;
-        for _ in 0..=attempt.min(64) {
-            d = b.next_backoff().unwrap_or(self.cap);
-        }
-        d.min(self.cap)
+        capped_exponential(self.base, self.cap, attempt)
     }
 
     /// A full-jitter delay for retry number `attempt`.
     pub fn delay(&self, attempt: u32, rng: &mut impl Rng) -> Duration {
-        let ceil = self.ceiling(attempt);
-        if ceil.is_zero() {
-            return ceil;
-        }
-        Duration::from_micros(rng.gen_range(0..=ceil.as_micros() as u64))
+        full_jitter(self.ceiling(attempt), rng)
     }
 
     /// Whether a job that has failed `failed_attempts` times (this one
@@ -93,5 +97,32 @@ mod tests {
             assert!(p.delay(i % 6, &mut rng) <= p.ceiling(i % 6));
         }
         assert!(p.allows_another(4) && !p.allows_another(5));
+    }
+
+    #[test]
+    fn large_attempts_stay_at_the_cap_without_overflow() {
+        let p = RetryPolicy {
+            max_attempts: u32::MAX,
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(300),
+        };
+        for attempt in [9, 31, 32, 63, 64, 1_000, u32::MAX] {
+            assert_eq!(p.ceiling(attempt), p.cap, "attempt {attempt}");
+        }
+        // A cap beyond what doubling can reach: the ceiling saturates instead
+        // of wrapping around to something small.
+        let huge = Duration::MAX;
+        assert_eq!(
+            capped_exponential(Duration::from_secs(u64::MAX / 2), huge, u32::MAX),
+            Duration::MAX
+        );
+        assert_eq!(
+            capped_exponential(Duration::from_millis(1), huge, u32::MAX),
+            Duration::from_millis(1u64 << 31)
+        );
+        let mut rng = rand::thread_rng();
+        assert!(full_jitter(Duration::MAX, &mut rng) <= Duration::MAX);
+        assert_eq!(full_jitter(Duration::ZERO, &mut rng), Duration::ZERO);
+        assert_eq!(capped_exponential(Duration::ZERO, huge, 5), Duration::ZERO);
     }
 }

@@ -1,4 +1,11 @@
 //! Timestamps (RFC 3339 UTC, millisecond precision) and human durations.
+//!
+//! Every duration the project reads, from a flag or an environment variable
+//! of any binary, goes through [`parse_duration`], so one syntax holds
+//! everywhere: a number followed by a unit (`500ms`, `3s`, `2m`, `1h 30m`,
+//! `7d`). A bare number is refused (except `0`): `LH_MODEL_IDLE_TIMEOUT=30`
+//! could mean seconds or milliseconds, and guessing wrong by a factor of a
+//! thousand is worse than asking for the unit at start.
 
 use std::time::{Duration, SystemTime};
 
@@ -12,14 +19,35 @@ pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     humantime::parse_rfc3339_weak(s).ok()
 }
 
-/// Parses `500ms`, `3s`, `2m`, `1h 30m`; a bare number is seconds.
+/// Parses `500ms`, `3s`, `2m`, `1h 30m`; a bare number other than `0` is an
+/// error that says which unit to add.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    if let Ok(secs) = s.parse::<u64>() {
-        return Ok(Duration::from_secs(secs));
+    if s.chars().all(|c| c.is_ascii_digit()) && !s.is_empty() {
+        if s.bytes().all(|b| b == b'0') {
+            return Ok(Duration::ZERO);
+        }
+        return Err(format!(
+            "invalid duration {s:?}: a bare number has no unit; write {s}s, {s}ms or {s}m"
+        ));
     }
     humantime::parse_duration(s)
         .map_err(|e| format!("invalid duration {s:?} ({e}); write it like 500ms, 3s or 2m"))
+}
+
+/// Reads the duration in variable `name` through `get` (the environment, or a
+/// map in tests): `Ok(None)` when unset or blank, an error naming the
+/// variable when the value does not parse.
+pub fn env_duration(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+) -> Result<Option<Duration>, String> {
+    match get(name).filter(|v| !v.trim().is_empty()) {
+        None => Ok(None),
+        Some(v) => parse_duration(&v)
+            .map(Some)
+            .map_err(|e| format!("{name}: {e}")),
+    }
 }
 
 /// Formats a duration the way [`parse_duration`] reads it.
@@ -42,9 +70,42 @@ mod tests {
     fn durations_read_like_the_docs_say() {
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("3s").unwrap(), Duration::from_secs(3));
-        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert_eq!(parse_duration(" 2m ").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("1h 30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
         assert!(parse_duration("soon").unwrap_err().contains("500ms"));
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("-3s").is_err());
+    }
+
+    #[test]
+    fn a_bare_number_needs_a_unit_except_zero() {
+        let e = parse_duration("30").unwrap_err();
+        assert!(e.contains("no unit") && e.contains("30s"), "{e}");
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration("000").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
+    }
+
+    #[test]
+    fn env_durations_name_the_variable() {
+        let get = |k: &str| match k {
+            "GOOD" => Some("250ms".to_string()),
+            "BLANK" => Some("  ".to_string()),
+            "BARE" => Some("30".to_string()),
+            _ => None,
+        };
+        assert_eq!(
+            env_duration(&get, "GOOD").unwrap(),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(env_duration(&get, "BLANK").unwrap(), None);
+        assert_eq!(env_duration(&get, "UNSET").unwrap(), None);
+        let e = env_duration(&get, "BARE").unwrap_err();
+        assert!(e.starts_with("BARE: ") && e.contains("30s"), "{e}");
     }
 
     #[test]

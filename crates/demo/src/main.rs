@@ -5,10 +5,12 @@
 //! percent), the reaper, and three `leasehold-worker` processes; submits six
 //! research jobs; then injects the faults the system exists for: one worker is
 //! killed with SIGKILL in the middle of an expert's sections (and restarted
-//! under the same identity), another is frozen with SIGSTOP past its session timeout
-//! and resumed. It shows live progress per job, prints a summary, checks the
-//! invariants, tears down only what it started, and exits non-zero if an
-//! invariant failed.
+//! under the same identity), another is frozen with SIGSTOP past its session
+//! timeout and resumed. It shows live progress per job, prints a summary,
+//! checks the invariants, saves each job's report under
+//! `<state-dir>/reports/<id>.md` (the local server stops with the demo),
+//! tears down only what it started, and exits non-zero if an invariant
+//! failed.
 //!
 //! Rework is counted from the job's events: a section checkpointed twice is a
 //! repeated section; a model response journaled twice (the simulator is
@@ -46,7 +48,7 @@ struct Args {
     /// Worker processes.
     #[arg(long, default_value_t = 3)]
     workers: usize,
-    /// Where the local server's storage and the logs go.
+    /// Where the local server's storage, the logs and the saved reports go.
     #[arg(long, default_value = ".demo")]
     state_dir: PathBuf,
     /// Session timeout of the demo workers (short, so a paused worker's
@@ -353,6 +355,9 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         "DELIVERED"
     );
     let mut total_reclaims = 0;
+    let reports = a.state_dir.join("reports");
+    std::fs::create_dir_all(&reports)?;
+    let mut saved: Vec<PathBuf> = Vec::new();
     for id in &ids {
         let r = &recs[id];
         total_reclaims += r.stale_reclaims;
@@ -395,6 +400,11 @@ async fn run(a: Args) -> anyhow::Result<bool> {
                             "{id}: the artifact's digest differs from the record's"
                         ));
                     }
+                    // The demo's server stops with it: keep the report on disk.
+                    let path = reports.join(format!("{id}.md"));
+                    std::fs::write(&path, &body)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    saved.push(path);
                 }
                 Err(e) => {
                     failures.push(format!("{id}: completed without its artifact {name}: {e}"))
@@ -438,10 +448,21 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         start.elapsed().as_secs_f64()
     );
     println!("GEN/WARM/COLD: retries by scope; SECT.REP / CALLS.REP: sections and model calls repeated after recoveries.");
-    println!(
-        "read a report with: NATS_URL={url} target/debug/leasehold result {}",
-        ids[0]
-    );
+    match saved.first() {
+        Some(first) => println!(
+            "reports saved in {}/ (one per completed job); read one with: less {}",
+            reports.display(),
+            first.display()
+        ),
+        None => println!("no report was saved (no job completed)"),
+    }
+    if server.is_none() {
+        // The user's own server keeps running, and with it the artifacts.
+        println!(
+            "or from NATS: NATS_URL={url} target/debug/leasehold result {}",
+            ids[0]
+        );
+    }
     if killed.is_none() {
         failures.push("the kill fault never fired (no job ran mid-expert on demo-w1)".into());
     }

@@ -6,19 +6,62 @@
 //! | `model` | `sim-1` | `LH_MODEL` |
 //! | `api_key` | none | `LH_API_KEY` |
 //! | `fallback_model` | none | `LH_MODEL_FALLBACK` |
-//! | `connect_timeout` | 10 s | `LH_MODEL_CONNECT_TIMEOUT` (humantime, e.g. `5s`) |
+//! | `connect_timeout` | 10 s | `LH_MODEL_CONNECT_TIMEOUT` (e.g. `5s`; a unit is required) |
 //! | `first_byte_timeout` | 60 s | `LH_MODEL_FIRST_BYTE_TIMEOUT` |
 //! | `idle_timeout` | 30 s | `LH_MODEL_IDLE_TIMEOUT` |
 //! | `stream` | true | `LH_MODEL_STREAM` (`false` for non-streaming) |
 //!
 //! The timeouts are per phase rather than one total, because a long answer
 //! that keeps streaming is healthy while a silent connection is not.
+//!
+//! [`ModelConfig::from_env`] validates every value (durations with
+//! `leasehold_core::time::parse_duration`, the base URL as an absolute
+//! `http(s)` URL, `LH_MODEL_STREAM` as a boolean), so a worker can read it
+//! once at start and refuse to run with a bad one. [`ENV_VARS`] lists the
+//! variables for `--help`.
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
+
+/// Every variable [`ModelConfig::from_env`] reads, with what it means and
+/// its default (shown in `leasehold-worker --help`).
+pub const ENV_VARS: &[(&str, &str)] = &[
+    (
+        "LH_MODEL_BASE_URL",
+        "OpenAI-compatible base URL up to and including /v1 [default: http://127.0.0.1:8089/v1]",
+    ),
+    (
+        "LH_MODEL",
+        "model name sent in each request [default: sim-1]",
+    ),
+    (
+        "LH_API_KEY",
+        "bearer token of the model server (from a secret) [default: none]",
+    ),
+    (
+        "LH_MODEL_FALLBACK",
+        "model used once the primary's retries are spent [default: none]",
+    ),
+    (
+        "LH_MODEL_CONNECT_TIMEOUT",
+        "TCP and TLS connect timeout [default: 10s]",
+    ),
+    (
+        "LH_MODEL_FIRST_BYTE_TIMEOUT",
+        "until the first response bytes [default: 60s]",
+    ),
+    (
+        "LH_MODEL_IDLE_TIMEOUT",
+        "longest silence while streaming [default: 30s]",
+    ),
+    (
+        "LH_MODEL_STREAM",
+        "true for SSE streaming, false for one JSON response [default: true]",
+    ),
+];
 
 /// Per-provider behaviour that is not an error.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -107,9 +150,21 @@ impl Default for ModelConfig {
 impl ModelConfig {
     /// Defaults overridden by the `LH_MODEL_*` / `LH_API_KEY` variables.
     pub fn from_env() -> Result<Self, ModelError> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Like [`ModelConfig::from_env`] with an explicit variable source
+    /// (tests). Every error names the variable and its value.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, ModelError> {
         let mut c = ModelConfig::default();
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let var = |k: &str| {
+            get(k)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
         if let Some(v) = var("LH_MODEL_BASE_URL") {
+            check_base_url(&v)
+                .map_err(|e| ModelError::Config(format!("LH_MODEL_BASE_URL={v}: {e}")))?;
             c.base_url = v;
         }
         if let Some(v) = var("LH_MODEL") {
@@ -117,18 +172,30 @@ impl ModelConfig {
         }
         c.api_key = var("LH_API_KEY");
         c.fallback_model = var("LH_MODEL_FALLBACK");
-        let dur = |k: &str, d: &mut Duration| -> Result<(), ModelError> {
-            if let Some(v) = var(k) {
-                *d = humantime::parse_duration(&v)
-                    .map_err(|e| ModelError::Config(format!("{k}={v}: {e}")))?;
+        for (k, d) in [
+            ("LH_MODEL_CONNECT_TIMEOUT", &mut c.connect_timeout),
+            ("LH_MODEL_FIRST_BYTE_TIMEOUT", &mut c.first_byte_timeout),
+            ("LH_MODEL_IDLE_TIMEOUT", &mut c.idle_timeout),
+        ] {
+            if let Some(v) =
+                leasehold_core::time::env_duration(get, k).map_err(ModelError::Config)?
+            {
+                if v.is_zero() {
+                    return Err(ModelError::Config(format!("{k}: must be longer than 0")));
+                }
+                *d = v;
             }
-            Ok(())
-        };
-        dur("LH_MODEL_CONNECT_TIMEOUT", &mut c.connect_timeout)?;
-        dur("LH_MODEL_FIRST_BYTE_TIMEOUT", &mut c.first_byte_timeout)?;
-        dur("LH_MODEL_IDLE_TIMEOUT", &mut c.idle_timeout)?;
+        }
         if let Some(v) = var("LH_MODEL_STREAM") {
-            c.stream = !matches!(v.as_str(), "0" | "false" | "no");
+            c.stream = match v.to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => true,
+                "0" | "false" | "no" | "off" => false,
+                _ => {
+                    return Err(ModelError::Config(format!(
+                        "LH_MODEL_STREAM={v}: expected true or false"
+                    )))
+                }
+            };
         }
         Ok(c)
     }
@@ -139,7 +206,23 @@ impl ModelConfig {
     }
 }
 
-/// Durations as humantime strings ("10s") in JSON, for readable configs.
+/// An absolute `http` or `https` URL with a host, as the client will join
+/// `/chat/completions` to it.
+fn check_base_url(v: &str) -> Result<(), String> {
+    let u = reqwest::Url::parse(v).map_err(|e| format!("not a URL ({e})"))?;
+    if !matches!(u.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?} is not http or https", u.scheme()));
+    }
+    if u.host_str().is_none_or(str::is_empty) {
+        return Err("no host".into());
+    }
+    if u.query().is_some() || u.fragment().is_some() {
+        return Err("a base URL takes no query or fragment".into());
+    }
+    Ok(())
+}
+
+/// Durations as strings ("10s") in JSON, for readable configs.
 mod humantime_serde_dur {
     use std::time::Duration;
 
@@ -150,13 +233,73 @@ mod humantime_serde_dur {
     }
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let s = String::deserialize(d)?;
-        humantime::parse_duration(&s).map_err(serde::de::Error::custom)
+        leasehold_core::time::parse_duration(&s).map_err(serde::de::Error::custom)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
+
+    fn lookup(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn reads_and_validates_every_variable() {
+        let c = ModelConfig::from_lookup(&lookup(&[
+            ("LH_MODEL_BASE_URL", " https://models.example/v1 "),
+            ("LH_MODEL", "m"),
+            ("LH_API_KEY", "k"),
+            ("LH_MODEL_IDLE_TIMEOUT", "45s"),
+            ("LH_MODEL_CONNECT_TIMEOUT", "500ms"),
+            ("LH_MODEL_STREAM", "false"),
+        ]))
+        .unwrap();
+        assert_eq!(c.base_url, "https://models.example/v1");
+        assert_eq!((c.model.as_str(), c.api_key.as_deref()), ("m", Some("k")));
+        assert_eq!(c.idle_timeout, Duration::from_secs(45));
+        assert_eq!(c.connect_timeout, Duration::from_millis(500));
+        assert!(!c.stream);
+        let d = ModelConfig::from_lookup(&|_| None).unwrap();
+        assert_eq!(d.base_url, ModelConfig::default().base_url);
+
+        for (k, v) in [
+            ("LH_MODEL_BASE_URL", "127.0.0.1:8089/v1"),
+            ("LH_MODEL_BASE_URL", "ftp://host/v1"),
+            ("LH_MODEL_BASE_URL", "http://"),
+            ("LH_MODEL_BASE_URL", "not a url"),
+            ("LH_MODEL_IDLE_TIMEOUT", "30"),
+            ("LH_MODEL_FIRST_BYTE_TIMEOUT", "soon"),
+            ("LH_MODEL_CONNECT_TIMEOUT", "0s"),
+            ("LH_MODEL_STREAM", "flase"),
+        ] {
+            let e = ModelConfig::from_lookup(&lookup(&[(k, v)])).unwrap_err();
+            assert!(e.to_string().contains(k), "{k}={v}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_variable_read_is_listed() {
+        let read = std::sync::Mutex::new(Vec::new());
+        ModelConfig::from_lookup(&|k| {
+            read.lock().unwrap().push(k.to_string());
+            None
+        })
+        .unwrap();
+        for k in read.into_inner().unwrap() {
+            assert!(
+                ENV_VARS.iter().any(|(n, _)| *n == k),
+                "{k} is not in ENV_VARS"
+            );
+        }
+    }
 
     #[test]
     fn debug_never_shows_the_api_key() {

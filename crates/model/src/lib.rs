@@ -25,7 +25,7 @@ mod wire;
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker};
 pub use budget::{Budget, BudgetKind, BudgetLeft, BudgetLimits, BudgetUsed, Price, PriceTable};
 pub use client::{AttemptState, Completion, Delta, ModelClient, Watcher};
-pub use config::{ModelConfig, Quirks};
+pub use config::{ModelConfig, Quirks, ENV_VARS as MODEL_ENV_VARS};
 pub use error::{parse_retry_after, Action, FailureClass, ModelError};
 pub use retry::{
     eligibility, CollectingReporter, Generated, GenerationFailure, GenerationPolicy, Generator,

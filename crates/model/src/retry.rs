@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use leasehold_transcript::Message;
-use rand::Rng;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -151,11 +150,9 @@ impl Default for GenerationPolicy {
 impl GenerationPolicy {
     /// Full jitter: uniform in `[0, min(cap, base * 2^(attempt-1))]`.
     pub fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self
-            .base
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
-        let ceiling = exp.min(self.cap);
-        Duration::from_secs_f64(rand::thread_rng().gen_range(0.0..=ceiling.as_secs_f64()))
+        use leasehold_core::retry::{capped_exponential, full_jitter};
+        let ceiling = capped_exponential(self.base, self.cap, attempt.saturating_sub(1));
+        full_jitter(ceiling, &mut rand::thread_rng())
     }
 }
 

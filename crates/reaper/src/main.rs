@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use leasehold_reaper::{Handle, Options, Reaper};
 use leasehold_telemetry::http::{self, HttpState};
 use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
@@ -17,8 +17,20 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() {
+    // Every variable the reaper reads is a flag's (listed with `[env: ...]`)
+    // except the log and trace settings.
+    let matches = Options::command()
+        .after_help(format!(
+            "Logging:\n  {:<32} log filter, e.g. info or leasehold_reaper=debug [default: info]\n  {:<32} json or text [default: text]\n  {:<32} OTLP/gRPC collector for traces (none when unset)",
+            "RUST_LOG", "LH_LOG_FORMAT", "OTEL_EXPORTER_OTLP_ENDPOINT"
+        ))
+        .get_matches();
+    let mut opts = Options::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = opts.validate() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let telemetry = trace::init("leasehold-reaper");
-    let mut opts = Options::parse();
     let fail = |what: String, telemetry: trace::Guard| -> ! {
         eprintln!("error: {}", redact_text(&what));
         telemetry.shutdown();

@@ -128,6 +128,36 @@ impl ResearchError {
     }
 }
 
+/// Every variable of the workload itself that [`ResearchConfig::from_env`]
+/// reads (the model's and the tools' are in `leasehold_model::MODEL_ENV_VARS`
+/// and `leasehold_tools::TOOL_ENV_VARS`), with what it means and its default.
+pub const ENV_VARS: &[(&str, &str)] = &[
+    (
+        "LH_RESEARCH_EXPERT_CONCURRENCY",
+        "experts written at once per job [default: 3]",
+    ),
+    (
+        "LH_RESEARCH_RETRY_BASE",
+        "first generation retry delay ceiling (doubles per retry, full jitter) [default: 500ms]",
+    ),
+    (
+        "LH_RESEARCH_RETRY_CAP",
+        "cap of the generation retry delay [default: 20s]",
+    ),
+    (
+        "LH_RESEARCH_BREAKER_COOL_DOWN",
+        "how long the model circuit breaker stays open [default: 15s]",
+    ),
+    (
+        "LH_RESEARCH_BREAKER_MIN_CALLS",
+        "calls before the breaker may open [default: 10]",
+    ),
+    (
+        "LH_RESEARCH_CRASH_AT",
+        "tests only, needs --dev-kinds: abort the worker at a checkpoint (after_phase:P, after_section:K, ...) [default: none]",
+    ),
+];
+
 /// Configuration of the workload.
 ///
 /// | field | default | env |
@@ -138,6 +168,10 @@ impl ResearchError {
 /// | `generation.base` / `.cap` | 500 ms / 20 s | `LH_RESEARCH_RETRY_BASE` / `LH_RESEARCH_RETRY_CAP` |
 /// | `breaker.cool_down` / `.min_calls` | 15 s / 10 | `LH_RESEARCH_BREAKER_COOL_DOWN` / `LH_RESEARCH_BREAKER_MIN_CALLS` |
 /// | `crash_at` | none | `LH_RESEARCH_CRASH_AT` (tests: `after_phase:outline`, `after_section:K`, `after_tool_result:K`, `after_model_response:K`, `mid_final:K`, `after_artifact`, `after_delivery`) |
+///
+/// Durations need a unit (`500ms`, `3s`, `2m`). The worker reads this once
+/// at start and refuses to run when a value is bad, so no job fails later
+/// for a configuration error.
 #[derive(Debug, Clone)]
 pub struct ResearchConfig {
     pub model: ModelConfig,
@@ -151,23 +185,35 @@ pub struct ResearchConfig {
 
 impl ResearchConfig {
     pub fn from_env() -> Result<Self, ResearchError> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Like [`ResearchConfig::from_env`] with an explicit variable source
+    /// (tests). Every error names the variable.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, ResearchError> {
+        let var = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let bad = |k: &str, v: &str, e: &dyn std::fmt::Display| {
             ResearchError::terminal(format!("{k}={v}: {e}"))
         };
+        let dur =
+            |k: &str| leasehold_core::time::env_duration(get, k).map_err(ResearchError::terminal);
         let mut generation = GenerationPolicy::default();
-        for (k, d) in [
-            ("LH_RESEARCH_RETRY_BASE", &mut generation.base),
-            ("LH_RESEARCH_RETRY_CAP", &mut generation.cap),
-        ] {
-            if let Some(v) = var(k) {
-                *d = humantime::parse_duration(v.trim()).map_err(|e| bad(k, &v, &e))?;
-            }
+        if let Some(d) = dur("LH_RESEARCH_RETRY_BASE")? {
+            generation.base = d;
+        }
+        if let Some(d) = dur("LH_RESEARCH_RETRY_CAP")? {
+            generation.cap = d;
+        }
+        if generation.cap < generation.base {
+            return Err(ResearchError::terminal(format!(
+                "LH_RESEARCH_RETRY_CAP ({}) is below LH_RESEARCH_RETRY_BASE ({})",
+                leasehold_core::time::format_duration(generation.cap),
+                leasehold_core::time::format_duration(generation.base)
+            )));
         }
         let mut breaker = BreakerConfig::default();
-        if let Some(v) = var("LH_RESEARCH_BREAKER_COOL_DOWN") {
-            breaker.cool_down = humantime::parse_duration(v.trim())
-                .map_err(|e| bad("LH_RESEARCH_BREAKER_COOL_DOWN", &v, &e))?;
+        if let Some(d) = dur("LH_RESEARCH_BREAKER_COOL_DOWN")? {
+            breaker.cool_down = d;
         }
         if let Some(v) = var("LH_RESEARCH_BREAKER_MIN_CALLS") {
             breaker.min_calls = v
@@ -198,8 +244,9 @@ impl ResearchConfig {
             None => None,
         };
         Ok(ResearchConfig {
-            model: ModelConfig::from_env().map_err(|e| ResearchError::terminal(e.to_string()))?,
-            toolbox: ToolboxConfig::from_env()
+            model: ModelConfig::from_lookup(get)
+                .map_err(|e| ResearchError::terminal(e.to_string()))?,
+            toolbox: ToolboxConfig::from_lookup(get)
                 .map_err(|e| ResearchError::terminal(e.to_string()))?,
             expert_concurrency,
             section_policy: SectionPolicy::default(),
@@ -1061,4 +1108,53 @@ fn fetched_urls(t: &Thread) -> Vec<String> {
                 .and_then(|a| a["url"].as_str().map(str::to_string))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+
+    #[test]
+    fn every_variable_read_is_listed_for_help() {
+        let read = StdMutex::new(Vec::new());
+        ResearchConfig::from_lookup(&|k| {
+            read.lock().unwrap().push(k.to_string());
+            None
+        })
+        .unwrap();
+        let listed: Vec<&str> = ENV_VARS
+            .iter()
+            .chain(leasehold_model::MODEL_ENV_VARS)
+            .chain(leasehold_tools::TOOL_ENV_VARS)
+            .map(|(k, _)| *k)
+            .collect();
+        let read = read.into_inner().unwrap();
+        assert!(read.len() > 10, "{read:?}");
+        for k in read {
+            assert!(listed.contains(&k.as_str()), "{k} is read but not listed");
+        }
+    }
+
+    #[test]
+    fn a_bad_value_names_its_variable() {
+        for (k, v) in [
+            ("LH_RESEARCH_RETRY_BASE", "500"),
+            ("LH_RESEARCH_BREAKER_COOL_DOWN", "a while"),
+            ("LH_RESEARCH_EXPERT_CONCURRENCY", "0"),
+            ("LH_RESEARCH_CRASH_AT", "somewhere"),
+            ("LH_MODEL_IDLE_TIMEOUT", "30"),
+            ("LH_MODEL_BASE_URL", "localhost:8000/v1"),
+            ("LH_PUBLISH_URL", "hooks"),
+        ] {
+            let e = ResearchConfig::from_lookup(&|q| (q == k).then(|| v.to_string())).unwrap_err();
+            assert!(e.message.contains(k), "{k}={v}: {}", e.message);
+        }
+        let e = ResearchConfig::from_lookup(&|q| match q {
+            "LH_RESEARCH_RETRY_BASE" => Some("2s".into()),
+            "LH_RESEARCH_RETRY_CAP" => Some("1s".into()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert!(e.message.contains("LH_RESEARCH_RETRY_CAP"), "{}", e.message);
+    }
 }

@@ -63,4 +63,5 @@ pub use netguard::{AllowList, NetGuard};
 pub use tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
 pub use toolbox::{
     CallCtx, Outcome, RetryPolicy, ToolOutput, Toolbox, ToolboxConfig, DEFAULT_BASE_URL,
+    ENV_VARS as TOOL_ENV_VARS,
 };

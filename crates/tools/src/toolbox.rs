@@ -15,12 +15,15 @@
 //! | `LH_PUBLISH_URL` | `http://127.0.0.1:8089/effects` | webhook of `publish` |
 //! | `LH_PUBLISH_DEDUPES` | `true` | whether the webhook deduplicates by `Idempotency-Key` |
 //! | `LH_TOOL_FAULTS` | empty | injected faults, `tool:mode[:count],...` (see [`crate::Faults`]) |
+//!
+//! Every value is validated when the configuration is read (URLs as absolute
+//! `http(s)` URLs, durations with `leasehold_core::time::parse_duration`), so
+//! a worker reading it at start refuses to run with a bad one.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::Rng;
 use serde_json::Value;
 
 use crate::builtin::fetch::{FetchConfig, FetchTool};
@@ -33,6 +36,39 @@ use crate::key::{arg_digest, business_key_id, idempotency_key};
 use crate::ledger::{now_rfc3339, BusinessKeyEntry, EffectState, EffectsLedger, LedgerEntry};
 use crate::schema::ArgSchema;
 use crate::tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
+
+/// Every variable [`ToolboxConfig::from_env`] reads, with what it means and
+/// its default (shown in `leasehold-worker --help`).
+pub const ENV_VARS: &[(&str, &str)] = &[
+    (
+        "LH_SEARCH_URL",
+        "SearxNG base URL of the search tool [default: http://127.0.0.1:8089]",
+    ),
+    (
+        "LH_FETCH_ALLOW",
+        "hosts and CIDRs fetch may reach although private or loopback, comma-separated [default: none]",
+    ),
+    (
+        "LH_FETCH_MAX_BYTES",
+        "body size limit of fetch [default: 1048576]",
+    ),
+    (
+        "LH_FETCH_TIMEOUT",
+        "time limit of one fetch, redirects included [default: 15s]",
+    ),
+    (
+        "LH_PUBLISH_URL",
+        "webhook of the publish tool, called with an Idempotency-Key [default: http://127.0.0.1:8089/effects]",
+    ),
+    (
+        "LH_PUBLISH_DEDUPES",
+        "whether the webhook deduplicates by Idempotency-Key [default: true]",
+    ),
+    (
+        "LH_TOOL_FAULTS",
+        "injected tool faults for tests, tool:mode[:count],... [default: none]",
+    ),
+];
 
 /// The simulator's address, the default of every endpoint.
 pub const DEFAULT_BASE_URL: &str = "http://127.0.0.1:8089";
@@ -63,16 +99,11 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     fn delay(&self, attempt: u32) -> Duration {
-        let exp = self
-            .base
-            .saturating_mul(2u32.saturating_pow(attempt.min(20)));
-        let ceiling = exp.min(self.cap);
-        let ms = ceiling.as_millis() as u64;
-        Duration::from_millis(if ms == 0 {
-            0
-        } else {
-            rand::thread_rng().gen_range(0..=ms)
-        })
+        use leasehold_core::retry::{capped_exponential, full_jitter};
+        full_jitter(
+            capped_exponential(self.base, self.cap, attempt),
+            &mut rand::thread_rng(),
+        )
     }
 }
 
@@ -118,12 +149,21 @@ impl ToolboxConfig {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
-    /// Like [`ToolboxConfig::from_env`] with an explicit variable source (tests).
+    /// Like [`ToolboxConfig::from_env`] with an explicit variable source
+    /// (tests). Every error names the variable.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ToolError> {
         let mut c = ToolboxConfig::default();
         let nonempty = |k: &str| get(k).filter(|v| !v.trim().is_empty());
-        if let Some(v) = nonempty("LH_SEARCH_URL") {
-            c.search.url = v.trim().trim_end_matches('/').to_string();
+        let url = |k: &str| -> Result<Option<String>, ToolError> {
+            let Some(v) = nonempty(k) else {
+                return Ok(None);
+            };
+            let v = v.trim().trim_end_matches('/').to_string();
+            check_url(&v).map_err(|e| ToolError::Config(format!("{k}: `{v}` {e}")))?;
+            Ok(Some(v))
+        };
+        if let Some(v) = url("LH_SEARCH_URL")? {
+            c.search.url = v;
         }
         if let Some(v) = nonempty("LH_FETCH_ALLOW") {
             c.fetch.allow = crate::netguard::AllowList::parse(&v).map_err(ToolError::Config)?;
@@ -133,12 +173,18 @@ impl ToolboxConfig {
                 ToolError::Config(format!("LH_FETCH_MAX_BYTES: `{v}` is not a byte count"))
             })?;
         }
-        if let Some(v) = nonempty("LH_FETCH_TIMEOUT") {
-            c.fetch.timeout = humantime::parse_duration(v.trim())
-                .map_err(|e| ToolError::Config(format!("LH_FETCH_TIMEOUT: {e}")))?;
+        if let Some(d) = leasehold_core::time::env_duration(&get, "LH_FETCH_TIMEOUT")
+            .map_err(ToolError::Config)?
+        {
+            if d.is_zero() {
+                return Err(ToolError::Config(
+                    "LH_FETCH_TIMEOUT: must be longer than 0".into(),
+                ));
+            }
+            c.fetch.timeout = d;
         }
-        if let Some(v) = nonempty("LH_PUBLISH_URL") {
-            c.publish.url = v.trim().trim_end_matches('/').to_string();
+        if let Some(v) = url("LH_PUBLISH_URL")? {
+            c.publish.url = v;
         }
         if let Some(v) = nonempty("LH_PUBLISH_DEDUPES") {
             c.publish.dedupes_by_key = match v.trim() {
@@ -159,6 +205,18 @@ impl ToolboxConfig {
         }
         Ok(c)
     }
+}
+
+/// An absolute `http` or `https` URL with a host.
+fn check_url(v: &str) -> Result<(), String> {
+    let u = url::Url::parse(v).map_err(|e| format!("is not a URL ({e})"))?;
+    if !matches!(u.scheme(), "http" | "https") {
+        return Err(format!("has scheme {:?}, not http or https", u.scheme()));
+    }
+    if u.host_str().is_none_or(str::is_empty) {
+        return Err("has no host".into());
+    }
+    Ok(())
 }
 
 /// Which call this is: the key is derived from these, so they must be the
@@ -1016,10 +1074,32 @@ mod tests {
             ("LH_TOOL_FAULTS", "x:nope"),
             ("LH_FETCH_ALLOW", "10.0.0.0/99"),
             ("LH_PUBLISH_DEDUPES", "maybe"),
+            ("LH_FETCH_TIMEOUT", "15"),
+            ("LH_FETCH_TIMEOUT", "0s"),
+            ("LH_FETCH_MAX_BYTES", "1MB"),
+            ("LH_SEARCH_URL", "searx:8080"),
+            ("LH_PUBLISH_URL", "file:///tmp/effects"),
+            ("LH_PUBLISH_URL", "http://"),
         ] {
+            let e = ToolboxConfig::from_lookup(|q| (q == k).then(|| v.to_string())).unwrap_err();
+            assert!(e.to_string().contains(k), "{k}={v}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_variable_read_is_listed() {
+        let read = std::sync::Mutex::new(Vec::new());
+        ToolboxConfig::from_lookup(|k| {
+            read.lock().unwrap().push(k.to_string());
+            None
+        })
+        .unwrap();
+        let read = read.into_inner().unwrap();
+        assert!(!read.is_empty());
+        for k in read {
             assert!(
-                ToolboxConfig::from_lookup(|q| (q == k).then(|| v.to_string())).is_err(),
-                "{k}={v}"
+                ENV_VARS.iter().any(|(n, _)| *n == k),
+                "{k} is not in ENV_VARS"
             );
         }
     }

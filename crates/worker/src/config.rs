@@ -12,7 +12,8 @@
 //! | `--index-after` | 1s | a job still running after this is entered in the index of active jobs and its ticket settled |
 //! | `--drain-timeout` | 30s | at SIGTERM, how long in-flight jobs may finish before they are handed back |
 //! | `--pull-expires` | 1s | lifetime of one pull request (short, so a paused worker cannot hold work hostage) |
-//! | `--kinds` | all built-in | kinds served |
+//! | `--kinds` | `research` | kinds served |
+//! | `--dev-kinds` | off | allows the test kinds (`echo`, `sleep`, `fail`, `crash`, `deliver`) in `--kinds` |
 //! | `--max-submission-bytes` | 1048576 | larger submissions are rejected |
 //! | `--max-stale-reclaims` | 3 | beyond this, a job is left to the reaper as poison |
 //! | `--max-attempts`, `--retry-base`, `--retry-cap` | 5, 1s, 5m | job-level retry defaults |
@@ -23,6 +24,10 @@ use clap::Parser;
 use leasehold_core::retry::RetryPolicy;
 use leasehold_core::time::parse_duration;
 use leasehold_store::NatsArgs;
+
+/// The built-in kinds for tests, the demo and benchmarks; a worker serves
+/// them only with `--dev-kinds`.
+pub const DEV_KINDS: &[&str] = &["echo", "sleep", "fail", "crash", "deliver"];
 
 /// `leasehold-worker` options.
 #[derive(Parser, Debug, Clone)]
@@ -73,14 +78,24 @@ pub struct Options {
     /// Lifetime of one pull request.
     #[arg(long, env = "LH_PULL_EXPIRES", default_value = "1s", value_parser = parse_duration)]
     pub pull_expires: Duration,
-    /// Kinds served, comma-separated.
+    /// Kinds served, comma-separated. The test kinds (echo, sleep, fail,
+    /// crash, deliver) are served only with --dev-kinds as well.
     #[arg(
         long,
         env = "LH_KINDS",
         value_delimiter = ',',
-        default_value = "echo,sleep,fail,crash,research,deliver"
+        default_value = "research"
     )]
     pub kinds: Vec<String>,
+    /// Allow the test kinds in --kinds (and LH_RESEARCH_CRASH_AT). For tests,
+    /// the demo and benchmarks only: `crash` aborts the worker process.
+    #[arg(
+        long,
+        env = "LH_DEV_KINDS",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub dev_kinds: bool,
     /// Submissions larger than this many bytes are rejected.
     #[arg(long, env = "LH_MAX_SUBMISSION_BYTES", default_value_t = leasehold_core::spec::DEFAULT_MAX_BYTES)]
     pub max_submission_bytes: usize,
@@ -104,10 +119,12 @@ pub struct Options {
 }
 
 impl Options {
-    /// Options for tests and the demo: defaults, the given server and prefix.
+    /// Options for in-process workers of tests: defaults, the given server
+    /// and prefix, and the test kinds allowed (`--dev-kinds`).
     pub fn local(url: &str, prefix: &str) -> Self {
         let mut o = Options::parse_from(["leasehold-worker"]);
         o.nats = NatsArgs::local(url, prefix);
+        o.dev_kinds = true;
         o
     }
 
@@ -160,6 +177,25 @@ impl Options {
         if self.kinds.is_empty() {
             return Err("--kinds must name at least one kind".into());
         }
+        self.check_dev_kinds()?;
+        Ok(())
+    }
+
+    /// Test kinds are served only when `--dev-kinds` allows them.
+    pub fn check_dev_kinds(&self) -> Result<(), String> {
+        let dev: Vec<&str> = self
+            .kinds
+            .iter()
+            .map(String::as_str)
+            .filter(|k| DEV_KINDS.contains(k))
+            .collect();
+        if !dev.is_empty() && !self.dev_kinds {
+            return Err(format!(
+                "--kinds lists test kinds ({}); they are served only with --dev-kinds \
+                 (LH_DEV_KINDS=1), never in production: `crash` aborts the worker",
+                dev.join(", ")
+            ));
+        }
         Ok(())
     }
 
@@ -181,5 +217,24 @@ impl Options {
             base: self.retry_base,
             cap: self.retry_cap,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_kinds_need_the_dev_flag() {
+        let o = Options::parse_from(["leasehold-worker"]);
+        assert_eq!(o.kinds, vec!["research".to_string()]);
+        assert!(!o.dev_kinds);
+        assert!(o.validate().is_ok());
+        let o = Options::parse_from(["leasehold-worker", "--kinds", "research,crash"]);
+        let e = o.validate().unwrap_err();
+        assert!(e.contains("crash") && e.contains("--dev-kinds"), "{e}");
+        let o = Options::parse_from(["leasehold-worker", "--kinds", "echo,crash", "--dev-kinds"]);
+        assert!(o.validate().is_ok());
+        assert!(Options::local("nats://127.0.0.1:4222", "lh").dev_kinds);
     }
 }

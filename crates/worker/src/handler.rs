@@ -190,7 +190,7 @@ pub fn builtins() -> Vec<(String, Arc<dyn Handler>)> {
         ("crash".into(), Arc::new(Crash)),
         (
             "research".into(),
-            Arc::new(crate::research::ResearchHandler),
+            Arc::new(crate::research::ResearchHandler::default()),
         ),
         (
             "deliver".into(),

@@ -1,22 +1,82 @@
 //! `leasehold-worker`: the stateless worker binary. See `leasehold-worker --help`.
 //!
+//! Everything the process will ever read from its environment is read and
+//! validated here, before it connects: the flags (each with its `LH_<FLAG>`
+//! variable) and the workload's variables (model, tools, research). A bad
+//! value stops the process with exit code 2 and a message naming the
+//! variable, instead of failing every job later.
+//!
 //! Logs go to stderr (`LH_LOG_FORMAT=json|text`, `RUST_LOG`); traces to an
 //! OTLP/gRPC collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; with
 //! `--http-listen` (`LH_HTTP_LISTEN`), `/healthz`, `/readyz` and `/metrics`.
 
 use std::sync::Arc;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
+use leasehold_research::ResearchConfig;
 use leasehold_telemetry::http::{self, HttpState};
 use leasehold_telemetry::metrics::Metrics;
 use leasehold_telemetry::{observe, redact_text, trace, Readiness};
+use leasehold_worker::research::ResearchHandler;
 use leasehold_worker::{Options, Worker};
 use tokio_util::sync::CancellationToken;
 
+/// Exit code of a configuration error found at start (as clap's usage errors).
+const CONFIG_ERROR: i32 = 2;
+
+/// The `--help` section listing the variables that are not flags.
+fn env_help() -> String {
+    let mut s = String::from(
+        "Workload variables (not flags; read and validated at start, a bad value stops the worker).\n\
+         Durations need a unit: 500ms, 3s, 2m.\n",
+    );
+    let sections: [(&str, &[(&str, &str)]); 3] = [
+        ("Model (research)", leasehold_model::MODEL_ENV_VARS),
+        ("Tools (research, deliver)", leasehold_tools::TOOL_ENV_VARS),
+        ("Research", leasehold_research::ENV_VARS),
+    ];
+    for (title, vars) in sections {
+        s.push_str(&format!("\n{title}:\n"));
+        for (name, what) in vars {
+            s.push_str(&format!("  {name:<32} {what}\n"));
+        }
+    }
+    s.push_str(&format!(
+        "\nLogging:\n  {:<32} log filter, e.g. info or leasehold_worker=debug [default: info]\n",
+        "RUST_LOG"
+    ));
+    s
+}
+
+fn fail_config(msg: impl std::fmt::Display) -> ! {
+    eprintln!("error: {msg}");
+    std::process::exit(CONFIG_ERROR);
+}
+
 #[tokio::main]
 async fn main() {
+    let matches = Options::command().after_help(env_help()).get_matches();
+    let opts = Options::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let telemetry = trace::init("leasehold-worker");
-    let opts = Options::parse();
+    if let Err(e) = opts.validate() {
+        fail_config(e);
+    }
+    let research = ResearchConfig::from_env().unwrap_or_else(|e| fail_config(e.message));
+    if research.crash_at.is_some() && !opts.dev_kinds {
+        fail_config(
+            "LH_RESEARCH_CRASH_AT aborts the worker at a checkpoint; it is for tests and needs --dev-kinds (LH_DEV_KINDS=1)",
+        );
+    }
+    tracing::info!(
+        model_base_url = %leasehold_telemetry::redact_url(&research.model.base_url),
+        model = %research.model.model,
+        api_key = if research.model.api_key.is_some() { "set" } else { "unset" },
+        search_url = %leasehold_telemetry::redact_url(&research.toolbox.search.url),
+        publish_url = %leasehold_telemetry::redact_url(&research.toolbox.publish.url),
+        fetch_allow = ?research.toolbox.fetch.allow,
+        expert_concurrency = research.expert_concurrency,
+        "workload configuration"
+    );
     let fail = |what: String, telemetry: trace::Guard| -> ! {
         eprintln!("error: {}", redact_text(&what));
         telemetry.shutdown();
@@ -34,7 +94,9 @@ async fn main() {
         }
     }
     let shutdown = CancellationToken::new();
-    let handle = match Worker::new(opts).start(shutdown.clone()).await {
+    let worker = Worker::new(opts)
+        .with_handler("research", Arc::new(ResearchHandler::with_config(research)));
+    let handle = match worker.start(shutdown.clone()).await {
         Ok(h) => h,
         Err(e) => fail(format!("{e:#}"), telemetry),
     };

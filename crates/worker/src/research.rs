@@ -7,14 +7,33 @@ use leasehold_research::{ErrorClass as RClass, ResearchConfig, ResearchCtx, Rese
 
 use crate::handler::{Handler, HandlerError, JobCtx, Outcome};
 
-/// Serves `research` jobs. The configuration is read from the environment
-/// at each attempt, so a bad variable fails that job, not the worker.
-pub struct ResearchHandler;
+/// Serves `research` jobs.
+///
+/// The `leasehold-worker` binary reads and validates the configuration once
+/// at start ([`ResearchHandler::with_config`]) and refuses to start with a
+/// bad variable. A handler made with [`Default`] (the in-process workers of
+/// tests) reads the environment at each attempt instead.
+#[derive(Default)]
+pub struct ResearchHandler {
+    config: Option<ResearchConfig>,
+}
+
+impl ResearchHandler {
+    /// A handler that runs every attempt with this configuration.
+    pub fn with_config(config: ResearchConfig) -> Self {
+        ResearchHandler {
+            config: Some(config),
+        }
+    }
+}
 
 #[async_trait]
 impl Handler for ResearchHandler {
     async fn run(&self, ctx: JobCtx) -> Result<Outcome, HandlerError> {
-        let cfg = ResearchConfig::from_env().map_err(|e| HandlerError::terminal(e.message))?;
+        let cfg = match &self.config {
+            Some(c) => c.clone(),
+            None => ResearchConfig::from_env().map_err(|e| HandlerError::terminal(e.message))?,
+        };
         let rctx = ResearchCtx {
             job_id: ctx.record.id.clone(),
             epoch: ctx.record.epoch,

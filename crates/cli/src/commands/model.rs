@@ -48,7 +48,7 @@ struct CheckArgs {
     #[arg(long, default_value_t = 3)]
     attempts: u32,
     /// Give up after this long in all (e.g. `30s`).
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = leasehold_core::time::parse_duration)]
     deadline: Duration,
     /// Override LH_MODEL_BASE_URL.
     #[arg(long)]

@@ -13,11 +13,13 @@ pub struct Args {
     #[arg(long, env = "LH_REPLICAS", default_value_t = 1)]
     replicas: usize,
     /// Kinds that get a submit subject and a consumer, comma-separated.
+    /// The test kinds (echo, sleep, fail, crash, deliver) are for dev setups:
+    /// list them here and start workers with --dev-kinds.
     #[arg(
         long,
         env = "LH_KINDS",
         value_delimiter = ',',
-        default_value = "echo,sleep,fail,crash,research,deliver"
+        default_value = "research"
     )]
     kinds: Vec<String>,
     /// Ack wait of the work consumers: how long a delivered ticket waits
