@@ -34,11 +34,7 @@ import yaml
 
 # Variables a manifest may set before the binary reads them, each with why.
 # Remove an entry once the binary's --help lists the variable.
-PENDING = {
-    # The HTTP server (/healthz, /readyz, metrics) is being added to the worker
-    # and the reaper; the probes in leasehold.yaml already use it.
-    "LH_HTTP_LISTEN": {"leasehold-worker", "leasehold-reaper"},
-}
+PENDING: dict[str, set[str]] = {}
 
 # What the image runs when a container sets no command (Dockerfile CMD).
 IMAGE_CMD = ["leasehold-worker"]
