@@ -8,6 +8,7 @@ mod effects;
 mod lifecycle;
 mod liveness;
 mod ownership;
+mod promise;
 mod reaper;
 mod research;
 mod submission;

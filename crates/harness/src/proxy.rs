@@ -53,6 +53,11 @@
 //! To know that the server has processed what a client sent, make a request
 //! (to `$JS.API.INFO`, say): async-nats' `flush()` only empties the client's
 //! write buffer into its socket, that is into the proxy, and proves nothing.
+//!
+//! The proxy's tasks run on the caller's tokio runtime: a test that blocks
+//! its thread (`std::thread::sleep`, `Proc::wait_timeout`) stalls the proxy
+//! too on a current-thread runtime; such tests use
+//! `#[tokio::test(flavor = "multi_thread")]`.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -124,6 +129,10 @@ struct Shared {
     /// Client publishes seen, by subject (held, delayed and dropped ones too).
     published: Mutex<HashMap<String, u64>>,
     frozen: watch::Sender<bool>,
+    /// While true, nothing flows from the server to the client (replies,
+    /// messages, PINGs wait in the proxy): what the client sent still
+    /// reaches the server, but it hears nothing back.
+    muted: watch::Sender<bool>,
     /// Bumped by every cut; each connection watches it.
     cut: watch::Sender<u64>,
     refuse: AtomicBool,
@@ -173,6 +182,7 @@ impl FaultProxy {
             rules: Mutex::new(Vec::new()),
             published: Mutex::new(HashMap::new()),
             frozen: watch::Sender::new(false),
+            muted: watch::Sender::new(false),
             cut: watch::Sender::new(0),
             refuse: AtomicBool::new(false),
             live: AtomicUsize::new(0),
@@ -261,6 +271,13 @@ impl FaultProxy {
     /// Ends a [`FaultProxy::freeze`].
     pub fn thaw(&self) {
         self.shared.frozen.send_replace(false);
+    }
+
+    /// One direction only: while muted, the client's ops still reach the
+    /// server but nothing comes back (a request whose reply is lost). What
+    /// the server sends meanwhile is delivered when unmuted.
+    pub fn mute_replies(&self, yes: bool) {
+        self.shared.muted.send_replace(yes);
     }
 
     /// Connections accepted and not yet closed.
@@ -566,9 +583,11 @@ async fn server_to_client(
     mut client: OwnedWriteHalf,
 ) -> DownEnd {
     let mut frozen = shared.frozen.subscribe();
+    let mut muted = shared.muted.subscribe();
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     loop {
         let _ = frozen.wait_for(|f| !*f).await;
+        let _ = muted.wait_for(|m| !*m).await;
         if buf.capacity() - buf.len() < READ_CHUNK / 4 {
             buf.reserve(READ_CHUNK);
         }
@@ -577,8 +596,9 @@ async fn server_to_client(
             Ok(_) => {}
         }
         let out = server_ops(&mut buf);
-        // A freeze may have begun while the read was pending.
+        // A freeze (or a mute) may have begun while the read was pending.
         let _ = frozen.wait_for(|f| !*f).await;
+        let _ = muted.wait_for(|m| !*m).await;
         if client.write_all(&out).await.is_err() {
             return DownEnd::ClientGone;
         }

@@ -1,0 +1,625 @@
+//! The promise under time: cancellation never undone, a live job never
+//! dead-lettered, no attempt left half-way, nothing stranded, with real
+//! processes paused, killed and cut off at the moments that matter.
+
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use leasehold_core::machine;
+use leasehold_core::JobSpec;
+use leasehold_harness::{bin_path, FaultProxy};
+use leasehold_reaper::{Options as ReaperOptions, Reaper};
+use leasehold_store::dlq::Dlq;
+use leasehold_store::index::{Active, Filter};
+use leasehold_store::setup::SetupOptions;
+use leasehold_worker::{Handler, HandlerError, JobCtx, Outcome, Worker};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{wait_log, Env, ACK_WAIT};
+
+/// Sets `cancel_requested` straight in the record, as a request whose
+/// notification never reached the owner (or came from an older binary).
+async fn request_cancel_quietly(env: &Env, id: &str) {
+    env.jobs
+        .transition(id, |r| {
+            match machine::request_cancel(r, SystemTime::now())? {
+                machine::CancelOutcome::Requested(n) | machine::CancelOutcome::Cancelled(n) => {
+                    Ok(Some(n))
+                }
+                machine::CancelOutcome::Unchanged(_) => Ok(None),
+            }
+        })
+        .await
+        .unwrap();
+}
+
+async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken) {
+    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
+    o.interval = Duration::from_millis(300);
+    o.stranded_grace = Duration::from_millis(1500);
+    let stop = CancellationToken::new();
+    (Reaper::new(o).start(stop.clone()).await.unwrap(), stop)
+}
+
+async fn letters(env: &Env, id: &str) -> usize {
+    Dlq::new(&env.conn)
+        .list()
+        .await
+        .unwrap()
+        .iter()
+        .filter(|l| l.job_id.as_deref() == Some(id))
+        .count()
+}
+
+#[tokio::test]
+async fn a_cancel_request_is_never_undone_by_a_retry_a_hand_back_or_a_reclaim() {
+    let env = Env::new().await;
+    // A retry: the request lands while the attempt runs; the attempt then
+    // fails with a retryable error, and the requeue cancels instead.
+    let (w, stop) = env.worker().await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 5, "ms": 1500}}),
+        "c-retry",
+    )
+    .await;
+    env.wait_status("c-retry", "running", Duration::from_secs(10))
+        .await;
+    request_cancel_quietly(&env, "c-retry").await;
+    let r = env
+        .wait_for("c-retry", Duration::from_secs(15), |r| {
+            r.status != "running"
+        })
+        .await;
+    assert_eq!(
+        r.status, "cancelled",
+        "a retry never undoes a cancel: {r:?}"
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+
+    // A hand-back at shutdown honours the pending request.
+    let mut a = env.worker_proc(&[], &[]);
+    env.submit("sleep", json!({"input": {"ms": 30000}}), "c-handback")
+        .await;
+    env.wait_status("c-handback", "running", Duration::from_secs(10))
+        .await;
+    request_cancel_quietly(&env, "c-handback").await;
+    a.term();
+    let r = env
+        .wait_for("c-handback", Duration::from_secs(15), |r| {
+            r.status != "running"
+        })
+        .await;
+    assert_eq!(r.status, "cancelled", "a hand-back never undoes a cancel");
+    assert!(a.wait_timeout(Duration::from_secs(10)).is_some());
+
+    // A reclaim after the owner died honours it too (re-offer path).
+    let mut a = env.worker_proc(&[], &[]);
+    env.submit("sleep", json!({"input": {"ms": 30000}}), "c-reclaim")
+        .await;
+    env.wait_status("c-reclaim", "running", Duration::from_secs(10))
+        .await;
+    env.wait_indexed("c-reclaim", Duration::from_secs(10)).await;
+    request_cancel_quietly(&env, "c-reclaim").await;
+    a.kill9();
+    let (b, stop) = env.worker().await;
+    let r = env
+        .wait_for("c-reclaim", Duration::from_secs(20), |r| {
+            r.status != "running"
+        })
+        .await;
+    assert_eq!(r.status, "cancelled", "a reclaim never undoes a cancel");
+    assert_eq!(r.epoch, 1, "the job never ran again");
+    // And a claim of a waiting job with a pending request cancels it.
+    let mut q = machine::new_record(
+        "c-claim",
+        "echo",
+        JobSpec {
+            input: "{}".into(),
+            ..Default::default()
+        },
+        0,
+        SystemTime::now(),
+    );
+    q.cancel_requested = true;
+    q.next_run_at = Some(leasehold_core::time::rfc3339(SystemTime::now()));
+    env.put_indexed(&q).await;
+    env.work.reissue(&q, "test", "1").await.unwrap();
+    let r = env
+        .wait_for("c-claim", Duration::from_secs(10), |r| r.status != "queued")
+        .await;
+    assert_eq!((r.status.as_str(), r.epoch), ("cancelled", 0));
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_long_job_restarted_under_its_identity_is_never_killed_by_max_deliveries() {
+    let env = Env::with(SetupOptions {
+        ack_wait: ACK_WAIT,
+        max_deliver: 3,
+        ..SetupOptions::default()
+    })
+    .await;
+    let r = start_reaper(&env).await;
+    let extra = [("LH_SESSION_TIMEOUT", "3s".into())];
+    let mut a = env.worker_proc(&["--worker-id", "pod-md"], &extra);
+    env.submit("sleep", json!({"input": {"ms": 6000}}), "long-md")
+        .await;
+    env.wait_status("long-md", "running", Duration::from_secs(10))
+        .await;
+    a.kill9();
+    let _a2 = env.worker_proc(&["--worker-id", "pod-md"], &extra);
+    // A second copy of the ticket (a resubmission after the dedupe window)
+    // reaches the fleet while the job runs: it is settled, not NAKed.
+    let rec = env
+        .wait_for("long-md", Duration::from_secs(20), |r| r.epoch == 2)
+        .await;
+    env.work.reissue(&rec, "duplicate", "1").await.unwrap();
+    let done = env
+        .wait_status("long-md", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(done.worker_id.as_deref(), Some("pod-md"));
+    assert_eq!(letters(&env, "long-md").await, 0, "never dead-lettered");
+    assert_eq!(
+        r.0.stats
+            .max_deliveries
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
+/// A handler whose result is not JSON (it would make the record unwritable).
+struct BadOutput;
+
+#[async_trait::async_trait]
+impl Handler for BadOutput {
+    async fn run(&self, _: JobCtx) -> Result<Outcome, HandlerError> {
+        Ok(Outcome::Completed(leasehold_proto::JobResult {
+            output: "not json {".into(),
+            ..Default::default()
+        }))
+    }
+}
+
+/// A handler that panics.
+struct Panics;
+
+#[async_trait::async_trait]
+impl Handler for Panics {
+    async fn run(&self, _: JobCtx) -> Result<Outcome, HandlerError> {
+        panic!("boom")
+    }
+}
+
+#[tokio::test]
+async fn no_failure_inside_an_attempt_leaves_the_job_held_by_a_live_worker() {
+    let env = Env::new().await;
+    let stop = CancellationToken::new();
+    let w = Worker::new(env.opts())
+        .with_handler("echo", std::sync::Arc::new(BadOutput))
+        .with_handler("sleep", std::sync::Arc::new(Panics))
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("echo", json!({"input": {}}), "bad-output").await;
+    let r = env
+        .wait_status("bad-output", "failed", Duration::from_secs(10))
+        .await;
+    assert!(
+        r.error.as_ref().unwrap().message.contains("not JSON"),
+        "{r:?}"
+    );
+    env.submit(
+        "sleep",
+        json!({"input": {"ms": 1}, "retry": {"max_attempts": 2}}),
+        "panics",
+    )
+    .await;
+    let r = env
+        .wait_status("panics", "failed", Duration::from_secs(15))
+        .await;
+    assert!(
+        r.error.as_ref().unwrap().message.contains("panicked"),
+        "{r:?}"
+    );
+    assert_eq!(
+        r.attempts, 2,
+        "each panic ended its attempt: retried, then failed"
+    );
+    // A ticket reusing the id of a job of another kind is dead-lettered,
+    // and the job it names is never run under a handler not its own.
+    let mut other = machine::new_record(
+        "reused",
+        "research",
+        JobSpec::default(),
+        0,
+        SystemTime::now(),
+    );
+    other.status = "running".into();
+    other.worker_id = Some("gone".into());
+    other.session = Some("gone".into());
+    other.epoch = 1;
+    env.put_indexed(&other).await;
+    env.submit("echo", json!({"input": {}}), "reused").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while letters(&env, "reused").await == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no dead letter");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = env.jobs.get("reused").await.unwrap().unwrap().value;
+    assert_eq!((after.kind.as_str(), after.epoch), ("research", 1));
+    stop.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
+    let env = Env::with(SetupOptions {
+        ack_wait: ACK_WAIT,
+        max_deliver: 2,
+        ..SetupOptions::default()
+    })
+    .await;
+    // A waiting job (its record says so, its index lists it) and its ticket.
+    let p = env
+        .work
+        .submit(
+            "echo",
+            json!({"input": {"n": 1}}).to_string().into(),
+            Some("lost-adv"),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut q = machine::new_record(
+        "lost-adv",
+        "echo",
+        JobSpec {
+            input: json!({"n": 1}).to_string(),
+            ..Default::default()
+        },
+        p.seq,
+        SystemTime::now(),
+    );
+    q.next_run_at = Some(leasehold_core::time::rfc3339(SystemTime::now()));
+    env.put_indexed(&q).await;
+    // Something NAKs it until the server gives up on it (it notices at the
+    // next delivery attempt, so keep pulling until the advisory is out)...
+    let consumer = env.work.consumer("echo").await.unwrap();
+    let mut adv = env
+        .conn
+        .js
+        .get_stream(env.conn.layout.advisory_stream())
+        .await
+        .unwrap();
+    let mut naks = 0;
+    while adv.info().await.unwrap().state.messages == 0 {
+        let mut b = consumer
+            .batch()
+            .max_messages(1)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(m)) = b.next().await {
+            m.ack_with(AckKind::Nak(None)).await.unwrap();
+            naks += 1;
+        }
+        assert!(naks <= 2, "delivered past max_deliver");
+    }
+    // ...and its advisory is lost before any reaper sees it.
+    env.conn
+        .js
+        .get_stream(env.conn.layout.advisory_stream())
+        .await
+        .unwrap()
+        .purge()
+        .await
+        .unwrap();
+    assert!(
+        env.work.get(p.seq).await.unwrap().is_some(),
+        "the ticket stays, never delivered again"
+    );
+    let r = start_reaper(&env).await;
+    let (w, stop) = env.worker().await;
+    let done = env
+        .wait_status("lost-adv", "completed", Duration::from_secs(20))
+        .await;
+    assert!(done.ticket_seq > p.seq, "it ran on a fresh ticket");
+    assert!(
+        env.work.get(p.seq).await.unwrap().is_none(),
+        "the stuck ticket is gone"
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_job_may_retry_more_often_than_one_ticket_may_be_delivered() {
+    let env = Env::with(SetupOptions {
+        ack_wait: ACK_WAIT,
+        max_deliver: 3,
+        ..SetupOptions::default()
+    })
+    .await;
+    let r = start_reaper(&env).await;
+    let (w, stop) = env.worker().await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 6}, "retry": {"max_attempts": 8, "base_ms": 10, "cap_ms": 50}}),
+        "many-retries",
+    )
+    .await;
+    let done = env
+        .wait_status("many-retries", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(done.attempts, 6, "six failed attempts, then success");
+    assert_eq!(letters(&env, "many-retries").await, 0);
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unreadable_record_is_skipped_and_reported_never_stopping_recovery() {
+    let env = Env::new().await;
+    // A running job of a gone worker, indexed, and beside it a record that
+    // does not decode, also indexed as that worker's.
+    let mut good = machine::new_record(
+        "good",
+        "echo",
+        JobSpec {
+            input: "{}".into(),
+            ..Default::default()
+        },
+        0,
+        SystemTime::now(),
+    );
+    good.status = "running".into();
+    good.worker_id = Some("gone".into());
+    good.session = Some("s".into());
+    good.epoch = 1;
+    env.put_indexed(&good).await;
+    let mut bad = good.clone();
+    bad.id = "garbled".into();
+    Active::open(&env.conn)
+        .await
+        .unwrap()
+        .put(
+            &leasehold_store::index::Key::Run {
+                worker: "gone".into(),
+                job: "garbled".into(),
+            },
+            &bad,
+        )
+        .await
+        .unwrap();
+    env.jobs
+        .kv()
+        .put("garbled", "{not a record".into())
+        .await
+        .unwrap();
+    let r = start_reaper(&env).await;
+    let (w, stop) = env.worker().await;
+    env.wait_status("good", "completed", Duration::from_secs(20))
+        .await;
+    let out = tokio::process::Command::new(bin_path("leasehold"))
+        .args(["list", "--all", "--corrupt"])
+        .env("NATS_URL", env.url())
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("garbled"), "{text}");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "unreadable records make the listing fail"
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_claim_in_flight_hands_the_job_back_at_once() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(
+        &[],
+        &[
+            ("NATS_URL", proxy.url()),
+            ("LH_SESSION_TIMEOUT", "60s".into()),
+            ("LH_DRAIN_TIMEOUT", "0s".into()),
+        ],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    // The claim write is slowed down; SIGTERM arrives while it is in flight.
+    let claims = format!("$KV.{}.>", env.conn.layout.jobs_bucket());
+    proxy.delay(&claims, Duration::from_millis(600));
+    env.submit("sleep", json!({"input": {"ms": 1000}}), "in-flight")
+        .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while proxy.published(&claims) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no claim write");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.term();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    proxy.clear();
+    // The claim lands after the shutdown began: the worker waits for it and
+    // hands the job back, instead of leaving it to its session's end.
+    let r = env
+        .wait_for("in-flight", Duration::from_secs(10), |r| {
+            r.status == "queued"
+        })
+        .await;
+    assert_eq!(
+        (r.epoch, r.stale_reclaims),
+        (1, 0),
+        "a hand-back, not a reclaim"
+    );
+    let status = a
+        .wait_timeout(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("the worker did not exit:\n{}", a.output()));
+    assert!(status.success(), "{}", a.output());
+    assert!(
+        !a.output().contains("timed out"),
+        "every write after the claim was answered: {}",
+        a.output()
+    );
+    let (b, stop) = env.worker().await;
+    let done = env
+        .wait_status("in-flight", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(done.stale_reclaims, 0);
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_reply_was_lost_is_recognised_by_its_own_token() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let a = env.worker_proc(
+        &[],
+        &[
+            ("NATS_URL", proxy.url()),
+            ("LH_SESSION_TIMEOUT", "60s".into()),
+        ],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    let hold = proxy.hold(&format!("$KV.{}.>", env.conn.layout.jobs_bucket()));
+    env.submit("sleep", json!({"input": {"ms": 500}}), "lost-reply")
+        .await;
+    hold.triggered().await;
+    let t0 = tokio::time::Instant::now();
+    // The claim reaches the server; its reply does not reach the worker.
+    proxy.mute_replies(true);
+    proxy.release_all();
+    env.wait_status("lost-reply", "running", Duration::from_secs(10))
+        .await;
+    // Past the publish's 5 s timeout, replies flow again.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    proxy.mute_replies(false);
+    let done = env
+        .wait_status("lost-reply", "completed", Duration::from_secs(20))
+        .await;
+    assert!(
+        t0.elapsed() > Duration::from_secs(5),
+        "the claim's reply was withheld past the publish timeout"
+    );
+    assert_eq!(
+        (done.epoch, done.stale_reclaims),
+        (1, 0),
+        "the worker adopted its own claim; nobody reclaimed it"
+    );
+    drop(a);
+}
+
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_reclaim_and_the_old_ticket_claim_a_job_once() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let extra = [
+        ("NATS_URL", proxy.url()),
+        ("LH_SESSION_TIMEOUT", "60s".into()),
+        ("LH_INDEX_AFTER", "1500ms".into()),
+    ];
+    let mut a = env.worker_proc(&["--worker-id", "pod-twice"], &extra);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    env.submit("sleep", json!({"input": {"ms": 5000}}), "twice")
+        .await;
+    env.wait_status("twice", "running", Duration::from_secs(10))
+        .await;
+    // Indexed, but its ticket's ack (after the index write) never goes out:
+    // the old ticket comes back while a restarted process already runs it.
+    let hold = proxy.hold("$JS.ACK.>");
+    env.wait_indexed("twice", Duration::from_secs(10)).await;
+    hold.triggered().await;
+    a.kill9();
+    proxy.clear();
+    let a2 = env.worker_proc(
+        &["--worker-id", "pod-twice"],
+        &[("LH_SESSION_TIMEOUT", "60s".into())],
+    );
+    let done = env
+        .wait_status("twice", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        done.epoch, 2,
+        "one reclaim: the restart's; the old ticket was settled"
+    );
+    let claims = env
+        .events_of("twice")
+        .await
+        .iter()
+        .filter(|e| e.r#type == "claimed")
+        .count();
+    assert_eq!(claims, 2);
+    drop(a2);
+}
+
+#[tokio::test]
+async fn a_ticket_refused_for_configuration_skew_parks_its_job_once() {
+    let env = Env::new().await;
+    // A waiting job (backing off) whose ticket a strict worker refuses.
+    let big = "x".repeat(200);
+    let mut q = machine::new_record(
+        "skewed",
+        "echo",
+        JobSpec {
+            input: json!({"text": big}).to_string(),
+            ..Default::default()
+        },
+        0,
+        SystemTime::now(),
+    );
+    q.next_run_at = Some(leasehold_core::time::rfc3339(SystemTime::now()));
+    env.put_indexed(&q).await;
+    env.work.reissue(&q, "retry", "1").await.unwrap();
+    let mut o = env.opts();
+    o.max_submission_bytes = 64;
+    let (w, stop) = env.worker_with(o).await;
+    let r = start_reaper(&env).await;
+    let parked = env
+        .wait_status("skewed", "parked", Duration::from_secs(10))
+        .await;
+    assert_eq!(parked.parked_reason.as_deref(), Some("rejected_ticket"));
+    // Sweeps go on; the job stays parked, with one dead letter.
+    let mut m = r.0.metrics_watch();
+    for _ in 0..4 {
+        m.changed().await.unwrap();
+    }
+    assert_eq!(letters(&env, "skewed").await, 1);
+    assert_eq!(
+        Active::open(&env.conn)
+            .await
+            .unwrap()
+            .list(Filter::Parked)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
