@@ -383,3 +383,69 @@ async fn model_check_and_tool_call_through_the_workers_layers() {
         "{out}"
     );
 }
+
+#[tokio::test]
+async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_it() {
+    use async_nats::jetstream::{kv, stream};
+    let s = NatsServer::start();
+    wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+    let js = async_nats::jetstream::new(async_nats::connect(s.url()).await.unwrap());
+    // The layout an earlier release made: an unbounded work queue, 64
+    // revisions per record, events for 30 days, no sessions or index.
+    js.create_stream(stream::Config {
+        name: "LH_WORK".into(),
+        subjects: vec!["lh.submit.research".into()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    js.create_key_value(kv::Config {
+        bucket: "lh_jobs".into(),
+        history: 64,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    js.create_stream(stream::Config {
+        name: "LH_EVENTS".into(),
+        subjects: vec!["lh.events.>".into()],
+        max_age: Duration::from_secs(30 * 86_400),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let url = s.url();
+    let (code, out, err) = cli(&url, &["setup", "--check"]).await;
+    assert_eq!(code, 1, "drift makes --check fail: {err}");
+    assert!(
+        out.contains("drift    stream LH_WORK: ") && out.contains("max_msgs none -> 1000000"),
+        "{out}"
+    );
+    assert!(
+        out.contains("kv lh_jobs: max_msgs_per_subject 64 -> 8"),
+        "{out}"
+    );
+    assert!(out.contains("missing  kv lh_sessions"), "{out}");
+    // Nothing changed.
+    let mut w = js.get_stream("LH_WORK").await.unwrap();
+    assert_eq!(w.info().await.unwrap().config.max_messages, -1);
+    assert!(js.get_key_value("lh_sessions").await.is_err());
+
+    let (code, out, err) = cli(&url, &["setup"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("updated  stream LH_WORK: "), "{out}");
+    assert!(
+        out.contains("updated  stream LH_EVENTS: ") && out.contains("max_age 30days -> none"),
+        "{out}"
+    );
+    assert!(out.contains("created  kv lh_sessions"), "{out}");
+    assert_eq!(w.info().await.unwrap().config.max_messages, 1_000_000);
+    let (code, out, err) = cli(&url, &["setup", "--check"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("no drift"), "{err}");
+    // A second setup changes nothing and says so.
+    let (code, _, err) = cli(&url, &["setup"]).await;
+    assert_eq!(code, 0);
+    assert!(err.contains("already as wanted"), "{err}");
+}

@@ -339,3 +339,72 @@ async fn request_reply_submitters_get_the_error_in_the_reply() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_full_work_queue_refuses_with_a_clear_error_and_loses_nothing() {
+    let env = Env::with(leasehold_store::setup::SetupOptions {
+        ack_wait: crate::support::ACK_WAIT,
+        work_max_msgs: 3,
+        ..Default::default()
+    })
+    .await;
+    let cli = |args: Vec<String>| {
+        let url = env.url();
+        async move {
+            let out = tokio::process::Command::new(leasehold_harness::bin_path("leasehold"))
+                .args(&args)
+                .env("NATS_URL", url)
+                .output()
+                .await
+                .unwrap();
+            (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+    };
+    for i in 0..3 {
+        let (code, err) = cli(vec![
+            "submit".into(),
+            "echo".into(),
+            r#"{"input":{}}"#.into(),
+            "--id".into(),
+            format!("q-{i}"),
+        ])
+        .await;
+        assert_eq!(code, 0, "{err}");
+    }
+    let (code, err) = cli(vec![
+        "submit".into(),
+        "echo".into(),
+        r#"{"input":{}}"#.into(),
+        "--id".into(),
+        "q-3".into(),
+    ])
+    .await;
+    assert_eq!(code, 75, "a full queue is a temporary failure: {err}");
+    assert!(
+        err.contains("work queue is full") && err.contains("nothing was submitted"),
+        "{err}"
+    );
+    // A plain NATS client asking for the publish ack gets the server's refusal.
+    let mut h = HeaderMap::new();
+    h.insert("Nats-Msg-Id", "q-4");
+    let reply = env
+        .conn
+        .client
+        .request_with_headers("lh.submit.echo", h, r#"{"input":{}}"#.into())
+        .await
+        .unwrap();
+    let body = String::from_utf8_lossy(&reply.payload);
+    assert!(body.contains("maximum messages exceeded"), "{body}");
+    // Nothing accepted was lost: a worker runs the three.
+    let (w, stop) = env.worker().await;
+    for i in 0..3 {
+        env.wait_status(&format!("q-{i}"), "completed", Duration::from_secs(15))
+            .await;
+    }
+    assert!(env.jobs.get("q-3").await.unwrap().is_none());
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -128,7 +128,7 @@ impl NatsServer {
             .unwrap_or_else(|| self.dir.path().to_path_buf())
             .join("js");
         let mut c = format!(
-            "server_name: {name}\nlisten: 127.0.0.1:{port}\njetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n{sync}}}\n",
+            "server_name: {name}\nlisten: 127.0.0.1:{port}\njetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 256MB\n  max_file_store: 64GB\n{sync}}}\n",
             name = self.name,
             port = self.port,
             store = store.display(),

@@ -138,6 +138,11 @@ impl Layout {
     pub fn active_bucket(&self) -> String {
         format!("{}_active", self.prefix.replace('-', "_"))
     }
+    /// KV bucket of large job inputs and outputs (`<job>.input`,
+    /// `<job>.output`), kept beside the small, often rewritten record.
+    pub fn payloads_bucket(&self) -> String {
+        format!("{}_payloads", self.prefix.replace('-', "_"))
+    }
     /// `lh.workers.<worker>.<what>`: requests to one worker process (`ping`, `cancel`).
     pub fn worker_subject(&self, worker_id: &str, what: &str) -> String {
         format!("{}.workers.{worker_id}.{what}", self.prefix)

@@ -50,6 +50,10 @@ pub enum StoreError {
     /// restarting): not a missing layout; try again.
     #[error("NATS JetStream is unavailable ({0}); retrying may help")]
     Unavailable(String),
+    /// A bounded stream refused a message at its limit (the work queue is
+    /// full): nothing was stored; try again later.
+    #[error("the stream is full: {0}")]
+    QueueFull(String),
     #[error("{0}")]
     Nats(String),
 }
@@ -59,9 +63,13 @@ impl StoreError {
         StoreError::Nats(format!("{context}: {e}"))
     }
 
-    /// Worth trying again (the server did not answer, or failed).
+    /// Worth trying again (the server did not answer, or failed, or a
+    /// bounded stream is full for now).
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Unavailable(_) | StoreError::Nats(_))
+        matches!(
+            self,
+            StoreError::Unavailable(_) | StoreError::Nats(_) | StoreError::QueueFull(_)
+        )
     }
 }
 
@@ -163,6 +171,10 @@ pub fn server_error_code(err: &(dyn std::error::Error + 'static)) -> Option<u64>
     }
     None
 }
+
+/// A stream at its message limit (discard new): 10077; at its byte limit: 10078.
+pub const STREAM_FULL_MSGS: u64 = 10077;
+pub const STREAM_FULL_BYTES: u64 = 10078;
 
 /// Wrong last sequence: a real conflict (10071).
 pub const WRONG_LAST_SEQUENCE: u64 = 10071;

@@ -13,6 +13,11 @@
 //! | `lh_sessions` | KV bucket, per-key TTL | worker sessions; the server removes a key when its renewals stop and leaves a marker |
 //! | `lh_session_ends` | durable consumer of `KV_lh_sessions`, headers only | shared by workers and reapers: each ended session handled once |
 //! | `lh_active` | KV bucket | the index of active jobs (`run.<worker>.<job>`, `wait.<job>`, `park.<job>`) |
+//! | `lh_payloads` | KV bucket | large inputs and outputs beside their records (`<job>.input`, `<job>.output`) |
+//!
+//! Every stream and bucket is bounded (see [`SetupOptions`]). Running setup
+//! again migrates: it compares what the server has with what is wanted,
+//! updates what differs and says so; [`Mode::Check`] only reports the drift.
 
 use std::time::Duration;
 
@@ -20,29 +25,52 @@ use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 
 use crate::{Conn, StoreError};
 
-/// What `leasehold setup` creates. Durations and counts have the defaults
-/// documented on each field.
+/// What `leasehold setup` creates. Durations, counts and sizes have the
+/// defaults documented on each field; every stream and bucket is bounded.
 #[derive(Debug, Clone)]
 pub struct SetupOptions {
     /// Replicas of every stream and bucket (1 on a single server, 3 in a cluster).
     pub replicas: usize,
     /// Kinds that get a subject and a consumer.
     pub kinds: Vec<String>,
-    /// Consumer ack wait: how long a delivered ticket waits for an ack or a
-    /// progress ack before it is redelivered (default 30 s). Workers send
-    /// progress acks every third of it.
+    /// Consumer ack wait: how long a delivered ticket that nobody claimed
+    /// (its worker stopped before the claim) waits before it is redelivered
+    /// (default 30 s). A claimed job never depends on it.
     pub ack_wait: Duration,
     /// Deliveries of one ticket before the server gives up and advises (default 20).
     pub max_deliver: i64,
     /// Dedupe window of submissions by `Nats-Msg-Id` (default 1 h); the job
     /// record's existence dedupes beyond it.
     pub dedupe_window: Duration,
-    /// How long events are kept (default 30 days).
+    /// Tickets the work stream holds at most (default 1,000,000); a
+    /// submission beyond is refused with "maximum messages exceeded",
+    /// nothing is dropped.
+    pub work_max_msgs: i64,
+    /// Bytes the work stream holds at most (default 2 GiB), refused beyond.
+    pub work_max_bytes: i64,
+    /// Pull requests waiting on one work consumer (default 4096: one per
+    /// idle kind per worker process, so size it above the fleet).
+    pub max_waiting: i64,
+    /// How long events are kept at most (default 0: until their job's
+    /// retention ends, when the reaper removes them with the record).
     pub events_max_age: Duration,
-    /// How long effects-ledger entries are kept (default 7 days).
+    /// Bytes the event stream holds at most (default 10 GiB), a safety net:
+    /// beyond it new events are refused (the jobs wait) rather than old
+    /// checkpoints of running jobs being dropped.
+    pub events_max_bytes: i64,
+    /// Largest event stored (default 1 MiB); larger payloads go beside.
+    pub events_max_msg_size: i32,
+    /// How long effects-ledger entries of finished jobs are kept (default 7
+    /// days); entries of unfinished jobs never expire (they are removed with
+    /// the job).
     pub effects_retention: Duration,
-    /// KV history kept per job record (default 64 revisions).
+    /// KV history kept per job record (default 8 revisions).
     pub job_history: i64,
+    /// Dead letters: kept at most this long (default 30 days), this many
+    /// (default 100,000) and this many bytes (default 1 GiB); the oldest go first.
+    pub dlq_max_age: Duration,
+    pub dlq_max_msgs: i64,
+    pub dlq_max_bytes: i64,
 }
 
 impl Default for SetupOptions {
@@ -57,9 +85,17 @@ impl Default for SetupOptions {
             ack_wait: Duration::from_secs(30),
             max_deliver: 20,
             dedupe_window: Duration::from_secs(3600),
-            events_max_age: Duration::from_secs(30 * 86_400),
+            work_max_msgs: 1_000_000,
+            work_max_bytes: 2 << 30,
+            max_waiting: 4096,
+            events_max_age: Duration::ZERO,
+            events_max_bytes: 10 << 30,
+            events_max_msg_size: 1 << 20,
             effects_retention: Duration::from_secs(7 * 86_400),
-            job_history: 64,
+            job_history: 8,
+            dlq_max_age: Duration::from_secs(30 * 86_400),
+            dlq_max_msgs: 100_000,
+            dlq_max_bytes: 1 << 30,
         }
     }
 }
@@ -78,15 +114,190 @@ pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> k
     }
 }
 
-/// Creates or updates everything; returns one line per object.
-pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreError> {
+/// Apply the layout, or only report how the server's differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Apply,
+    Check,
+}
+
+/// What setup found (and did) for one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// `stream LH_WORK`, `consumer lh_workers_echo`, `kv lh_jobs`, ...
+    pub object: String,
+    pub state: ChangeState,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChangeState {
+    Unchanged,
+    /// Created (Apply), or missing (Check).
+    Created,
+    /// Field, server's value, wanted value: updated (Apply) or drifted (Check).
+    Updated(Vec<(String, String, String)>),
+}
+
+impl Change {
+    /// One line for an operator: `ok`, `created`/`missing`, `updated`/`drift`.
+    pub fn line(&self, mode: Mode) -> String {
+        match (&self.state, mode) {
+            (ChangeState::Unchanged, _) => format!("ok       {}", self.object),
+            (ChangeState::Created, Mode::Apply) => format!("created  {}", self.object),
+            (ChangeState::Created, Mode::Check) => format!("missing  {}", self.object),
+            (ChangeState::Updated(d), m) => format!(
+                "{}  {}: {}",
+                if m == Mode::Apply {
+                    "updated"
+                } else {
+                    "drift  "
+                },
+                self.object,
+                d.iter()
+                    .map(|(f, from, to)| format!("{f} {from} -> {to}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+
+    pub fn changed(&self) -> bool {
+        self.state != ChangeState::Unchanged
+    }
+}
+
+fn dur(d: Duration) -> String {
+    if d.is_zero() {
+        "none".into()
+    } else {
+        leasehold_core::time::format_duration(d)
+    }
+}
+
+/// A limit as the server shows it; 0 and -1 both mean "none" (the server
+/// stores an unset limit as -1).
+fn num(n: i64) -> String {
+    if n <= 0 {
+        "none".into()
+    } else {
+        n.to_string()
+    }
+}
+
+/// The fields of a stream this setup decides, compared.
+fn stream_drift(cur: &stream::Config, want: &stream::Config) -> Vec<(String, String, String)> {
+    let mut d = Vec::new();
+    let mut check = |f: &str, a: String, b: String| {
+        if a != b {
+            d.push((f.to_string(), a, b));
+        }
+    };
+    let mut subj_cur = cur.subjects.clone();
+    let mut subj_want = want.subjects.clone();
+    subj_cur.sort();
+    subj_want.sort();
+    check("subjects", subj_cur.join(","), subj_want.join(","));
+    check(
+        "replicas",
+        cur.num_replicas.to_string(),
+        want.num_replicas.to_string(),
+    );
+    check("max_age", dur(cur.max_age), dur(want.max_age));
+    check("max_msgs", num(cur.max_messages), num(want.max_messages));
+    check("max_bytes", num(cur.max_bytes), num(want.max_bytes));
+    check(
+        "max_msg_size",
+        num(cur.max_message_size as i64),
+        num(want.max_message_size as i64),
+    );
+    check(
+        "max_msgs_per_subject",
+        num(cur.max_messages_per_subject),
+        num(want.max_messages_per_subject),
+    );
+    check(
+        "discard",
+        format!("{:?}", cur.discard),
+        format!("{:?}", want.discard),
+    );
+    check(
+        "dedupe_window",
+        dur(cur.duplicate_window),
+        dur(want.duplicate_window),
+    );
+    check(
+        "compression",
+        format!(
+            "{:?}",
+            cur.compression.clone().unwrap_or(stream::Compression::None)
+        ),
+        format!(
+            "{:?}",
+            want.compression
+                .clone()
+                .unwrap_or(stream::Compression::None)
+        ),
+    );
+    check(
+        "marker_ttl",
+        dur(cur.subject_delete_marker_ttl.unwrap_or_default()),
+        dur(want.subject_delete_marker_ttl.unwrap_or_default()),
+    );
+    d
+}
+
+/// The stream behind a KV bucket as this setup wants it (the fields it decides).
+fn kv_stream_want(cfg: &kv::Config) -> stream::Config {
+    stream::Config {
+        subjects: vec![format!("$KV.{}.>", cfg.bucket)],
+        num_replicas: cfg.num_replicas.max(1),
+        max_age: cfg.max_age,
+        max_messages: -1,
+        max_bytes: if cfg.max_bytes == 0 {
+            -1
+        } else {
+            cfg.max_bytes
+        },
+        max_message_size: if cfg.max_value_size == 0 {
+            -1
+        } else {
+            cfg.max_value_size
+        },
+        max_messages_per_subject: cfg.history,
+        discard: stream::DiscardPolicy::New,
+        duplicate_window: if cfg.max_age.is_zero() || cfg.max_age > Duration::from_secs(120) {
+            Duration::from_secs(120)
+        } else {
+            cfg.max_age
+        },
+        subject_delete_marker_ttl: cfg.limit_markers,
+        ..Default::default()
+    }
+}
+
+/// Creates or updates everything (or, with [`Mode::Check`], only compares);
+/// returns one [`Change`] per object.
+pub async fn ensure_with(
+    conn: &Conn,
+    o: &SetupOptions,
+    mode: Mode,
+) -> Result<Vec<Change>, StoreError> {
     let l = &conn.layout;
     let js = &conn.js;
     let mut report = Vec::new();
-    let err =
-        |what: &str, e: &dyn std::fmt::Display| StoreError::Nats(format!("setup {what}: {e}"));
+    let err = |what: &str, e: &dyn std::fmt::Display| {
+        let text = e.to_string();
+        if text.contains("10047") {
+            StoreError::Config(format!(
+                "setup {what}: the server's JetStream storage limit (max_file_store) is smaller than the bounds asked for; lower them (--work-max-bytes, --events-max-bytes, --dlq-max-bytes) or raise the server's limit ({text})"
+            ))
+        } else {
+            StoreError::Nats(format!("setup {what}: {text}"))
+        }
+    };
 
-    let work = stream::Config {
+    // Streams, each with its bounds.
+    let mut streams = vec![stream::Config {
         name: l.work_stream(),
         description: Some("leasehold work tickets (one per job until it is terminal)".into()),
         subjects: o.kinds.iter().map(|k| l.submit_subject(k)).collect(),
@@ -94,152 +305,30 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
         storage: stream::StorageType::File,
         num_replicas: o.replicas,
         duplicate_window: o.dedupe_window,
+        max_messages: o.work_max_msgs,
+        max_bytes: o.work_max_bytes,
+        discard: stream::DiscardPolicy::New,
         ..Default::default()
-    };
-    js.create_or_update_stream(work)
-        .await
-        .map_err(|e| err("work stream", &e))?;
-    report.push(format!(
-        "stream {} (subjects {})",
-        l.work_stream(),
-        l.submit_wildcard()
-    ));
-
-    let ws = js
-        .get_stream(l.work_stream())
-        .await
-        .map_err(|e| err("work stream", &e))?;
-    for kind in &o.kinds {
-        let name = l.work_consumer(kind);
-        let cfg = consumer::pull::Config {
-            durable_name: Some(name.clone()),
-            description: Some(format!("leasehold workers of kind {kind}")),
-            filter_subject: l.submit_subject(kind),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ack_wait: o.ack_wait,
-            max_deliver: o.max_deliver,
-            max_ack_pending: 100_000,
-            ..Default::default()
-        };
-        if ws.consumer_info(&name).await.is_ok() {
-            ws.update_consumer(cfg).await.map_err(|e| err(&name, &e))?;
-        } else {
-            ws.create_consumer(cfg).await.map_err(|e| err(&name, &e))?;
-        }
-        report.push(format!(
-            "consumer {name} (ack wait {:?}, max deliver {})",
-            o.ack_wait, o.max_deliver
-        ));
-    }
-
-    js.create_or_update_key_value(kv::Config {
-        bucket: l.jobs_bucket(),
-        description: "leasehold job records (authoritative state)".into(),
-        history: o.job_history,
-        storage: stream::StorageType::File,
-        num_replicas: o.replicas,
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| err("jobs bucket", &e))?;
-    report.push(format!("kv {}", l.jobs_bucket()));
-
-    // Sessions: per-key TTL with markers, so an ended session is an event.
-    // A marker stays a day: long enough for a recoverer to come back.
-    js.create_or_update_key_value(kv::Config {
-        bucket: l.sessions_bucket(),
-        description: "leasehold worker sessions (one key per live worker process)".into(),
-        history: 1,
-        storage: stream::StorageType::File,
-        num_replicas: o.replicas,
-        limit_markers: Some(Duration::from_secs(86_400)),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| err("sessions bucket", &e))?;
-    report.push(format!("kv {}", l.sessions_bucket()));
-    let ss = js
-        .get_stream(format!("KV_{}", l.sessions_bucket()))
-        .await
-        .map_err(|e| err("sessions stream", &e))?;
-    let watch = l.session_watch_consumer();
-    let watch_cfg = consumer::pull::Config {
-        durable_name: Some(watch.clone()),
-        description: Some(
-            "leasehold: ended worker sessions, handled by any worker or reaper".into(),
-        ),
-        filter_subject: format!("$KV.{}.>", l.sessions_bucket()),
-        ack_policy: consumer::AckPolicy::Explicit,
-        // Short: a member that stops (paused, partitioned) while it holds
-        // an end gives it up within seconds; a member working on one
-        // keeps it with progress acks.
-        ack_wait: Duration::from_secs(3),
-        headers_only: true,
-        deliver_policy: consumer::DeliverPolicy::New,
-        max_ack_pending: 10_000,
-        // Every worker and reaper long-polls it.
-        max_waiting: 4096,
-        ..Default::default()
-    };
-    if ss.consumer_info(&watch).await.is_ok() {
-        ss.update_consumer(watch_cfg)
-            .await
-            .map_err(|e| err(&watch, &e))?;
-    } else {
-        ss.create_consumer(watch_cfg)
-            .await
-            .map_err(|e| err(&watch, &e))?;
-    }
-    report.push(format!("consumer {watch} (ended sessions)"));
-
-    js.create_or_update_key_value(kv::Config {
-        bucket: l.active_bucket(),
-        description: "leasehold index of active jobs (running by owner, waiting, parked)".into(),
-        history: 1,
-        storage: stream::StorageType::File,
-        num_replicas: o.replicas,
-        limit_markers: Some(Duration::from_secs(60)),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| err("active index", &e))?;
-    report.push(format!("kv {}", l.active_bucket()));
-
-    js.create_or_update_key_value(effects_config(
-        l.effects_bucket(),
-        o.effects_retention,
-        o.replicas,
-    ))
-    .await
-    .map_err(|e| err("effects bucket", &e))?;
-    report.push(format!("kv {}", l.effects_bucket()));
-
-    if js.get_object_store(l.artifacts_bucket()).await.is_err() {
-        js.create_object_store(object_store::Config {
-            bucket: l.artifacts_bucket(),
-            description: Some("leasehold artifacts (reports)".into()),
-            storage: stream::StorageType::File,
-            num_replicas: o.replicas,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| err("artifacts", &e))?;
-    }
-    report.push(format!("object store {}", l.artifacts_bucket()));
-
-    for (name, subject, age, dedupe, what) in [
+    }];
+    for (name, subject, age, dedupe, msgs, bytes, discard, what) in [
         (
             l.events_stream(),
             l.events_wildcard(),
             o.events_max_age,
             Duration::from_secs(120),
+            -1,
+            o.events_max_bytes,
+            stream::DiscardPolicy::New,
             "job events",
         ),
         (
             l.dlq_stream(),
             l.dlq_wildcard(),
-            Duration::ZERO,
+            o.dlq_max_age,
             Duration::from_secs(3600),
+            o.dlq_max_msgs,
+            o.dlq_max_bytes,
+            stream::DiscardPolicy::Old,
             "dead letters",
         ),
         (
@@ -247,10 +336,13 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
             l.max_deliveries_advisories(),
             Duration::from_secs(7 * 86_400),
             Duration::from_secs(120),
+            100_000,
+            64 << 20,
+            stream::DiscardPolicy::Old,
             "max-deliveries advisories",
         ),
     ] {
-        js.create_or_update_stream(stream::Config {
+        streams.push(stream::Config {
             name: name.clone(),
             description: Some(format!("leasehold {what}")),
             subjects: vec![subject.clone()],
@@ -258,15 +350,271 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
             storage: stream::StorageType::File,
             num_replicas: o.replicas,
             max_age: age,
+            max_messages: msgs,
+            max_bytes: bytes,
+            discard,
             duplicate_window: dedupe,
             allow_direct: true,
+            max_message_size: if name == l.events_stream() {
+                o.events_max_msg_size
+            } else {
+                -1
+            },
+            compression: (name != l.advisory_stream()).then_some(stream::Compression::S2),
             ..Default::default()
-        })
-        .await
-        .map_err(|e| err(&name, &e))?;
-        report.push(format!("stream {name} ({subject})"));
+        });
     }
+    for want in streams {
+        let object = format!("stream {}", want.name);
+        let state = match js.get_stream(&want.name).await {
+            Ok(mut s) => {
+                let cur = s
+                    .info()
+                    .await
+                    .map_err(|e| err(&want.name, &e))?
+                    .config
+                    .clone();
+                let d = stream_drift(&cur, &want);
+                if d.is_empty() {
+                    ChangeState::Unchanged
+                } else {
+                    if mode == Mode::Apply {
+                        js.update_stream(want.clone())
+                            .await
+                            .map_err(|e| err(&want.name, &e))?;
+                    }
+                    ChangeState::Updated(d)
+                }
+            }
+            Err(e) if crate::is_not_found(&e) => {
+                if mode == Mode::Apply {
+                    js.create_stream(want.clone())
+                        .await
+                        .map_err(|e| err(&want.name, &e))?;
+                }
+                ChangeState::Created
+            }
+            Err(e) => return Err(crate::lookup_error(object, &e)),
+        };
+        report.push(Change { object, state });
+    }
+
+    // Consumers: one per kind on the work stream, and the shared watcher of
+    // ended sessions (on the sessions bucket's stream, made below).
+    let mut consumers: Vec<(String, consumer::pull::Config)> = o
+        .kinds
+        .iter()
+        .map(|kind| {
+            let name = l.work_consumer(kind);
+            (
+                l.work_stream(),
+                consumer::pull::Config {
+                    durable_name: Some(name),
+                    description: Some(format!("leasehold workers of kind {kind}")),
+                    filter_subject: l.submit_subject(kind),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    ack_wait: o.ack_wait,
+                    max_deliver: o.max_deliver,
+                    max_ack_pending: 100_000,
+                    max_waiting: o.max_waiting,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+
+    // KV buckets.
+    let buckets = [
+        kv::Config {
+            bucket: l.jobs_bucket(),
+            description: "leasehold job records (authoritative state)".into(),
+            history: o.job_history,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            // Records removed at the end of their retention leave a marker
+            // that expires on its own.
+            limit_markers: Some(Duration::from_secs(3600)),
+            ..Default::default()
+        },
+        // Sessions: per-key TTL with markers, so an ended session is an
+        // event. A marker stays a day: long enough for a recoverer to come back.
+        kv::Config {
+            bucket: l.sessions_bucket(),
+            description: "leasehold worker sessions (one key per live worker process)".into(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            limit_markers: Some(Duration::from_secs(86_400)),
+            ..Default::default()
+        },
+        kv::Config {
+            bucket: l.active_bucket(),
+            description: "leasehold index of active jobs (running by owner, waiting, parked)"
+                .into(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            limit_markers: Some(Duration::from_secs(60)),
+            ..Default::default()
+        },
+        kv::Config {
+            bucket: l.payloads_bucket(),
+            description: "leasehold large job inputs and outputs, beside their small records"
+                .into(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            limit_markers: Some(Duration::from_secs(60)),
+            ..Default::default()
+        },
+        effects_config(l.effects_bucket(), o.effects_retention, o.replicas),
+    ];
+    for cfg in buckets {
+        let object = format!("kv {}", cfg.bucket);
+        let stream_name = format!("KV_{}", cfg.bucket);
+        let want = kv_stream_want(&cfg);
+        let state = match js.get_stream(&stream_name).await {
+            Ok(mut s) => {
+                let cur = s
+                    .info()
+                    .await
+                    .map_err(|e| err(&stream_name, &e))?
+                    .config
+                    .clone();
+                let mut d = stream_drift(&cur, &want);
+                // The bucket's own subjects and dedupe window are the client's business.
+                d.retain(|(f, _, _)| {
+                    f != "subjects" && f != "dedupe_window" && f != "discard" && f != "max_msg_size"
+                });
+                if d.is_empty() {
+                    ChangeState::Unchanged
+                } else {
+                    if mode == Mode::Apply {
+                        js.create_or_update_key_value(cfg.clone())
+                            .await
+                            .map_err(|e| err(&cfg.bucket, &e))?;
+                    }
+                    ChangeState::Updated(d)
+                }
+            }
+            Err(e) if crate::is_not_found(&e) => {
+                if mode == Mode::Apply {
+                    js.create_or_update_key_value(cfg.clone())
+                        .await
+                        .map_err(|e| err(&cfg.bucket, &e))?;
+                }
+                ChangeState::Created
+            }
+            Err(e) => return Err(crate::lookup_error(object, &e)),
+        };
+        report.push(Change { object, state });
+    }
+
+    consumers.push((
+        format!("KV_{}", l.sessions_bucket()),
+        consumer::pull::Config {
+            durable_name: Some(l.session_watch_consumer()),
+            description: Some(
+                "leasehold: ended worker sessions, handled by any worker or reaper".into(),
+            ),
+            filter_subject: format!("$KV.{}.>", l.sessions_bucket()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            // Short: a member that stops (paused, partitioned) while it
+            // holds an end gives it up within seconds; a member working on
+            // one keeps it with progress acks.
+            ack_wait: Duration::from_secs(3),
+            headers_only: true,
+            deliver_policy: consumer::DeliverPolicy::New,
+            max_ack_pending: 10_000,
+            // Every worker and reaper long-polls it.
+            max_waiting: o.max_waiting,
+            ..Default::default()
+        },
+    ));
+    for (stream_name, cfg) in consumers {
+        let name = cfg.durable_name.clone().expect("durable");
+        let object = format!("consumer {name}");
+        let s = match js.get_stream_no_info(&stream_name).await {
+            Ok(s) => s,
+            Err(e) => return Err(crate::lookup_error(format!("stream {stream_name}"), &e)),
+        };
+        let state = match s.consumer_info(&name).await {
+            Ok(info) => {
+                let c = &info.config;
+                let mut d = Vec::new();
+                for (f, a, b) in [
+                    ("ack_wait", dur(c.ack_wait), dur(cfg.ack_wait)),
+                    ("max_deliver", num(c.max_deliver), num(cfg.max_deliver)),
+                    (
+                        "max_ack_pending",
+                        num(c.max_ack_pending),
+                        num(cfg.max_ack_pending),
+                    ),
+                    ("max_waiting", num(c.max_waiting), num(cfg.max_waiting)),
+                    (
+                        "filter_subject",
+                        c.filter_subject.clone(),
+                        cfg.filter_subject.clone(),
+                    ),
+                ] {
+                    if a != b {
+                        d.push((f.to_string(), a, b));
+                    }
+                }
+                if d.is_empty() {
+                    ChangeState::Unchanged
+                } else {
+                    if mode == Mode::Apply {
+                        s.update_consumer(cfg.clone())
+                            .await
+                            .map_err(|e| err(&name, &e))?;
+                    }
+                    ChangeState::Updated(d)
+                }
+            }
+            Err(e) if crate::is_not_found(&e) => {
+                if mode == Mode::Apply {
+                    s.create_consumer(cfg.clone())
+                        .await
+                        .map_err(|e| err(&name, &e))?;
+                }
+                ChangeState::Created
+            }
+            Err(e) => return Err(crate::lookup_error(object, &e)),
+        };
+        report.push(Change { object, state });
+    }
+
+    let object = format!("object store {}", l.artifacts_bucket());
+    let state = match js.get_object_store(l.artifacts_bucket()).await {
+        Ok(_) => ChangeState::Unchanged,
+        Err(e) if crate::is_not_found(&e) => {
+            if mode == Mode::Apply {
+                js.create_object_store(object_store::Config {
+                    bucket: l.artifacts_bucket(),
+                    description: Some("leasehold artifacts (reports)".into()),
+                    storage: stream::StorageType::File,
+                    num_replicas: o.replicas,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| err("artifacts", &e))?;
+            }
+            ChangeState::Created
+        }
+        Err(e) => return Err(crate::lookup_error(object, &e)),
+    };
+    report.push(Change { object, state });
     Ok(report)
+}
+
+/// Creates or updates everything; returns one line per object.
+pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreError> {
+    Ok(ensure_with(conn, o, Mode::Apply)
+        .await?
+        .iter()
+        .map(|c| c.line(Mode::Apply))
+        .collect())
 }
 
 /// Checks that what `kinds` need exists; the error lists exactly what is
@@ -332,6 +680,7 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
         l.effects_bucket(),
         l.sessions_bucket(),
         l.active_bucket(),
+        l.payloads_bucket(),
     ] {
         note(crate::open_kv(conn, &b).await.map(|_| ()))?;
     }

@@ -1,14 +1,41 @@
-//! `leasehold setup`: create the streams, buckets and consumers (idempotent;
-//! run it again after changing an option to update them).
+//! `leasehold setup`: create the streams, buckets and consumers, or bring
+//! an existing layout to the wanted limits (it says what it changed);
+//! `--check` only reports how the server's layout differs.
 
 use std::time::Duration;
 
 use leasehold_core::time::parse_duration;
-use leasehold_store::setup::{self, SetupOptions};
+use leasehold_store::setup::{self, Mode, SetupOptions};
 use leasehold_store::NatsArgs;
+
+/// Sizes like `4GiB`, `512MiB`, `1000000` (bytes).
+fn parse_bytes(s: &str) -> Result<i64, String> {
+    let t = s.trim();
+    let (num, mult) = [
+        ("GiB", 1i64 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+        ("GB", 1_000_000_000),
+        ("MB", 1_000_000),
+        ("KB", 1_000),
+        ("B", 1),
+    ]
+    .iter()
+    .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.trim(), *m)))
+    .unwrap_or((t, 1));
+    num.parse::<i64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{s:?}: write a size like 4GiB, 512MiB or 1000000"))
+}
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// Only compare the server's layout with the wanted one and list the
+    /// differences; change nothing (exit 1 when anything differs).
+    #[arg(long)]
+    check: bool,
     /// Replicas of every stream and bucket (3 on a 3-node cluster).
     #[arg(long, env = "LH_REPLICAS", default_value_t = 1)]
     replicas: usize,
@@ -22,27 +49,63 @@ pub struct Args {
         default_value = "research"
     )]
     kinds: Vec<String>,
-    /// Ack wait of the work consumers: how long a delivered ticket waits
-    /// before redelivery when its worker goes silent.
+    /// Ack wait of the work consumers: how long a ticket delivered to a
+    /// worker that stopped before claiming it waits before redelivery (a
+    /// claimed job's recovery never depends on it).
     #[arg(long, env = "LH_ACK_WAIT", default_value = "30s", value_parser = parse_duration)]
     ack_wait: Duration,
-    /// Deliveries of one ticket before the server gives up on it (the reaper dead-letters it).
+    /// Deliveries of one ticket before the server gives up on it (the reaper
+    /// then dead-letters a waiting job; a running one is never killed for it).
     #[arg(long, env = "LH_MAX_DELIVER", default_value_t = 20)]
     max_deliver: i64,
     /// Dedupe window of submissions by Nats-Msg-Id.
     #[arg(long, env = "LH_DEDUPE_WINDOW", default_value = "1h", value_parser = parse_duration)]
     dedupe_window: Duration,
-    /// How long effects-ledger entries are kept.
+    /// Tickets the work queue holds at most; beyond, submissions are refused
+    /// with "maximum messages exceeded" (nothing is dropped).
+    #[arg(long, env = "LH_WORK_MAX_MSGS", default_value_t = 1_000_000)]
+    work_max_msgs: i64,
+    /// Bytes the work queue holds at most (refused beyond).
+    #[arg(long, env = "LH_WORK_MAX_BYTES", default_value = "2GiB", value_parser = parse_bytes)]
+    work_max_bytes: i64,
+    /// Pull requests waiting on one work consumer (one per idle kind per
+    /// worker process: size it above the fleet).
+    #[arg(long, env = "LH_MAX_WAITING", default_value_t = 4096)]
+    max_waiting: i64,
+    /// How long effects-ledger entries of finished jobs are kept.
     #[arg(long, env = "LH_EFFECTS_RETENTION", default_value = "7d", value_parser = parse_duration)]
     effects_retention: Duration,
-    /// How long job events are kept.
-    #[arg(long, env = "LH_EVENTS_MAX_AGE", default_value = "30d", value_parser = parse_duration)]
+    /// The longest any event is kept (0: until its job's retention ends,
+    /// when the reaper removes it with the record).
+    #[arg(long, env = "LH_EVENTS_MAX_AGE", default_value = "0s", value_parser = parse_duration)]
     events_max_age: Duration,
+    /// Bytes the event stream holds at most: a safety net; beyond, new
+    /// events are refused (jobs wait) rather than running jobs' checkpoints
+    /// dropped.
+    #[arg(long, env = "LH_EVENTS_MAX_BYTES", default_value = "10GiB", value_parser = parse_bytes)]
+    events_max_bytes: i64,
+    /// Revisions kept per job record.
+    #[arg(long, env = "LH_JOB_HISTORY", default_value_t = 8)]
+    job_history: i64,
+    /// Dead letters are kept at most this long...
+    #[arg(long, env = "LH_DLQ_MAX_AGE", default_value = "30d", value_parser = parse_duration)]
+    dlq_max_age: Duration,
+    /// ...at most this many...
+    #[arg(long, env = "LH_DLQ_MAX_MSGS", default_value_t = 100_000)]
+    dlq_max_msgs: i64,
+    /// ...and at most this many bytes (the oldest go first).
+    #[arg(long, env = "LH_DLQ_MAX_BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    dlq_max_bytes: i64,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(a.max_deliver >= 2, "--max-deliver must be at least 2");
     anyhow::ensure!(!a.kinds.is_empty(), "--kinds must name at least one kind");
+    anyhow::ensure!(
+        (1..=64).contains(&a.job_history),
+        "--job-history must be 1 to 64"
+    );
+    anyhow::ensure!(a.work_max_msgs > 0, "--work-max-msgs must be positive");
     let conn = nats.connect("leasehold-cli setup").await?;
     setup::ping(&conn.js).await?;
     let o = SetupOptions {
@@ -51,12 +114,48 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         ack_wait: a.ack_wait,
         max_deliver: a.max_deliver,
         dedupe_window: a.dedupe_window,
+        work_max_msgs: a.work_max_msgs,
+        work_max_bytes: a.work_max_bytes,
+        max_waiting: a.max_waiting,
         events_max_age: a.events_max_age,
+        events_max_bytes: a.events_max_bytes,
         effects_retention: a.effects_retention,
+        job_history: a.job_history,
+        dlq_max_age: a.dlq_max_age,
+        dlq_max_msgs: a.dlq_max_msgs,
+        dlq_max_bytes: a.dlq_max_bytes,
         ..SetupOptions::default()
     };
-    for line in setup::ensure(&conn, &o).await? {
-        println!("ok  {line}");
+    let mode = if a.check { Mode::Check } else { Mode::Apply };
+    let changes = setup::ensure_with(&conn, &o, mode).await?;
+    for c in &changes {
+        println!("{}", c.line(mode));
+    }
+    let changed = changes.iter().filter(|c| c.changed()).count();
+    match mode {
+        Mode::Apply if changed == 0 => eprintln!("the layout was already as wanted"),
+        Mode::Apply => eprintln!("{changed} object(s) created or updated"),
+        Mode::Check if changed == 0 => eprintln!("no drift: the layout is as wanted"),
+        Mode::Check => {
+            eprintln!(
+                "{changed} object(s) differ; `leasehold setup` with the same options applies them"
+            );
+            return Ok(1);
+        }
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_read_with_their_units() {
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
 }

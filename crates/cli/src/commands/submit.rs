@@ -86,15 +86,24 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             .or_else(|| accepted.as_ref().map(|acc| acc.id.clone()));
     let conn = nats.connect("leasehold-cli submit").await?;
     let work = Work::new(&conn);
-    let published = work
+    let published = match work
         .submit(&a.kind, payload.into(), msg_id.as_deref(), ct)
         .await
-        .with_context(|| {
-            format!(
+    {
+        Ok(p) => p,
+        Err(leasehold_store::StoreError::QueueFull(why)) => {
+            eprintln!(
+                "error: the work queue is full ({why}): nothing was submitted; try again when workers have caught up (the limit is `leasehold setup --work-max-msgs/--work-max-bytes`)"
+            );
+            return Ok(75);
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
                 "publishing on {} (is the kind set up? run `leasehold setup --kinds ...`)",
                 conn.layout.submit_subject(&a.kind)
-            )
-        })?;
+            )))
+        }
+    };
     let id = msg_id.unwrap_or_else(|| spec::seq_id(published.seq));
     let jobs = Jobs::open(&conn).await?;
     if published.duplicate {

@@ -471,13 +471,34 @@ impl Attempt {
     /// A new ticket for the job, unless the one this attempt holds can
     /// serve (a hand-back NAKs it back). Published before the record names
     /// it, so a queued record never names a ticket that was not published.
+    /// A full work queue (or NATS away) is waited out: the owner must not
+    /// leave its job without a ticket while its session keeps others away.
     async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
-        self.shared
-            .work
-            .reissue(&self.rec, reason, &self.rec.epoch.to_string())
-            .await
-            .map(|p| p.seq)
-            .map_err(|e| JobsError::Nats(e.to_string()))
+        let mut pause = Duration::from_millis(100);
+        let mut give_up: Option<tokio::time::Instant> = None;
+        loop {
+            match self
+                .shared
+                .work
+                .reissue(&self.rec, reason, &self.rec.epoch.to_string())
+                .await
+            {
+                Ok(p) => return Ok(p.seq),
+                Err(e) if e.is_transient() => {
+                    if self.shared.handoff.is_cancelled() {
+                        let end = *give_up
+                            .get_or_insert(tokio::time::Instant::now() + Duration::from_secs(10));
+                        if tokio::time::Instant::now() >= end {
+                            return Err(JobsError::Nats(e.to_string()));
+                        }
+                    }
+                    tracing::warn!(job = %self.rec.id, error = %e, "cannot publish the job's next ticket yet; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(JobsError::Nats(e.to_string())),
+            }
+        }
     }
 
     async fn hand_back(&self) {

@@ -20,6 +20,7 @@ use super::{claim, Shared};
 pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToken) {
     const MAX_BATCH: usize = 64;
     let mut consumer = None;
+    let mut backoff = Duration::from_millis(50);
     while !shutdown.is_cancelled() {
         if consumer.is_none() {
             match shared.work.consumer(&kind).await {
@@ -44,7 +45,20 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
             .messages()
             .await
         {
-            Ok(batch) => take(&shared, batch, &mut permits, &shutdown).await,
+            Ok(batch) => {
+                let (got, failed) = take(&shared, batch, &mut permits, &shutdown).await;
+                if failed && got == 0 {
+                    // A refused pull (409: the consumer's max waiting pulls
+                    // reached, a leader moving): back off instead of asking
+                    // again at once, doubling up to 2 s.
+                    tracing::debug!(kind, ?backoff, "pull refused; backing off");
+                    tokio::select! { _ = tokio::time::sleep(backoff) => {}, _ = shutdown.cancelled() => break }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+                backoff = Duration::from_millis(50);
+                got
+            }
             Err(e) => {
                 tracing::warn!(kind, error = %e, "pull failed; retrying");
                 consumer = None;
@@ -71,7 +85,7 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
             let Ok(batch) = c.fetch().max_messages(want).messages().await else {
                 break;
             };
-            if take(&shared, batch, &mut permits, &shutdown).await < want {
+            if take(&shared, batch, &mut permits, &shutdown).await.0 < want {
                 break;
             }
         }
@@ -79,16 +93,17 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
 }
 
 /// Dispatches the messages of one pull, one reserved slot each; returns how
-/// many arrived. After shutdown began, tickets are handed back at once.
+/// many arrived and whether the pull ended in an error. After shutdown
+/// began, tickets are handed back at once.
 async fn take(
     shared: &Arc<Shared>,
     mut batch: async_nats::jetstream::consumer::pull::Batch,
     permits: &mut Vec<OwnedSemaphorePermit>,
     shutdown: &CancellationToken,
-) -> usize {
+) -> (usize, bool) {
     let mut n = 0;
     while let Some(m) = batch.next().await {
-        let Ok(msg) = m else { break };
+        let Ok(msg) = m else { return (n, true) };
         n += 1;
         if shutdown.is_cancelled() {
             let _ = msg.ack_with(AckKind::Nak(None)).await;
@@ -99,5 +114,5 @@ async fn take(
             .expect("never more messages than reserved slots");
         tokio::spawn(claim::handle_delivery(shared.clone(), msg, permit));
     }
-    n
+    (n, false)
 }
