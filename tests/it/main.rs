@@ -11,5 +11,6 @@ mod ownership;
 mod promise;
 mod reaper;
 mod research;
+mod retention;
 mod submission;
 mod support;

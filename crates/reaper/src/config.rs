@@ -10,6 +10,8 @@
 //! | `--stranded-grace` | 60s | how long past its due time a waiting job may go unclaimed before its ticket is replaced |
 //! | `--probe-interval` | 500ms | how often every live worker is pinged; a closed connection ends its session at once (0: off, rely on the session timeout) |
 //! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (attempt deadlines only) |
+//! | `--retention` | 7d | how long a finished job (record, events, artifact, effects) is kept after its last write; 0 keeps everything |
+//! | `--retention-kind` | none | per-kind retention, e.g. `echo=1h,research=30d` |
 //!
 //! Plus the NATS variables of every binary (`NATS_URL`, credentials, TLS,
 //! `LH_PREFIX`).
@@ -56,10 +58,31 @@ pub struct Options {
     /// by a worker is trusted as passed only this long after it says.
     #[arg(long, env = "LH_CLOCK_SKEW", default_value = "2s", value_parser = parse_duration)]
     pub clock_skew: Duration,
+    /// How long a finished job is kept after its last write: then its
+    /// events, artifact, effects-ledger entries and record are removed, in
+    /// that order. 0 keeps everything.
+    #[arg(long, env = "LH_RETENTION", default_value = "7d", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// Retention per kind, comma-separated `kind=duration` (e.g.
+    /// `echo=1h,research=30d`); other kinds get --retention.
+    #[arg(long, env = "LH_RETENTION_KIND", value_delimiter = ',', value_parser = parse_kind_retention)]
+    pub retention_kind: Vec<(String, Duration)>,
     /// Serve /healthz, /readyz and /metrics on this address (e.g.
     /// `0.0.0.0:9091`). No HTTP server when unset.
     #[arg(long, env = "LH_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
+}
+
+/// `kind=duration`.
+fn parse_kind_retention(s: &str) -> Result<(String, Duration), String> {
+    let (k, d) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: write kind=duration, e.g. echo=1h"))?;
+    let k = k.trim();
+    if k.is_empty() {
+        return Err(format!("{s:?}: the kind is missing"));
+    }
+    Ok((k.to_string(), parse_duration(d.trim())?))
 }
 
 impl Options {

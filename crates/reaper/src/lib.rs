@@ -12,6 +12,8 @@
 //!   sessions and hung attempts (past their deadline) re-offered; waiting
 //!   jobs whose ticket is gone or stuck given a fresh one; index entries
 //!   that disagree with their record repaired; poison jobs dead-lettered.
+//! - Retention: finished jobs are removed after `--retention` (per kind:
+//!   `--retention-kind`), events first, the record last ([`retention`]).
 //! - Max deliveries: the server's advisories, captured durably by the
 //!   `LH_ADVISORIES` stream; a live job is never killed for them.
 //! - Metrics: [`Metrics`] per sweep, logged, on the [`Handle`], and served on
@@ -26,6 +28,7 @@
 pub mod config;
 pub mod decide;
 pub mod metrics;
+pub mod retention;
 pub mod service;
 
 pub use config::Options;

@@ -99,6 +99,8 @@ pub struct Stats {
     pub index_repairs: AtomicU64,
     /// Waiting jobs whose ticket was lost or stuck, given a fresh one.
     pub tickets_replaced: AtomicU64,
+    /// Finished jobs removed after their retention.
+    pub forgotten: AtomicU64,
 }
 
 impl Stats {
@@ -202,6 +204,8 @@ impl Reaper {
             interval = ?opts.interval,
             stranded_grace = ?opts.stranded_grace,
             probe_interval = ?opts.probe_interval,
+            retention = ?opts.retention,
+            retention_kind = ?opts.retention_kind,
             nats = %opts.nats.url_for_logs(),
             prefix = %opts.nats.prefix,
             "reaper starting"
@@ -301,9 +305,22 @@ async fn run(
         shutdown.clone(),
     ));
     let probe = tokio::spawn(probe_loop(inner.clone(), shutdown.clone()));
+    let retention = match leasehold_store::retention::Retention::open(&inner.conn).await {
+        Ok(r) => tokio::spawn(crate::retention::run(
+            r,
+            crate::retention::classes(&inner.opts),
+            inner.opts.interval,
+            inner.stats.clone(),
+            shutdown.clone(),
+        )),
+        Err(e) => {
+            tracing::error!(error = %e, "retention cannot run; finished jobs are kept");
+            tokio::spawn(async {})
+        }
+    };
     shutdown.cancelled().await;
     tracing::info!(reaper_id = %inner.id, "shutdown: finishing the actions in progress");
-    for t in [sweep, adv, srv, ends, probe] {
+    for t in [sweep, adv, srv, ends, probe, retention] {
         if let Err(e) = t.await {
             tracing::error!(error = %e, "reaper task panicked");
         }

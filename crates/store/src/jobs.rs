@@ -427,7 +427,7 @@ pub async fn cancel(
                     v.value.epoch,
                     "cancelled",
                     None,
-                    json!({"while": "queued"}),
+                    json!({"while": "queued", "kind": v.value.kind}),
                 );
                 let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
             }

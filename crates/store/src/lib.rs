@@ -16,6 +16,7 @@
 //! - [`index`]: the index of active jobs (running by owner, waiting, parked).
 //! - [`recovery`]: re-offering the jobs of ended sessions, dead-lettering,
 //!   shared by workers and reapers.
+//! - [`retention`]: forgetting finished jobs after their retention.
 //!
 //! Lookups tell *missing* from *unavailable*: a stream, bucket or consumer
 //! the server says does not exist is [`StoreError::Missing`] (run `leasehold
@@ -29,6 +30,7 @@ pub mod index;
 pub mod jobs;
 pub mod layout;
 pub mod recovery;
+pub mod retention;
 pub mod sessions;
 pub mod setup;
 pub mod work;

@@ -224,7 +224,7 @@ impl Recovery {
                             r.epoch,
                             "cancelled",
                             None,
-                            json!({"while": "owner_lost", "by": self.actor}),
+                            json!({"while": "owner_lost", "by": self.actor, "kind": r.kind}),
                         );
                         let _ = self
                             .events
@@ -393,7 +393,7 @@ impl Recovery {
             rec.epoch,
             "dead",
             None,
-            json!({"class": class, "reason": reason, "dlq_seq": dlq_seq, "marked_at": rec.error.as_ref().map(|e| e.at.clone()), "by": self.actor}),
+            json!({"class": class, "reason": reason, "dlq_seq": dlq_seq, "marked_at": rec.error.as_ref().map(|e| e.at.clone()), "by": self.actor, "kind": rec.kind}),
         );
         self.events.publish(&ev, Some(&death_id(rec))).await?;
         for k in self.active.keys_of(&rec.id).await? {

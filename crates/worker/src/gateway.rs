@@ -161,7 +161,7 @@ impl Gateway {
                         0,
                         "rejected",
                         None,
-                        json!({"error": message, "code": error.code()}),
+                        json!({"error": message, "code": error.code(), "kind": kind}),
                     );
                     let _ = events
                         .publish(&ev, Some(&format!("{id}:rejected:unknown-kind")))

@@ -100,7 +100,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 v.value.epoch,
                 "failed",
                 None,
-                json!({"class": "review", "message": reason}),
+                json!({"class": "review", "message": reason, "kind": v.value.kind}),
             );
             let _ = events
                 .publish(&ev, Some(&format!("{id}:failed:review:{}", v.revision)))

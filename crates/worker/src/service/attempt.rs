@@ -384,7 +384,13 @@ impl Attempt {
         }
     }
 
-    async fn publish_event(&self, ty: &str, data: Value, dedupe: Option<String>) {
+    async fn publish_event(&self, ty: &str, mut data: Value, dedupe: Option<String>) {
+        // Terminal events name the kind: retention reads them without the record.
+        if let Value::Object(m) = &mut data {
+            if leasehold_store::retention::TERMINAL_EVENTS.contains(&ty) {
+                m.insert("kind".into(), Value::String(self.rec.kind.clone()));
+            }
+        }
         let ev = events::event(
             &self.rec.id,
             self.rec.epoch,

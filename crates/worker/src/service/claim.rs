@@ -388,7 +388,7 @@ async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
         rec.epoch,
         "cancelled",
         Some(&shared.worker_id),
-        json!({"while": "waiting"}),
+        json!({"while": "waiting", "kind": rec.kind}),
     );
     let _ = shared
         .events
@@ -524,7 +524,7 @@ async fn reject(
                     0,
                     "rejected",
                     Some(&shared.worker_id),
-                    json!({"error": message, "code": rej.error.code()}),
+                    json!({"error": message, "code": rej.error.code(), "kind": kind}),
                 );
                 let _ = shared
                     .events

@@ -1,0 +1,267 @@
+//! Retention of finished jobs: what is kept, and how it goes.
+//!
+//! A finished job (completed, failed, cancelled, rejected, dead) is kept for
+//! its retention after its terminal write, then everything of it goes, in
+//! an order that never leaves events without their record: its events, its
+//! artifact, its effects-ledger entries, its large payloads, any index
+//! entry, and the record last (conditioned on the revision read, so a job
+//! replayed meanwhile is left alone). A job id reused afterwards starts
+//! fresh.
+//!
+//! Nothing scans the history to find what is due: the terminal events are
+//! read in stream order, lagging by the retention, from a cursor kept in
+//! the index bucket (`gc.<retention seconds>`), one cursor per retention
+//! class. Every step is idempotent, so replicas may overlap; the cursor is
+//! advanced with a conditioned write.
+
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, consumer, kv};
+use futures::StreamExt;
+use leasehold_core::machine::status_of;
+use leasehold_core::time::parse_rfc3339;
+use leasehold_proto::JobEvent;
+
+use crate::{Conn, Jobs, Layout, StoreError};
+
+/// Event types that end a job.
+pub const TERMINAL_EVENTS: [&str; 5] = ["completed", "failed", "cancelled", "dead", "rejected"];
+
+/// How long removed records' markers stay before they vanish.
+const MARKER_TTL: Duration = Duration::from_secs(3600);
+
+/// What one pass removed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Pass {
+    /// Terminal events read.
+    pub seen: u64,
+    /// Jobs removed.
+    pub forgotten: u64,
+    /// Jobs skipped (replayed since, or of another retention class).
+    pub skipped: u64,
+}
+
+/// The handles retention needs.
+#[derive(Clone)]
+pub struct Retention {
+    js: jetstream::Context,
+    layout: Layout,
+    jobs: Jobs,
+    index: kv::Store,
+}
+
+impl Retention {
+    pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
+        Ok(Retention {
+            js: conn.js.clone(),
+            layout: conn.layout.clone(),
+            jobs: Jobs::open(conn).await?,
+            index: crate::open_kv(conn, &conn.layout.active_bucket()).await?,
+        })
+    }
+
+    /// One pass of the class `retention`: jobs whose kind `belongs` to it
+    /// and whose terminal event is older than `retention` are forgotten, at
+    /// most `max` terminal events read.
+    pub async fn pass<F>(
+        &self,
+        retention: Duration,
+        belongs: F,
+        max: usize,
+    ) -> Result<Pass, StoreError>
+    where
+        F: Fn(&str) -> bool,
+    {
+        let cursor_key = format!("gc.{}", retention.as_secs());
+        let (after, rev) = match self
+            .index
+            .entry(&cursor_key)
+            .await
+            .map_err(|e| StoreError::nats("read retention cursor", e))?
+        {
+            Some(e) if e.operation == kv::Operation::Put => (
+                std::str::from_utf8(&e.value)
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .unwrap_or(0),
+                e.revision,
+            ),
+            Some(e) => (0, e.revision),
+            None => (0, 0),
+        };
+        let stream = self
+            .js
+            .get_stream(self.layout.events_stream())
+            .await
+            .map_err(|e| StoreError::nats("events stream", e))?;
+        let filters: Vec<String> = TERMINAL_EVENTS
+            .iter()
+            .map(|t| format!("{}.events.*.{t}", self.layout.prefix))
+            .collect();
+        let consumer = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subjects: filters,
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: after + 1,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| StoreError::nats("retention scan", e))?;
+        let mut pending = consumer.cached_info().num_pending;
+        let mut pass = Pass::default();
+        let mut last = after;
+        if pending > 0 {
+            let mut msgs = consumer
+                .messages()
+                .await
+                .map_err(|e| StoreError::nats("retention scan", e))?;
+            let now = SystemTime::now();
+            while pending > 0 && (pass.seen as usize) < max {
+                let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
+                let Ok(Some(Ok(m))) = next else {
+                    break;
+                };
+                let Ok(info) = m.info() else { break };
+                pending = info.pending;
+                let published = SystemTime::UNIX_EPOCH
+                    + Duration::from_nanos(info.published.unix_timestamp_nanos().max(0) as u64);
+                if now.duration_since(published).unwrap_or_default() < retention {
+                    // Everything after this one is younger still.
+                    break;
+                }
+                pass.seen += 1;
+                let seq = info.stream_sequence;
+                let ev: JobEvent = serde_json::from_slice(&m.payload).unwrap_or_default();
+                if !ev.job_id.is_empty() {
+                    let kind = ev
+                        .data_map()
+                        .get("kind")
+                        .and_then(|k| k.as_str().map(str::to_string));
+                    match self.forget(&ev.job_id, retention, kind, &belongs).await? {
+                        true => pass.forgotten += 1,
+                        false => pass.skipped += 1,
+                    }
+                }
+                last = seq;
+            }
+        }
+        if last > after {
+            let value = last.to_string().into();
+            let res = if rev == 0 {
+                self.index
+                    .create(&cursor_key, value)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            } else {
+                self.index
+                    .update(&cursor_key, value, rev)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            };
+            if let Err(e) = res {
+                // Another replica moved it: it did (or does) the same work.
+                tracing::debug!(error = %e, "retention cursor moved by someone else");
+            }
+        }
+        Ok(pass)
+    }
+
+    /// Forgets job `id` if it is finished, belongs to the class, and its
+    /// last write is older than `retention`. `true` when it was removed.
+    pub async fn forget<F>(
+        &self,
+        id: &str,
+        retention: Duration,
+        kind: Option<String>,
+        belongs: &F,
+    ) -> Result<bool, StoreError>
+    where
+        F: Fn(&str) -> bool,
+    {
+        if kind.as_deref().is_some_and(|k| !belongs(k)) {
+            return Ok(false);
+        }
+        let cur = match self.jobs.get(id).await {
+            Ok(c) => c,
+            // An unreadable record is left for an operator.
+            Err(crate::JobsError::Corrupt { .. }) => return Ok(false),
+            Err(e) => return Err(StoreError::Nats(e.to_string())),
+        };
+        let Some(cur) = cur else {
+            // No record: whatever is left of the job goes.
+            self.purge_job_data(id, None).await?;
+            return Ok(true);
+        };
+        let rec = &cur.value;
+        if !belongs(&rec.kind) {
+            return Ok(false);
+        }
+        let finished = status_of(rec).is_some_and(|s| s.is_terminal());
+        let age = parse_rfc3339(&rec.updated_at)
+            .and_then(|t| SystemTime::now().duration_since(t).ok())
+            .unwrap_or_default();
+        if !finished || age < retention {
+            // Replayed, or finished again later: a later terminal event
+            // brings it back when that one is due.
+            return Ok(false);
+        }
+        self.purge_job_data(id, rec.result.as_ref().and_then(|r| r.artifact.clone()))
+            .await?;
+        match self
+            .jobs
+            .kv()
+            .purge_expect_revision_with_ttl(id, cur.revision, MARKER_TTL)
+            .await
+        {
+            Ok(()) => Ok(true),
+            Err(e) if crate::server_error_code(&e) == Some(crate::WRONG_LAST_SEQUENCE) => Ok(false),
+            Err(e) => Err(StoreError::nats("remove record", e)),
+        }
+    }
+
+    /// Everything of a job but its record, in order: events first.
+    async fn purge_job_data(&self, id: &str, artifact: Option<String>) -> Result<(), StoreError> {
+        let l = &self.layout;
+        self.purge_subject(&l.events_stream(), l.job_events_filter(id))
+            .await?;
+        if let Some(name) = artifact {
+            if let Ok(store) = self.js.get_object_store(l.artifacts_bucket()).await {
+                if let Err(e) = store.delete(&name).await {
+                    tracing::debug!(job = id, error = %e, "artifact not deleted (gone already?)");
+                }
+            }
+        }
+        for bucket in [l.effects_bucket(), l.payloads_bucket()] {
+            self.purge_subject(&format!("KV_{bucket}"), format!("$KV.{bucket}.{id}.>"))
+                .await?;
+        }
+        for pattern in [
+            format!("run.*.{id}"),
+            format!("wait.{id}"),
+            format!("park.{id}"),
+        ] {
+            self.purge_subject(
+                &format!("KV_{}", l.active_bucket()),
+                format!("$KV.{}.{pattern}", l.active_bucket()),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn purge_subject(&self, stream: &str, filter: String) -> Result<(), StoreError> {
+        let s = self
+            .js
+            .get_stream_no_info(stream)
+            .await
+            .map_err(|e| StoreError::nats("purge", e))?;
+        s.purge()
+            .filter(filter)
+            .await
+            .map(|_| ())
+            .map_err(|e| StoreError::nats("purge", e))
+    }
+}

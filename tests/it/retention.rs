@@ -1,0 +1,150 @@
+//! Retention: finished jobs go after their retention, everything of them in
+//! a safe order; unfinished ones never; a job id can start again.
+
+use std::time::Duration;
+
+use leasehold_reaper::{Options as ReaperOptions, Reaper};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::Env;
+
+async fn reaper(
+    env: &Env,
+    retention: &str,
+    per_kind: &[&str],
+) -> (leasehold_reaper::Handle, CancellationToken) {
+    let mut args = vec!["leasehold-reaper", "--retention", retention];
+    let joined = per_kind.join(",");
+    if !per_kind.is_empty() {
+        args.extend(["--retention-kind", joined.as_str()]);
+    }
+    let mut o = <ReaperOptions as clap::Parser>::parse_from(args);
+    o.nats = leasehold_store::NatsArgs::local(env.url(), &env.prefix);
+    o.interval = Duration::from_millis(300);
+    let stop = CancellationToken::new();
+    (Reaper::new(o).start(stop.clone()).await.unwrap(), stop)
+}
+
+async fn gone(env: &Env, id: &str, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while env.jobs.get(id).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "job {id} was not forgotten"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_start_again() {
+    // A dedupe window shorter than the retention, as in production (1 h
+    // against 7 days): the id may come back once both passed.
+    let env = Env::with(leasehold_store::setup::SetupOptions {
+        ack_wait: crate::support::ACK_WAIT,
+        dedupe_window: Duration::from_secs(1),
+        ..Default::default()
+    })
+    .await;
+    let (w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {"life": 1}}), "ret-1")
+        .await;
+    let done = env
+        .wait_status("ret-1", "completed", Duration::from_secs(10))
+        .await;
+    // An artifact of the job, as the research workload leaves one.
+    let store = env
+        .conn
+        .js
+        .get_object_store(env.conn.layout.artifacts_bucket())
+        .await
+        .unwrap();
+    store
+        .put("ret-1/report.md", &mut "a report".as_bytes())
+        .await
+        .unwrap();
+    let v = env.jobs.get("ret-1").await.unwrap().unwrap();
+    let mut with_artifact = done.clone();
+    with_artifact.result.as_mut().unwrap().artifact = Some("ret-1/report.md".into());
+    env.jobs.update(&with_artifact, v.revision).await.unwrap();
+    // A parked job is unfinished: kept whatever its age.
+    let mut parked = leasehold_core::machine::new_record(
+        "kept-parked",
+        "echo",
+        Default::default(),
+        0,
+        std::time::SystemTime::now() - Duration::from_secs(3600),
+    );
+    parked.status = "parked".into();
+    env.put_indexed(&parked).await;
+    assert!(!env.events_of("ret-1").await.is_empty());
+
+    let r = reaper(&env, "2s", &[]).await;
+    gone(&env, "ret-1", Duration::from_secs(15)).await;
+    assert!(
+        env.events_of("ret-1").await.is_empty(),
+        "events go with (before) the record"
+    );
+    assert!(
+        store.get("ret-1/report.md").await.is_err(),
+        "the artifact goes too"
+    );
+    assert!(
+        env.jobs.get("kept-parked").await.unwrap().is_some(),
+        "unfinished jobs stay"
+    );
+    assert!(
+        r.0.stats
+            .forgotten
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+
+    // The id starts a new life: nothing of the old one is there.
+    env.work
+        .submit(
+            "echo",
+            json!({"input": {"life": 2}}).to_string().into(),
+            Some("ret-1"),
+            None,
+        )
+        .await
+        .unwrap();
+    let again = env
+        .wait_status("ret-1", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(again.epoch, 1);
+    assert_eq!(again.result.unwrap().output, json!({"life": 2}).to_string());
+    assert!(env.events_of("ret-1").await.iter().all(|e| e.epoch <= 1));
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn retention_can_differ_by_kind() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {}}), "short-lived")
+        .await;
+    env.submit("sleep", json!({"input": {"ms": 1}}), "long-lived")
+        .await;
+    env.wait_status("short-lived", "completed", Duration::from_secs(10))
+        .await;
+    env.wait_status("long-lived", "completed", Duration::from_secs(10))
+        .await;
+    let r = reaper(&env, "1h", &["echo=1s"]).await;
+    gone(&env, "short-lived", Duration::from_secs(15)).await;
+    // Several passes later the other kind is still there.
+    let mut m = r.0.metrics_watch();
+    for _ in 0..3 {
+        m.changed().await.unwrap();
+    }
+    assert!(env.jobs.get("long-lived").await.unwrap().is_some());
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
