@@ -176,3 +176,32 @@ async fn cancellation_while_queued_running_and_in_backoff() {
     stop3.cancel();
     w3.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_large_input_and_output_live_beside_a_small_record() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    let big = "x".repeat(200_000);
+    env.submit("echo", json!({"input": {"text": big}}), "big")
+        .await;
+    let done = env
+        .wait_status("big", "completed", Duration::from_secs(10))
+        .await;
+    // The record as read through the store is whole...
+    assert!(done.input_beside && done.output_beside);
+    let v = env.jobs.get("big").await.unwrap().unwrap().value;
+    assert!(v.spec.as_ref().unwrap().input.contains(&big));
+    assert!(v.result.as_ref().unwrap().output.contains(&big));
+    // ...while what every write stores stays small.
+    let raw = env.jobs.kv().get("big").await.unwrap().unwrap();
+    assert!(raw.len() < 4096, "stored record is {} bytes", raw.len());
+    let history = env.jobs.kv().history("big").await.unwrap();
+    let sizes: Vec<usize> = futures::StreamExt::collect::<Vec<_>>(history)
+        .await
+        .into_iter()
+        .map(|e| e.unwrap().value.len())
+        .collect();
+    assert!(sizes.iter().all(|n| *n < 4096), "{sizes:?}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

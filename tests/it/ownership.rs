@@ -457,3 +457,32 @@ async fn a_worker_never_runs_more_jobs_than_its_slots() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn an_event_larger_than_a_nats_message_is_kept_beside_and_read_back_whole() {
+    let env = Env::new().await;
+    let mut f = env
+        .events
+        .claim_marker("big-journal", 1, "a", json!({}))
+        .await
+        .unwrap();
+    // A transcript thread after a long warm retry: 2.5 MiB, past the
+    // server's 1 MiB message limit.
+    let thread: Vec<String> = (0..2500)
+        .map(|i| format!("{i:04}-{}", "m".repeat(1000)))
+        .collect();
+    f.publish("journal", json!({"thread": thread}))
+        .await
+        .unwrap();
+    f.publish("section", json!({"n": 1})).await.unwrap();
+    let evs = env.events_of("big-journal").await;
+    let journal = evs.iter().find(|e| e.r#type == "journal").unwrap();
+    assert_eq!(journal.data_map()["thread"].as_array().unwrap().len(), 2500);
+    assert_eq!(
+        journal.data_map()["thread"][2499].as_str().unwrap(),
+        thread[2499]
+    );
+    // The stored event itself is small; the fence saw it like any other.
+    let mut s = env.conn.js.get_stream("LH_EVENTS").await.unwrap();
+    assert!(s.info().await.unwrap().state.bytes < 64 * 1024);
+}

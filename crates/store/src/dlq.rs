@@ -129,7 +129,80 @@ impl Dlq {
             .map_err(|e| StoreError::nats("DLQ stream", e))
     }
 
-    /// Every dead letter, oldest first.
+    /// One page of dead letters, oldest first, after sequence `after`:
+    /// filtered by kind on the server (its subject), read headers only (the
+    /// payloads stay on the server), at most `limit`. The second value says
+    /// whether more follow.
+    pub async fn page(
+        &self,
+        kind: Option<&str>,
+        class: Option<&str>,
+        after: u64,
+        limit: usize,
+    ) -> Result<(Vec<Letter>, bool), StoreError> {
+        let stream = self.stream().await?;
+        let filter = match kind {
+            Some(k) => self.layout.dlq_subject(&subject_token(k)),
+            None => self.layout.dlq_wildcard(),
+        };
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: filter,
+                headers_only: true,
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: after + 1,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| StoreError::nats("read DLQ", e))?;
+        let mut pending = consumer.cached_info().num_pending;
+        let mut out = Vec::new();
+        if pending == 0 {
+            return Ok((out, false));
+        }
+        let mut msgs = consumer
+            .messages()
+            .await
+            .map_err(|e| StoreError::nats("read DLQ", e))?;
+        while pending > 0 {
+            let Ok(Some(Ok(m))) =
+                tokio::time::timeout(std::time::Duration::from_secs(10), msgs.next()).await
+            else {
+                return Err(StoreError::Nats("reading the DLQ stalled".into()));
+            };
+            let info = m.info().map_err(|e| StoreError::nats("DLQ info", e))?;
+            pending = info.pending;
+            let at = leasehold_core::time::rfc3339(std::time::SystemTime::from(info.published));
+            let l = self.letter(
+                info.stream_sequence,
+                &m.subject,
+                m.headers.clone().unwrap_or_default(),
+                Bytes::new(),
+                at,
+            );
+            if class.is_some_and(|c| c != l.class) {
+                continue;
+            }
+            if out.len() == limit {
+                return Ok((out, true));
+            }
+            out.push(l);
+        }
+        Ok((out, false))
+    }
+
+    /// How many dead letters there are.
+    pub async fn count(&self) -> Result<u64, StoreError> {
+        let mut s = self.stream().await?;
+        Ok(s.info()
+            .await
+            .map_err(|e| StoreError::nats("DLQ info", e))?
+            .state
+            .messages)
+    }
+
+    /// Every dead letter, oldest first, payloads included (tests and small DLQs).
     pub async fn list(&self) -> Result<Vec<Letter>, StoreError> {
         let stream = self.stream().await?;
         let consumer = stream

@@ -31,6 +31,13 @@ use crate::{
 /// The header scoping the expected-last-subject-sequence check to a wildcard (nats-server >= 2.11).
 const EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT: &str = "Nats-Expected-Last-Subject-Sequence-Subject";
 
+/// Event data larger than this is kept beside the event (in the payloads
+/// bucket, in chunks), and the event carries a reference: a transcript
+/// journal after a long warm retry can pass the server's message size.
+pub const EVENT_INLINE_MAX: usize = 256 * 1024;
+/// Size of one chunk of an event's data kept beside it.
+const CHUNK: usize = 512 * 1024;
+
 /// The event stream.
 #[derive(Clone)]
 pub struct Events {
@@ -83,9 +90,68 @@ impl Events {
         )
     }
 
+    /// The event as published: its data beside it when large (written
+    /// first, so a published reference always resolves).
+    async fn prepared(&self, ev: &JobEvent) -> Result<(String, bytes::Bytes), StoreError> {
+        if ev.data.len() <= EVENT_INLINE_MAX {
+            return Ok(self.message(ev));
+        }
+        let kv = self
+            .js
+            .get_key_value(self.layout.payloads_bucket())
+            .await
+            .map_err(|e| StoreError::nats("payloads bucket", e))?;
+        let id = format!("{}.ev.{}", ev.job_id, uuid::Uuid::new_v4().simple());
+        let bytes = ev.data.as_bytes();
+        let chunks = bytes.chunks(CHUNK).count();
+        for (i, c) in bytes.chunks(CHUNK).enumerate() {
+            kv.put(format!("{id}.{i}"), bytes::Bytes::copy_from_slice(c))
+                .await
+                .map_err(|e| StoreError::nats("store event data", e))?;
+        }
+        let mut small = ev.clone();
+        small.data =
+            serde_json::json!({"data_ref": id, "chunks": chunks, "bytes": bytes.len()}).to_string();
+        Ok(self.message(&small))
+    }
+
+    /// Resolves an event whose data was kept beside it.
+    async fn resolved(&self, mut ev: JobEvent) -> Result<JobEvent, StoreError> {
+        let map = ev.data_map();
+        let (Some(id), Some(n)) = (
+            map.get("data_ref").and_then(|v| v.as_str()),
+            map.get("chunks").and_then(|v| v.as_u64()),
+        ) else {
+            return Ok(ev);
+        };
+        let kv = self
+            .js
+            .get_key_value(self.layout.payloads_bucket())
+            .await
+            .map_err(|e| StoreError::nats("payloads bucket", e))?;
+        let mut data = Vec::new();
+        for i in 0..n {
+            match kv
+                .get(format!("{id}.{i}"))
+                .await
+                .map_err(|e| StoreError::nats("read event data", e))?
+            {
+                Some(b) => data.extend_from_slice(&b),
+                None => {
+                    return Err(StoreError::Nats(format!(
+                        "event data {id} of job {} is missing chunk {i}",
+                        ev.job_id
+                    )))
+                }
+            }
+        }
+        ev.data = String::from_utf8_lossy(&data).into_owned();
+        Ok(ev)
+    }
+
     /// Publishes without a fence; `msg_id` deduplicates repeats.
     pub async fn publish(&self, ev: &JobEvent, msg_id: Option<&str>) -> Result<u64, StoreError> {
-        let (subject, payload) = self.message(ev);
+        let (subject, payload) = self.prepared(ev).await?;
         let mut m = PublishMessage::build().payload(payload);
         if let Some(id) = msg_id {
             m = m.message_id(id);
@@ -246,7 +312,7 @@ impl Events {
             let info = m.info().map_err(|e| StoreError::nats("event info", e))?;
             pending = info.pending;
             if let Ok(ev) = serde_json::from_slice::<JobEvent>(&m.payload) {
-                out.push((info.stream_sequence, ev));
+                out.push((info.stream_sequence, self.resolved(ev).await?));
             }
         }
         Ok(out)
@@ -297,7 +363,11 @@ impl Fence {
         ev: &JobEvent,
         msg_id: Option<&str>,
     ) -> Result<u64, FenceError> {
-        let (subject, payload) = self.events.message(ev);
+        let (subject, payload) = self
+            .events
+            .prepared(ev)
+            .await
+            .map_err(|e| FenceError::Nats(e.to_string()))?;
         let filter = self.events.layout.job_events_filter(&self.job_id);
         // A few rounds: each refusal either proves a newer owner (stop) or
         // adopts an informational event's sequence (retry at once).

@@ -74,10 +74,15 @@ impl JobsError {
     }
 }
 
-/// The job-record bucket.
+/// Inputs and outputs larger than this live beside the record (in the
+/// payloads bucket), so the record every owner write rewrites stays small.
+pub const INLINE_MAX: usize = 16 * 1024;
+
+/// The job-record bucket (and the payloads kept beside its records).
 #[derive(Clone)]
 pub struct Jobs {
     kv: kv::Store,
+    payloads: kv::Store,
 }
 
 /// How many times a read-decide-write loop re-reads after conflicts before
@@ -88,7 +93,82 @@ const MAX_CONFLICTS: usize = 32;
 impl Jobs {
     pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
         let kv = crate::open_kv(conn, &conn.layout.jobs_bucket()).await?;
-        Ok(Jobs { kv })
+        let payloads = crate::open_kv(conn, &conn.layout.payloads_bucket()).await?;
+        Ok(Jobs { kv, payloads })
+    }
+
+    /// Moves a large input (and output) of `rec` beside it, once: the
+    /// payload is written, the flag set; `rec` keeps its full values in
+    /// memory (only the stored form leaves them out).
+    pub async fn externalize(&self, rec: &mut JobRecord) -> Result<(), JobsError> {
+        if !rec.input_beside {
+            if let Some(spec) = rec.spec.as_ref().filter(|s| s.input.len() > INLINE_MAX) {
+                let key = format!("{}.input", rec.id);
+                // Create-if-absent: an id reused by another submission must
+                // never replace the input of the job that holds the id.
+                match self.payloads.create(&key, spec.input.clone().into()).await {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+                    Err(e) => {
+                        return Err(JobsError::Nats(format!("store input of {}: {e}", rec.id)))
+                    }
+                }
+                rec.input_beside = true;
+            }
+        }
+        if !rec.output_beside {
+            if let Some(out) = rec.result.as_ref().filter(|r| r.output.len() > INLINE_MAX) {
+                let key = format!("{}.output.{}", rec.id, rec.epoch);
+                self.payloads
+                    .put(&key, out.output.clone().into())
+                    .await
+                    .map_err(|e| JobsError::Nats(format!("store output of {}: {e}", rec.id)))?;
+                rec.output_beside = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills in what [`Jobs::externalize`] moved beside the record.
+    async fn internalize(&self, rec: &mut JobRecord) -> Result<(), JobsError> {
+        let fetch = |key: String| async move {
+            self.payloads
+                .get(&key)
+                .await
+                .map_err(|e| JobsError::Nats(format!("read {key}: {e}")))
+                .map(|v| v.map(|b| String::from_utf8_lossy(&b).into_owned()))
+        };
+        if rec.input_beside {
+            if let Some(spec) = rec.spec.as_mut().filter(|s| s.input.is_empty()) {
+                spec.input = fetch(format!("{}.input", rec.id))
+                    .await?
+                    .unwrap_or_default();
+            }
+        }
+        if rec.output_beside {
+            let key = format!("{}.output.{}", rec.id, rec.epoch);
+            if let Some(res) = rec.result.as_mut().filter(|r| r.output.is_empty()) {
+                res.output = fetch(key).await?.unwrap_or_default();
+            }
+        }
+        Ok(())
+    }
+
+    /// The stored form: large values beside, flags set.
+    async fn stored(&self, rec: &JobRecord) -> Result<Bytes, JobsError> {
+        let mut r = rec.clone();
+        self.externalize(&mut r).await?;
+        if r.input_beside {
+            if let Some(spec) = r.spec.as_mut() {
+                spec.input.clear();
+            }
+        }
+        if r.output_beside {
+            if let Some(res) = r.result.as_mut() {
+                res.output.clear();
+            }
+        }
+        encode(&r)
     }
 
     pub fn kv(&self) -> &kv::Store {
@@ -103,17 +183,23 @@ impl Jobs {
             .await
             .map_err(|e| JobsError::Nats(format!("read job {id}: {e}")))?;
         match entry {
-            Some(e) if e.operation == kv::Operation::Put => Ok(Some(Versioned {
-                value: decode(id, &e.value)?,
-                revision: e.revision,
-            })),
+            Some(e) if e.operation == kv::Operation::Put => {
+                let mut value = decode(id, &e.value)?;
+                if value.input_beside || value.output_beside {
+                    self.internalize(&mut value).await?;
+                }
+                Ok(Some(Versioned {
+                    value,
+                    revision: e.revision,
+                }))
+            }
             _ => Ok(None),
         }
     }
 
     /// Creates the record only if the key is absent.
     pub async fn create(&self, rec: &JobRecord) -> Result<u64, JobsError> {
-        match self.kv.create(&rec.id, encode(rec)).await {
+        match self.kv.create(&rec.id, self.stored(rec).await?).await {
             Ok(rev) => Ok(rev),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
                 Err(JobsError::Exists(rec.id.clone()))
@@ -127,7 +213,11 @@ impl Jobs {
 
     /// Writes `rec` only if the record is still at `expected` revision.
     pub async fn update(&self, rec: &JobRecord, expected: u64) -> Result<u64, JobsError> {
-        match self.kv.update(&rec.id, encode(rec), expected).await {
+        match self
+            .kv
+            .update(&rec.id, self.stored(rec).await?, expected)
+            .await
+        {
             Ok(rev) => Ok(rev),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 Err(JobsError::Conflict(rec.id.clone()))
@@ -265,10 +355,15 @@ pub fn decode(id: &str, bytes: &[u8]) -> Result<JobRecord, JobsError> {
     })
 }
 
-fn encode(rec: &JobRecord) -> Bytes {
+/// The JSON of a record; a record that cannot be written (a result that is
+/// not JSON) is an error, never a panic.
+fn encode(rec: &JobRecord) -> Result<Bytes, JobsError> {
     serde_json::to_vec(rec)
-        .expect("a job record always serializes")
-        .into()
+        .map(Bytes::from)
+        .map_err(|e| JobsError::Corrupt {
+            id: rec.id.clone(),
+            message: format!("the record cannot be written: {e}"),
+        })
 }
 
 /// The door of every owner-side write of one claimed job.

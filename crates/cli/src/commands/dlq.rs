@@ -29,17 +29,24 @@ pub struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
-    /// List dead letters, oldest first (a table, or one JSON object per line).
+    /// List dead letters, oldest first (a table, or one JSON object per
+    /// line), a page at a time; payloads stay on the server (`dlq show`).
     List {
         /// One JSON object per line instead of a table.
         #[arg(long)]
         json: bool,
-        /// Only letters of this kind.
+        /// Only letters of this kind (filtered on the server).
         #[arg(long)]
         kind: Option<String>,
-        /// Only letters of this class (poison, max_deliveries, rejected).
+        /// Only letters of this class (poison, max_deliveries, rejected, id_conflict).
         #[arg(long)]
         class: Option<String>,
+        /// At most this many letters.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Start after this sequence (the last one of the previous page).
+        #[arg(long, default_value_t = 0)]
+        after: u64,
     },
     /// Show one dead letter in full, as JSON.
     Show {
@@ -66,7 +73,13 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli dlq").await?;
     let dlq = Dlq::new(&conn);
     match args.cmd {
-        Cmd::List { json, kind, class } => list(&dlq, json, kind, class).await,
+        Cmd::List {
+            json,
+            kind,
+            class,
+            limit,
+            after,
+        } => list(&dlq, json, kind, class, limit, after).await,
         Cmd::Show { seq } => show(&dlq, seq).await,
         Cmd::Replay { seq, keep } => replay(&conn, &dlq, seq, keep).await,
         Cmd::Purge { yes } => purge(&dlq, yes).await,
@@ -78,14 +91,12 @@ async fn list(
     as_json: bool,
     kind: Option<String>,
     class: Option<String>,
+    limit: usize,
+    after: u64,
 ) -> anyhow::Result<i32> {
-    let letters: Vec<Letter> = dlq
-        .list()
-        .await?
-        .into_iter()
-        .filter(|l| kind.as_ref().is_none_or(|k| &l.kind == k))
-        .filter(|l| class.as_ref().is_none_or(|c| &l.class == c))
-        .collect();
+    let (letters, more): (Vec<Letter>, bool) = dlq
+        .page(kind.as_deref(), class.as_deref(), after, limit)
+        .await?;
     if as_json {
         for l in &letters {
             println!("{}", serde_json::to_string(l)?);
@@ -107,7 +118,14 @@ async fn list(
             );
         }
     }
-    eprintln!("{} dead letter(s)", letters.len());
+    match (more, letters.last()) {
+        (true, Some(last)) => eprintln!(
+            "{} dead letter(s) shown; more follow: add --after {}",
+            letters.len(),
+            last.seq
+        ),
+        _ => eprintln!("{} dead letter(s)", letters.len()),
+    }
     Ok(0)
 }
 
@@ -341,7 +359,7 @@ pub(crate) fn explain(e: JobsError, id: &str) -> anyhow::Error {
 }
 
 async fn purge(dlq: &Dlq, yes: bool) -> anyhow::Result<i32> {
-    let n = dlq.list().await?.len();
+    let n = dlq.count().await?;
     if n == 0 {
         eprintln!("the DLQ is empty");
         println!("{}", json!({"purged": 0}));
