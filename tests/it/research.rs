@@ -544,3 +544,59 @@ async fn research_kill_after_journaled_model_responses() {
     assert_eq!(calls, CLEAN_CALLS + 1, "one model call repeated");
     assert_clean_finish(&lab, &rec, &events).await;
 }
+
+/// No task of an attempt survives it: the checkpoint flusher ends when its
+/// senders are gone, and dropping its handle (an attempt aborted past its
+/// stop timeout drops everything) aborts it.
+#[tokio::test]
+async fn the_checkpoint_flusher_never_outlives_its_attempt() {
+    use leasehold_core::machine::Owner;
+    use leasehold_research::flusher::Flusher;
+    use std::sync::Arc;
+    let env = crate::support::Env::new().await;
+    let owner = Owner {
+        worker_id: "w".into(),
+        claim_token: "t".into(),
+        epoch: 1,
+    };
+    let dead_within = |fence: Arc<tokio::sync::Mutex<leasehold_store::events::Fence>>| async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while Arc::strong_count(&fence) > 1 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the flusher task still holds the fence"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    for drop_handle_first in [true, false] {
+        let fence = Arc::new(tokio::sync::Mutex::new(
+            env.events
+                .claim_marker(&format!("fl-{drop_handle_first}"), 1, "w", json!({}))
+                .await
+                .unwrap(),
+        ));
+        let gate = leasehold_store::Gate::new(env.jobs.clone(), "fl", owner.clone());
+        let (flusher, handle) = Flusher::start(
+            fence.clone(),
+            gate,
+            tokio_util::sync::CancellationToken::new(),
+        );
+        flusher.event("section", json!({"n": 1}));
+        flusher.barrier().await.unwrap();
+        if drop_handle_first {
+            // The attempt's future dropped: the task is aborted even while
+            // a sender (a hook's clone) lingers.
+            let lingering = flusher.clone();
+            drop(handle);
+            drop(flusher);
+            dead_within(fence).await;
+            drop(lingering);
+        } else {
+            // Every sender gone: the task ends by itself.
+            drop(flusher);
+            dead_within(fence).await;
+            drop(handle);
+        }
+    }
+}

@@ -98,6 +98,21 @@ pub struct Flusher {
     pub stats: Arc<FlushStats>,
 }
 
+/// What the flusher's task shares with the senders, without a sender of its
+/// own: once every [`Flusher`] is dropped the channel closes and the task
+/// ends by itself (and [`Flusher::start`]'s handle aborts it when dropped).
+struct Shared {
+    published: Arc<AtomicU64>,
+    lost: Arc<AtomicBool>,
+    stats: Arc<FlushStats>,
+}
+
+impl Shared {
+    fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
 /// The flusher was told ownership is lost.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("ownership lost: checkpoints refused")]
@@ -105,11 +120,14 @@ pub struct Lost;
 
 impl Flusher {
     /// Starts the task. `cancel` is the job's token, fired on lost ownership.
+    /// The task never outlives its attempt: it ends when the last
+    /// [`Flusher`] is dropped, and dropping the returned handle aborts it
+    /// (an attempt aborted past its stop timeout drops both).
     pub fn start(
         fence: Arc<Mutex<Fence>>,
         gate: Gate,
         cancel: CancellationToken,
-    ) -> (Flusher, tokio::task::JoinHandle<()>) {
+    ) -> (Flusher, tokio_util::task::AbortOnDropHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let f = Flusher {
             tx,
@@ -118,8 +136,13 @@ impl Flusher {
             lost: Arc::new(AtomicBool::new(false)),
             stats: Arc::new(FlushStats::default()),
         };
-        let task = tokio::spawn(run(f.clone(), rx, fence, gate, cancel));
-        (f, task)
+        let shared = Shared {
+            published: f.published.clone(),
+            lost: f.lost.clone(),
+            stats: f.stats.clone(),
+        };
+        let task = tokio::spawn(run(shared, rx, fence, gate, cancel));
+        (f, tokio_util::task::AbortOnDropHandle::new(task))
     }
 
     fn push(&self, item: Item) -> u64 {
@@ -185,7 +208,7 @@ fn backoff(attempt: u32) -> Duration {
 }
 
 async fn run(
-    f: Flusher,
+    f: Shared,
     mut rx: mpsc::UnboundedReceiver<(u64, Instant, Item)>,
     fence: Arc<Mutex<Fence>>,
     gate: Gate,
@@ -232,7 +255,7 @@ async fn run(
     }
 }
 
-fn mark_lost(f: &Flusher, cancel: &CancellationToken, why: &str) {
+fn mark_lost(f: &Shared, cancel: &CancellationToken, why: &str) {
     if !f.lost.swap(true, Ordering::SeqCst) {
         tracing::warn!(why, "checkpoint refused: ownership lost, stopping the job");
     }
@@ -240,7 +263,7 @@ fn mark_lost(f: &Flusher, cancel: &CancellationToken, why: &str) {
 }
 
 async fn publish(
-    f: &Flusher,
+    f: &Shared,
     fence: &Mutex<Fence>,
     cancel: &CancellationToken,
     ty: &str,
@@ -266,7 +289,7 @@ async fn publish(
 }
 
 async fn write_progress(
-    f: &Flusher,
+    f: &Shared,
     fence: &Mutex<Fence>,
     gate: &Gate,
     cancel: &CancellationToken,
