@@ -34,7 +34,7 @@ async fn worker_killed_between_in_flight_and_done_reconciles_to_one_effect() {
     env.submit("deliver", json!({"input": args}), "once").await;
     // Wait for the worst moment: the effect is committed at the destination
     // while the ledger still says in_flight (the worker is waiting on the reply).
-    let key = leasehold_tools::idempotency_key("once", "deliver#0", "publish", &args);
+    let key = leasehold_tools::idempotency_key("once", "deliver#0", "publish");
     let effects = env.conn.js.get_key_value("lh_effects").await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
@@ -98,7 +98,7 @@ async fn an_unknowable_outcome_parks_the_job_with_its_reason() {
     let args = json!({"title": "t", "document": "maybe twice"});
     env.submit("deliver", json!({"input": args}), "unsure")
         .await;
-    let key = leasehold_tools::idempotency_key("unsure", "deliver#0", "publish", &args);
+    let key = leasehold_tools::idempotency_key("unsure", "deliver#0", "publish");
     let effects = env.conn.js.get_key_value("lh_effects").await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     while effects.get(&key).await.unwrap().is_none() {

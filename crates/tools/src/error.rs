@@ -54,7 +54,7 @@ pub enum ToolError {
     #[error("unexpected response: {0}")]
     BadResponse(String),
     /// The same idempotency key was used with different arguments (as Stripe does).
-    #[error("idempotency key {key} was first used with different arguments (digest {stored}, now {given})")]
+    #[error("idempotency key {key} was first used with different arguments (digest {stored}, now {given}): a step makes one effect")]
     KeyReuse {
         key: String,
         stored: String,

@@ -1,10 +1,16 @@
 //! Idempotency keys, argument digests and business-key ids.
 //!
-//! The key of a call is the SHA-256 (hex) of
-//! `"{job_id}:{step_id}:{tool}:{canonical_json(args)}"`, where the step id is
-//! stable across retries and resumes of one step (see [`step_id`]). The same
-//! step retried derives the same key; the model calling the same tool again in
-//! a later step derives a different one, which is what business keys are for.
+//! - A write's idempotency key ([`idempotency_key`]) is the SHA-256 (hex) of
+//!   `"{job_id}:{step_id}:{tool}"`: the identity of the effect is the job's
+//!   step, not what the call says. The step id is stable across retries and
+//!   resumes of one step (see [`step_id`]), so a retry whose model re-words
+//!   the call derives the same key; the digest of its canonical arguments
+//!   ([`arg_digest`]) is stored beside the key, and a reuse with another
+//!   digest is refused ([`crate::ToolError::KeyReuse`]), never sent. The
+//!   model calling the same tool again in a later step derives a different
+//!   key, which is what business keys are for.
+//! - A read has no ledger entry; its key ([`read_key`]) also hashes the
+//!   canonical arguments and only labels the call's events.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -54,16 +60,23 @@ fn sha256_hex(s: &str) -> String {
     hex::encode(Sha256::digest(s.as_bytes()))
 }
 
-/// The idempotency key of one call (64 hex characters; a valid KV key).
-pub fn idempotency_key(job_id: &str, step_id: &str, tool: &str, args: &Value) -> String {
+/// The idempotency key of a write: the job, the step and the tool, never
+/// the arguments (64 hex characters; a valid KV key, sent to the destination).
+pub fn idempotency_key(job_id: &str, step_id: &str, tool: &str) -> String {
+    sha256_hex(&format!("{job_id}:{step_id}:{tool}"))
+}
+
+/// The key of a read call: the job, the step, the tool and the canonical
+/// arguments (reads are repeatable; the key only labels events).
+pub fn read_key(job_id: &str, step_id: &str, tool: &str, args: &Value) -> String {
     sha256_hex(&format!(
         "{job_id}:{step_id}:{tool}:{}",
         canonical_json(args)
     ))
 }
 
-/// SHA-256 of the canonical arguments: stored with the key so a reuse of the
-/// key with other arguments is detected.
+/// SHA-256 of the canonical arguments: stored with a write's key, so a
+/// reuse of the key with other arguments is detected.
 pub fn arg_digest(args: &Value) -> String {
     sha256_hex(&canonical_json(args))
 }
@@ -94,23 +107,33 @@ mod tests {
     }
 
     #[test]
-    fn key_ignores_key_order_but_not_values() {
-        let k1 = idempotency_key("j", "s#1", "publish", &json!({"a": 1, "b": 2}));
-        let k2 = idempotency_key("j", "s#1", "publish", &json!({"b": 2, "a": 1}));
-        let k3 = idempotency_key("j", "s#1", "publish", &json!({"a": 1, "b": 3}));
-        let k4 = idempotency_key("j", "s#2", "publish", &json!({"a": 1, "b": 2}));
-        assert_eq!(k1, k2);
-        assert_ne!(k1, k3);
-        assert_ne!(k1, k4);
+    fn a_write_key_is_the_step_not_the_arguments() {
+        let k1 = idempotency_key("j", "s#1", "publish");
+        let k2 = idempotency_key("j", "s#2", "publish");
+        let k3 = idempotency_key("j", "s#1", "notify");
+        let k4 = idempotency_key("k", "s#1", "publish");
+        assert_eq!(k1, sha256_hex("j:s#1:publish"));
         assert_eq!(k1.len(), 64);
+        for other in [k2, k3, k4] {
+            assert_ne!(k1, other);
+        }
+        // What the arguments say is in their digest, kept beside the key.
+        let d1 = arg_digest(&json!({"a": 1, "b": 2}));
+        assert_eq!(d1, arg_digest(&json!({"b": 2, "a": 1})));
+        assert_ne!(d1, arg_digest(&json!({"a": 1, "b": 3})));
     }
 
     #[test]
-    fn key_matches_the_seed_formula() {
+    fn read_keys_ignore_key_order_but_not_values() {
+        let k1 = read_key("j", "s#1", "search", &json!({"a": 1, "b": 2}));
+        let k2 = read_key("j", "s#1", "search", &json!({"b": 2, "a": 1}));
+        let k3 = read_key("j", "s#1", "search", &json!({"a": 1, "b": 3}));
+        assert_eq!(k1, k2);
+        assert_ne!(k1, k3);
         let want = sha256_hex(
             r#"run-7:step-3:create_invoice:{"number":"INV-1042","supplier":"ACME","total":"1150.00"}"#,
         );
-        let got = idempotency_key(
+        let got = read_key(
             "run-7",
             "step-3",
             "create_invoice",

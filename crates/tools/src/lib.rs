@@ -9,8 +9,11 @@
 //! 1. arguments are validated against the schema; an invalid call is an
 //!    [`ToolError::InvalidArgs`] whose [`ToolError::disposition`] says "give
 //!    this back to the model", never a crash;
-//! 2. the idempotency key is derived from (job id, step id, tool name,
-//!    canonical JSON of the arguments) by [`idempotency_key`];
+//! 2. a write's idempotency key is derived from (job id, step id, tool name)
+//!    by [`idempotency_key`], never from the arguments: one step makes one
+//!    effect however its model words the call; the digest of the canonical
+//!    arguments ([`arg_digest`]) is stored beside the key; a read's key
+//!    ([`read_key`]) also hashes the arguments and only labels its events;
 //! 3. reads run with capped exponential backoff and full jitter (this is the
 //!    single retry layer for tools) and return their result so the caller can
 //!    record it with the step;
@@ -23,7 +26,8 @@
 //!    flight; otherwise fail closed with [`ToolError::UncertainEffect`], which
 //!    parks the job); an executor whose epoch is older than the one holding
 //!    an `in_flight` key gets [`ToolError::Superseded`]; the same key with
-//!    other arguments is [`ToolError::KeyReuse`]; a business key already
+//!    other arguments (another digest) is [`ToolError::KeyReuse`], refused
+//!    and never sent, which parks the job; a business key already
 //!    delivered by another step replays that step's result;
 //! 5. every step of that is reported as a [`ToolEvent`] to a [`ToolEvents`]
 //!    sink, which the workflow publishes as `tool` events.
@@ -57,7 +61,7 @@ pub use builtin::search::{SearchConfig, SearchTool};
 pub use error::{Disposition, ToolError};
 pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
 pub use faults::{FaultMode, Faults};
-pub use key::{arg_digest, business_key_id, canonical_json, idempotency_key, step_id};
+pub use key::{arg_digest, business_key_id, canonical_json, idempotency_key, read_key, step_id};
 pub use ledger::{EffectState, EffectsLedger, LedgerEntry};
 pub use netguard::{AllowList, NetGuard};
 pub use tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};

@@ -29,7 +29,7 @@ use crate::builtin::search::{SearchConfig, SearchTool};
 use crate::error::ToolError;
 use crate::events::{ToolEvent, ToolEventKind, ToolEvents};
 use crate::faults::{FaultMode, Faults};
-use crate::key::{arg_digest, business_key_id, idempotency_key};
+use crate::key::{arg_digest, business_key_id, idempotency_key, read_key};
 use crate::ledger::{now_rfc3339, BusinessKeyEntry, EffectState, EffectsLedger, LedgerEntry};
 use crate::schema::ArgSchema;
 use crate::tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
@@ -374,7 +374,17 @@ impl Toolbox {
         args: &Value,
         events: &dyn ToolEvents,
     ) -> Result<ToolOutput, ToolError> {
-        let key = idempotency_key(&ctx.job_id, &ctx.step_id, name, args);
+        let write = self
+            .tools
+            .get(name)
+            .is_some_and(|r| r.tool.spec().kind == ToolKind::Write);
+        // A write is identified by its step; what it says is checked
+        // against the digest stored with the key.
+        let key = if write {
+            idempotency_key(&ctx.job_id, &ctx.step_id, name)
+        } else {
+            read_key(&ctx.job_id, &ctx.step_id, name, args)
+        };
         let rep = Reporter {
             sink: events,
             ctx,

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use leasehold_tools::{
-    idempotency_key, CallCtx, Disposition, EffectState, ExecCtx, FaultMode, LedgerEntry, Outcome,
-    Tool, ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
+    idempotency_key, CallCtx, Disposition, EffectState, ExecCtx, FaultMode, Outcome, Tool,
+    ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
 };
 use serde_json::{json, Value};
 
@@ -25,7 +25,7 @@ async fn timeout_after_commit_then_retry_is_one_effect_with_one_result() {
     let tb = env.toolbox();
     let c = ctx("section-1#3");
     let args = doc(1);
-    let key = idempotency_key("job-1", "section-1#3", "publish", &args);
+    let key = idempotency_key("job-1", "section-1#3", "publish");
 
     tb.faults().fail_next(1, FaultMode::TimeoutAfterCommit);
     let first = tb.call(&c, "publish", &args).await.unwrap_err();
@@ -140,40 +140,44 @@ async fn racing_executors_without_dedupe_never_double_the_effect() {
     assert_eq!(env.sim.count().await, 1);
 }
 
-/// The same key with other arguments is refused (as Stripe does); nothing runs.
+/// A step's key is its job, step and tool: the same step asked again with
+/// other arguments (a warm retry whose model re-worded the call) is refused
+/// with both digests (as Stripe does), never sent.
 #[tokio::test]
-async fn same_key_with_different_arguments_is_refused() {
+async fn the_same_step_with_other_arguments_is_refused() {
     let env = Env::start().await;
     let tb = env.toolbox();
-    let args = doc(6);
-    let key = idempotency_key("job-1", "section-6#1", "publish", &args);
-    // A ledger entry for this key written with other arguments (e.g. by an
-    // older canonicalization): the key no longer identifies these arguments.
-    let other = LedgerEntry {
-        state: EffectState::Done,
-        tool: "publish".into(),
-        arg_digest: "0".repeat(64),
-        job_id: "job-1".into(),
-        step_id: "section-6#1".into(),
-        epoch: 1,
-        at: "2026-11-30T00:00:00Z".into(),
-        result: Some(json!({"id": "eff-x"})),
-        business_key: None,
-        via: None,
+    let c = ctx("section-6#1");
+    let first = tb.call(&c, "publish", &doc(6)).await.unwrap();
+    assert_eq!(first.outcome, Outcome::Executed);
+    assert_eq!(
+        first.key,
+        idempotency_key("job-1", "section-6#1", "publish")
+    );
+    let mut reworded = doc(6);
+    reworded["document"] = json!("# Report 6, put another way");
+    let err = tb.call(&c, "publish", &reworded).await.unwrap_err();
+    let ToolError::KeyReuse { key, stored, given } = &err else {
+        panic!("{err:?}")
     };
-    env.ledger
-        .store()
-        .put(&key, serde_json::to_vec(&other).unwrap().into())
-        .await
-        .unwrap();
-    let err = tb
-        .call(&ctx("section-6#1"), "publish", &args)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, ToolError::KeyReuse { .. }), "{err:?}");
+    assert_eq!(*key, first.key);
+    assert_eq!(*stored, leasehold_tools::arg_digest(&doc(6)));
+    assert_eq!(*given, leasehold_tools::arg_digest(&reworded));
     assert_eq!(err.disposition(), Disposition::Park);
-    assert_eq!(env.events.kinds(), vec![ToolEventKind::Refused]);
-    assert_eq!(env.sim.count().await, 0);
+    assert_eq!(env.events.kinds().last(), Some(&ToolEventKind::Refused));
+    assert_eq!(env.sim.count().await, 1, "nothing sent a second time");
+    // The first arguments still replay.
+    let again = tb.call(&c, "publish", &doc(6)).await.unwrap();
+    assert_eq!(again.outcome, Outcome::Replayed);
+    assert_eq!(again.value, first.value);
+    // So does a key left in flight: other arguments are refused before any
+    // reconciliation or execution.
+    let c2 = ctx("section-6#2");
+    tb.faults().fail_next(1, FaultMode::TimeoutAfterCommit);
+    assert!(tb.call(&c2, "publish", &doc(60)).await.is_err());
+    let err = tb.call(&c2, "publish", &doc(61)).await.unwrap_err();
+    assert!(matches!(err, ToolError::KeyReuse { .. }), "{err:?}");
+    assert_eq!(env.sim.count().await, 2);
 }
 
 /// An empty success body is a failure, not a result; the retry reconciles
@@ -263,10 +267,7 @@ async fn unknowable_outcome_parks_with_the_reason() {
     let ToolError::UncertainEffect { key, reason } = &err else {
         panic!("{err:?}")
     };
-    assert_eq!(
-        *key,
-        idempotency_key("job-1", "section-8#1", "notify", &args)
-    );
+    assert_eq!(*key, idempotency_key("job-1", "section-8#1", "notify"));
     assert!(reason.contains("in flight"), "{reason}");
     assert_eq!(err.disposition(), Disposition::Park);
     assert_eq!(env.events.kinds().last(), Some(&ToolEventKind::Refused));
@@ -284,7 +285,7 @@ async fn unknowable_outcome_parks_with_the_reason() {
     let err = down.call(&c2, "publish", &doc(9)).await.unwrap_err();
     assert!(matches!(err, ToolError::Unreachable(_)), "{err:?}");
     assert_eq!(err.disposition(), Disposition::Retry);
-    let key2 = idempotency_key("job-1", "section-8#2", "publish", &doc(9));
+    let key2 = idempotency_key("job-1", "section-8#2", "publish");
     assert_eq!(
         env.ledger.get(&key2).await.unwrap().unwrap().0.state,
         EffectState::InFlight
@@ -305,7 +306,7 @@ async fn unreachable_destination_leaves_no_in_flight_key() {
     let c = ctx("section-11#1");
     let err = down.call(&c, "publish", &doc(13)).await.unwrap_err();
     assert!(matches!(err, ToolError::Unreachable(_)), "{err:?}");
-    let key = idempotency_key("job-1", "section-11#1", "publish", &doc(13));
+    let key = idempotency_key("job-1", "section-11#1", "publish");
     assert!(env.ledger.get(&key).await.unwrap().is_none());
     let out = env.toolbox().call(&c, "publish", &doc(13)).await.unwrap();
     assert_eq!(out.outcome, Outcome::Executed);
@@ -371,7 +372,7 @@ async fn schema_invalid_arguments_are_a_validation_result() {
     let msg = result["error"]["message"].as_str().unwrap();
     assert!(msg.contains("document") && msg.contains("title"), "{msg}");
     assert_eq!(env.events.kinds(), vec![ToolEventKind::Refused]);
-    let key = idempotency_key("job-1", "section-10#1", "publish", &args);
+    let key = idempotency_key("job-1", "section-10#1", "publish");
     assert!(env.ledger.get(&key).await.unwrap().is_none());
     assert_eq!(env.sim.count().await, 0);
 
