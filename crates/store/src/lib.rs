@@ -16,6 +16,8 @@
 //! - [`index`]: the index of active jobs (running by owner, waiting, parked).
 //! - [`recovery`]: re-offering the jobs of ended sessions, dead-lettering,
 //!   shared by workers and reapers.
+//! - [`effects`]: the effects ledger's bucket below the KV API: writes that
+//!   never expire, and a job's keys found and purged by subject.
 //!
 //! Lookups tell *missing* from *unavailable*: a stream, bucket or consumer
 //! the server says does not exist is [`StoreError::Missing`] (run `leasehold
@@ -24,6 +26,7 @@
 
 pub mod connect;
 pub mod dlq;
+pub mod effects;
 pub mod events;
 pub mod index;
 pub mod jobs;

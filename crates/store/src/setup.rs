@@ -6,7 +6,7 @@
 //! | `lh_workers_<kind>` | durable pull consumer per kind | explicit ack, `ack_wait`, `max_deliver` |
 //! | `lh_jobs` | KV bucket | job records, history kept for audits |
 //! | `LH_EVENTS` | stream, limits | `lh.events.>`, direct get on (fencing reads) |
-//! | `lh_effects` | KV bucket | idempotency ledger, entries expire after the retention |
+//! | `lh_effects` | KV bucket, per-message TTL allowed | idempotency ledger; entries are written with `Nats-TTL: never` and go with their job (`max_age`, the retention, only expires entries written without it) |
 //! | `lh_artifacts` | object store | reports |
 //! | `LH_DLQ` | stream, limits | `lh.dlq.>` |
 //! | `LH_ADVISORIES` | stream, limits | the server's max-deliveries advisories of `LH_WORK`, kept for the reaper |
@@ -39,7 +39,9 @@ pub struct SetupOptions {
     pub dedupe_window: Duration,
     /// How long events are kept (default 30 days).
     pub events_max_age: Duration,
-    /// How long effects-ledger entries are kept (default 7 days).
+    /// The effects bucket's `max_age` (default 7 days). Ledger entries are
+    /// written with `Nats-TTL: never` and outlive it: they are removed with
+    /// their job (`EffectsLedger::purge_job`), never while it may resume.
     pub effects_retention: Duration,
     /// KV history kept per job record (default 64 revisions).
     pub job_history: i64,
@@ -65,7 +67,11 @@ impl Default for SetupOptions {
 }
 
 /// The KV configuration of the effects ledger: only the latest state of a
-/// key matters (history 1), and entries expire after the retention.
+/// key matters (history 1). Per-message TTLs are allowed (`limit_markers`
+/// sets `allow_msg_ttl`), so entries written with `Nats-TTL: never` are
+/// exempt from `max_age` (the retention): a job's entries stay until the
+/// job is purged (see `crate::effects`). Markers of expired or removed keys
+/// stay a day.
 pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> kv::Config {
     kv::Config {
         bucket,
@@ -74,6 +80,7 @@ pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> k
         max_age: retention,
         storage: stream::StorageType::File,
         num_replicas: replicas,
+        limit_markers: Some(Duration::from_secs(86_400)),
         ..Default::default()
     }
 }

@@ -1,4 +1,4 @@
-//! Idempotency keys, argument digests and business-key ids.
+//! Idempotency keys, argument digests, ledger keys and business-key ids.
 //!
 //! - A write's idempotency key ([`idempotency_key`]) is the SHA-256 (hex) of
 //!   `"{job_id}:{step_id}:{tool}"`: the identity of the effect is the job's
@@ -11,6 +11,8 @@
 //!   key, which is what business keys are for.
 //! - A read has no ledger entry; its key ([`read_key`]) also hashes the
 //!   canonical arguments and only labels the call's events.
+//! - The ledger stores a write under `<job_id>.<key>` ([`ledger_key`]) and a
+//!   business key under `bk/<sha256(tool:business_key)>` ([`business_key_id`]).
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -61,7 +63,7 @@ fn sha256_hex(s: &str) -> String {
 }
 
 /// The idempotency key of a write: the job, the step and the tool, never
-/// the arguments (64 hex characters; a valid KV key, sent to the destination).
+/// the arguments (64 hex characters; sent to the destination).
 pub fn idempotency_key(job_id: &str, step_id: &str, tool: &str) -> String {
     sha256_hex(&format!("{job_id}:{step_id}:{tool}"))
 }
@@ -81,9 +83,34 @@ pub fn arg_digest(args: &Value) -> String {
     sha256_hex(&canonical_json(args))
 }
 
-/// The ledger key of a business key: `bk.<sha256(tool:business_key)>`.
+/// Where the ledger keeps the effect `key` of job `job_id`:
+/// `<job_id>.<key>`, so every key of a job shares its first token.
+pub fn ledger_key(job_id: &str, key: &str) -> String {
+    format!("{job_id}.{key}")
+}
+
+/// The ledger key of a business key: `bk/<sha256(tool:business_key)>`.
+/// Business keys are cross-job; no job id contains `/`, so no job's keys
+/// (`<job_id>.…`) share this first token.
 pub fn business_key_id(tool: &str, business_key: &str) -> String {
-    format!("bk.{}", sha256_hex(&format!("{tool}:{business_key}")))
+    format!("bk/{}", sha256_hex(&format!("{tool}:{business_key}")))
+}
+
+/// A job id can prefix ledger keys when it is one subject token of
+/// `[A-Za-z0-9_=-]` (what submissions accept).
+pub(crate) fn check_job_id(job_id: &str) -> Result<(), String> {
+    let ok = !job_id.is_empty()
+        && job_id.len() <= 128
+        && job_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "job id `{job_id}` cannot key the effects ledger: use 1 to 128 letters, digits, `-`, `_` or `=`"
+        ))
+    }
 }
 
 /// A step id that is stable across retries and resumes: the section the call
@@ -140,5 +167,19 @@ mod tests {
             &json!({"supplier": "ACME", "number": "INV-1042", "total": "1150.00"}),
         );
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn ledger_keys_of_a_job_share_its_token_and_business_keys_share_none() {
+        let k = idempotency_key("job-1", "publish#0", "publish");
+        assert_eq!(ledger_key("job-1", &k), format!("job-1.{k}"));
+        let bk = business_key_id("publish", "job-1:abc");
+        assert!(bk.starts_with("bk/") && !bk.contains('.'), "{bk}");
+        assert!(check_job_id("bk").is_ok());
+        assert_ne!(bk.split('.').next(), Some("bk"));
+        for bad in ["", "a.b", "a b", "bk/x", "a>b", "*"] {
+            assert!(check_job_id(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_job_id("Job_1=-x").is_ok());
     }
 }

@@ -41,6 +41,11 @@
 //! `LH_PUBLISH_URL`, `LH_PUBLISH_DEDUPES`, `LH_TOOL_FAULTS`; see the
 //! `toolbox` module's table.
 //!
+//! Ledger keys are `<job_id>.<key>`, written with `Nats-TTL: never`: they
+//! outlive the bucket's retention for as long as the job exists, and
+//! [`EffectsLedger::purge_job`] removes a terminal job's entries (see the
+//! `ledger` module).
+//!
 //! Architecture Invariant: a write tool's `execute` is only ever called after
 //! this process created or took over the key's `in_flight` entry.
 
@@ -61,8 +66,10 @@ pub use builtin::search::{SearchConfig, SearchTool};
 pub use error::{Disposition, ToolError};
 pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
 pub use faults::{FaultMode, Faults};
-pub use key::{arg_digest, business_key_id, canonical_json, idempotency_key, read_key, step_id};
-pub use ledger::{EffectState, EffectsLedger, LedgerEntry};
+pub use key::{
+    arg_digest, business_key_id, canonical_json, idempotency_key, ledger_key, read_key, step_id,
+};
+pub use ledger::{EffectState, EffectsLedger, LedgerEntry, Purged};
 pub use netguard::{AllowList, NetGuard};
 pub use tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
 pub use toolbox::{

@@ -29,7 +29,7 @@ use crate::builtin::search::{SearchConfig, SearchTool};
 use crate::error::ToolError;
 use crate::events::{ToolEvent, ToolEventKind, ToolEvents};
 use crate::faults::{FaultMode, Faults};
-use crate::key::{arg_digest, business_key_id, idempotency_key, read_key};
+use crate::key::{arg_digest, business_key_id, check_job_id, idempotency_key, read_key};
 use crate::ledger::{now_rfc3339, BusinessKeyEntry, EffectState, EffectsLedger, LedgerEntry};
 use crate::schema::ArgSchema;
 use crate::tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
@@ -578,13 +578,22 @@ impl Toolbox {
             rep.refused(&e);
             return Err(e);
         };
+        if let Err(message) = check_job_id(&ctx.job_id) {
+            let e = ToolError::InvalidArgs {
+                tool: tool.spec().name.clone(),
+                message,
+            };
+            rep.refused(&e);
+            return Err(e);
+        }
+        let job = ctx.job_id.as_str();
         let digest = arg_digest(args);
         let bk = tool.business_key(&ctx.job_id, args);
         // Each turn reads the key and acts on its state; a lost conditional
         // write means someone else moved it, so read again. The bound only
         // stops a livelock.
         for _ in 0..16 {
-            let step = match ledger.get(key).await? {
+            let step = match ledger.get(job, key).await? {
                 Some((e, _)) if e.state == EffectState::Void => {
                     let err = ToolError::Superseded {
                         key: key.to_string(),
@@ -631,7 +640,7 @@ impl Toolbox {
                         None => {
                             let entry =
                                 self.entry(ctx, tool, EffectState::InFlight, &digest, bk.as_ref());
-                            match ledger.create(key, &entry).await? {
+                            match ledger.create(job, key, &entry).await? {
                                 // Another executor created it first: read its state.
                                 None => Step::Again,
                                 Some(rev) => Step::Return(
@@ -694,7 +703,7 @@ impl Toolbox {
                     at: now_rfc3339(),
                     ..entry
                 };
-                match ledger.update(key, &done, rev).await {
+                match ledger.update(&ctx.job_id, key, &done, rev).await {
                     Ok(Some(_)) => {}
                     // The effect happened, so the result is returned either
                     // way; whoever holds the key now reconciles it at the
@@ -714,7 +723,7 @@ impl Toolbox {
                 // taken-over one still stands for the earlier attempt.
                 if outcome == Outcome::Executed && e.certainly_not_committed() {
                     // Nothing left this process: free the key for a clean retry.
-                    if let Err(we) = ledger.withdraw(key, rev).await {
+                    if let Err(we) = ledger.withdraw(&ctx.job_id, key, rev).await {
                         tracing::warn!(%key, error = %we, "could not withdraw in_flight");
                     }
                 }
@@ -770,7 +779,7 @@ impl Toolbox {
                     at: now_rfc3339(),
                     ..entry
                 };
-                if ledger.update(key, &done, rev).await?.is_none() {
+                if ledger.update(&ctx.job_id, key, &done, rev).await?.is_none() {
                     return Ok(Step::Again);
                 }
                 rep.emit(
@@ -796,7 +805,7 @@ impl Toolbox {
                     at: now_rfc3339(),
                     ..entry
                 };
-                let Some(new_rev) = ledger.update(key, &mine, rev).await? else {
+                let Some(new_rev) = ledger.update(&ctx.job_id, key, &mine, rev).await? else {
                     return Ok(Step::Again);
                 };
                 rep.emit(
@@ -871,16 +880,17 @@ impl Toolbox {
             at: now_rfc3339(),
         };
         let Some((owner, bk_rev)) = ledger.get_bk(&bk_id).await? else {
-            return Ok(match ledger.create(&bk_id, &mine).await? {
+            return Ok(match ledger.create_bk(&bk_id, &mine).await? {
                 Some(_) => None,
                 None => Some(Step::Again),
             });
         };
-        if owner.effect_key == key {
+        if owner.effect_key == key && owner.job_id == ctx.job_id {
             return Ok(None);
         }
-        let other = owner.effect_key;
-        match ledger.get(&other).await? {
+        // The owning effect's key lives under its own job.
+        let (other_job, other) = (owner.job_id, owner.effect_key);
+        match ledger.get(&other_job, &other).await? {
             Some((e, _)) if e.state == EffectState::Done => {
                 // Record this step's key as done too, so its retries replay
                 // directly; losing that race to a copy of ourselves is fine.
@@ -890,7 +900,7 @@ impl Toolbox {
                     via: Some("business_key".into()),
                     ..self.entry(ctx, tool, EffectState::Done, digest, Some(&bk.to_string()))
                 };
-                ledger.create(key, &done).await?;
+                ledger.create(&ctx.job_id, key, &done).await?;
                 rep.emit(
                     ToolEventKind::Replayed,
                     Some(true),
@@ -920,7 +930,11 @@ impl Toolbox {
                             at: now_rfc3339(),
                             ..e
                         };
-                        if ledger.update(&other, &other_done, rev).await?.is_none() {
+                        if ledger
+                            .update(&other_job, &other, &other_done, rev)
+                            .await?
+                            .is_none()
+                        {
                             return Ok(Some(Step::Again));
                         }
                         rep.emit(
@@ -961,22 +975,25 @@ impl Toolbox {
                     state: EffectState::Void,
                     tool: name.clone(),
                     arg_digest: String::new(),
-                    job_id: ctx.job_id.clone(),
+                    job_id: other_job.clone(),
                     step_id: String::new(),
                     epoch: ctx.epoch,
                     at: now_rfc3339(),
                     result: None,
                     business_key: Some(bk.to_string()),
-                    via: Some(format!("business key taken over by key {key}")),
+                    via: Some(format!(
+                        "business key taken over by key {key} of job {}",
+                        ctx.job_id
+                    )),
                 };
-                if let Some((cur, _)) = ledger.get(&other).await? {
+                if let Some((cur, _)) = ledger.get(&other_job, &other).await? {
                     if cur.state != EffectState::Void {
                         return Ok(Some(Step::Again));
                     }
-                } else if ledger.create(&other, &void).await?.is_none() {
+                } else if ledger.create(&other_job, &other, &void).await?.is_none() {
                     return Ok(Some(Step::Again));
                 }
-                Ok(match ledger.update(&bk_id, &mine, bk_rev).await? {
+                Ok(match ledger.update_bk(&bk_id, &mine, bk_rev).await? {
                     Some(_) => None,
                     None => Some(Step::Again),
                 })

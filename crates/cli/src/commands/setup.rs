@@ -30,7 +30,8 @@ pub struct Args {
     /// Dedupe window of submissions by Nats-Msg-Id.
     #[arg(long, env = "LH_DEDUPE_WINDOW", default_value = "1h", value_parser = parse_duration)]
     dedupe_window: Duration,
-    /// How long effects-ledger entries are kept.
+    /// The effects bucket's max age. Ledger entries of jobs never expire by it
+    /// (written with Nats-TTL: never); they are removed with their job.
     #[arg(long, env = "LH_EFFECTS_RETENTION", default_value = "7d", value_parser = parse_duration)]
     effects_retention: Duration,
     /// How long job events are kept.

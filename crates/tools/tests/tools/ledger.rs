@@ -31,7 +31,7 @@ async fn timeout_after_commit_then_retry_is_one_effect_with_one_result() {
     let first = tb.call(&c, "publish", &args).await.unwrap_err();
     assert!(matches!(first, ToolError::Timeout(_)), "{first:?}");
     assert_eq!(first.disposition(), Disposition::Retry);
-    let (entry, _) = env.ledger.get(&key).await.unwrap().unwrap();
+    let (entry, _) = env.ledger.get("job-1", &key).await.unwrap().unwrap();
     assert_eq!(entry.state, EffectState::InFlight);
 
     let second = tb.call(&c, "publish", &args).await.unwrap();
@@ -287,7 +287,13 @@ async fn unknowable_outcome_parks_with_the_reason() {
     assert_eq!(err.disposition(), Disposition::Retry);
     let key2 = idempotency_key("job-1", "section-8#2", "publish");
     assert_eq!(
-        env.ledger.get(&key2).await.unwrap().unwrap().0.state,
+        env.ledger
+            .get("job-1", &key2)
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+            .state,
         EffectState::InFlight
     );
     let out = tb.call(&c2, "publish", &doc(9)).await.unwrap();
@@ -307,7 +313,7 @@ async fn unreachable_destination_leaves_no_in_flight_key() {
     let err = down.call(&c, "publish", &doc(13)).await.unwrap_err();
     assert!(matches!(err, ToolError::Unreachable(_)), "{err:?}");
     let key = idempotency_key("job-1", "section-11#1", "publish");
-    assert!(env.ledger.get(&key).await.unwrap().is_none());
+    assert!(env.ledger.get("job-1", &key).await.unwrap().is_none());
     let out = env.toolbox().call(&c, "publish", &doc(13)).await.unwrap();
     assert_eq!(out.outcome, Outcome::Executed);
     assert_eq!(env.sim.count().await, 1);
@@ -373,7 +379,7 @@ async fn schema_invalid_arguments_are_a_validation_result() {
     assert!(msg.contains("document") && msg.contains("title"), "{msg}");
     assert_eq!(env.events.kinds(), vec![ToolEventKind::Refused]);
     let key = idempotency_key("job-1", "section-10#1", "publish");
-    assert!(env.ledger.get(&key).await.unwrap().is_none());
+    assert!(env.ledger.get("job-1", &key).await.unwrap().is_none());
     assert_eq!(env.sim.count().await, 0);
 
     let err = tb
@@ -513,7 +519,13 @@ async fn a_business_key_whose_owner_never_ran_is_taken_over() {
         .unwrap();
     assert_eq!(out.outcome, Outcome::Executed);
     assert_eq!(
-        env.ledger.get(&stale_key).await.unwrap().unwrap().0.state,
+        env.ledger
+            .get("job-1", &stale_key)
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+            .state,
         EffectState::Void
     );
     assert_eq!(env.sim.count().await, 1);
@@ -547,4 +559,100 @@ async fn a_stale_epoch_cannot_take_over_a_newer_in_flight_key() {
         Outcome::Replayed
     );
     assert_eq!(env.sim.count().await, 1);
+}
+
+/// nats-server honours `Nats-TTL: never` over the stream's `max_age`: the
+/// ledger's entries outlive the bucket's retention, an entry written
+/// without it does not.
+#[tokio::test]
+async fn ledger_entries_outlive_the_buckets_retention() {
+    let env = Env::start().await;
+    let kv = env
+        .js
+        .create_key_value(leasehold_store::setup::effects_config(
+            "lh_effects_short".into(),
+            Duration::from_secs(1),
+            1,
+        ))
+        .await
+        .unwrap();
+    let ledger = leasehold_tools::EffectsLedger::new(env.js.clone(), kv.clone());
+    let tb = Toolbox::builtin(&env.config(), Some(ledger.clone()), env.events.clone()).unwrap();
+    let c = ctx("publish#0");
+    let first = tb.call(&c, "publish", &doc(17)).await.unwrap();
+    kv.put("probe", "plain".into()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while kv.get("probe").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "max_age never expired the probe"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (entry, _) = ledger.get("job-1", &first.key).await.unwrap().unwrap();
+    assert_eq!(entry.state, EffectState::Done);
+    let again = tb.call(&c, "publish", &doc(17)).await.unwrap();
+    assert_eq!(again.outcome, Outcome::Replayed);
+    assert_eq!(env.sim.count().await, 1);
+}
+
+/// `purge_job` removes one job's entries and the business keys its effects
+/// own, and nothing of any other job.
+#[tokio::test]
+async fn purging_a_job_removes_its_entries_and_its_business_keys_only() {
+    let env = Env::start().await;
+    let tb = env.toolbox();
+    let publish = tb.tool("publish").unwrap().clone();
+    // Job "bk": a job id that looks like the old business-key prefix.
+    for job in ["job-a", "job-b", "bk"] {
+        for step in ["s#1", "s#2"] {
+            tb.call(
+                &CallCtx::new(job, step, 1),
+                "publish",
+                &doc(step.len() as u32 + job.len() as u32),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    let bk_of = |job: &str| {
+        leasehold_tools::business_key_id(
+            "publish",
+            &publish
+                .business_key(job, &doc(3 + job.len() as u32))
+                .unwrap(),
+        )
+    };
+    for job in ["job-a", "job-b", "bk"] {
+        assert!(env.ledger.store().get(bk_of(job)).await.unwrap().is_some());
+    }
+    let purged = env.ledger.purge_job("job-a").await.unwrap();
+    assert_eq!(purged.entries, 2);
+    // Both steps published the same document: one business key, owned by s#1.
+    assert_eq!(purged.business_keys, 1);
+    assert!(env
+        .ledger
+        .store()
+        .get(bk_of("job-a"))
+        .await
+        .unwrap()
+        .is_none());
+    for step in ["s#1", "s#2"] {
+        let a = idempotency_key("job-a", step, "publish");
+        assert!(env.ledger.get("job-a", &a).await.unwrap().is_none());
+        let b = idempotency_key("job-b", step, "publish");
+        assert!(env.ledger.get("job-b", &b).await.unwrap().is_some());
+    }
+    env.ledger.purge_job("bk").await.unwrap();
+    assert!(env
+        .ledger
+        .store()
+        .get(bk_of("job-b"))
+        .await
+        .unwrap()
+        .is_some());
+    // Idempotent, and a bad job id is refused rather than matching others.
+    assert_eq!(env.ledger.purge_job("job-a").await.unwrap().entries, 0);
+    assert!(env.ledger.purge_job("job-*").await.is_err());
+    assert!(env.ledger.purge_job("a.b").await.is_err());
 }
