@@ -28,7 +28,11 @@
 //!    an `in_flight` key gets [`ToolError::Superseded`]; the same key with
 //!    other arguments (another digest) is [`ToolError::KeyReuse`], refused
 //!    and never sent, which parks the job; a business key already
-//!    delivered by another step replays that step's result;
+//!    delivered by another step replays that step's result; right before
+//!    the effect runs, the call's [`EffectGuard`] (a worker's
+//!    [`OwnerGuard`]: a fenced write of the job's record) proves the caller
+//!    still owns the job, and a refusal ([`ToolError::OwnershipLost`],
+//!    [`Disposition::Stop`]) stops the call with nothing sent;
 //! 5. every step of that is reported as a [`ToolEvent`] to a [`ToolEvents`]
 //!    sink, which the workflow publishes as `tool` events.
 //!
@@ -47,12 +51,14 @@
 //! `ledger` module).
 //!
 //! Architecture Invariant: a write tool's `execute` is only ever called after
-//! this process created or took over the key's `in_flight` entry.
+//! this process created or took over the key's `in_flight` entry, and after
+//! the call's guard (when it has one) proved ownership.
 
 mod builtin;
 mod error;
 mod events;
 mod faults;
+mod guard;
 mod key;
 mod ledger;
 mod netguard;
@@ -66,6 +72,7 @@ pub use builtin::search::{SearchConfig, SearchTool};
 pub use error::{Disposition, ToolError};
 pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
 pub use faults::{FaultMode, Faults};
+pub use guard::{EffectGuard, OwnerGuard};
 pub use key::{
     arg_digest, business_key_id, canonical_json, idempotency_key, ledger_key, read_key, step_id,
 };

@@ -1,8 +1,10 @@
 //! The registry of tools and the one way every call runs.
 //!
 //! [`Toolbox::call`] validates the arguments, derives the idempotency key
-//! and then runs reads with backoff and writes through the effects ledger;
-//! see the crate docs for the protocol.
+//! and then runs reads with backoff and writes through the effects ledger,
+//! each write's effect only after the call's [`EffectGuard`] (if any)
+//! proved the caller still owns the job; see the crate docs for the
+//! protocol.
 //!
 //! Configuration ([`ToolboxConfig::from_env`]):
 //!
@@ -29,6 +31,7 @@ use crate::builtin::search::{SearchConfig, SearchTool};
 use crate::error::ToolError;
 use crate::events::{ToolEvent, ToolEventKind, ToolEvents};
 use crate::faults::{FaultMode, Faults};
+use crate::guard::EffectGuard;
 use crate::key::{arg_digest, business_key_id, check_job_id, idempotency_key, read_key};
 use crate::ledger::{now_rfc3339, BusinessKeyEntry, EffectState, EffectsLedger, LedgerEntry};
 use crate::schema::ArgSchema;
@@ -163,13 +166,17 @@ impl ToolboxConfig {
 
 /// Which call this is: the key is derived from these, so they must be the
 /// same on every retry and resume of the step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct CallCtx {
     pub job_id: String,
     /// Stable across retries/resumes: section id plus call ordinal ([`crate::step_id`]).
     pub step_id: String,
     /// The caller's claim epoch, recorded in the ledger.
     pub epoch: u64,
+    /// Proves, right before a write's effect, that the caller still owns
+    /// the job (workers pass their gate's [`crate::OwnerGuard`]); `None`
+    /// for callers that own nothing (`leasehold tool call`).
+    pub guard: Option<Arc<dyn EffectGuard>>,
 }
 
 impl CallCtx {
@@ -178,7 +185,25 @@ impl CallCtx {
             job_id: job_id.into(),
             step_id: step_id.into(),
             epoch,
+            guard: None,
         }
+    }
+
+    /// The same call, its write effects guarded by `guard`.
+    pub fn guarded(mut self, guard: Arc<dyn EffectGuard>) -> Self {
+        self.guard = Some(guard);
+        self
+    }
+}
+
+impl std::fmt::Debug for CallCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallCtx")
+            .field("job_id", &self.job_id)
+            .field("step_id", &self.step_id)
+            .field("epoch", &self.epoch)
+            .field("guarded", &self.guard.is_some())
+            .finish()
     }
 }
 
@@ -638,6 +663,7 @@ impl Toolbox {
                     match bk_step {
                         Some(step) => step,
                         None => {
+                            self.prove_owner(ctx, rep).await?;
                             let entry =
                                 self.entry(ctx, tool, EffectState::InFlight, &digest, bk.as_ref());
                             match ledger.create(job, key, &entry).await? {
@@ -738,6 +764,18 @@ impl Toolbox {
         }
     }
 
+    /// Proves, with the call's guard, that the caller still owns the job:
+    /// the last step before a write's effect (only the `in_flight` record or
+    /// its takeover comes between them). Done before anything is recorded,
+    /// so a refusal, or a caller dropped while it waits for its proof,
+    /// leaves nothing to reconcile.
+    async fn prove_owner(&self, ctx: &CallCtx, rep: &Reporter<'_>) -> Result<(), ToolError> {
+        let Some(guard) = &ctx.guard else {
+            return Ok(());
+        };
+        guard.prove().await.inspect_err(|e| rep.refused(e))
+    }
+
     /// An `in_flight` key: an earlier attempt may or may not have had its
     /// effect. Ask the destination; never guess.
     #[allow(clippy::too_many_arguments)]
@@ -800,6 +838,7 @@ impl Toolbox {
                 // Take the key over (conditioned on the revision we read, so
                 // of two reconcilers only one runs), then run again with the
                 // same key: the destination drops it if the first one lands.
+                self.prove_owner(ctx, rep).await?;
                 let mine = LedgerEntry {
                     epoch: ctx.epoch,
                     at: now_rfc3339(),

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use leasehold_tools::{
-    idempotency_key, CallCtx, Disposition, EffectState, ExecCtx, FaultMode, Outcome, Tool,
-    ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
+    idempotency_key, CallCtx, Disposition, EffectGuard, EffectState, ExecCtx, FaultMode, Outcome,
+    Tool, ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
 };
 use serde_json::{json, Value};
 
@@ -558,6 +558,37 @@ async fn a_stale_epoch_cannot_take_over_a_newer_in_flight_key() {
         tb.call(&stale, "publish", &args).await.unwrap().outcome,
         Outcome::Replayed
     );
+    assert_eq!(env.sim.count().await, 1);
+}
+
+/// A guard that refuses: the caller lost the job to a newer owner.
+struct Refuse;
+
+impl EffectGuard for Refuse {
+    fn prove(&self) -> BoxFuture<'_, Result<(), ToolError>> {
+        Box::pin(async { Err(ToolError::OwnershipLost("job is running at epoch 2".into())) })
+    }
+}
+
+/// A write whose guard refuses ownership stops before its effect: nothing
+/// is sent, nothing is recorded, and the next owner runs it.
+#[tokio::test]
+async fn a_refused_ownership_proof_stops_the_write_before_its_effect() {
+    let env = Env::start().await;
+    let tb = env.toolbox();
+    let stale = CallCtx::new("job-1", "publish#0", 1).guarded(Arc::new(Refuse));
+    let err = tb.call(&stale, "publish", &doc(16)).await.unwrap_err();
+    assert!(matches!(err, ToolError::OwnershipLost(_)), "{err:?}");
+    assert_eq!(err.disposition(), Disposition::Stop);
+    assert_eq!(env.sim.count().await, 0, "nothing sent");
+    assert!(!env.events.kinds().contains(&ToolEventKind::Started));
+    let key = idempotency_key("job-1", "publish#0", "publish");
+    assert!(env.ledger.get("job-1", &key).await.unwrap().is_none());
+    let out = tb
+        .call(&CallCtx::new("job-1", "publish#0", 2), "publish", &doc(16))
+        .await
+        .unwrap();
+    assert_eq!(out.outcome, Outcome::Executed);
     assert_eq!(env.sim.count().await, 1);
 }
 
