@@ -449,3 +449,56 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
     assert_eq!(code, 0);
     assert!(err.contains("already as wanted"), "{err}");
 }
+
+#[tokio::test]
+async fn tool_call_of_one_step_with_other_arguments_is_refused() {
+    // A write's identity is its job, step and tool: a warm retry whose model
+    // re-words the call must not make a second effect.
+    let env = Env::new().await;
+    let (_sim, base) = crate::support::spawn_sim(&[]).await;
+    let tool_env = [
+        ("NATS_URL", env.url()),
+        ("LH_PUBLISH_URL", format!("{base}/effects")),
+    ];
+    let call = |args: &'static str| {
+        [
+            "tool",
+            "call",
+            "publish",
+            "--args",
+            args,
+            "--job",
+            "j-reworded",
+            "--step",
+            "publish#0",
+        ]
+    };
+    let (code, _, err) = cli_with(
+        &call(r#"{"title":"Report","document":"the first wording"}"#),
+        &tool_env,
+        "",
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = cli_with(
+        &call(r#"{"title":"Report","document":"the same report, worded again"}"#),
+        &tool_env,
+        "",
+    )
+    .await;
+    let count: serde_json::Value = reqwest::get(format!("{base}/effects/count"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        count["count"], 1,
+        "no second effect; second call said: {out}{err}"
+    );
+    assert_ne!(code, 0, "the reuse is refused: {out}{err}");
+    assert!(
+        err.contains("key_reuse") && err.contains("different arguments"),
+        "a clear error: {err}"
+    );
+}

@@ -600,3 +600,94 @@ async fn the_checkpoint_flusher_never_outlives_its_attempt() {
         }
     }
 }
+
+#[tokio::test]
+async fn research_paused_owner_neither_overwrites_the_artifact_nor_delivers_again() {
+    // A stalls (network and process) in the middle of its artifact upload,
+    // after its last checkpoint: B finishes the job, then A wakes up.
+    let lab = Lab::new(&[]).await;
+    let id = "r-paused";
+    let bucket = lab.env.conn.layout.artifacts_bucket();
+    let proxy = leasehold_harness::FaultProxy::start(&lab.env.url()).await;
+    let hold = proxy.hold(&format!("$O.{bucket}.C.>"));
+    let a_url = proxy.url();
+    let a = lab.worker(&[("NATS_URL", a_url.as_str())]);
+    lab.submit(id).await;
+    tokio::time::timeout(Duration::from_secs(40), hold.triggered())
+        .await
+        .unwrap_or_else(|_| panic!("A never uploaded its artifact:\n{}", a.output()));
+    a.stop();
+    // A's session ends while it is stopped; B's worker recovers the job.
+    let _b = lab.worker(&[]);
+    let rec = lab.completed(id).await;
+    assert_eq!(rec.epoch, 2, "finished by B after a re-offer");
+    proxy.release_all();
+    a.cont();
+    // A's upload goes on, then it meets a newer owner at its next write.
+    wait_log(&a, "ownership lost", Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        lab.deliveries().await,
+        1,
+        "one delivery; A's log:\n{}",
+        a.output()
+    );
+    let doc = lab.artifact(&rec).await;
+    assert_eq!(
+        rec.result.as_ref().unwrap().digest.as_deref(),
+        Some(sha256_hex(&doc).as_str()),
+        "the stored artifact is the one the record names (A did not overwrite it)"
+    );
+    let now = lab.env.jobs.get(id).await.unwrap().unwrap().value;
+    assert_eq!(now.status, "completed");
+    assert_eq!(now.epoch, 2);
+    let events = lab.env.events_of(id).await;
+    assert_eq!(
+        events.iter().filter(|e| e.r#type == "completed").count(),
+        1,
+        "completed once"
+    );
+    // Nothing of A's stayed behind in the artifacts bucket: B's chunks and
+    // B's meta only.
+    let mut s = lab
+        .env
+        .conn
+        .js
+        .get_stream(format!("OBJ_{bucket}"))
+        .await
+        .unwrap();
+    let info = s.info().await.unwrap();
+    let obj = lab
+        .env
+        .conn
+        .js
+        .get_object_store(&bucket)
+        .await
+        .unwrap()
+        .info(format!("{id}/report.md"))
+        .await
+        .unwrap();
+    assert_eq!(
+        info.state.messages,
+        obj.chunks as u64 + 1,
+        "A's orphan chunks were cleaned up"
+    );
+    // A's other late writes were refused too: none of its events landed
+    // after B's claim, and its record writes met the new owner.
+    let marker = events
+        .iter()
+        .position(|e| e.r#type == "claimed" && e.epoch == 2)
+        .unwrap();
+    let stale: Vec<_> = events[marker..]
+        .iter()
+        .filter(|e| e.epoch == 1 && e.r#type != "heartbeat_lost")
+        .map(|e| e.r#type.clone())
+        .collect();
+    assert!(stale.is_empty(), "stale owner's events landed: {stale:?}");
+    // Which way A's upload ended depends on what it saw first on waking: the
+    // refusal of its meta (it adopts B's artifact) or its chunk's ack timeout.
+    eprintln!(
+        "paused owner: adopted the stored artifact: {}",
+        a.output().contains("adopting the stored one")
+    );
+}

@@ -408,3 +408,26 @@ async fn a_full_work_queue_refuses_with_a_clear_error_and_loses_nothing() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn leaseholds_own_tickets_get_the_streams_ack_never_the_gateways_answer() {
+    // A re-issued ticket whose spec the gateway would refuse (here: no input)
+    // is published by leasehold itself, which waits for the stream's ack on
+    // the same inbox: the gateway must stay silent, or its answer races the
+    // ack (a quarter of the time, before this was fixed).
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    for i in 0..40 {
+        let rec = leasehold_core::machine::new_record(
+            &format!("own-{i}"),
+            "echo",
+            Default::default(),
+            0,
+            std::time::SystemTime::now(),
+        );
+        let p = env.work.reissue(&rec, "test", "1").await;
+        assert!(p.is_ok(), "attempt {i}: {p:?}");
+    }
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -237,3 +237,19 @@ pub async fn spawn_sim(extra: &[(&'static str, String)]) -> (Proc, String) {
         .to_string();
     (p, format!("http://{addr}"))
 }
+
+/// Runs the `leasehold` CLI against `url` without blocking the test's
+/// runtime; returns the exit code, stdout and stderr.
+pub async fn cli(url: &str, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(leasehold_harness::bin_path("leasehold"))
+        .args(args)
+        .env("NATS_URL", url)
+        .output()
+        .await
+        .expect("run leasehold");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

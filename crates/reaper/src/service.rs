@@ -305,7 +305,7 @@ async fn run(
         shutdown.clone(),
     ));
     let probe = tokio::spawn(probe_loop(inner.clone(), shutdown.clone()));
-    let retention = match leasehold_store::retention::Retention::open(&inner.conn).await {
+    let retention = match open_retention(&inner.conn).await {
         Ok(r) => tokio::spawn(crate::retention::run(
             r,
             crate::retention::classes(&inner.opts),
@@ -329,6 +329,26 @@ async fn run(
     let _ = inner.conn.client.flush().await;
     tracing::info!(reaper_id = %inner.id, "reaper stopped");
     Ok(())
+}
+
+/// Retention, with the effects ledger's own purge (its business keys too).
+async fn open_retention(conn: &Conn) -> Result<leasehold_store::retention::Retention, String> {
+    let r = leasehold_store::retention::Retention::open(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ledger = leasehold_tools::EffectsLedger::open(&conn.js, &conn.layout.effects_bucket())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(r.with_effects(Arc::new(move |job: String| {
+        let ledger = ledger.clone();
+        Box::pin(async move {
+            ledger
+                .purge_job(&job)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+    })))
 }
 
 async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {

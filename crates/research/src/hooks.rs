@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use leasehold_model::agent::{ToolExecutor, ToolOutcome, TranscriptHook};
 use leasehold_model::{RetryReport, RetryReporter};
-use leasehold_tools::{CallCtx, Disposition, ToolEvent, ToolEvents, Toolbox};
+use leasehold_tools::{CallCtx, Disposition, EffectGuard, ToolEvent, ToolEvents, Toolbox};
 use leasehold_transcript::{Message, Thread};
 use serde_json::{json, Value};
 
@@ -103,6 +103,8 @@ pub struct SectionTools {
     /// Stable section id (`e<expert>.s<index>`), the prefix of step ids.
     pub section: String,
     pub offered: Vec<&'static str>,
+    /// Proves ownership before any write effect (reads never ask it).
+    pub guard: Arc<dyn EffectGuard>,
 }
 
 impl ToolExecutor for SectionTools {
@@ -136,7 +138,8 @@ impl ToolExecutor for SectionTools {
                 &self.job_id,
                 format!("{}/{call_id}", self.section),
                 self.epoch,
-            );
+            )
+            .guarded(self.guard.clone());
             match self.toolbox.call(&ctx, name, args).await {
                 Ok(out) => ToolOutcome::Ok(match out.value {
                     Value::String(s) => s,
@@ -147,7 +150,10 @@ impl ToolExecutor for SectionTools {
                         ToolOutcome::Error(e.to_tool_result().to_string())
                     }
                     Disposition::Park => ToolOutcome::Uncertain(e.to_string()),
-                    Disposition::Retry | Disposition::Fail => ToolOutcome::Failed(e.to_string()),
+                    // Ownership lost (`Stop`): the worker cancels the attempt.
+                    Disposition::Retry | Disposition::Fail | Disposition::Stop => {
+                        ToolOutcome::Failed(e.to_string())
+                    }
                 },
             }
         })

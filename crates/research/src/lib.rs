@@ -10,10 +10,14 @@
 //! - In-flight sections continue from their journaled transcript (repaired
 //!   by the section runner's sanitizer), so recorded model responses are not
 //!   asked again and recorded tool results are not run again.
-//! - Terminal publication is idempotent: the artifact is written once under
-//!   the job id (an existing one is reused), the delivery goes through the
-//!   `publish` tool's idempotency key and effects ledger, and the result
-//!   carries the artifact's digest.
+//! - Terminal publication is idempotent: the artifact is created once under
+//!   the job id, never overwritten (an existing one, whichever attempt made
+//!   it, is adopted); the delivery goes through the `publish` tool, whose
+//!   idempotency key is the job's publish step (not the document) in the
+//!   effects ledger, so another attempt's different document is refused and
+//!   parks the job instead of being sent; ownership is proven with a fenced
+//!   write right before the artifact write and before the delivery; and the
+//!   result carries the artifact's digest.
 //!
 //! Architecture invariant: this crate never writes a job's status; the
 //! worker's runner does, through the gate, from the returned outcome.
@@ -28,7 +32,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use async_nats::jetstream::object_store::ObjectMetadata;
 use futures::StreamExt;
 use leasehold_core::machine::check_owner;
 use leasehold_core::JobRecord;
@@ -41,9 +44,12 @@ use leasehold_model::{
     ModelConfig, PriceTable, RunContext,
 };
 use leasehold_proto::{JobResult, Versions};
+use leasehold_store::artifacts::{Artifacts, NewArtifact, Written};
 use leasehold_store::events::{Events, Fence};
 use leasehold_store::{Conn, Gate};
-use leasehold_tools::{CallCtx, Disposition, EffectsLedger, Toolbox, ToolboxConfig};
+use leasehold_tools::{
+    CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, Toolbox, ToolboxConfig,
+};
 use leasehold_transcript::{Message, Thread};
 use serde_json::{json, Value};
 use tokio::io::AsyncReadExt;
@@ -345,6 +351,9 @@ struct Job<'a> {
     fp: String,
     flusher: Flusher,
     toolbox: Arc<Toolbox>,
+    /// Proves this attempt still owns the job (a fenced write) right before
+    /// each write effect: the artifact and every write tool call.
+    owner: Arc<OwnerGuard>,
     generator: Arc<Generator>,
     budget: Arc<StdMutex<Budget>>,
     crash: Arc<Crash>,
@@ -472,6 +481,7 @@ impl<'a> Job<'a> {
             fp,
             flusher,
             toolbox: Arc::new(toolbox),
+            owner: Arc::new(OwnerGuard::new(ctx.gate.clone())),
             generator,
             budget: Arc::new(StdMutex::new(budget)),
             crash,
@@ -721,6 +731,7 @@ impl<'a> Job<'a> {
                             epoch: self.ctx.epoch,
                             section: format!("e{e}.s{i}"),
                             offered: vec!["search", "fetch"],
+                            guard: self.owner.clone(),
                         });
                         let hook = Arc::new(Journal {
                             flusher: self.flusher.clone(),
@@ -912,15 +923,6 @@ impl<'a> Job<'a> {
         r
     }
 
-    async fn artifacts(&self) -> Result<async_nats::jetstream::object_store::ObjectStore, Stop> {
-        self.ctx
-            .conn
-            .js
-            .get_object_store(self.ctx.conn.layout.artifacts_bucket())
-            .await
-            .map_err(|e| Stop::Err(ResearchError::retryable(e.to_string())))
-    }
-
     fn artifact_name(&self) -> String {
         format!("{}/report.md", self.ctx.job_id)
     }
@@ -932,9 +934,11 @@ impl<'a> Job<'a> {
     async fn stored_artifact(&self) -> Result<Option<Artifact>, Stop> {
         let retryable =
             |e: &dyn std::fmt::Display| Stop::Err(ResearchError::retryable(e.to_string()));
-        let store = self.artifacts().await?;
+        let artifacts = Artifacts::open(&self.ctx.conn)
+            .await
+            .map_err(|e| retryable(&e))?;
         let name = self.artifact_name();
-        match store.get(&name).await {
+        match artifacts.store().get(&name).await {
             Ok(mut obj) => {
                 let mut doc = String::new();
                 obj.read_to_string(&mut doc)
@@ -994,7 +998,7 @@ impl<'a> Job<'a> {
         };
         // The result's facts travel with the document, so a later attempt
         // can deliver and complete from the artifact alone.
-        let meta = ObjectMetadata {
+        let new = NewArtifact {
             name: art.name.clone(),
             description: Some(format!("research report of job {}", self.ctx.job_id)),
             metadata: [
@@ -1003,15 +1007,45 @@ impl<'a> Job<'a> {
                 (META_SKIPPED.to_string(), json!(art.skipped).to_string()),
             ]
             .into(),
-            ..Default::default()
         };
-        self.artifacts()
-            .await?
-            .put(meta, &mut art.doc.as_bytes())
+        // Still the owner, proven by a write. The create below is
+        // conditional anyway: an owner that pauses after this proof can
+        // still never overwrite another attempt's document.
+        self.prove_owner().await?;
+        let retryable =
+            |e: &dyn std::fmt::Display| Stop::Err(ResearchError::retryable(e.to_string()));
+        let written = Artifacts::open(&self.ctx.conn)
             .await
-            .map_err(|e| Stop::Err(ResearchError::retryable(e.to_string())))?;
-        self.crash.at(CrashPoint::AfterArtifact);
-        Ok(art)
+            .map_err(|e| retryable(&e))?
+            .create(new, art.doc.as_bytes())
+            .await
+            .map_err(|e| retryable(&e))?;
+        match written {
+            Written::Created(_) => {
+                self.crash.at(CrashPoint::AfterArtifact);
+                Ok(art)
+            }
+            Written::Existing(info) => {
+                // Another attempt stored the job's document first: it is the
+                // job's document, and this one is dropped.
+                tracing::warn!(job = %self.ctx.job_id, nuid = %info.nuid, "artifact already stored by another attempt: not overwritten, adopting the stored one");
+                self.stored_artifact()
+                    .await?
+                    .ok_or_else(|| retryable(&"the stored artifact could not be read back"))
+            }
+        }
+    }
+
+    /// Proves ownership with a fenced write of the record, right before a
+    /// write effect; lost ownership stops the attempt.
+    async fn prove_owner(&self) -> Result<(), Stop> {
+        self.owner.prove_now().await.map_err(|e| match e {
+            ToolError::OwnershipLost(_) => {
+                tracing::warn!(job = %self.ctx.job_id, error = %e, "ownership lost before a write effect; stopping");
+                Stop::Err(ResearchError::cancelled())
+            }
+            e => Stop::Err(ResearchError::retryable(e.to_string())),
+        })
     }
 
     /// The delivery (once, by its key) and the result.
@@ -1023,11 +1057,14 @@ impl<'a> Job<'a> {
         );
         self.progress(Resume::Publish);
         self.cancelled()?;
+        // The delivery's identity is the job's publish step: an attempt with
+        // another document is refused (and parks), never sent.
         let call = CallCtx::new(
             &self.ctx.job_id,
             leasehold_tools::step_id("publish", 0),
             self.ctx.epoch,
-        );
+        )
+        .guarded(self.owner.clone());
         let title = if art.title.is_empty() {
             self.input.topic.clone()
         } else {
@@ -1039,9 +1076,16 @@ impl<'a> Job<'a> {
             Err(e) => {
                 return Err(match e.disposition() {
                     Disposition::Retry => Stop::Err(ResearchError::retryable(e.to_string())),
+                    Disposition::Stop => {
+                        tracing::warn!(job = %self.ctx.job_id, error = %e, "delivery refused: ownership lost");
+                        Stop::Err(ResearchError::cancelled())
+                    }
                     Disposition::Park => Stop::Park {
                         reason: e.class().into(),
-                        message: format!("delivery of {}: {e}", art.name),
+                        message: format!(
+                            "delivery of {} (document digest {digest}): {e}",
+                            art.name
+                        ),
                     },
                     _ => Stop::Err(ResearchError::terminal(format!("delivery: {e}"))),
                 })

@@ -6,7 +6,9 @@
 //!   `201` with its result (`{"id","key","seq","status":"delivered","at"}`);
 //!   the same key again answers `200` with the first result and the header
 //!   `Idempotent-Replayed: true`, recording nothing. Without a key every POST
-//!   is a new effect.
+//!   is a new effect. With `LH_SIM_EFFECTS_DEDUPE=false` the sink plays a
+//!   destination that ignores the key: every POST is a new effect (the key
+//!   still finds its first one).
 //! - `GET /effects/<key>`: the stored result of that key, or `404`.
 //! - `GET /effects`: every recorded effect as a JSON array of
 //!   `{id, seq, key, body, at}` in order.
@@ -26,6 +28,7 @@
 //! | `commit_twice` | without a key, records the effect twice (a duplicated delivery) |
 //! | `error_5xx` | answers `503` without recording |
 //! | `commit_then_5xx` | records the effect, answers `500` |
+//! | `commit_late` | holds the request for `LH_SIM_EFFECTS_HANG`, then records the effect and answers, even if the caller went away meanwhile (a request stuck on the way that lands later) |
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -48,6 +51,7 @@ enum Fault {
     CommitTwice,
     Error5xx,
     CommitThen5xx,
+    CommitLate,
 }
 
 impl Fault {
@@ -59,6 +63,7 @@ impl Fault {
             "commit_twice" => Fault::CommitTwice,
             "error_5xx" => Fault::Error5xx,
             "commit_then_5xx" => Fault::CommitThen5xx,
+            "commit_late" => Fault::CommitLate,
             _ => return None,
         })
     }
@@ -85,6 +90,8 @@ struct Inner {
 struct Sink {
     inner: Arc<Mutex<Inner>>,
     hang: Duration,
+    /// Whether a key already seen replays instead of recording again.
+    dedupe: bool,
 }
 
 /// The routes of the effects sink.
@@ -111,9 +118,18 @@ pub fn router(_args: &crate::Args) -> anyhow::Result<Router> {
             .map_err(|e| anyhow::anyhow!("LH_SIM_EFFECTS_HANG: {e}"))?,
         Err(_) => Duration::from_secs(30),
     };
+    let dedupe = match std::env::var("LH_SIM_EFFECTS_DEDUPE") {
+        Ok(v) => match v.trim() {
+            "1" | "true" | "yes" | "" => true,
+            "0" | "false" | "no" => false,
+            other => anyhow::bail!("LH_SIM_EFFECTS_DEDUPE: `{other}` is not true/false"),
+        },
+        Err(_) => true,
+    };
     let sink = Sink {
         inner: Arc::new(Mutex::new(inner)),
         hang,
+        dedupe,
     };
     Ok(Router::new()
         .route("/effects", post(post_effect).get(list_effects))
@@ -145,7 +161,9 @@ impl Sink {
         let mut inner = self.inner.lock().expect("sink lock");
         if let Some(k) = key {
             if let Some(&i) = inner.by_key.get(k) {
-                return (inner.effects[i].result.clone(), true);
+                if self.dedupe {
+                    return (inner.effects[i].result.clone(), true);
+                }
             }
         }
         let copies = if twice && key.is_none() { 2 } else { 1 };
@@ -169,7 +187,7 @@ impl Sink {
             });
             if let Some(k) = key {
                 let idx = inner.effects.len() - 1;
-                inner.by_key.insert(k.to_string(), idx);
+                inner.by_key.entry(k.to_string()).or_insert(idx);
             }
         }
         (result, false)
@@ -204,6 +222,19 @@ async fn post_effect(State(sink): State<Sink>, headers: HeaderMap, body: Bytes) 
                 Json(json!({"error": "injected timeout_before_commit"})),
             )
                 .into_response();
+        }
+        Some(Fault::CommitLate) => {
+            tracing::warn!(key = ?key, hang = ?sink.hang, "commit_late: holding the request, it lands later");
+            // Detached, so a caller that hangs up (or dies) does not stop it.
+            let late = sink.clone();
+            let landed = tokio::spawn(async move {
+                tokio::time::sleep(late.hang).await;
+                late.commit(key.as_deref(), body, false)
+            });
+            return match landed.await {
+                Ok((result, _)) => (StatusCode::CREATED, Json(result)).into_response(),
+                Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+            };
         }
         _ => {}
     }

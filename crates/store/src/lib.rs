@@ -17,14 +17,19 @@
 //! - [`recovery`]: re-offering the jobs of ended sessions, dead-lettering,
 //!   shared by workers and reapers.
 //! - [`retention`]: forgetting finished jobs after their retention.
+//! - [`effects`]: the effects ledger's bucket below the KV API: writes that
+//!   never expire, and a job's keys found and purged by subject.
+//! - [`artifacts`]: artifacts created if absent, never overwritten.
 //!
 //! Lookups tell *missing* from *unavailable*: a stream, bucket or consumer
 //! the server says does not exist is [`StoreError::Missing`] (run `leasehold
 //! setup`); any other failure is [`StoreError::Unavailable`] (a leader
 //! election, a restarting node), retried at start by [`retry_unavailable`].
 
+pub mod artifacts;
 pub mod connect;
 pub mod dlq;
+pub mod effects;
 pub mod events;
 pub mod index;
 pub mod jobs;

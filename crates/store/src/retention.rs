@@ -41,6 +41,12 @@ pub struct Pass {
     pub skipped: u64,
 }
 
+/// Removes a finished job's effects-ledger entries (and the business keys
+/// they own): the tools crate knows the ledger's format.
+pub type PurgeEffects = std::sync::Arc<
+    dyn Fn(String) -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync,
+>;
+
 /// The handles retention needs.
 #[derive(Clone)]
 pub struct Retention {
@@ -48,6 +54,7 @@ pub struct Retention {
     layout: Layout,
     jobs: Jobs,
     index: kv::Store,
+    effects: Option<PurgeEffects>,
 }
 
 impl Retention {
@@ -57,7 +64,15 @@ impl Retention {
             layout: conn.layout.clone(),
             jobs: Jobs::open(conn).await?,
             index: crate::open_kv(conn, &conn.layout.active_bucket()).await?,
+            effects: None,
         })
+    }
+
+    /// How a job's effects are removed (else its ledger keys are purged by
+    /// prefix, without the business keys they own).
+    pub fn with_effects(mut self, purge: PurgeEffects) -> Self {
+        self.effects = Some(purge);
+        self
     }
 
     /// One pass of the class `retention`: jobs whose kind `belongs` to it
@@ -234,10 +249,17 @@ impl Retention {
                 }
             }
         }
-        for bucket in [l.effects_bucket(), l.payloads_bucket()] {
-            self.purge_subject(&format!("KV_{bucket}"), format!("$KV.{bucket}.{id}.>"))
-                .await?;
+        match &self.effects {
+            Some(purge) => purge(id.to_string()).await.map_err(StoreError::Nats)?,
+            None => {
+                let b = l.effects_bucket();
+                self.purge_subject(&format!("KV_{b}"), format!("$KV.{b}.{id}.>"))
+                    .await?
+            }
         }
+        let b = l.payloads_bucket();
+        self.purge_subject(&format!("KV_{b}"), format!("$KV.{b}.{id}.>"))
+            .await?;
         for pattern in [
             format!("run.*.{id}"),
             format!("wait.{id}"),

@@ -6,7 +6,7 @@
 //! | `lh_workers_<kind>` | durable pull consumer per kind | explicit ack, `ack_wait`, `max_deliver` |
 //! | `lh_jobs` | KV bucket | job records, history kept for audits |
 //! | `LH_EVENTS` | stream, limits | `lh.events.>`, direct get on (fencing reads) |
-//! | `lh_effects` | KV bucket | idempotency ledger, entries expire after the retention |
+//! | `lh_effects` | KV bucket, per-message TTL allowed | idempotency ledger; entries are written with `Nats-TTL: never` and go with their job (`max_age`, the retention, only expires entries written without it) |
 //! | `lh_artifacts` | object store | reports |
 //! | `LH_DLQ` | stream, limits | `lh.dlq.>` |
 //! | `LH_ADVISORIES` | stream, limits | the server's max-deliveries advisories of `LH_WORK`, kept for the reaper |
@@ -60,9 +60,9 @@ pub struct SetupOptions {
     pub events_max_bytes: i64,
     /// Largest event stored (default 1 MiB); larger payloads go beside.
     pub events_max_msg_size: i32,
-    /// How long effects-ledger entries of finished jobs are kept (default 7
-    /// days); entries of unfinished jobs never expire (they are removed with
-    /// the job).
+    /// The effects bucket's `max_age` (default 7 days). Ledger entries are
+    /// written with `Nats-TTL: never` and outlive it: they are removed with
+    /// their job (`EffectsLedger::purge_job`), never while it may resume.
     pub effects_retention: Duration,
     /// KV history kept per job record (default 8 revisions).
     pub job_history: i64,
@@ -101,7 +101,11 @@ impl Default for SetupOptions {
 }
 
 /// The KV configuration of the effects ledger: only the latest state of a
-/// key matters (history 1), and entries expire after the retention.
+/// key matters (history 1). Per-message TTLs are allowed (`limit_markers`
+/// sets `allow_msg_ttl`), so entries written with `Nats-TTL: never` are
+/// exempt from `max_age` (the retention): a job's entries stay until the
+/// job is purged (see `crate::effects`). Markers of expired or removed keys
+/// stay a day.
 pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> kv::Config {
     kv::Config {
         bucket,
@@ -110,6 +114,7 @@ pub fn effects_config(bucket: String, retention: Duration, replicas: usize) -> k
         max_age: retention,
         storage: stream::StorageType::File,
         num_replicas: replicas,
+        limit_markers: Some(Duration::from_secs(86_400)),
         ..Default::default()
     }
 }
@@ -682,7 +687,17 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
         l.active_bucket(),
         l.payloads_bucket(),
     ] {
-        note(crate::open_kv(conn, &b).await.map(|_| ()))?;
+        match crate::open_kv(conn, &b).await {
+            // A ledger made by an earlier release lets its entries expire:
+            // the layout is not usable until setup upgrades it.
+            Ok(kv) if b == l.effects_bucket() && !crate::effects::allows_pinned(&kv) => {
+                note(Err(StoreError::Missing(vec![format!(
+                    "per-message TTLs on KV bucket {b} (an earlier release's ledger)"
+                )])))?
+            }
+            Ok(_) => {}
+            Err(e) => note(Err(e))?,
+        }
     }
     let watch = l.session_watch_consumer();
     if let Ok(ss) = js

@@ -20,6 +20,9 @@ pub enum Disposition {
     Park,
     /// A configuration or ledger fault that retrying will not fix.
     Fail,
+    /// This caller may no longer act for the job (a newer owner holds it):
+    /// stop the attempt, write nothing. Nothing ran.
+    Stop,
 }
 
 /// Every way a tool call can fail.
@@ -54,7 +57,7 @@ pub enum ToolError {
     #[error("unexpected response: {0}")]
     BadResponse(String),
     /// The same idempotency key was used with different arguments (as Stripe does).
-    #[error("idempotency key {key} was first used with different arguments (digest {stored}, now {given})")]
+    #[error("idempotency key {key} was first used with different arguments (digest {stored}, now {given}): a step makes one effect")]
     KeyReuse {
         key: String,
         stored: String,
@@ -68,6 +71,15 @@ pub enum ToolError {
     /// this executor must stop.
     #[error("effect key {key} was taken over by another executor: {reason}")]
     Superseded { key: String, reason: String },
+    /// The caller's proof of ownership, made right before the effect, was
+    /// refused: a newer owner holds the job. The effect did not run.
+    #[error("not the job's owner any more: {0}")]
+    OwnershipLost(String),
+    /// Ownership could not be proven right now (NATS unavailable, the
+    /// worker's session not confirmed lately): the effect did not run;
+    /// retry later.
+    #[error("ownership could not be proven: {0}")]
+    OwnershipUnproven(String),
     /// The effects ledger (NATS KV) failed.
     #[error("effects ledger: {0}")]
     Ledger(String),
@@ -94,9 +106,11 @@ impl ToolError {
             | ToolError::Transport(_)
             | ToolError::Unreachable(_)
             | ToolError::EmptySuccess
+            | ToolError::OwnershipUnproven(_)
             | ToolError::Ledger(_) => Disposition::Retry,
             ToolError::KeyReuse { .. } | ToolError::UncertainEffect { .. } => Disposition::Park,
             ToolError::Superseded { .. } | ToolError::Config(_) => Disposition::Fail,
+            ToolError::OwnershipLost(_) => Disposition::Stop,
         }
     }
 
@@ -120,6 +134,8 @@ impl ToolError {
             ToolError::KeyReuse { .. } => "key_reuse",
             ToolError::UncertainEffect { .. } => "uncertain_effect",
             ToolError::Superseded { .. } => "superseded",
+            ToolError::OwnershipLost(_) => "ownership_lost",
+            ToolError::OwnershipUnproven(_) => "ownership_unproven",
             ToolError::Ledger(_) => "ledger",
             ToolError::Config(_) => "config",
         }
@@ -140,6 +156,8 @@ impl ToolError {
                 | ToolError::Refused(_)
                 | ToolError::Config(_)
                 | ToolError::Unreachable(_)
+                | ToolError::OwnershipLost(_)
+                | ToolError::OwnershipUnproven(_)
         )
     }
 }

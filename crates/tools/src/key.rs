@@ -1,10 +1,18 @@
-//! Idempotency keys, argument digests and business-key ids.
+//! Idempotency keys, argument digests, ledger keys and business-key ids.
 //!
-//! The key of a call is the SHA-256 (hex) of
-//! `"{job_id}:{step_id}:{tool}:{canonical_json(args)}"`, where the step id is
-//! stable across retries and resumes of one step (see [`step_id`]). The same
-//! step retried derives the same key; the model calling the same tool again in
-//! a later step derives a different one, which is what business keys are for.
+//! - A write's idempotency key ([`idempotency_key`]) is the SHA-256 (hex) of
+//!   `"{job_id}:{step_id}:{tool}"`: the identity of the effect is the job's
+//!   step, not what the call says. The step id is stable across retries and
+//!   resumes of one step (see [`step_id`]), so a retry whose model re-words
+//!   the call derives the same key; the digest of its canonical arguments
+//!   ([`arg_digest`]) is stored beside the key, and a reuse with another
+//!   digest is refused ([`crate::ToolError::KeyReuse`]), never sent. The
+//!   model calling the same tool again in a later step derives a different
+//!   key, which is what business keys are for.
+//! - A read has no ledger entry; its key ([`read_key`]) also hashes the
+//!   canonical arguments and only labels the call's events.
+//! - The ledger stores a write under `<job_id>.<key>` ([`ledger_key`]) and a
+//!   business key under `bk/<sha256(tool:business_key)>` ([`business_key_id`]).
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -54,23 +62,55 @@ fn sha256_hex(s: &str) -> String {
     hex::encode(Sha256::digest(s.as_bytes()))
 }
 
-/// The idempotency key of one call (64 hex characters; a valid KV key).
-pub fn idempotency_key(job_id: &str, step_id: &str, tool: &str, args: &Value) -> String {
+/// The idempotency key of a write: the job, the step and the tool, never
+/// the arguments (64 hex characters; sent to the destination).
+pub fn idempotency_key(job_id: &str, step_id: &str, tool: &str) -> String {
+    sha256_hex(&format!("{job_id}:{step_id}:{tool}"))
+}
+
+/// The key of a read call: the job, the step, the tool and the canonical
+/// arguments (reads are repeatable; the key only labels events).
+pub fn read_key(job_id: &str, step_id: &str, tool: &str, args: &Value) -> String {
     sha256_hex(&format!(
         "{job_id}:{step_id}:{tool}:{}",
         canonical_json(args)
     ))
 }
 
-/// SHA-256 of the canonical arguments: stored with the key so a reuse of the
-/// key with other arguments is detected.
+/// SHA-256 of the canonical arguments: stored with a write's key, so a
+/// reuse of the key with other arguments is detected.
 pub fn arg_digest(args: &Value) -> String {
     sha256_hex(&canonical_json(args))
 }
 
-/// The ledger key of a business key: `bk.<sha256(tool:business_key)>`.
+/// Where the ledger keeps the effect `key` of job `job_id`:
+/// `<job_id>.<key>`, so every key of a job shares its first token.
+pub fn ledger_key(job_id: &str, key: &str) -> String {
+    format!("{job_id}.{key}")
+}
+
+/// The ledger key of a business key: `bk/<sha256(tool:business_key)>`.
+/// Business keys are cross-job; no job id contains `/`, so no job's keys
+/// (`<job_id>.…`) share this first token.
 pub fn business_key_id(tool: &str, business_key: &str) -> String {
-    format!("bk.{}", sha256_hex(&format!("{tool}:{business_key}")))
+    format!("bk/{}", sha256_hex(&format!("{tool}:{business_key}")))
+}
+
+/// A job id can prefix ledger keys when it is one subject token of
+/// `[A-Za-z0-9_=-]` (what submissions accept).
+pub(crate) fn check_job_id(job_id: &str) -> Result<(), String> {
+    let ok = !job_id.is_empty()
+        && job_id.len() <= 128
+        && job_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "job id `{job_id}` cannot key the effects ledger: use 1 to 128 letters, digits, `-`, `_` or `=`"
+        ))
+    }
 }
 
 /// A step id that is stable across retries and resumes: the section the call
@@ -94,28 +134,52 @@ mod tests {
     }
 
     #[test]
-    fn key_ignores_key_order_but_not_values() {
-        let k1 = idempotency_key("j", "s#1", "publish", &json!({"a": 1, "b": 2}));
-        let k2 = idempotency_key("j", "s#1", "publish", &json!({"b": 2, "a": 1}));
-        let k3 = idempotency_key("j", "s#1", "publish", &json!({"a": 1, "b": 3}));
-        let k4 = idempotency_key("j", "s#2", "publish", &json!({"a": 1, "b": 2}));
-        assert_eq!(k1, k2);
-        assert_ne!(k1, k3);
-        assert_ne!(k1, k4);
+    fn a_write_key_is_the_step_not_the_arguments() {
+        let k1 = idempotency_key("j", "s#1", "publish");
+        let k2 = idempotency_key("j", "s#2", "publish");
+        let k3 = idempotency_key("j", "s#1", "notify");
+        let k4 = idempotency_key("k", "s#1", "publish");
+        assert_eq!(k1, sha256_hex("j:s#1:publish"));
         assert_eq!(k1.len(), 64);
+        for other in [k2, k3, k4] {
+            assert_ne!(k1, other);
+        }
+        // What the arguments say is in their digest, kept beside the key.
+        let d1 = arg_digest(&json!({"a": 1, "b": 2}));
+        assert_eq!(d1, arg_digest(&json!({"b": 2, "a": 1})));
+        assert_ne!(d1, arg_digest(&json!({"a": 1, "b": 3})));
     }
 
     #[test]
-    fn key_matches_the_seed_formula() {
+    fn read_keys_ignore_key_order_but_not_values() {
+        let k1 = read_key("j", "s#1", "search", &json!({"a": 1, "b": 2}));
+        let k2 = read_key("j", "s#1", "search", &json!({"b": 2, "a": 1}));
+        let k3 = read_key("j", "s#1", "search", &json!({"a": 1, "b": 3}));
+        assert_eq!(k1, k2);
+        assert_ne!(k1, k3);
         let want = sha256_hex(
             r#"run-7:step-3:create_invoice:{"number":"INV-1042","supplier":"ACME","total":"1150.00"}"#,
         );
-        let got = idempotency_key(
+        let got = read_key(
             "run-7",
             "step-3",
             "create_invoice",
             &json!({"supplier": "ACME", "number": "INV-1042", "total": "1150.00"}),
         );
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn ledger_keys_of_a_job_share_its_token_and_business_keys_share_none() {
+        let k = idempotency_key("job-1", "publish#0", "publish");
+        assert_eq!(ledger_key("job-1", &k), format!("job-1.{k}"));
+        let bk = business_key_id("publish", "job-1:abc");
+        assert!(bk.starts_with("bk/") && !bk.contains('.'), "{bk}");
+        assert!(check_job_id("bk").is_ok());
+        assert_ne!(bk.split('.').next(), Some("bk"));
+        for bad in ["", "a.b", "a b", "bk/x", "a>b", "*"] {
+            assert!(check_job_id(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_job_id("Job_1=-x").is_ok());
     }
 }

@@ -1,22 +1,37 @@
-//! The effects ledger: one KV entry per idempotency key of a write.
+//! The effects ledger: one KV entry per effect of a write tool.
 //!
 //! Values are JSON [`LedgerEntry`]s. Every transition is conditional:
 //! `in_flight` is created only if the key is absent (two racing executors
 //! cannot both run the effect), and every later write (`done`, a takeover,
-//! `void`) names the revision it read. Business keys live in the same bucket
-//! as `bk.<sha>` entries pointing at the effect key that owns them.
+//! `void`) names the revision it read.
 //!
-//! Entries expire with the bucket's `max_age` (the retention, default 7
-//! days): long enough for any resume or review, short enough to bound the
-//! bucket.
+//! Keys:
+//! - `<job_id>.<idempotency key>`: the effect of one step of one job (see
+//!   [`crate::idempotency_key`]); every key of a job shares its first token,
+//!   the job id, so [`EffectsLedger::purge_job`] removes them by subject.
+//! - `bk/<sha256(tool:business key)>`: a business key, pointing at the effect
+//!   key that owns it ([`crate::business_key_id`]). Business keys are
+//!   cross-job, so their first token is one no job id can be (job ids have
+//!   no `/`), and no job's purge matches them by subject.
+//!
+//! Retention: entries are written with `Nats-TTL: never`, so the bucket's
+//! `max_age` never expires them: a job parked for review, or dead-lettered
+//! and replayed weeks later, still finds what its effects did and
+//! reconciles instead of running them again. They go only with their job:
+//! [`EffectsLedger::purge_job`] (the retention cleaner, once the job is
+//! terminal) removes the job's keys and the business keys its effects own.
+//! A business key is kept exactly as long as the effect it points at: one
+//! whose effect entry is gone could not replay a result anyway.
 
 use std::time::SystemTime;
 
-use async_nats::jetstream::kv;
+use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
+use leasehold_store::effects::{self as raw, PinnedError};
 use serde_json::Value;
 
 use crate::error::ToolError;
+use crate::key::{business_key_id, ledger_key};
 
 /// The state of one effect key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -36,7 +51,8 @@ pub enum EffectState {
 pub struct LedgerEntry {
     pub state: EffectState,
     pub tool: String,
-    /// SHA-256 of the canonical arguments.
+    /// SHA-256 of the canonical arguments the effect was first asked with:
+    /// the same step asking with other arguments is refused.
     pub arg_digest: String,
     pub job_id: String,
     pub step_id: String,
@@ -53,9 +69,11 @@ pub struct LedgerEntry {
     pub via: Option<String>,
 }
 
-/// A business-key entry: which effect key owns this business key.
+/// A business-key entry: which effect key (of which job) owns this business key.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct BusinessKeyEntry {
+    /// The idempotency key of the owning effect (its ledger key is
+    /// `<job_id>.<effect_key>`).
     pub effect_key: String,
     pub tool: String,
     pub job_id: String,
@@ -66,28 +84,42 @@ pub(crate) fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
 
+/// What [`EffectsLedger::purge_job`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Purged {
+    /// Messages of the job's own keys.
+    pub entries: u64,
+    /// Business keys the job's effects owned.
+    pub business_keys: u64,
+}
+
 /// The effects ledger over a KV bucket (created by `leasehold setup`).
 #[derive(Clone)]
 pub struct EffectsLedger {
+    js: jetstream::Context,
     kv: kv::Store,
 }
 
 impl EffectsLedger {
-    pub fn new(kv: kv::Store) -> Self {
-        EffectsLedger { kv }
+    pub fn new(js: jetstream::Context, kv: kv::Store) -> Self {
+        EffectsLedger { js, kv }
     }
 
-    /// Opens the bucket `bucket`; a missing bucket is a configuration error
-    /// that says to run `leasehold setup`.
-    pub async fn open(
-        js: &async_nats::jetstream::Context,
-        bucket: &str,
-    ) -> Result<Self, ToolError> {
-        js.get_key_value(bucket).await.map(Self::new).map_err(|e| {
+    /// Opens the bucket `bucket`; a missing bucket, or one made by an
+    /// earlier `leasehold setup` whose entries would expire, is a
+    /// configuration error that says to run `leasehold setup`.
+    pub async fn open(js: &jetstream::Context, bucket: &str) -> Result<Self, ToolError> {
+        let kv = js.get_key_value(bucket).await.map_err(|e| {
             ToolError::Config(format!(
                 "effects bucket `{bucket}` is not available; run `leasehold setup` ({e})"
             ))
-        })
+        })?;
+        if !raw::allows_pinned(&kv) {
+            return Err(ToolError::Config(format!(
+                "effects bucket `{bucket}` does not allow per-message TTLs, so its entries would expire with its max age; run `leasehold setup` to upgrade it"
+            )));
+        }
+        Ok(Self::new(js.clone(), kv))
     }
 
     /// The underlying store.
@@ -95,16 +127,20 @@ impl EffectsLedger {
         &self.kv
     }
 
-    /// The current entry of an effect key and its revision.
-    pub async fn get(&self, key: &str) -> Result<Option<(LedgerEntry, u64)>, ToolError> {
-        self.get_json(key).await
+    /// The current entry of the effect `key` of job `job_id`, and its revision.
+    pub async fn get(
+        &self,
+        job_id: &str,
+        key: &str,
+    ) -> Result<Option<(LedgerEntry, u64)>, ToolError> {
+        self.get_json(&ledger_key(job_id, key)).await
     }
 
     pub(crate) async fn get_bk(
         &self,
-        key: &str,
+        bk_id: &str,
     ) -> Result<Option<(BusinessKeyEntry, u64)>, ToolError> {
-        self.get_json(key).await
+        self.get_json(bk_id).await
     }
 
     async fn get_json<T: serde::de::DeserializeOwned>(
@@ -128,22 +164,97 @@ impl EffectsLedger {
         }
     }
 
-    /// Creates `key` if it is absent; `Ok(None)` when someone else holds it.
-    pub(crate) async fn create<T: serde::Serialize>(
+    async fn write(&self, key: &str, body: Bytes, rev: u64) -> Result<Option<u64>, PinnedError> {
+        match raw::write_pinned(&self.js, &self.kv, key, body, rev).await {
+            Ok(new) => Ok(Some(new)),
+            Err(PinnedError::WrongRevision) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Creates the effect `key` of `job_id` if it is absent; `Ok(None)`
+    /// when someone else holds it.
+    pub(crate) async fn create(
+        &self,
+        job_id: &str,
+        key: &str,
+        v: &LedgerEntry,
+    ) -> Result<Option<u64>, ToolError> {
+        self.create_at(&ledger_key(job_id, key), v).await
+    }
+
+    /// Writes the effect `key` of `job_id` if its revision is still `rev`;
+    /// `Ok(None)` on a conflict.
+    pub(crate) async fn update(
+        &self,
+        job_id: &str,
+        key: &str,
+        v: &LedgerEntry,
+        rev: u64,
+    ) -> Result<Option<u64>, ToolError> {
+        self.update_at(&ledger_key(job_id, key), v, rev).await
+    }
+
+    /// Deletes the effect `key` of `job_id` if its revision is still `rev`
+    /// (withdrawing an `in_flight` whose request certainly never left).
+    pub(crate) async fn withdraw(
+        &self,
+        job_id: &str,
+        key: &str,
+        rev: u64,
+    ) -> Result<(), ToolError> {
+        let key = ledger_key(job_id, key);
+        self.kv
+            .delete_expect_revision(&key, Some(rev))
+            .await
+            .map_err(|e| ToolError::Ledger(format!("withdraw {key}: {e}")))
+    }
+
+    pub(crate) async fn create_bk(
+        &self,
+        bk_id: &str,
+        v: &BusinessKeyEntry,
+    ) -> Result<Option<u64>, ToolError> {
+        self.create_at(bk_id, v).await
+    }
+
+    pub(crate) async fn update_bk(
+        &self,
+        bk_id: &str,
+        v: &BusinessKeyEntry,
+        rev: u64,
+    ) -> Result<Option<u64>, ToolError> {
+        self.update_at(bk_id, v, rev).await
+    }
+
+    /// Creates `key` if it is absent (or deleted); `Ok(None)` when someone
+    /// else holds it.
+    async fn create_at<T: serde::Serialize>(
         &self,
         key: &str,
         v: &T,
     ) -> Result<Option<u64>, ToolError> {
         let body = Bytes::from(serde_json::to_vec(v).expect("ledger value serializes"));
-        match self.kv.create(key, body).await {
-            Ok(rev) => Ok(Some(rev)),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
-            Err(e) => Err(ToolError::Ledger(format!("create {key}: {e}"))),
+        let err = |e: &dyn std::fmt::Display| ToolError::Ledger(format!("create {key}: {e}"));
+        if let Some(rev) = self
+            .write(key, body.clone(), 0)
+            .await
+            .map_err(|e| err(&e))?
+        {
+            return Ok(Some(rev));
+        }
+        // The key has a message: a live value, or the marker of a withdrawn
+        // (deleted) one, which may be written over at its revision.
+        match self.kv.entry(key).await.map_err(|e| err(&e))? {
+            Some(e) if e.operation != kv::Operation::Put => {
+                self.write(key, body, e.revision).await.map_err(|e| err(&e))
+            }
+            _ => Ok(None),
         }
     }
 
     /// Writes `key` if its revision is still `rev`; `Ok(None)` on a conflict.
-    pub(crate) async fn update<T: serde::Serialize>(
+    async fn update_at<T: serde::Serialize>(
         &self,
         key: &str,
         v: &T,
@@ -152,13 +263,12 @@ impl EffectsLedger {
         let body = Bytes::from(serde_json::to_vec(v).expect("ledger value serializes"));
         let mut attempts = 0;
         loop {
-            match self.kv.update(key, body.clone(), rev).await {
-                Ok(new) => return Ok(Some(new)),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => return Ok(None),
+            match self.write(key, body.clone(), rev).await {
+                Ok(r) => return Ok(r),
                 Err(e) => {
                     // Clusters sometimes reject a correct expected revision
-                    // with 10164 ("in process"), surfacing as `Other`:
-                    // re-read, and retry only if nothing changed.
+                    // with 10164 ("in process"): re-read, and retry only if
+                    // nothing changed.
                     attempts += 1;
                     let current = self.kv.entry(key).await.map_err(|e2| {
                         ToolError::Ledger(format!("update {key}: {e}; re-read: {e2}"))
@@ -173,12 +283,50 @@ impl EffectsLedger {
         }
     }
 
-    /// Deletes `key` if its revision is still `rev` (withdrawing an
-    /// `in_flight` whose request certainly never left).
-    pub(crate) async fn withdraw(&self, key: &str, rev: u64) -> Result<(), ToolError> {
-        self.kv
-            .delete_expect_revision(key, Some(rev))
+    /// Removes every entry of job `job_id` and the business keys its effects
+    /// own. For the retention cleaner, and only for a job that is terminal:
+    /// a job that can still run would find no record of its effects and run
+    /// them again. Idempotent; business keys go first, so an interrupted
+    /// purge leaves nothing that a later one cannot find.
+    pub async fn purge_job(&self, job_id: &str) -> Result<Purged, ToolError> {
+        crate::key::check_job_id(job_id).map_err(ToolError::Config)?;
+        let err = |e: &dyn std::fmt::Display| ToolError::Ledger(format!("purge job {job_id}: {e}"));
+        let mut purged = Purged::default();
+        let entries = raw::scan_prefix(&self.js, &self.kv, job_id)
             .await
-            .map_err(|e| ToolError::Ledger(format!("withdraw {key}: {e}")))
+            .map_err(|e| err(&e))?;
+        for (key, value, _) in entries {
+            let Ok(entry) = serde_json::from_slice::<LedgerEntry>(&value) else {
+                tracing::warn!(%key, "unreadable ledger entry; purged without its business key");
+                continue;
+            };
+            let Some(bk) = entry.business_key.as_deref() else {
+                continue;
+            };
+            let bk_id = business_key_id(&entry.tool, bk);
+            let Some((owner, rev)) = self.get_bk(&bk_id).await? else {
+                continue;
+            };
+            // Only a business key this job's effect owns: another job's
+            // (taken over, or its own effect of the same business key)
+            // stays.
+            if owner.job_id != job_id || ledger_key(job_id, &owner.effect_key) != key {
+                continue;
+            }
+            match self.kv.purge_expect_revision(&bk_id, Some(rev)).await {
+                Ok(()) => purged.business_keys += 1,
+                // Moved on meanwhile (taken over): no longer this job's.
+                Err(e)
+                    if leasehold_store::server_error_code(&e)
+                        == Some(leasehold_store::WRONG_LAST_SEQUENCE) => {}
+                // Stop before the job's keys go, or this business key would
+                // be left with nothing pointing at it.
+                Err(e) => return Err(err(&e)),
+            }
+        }
+        purged.entries = raw::purge_prefix(&self.js, &self.kv, job_id)
+            .await
+            .map_err(|e| err(&e))?;
+        Ok(purged)
     }
 }

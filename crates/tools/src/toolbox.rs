@@ -1,8 +1,10 @@
 //! The registry of tools and the one way every call runs.
 //!
 //! [`Toolbox::call`] validates the arguments, derives the idempotency key
-//! and then runs reads with backoff and writes through the effects ledger;
-//! see the crate docs for the protocol.
+//! and then runs reads with backoff and writes through the effects ledger,
+//! each write's effect only after the call's [`EffectGuard`] (if any)
+//! proved the caller still owns the job; see the crate docs for the
+//! protocol.
 //!
 //! Configuration ([`ToolboxConfig::from_env`]):
 //!
@@ -32,7 +34,8 @@ use crate::builtin::search::{SearchConfig, SearchTool};
 use crate::error::ToolError;
 use crate::events::{ToolEvent, ToolEventKind, ToolEvents};
 use crate::faults::{FaultMode, Faults};
-use crate::key::{arg_digest, business_key_id, idempotency_key};
+use crate::guard::EffectGuard;
+use crate::key::{arg_digest, business_key_id, check_job_id, idempotency_key, read_key};
 use crate::ledger::{now_rfc3339, BusinessKeyEntry, EffectState, EffectsLedger, LedgerEntry};
 use crate::schema::ArgSchema;
 use crate::tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
@@ -221,13 +224,17 @@ fn check_url(v: &str) -> Result<(), String> {
 
 /// Which call this is: the key is derived from these, so they must be the
 /// same on every retry and resume of the step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct CallCtx {
     pub job_id: String,
     /// Stable across retries/resumes: section id plus call ordinal ([`crate::step_id`]).
     pub step_id: String,
     /// The caller's claim epoch, recorded in the ledger.
     pub epoch: u64,
+    /// Proves, right before a write's effect, that the caller still owns
+    /// the job (workers pass their gate's [`crate::OwnerGuard`]); `None`
+    /// for callers that own nothing (`leasehold tool call`).
+    pub guard: Option<Arc<dyn EffectGuard>>,
 }
 
 impl CallCtx {
@@ -236,7 +243,25 @@ impl CallCtx {
             job_id: job_id.into(),
             step_id: step_id.into(),
             epoch,
+            guard: None,
         }
+    }
+
+    /// The same call, its write effects guarded by `guard`.
+    pub fn guarded(mut self, guard: Arc<dyn EffectGuard>) -> Self {
+        self.guard = Some(guard);
+        self
+    }
+}
+
+impl std::fmt::Debug for CallCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallCtx")
+            .field("job_id", &self.job_id)
+            .field("step_id", &self.step_id)
+            .field("epoch", &self.epoch)
+            .field("guarded", &self.guard.is_some())
+            .finish()
     }
 }
 
@@ -432,7 +457,17 @@ impl Toolbox {
         args: &Value,
         events: &dyn ToolEvents,
     ) -> Result<ToolOutput, ToolError> {
-        let key = idempotency_key(&ctx.job_id, &ctx.step_id, name, args);
+        let write = self
+            .tools
+            .get(name)
+            .is_some_and(|r| r.tool.spec().kind == ToolKind::Write);
+        // A write is identified by its step; what it says is checked
+        // against the digest stored with the key.
+        let key = if write {
+            idempotency_key(&ctx.job_id, &ctx.step_id, name)
+        } else {
+            read_key(&ctx.job_id, &ctx.step_id, name, args)
+        };
         let rep = Reporter {
             sink: events,
             ctx,
@@ -626,13 +661,22 @@ impl Toolbox {
             rep.refused(&e);
             return Err(e);
         };
+        if let Err(message) = check_job_id(&ctx.job_id) {
+            let e = ToolError::InvalidArgs {
+                tool: tool.spec().name.clone(),
+                message,
+            };
+            rep.refused(&e);
+            return Err(e);
+        }
+        let job = ctx.job_id.as_str();
         let digest = arg_digest(args);
         let bk = tool.business_key(&ctx.job_id, args);
         // Each turn reads the key and acts on its state; a lost conditional
         // write means someone else moved it, so read again. The bound only
         // stops a livelock.
         for _ in 0..16 {
-            let step = match ledger.get(key).await? {
+            let step = match ledger.get(job, key).await? {
                 Some((e, _)) if e.state == EffectState::Void => {
                     let err = ToolError::Superseded {
                         key: key.to_string(),
@@ -677,9 +721,10 @@ impl Toolbox {
                     match bk_step {
                         Some(step) => step,
                         None => {
+                            self.prove_owner(ctx, rep).await?;
                             let entry =
                                 self.entry(ctx, tool, EffectState::InFlight, &digest, bk.as_ref());
-                            match ledger.create(key, &entry).await? {
+                            match ledger.create(job, key, &entry).await? {
                                 // Another executor created it first: read its state.
                                 None => Step::Again,
                                 Some(rev) => Step::Return(
@@ -742,7 +787,7 @@ impl Toolbox {
                     at: now_rfc3339(),
                     ..entry
                 };
-                match ledger.update(key, &done, rev).await {
+                match ledger.update(&ctx.job_id, key, &done, rev).await {
                     Ok(Some(_)) => {}
                     // The effect happened, so the result is returned either
                     // way; whoever holds the key now reconciles it at the
@@ -762,7 +807,7 @@ impl Toolbox {
                 // taken-over one still stands for the earlier attempt.
                 if outcome == Outcome::Executed && e.certainly_not_committed() {
                     // Nothing left this process: free the key for a clean retry.
-                    if let Err(we) = ledger.withdraw(key, rev).await {
+                    if let Err(we) = ledger.withdraw(&ctx.job_id, key, rev).await {
                         tracing::warn!(%key, error = %we, "could not withdraw in_flight");
                     }
                 }
@@ -775,6 +820,18 @@ impl Toolbox {
                 Err(e)
             }
         }
+    }
+
+    /// Proves, with the call's guard, that the caller still owns the job:
+    /// the last step before a write's effect (only the `in_flight` record or
+    /// its takeover comes between them). Done before anything is recorded,
+    /// so a refusal, or a caller dropped while it waits for its proof,
+    /// leaves nothing to reconcile.
+    async fn prove_owner(&self, ctx: &CallCtx, rep: &Reporter<'_>) -> Result<(), ToolError> {
+        let Some(guard) = &ctx.guard else {
+            return Ok(());
+        };
+        guard.prove().await.inspect_err(|e| rep.refused(e))
     }
 
     /// An `in_flight` key: an earlier attempt may or may not have had its
@@ -818,7 +875,7 @@ impl Toolbox {
                     at: now_rfc3339(),
                     ..entry
                 };
-                if ledger.update(key, &done, rev).await?.is_none() {
+                if ledger.update(&ctx.job_id, key, &done, rev).await?.is_none() {
                     return Ok(Step::Again);
                 }
                 rep.emit(
@@ -839,12 +896,13 @@ impl Toolbox {
                 // Take the key over (conditioned on the revision we read, so
                 // of two reconcilers only one runs), then run again with the
                 // same key: the destination drops it if the first one lands.
+                self.prove_owner(ctx, rep).await?;
                 let mine = LedgerEntry {
                     epoch: ctx.epoch,
                     at: now_rfc3339(),
                     ..entry
                 };
-                let Some(new_rev) = ledger.update(key, &mine, rev).await? else {
+                let Some(new_rev) = ledger.update(&ctx.job_id, key, &mine, rev).await? else {
                     return Ok(Step::Again);
                 };
                 rep.emit(
@@ -919,16 +977,17 @@ impl Toolbox {
             at: now_rfc3339(),
         };
         let Some((owner, bk_rev)) = ledger.get_bk(&bk_id).await? else {
-            return Ok(match ledger.create(&bk_id, &mine).await? {
+            return Ok(match ledger.create_bk(&bk_id, &mine).await? {
                 Some(_) => None,
                 None => Some(Step::Again),
             });
         };
-        if owner.effect_key == key {
+        if owner.effect_key == key && owner.job_id == ctx.job_id {
             return Ok(None);
         }
-        let other = owner.effect_key;
-        match ledger.get(&other).await? {
+        // The owning effect's key lives under its own job.
+        let (other_job, other) = (owner.job_id, owner.effect_key);
+        match ledger.get(&other_job, &other).await? {
             Some((e, _)) if e.state == EffectState::Done => {
                 // Record this step's key as done too, so its retries replay
                 // directly; losing that race to a copy of ourselves is fine.
@@ -938,7 +997,7 @@ impl Toolbox {
                     via: Some("business_key".into()),
                     ..self.entry(ctx, tool, EffectState::Done, digest, Some(&bk.to_string()))
                 };
-                ledger.create(key, &done).await?;
+                ledger.create(&ctx.job_id, key, &done).await?;
                 rep.emit(
                     ToolEventKind::Replayed,
                     Some(true),
@@ -968,7 +1027,11 @@ impl Toolbox {
                             at: now_rfc3339(),
                             ..e
                         };
-                        if ledger.update(&other, &other_done, rev).await?.is_none() {
+                        if ledger
+                            .update(&other_job, &other, &other_done, rev)
+                            .await?
+                            .is_none()
+                        {
                             return Ok(Some(Step::Again));
                         }
                         rep.emit(
@@ -1009,22 +1072,25 @@ impl Toolbox {
                     state: EffectState::Void,
                     tool: name.clone(),
                     arg_digest: String::new(),
-                    job_id: ctx.job_id.clone(),
+                    job_id: other_job.clone(),
                     step_id: String::new(),
                     epoch: ctx.epoch,
                     at: now_rfc3339(),
                     result: None,
                     business_key: Some(bk.to_string()),
-                    via: Some(format!("business key taken over by key {key}")),
+                    via: Some(format!(
+                        "business key taken over by key {key} of job {}",
+                        ctx.job_id
+                    )),
                 };
-                if let Some((cur, _)) = ledger.get(&other).await? {
+                if let Some((cur, _)) = ledger.get(&other_job, &other).await? {
                     if cur.state != EffectState::Void {
                         return Ok(Some(Step::Again));
                     }
-                } else if ledger.create(&other, &void).await?.is_none() {
+                } else if ledger.create(&other_job, &other, &void).await?.is_none() {
                     return Ok(Some(Step::Again));
                 }
-                Ok(match ledger.update(&bk_id, &mine, bk_rev).await? {
+                Ok(match ledger.update_bk(&bk_id, &mine, bk_rev).await? {
                     Some(_) => None,
                     None => Some(Step::Again),
                 })

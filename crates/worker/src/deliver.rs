@@ -3,13 +3,17 @@
 //! `publish` tool once under the step id `deliver#0`, so every attempt and
 //! every reclaim of the job uses the same idempotency key: a delivery whose
 //! outcome is unknown is reconciled at the destination before anything runs
-//! again, and an unknowable outcome parks the job instead of guessing.
+//! again, and an unknowable outcome parks the job instead of guessing. The
+//! effect runs only after a fenced write proved this attempt still owns the
+//! job (the gate's `OwnerGuard`).
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use leasehold_proto::JobResult;
-use leasehold_tools::{CallCtx, CollectEvents, Disposition, EffectsLedger, Toolbox, ToolboxConfig};
+use leasehold_tools::{
+    CallCtx, CollectEvents, Disposition, EffectsLedger, OwnerGuard, Toolbox, ToolboxConfig,
+};
 use serde_json::json;
 use tokio::sync::OnceCell;
 
@@ -45,7 +49,8 @@ impl Handler for Deliver {
             "title": ctx.input.get("title").and_then(|v| v.as_str()).unwrap_or("untitled"),
             "document": ctx.input.get("document").and_then(|v| v.as_str()).unwrap_or(""),
         });
-        let call = CallCtx::new(&ctx.record.id, "deliver#0", ctx.record.epoch);
+        let call = CallCtx::new(&ctx.record.id, "deliver#0", ctx.record.epoch)
+            .guarded(OwnerGuard::shared(ctx.gate.clone()));
         let events = CollectEvents::new();
         let res = tokio::select! {
             r = tb.call_with(&call, "publish", &args, &events) => r,
@@ -64,9 +69,11 @@ impl Handler for Deliver {
             })),
             Err(e) => match e.disposition() {
                 Disposition::Park => Ok(Outcome::Parked {
-                    reason: "uncertain_effect".into(),
+                    reason: e.class().into(),
                     message: e.to_string(),
                 }),
+                // Not the owner any more: nothing ran, nothing to write.
+                Disposition::Stop => Err(HandlerError::cancelled()),
                 Disposition::Retry => Err(HandlerError::retryable(e.to_string())),
                 _ => Err(HandlerError::terminal(e.to_string())),
             },

@@ -128,10 +128,17 @@ impl Gateway {
             stream_seq: 0,
         };
         let result = spec::decode(sub, kinds, usize::MAX);
+        // A ticket leasehold itself published (a re-offer, a retry, a replay)
+        // names its job in Lh-Job-Id; its publisher waits for the stream's
+        // ack on that inbox, and an answer from here would race it.
+        let ours = m
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(work::JOB_ID_HEADER).is_some());
         if stream_has_it {
             // The ticket is stored; its consumer records any rejection. Only
             // tell a waiting submitter now.
-            if let (Err(rej), Some(reply)) = (&result, &m.reply) {
+            if let (Err(rej), Some(reply), false) = (&result, &m.reply, ours) {
                 if !matches!(rej.error, spec::SubmitError::InvalidId(ref s) if s.is_empty()) {
                     let _ = conn
                         .client

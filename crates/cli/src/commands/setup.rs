@@ -72,7 +72,8 @@ pub struct Args {
     /// worker process: size it above the fleet).
     #[arg(long, env = "LH_MAX_WAITING", default_value_t = 4096)]
     max_waiting: i64,
-    /// How long effects-ledger entries of finished jobs are kept.
+    /// The effects bucket's max age. Ledger entries of jobs never expire by it
+    /// (written with Nats-TTL: never); they are removed with their job.
     #[arg(long, env = "LH_EFFECTS_RETENTION", default_value = "7d", value_parser = parse_duration)]
     effects_retention: Duration,
     /// The longest any event is kept (0: until its job's retention ends,

@@ -5,8 +5,11 @@
 //!   runs one call and prints the result JSON on stdout. With `--job` and
 //!   `--step` the idempotency key is derived exactly as inside that job, so
 //!   repeating the command replays the stored result of a write instead of
-//!   repeating its effect. Without them every call is its own one-off step.
-//!   `--args @FILE` reads the arguments from a file, `--args -` from stdin.
+//!   repeating its effect. A write's key is the job, the step and the tool,
+//!   not the arguments: the same `--job`/`--step` with other arguments is
+//!   refused (`key_reuse`, exit 3) and nothing is sent. Without them every
+//!   call is its own one-off step. `--args @FILE` reads the arguments from a
+//!   file, `--args -` from stdin.
 //! - `leasehold tool list [--json]` shows the configured tools, their kind and
 //!   endpoint.
 //!
@@ -16,7 +19,8 @@
 //!
 //! Exit codes of `call`: 0 success; 1 the call failed (the error class and
 //! message on stderr); 2 bad usage or invalid arguments; 3 the outcome of an
-//! earlier attempt is uncertain (a job would be parked for review).
+//! earlier attempt is uncertain, or the step already made its effect with
+//! other arguments (a job would be parked for review).
 
 use std::io::Read;
 use std::sync::Arc;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use leasehold_tools::{
-    idempotency_key, CallCtx, Disposition, EffectState, ExecCtx, FaultMode, LedgerEntry, Outcome,
+    idempotency_key, CallCtx, Disposition, EffectGuard, EffectState, ExecCtx, FaultMode, Outcome,
     Tool, ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
 };
 use serde_json::{json, Value};
@@ -25,13 +25,13 @@ async fn timeout_after_commit_then_retry_is_one_effect_with_one_result() {
     let tb = env.toolbox();
     let c = ctx("section-1#3");
     let args = doc(1);
-    let key = idempotency_key("job-1", "section-1#3", "publish", &args);
+    let key = idempotency_key("job-1", "section-1#3", "publish");
 
     tb.faults().fail_next(1, FaultMode::TimeoutAfterCommit);
     let first = tb.call(&c, "publish", &args).await.unwrap_err();
     assert!(matches!(first, ToolError::Timeout(_)), "{first:?}");
     assert_eq!(first.disposition(), Disposition::Retry);
-    let (entry, _) = env.ledger.get(&key).await.unwrap().unwrap();
+    let (entry, _) = env.ledger.get("job-1", &key).await.unwrap().unwrap();
     assert_eq!(entry.state, EffectState::InFlight);
 
     let second = tb.call(&c, "publish", &args).await.unwrap();
@@ -140,40 +140,44 @@ async fn racing_executors_without_dedupe_never_double_the_effect() {
     assert_eq!(env.sim.count().await, 1);
 }
 
-/// The same key with other arguments is refused (as Stripe does); nothing runs.
+/// A step's key is its job, step and tool: the same step asked again with
+/// other arguments (a warm retry whose model re-worded the call) is refused
+/// with both digests (as Stripe does), never sent.
 #[tokio::test]
-async fn same_key_with_different_arguments_is_refused() {
+async fn the_same_step_with_other_arguments_is_refused() {
     let env = Env::start().await;
     let tb = env.toolbox();
-    let args = doc(6);
-    let key = idempotency_key("job-1", "section-6#1", "publish", &args);
-    // A ledger entry for this key written with other arguments (e.g. by an
-    // older canonicalization): the key no longer identifies these arguments.
-    let other = LedgerEntry {
-        state: EffectState::Done,
-        tool: "publish".into(),
-        arg_digest: "0".repeat(64),
-        job_id: "job-1".into(),
-        step_id: "section-6#1".into(),
-        epoch: 1,
-        at: "2026-11-30T00:00:00Z".into(),
-        result: Some(json!({"id": "eff-x"})),
-        business_key: None,
-        via: None,
+    let c = ctx("section-6#1");
+    let first = tb.call(&c, "publish", &doc(6)).await.unwrap();
+    assert_eq!(first.outcome, Outcome::Executed);
+    assert_eq!(
+        first.key,
+        idempotency_key("job-1", "section-6#1", "publish")
+    );
+    let mut reworded = doc(6);
+    reworded["document"] = json!("# Report 6, put another way");
+    let err = tb.call(&c, "publish", &reworded).await.unwrap_err();
+    let ToolError::KeyReuse { key, stored, given } = &err else {
+        panic!("{err:?}")
     };
-    env.ledger
-        .store()
-        .put(&key, serde_json::to_vec(&other).unwrap().into())
-        .await
-        .unwrap();
-    let err = tb
-        .call(&ctx("section-6#1"), "publish", &args)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, ToolError::KeyReuse { .. }), "{err:?}");
+    assert_eq!(*key, first.key);
+    assert_eq!(*stored, leasehold_tools::arg_digest(&doc(6)));
+    assert_eq!(*given, leasehold_tools::arg_digest(&reworded));
     assert_eq!(err.disposition(), Disposition::Park);
-    assert_eq!(env.events.kinds(), vec![ToolEventKind::Refused]);
-    assert_eq!(env.sim.count().await, 0);
+    assert_eq!(env.events.kinds().last(), Some(&ToolEventKind::Refused));
+    assert_eq!(env.sim.count().await, 1, "nothing sent a second time");
+    // The first arguments still replay.
+    let again = tb.call(&c, "publish", &doc(6)).await.unwrap();
+    assert_eq!(again.outcome, Outcome::Replayed);
+    assert_eq!(again.value, first.value);
+    // So does a key left in flight: other arguments are refused before any
+    // reconciliation or execution.
+    let c2 = ctx("section-6#2");
+    tb.faults().fail_next(1, FaultMode::TimeoutAfterCommit);
+    assert!(tb.call(&c2, "publish", &doc(60)).await.is_err());
+    let err = tb.call(&c2, "publish", &doc(61)).await.unwrap_err();
+    assert!(matches!(err, ToolError::KeyReuse { .. }), "{err:?}");
+    assert_eq!(env.sim.count().await, 2);
 }
 
 /// An empty success body is a failure, not a result; the retry reconciles
@@ -263,10 +267,7 @@ async fn unknowable_outcome_parks_with_the_reason() {
     let ToolError::UncertainEffect { key, reason } = &err else {
         panic!("{err:?}")
     };
-    assert_eq!(
-        *key,
-        idempotency_key("job-1", "section-8#1", "notify", &args)
-    );
+    assert_eq!(*key, idempotency_key("job-1", "section-8#1", "notify"));
     assert!(reason.contains("in flight"), "{reason}");
     assert_eq!(err.disposition(), Disposition::Park);
     assert_eq!(env.events.kinds().last(), Some(&ToolEventKind::Refused));
@@ -284,9 +285,15 @@ async fn unknowable_outcome_parks_with_the_reason() {
     let err = down.call(&c2, "publish", &doc(9)).await.unwrap_err();
     assert!(matches!(err, ToolError::Unreachable(_)), "{err:?}");
     assert_eq!(err.disposition(), Disposition::Retry);
-    let key2 = idempotency_key("job-1", "section-8#2", "publish", &doc(9));
+    let key2 = idempotency_key("job-1", "section-8#2", "publish");
     assert_eq!(
-        env.ledger.get(&key2).await.unwrap().unwrap().0.state,
+        env.ledger
+            .get("job-1", &key2)
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+            .state,
         EffectState::InFlight
     );
     let out = tb.call(&c2, "publish", &doc(9)).await.unwrap();
@@ -305,8 +312,8 @@ async fn unreachable_destination_leaves_no_in_flight_key() {
     let c = ctx("section-11#1");
     let err = down.call(&c, "publish", &doc(13)).await.unwrap_err();
     assert!(matches!(err, ToolError::Unreachable(_)), "{err:?}");
-    let key = idempotency_key("job-1", "section-11#1", "publish", &doc(13));
-    assert!(env.ledger.get(&key).await.unwrap().is_none());
+    let key = idempotency_key("job-1", "section-11#1", "publish");
+    assert!(env.ledger.get("job-1", &key).await.unwrap().is_none());
     let out = env.toolbox().call(&c, "publish", &doc(13)).await.unwrap();
     assert_eq!(out.outcome, Outcome::Executed);
     assert_eq!(env.sim.count().await, 1);
@@ -371,8 +378,8 @@ async fn schema_invalid_arguments_are_a_validation_result() {
     let msg = result["error"]["message"].as_str().unwrap();
     assert!(msg.contains("document") && msg.contains("title"), "{msg}");
     assert_eq!(env.events.kinds(), vec![ToolEventKind::Refused]);
-    let key = idempotency_key("job-1", "section-10#1", "publish", &args);
-    assert!(env.ledger.get(&key).await.unwrap().is_none());
+    let key = idempotency_key("job-1", "section-10#1", "publish");
+    assert!(env.ledger.get("job-1", &key).await.unwrap().is_none());
     assert_eq!(env.sim.count().await, 0);
 
     let err = tb
@@ -512,7 +519,13 @@ async fn a_business_key_whose_owner_never_ran_is_taken_over() {
         .unwrap();
     assert_eq!(out.outcome, Outcome::Executed);
     assert_eq!(
-        env.ledger.get(&stale_key).await.unwrap().unwrap().0.state,
+        env.ledger
+            .get("job-1", &stale_key)
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+            .state,
         EffectState::Void
     );
     assert_eq!(env.sim.count().await, 1);
@@ -546,4 +559,131 @@ async fn a_stale_epoch_cannot_take_over_a_newer_in_flight_key() {
         Outcome::Replayed
     );
     assert_eq!(env.sim.count().await, 1);
+}
+
+/// A guard that refuses: the caller lost the job to a newer owner.
+struct Refuse;
+
+impl EffectGuard for Refuse {
+    fn prove(&self) -> BoxFuture<'_, Result<(), ToolError>> {
+        Box::pin(async { Err(ToolError::OwnershipLost("job is running at epoch 2".into())) })
+    }
+}
+
+/// A write whose guard refuses ownership stops before its effect: nothing
+/// is sent, nothing is recorded, and the next owner runs it.
+#[tokio::test]
+async fn a_refused_ownership_proof_stops_the_write_before_its_effect() {
+    let env = Env::start().await;
+    let tb = env.toolbox();
+    let stale = CallCtx::new("job-1", "publish#0", 1).guarded(Arc::new(Refuse));
+    let err = tb.call(&stale, "publish", &doc(16)).await.unwrap_err();
+    assert!(matches!(err, ToolError::OwnershipLost(_)), "{err:?}");
+    assert_eq!(err.disposition(), Disposition::Stop);
+    assert_eq!(env.sim.count().await, 0, "nothing sent");
+    assert!(!env.events.kinds().contains(&ToolEventKind::Started));
+    let key = idempotency_key("job-1", "publish#0", "publish");
+    assert!(env.ledger.get("job-1", &key).await.unwrap().is_none());
+    let out = tb
+        .call(&CallCtx::new("job-1", "publish#0", 2), "publish", &doc(16))
+        .await
+        .unwrap();
+    assert_eq!(out.outcome, Outcome::Executed);
+    assert_eq!(env.sim.count().await, 1);
+}
+
+/// nats-server honours `Nats-TTL: never` over the stream's `max_age`: the
+/// ledger's entries outlive the bucket's retention, an entry written
+/// without it does not.
+#[tokio::test]
+async fn ledger_entries_outlive_the_buckets_retention() {
+    let env = Env::start().await;
+    let kv = env
+        .js
+        .create_key_value(leasehold_store::setup::effects_config(
+            "lh_effects_short".into(),
+            Duration::from_secs(1),
+            1,
+        ))
+        .await
+        .unwrap();
+    let ledger = leasehold_tools::EffectsLedger::new(env.js.clone(), kv.clone());
+    let tb = Toolbox::builtin(&env.config(), Some(ledger.clone()), env.events.clone()).unwrap();
+    let c = ctx("publish#0");
+    let first = tb.call(&c, "publish", &doc(17)).await.unwrap();
+    kv.put("probe", "plain".into()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while kv.get("probe").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "max_age never expired the probe"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (entry, _) = ledger.get("job-1", &first.key).await.unwrap().unwrap();
+    assert_eq!(entry.state, EffectState::Done);
+    let again = tb.call(&c, "publish", &doc(17)).await.unwrap();
+    assert_eq!(again.outcome, Outcome::Replayed);
+    assert_eq!(env.sim.count().await, 1);
+}
+
+/// `purge_job` removes one job's entries and the business keys its effects
+/// own, and nothing of any other job.
+#[tokio::test]
+async fn purging_a_job_removes_its_entries_and_its_business_keys_only() {
+    let env = Env::start().await;
+    let tb = env.toolbox();
+    let publish = tb.tool("publish").unwrap().clone();
+    // Job "bk": a job id that looks like the old business-key prefix.
+    for job in ["job-a", "job-b", "bk"] {
+        for step in ["s#1", "s#2"] {
+            tb.call(
+                &CallCtx::new(job, step, 1),
+                "publish",
+                &doc(step.len() as u32 + job.len() as u32),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    let bk_of = |job: &str| {
+        leasehold_tools::business_key_id(
+            "publish",
+            &publish
+                .business_key(job, &doc(3 + job.len() as u32))
+                .unwrap(),
+        )
+    };
+    for job in ["job-a", "job-b", "bk"] {
+        assert!(env.ledger.store().get(bk_of(job)).await.unwrap().is_some());
+    }
+    let purged = env.ledger.purge_job("job-a").await.unwrap();
+    assert_eq!(purged.entries, 2);
+    // Both steps published the same document: one business key, owned by s#1.
+    assert_eq!(purged.business_keys, 1);
+    assert!(env
+        .ledger
+        .store()
+        .get(bk_of("job-a"))
+        .await
+        .unwrap()
+        .is_none());
+    for step in ["s#1", "s#2"] {
+        let a = idempotency_key("job-a", step, "publish");
+        assert!(env.ledger.get("job-a", &a).await.unwrap().is_none());
+        let b = idempotency_key("job-b", step, "publish");
+        assert!(env.ledger.get("job-b", &b).await.unwrap().is_some());
+    }
+    env.ledger.purge_job("bk").await.unwrap();
+    assert!(env
+        .ledger
+        .store()
+        .get(bk_of("job-b"))
+        .await
+        .unwrap()
+        .is_some());
+    // Idempotent, and a bad job id is refused rather than matching others.
+    assert_eq!(env.ledger.purge_job("job-a").await.unwrap().entries, 0);
+    assert!(env.ledger.purge_job("job-*").await.is_err());
+    assert!(env.ledger.purge_job("a.b").await.is_err());
 }

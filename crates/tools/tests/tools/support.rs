@@ -85,6 +85,7 @@ pub struct Env {
     pub sim: Sim,
     pub ledger: EffectsLedger,
     pub events: Arc<CollectEvents>,
+    pub js: async_nats::jetstream::Context,
     _nats: NatsServer,
 }
 
@@ -106,6 +107,7 @@ impl Env {
             sim: Sim::start().await,
             ledger,
             events: Arc::new(CollectEvents::new()),
+            js,
             _nats: nats,
         }
     }

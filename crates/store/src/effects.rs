@@ -1,0 +1,158 @@
+//! The effects ledger's bucket (`lh_effects`) at the level the KV API does
+//! not reach; the ledger's protocol itself lives in `leasehold-tools`.
+//!
+//! - Keys of one job share a first token, the job id (`<job_id>.<key>`), so
+//!   a job's entries are found and removed by a subject filter.
+//! - Entries are written with `Nats-TTL: never`: the bucket's `max_age`
+//!   (the retention) does not expire them. A job's entries go only when it
+//!   is purged ([`purge_prefix`]), by the retention cleaner once the job is
+//!   terminal, so a job parked for weeks or a dead letter replayed late
+//!   still finds what its effects did. The bucket allows per-message TTLs
+//!   (`allow_msg_ttl`, see `setup::effects_config`).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{
+    self, consumer, context::PublishErrorKind, kv, message::PublishMessage,
+};
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::{server_error_code, StoreError, WRONG_LAST_SEQUENCE};
+
+/// The `Nats-TTL` value that exempts a message from the stream's `max_age`.
+pub const TTL_NEVER: &str = "never";
+
+/// A refused or failed pinned write.
+#[derive(Debug, thiserror::Error)]
+pub enum PinnedError {
+    /// The key's last revision is not the expected one.
+    #[error("the key is not at the expected revision")]
+    WrongRevision,
+    #[error("{0}")]
+    Nats(String),
+}
+
+/// Server error: the stream does not allow per-message TTLs.
+const MSG_TTL_DISABLED: u64 = 10166;
+
+/// Whether `kv` accepts pinned writes (its stream allows per-message TTLs;
+/// `leasehold setup` configures the effects bucket so).
+pub fn allows_pinned(kv: &kv::Store) -> bool {
+    kv.stream.cached_info().config.allow_message_ttl
+}
+
+/// The subject of `key` in `kv`.
+fn subject(kv: &kv::Store, key: &str) -> String {
+    format!("$KV.{}.{key}", kv.name)
+}
+
+/// Writes `key` with `Nats-TTL: never`, conditioned on the key's last
+/// revision being `expected` (0: the key has no message at all).
+pub async fn write_pinned(
+    js: &jetstream::Context,
+    kv: &kv::Store,
+    key: &str,
+    value: Bytes,
+    expected: u64,
+) -> Result<u64, PinnedError> {
+    let m = PublishMessage::build()
+        .payload(value)
+        .header(async_nats::header::NATS_MESSAGE_TTL, TTL_NEVER)
+        .expected_last_subject_sequence(expected);
+    let res = match js.send_publish(subject(kv, key), m).await {
+        Ok(f) => f.await,
+        Err(e) => Err(e),
+    };
+    match res {
+        Ok(ack) => Ok(ack.sequence),
+        Err(e)
+            if e.kind() == PublishErrorKind::WrongLastSequence
+                || server_error_code(&e) == Some(WRONG_LAST_SEQUENCE) =>
+        {
+            Err(PinnedError::WrongRevision)
+        }
+        Err(e) if server_error_code(&e) == Some(MSG_TTL_DISABLED) => {
+            Err(PinnedError::Nats(format!(
+            "write {key}: bucket {} does not allow per-message TTLs; run `leasehold setup` ({e})",
+            kv.name
+        )))
+        }
+        Err(e) => Err(PinnedError::Nats(format!("write {key}: {e}"))),
+    }
+}
+
+async fn stream(
+    js: &jetstream::Context,
+    kv: &kv::Store,
+) -> Result<jetstream::stream::Stream<()>, StoreError> {
+    js.get_stream_no_info(format!("KV_{}", kv.name))
+        .await
+        .map_err(|e| StoreError::nats("effects stream", e))
+}
+
+/// The live entries under `<prefix>.`: `(key, value, revision)`, read with
+/// one ordered consumer delivering the last message per key. Deleted and
+/// purged keys are left out.
+pub async fn scan_prefix(
+    js: &jetstream::Context,
+    kv: &kv::Store,
+    prefix: &str,
+) -> Result<Vec<(String, Bytes, u64)>, StoreError> {
+    let consumer = stream(js, kv)
+        .await?
+        .create_consumer(consumer::pull::OrderedConfig {
+            filter_subject: subject(kv, &format!("{prefix}.>")),
+            deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| StoreError::nats("effects scan", e))?;
+    let mut pending = consumer.cached_info().num_pending;
+    let mut out = Vec::new();
+    if pending == 0 {
+        return Ok(out);
+    }
+    let mut msgs = consumer
+        .messages()
+        .await
+        .map_err(|e| StoreError::nats("effects scan", e))?;
+    let strip = subject(kv, "");
+    while pending > 0 {
+        let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
+        let Ok(Some(Ok(m))) = next else {
+            return Err(StoreError::Nats(format!(
+                "scanning the effects of {prefix} stalled"
+            )));
+        };
+        let info = m.info().map_err(|e| StoreError::nats("effects scan", e))?;
+        pending = info.pending;
+        let revision = info.stream_sequence;
+        let removed = m.headers.as_ref().is_some_and(|h| {
+            h.get("KV-Operation").is_some() || h.get("Nats-Marker-Reason").is_some()
+        });
+        if removed {
+            continue;
+        }
+        if let Some(key) = m.subject.strip_prefix(strip.as_str()) {
+            out.push((key.to_string(), m.payload.clone(), revision));
+        }
+    }
+    Ok(out)
+}
+
+/// Removes every message of every key under `<prefix>.` (no markers are
+/// left); returns how many messages went.
+pub async fn purge_prefix(
+    js: &jetstream::Context,
+    kv: &kv::Store,
+    prefix: &str,
+) -> Result<u64, StoreError> {
+    let r = stream(js, kv)
+        .await?
+        .purge()
+        .filter(subject(kv, &format!("{prefix}.>")))
+        .await
+        .map_err(|e| StoreError::nats("purge effects", e))?;
+    Ok(r.purged)
+}
