@@ -548,11 +548,20 @@ async fn restart_reclaim_and_the_old_ticket_claim_a_job_once() {
         .await;
     env.wait_status("twice", "running", Duration::from_secs(10))
         .await;
-    // Indexed, but its ticket's ack (after the index write) never goes out:
-    // the old ticket comes back while a restarted process already runs it.
+    // The claim's NAK (the wake-up) has gone through...
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while proxy.published("$JS.ACK.>") == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no wake-up NAK");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...and the job gets indexed, but its ticket's ack (after the index
+    // write) never goes out: the old ticket comes back while a restarted
+    // process already runs it.
     let hold = proxy.hold("$JS.ACK.>");
     env.wait_indexed("twice", Duration::from_secs(10)).await;
-    hold.triggered().await;
+    tokio::time::timeout(Duration::from_secs(10), hold.triggered())
+        .await
+        .expect("the ack after the index write was held");
     a.kill9();
     proxy.clear();
     let a2 = env.worker_proc(

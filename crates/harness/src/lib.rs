@@ -480,6 +480,23 @@ mod tests {
             })
             .await
             .unwrap();
-        assert_eq!(kv.put("k", "v".into()).await.unwrap(), 1);
+        // A new R3 stream may still be electing its leader on a loaded
+        // machine: the first put waits for it rather than failing.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match kv.put("k", "v".into()).await {
+                Ok(rev) => {
+                    assert_eq!(rev, 1);
+                    break;
+                }
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "R3 bucket never took a write: {e}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
     }
 }
