@@ -59,9 +59,35 @@ pub struct FlushStats {
     /// server's ack): how long a completion stays losable. One entry per
     /// event of the attempt, so bounded by the job's size.
     pub latencies_us: std::sync::Mutex<Vec<u32>>,
+    /// Retry reports queued by this attempt (for the recovery appendix).
+    retries: std::sync::Mutex<Retries>,
+    /// Bytes of the job's events this attempt read to resume.
+    pub events_read_bytes: AtomicU64,
+}
+
+/// The retries an attempt reported, by scope.
+#[derive(Debug, Default, Clone)]
+pub struct Retries {
+    pub by_scope: std::collections::BTreeMap<String, u32>,
+    pub refused: u32,
 }
 
 impl FlushStats {
+    fn count_retry(&self, data: &Value) {
+        let mut r = self.retries.lock().expect("retries lock");
+        if data.get("eligible").and_then(Value::as_bool) == Some(false) {
+            r.refused += 1;
+        } else {
+            let scope = data.get("scope").and_then(Value::as_str).unwrap_or("?");
+            *r.by_scope.entry(scope.to_string()).or_default() += 1;
+        }
+    }
+
+    /// The retries queued so far.
+    pub fn retries(&self) -> Retries {
+        self.retries.lock().expect("retries lock").clone()
+    }
+
     /// The counters and the flush latency's p50/p99/max, as JSON (the
     /// completed result's `output.checkpoints`, read by `make bench`).
     pub fn summary(&self) -> Value {
@@ -83,6 +109,7 @@ impl FlushStats {
             "batches": self.batches.load(Ordering::Relaxed),
             "progress_updates": updates,
             "progress_writes": writes,
+            "events_read_bytes": self.events_read_bytes.load(Ordering::Relaxed),
             "flush_latency_us": {"n": l.len(), "p50": q(0.5), "p99": q(0.99), "max": q(1.0)},
         })
     }
@@ -154,6 +181,9 @@ impl Flusher {
 
     /// Queues an event; returns its ticket (see [`Flusher::published`]).
     pub fn event(&self, ty: &'static str, data: Value) -> u64 {
+        if ty == "retry" {
+            self.stats.count_retry(&data);
+        }
         self.push(Item::Event { ty, data })
     }
 

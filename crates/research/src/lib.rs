@@ -361,6 +361,9 @@ struct Job<'a> {
     work: CancellationToken,
     state: State,
     notes: Vec<String>,
+    /// Claims and retries of earlier attempts, counted from what the resume
+    /// read (the recovery appendix does not read the log again).
+    history: report::Recovery,
     done: AtomicU32,
     skipped: AtomicU32,
 }
@@ -444,10 +447,29 @@ impl<'a> Job<'a> {
         if let Some(old) = ctx.record.versions.as_ref().filter(|o| **o != versions) {
             tracing::info!(job = %ctx.job_id, ?old, new = ?versions, "versions changed: incompatible checkpoints are not reused");
         }
-        let events = Events::new(&ctx.conn)
-            .read(&ctx.job_id)
+        // The checkpoints first, without the journal; then the journal only
+        // from where the sections still in flight began: a resume reads what
+        // it needs, not every transcript entry of the job's history.
+        let reader = Events::new(&ctx.conn);
+        let retryable = |e: leasehold_store::StoreError| ResearchError::retryable(e.to_string());
+        let mut events = reader
+            .read_types(&ctx.job_id, &["claimed", "phase", "section", "retry"])
             .await
-            .map_err(|e| ResearchError::retryable(e.to_string()))?;
+            .map_err(retryable)?;
+        let draft = State::rebuild(&events, &fp, input.experts, input.sections);
+        if let Some(from) = draft.journal_from(input.experts, input.sections) {
+            let mut journal = reader
+                .read_type_from(&ctx.job_id, "journal", from)
+                .await
+                .map_err(retryable)?;
+            events.append(&mut journal);
+            events.sort_by_key(|(seq, _)| *seq);
+        }
+        let history = report::Recovery::counted(&events);
+        flusher
+            .stats
+            .events_read_bytes
+            .store(reader.bytes_read(), Ordering::Relaxed);
         let state = State::rebuild(&events, &fp, input.experts, input.sections);
         let point = state.resume_point(input.experts, input.sections);
         let mut notes = state.notes.clone();
@@ -488,6 +510,7 @@ impl<'a> Job<'a> {
             work: ctx.cancel.child_token(),
             state,
             notes,
+            history,
             done: AtomicU32::new(done as u32),
             skipped: AtomicU32::new(skipped as u32),
         })
@@ -895,31 +918,24 @@ impl<'a> Job<'a> {
             .collect()
     }
 
+    /// The recovery facts: what the resume read of earlier attempts (all
+    /// epochs: what earlier owners did happened, even if fenced off now)
+    /// plus this attempt's own retries, as its flusher queued them. No
+    /// second read of the job's log.
     async fn recovery(&self) -> Recovery {
         let mut r = Recovery {
             stale_reclaims: self.ctx.record.stale_reclaims,
             attempts: self.ctx.record.attempts,
             notes: self.notes.clone(),
-            ..Recovery::default()
+            claims: self.history.claims,
+            retries: self.history.retries.clone(),
+            refused_retries: self.history.refused_retries,
         };
-        // All epochs: what earlier owners did happened, even if fenced off now.
-        if let Ok(events) = Events::new(&self.ctx.conn).read(&self.ctx.job_id).await {
-            for (_, ev) in &events {
-                match ev.r#type.as_str() {
-                    "claimed" => r.claims += 1,
-                    "retry" => {
-                        let d = ev.data_map();
-                        if d.get("eligible").and_then(Value::as_bool) == Some(false) {
-                            r.refused_retries += 1;
-                        } else {
-                            let scope = d.get("scope").and_then(Value::as_str).unwrap_or("?");
-                            *r.retries.entry(scope.to_string()).or_default() += 1;
-                        }
-                    }
-                    _ => {}
-                }
-            }
+        let own = self.flusher.stats.retries();
+        for (scope, n) in own.by_scope {
+            *r.retries.entry(scope).or_default() += n;
         }
+        r.refused_retries += own.refused;
         r
     }
 

@@ -251,6 +251,32 @@ pub struct Recovery {
     pub notes: Vec<String>,
 }
 
+impl Recovery {
+    /// Claims and retries counted from a job's events (every epoch).
+    pub fn counted(events: &[(u64, leasehold_proto::JobEvent)]) -> Recovery {
+        let mut r = Recovery::default();
+        for (_, ev) in events {
+            match ev.r#type.as_str() {
+                "claimed" => r.claims += 1,
+                "retry" => {
+                    let d = ev.data_map();
+                    if d.get("eligible").and_then(serde_json::Value::as_bool) == Some(false) {
+                        r.refused_retries += 1;
+                    } else {
+                        let scope = d
+                            .get("scope")
+                            .and_then(serde_json::Value::as_str)
+                            .unwrap_or("?");
+                        *r.retries.entry(scope.to_string()).or_default() += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        r
+    }
+}
+
 /// Everything the document is made of.
 pub struct Doc<'a> {
     pub input: &'a Input,

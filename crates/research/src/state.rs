@@ -2,7 +2,8 @@
 //!
 //! Checkpoints are events (`phase`, `section`, `journal`) carrying the run's
 //! version fingerprint `v`. The rebuild trusts only what it can validate:
-//! events from fenced-off epochs are dropped first ([`coherent`]), events
+//! events from fenced-off epochs are dropped first (as
+//! `leasehold_store::events::coherent` does), events
 //! under another fingerprint are ignored (a different prompt, model or tool
 //! set produced them), and every payload is checked against the job's input
 //! (section and expert counts) before it is used. Downstream state belongs to
@@ -13,7 +14,6 @@
 use std::collections::{BTreeMap, HashMap};
 
 use leasehold_proto::JobEvent;
-use leasehold_store::events::coherent;
 use leasehold_transcript::{Message, Thread};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -111,6 +111,11 @@ pub struct State {
     pub sections: HashMap<(usize, usize), SectionCk>,
     /// In-flight section transcripts: the last thread plus the messages after it.
     pub journals: HashMap<(usize, usize), Thread>,
+    /// Stream sequence of the perspectives checkpoint in force, and of each
+    /// expert's last section checkpoint: where the journal of the sections
+    /// still in flight can start (see [`State::journal_from`]).
+    experts_seq: Option<u64>,
+    section_seq: HashMap<usize, u64>,
     pub finals: BTreeMap<usize, FinalCk>,
     pub artifact: Option<ArtifactCk>,
     /// Why something was not reused (invalid, other version), for the appendix.
@@ -199,7 +204,16 @@ impl State {
     pub fn rebuild(events: &[(u64, JobEvent)], fp: &str, experts: usize, sections: usize) -> State {
         let mut st = State::default();
         let mut foreign = 0usize;
-        for ev in coherent(events) {
+        // The coherent events (see `leasehold_store::events::coherent`),
+        // with their sequences.
+        let mut current = 0;
+        for (seq, ev) in events {
+            if ev.r#type == "claimed" {
+                current = current.max(ev.epoch);
+            }
+            if ev.epoch < current {
+                continue;
+            }
             let ty = ev.r#type.as_str();
             if !matches!(ty, "phase" | "section" | "journal") {
                 continue;
@@ -210,8 +224,27 @@ impl State {
                 continue;
             }
             match ty {
-                "phase" => st.apply_phase(&data, experts, sections),
-                "section" => st.apply_section(&data, experts, sections),
+                "phase" => {
+                    st.apply_phase(&data, experts, sections);
+                    if data.get("phase").and_then(Value::as_str) == Some("perspectives") {
+                        st.experts_seq = st.experts.is_some().then_some(*seq);
+                        st.section_seq.clear();
+                    }
+                    if data.get("phase").and_then(Value::as_str) == Some("outline") {
+                        st.experts_seq = None;
+                        st.section_seq.clear();
+                    }
+                }
+                "section" => {
+                    let key = data
+                        .get("payload")
+                        .and_then(|p| p.get("expert"))
+                        .and_then(Value::as_u64);
+                    st.apply_section(&data, experts, sections);
+                    if let Some(e) = key {
+                        st.section_seq.insert(e as usize, *seq);
+                    }
+                }
                 _ => st.apply_journal(&data),
             }
         }
@@ -349,6 +382,18 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Where a resume must start reading the journal: only the sections
+    /// still in flight need it, and each of those began after its expert's
+    /// last section checkpoint (or the perspectives checkpoint). `None`:
+    /// no section is in flight, no journal is needed.
+    pub fn journal_from(&self, experts: usize, sections: usize) -> Option<u64> {
+        let base = self.experts_seq?;
+        (0..experts)
+            .filter(|e| (0..sections).any(|i| !self.sections.contains_key(&(*e, i))))
+            .map(|e| self.section_seq.get(&e).copied().unwrap_or(base))
+            .min()
     }
 
     /// The earliest phase that can run safely, given what is valid.
@@ -499,5 +544,36 @@ mod tests {
         ];
         let st = State::rebuild(&evs, "fp", 2, 1);
         assert_eq!(st.journals[&(1, 0)].messages.len(), 4);
+    }
+
+    #[test]
+    fn journal_is_read_only_from_the_oldest_section_still_in_flight() {
+        let mut evs = vec![
+            ev(1, 1, "claimed", json!({})),
+            ev(
+                2,
+                1,
+                "phase",
+                json!({"v": "fp", "phase": "outline", "payload": outline(2)}),
+            ),
+        ];
+        // No perspectives yet: no section can be in flight.
+        assert_eq!(State::rebuild(&evs, "fp", 2, 2).journal_from(2, 2), None);
+        evs.push(ev(
+            3,
+            1,
+            "phase",
+            json!({"v": "fp", "phase": "perspectives", "payload": experts(2)}),
+        ));
+        // Both experts start right after the perspectives checkpoint.
+        assert_eq!(State::rebuild(&evs, "fp", 2, 2).journal_from(2, 2), Some(3));
+        evs.push(ev(7, 1, "section", section(0, 0, "a")));
+        evs.push(ev(9, 1, "section", section(1, 0, "b")));
+        evs.push(ev(12, 1, "section", section(0, 1, "c")));
+        // Expert 0 is done; expert 1 resumes after its last checkpoint.
+        assert_eq!(State::rebuild(&evs, "fp", 2, 2).journal_from(2, 2), Some(9));
+        evs.push(ev(15, 1, "section", section(1, 1, "d")));
+        // Everything checkpointed: no journal needed.
+        assert_eq!(State::rebuild(&evs, "fp", 2, 2).journal_from(2, 2), None);
     }
 }

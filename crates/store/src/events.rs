@@ -44,6 +44,8 @@ pub struct Events {
     js: jetstream::Context,
     layout: Layout,
     stream: String,
+    /// Bytes of events read through this handle (and its clones).
+    read_bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A refused or failed fenced publication.
@@ -79,6 +81,7 @@ impl Events {
             js: conn.js.clone(),
             layout: conn.layout.clone(),
             stream: conn.layout.events_stream(),
+            read_bytes: Default::default(),
         }
     }
 
@@ -274,11 +277,45 @@ impl Events {
 
     /// Every event of one job, in order, with its stream sequence.
     pub async fn read(&self, job_id: &str) -> Result<Vec<(u64, JobEvent)>, StoreError> {
-        self.read_filter(&self.layout.job_events_filter(job_id))
+        self.read_filtered(vec![self.layout.job_events_filter(job_id)], 0)
             .await
     }
 
-    async fn read_filter(&self, filter: &str) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+    /// The job's events of these types only, in order.
+    pub async fn read_types(
+        &self,
+        job_id: &str,
+        types: &[&str],
+    ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        let filters = types
+            .iter()
+            .map(|t| self.layout.event_subject(job_id, t))
+            .collect();
+        self.read_filtered(filters, 0).await
+    }
+
+    /// The job's events of one type from stream sequence `from` on.
+    pub async fn read_type_from(
+        &self,
+        job_id: &str,
+        ty: &str,
+        from: u64,
+    ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        self.read_filtered(vec![self.layout.event_subject(job_id, ty)], from)
+            .await
+    }
+
+    /// Bytes of events read through this handle: what a resume costs.
+    pub fn bytes_read(&self) -> u64 {
+        self.read_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    async fn read_filtered(
+        &self,
+        filters: Vec<String>,
+        from: u64,
+    ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        let filter = filters.join(",");
         let stream = self
             .js
             .get_stream(&self.stream)
@@ -286,8 +323,14 @@ impl Events {
             .map_err(|e| StoreError::nats("events stream", e))?;
         let consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subject: filter.to_string(),
-                deliver_policy: jetstream::consumer::DeliverPolicy::All,
+                filter_subjects: filters,
+                deliver_policy: if from > 0 {
+                    jetstream::consumer::DeliverPolicy::ByStartSequence {
+                        start_sequence: from,
+                    }
+                } else {
+                    jetstream::consumer::DeliverPolicy::All
+                },
                 ..Default::default()
             })
             .await
@@ -311,6 +354,8 @@ impl Events {
             };
             let info = m.info().map_err(|e| StoreError::nats("event info", e))?;
             pending = info.pending;
+            self.read_bytes
+                .fetch_add(m.payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
             if let Ok(ev) = serde_json::from_slice::<JobEvent>(&m.payload) {
                 out.push((info.stream_sequence, self.resolved(ev).await?));
             }
