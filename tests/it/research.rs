@@ -691,3 +691,51 @@ async fn research_paused_owner_neither_overwrites_the_artifact_nor_delivers_agai
         a.output().contains("adopting the stored one")
     );
 }
+
+#[tokio::test]
+async fn research_transcripts_can_go_before_the_job() {
+    let lab = Lab::new(&[]).await;
+    let _w = lab.worker(&[]);
+    lab.submit("r-tx").await;
+    let rec = lab.completed("r-tx").await;
+    let before = lab.env.events_of("r-tx").await;
+    let count = |evs: &[JobEvent], ty: &str| evs.iter().filter(|e| e.r#type == ty).count();
+    assert!(count(&before, "journal") > 0 && count(&before, "tool") > 0);
+    // Full retention off, transcripts dropped as soon as the job finished.
+    let mut o = <leasehold_reaper::Options as clap::Parser>::parse_from([
+        "leasehold-reaper",
+        "--retention",
+        "0s",
+        "--transcript-retention",
+        "0s",
+    ]);
+    o.nats = leasehold_store::NatsArgs::local(lab.env.url(), &lab.env.prefix);
+    o.interval = Duration::from_millis(200);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let reaper = leasehold_reaper::Reaper::new(o)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let after = loop {
+        let evs = lab.env.events_of("r-tx").await;
+        if count(&evs, "journal") == 0 && count(&evs, "tool") == 0 {
+            break evs;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "transcripts still there"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Everything else stays: checkpoints, the terminal event, the record,
+    // the artifact, and the job still reads as it did.
+    for ty in ["claimed", "phase", "section", "completed"] {
+        assert_eq!(count(&after, ty), count(&before, ty), "{ty} events kept");
+    }
+    assert_eq!(lab.env.jobs.get("r-tx").await.unwrap().unwrap().value, rec);
+    let doc = lab.artifact(&rec).await;
+    assert!(doc.contains("## Appendix A: Sources"));
+    stop.cancel();
+    reaper.wait().await.unwrap();
+}

@@ -12,6 +12,7 @@
 //! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (attempt deadlines only) |
 //! | `--retention` | 7d | how long a finished job (record, events, artifact, effects) is kept after its last write; 0 keeps everything |
 //! | `--retention-kind` | none | per-kind retention, e.g. `echo=1h,research=30d` |
+//! | `--transcript-retention` | unset | remove a finished job's transcript (`journal` and `tool` events) this long after it finished; unset: it goes with the job |
 //!
 //! Plus the NATS variables of every binary (`NATS_URL`, credentials, TLS,
 //! `LH_PREFIX`).
@@ -67,6 +68,13 @@ pub struct Options {
     /// `echo=1h,research=30d`); other kinds get --retention.
     #[arg(long, env = "LH_RETENTION_KIND", value_delimiter = ',', value_parser = parse_kind_retention)]
     pub retention_kind: Vec<(String, Duration)>,
+    /// Remove a finished job's transcript (its `journal` and `tool` events:
+    /// every model message and tool result) this long after it finished,
+    /// e.g. `0s` or `1d`. The record, checkpoints, terminal event and
+    /// artifact stay until --retention. Unset: the transcript goes with
+    /// the job.
+    #[arg(long, env = "LH_TRANSCRIPT_RETENTION", value_parser = parse_duration)]
+    pub transcript_retention: Option<Duration>,
     /// Serve /healthz, /readyz and /metrics on this address (e.g.
     /// `0.0.0.0:9091`). No HTTP server when unset.
     #[arg(long, env = "LH_HTTP_LISTEN")]

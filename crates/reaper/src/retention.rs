@@ -68,18 +68,38 @@ pub fn classes(o: &Options) -> Vec<Class> {
     out
 }
 
-/// Runs the passes every `every` until `shutdown`.
+/// Runs the passes every `every` until `shutdown`: each class, then the
+/// transcripts' pass when `transcripts` is set.
 pub async fn run(
     retention: Retention,
     classes: Vec<Class>,
+    transcripts: Option<Duration>,
     every: Duration,
     stats: Arc<Stats>,
     shutdown: CancellationToken,
 ) {
-    if classes.is_empty() {
+    if classes.is_empty() && transcripts.is_none() {
         return;
     }
     loop {
+        if let Some(after) = transcripts {
+            loop {
+                match retention.transcripts_pass(after, PER_PASS).await {
+                    Ok(p) => {
+                        if p.forgotten > 0 {
+                            tracing::info!(after = ?after, jobs = p.forgotten, "transcripts of finished jobs removed");
+                        }
+                        if (p.seen as usize) < PER_PASS || shutdown.is_cancelled() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "transcript pass failed; retrying at the next interval");
+                        break;
+                    }
+                }
+            }
+        }
         for c in &classes {
             loop {
                 match retention

@@ -309,6 +309,7 @@ async fn run(
         Ok(r) => tokio::spawn(crate::retention::run(
             r,
             crate::retention::classes(&inner.opts),
+            inner.opts.transcript_retention,
             inner.opts.interval,
             inner.stats.clone(),
             shutdown.clone(),

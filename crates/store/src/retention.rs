@@ -13,6 +13,10 @@
 //! the index bucket (`gc.<retention seconds>`), one cursor per retention
 //! class. Every step is idempotent, so replicas may overlap; the cursor is
 //! advanced with a conditioned write.
+//!
+//! Transcripts (a job's `journal` and `tool` events: every model message
+//! and tool result) may go sooner than the rest, from their own cursor
+//! (`tx.<seconds>`), when keeping full transcripts is not wanted.
 
 use std::time::{Duration, SystemTime};
 
@@ -26,6 +30,20 @@ use crate::{Conn, Jobs, Layout, StoreError};
 
 /// Event types that end a job.
 pub const TERMINAL_EVENTS: [&str; 5] = ["completed", "failed", "cancelled", "dead", "rejected"];
+
+/// Event types that make up a job's transcript: the journal (every model
+/// response and tool result of a run) and tool-call records. A finished job
+/// needs neither to be read or resumed from its checkpoints.
+pub const TRANSCRIPT_EVENTS: [&str; 2] = ["journal", "tool"];
+
+/// What a pass does to each finished job that is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    /// Everything of the job goes (cursor `gc.<secs>`).
+    Forget,
+    /// Only its transcript events go (cursor `tx.<secs>`).
+    Transcripts,
+}
 
 /// How long removed records' markers stay before they vanish.
 const MARKER_TTL: Duration = Duration::from_secs(3600);
@@ -87,7 +105,32 @@ impl Retention {
     where
         F: Fn(&str) -> bool,
     {
-        let cursor_key = format!("gc.{}", retention.as_secs());
+        self.scan(Action::Forget, retention, belongs, max).await
+    }
+
+    /// One pass removing the transcripts ([`TRANSCRIPT_EVENTS`]) of jobs
+    /// finished more than `after` ago, keeping their record, checkpoints,
+    /// terminal event and artifact until their retention. `forgotten`
+    /// counts the jobs whose transcripts went.
+    pub async fn transcripts_pass(&self, after: Duration, max: usize) -> Result<Pass, StoreError> {
+        self.scan(Action::Transcripts, after, |_| true, max).await
+    }
+
+    async fn scan<F>(
+        &self,
+        action: Action,
+        retention: Duration,
+        belongs: F,
+        max: usize,
+    ) -> Result<Pass, StoreError>
+    where
+        F: Fn(&str) -> bool,
+    {
+        let class = match action {
+            Action::Forget => "gc",
+            Action::Transcripts => "tx",
+        };
+        let cursor_key = format!("{class}.{}", retention.as_secs());
         let (after, rev) = match self
             .index
             .entry(&cursor_key)
@@ -153,7 +196,13 @@ impl Retention {
                         .data_map()
                         .get("kind")
                         .and_then(|k| k.as_str().map(str::to_string));
-                    match self.forget(&ev.job_id, retention, kind, &belongs).await? {
+                    let done = match action {
+                        Action::Forget => {
+                            self.forget(&ev.job_id, retention, kind, &belongs).await?
+                        }
+                        Action::Transcripts => self.forget_transcript(&ev.job_id).await?,
+                    };
+                    match done {
                         true => pass.forgotten += 1,
                         false => pass.skipped += 1,
                     }
@@ -235,6 +284,26 @@ impl Retention {
             Err(e) if crate::server_error_code(&e) == Some(crate::WRONG_LAST_SEQUENCE) => Ok(false),
             Err(e) => Err(StoreError::nats("remove record", e)),
         }
+    }
+
+    /// Removes the transcript events of job `id` if it is finished. A job
+    /// replayed later resumes from its checkpoints; sections that were in
+    /// flight (a failed job's) restart from a clean thread.
+    pub async fn forget_transcript(&self, id: &str) -> Result<bool, StoreError> {
+        let finished = match self.jobs.get(id).await {
+            Ok(Some(cur)) => status_of(&cur.value).is_some_and(|s| s.is_terminal()),
+            Ok(None) | Err(crate::JobsError::Corrupt { .. }) => false,
+            Err(e) => return Err(StoreError::Nats(e.to_string())),
+        };
+        if !finished {
+            return Ok(false);
+        }
+        let l = &self.layout;
+        for ty in TRANSCRIPT_EVENTS {
+            self.purge_subject(&l.events_stream(), l.event_subject(id, ty))
+                .await?;
+        }
+        Ok(true)
     }
 
     /// Everything of a job but its record, in order: events first.
