@@ -12,10 +12,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use leasehold_telemetry::{observe, spans};
 use leasehold_transcript::Message;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::breaker::CircuitBreaker;
 use crate::budget::{Budget, BudgetLeft};
@@ -309,7 +311,13 @@ impl Generator {
                     retry_after,
                 }),
                 Ok(()) => {
-                    let fut = self.client.generate_once(req, &model, &mut state);
+                    // One model request: its span and its metrics.
+                    let span = spans::chat("openai", &model);
+                    let sent = Instant::now();
+                    let fut = self
+                        .client
+                        .generate_once(req, &model, &mut state)
+                        .instrument(span.clone());
                     let r = tokio::select! {
                         biased;
                         _ = ctx.cancel.cancelled() => Err(ModelError::Cancelled),
@@ -320,6 +328,7 @@ impl Generator {
                             }
                         } => r,
                     };
+                    record_request(&span, &model, sent.elapsed(), &r);
                     match &r {
                         Ok(_) => breaker.record(true),
                         Err(e) => match e.class() {
@@ -350,6 +359,7 @@ impl Generator {
             if !class.is_retryable() {
                 return Err(fail(e, total, None));
             }
+            observe::model_retry(&class.as_str());
             let retained = retained_input(&req.messages);
             let mut report = RetryReport {
                 scope: RetryScope::Generation,
@@ -414,6 +424,41 @@ impl Generator {
             if let Err(stop) = ctx.wait(delay).await {
                 return Err(fail(stop, total, None));
             }
+        }
+    }
+}
+
+/// A model request's outcome on its `chat` span and in the metrics.
+fn record_request(
+    span: &tracing::Span,
+    model: &str,
+    elapsed: Duration,
+    r: &Result<Completion, ModelError>,
+) {
+    match r {
+        Ok(c) => {
+            let (input, output) = (c.usage.prompt_tokens, c.usage.completion_tokens);
+            spans::record_usage(span, input, output);
+            spans::record_response_model(span, &c.model);
+            spans::record_finish_reasons(span, &[c.finish_reason.as_str()]);
+            observe::model_request(&observe::ModelRequest {
+                model,
+                outcome: "ok",
+                input_tokens: input,
+                output_tokens: output,
+                elapsed,
+            });
+        }
+        Err(e) => {
+            let class = e.class().as_str();
+            spans::record_error(span, &class);
+            observe::model_request(&observe::ModelRequest {
+                model,
+                outcome: &class,
+                input_tokens: 0,
+                output_tokens: 0,
+                elapsed,
+            });
         }
     }
 }

@@ -251,6 +251,9 @@ async fn run(
             batch.push(more);
         }
         f.stats.batches.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let mut durable = 0usize;
+        let mut wrote = false;
         let top = batch.last().map_or(0, |(n, _, _)| *n);
         let mut progress: Option<ProgressSnap> = None;
         let mut barriers = Vec::new();
@@ -262,6 +265,7 @@ async fn run(
                     if !f.is_lost() {
                         publish(&f, &fence, &cancel, ty, &data).await;
                         f.stats.events.fetch_add(1, Ordering::Relaxed);
+                        durable += 1;
                         let us = u32::try_from(queued.elapsed().as_micros()).unwrap_or(u32::MAX);
                         if let Ok(mut l) = f.stats.latencies_us.lock() {
                             l.push(us);
@@ -275,10 +279,14 @@ async fn run(
             if !f.is_lost() {
                 write_progress(&f, &fence, &gate, &cancel, &p).await;
                 last_written = Some(p);
+                wrote = true;
             }
         }
         f.published.fetch_max(top, Ordering::SeqCst);
         let ok = !f.is_lost();
+        if ok && (durable > 0 || wrote) {
+            leasehold_telemetry::observe::checkpoint_flush(started.elapsed(), durable);
+        }
         for b in barriers {
             let _ = b.send(ok);
         }

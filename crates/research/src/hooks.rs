@@ -235,6 +235,7 @@ impl Crash {
 
     fn die(&self, what: &str) -> ! {
         tracing::error!(point = what, "LH_RESEARCH_CRASH_AT reached: aborting");
+        leasehold_telemetry::observe::flush_before_abort();
         std::process::abort();
     }
 

@@ -47,6 +47,7 @@ use leasehold_proto::{JobResult, Versions};
 use leasehold_store::artifacts::{Artifacts, NewArtifact, Written};
 use leasehold_store::events::{Events, Fence};
 use leasehold_store::{Conn, Gate};
+use leasehold_telemetry::spans;
 use leasehold_tools::{
     CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, Toolbox, ToolboxConfig,
 };
@@ -55,6 +56,7 @@ use serde_json::{json, Value};
 use tokio::io::AsyncReadExt;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::flusher::{Flusher, ProgressSnap};
 use crate::hooks::{Crash, CrashPoint, Journal, NoTools, Reporter, SectionTools, ToolSink};
@@ -273,6 +275,34 @@ impl From<ResearchError> for Stop {
     fn from(e: ResearchError) -> Self {
         Stop::Err(e)
     }
+}
+
+impl Stop {
+    /// A low-cardinality name for spans (`error.type`).
+    fn class(&self) -> &'static str {
+        match self {
+            Stop::Park { .. } => "parked",
+            Stop::Err(e) => match e.class {
+                ErrorClass::Retryable => "retryable",
+                ErrorClass::Terminal => "terminal",
+                ErrorClass::Cancelled => "cancelled",
+            },
+        }
+    }
+}
+
+/// Runs `fut` as the phase `name`: a `phase` span around it, marked failed
+/// when the phase stops the run.
+async fn in_phase<T>(
+    name: &str,
+    fut: impl std::future::Future<Output = Result<T, Stop>>,
+) -> Result<T, Stop> {
+    let span = spans::phase(name);
+    let r = fut.instrument(span.clone()).await;
+    if let Err(stop) = &r {
+        spans::record_error(&span, stop.class());
+    }
+    r
 }
 
 fn stop_of(outcome: SectionOutcome, what: &str) -> Stop {
@@ -579,24 +609,27 @@ impl<'a> Job<'a> {
         let (ne, ns) = (self.input.experts, self.input.sections);
         if let Some(art) = self.stored_artifact().await? {
             tracing::info!(job = %self.ctx.job_id, "research: artifact already stored; delivering it");
-            return self.deliver(art).await;
+            return in_phase("deliver", self.deliver(art)).await;
         }
         if self.state.outline.is_none() {
             self.progress(Resume::Outline);
             let prompt = self.input.outline_prompt();
-            let v = self
-                .structured("outline", prompt, report::outline_format(ns), |v| {
+            let v = in_phase(
+                "outline",
+                self.structured("outline", prompt, report::outline_format(ns), |v| {
                     validate_outline(v, ns).map(|o| json!(o))
-                })
-                .await?;
+                }),
+            )
+            .await?;
             self.state.outline = validate_outline(&v, ns).ok();
             self.checkpoint_phase("outline", v).await;
         }
         if self.state.experts.is_none() {
             self.progress(Resume::Perspectives);
             let prompt = self.input.perspectives_prompt();
-            let v = self
-                .structured(
+            let v = in_phase(
+                "perspectives",
+                self.structured(
                     "perspectives",
                     prompt,
                     report::perspectives_format(ne),
@@ -604,23 +637,24 @@ impl<'a> Job<'a> {
                         validate_experts(v.get("experts").unwrap_or(&Value::Null), ne)
                             .map(|e| json!(e))
                     },
-                )
-                .await?;
+                ),
+            )
+            .await?;
             self.state.experts = validate_experts(&v, ne).ok();
             self.checkpoint_phase("perspectives", v).await;
         }
         self.cancelled()?;
         self.progress(Resume::Experts);
-        let fresh = self.experts_phase().await?;
+        let fresh = in_phase("experts", self.experts_phase()).await?;
         for s in fresh {
             self.state.sections.insert((s.expert, s.index), s);
         }
         self.cancelled()?;
         self.progress(Resume::Final);
-        self.final_phase().await?;
+        in_phase("final", self.final_phase()).await?;
         self.cancelled()?;
-        let art = self.write_artifact().await?;
-        self.deliver(art).await
+        let art = in_phase("artifact", self.write_artifact()).await?;
+        in_phase("deliver", self.deliver(art)).await
     }
 
     async fn checkpoint_phase(&self, phase: &'static str, payload: Value) {
@@ -735,51 +769,62 @@ impl<'a> Job<'a> {
             let title = outline.sections[i].title.clone();
             let prompt = self.input.section_prompt(outline, expert, i);
             let journal = self.state.journals.get(&(e, i)).cloned();
-            let (outcome, thread, model_calls, tool_calls) =
-                match journal.as_ref().and_then(|t| finished_answer(t, &prompt)) {
-                    // The answer was journaled but its checkpoint was not: no call.
-                    Some(text) => (
-                        SectionOutcome::Completed { text },
-                        journal.clone().unwrap_or(Thread {
-                            generation: 0,
-                            messages: vec![],
-                        }),
-                        0,
-                        0,
-                    ),
-                    None => {
-                        let tools = Arc::new(SectionTools {
-                            toolbox: self.toolbox.clone(),
-                            job_id: self.ctx.job_id.clone(),
-                            epoch: self.ctx.epoch,
-                            section: format!("e{e}.s{i}"),
-                            offered: vec!["search", "fetch"],
-                            guard: self.owner.clone(),
-                        });
-                        let hook = Arc::new(Journal {
-                            flusher: self.flusher.clone(),
-                            fp: self.fp.clone(),
-                            expert: e,
-                            index: i,
-                            crash: self.crash.clone(),
-                        });
-                        let r = self
-                            .section(
-                                tools,
-                                hook,
-                                self.cfg.section_policy.clone(),
-                                SectionInput {
-                                    system: report::SYSTEM.into(),
-                                    section_prompt: prompt,
-                                    rolling_context: summary.clone(),
-                                    initial: journal,
-                                },
-                                json!({"expert": e, "index": i}),
-                            )
-                            .await;
-                        (r.outcome, r.thread, r.model_calls, r.tool_calls)
+            let (outcome, thread, model_calls, tool_calls) = match journal
+                .as_ref()
+                .and_then(|t| finished_answer(t, &prompt))
+            {
+                // The answer was journaled but its checkpoint was not: no call.
+                Some(text) => (
+                    SectionOutcome::Completed { text },
+                    journal.clone().unwrap_or(Thread {
+                        generation: 0,
+                        messages: vec![],
+                    }),
+                    0,
+                    0,
+                ),
+                None => {
+                    let span = spans::section(i, &expert.name);
+                    let tools = Arc::new(SectionTools {
+                        toolbox: self.toolbox.clone(),
+                        job_id: self.ctx.job_id.clone(),
+                        epoch: self.ctx.epoch,
+                        section: format!("e{e}.s{i}"),
+                        offered: vec!["search", "fetch"],
+                        guard: self.owner.clone(),
+                    });
+                    let hook = Arc::new(Journal {
+                        flusher: self.flusher.clone(),
+                        fp: self.fp.clone(),
+                        expert: e,
+                        index: i,
+                        crash: self.crash.clone(),
+                    });
+                    let r = self
+                        .section(
+                            tools,
+                            hook,
+                            self.cfg.section_policy.clone(),
+                            SectionInput {
+                                system: report::SYSTEM.into(),
+                                section_prompt: prompt,
+                                rolling_context: summary.clone(),
+                                initial: journal,
+                            },
+                            json!({"expert": e, "index": i}),
+                        )
+                        .instrument(span.clone())
+                        .await;
+                    match &r.outcome {
+                        SectionOutcome::Completed { .. } => {
+                            spans::record_outcome(&span, "completed")
+                        }
+                        SectionOutcome::Skipped { .. } => spans::record_outcome(&span, "skipped"),
+                        _ => spans::record_error(&span, "stopped"),
                     }
-                };
+                    (r.outcome, r.thread, r.model_calls, r.tool_calls)
+                }
+            };
             let ck = match outcome {
                 SectionOutcome::Completed { text } => {
                     let mut sources = report::urls_in(&text);

@@ -585,8 +585,7 @@ pub struct FleetSnapshot {
     pub parked: u64,
     /// Age of the oldest queued or running job (zero when there is none).
     pub oldest_in_flight_age: Option<Duration>,
-    /// Dead letters counted from the records, by class (`poison`,
-    /// `max_deliveries`, `rejected`, ...).
+    /// Dead letters held in the dead-letter stream, by job kind.
     pub dead_letters: BTreeMap<String, u64>,
 }
 
@@ -613,7 +612,7 @@ struct ReaperInner {
     in_flight: Gauge,
     parked: Gauge,
     oldest_age: Gauge<f64, AtomicU64>,
-    dead_letters: Family<ClassLabel, Gauge>,
+    dead_letters: Family<KindLabel, Gauge>,
     last_sweep: Gauge<f64, AtomicU64>,
 }
 
@@ -696,10 +695,10 @@ impl ReaperMetrics {
             Unit::Seconds,
             oldest_age.clone(),
         );
-        let dead_letters = Family::<ClassLabel, Gauge>::default();
+        let dead_letters = Family::<KindLabel, Gauge>::default();
         r.register(
             "leasehold_fleet_dead_letters",
-            "Dead letters counted from the job records, by class",
+            "Dead letters held in the dead-letter stream, by kind",
             dead_letters.clone(),
         );
         let last_sweep = Gauge::<f64, AtomicU64>::default();
@@ -742,12 +741,6 @@ impl ReaperMetrics {
         self.inner.sweep_duration.observe(elapsed.as_secs_f64());
     }
 
-    /// Sweeps completed that were not timed (a bridge from a counter);
-    /// prefer [`ReaperMetrics::sweep_finished`].
-    pub fn sweeps(&self, n: u64) {
-        self.inner.sweeps.inc_by(n);
-    }
-
     pub fn sweep_failed(&self) {
         self.inner.sweep_failures.inc();
     }
@@ -783,13 +776,11 @@ impl ReaperMetrics {
         i.parked.set(gauge_of(s.parked));
         i.oldest_age
             .set(s.oldest_in_flight_age.unwrap_or_default().as_secs_f64());
-        // Classes that disappeared (purged) disappear from the export too.
+        // Kinds that disappeared (purged) disappear from the export too.
         i.dead_letters.clear();
-        for (class, n) in &s.dead_letters {
+        for (kind, n) in &s.dead_letters {
             i.dead_letters
-                .get_or_create(&ClassLabel {
-                    class: class.clone(),
-                })
+                .get_or_create(&KindLabel { kind: kind.clone() })
                 .set(gauge_of(*n));
         }
         let now = std::time::SystemTime::now()
@@ -975,7 +966,7 @@ mod tests {
             in_flight: 6,
             parked: 1,
             oldest_in_flight_age: Some(Duration::from_secs(90)),
-            dead_letters: BTreeMap::from([("poison".into(), 2), ("rejected".into(), 1)]),
+            dead_letters: BTreeMap::from([("research".into(), 2), ("echo".into(), 1)]),
         };
         m.fleet(&s);
         let text = m.encode();
@@ -1000,18 +991,18 @@ mod tests {
                 90.0,
             ),
             (
-                "leasehold_fleet_dead_letters{replica=\"r-1\",class=\"rejected\"}",
+                "leasehold_fleet_dead_letters{replica=\"r-1\",kind=\"echo\"}",
                 1.0,
             ),
         ] {
             assert_eq!(sample(&text, prefix), Some(v), "{prefix}\n{text}");
         }
-        // A purged class goes away; an unknown queue depth is left alone.
-        s.dead_letters.remove("rejected");
+        // A purged kind goes away; an unknown queue depth is left alone.
+        s.dead_letters.remove("echo");
         s.queued = None;
         m.fleet(&s);
         let text = m.encode();
-        assert!(!text.contains("class=\"rejected\""), "{text}");
+        assert!(!text.contains("kind=\"echo\""), "{text}");
         assert_eq!(
             sample(&text, "leasehold_fleet_queue_depth{replica=\"r-1\"}"),
             Some(4.0)

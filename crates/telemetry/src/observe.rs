@@ -137,3 +137,22 @@ pub fn effect(tool: &str, outcome: EffectOutcome) {
 pub fn checkpoint_flush(elapsed: Duration, events: usize) {
     global().checkpoint_flush(elapsed, events)
 }
+
+type Flush = Box<dyn Fn() + Send + Sync>;
+
+static FLUSH: OnceLock<Flush> = OnceLock::new();
+
+/// Sets how [`flush_before_abort`] exports what is buffered (the trace
+/// exporter registers itself here when it starts). First call wins.
+pub fn set_flush(f: Flush) {
+    let _ = FLUSH.set(f);
+}
+
+/// Exports buffered telemetry now, for a process about to abort (a test
+/// crash point): the spans closed so far reach the collector, so a trace
+/// shows where its attempt died. Does nothing when nothing is exported.
+pub fn flush_before_abort() {
+    if let Some(f) = FLUSH.get() {
+        f();
+    }
+}

@@ -4,7 +4,7 @@
 //! ```text
 //! job {kind}                       the submitter's span (its traceparent is kept in the record)
 //! └─ attempt {kind}                one per claim; links to the previous attempt's span
-//!    └─ phase {name}               research: outline, perspectives, experts, final, deliver
+//!    └─ phase {name}               research: outline, perspectives, experts, final, artifact, deliver
 //!       └─ section {index}         one expert section (tool loop)
 //!          ├─ chat {model}         one model request (GenAI semantic conventions)
 //!          └─ execute_tool {name}  one tool call (after, not inside, the chat that proposed it)
@@ -27,6 +27,19 @@ use tracing::Span;
 /// creating this span themselves.
 pub fn job(job_id: &str, kind: &str) -> Span {
     tracing::info_span!(
+        "job",
+        otel.name = %format_args!("job {kind}"),
+        otel.kind = "producer",
+        leasehold.job.id = %job_id,
+        leasehold.job.kind = %kind,
+    )
+}
+
+/// A new root `job` span, for a job whose submitter sent no trace context:
+/// the worker that first claims it starts the job's trace here.
+pub fn job_root(job_id: &str, kind: &str) -> Span {
+    tracing::info_span!(
+        parent: None,
         "job",
         otel.name = %format_args!("job {kind}"),
         otel.kind = "producer",

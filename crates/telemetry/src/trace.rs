@@ -124,8 +124,18 @@ pub fn init(service: &str) -> Guard {
         }
         return Guard { provider: None };
     }
-    if provider.is_some() {
+    if let Some(p) = &provider {
         tracing::info!(service, "exporting traces over OTLP/gRPC");
+        let p = p.clone();
+        crate::observe::set_flush(Box::new(move || {
+            let run = || {
+                let _ = p.force_flush();
+            };
+            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
+                _ => run(),
+            }
+        }));
     }
     Guard { provider }
 }

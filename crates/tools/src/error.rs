@@ -141,6 +141,22 @@ impl ToolError {
         }
     }
 
+    /// Whether the call was refused before the tool ran (bad name or
+    /// arguments, a refused destination, a key reused, no ownership).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            ToolError::UnknownTool(_)
+                | ToolError::InvalidArgs { .. }
+                | ToolError::Refused(_)
+                | ToolError::KeyReuse { .. }
+                | ToolError::Superseded { .. }
+                | ToolError::OwnershipLost(_)
+                | ToolError::OwnershipUnproven(_)
+                | ToolError::Config(_)
+        )
+    }
+
     /// The JSON to hand to the model as the tool result when
     /// [`Disposition::ReturnToModel`] applies.
     pub fn to_tool_result(&self) -> serde_json::Value {

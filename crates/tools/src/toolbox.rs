@@ -26,7 +26,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use leasehold_telemetry::{observe, spans};
 use serde_json::Value;
+use tracing::Instrument;
 
 use crate::builtin::fetch::{FetchConfig, FetchTool};
 use crate::builtin::publish::{PublishConfig, PublishTool};
@@ -449,8 +451,54 @@ impl Toolbox {
         self.call_with(ctx, name, args, self.events.as_ref()).await
     }
 
-    /// Runs one call, reporting to `events` (e.g. a per-job publisher).
+    /// Runs one call, reporting to `events` (e.g. a per-job publisher), in
+    /// an `execute_tool {name}` span, counted in the process's metrics.
     pub async fn call_with(
+        &self,
+        ctx: &CallCtx,
+        name: &str,
+        args: &Value,
+        events: &dyn ToolEvents,
+    ) -> Result<ToolOutput, ToolError> {
+        let span = spans::execute_tool(name, None);
+        let r = self
+            .call_traced(ctx, name, args, events)
+            .instrument(span.clone())
+            .await;
+        let write = matches!(&r, Ok(o) if o.kind == ToolKind::Write)
+            || self
+                .tools
+                .get(name)
+                .is_some_and(|r| r.tool.spec().kind == ToolKind::Write);
+        let effect = match &r {
+            Ok(o) if write => Some(match o.outcome {
+                Outcome::Executed => observe::EffectOutcome::Executed,
+                Outcome::Replayed => observe::EffectOutcome::Replayed,
+                Outcome::Reconciled => observe::EffectOutcome::Reconciled,
+            }),
+            Err(ToolError::UncertainEffect { .. }) => Some(observe::EffectOutcome::Parked),
+            _ => None,
+        };
+        if let Some(e) = effect {
+            spans::record_effect(&span, e.as_str());
+            observe::effect(name, e);
+        }
+        let outcome = match &r {
+            Ok(_) => observe::ToolOutcome::Ok,
+            Err(e) => {
+                spans::record_error(&span, e.class());
+                if e.is_refusal() {
+                    observe::ToolOutcome::Refused
+                } else {
+                    observe::ToolOutcome::Error
+                }
+            }
+        };
+        observe::tool_call(name, outcome);
+        r
+    }
+
+    async fn call_traced(
         &self,
         ctx: &CallCtx,
         name: &str,
