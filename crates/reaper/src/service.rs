@@ -43,6 +43,8 @@ use leasehold_store::recovery::{self, Action, Recovery};
 use leasehold_store::sessions::{Ping, SessionInfo};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
+use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
+use leasehold_telemetry::Readiness;
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::watch;
@@ -114,13 +116,16 @@ impl Stats {
         }
     }
 
-    fn count(&self, a: &Action) {
+    /// Counts a recovery action here and in the replica's metrics.
+    fn count(&self, a: &Action, prom: &ReaperMetrics) {
         match a {
             Action::Reoffered { .. } | Action::Cancelled => {
                 self.recoveries.fetch_add(1, Ordering::Relaxed);
+                prom.recovered(1);
             }
             Action::Poisoned => {
                 self.poison.fetch_add(1, Ordering::Relaxed);
+                prom.dead_lettered("poison", 1);
             }
             Action::Nothing(_) => {}
         }
@@ -130,6 +135,8 @@ impl Stats {
 /// A configured reaper, not yet started.
 pub struct Reaper {
     opts: Options,
+    prom: Option<ReaperMetrics>,
+    readiness: Readiness,
 }
 
 /// A running reaper.
@@ -137,6 +144,10 @@ pub struct Handle {
     pub reaper_id: String,
     pub stats: Arc<Stats>,
     metrics: watch::Receiver<Metrics>,
+    /// This replica's Prometheus metrics.
+    pub prom: ReaperMetrics,
+    /// Ready once started; not ready while disconnected or draining.
+    pub readiness: Readiness,
     join: tokio::task::JoinHandle<Result<(), ReaperError>>,
 }
 
@@ -161,7 +172,24 @@ impl Handle {
 
 impl Reaper {
     pub fn new(opts: Options) -> Self {
-        Reaper { opts }
+        Reaper {
+            opts,
+            prom: None,
+            readiness: Readiness::new(),
+        }
+    }
+
+    /// Records into `metrics` (the binary serves them on `/metrics`);
+    /// otherwise the reaper keeps its own, labelled with its id.
+    pub fn with_metrics(mut self, metrics: ReaperMetrics) -> Self {
+        self.prom = Some(metrics);
+        self
+    }
+
+    /// Reports readiness to `readiness` (the binary serves it on `/readyz`).
+    pub fn with_readiness(mut self, readiness: Readiness) -> Self {
+        self.readiness = readiness;
+        self
     }
 
     /// Connects, verifies the layout (waiting out an unavailable NATS),
@@ -220,16 +248,26 @@ impl Reaper {
             id: reaper_id.clone(),
             stats: Arc::new(Stats::default()),
             metrics: metrics_tx,
+            prom: self
+                .prom
+                .clone()
+                .unwrap_or_else(|| ReaperMetrics::new(&reaper_id)),
+            readiness: self.readiness.clone(),
             kinds: Kinds::default(),
             verify_cursor: std::sync::Mutex::new(String::new()),
             opts,
         });
         let stats = inner.stats.clone();
+        let prom = inner.prom.clone();
+        inner.readiness.set_layout_ok(true);
+
         let join = tokio::spawn(run(inner, advisories, metrics_sub, shutdown));
         Ok(Handle {
             reaper_id,
             stats,
             metrics: metrics_rx,
+            prom,
+            readiness: self.readiness,
             join,
         })
     }
@@ -274,6 +312,10 @@ struct Inner {
     kinds: Kinds,
     stats: Arc<Stats>,
     metrics: watch::Sender<Metrics>,
+    /// This replica's Prometheus metrics (`/metrics`).
+    prom: ReaperMetrics,
+    /// Ready while connected; not ready once draining.
+    readiness: Readiness,
     /// Where the rotating check of running entries against their records
     /// goes on at the next sweep (a job id).
     verify_cursor: std::sync::Mutex<String>,
@@ -319,7 +361,21 @@ async fn run(
             tokio::spawn(async {})
         }
     };
+    let link = {
+        let (inner, stop) = (inner.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! { _ = every.tick() => {}, _ = stop.cancelled() => return }
+                inner
+                    .readiness
+                    .set_connected(inner.conn.link.is_connected());
+            }
+        })
+    };
     shutdown.cancelled().await;
+    inner.readiness.set_draining();
+    let _ = link.await;
     tracing::info!(reaper_id = %inner.id, "shutdown: finishing the actions in progress");
     for t in [sweep, adv, srv, ends, probe, retention] {
         if let Err(e) = t.await {
@@ -370,10 +426,25 @@ async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                     took_ms = started.elapsed().as_millis() as u64,
                     "sweep"
                 );
+                inner.prom.sweep_finished(started.elapsed());
+                inner.prom.fleet(&FleetSnapshot {
+                    jobs: m.jobs,
+                    queued: Some(m.queue_depth),
+                    in_flight: m.in_flight,
+                    parked: m.parked,
+                    oldest_in_flight_age: m
+                        .oldest_in_flight_age_s
+                        .map(|a| Duration::from_secs_f64(a.max(0.0))),
+                    dead_letters: m.dead_letters_by_kind.clone(),
+                });
                 inner.metrics.send_replace(m);
             }
-            Err(e) => tracing::warn!(error = %e, "sweep failed; trying again at the next interval"),
+            Err(e) => {
+                inner.prom.sweep_failed();
+                tracing::warn!(error = %e, "sweep failed; trying again at the next interval")
+            }
         }
+
         tokio::select! {
             _ = tokio::time::sleep(inner.opts.interval) => {}
             _ = shutdown.cancelled() => return,
@@ -555,7 +626,7 @@ impl Inner {
                         RunningAction::OwnerGone => r
                             .recover_job(worker, job, live.as_deref(), None)
                             .await
-                            .map(|a| self.stats.count(&a))
+                            .map(|a| self.stats.count(&a, &self.prom))
                             .map_err(Into::into),
                         RunningAction::Overdue => {
                             tracing::warn!(
@@ -565,7 +636,7 @@ impl Inner {
                             );
                             r.recover_job(worker, job, live.as_deref(), Some(self.opts.clock_skew))
                                 .await
-                                .map(|a| self.stats.count(&a))
+                                .map(|a| self.stats.count(&a, &self.prom))
                                 .map_err(Into::into)
                         }
                     }
@@ -716,6 +787,7 @@ impl Inner {
             }
             self.stats.tickets_replaced.fetch_add(1, Ordering::Relaxed);
             self.stats.recoveries.fetch_add(1, Ordering::Relaxed);
+            self.prom.recovered(1);
             let why = if ticket.is_some() {
                 "its ticket was delivered but never claimed"
             } else {
@@ -798,6 +870,7 @@ impl Inner {
         match self.max_deliveries(&adv).await {
             Ok(()) => {
                 self.stats.advisories.fetch_add(1, Ordering::Relaxed);
+                self.prom.advisories(1);
                 let _ = msg.ack().await;
             }
             Err(e) => {
@@ -856,6 +929,7 @@ impl Inner {
                 .await?
             {
                 self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
+                self.prom.dead_lettered("max_deliveries", 1);
                 r.finish(&rec, Some(&ticket), Some(seq)).await?;
             }
             return Ok(());
@@ -876,7 +950,7 @@ impl Inner {
                     return Ok(());
                 }
                 let a = r.recover_job(&worker, &id, live.as_deref(), None).await?;
-                self.stats.count(&a);
+                self.stats.count(&a, &self.prom);
                 r.work.delete(seq).await?;
                 Ok(())
             }
@@ -888,6 +962,7 @@ impl Inner {
                     .await?;
                 if killed == recovery::Killed::Now {
                     self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
+                    self.prom.dead_lettered("max_deliveries", 1);
                     tracing::warn!(job = %id, seq, deliveries = adv.deliveries, "waiting job past max deliveries marked dead");
                 }
                 r.work.delete(seq).await?;

@@ -189,18 +189,20 @@ impl Events {
             epoch,
             worker_id: worker_id.into(),
             last_seq: 0,
+            previous_claim: None,
         };
         if epoch > 1 {
             let nats = |e: StoreError| FenceError::Nats(e.to_string());
             let last = self.last_from_leader(job_id).await.map_err(nats)?;
             fence.last_seq = last.map_or(0, |(seq, _)| seq);
             let claimed = self.last_claim_from_leader(job_id).await.map_err(nats)?;
-            if let Some((_, c)) = claimed.filter(|(_, c)| c.epoch > epoch) {
+            if let Some((_, c)) = claimed.as_ref().filter(|(_, c)| c.epoch > epoch) {
                 return Err(FenceError::Lost {
                     ours: epoch,
                     newer_epoch: c.epoch,
                 });
             }
+            fence.previous_claim = claimed.map(|(_, c)| c).filter(|c| c.epoch < epoch);
         }
         let ev = event(job_id, epoch, "claimed", Some(worker_id), data);
         fence
@@ -387,9 +389,17 @@ pub struct Fence {
     pub epoch: u64,
     pub worker_id: String,
     last_seq: u64,
+    previous_claim: Option<JobEvent>,
 }
 
 impl Fence {
+    /// The `claimed` marker of the claim before this one, as read when this
+    /// one was published (`None` for a first claim). Its data says which
+    /// session, and which trace span, ran the previous attempt.
+    pub fn previous_claim(&self) -> Option<&JobEvent> {
+        self.previous_claim.as_ref()
+    }
+
     /// The sequence this owner last published (or adopted).
     pub fn last_seq(&self) -> u64 {
         self.last_seq

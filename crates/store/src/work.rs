@@ -92,12 +92,29 @@ impl Work {
         msg_id: Option<&str>,
         content_type: Option<&str>,
     ) -> Result<Published, StoreError> {
+        self.submit_traced(kind, payload, msg_id, content_type, None)
+            .await
+    }
+
+    /// [`Work::submit`] with the submitter's W3C `traceparent`: every
+    /// attempt of the job joins that trace.
+    pub async fn submit_traced(
+        &self,
+        kind: &str,
+        payload: Bytes,
+        msg_id: Option<&str>,
+        content_type: Option<&str>,
+        traceparent: Option<&str>,
+    ) -> Result<Published, StoreError> {
         let mut m = PublishMessage::build().payload(payload);
         if let Some(id) = msg_id {
             m = m.message_id(id);
         }
         if let Some(ct) = content_type {
             m = m.header("Content-Type", ct);
+        }
+        if let Some(tp) = traceparent {
+            m = m.header("traceparent", tp);
         }
         self.publish(self.layout.submit_subject(kind), m).await
     }
@@ -113,10 +130,14 @@ impl Work {
     ) -> Result<Published, StoreError> {
         let spec = rec.spec.clone().unwrap_or_default();
         let payload: Bytes = serde_json::to_vec(&spec).expect("spec serializes").into();
-        let m = PublishMessage::build()
+        let mut m = PublishMessage::build()
             .payload(payload)
             .message_id(format!("{}:{reason}:{nonce}", rec.id))
             .header(JOB_ID_HEADER, rec.id.as_str());
+        if let Some(tp) = rec.traceparent.as_deref() {
+            // A record rebuilt from this ticket (a replay) keeps the trace.
+            m = m.header("traceparent", tp);
+        }
         self.publish(self.layout.submit_subject(&rec.kind), m).await
     }
 

@@ -95,14 +95,15 @@ async fn main() {
     }
     let shutdown = CancellationToken::new();
     let worker = Worker::new(opts)
-        .with_handler("research", Arc::new(ResearchHandler::with_config(research)));
+        .with_handler("research", Arc::new(ResearchHandler::with_config(research)))
+        .with_metrics(metrics)
+        .with_readiness(readiness.clone());
     let handle = match worker.start(shutdown.clone()).await {
         Ok(h) => h,
         Err(e) => fail(format!("{e:#}"), telemetry),
     };
-    // start() returns once it is connected, has verified the layout and pulls.
-    readiness.set_connected(true);
-    readiness.set_layout_ok(true);
+    // The worker keeps `readiness` true from here while it is connected,
+    // and false for good once it drains.
     let draining = readiness.clone();
     tokio::spawn(async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

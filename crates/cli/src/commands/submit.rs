@@ -34,6 +34,35 @@ pub struct Args {
     /// With --wait: stop waiting after this long (exit 124; the job goes on).
     #[arg(long, requires = "wait", value_parser = leasehold_core::time::parse_duration)]
     timeout: Option<std::time::Duration>,
+    /// The W3C trace context the job joins (sent as the `traceparent`
+    /// header), e.g. from a calling script's span. Without it the first
+    /// worker to claim the job starts a trace.
+    #[arg(long, env = "TRACEPARENT", value_parser = parse_traceparent)]
+    traceparent: Option<String>,
+}
+
+/// `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`, ids not all zero.
+fn parse_traceparent(s: &str) -> Result<String, String> {
+    let s = s.trim();
+    let parts: Vec<&str> = s.split('-').collect();
+    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_hexdigit());
+    let zero = |p: &str| p.bytes().all(|b| b == b'0');
+    match parts.as_slice() {
+        [v, t, p, f]
+            if hex(v, 2)
+                && *v != "ff"
+                && hex(t, 32)
+                && hex(p, 16)
+                && hex(f, 2)
+                && !zero(t)
+                && !zero(p) =>
+        {
+            Ok(s.to_ascii_lowercase())
+        }
+        _ => Err(format!(
+            "{s:?} is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)"
+        )),
+    }
 }
 
 fn read_spec(a: &Args) -> anyhow::Result<Vec<u8>> {
@@ -87,7 +116,13 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli submit").await?;
     let work = Work::new(&conn);
     let published = match work
-        .submit(&a.kind, payload.into(), msg_id.as_deref(), ct)
+        .submit_traced(
+            &a.kind,
+            payload.into(),
+            msg_id.as_deref(),
+            ct,
+            a.traceparent.as_deref(),
+        )
         .await
     {
         Ok(p) => p,
@@ -134,4 +169,25 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         return Ok(if rec.status == "completed" { 0 } else { 1 });
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_traceparent;
+
+    #[test]
+    fn traceparents_are_checked() {
+        let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(parse_traceparent(ok).unwrap(), ok);
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-xyz-00f067aa0ba902b7-01",
+        ] {
+            assert!(parse_traceparent(bad).is_err(), "{bad:?}");
+        }
+    }
 }

@@ -27,9 +27,12 @@ use leasehold_proto::JobResult;
 use leasehold_store::events::{self, Fence, FenceError};
 use leasehold_store::index::Key;
 use leasehold_store::{Gate, JobsError, Versioned};
+use leasehold_telemetry::metrics::{AttemptOutcome, AttemptTimer};
+use leasehold_telemetry::{spans, trace};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::Shared;
 use crate::handler::{ErrorClass, HandlerError, JobCtx, Outcome};
@@ -102,13 +105,22 @@ pub(crate) async fn run_claimed(
     // Registered as running: the claim is no longer in flight.
     drop(claiming);
     let rec = claimed.value.clone();
-    let task = tokio::spawn(run_attempt(
-        shared.clone(),
-        claimed,
-        ticket.clone(),
-        reclaim,
-        (stop_tx.clone(), stop_rx),
-    ));
+    // The attempt's span: a child of the job's trace (kept in the record),
+    // linked to the previous attempt once its claim marker is read.
+    let span = spans::attempt(&id, &rec.kind, epoch, rec.attempts + 1, &shared.worker_id);
+    if let Some(tp) = rec.traceparent.as_deref() {
+        trace::set_parent_from_traceparent(&span, tp);
+    }
+    let task = tokio::spawn(
+        run_attempt(
+            shared.clone(),
+            claimed,
+            ticket.clone(),
+            reclaim,
+            (stop_tx.clone(), stop_rx),
+        )
+        .instrument(span),
+    );
     if let Err(e) = task.await {
         let why = if e.is_panic() {
             format!("internal error: the attempt panicked: {}", panic_text(e))
@@ -162,6 +174,10 @@ struct Attempt {
     ticket: TicketSlot,
     indexed: Arc<AtomicBool>,
     started: tokio::time::Instant,
+    /// Times the attempt for the metrics; taken by its outcome.
+    timer: StdMutex<Option<AttemptTimer>>,
+    /// The attempt's span (the current one while the attempt runs).
+    span: tracing::Span,
 }
 
 async fn run_attempt(
@@ -172,6 +188,7 @@ async fn run_attempt(
     (stop_tx, mut stop_rx): (mpsc::Sender<Stop>, mpsc::Receiver<Stop>),
 ) {
     let started = tokio::time::Instant::now();
+    let timer = shared.metrics.attempt_started(&claimed.value.kind);
     let rec = claimed.value.clone();
     let id = rec.id.clone();
     let owner = Owner::of(&rec).expect("a claimed record is running");
@@ -187,6 +204,7 @@ async fn run_attempt(
         "stale_reclaims": rec.stale_reclaims,
         "ticket_seq": rec.ticket_seq,
         "session": shared.session.id,
+        "traceparent": trace::traceparent_of_current_span(),
     });
     let mut fence = None;
     for i in 0..5u32 {
@@ -202,6 +220,9 @@ async fn run_attempt(
             // A newer owner's marker is already there: this claim is stale
             // (the process was paused between its claim and this publish).
             Err(e @ FenceError::Lost { .. }) => {
+                shared.count(AttemptOutcome::OwnershipLost);
+                timer.finish(AttemptOutcome::OwnershipLost);
+                spans::record_error(&tracing::Span::current(), "ownership_lost");
                 ownership_lost(&shared, &rec, &e.to_string()).await;
                 return;
             }
@@ -212,6 +233,8 @@ async fn run_attempt(
         }
     }
     let indexed = Arc::new(AtomicBool::new(false));
+    let span = tracing::Span::current();
+    let timer = StdMutex::new(Some(timer));
     let Some(fence) = fence else {
         // Without a fence the owner cannot checkpoint safely: give it back.
         let a = Attempt {
@@ -222,10 +245,20 @@ async fn run_attempt(
             ticket,
             indexed,
             started,
+            timer,
+            span,
         };
         a.hand_back().await;
         return;
     };
+    // A reclaim or a retry: the previous attempt's span, one trace.
+    if let Some(tp) = fence
+        .previous_claim()
+        .and_then(|c| c.data_map().get("traceparent").cloned())
+        .and_then(|v| v.as_str().map(str::to_string))
+    {
+        trace::link_to_traceparent(&span, &tp);
+    }
     let fence = Arc::new(tokio::sync::Mutex::new(fence));
     let a = Attempt {
         shared: shared.clone(),
@@ -235,6 +268,8 @@ async fn run_attempt(
         ticket: ticket.clone(),
         indexed: indexed.clone(),
         started,
+        timer,
+        span,
     };
     let input: Value = rec
         .spec
@@ -262,7 +297,8 @@ async fn run_attempt(
         fence: fence.clone(),
         conn: shared.conn.clone(),
     };
-    let mut task = tokio::spawn(async move { handler.run(ctx).await });
+    let mut task =
+        tokio::spawn(async move { handler.run(ctx).await }.instrument(tracing::Span::current()));
     let result = tokio::select! {
         r = &mut task => Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
         s = stop_rx.recv() => Err(s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into()))),
@@ -282,7 +318,7 @@ async fn run_attempt(
             done.cancel();
             watchers.abort_all();
             match stop {
-                Stop::Lost(why) => ownership_lost(&shared, &rec, &why).await,
+                Stop::Lost(why) => a.lost(&why).await,
                 Stop::Cancel => a.cancel().await,
                 Stop::Handoff => a.hand_back().await,
                 Stop::Deadline => {
@@ -425,7 +461,7 @@ impl Attempt {
         .await
         {
             Ok(v) => {
-                self.shared.stats.completed.fetch_add(1, Ordering::Relaxed);
+                self.ended(AttemptOutcome::Completed, None);
                 self.publish_event(
                     "completed",
                     json!({"partial": res.partial, "artifact": res.artifact, "digest": res.digest}),
@@ -435,7 +471,7 @@ impl Attempt {
                 settle(&self.ticket, AckKind::Ack).await;
                 self.reindex(&v.value).await;
             }
-            Err(e) => refused(&self.shared, &self.rec, "completion", e).await,
+            Err(e) => self.refused("completion", e).await,
         }
     }
 
@@ -447,6 +483,7 @@ impl Attempt {
         .await
         {
             Ok(v) => {
+                self.ended(AttemptOutcome::Parked, None);
                 // The parked entry before the ticket goes: a parked job is
                 // always listed.
                 self.reindex(&v.value).await;
@@ -458,19 +495,19 @@ impl Attempt {
                 .await;
                 settle(&self.ticket, AckKind::Ack).await;
             }
-            Err(e) => refused(&self.shared, &self.rec, "parking", e).await,
+            Err(e) => self.refused("parking", e).await,
         }
     }
 
     async fn cancel(&self) {
         match persist(&self.shared, &self.gate, machine::cancel_owned).await {
             Ok(v) => {
-                self.shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                self.ended(AttemptOutcome::Cancelled, None);
                 self.publish_event("cancelled", json!({}), None).await;
                 settle(&self.ticket, AckKind::Ack).await;
                 self.reindex(&v.value).await;
             }
-            Err(e) => refused(&self.shared, &self.rec, "cancellation", e).await,
+            Err(e) => self.refused("cancellation", e).await,
         }
     }
 
@@ -533,22 +570,20 @@ impl Attempt {
             .await;
         match res {
             Ok(v) if v.value.status == "cancelled" => {
-                self.shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                self.ended(AttemptOutcome::Cancelled, None);
                 self.publish_event("cancelled", json!({"while": "hand_back"}), None)
                     .await;
                 settle(&self.ticket, AckKind::Ack).await;
                 self.reindex(&v.value).await;
             }
             Ok(v) => {
-                self.shared
-                    .stats
-                    .handed_back
-                    .fetch_add(1, Ordering::Relaxed);
+                self.ended(AttemptOutcome::HandedBack, None);
                 tracing::info!(job = %self.rec.id, "handed back");
                 self.reindex(&v.value).await;
                 settle(&self.ticket, AckKind::Nak(None)).await;
             }
             Err(e) if e.is_ownership_lost() => {
+                self.ended(AttemptOutcome::OwnershipLost, Some("ownership_lost"));
                 tracing::info!(job = %self.rec.id, "not handed back: ownership already lost")
             }
             Err(e) => {
@@ -597,19 +632,19 @@ impl Attempt {
             .await
             {
                 Ok(v) if v.value.status == "cancelled" => {
-                    shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                    self.ended(AttemptOutcome::Cancelled, None);
                     self.publish_event("cancelled", json!({"while": "retry"}), None)
                         .await;
                     settle(&self.ticket, AckKind::Ack).await;
                     self.reindex(&v.value).await;
                 }
                 Ok(v) => {
-                    shared.stats.requeued.fetch_add(1, Ordering::Relaxed);
+                    self.ended(AttemptOutcome::Retried, Some("retryable"));
                     self.reindex(&v.value).await;
                     // The fresh ticket is the job's now.
                     settle(&self.ticket, AckKind::Ack).await;
                 }
-                Err(e) => refused(shared, rec, "requeue", e).await,
+                Err(e) => self.refused("requeue", e).await,
             }
         } else {
             let (class, message) = match err.class {
@@ -633,7 +668,7 @@ impl Attempt {
             .await
             {
                 Ok(v) => {
-                    shared.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    self.ended(AttemptOutcome::Failed, Some(&class));
                     self.publish_event(
                         "failed",
                         json!({"class": class, "message": message, "attempts": failed}),
@@ -643,7 +678,7 @@ impl Attempt {
                     settle(&self.ticket, AckKind::Ack).await;
                     self.reindex(&v.value).await;
                 }
-                Err(e) => refused(shared, rec, "failure", e).await,
+                Err(e) => self.refused("failure", e).await,
             }
         }
     }
@@ -678,17 +713,43 @@ where
     }
 }
 
-async fn refused(shared: &Shared, rec: &JobRecord, what: &str, e: JobsError) {
-    if e.is_ownership_lost() {
-        ownership_lost(shared, rec, &format!("{what} refused: {e}")).await;
-    } else {
-        tracing::error!(job = %rec.id, error = %e, "{what} could not be written; the job is recovered when this session ends");
+impl Attempt {
+    /// The attempt's outcome: stats, metrics (duration by outcome) and its
+    /// span (`error_type` marks it failed).
+    fn ended(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
+        // One line per attempt, inside its span (job id, epoch, worker).
+        tracing::info!(
+            outcome = outcome.as_str(),
+            error = error_type,
+            elapsed_ms = self.started.elapsed().as_millis() as u64,
+            "attempt ended"
+        );
+        self.shared.count(outcome);
+        if let Some(t) = self.timer.lock().unwrap().take() {
+            t.finish(outcome);
+        }
+        spans::record_outcome(&self.span, outcome.as_str());
+        if let Some(class) = error_type {
+            spans::record_error(&self.span, class);
+        }
+    }
+
+    async fn lost(&self, why: &str) {
+        self.ended(AttemptOutcome::OwnershipLost, Some("ownership_lost"));
+        ownership_lost(&self.shared, &self.rec, why).await;
+    }
+
+    async fn refused(&self, what: &str, e: JobsError) {
+        if e.is_ownership_lost() {
+            self.lost(&format!("{what} refused: {e}")).await;
+        } else {
+            tracing::error!(job = %self.rec.id, error = %e, "{what} could not be written; the job is recovered when this session ends");
+        }
     }
 }
 
 /// Ownership is gone: stop, say so, and never touch the ticket again.
 async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
-    shared.stats.ownership_lost.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(job = %rec.id, epoch = rec.epoch, worker = %shared.worker_id, "ownership lost: {why}; task cancelled, ticket left alone");
     let ev = events::event(
         &rec.id,

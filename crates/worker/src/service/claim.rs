@@ -21,6 +21,8 @@ use leasehold_store::index::Key;
 use leasehold_store::sessions::Runs;
 use leasehold_store::work;
 use leasehold_store::{JobsError, Versioned};
+use leasehold_telemetry::metrics::AttemptOutcome;
+use leasehold_telemetry::{spans, trace};
 use serde_json::json;
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -28,6 +30,19 @@ use super::{attempt, Shared};
 
 fn header_id(msg: &jetstream::Message) -> Option<String> {
     work::ticket_job_id(msg.headers.as_ref())
+}
+
+/// The trace a job joins: the submitter's `traceparent` header, else (when
+/// traces are exported) a new root `job` span's. Kept in the record, so
+/// every attempt, on any worker, after any re-queue, joins the same trace.
+fn job_traceparent(msg: &jetstream::Message, id: &str, kind: &str) -> Option<String> {
+    let sent = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(trace::TRACEPARENT))
+        .map(|v| v.as_str().trim().to_string())
+        .filter(|tp| trace::span_context_from_traceparent(tp).is_some());
+    sent.or_else(|| trace::traceparent_of(&spans::job_root(id, kind)))
 }
 
 impl Shared {
@@ -217,10 +232,11 @@ pub(crate) async fn handle_delivery(
         let (write, reclaim) = match &current {
             None => {
                 let c = shared.claimant(seq, OwnerLiveness::Dead);
-                let record = machine::claim_new(
+                let mut record = machine::claim_new(
                     machine::new_record(&accepted.id, &kind, accepted.spec.clone(), seq, c.now),
                     &c,
                 );
+                record.traceparent = job_traceparent(&msg, &accepted.id, &kind);
                 mine = record.claim_token.clone();
                 (
                     shared.jobs.create(&record).await.map(|r| (r, record)),
@@ -258,7 +274,13 @@ pub(crate) async fn handle_delivery(
                         let _ = msg.ack_with(AckKind::Nak(None)).await;
                         return;
                     }
-                    ClaimDecision::Claim { record, reclaim } => {
+                    ClaimDecision::Claim {
+                        mut record,
+                        reclaim,
+                    } => {
+                        if record.traceparent.is_none() {
+                            record.traceparent = job_traceparent(&msg, &accepted.id, &kind);
+                        }
                         mine = record.claim_token.clone();
                         (
                             shared
@@ -321,10 +343,7 @@ pub(crate) async fn handle_delivery(
                         }
                     });
                 }
-                shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
-                if reclaim {
-                    shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
-                }
+                shared.count_claim(&kind, reclaim);
                 // The ticket becomes a wake-up call: it comes back by itself
                 // one session timeout from now, unless the job finished or
                 // was indexed (then it is acked first).
@@ -382,7 +401,7 @@ async fn settle_live(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message,
 
 /// A job cancelled by its claim (the request came before it could run).
 async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
-    shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+    shared.count(AttemptOutcome::Cancelled);
     let ev = events::event(
         &rec.id,
         rec.epoch,
@@ -513,6 +532,7 @@ async fn reject(
     rej: spec::Rejected,
 ) {
     shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+    shared.metrics.rejected(kind);
     let message = rej.error.to_string();
     tracing::info!(kind, seq, id = ?rej.id, error = %message, "rejected submission");
     if let Some(id) = &rej.id {
@@ -671,8 +691,7 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
             // Only our own fresh token proves the claim is ours.
             Ok(v) if v.value.claim_token.as_deref() == Some(token.as_str()) => {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
-                shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
-                shared.stats.reclaimed.fetch_add(1, Ordering::Relaxed);
+                shared.count_claim(&v.value.kind, true);
                 tokio::spawn(attempt::run_claimed(
                     shared.clone(),
                     v,

@@ -49,6 +49,8 @@ use leasehold_store::recovery::{self, Recovery};
 use leasehold_store::sessions::{SessionClock, Sessions};
 use leasehold_store::work::Work;
 use leasehold_store::{retry_unavailable, setup, Conn, Jobs};
+use leasehold_telemetry::metrics::{AttemptOutcome, Metrics};
+use leasehold_telemetry::Readiness;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -70,6 +72,7 @@ pub struct Stats {
     pub ownership_lost: AtomicU64,
     pub handed_back: AtomicU64,
     pub cancelled: AtomicU64,
+    pub parked: AtomicU64,
     /// Tickets acked at once because a live owner held their job.
     pub settled: AtomicU64,
     /// Jobs entered in the index of active jobs by their owner.
@@ -85,6 +88,8 @@ pub struct Worker {
     opts: Options,
     handlers: HashMap<String, Arc<dyn Handler>>,
     kinds: Kinds,
+    metrics: Metrics,
+    readiness: Readiness,
 }
 
 /// A running worker.
@@ -93,6 +98,10 @@ pub struct Handle {
     /// This process's session (incarnation).
     pub session: String,
     pub stats: Arc<Stats>,
+    /// The Prometheus metrics this worker records into.
+    pub metrics: Metrics,
+    /// Ready once started; not ready while disconnected or draining.
+    pub readiness: Readiness,
     join: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
@@ -114,6 +123,8 @@ impl Worker {
             opts,
             handlers: HashMap::new(),
             kinds: Kinds::default(),
+            metrics: Metrics::new(),
+            readiness: Readiness::new(),
         };
         for (k, h) in handler::builtins() {
             w.handlers.insert(k, h);
@@ -124,6 +135,18 @@ impl Worker {
     /// Adds (or replaces) the handler of a kind.
     pub fn with_handler(mut self, kind: &str, h: Arc<dyn Handler>) -> Self {
         self.handlers.insert(kind.to_string(), h);
+        self
+    }
+
+    /// Records into `metrics` (the binary serves them on `/metrics`).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Reports readiness to `readiness` (the binary serves it on `/readyz`).
+    pub fn with_readiness(mut self, readiness: Readiness) -> Self {
+        self.readiness = readiness;
         self
     }
 
@@ -234,6 +257,8 @@ impl Worker {
             handoff: CancellationToken::new(),
             solo: tokio::sync::Mutex::new(()),
             stats: Arc::new(Stats::default()),
+            metrics: self.metrics.clone(),
+            readiness: self.readiness.clone(),
             ack_wait,
             shutdown: shutdown.clone(),
             opts,
@@ -244,11 +269,17 @@ impl Worker {
         let responder = session::begin(&shared).await?;
         let gateway = crate::gateway::subscribe(&shared.conn).await?;
         let stats = shared.stats.clone();
+        shared.readiness.set_layout_ok(true);
+        shared
+            .readiness
+            .set_connected(shared.conn.link.is_connected());
         let join = tokio::spawn(run(shared, served, gateway, responder, shutdown));
         Ok(Handle {
             worker_id,
             session: session_id,
             stats,
+            metrics: self.metrics,
+            readiness: self.readiness,
             join,
         })
     }
@@ -282,6 +313,8 @@ pub(crate) struct Shared {
     /// One suspect at a time may wait to run alone (see `claim::go_solo`).
     pub(crate) solo: tokio::sync::Mutex<()>,
     pub(crate) stats: Arc<Stats>,
+    pub(crate) metrics: Metrics,
+    pub(crate) readiness: Readiness,
     pub(crate) ack_wait: HashMap<String, Duration>,
     /// The process's shutdown (fired by the session when another process
     /// took over this identity).
@@ -297,6 +330,33 @@ impl Shared {
             .copied()
             .unwrap_or(Duration::from_secs(30))
             / 3
+    }
+
+    /// Counts an attempt's (or an unclaimed job's) outcome in the stats.
+    /// The metrics get it from the attempt's timer.
+    pub(crate) fn count(&self, outcome: AttemptOutcome) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.stats;
+        match outcome {
+            AttemptOutcome::Completed => s.completed.fetch_add(1, Relaxed),
+            AttemptOutcome::Retried => s.requeued.fetch_add(1, Relaxed),
+            AttemptOutcome::Failed => s.failed.fetch_add(1, Relaxed),
+            AttemptOutcome::Cancelled => s.cancelled.fetch_add(1, Relaxed),
+            AttemptOutcome::Parked => s.parked.fetch_add(1, Relaxed),
+            AttemptOutcome::HandedBack => s.handed_back.fetch_add(1, Relaxed),
+            AttemptOutcome::OwnershipLost => s.ownership_lost.fetch_add(1, Relaxed),
+        };
+    }
+
+    /// A claim won: stats and metrics.
+    pub(crate) fn count_claim(&self, kind: &str, reclaim: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.stats.claimed.fetch_add(1, Relaxed);
+        self.metrics.claimed(kind);
+        if reclaim {
+            self.stats.reclaimed.fetch_add(1, Relaxed);
+            self.metrics.reclaimed(kind);
+        }
     }
 
     /// The session clock attempts check before write effects.
@@ -351,7 +411,20 @@ async fn run(
         });
     }
 
+    let link = {
+        let (s, stop) = (shared.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! { _ = every.tick() => {}, _ = stop.cancelled() => return }
+                s.readiness.set_connected(s.conn.link.is_connected());
+            }
+        })
+    };
+
     shutdown.cancelled().await;
+    shared.readiness.set_draining();
+    let _ = link.await;
     tracing::info!(
         "shutdown: stop pulling; draining in-flight jobs for up to {:?}",
         shared.opts.drain_timeout

@@ -27,6 +27,7 @@ use std::time::{Duration, SystemTime};
 use futures::StreamExt;
 use leasehold_core::time::rfc3339;
 use leasehold_store::sessions::{Current, Ping, SessionClock, SessionError, SessionInfo};
+use leasehold_telemetry::metrics::Renewal;
 use tokio_util::sync::CancellationToken;
 
 use super::{Shared, Stop};
@@ -139,6 +140,7 @@ pub(crate) async fn begin(shared: &Arc<Shared>) -> anyhow::Result<async_nats::Su
         .stats
         .session_renewals
         .fetch_add(1, Ordering::Relaxed);
+    shared.metrics.session_renewal(Renewal::Ok);
     Ok(sub)
 }
 
@@ -166,12 +168,17 @@ pub(crate) async fn renew_loop(shared: Arc<Shared>, stop: CancellationToken) {
                     .stats
                     .session_renewals
                     .fetch_add(1, Ordering::Relaxed);
+                shared.metrics.session_renewal(Renewal::Ok);
                 if stale {
                     reverify(&shared).await;
                 }
             }
-            Err(SessionError::Changed) => restore(&shared).await,
+            Err(SessionError::Changed) => {
+                shared.metrics.session_renewal(Renewal::Lost);
+                restore(&shared).await
+            }
             Err(SessionError::Nats(m)) => {
+                shared.metrics.session_renewal(Renewal::Failed);
                 tracing::warn!(error = %m, age = ?s.clock.age(), "session renewal failed; retrying");
                 // Retry sooner than the interval: the timeout is close.
                 tokio::select! { _ = tokio::time::sleep(s.renew / 4) => {}, _ = stop.cancelled() => return }
