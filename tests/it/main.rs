@@ -8,6 +8,8 @@ mod cluster;
 mod effects;
 mod lifecycle;
 mod liveness;
+mod observe;
+mod otlp;
 mod ownership;
 mod promise;
 mod reaper;

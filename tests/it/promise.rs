@@ -540,24 +540,28 @@ async fn restart_reclaim_and_the_old_ticket_claim_a_job_once() {
     let extra = [
         ("NATS_URL", proxy.url()),
         ("LH_SESSION_TIMEOUT", "60s".into()),
-        ("LH_INDEX_AFTER", "1500ms".into()),
+        // Time for the test to arm its hold between the claim's wake-up
+        // NAK and the index write's ack (the same ack subject).
+        ("LH_INDEX_AFTER", "3s".into()),
     ];
     let mut a = env.worker_proc(&["--worker-id", "pod-twice"], &extra);
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
-    env.submit("sleep", json!({"input": {"ms": 5000}}), "twice")
+    env.submit("sleep", json!({"input": {"ms": 6000}}), "twice")
         .await;
     env.wait_status("twice", "running", Duration::from_secs(10))
         .await;
-    // The claim's NAK (the wake-up) has gone through...
+    // The claim's NAK (the wake-up) has gone through... (only the work
+    // stream's acks: the session-ends consumer acks session writes too)
+    let ticket_acks = format!("$JS.ACK.{}.>", env.conn.layout.work_stream());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while proxy.published("$JS.ACK.>") == 0 {
+    while proxy.published(&ticket_acks) == 0 {
         assert!(tokio::time::Instant::now() < deadline, "no wake-up NAK");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // ...and the job gets indexed, but its ticket's ack (after the index
     // write) never goes out: the old ticket comes back while a restarted
     // process already runs it.
-    let hold = proxy.hold("$JS.ACK.>");
+    let hold = proxy.hold(&ticket_acks);
     env.wait_indexed("twice", Duration::from_secs(10)).await;
     tokio::time::timeout(Duration::from_secs(10), hold.triggered())
         .await

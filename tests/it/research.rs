@@ -739,3 +739,148 @@ async fn research_transcripts_can_go_before_the_job() {
     stop.cancel();
     reaper.wait().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn research_trace_is_one_tree_across_a_crash_and_its_reclaim() {
+    use crate::otlp::{attr, hex, Collector};
+    let collector = Collector::start().await;
+    let lab = Lab::new(&[]).await;
+    let mut env: Vec<(&'static str, String)> = collector.env();
+    env.push(("LH_RESEARCH_EXPERT_CONCURRENCY", "1".into()));
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut e = env.clone();
+        e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        e
+    };
+    let worker = |e: Vec<(&'static str, String)>| {
+        let refs: Vec<(&'static str, &str)> = e.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        lab.worker(&refs)
+    };
+    // The submitter's span: the job's trace starts there.
+    let (trace_id, root) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let traceparent = format!("00-{trace_id}-{root}-01");
+    let mut a = worker(with(&[("LH_RESEARCH_CRASH_AT", "after_phase:outline")]));
+    lab.env
+        .work
+        .submit_traced(
+            "research",
+            json!({"input": {"topic": "lease-based ownership in distributed systems", "experts": 2, "sections": 2}})
+                .to_string()
+                .into(),
+            Some("r-trace"),
+            None,
+            Some(&traceparent),
+        )
+        .await
+        .unwrap();
+    exited(&mut a, Duration::from_secs(30)).await;
+    assert!(a.output().contains("LH_RESEARCH_CRASH_AT reached"));
+    let b = worker(with(&[]));
+    let rec = lab.completed("r-trace").await;
+    assert_eq!(rec.traceparent.as_deref(), Some(traceparent.as_str()));
+    // A clean stop exports what B has buffered.
+    b.term();
+    collector
+        .wait_for(Duration::from_secs(20), |s| s.name == "attempt research")
+        .await;
+
+    let spans = collector.spans();
+    let by_id: HashMap<String, &crate::otlp::Span> =
+        spans.iter().map(|s| (hex(&s.span_id), s)).collect();
+    assert!(
+        spans.iter().all(|s| hex(&s.trace_id) == trace_id),
+        "every span is in the submitter's trace"
+    );
+    let parent = |s: &crate::otlp::Span| hex(&s.parent_span_id);
+    let named =
+        |n: &str| -> Vec<&crate::otlp::Span> { spans.iter().filter(|s| s.name == n).collect() };
+    // Attempt 1 died with its process; its span id is in its claim marker,
+    // and the phase it finished reached the collector before the abort.
+    let events = lab.env.events_of("r-trace").await;
+    let claim_span = |epoch: u64| {
+        let c = events
+            .iter()
+            .find(|e| e.r#type == "claimed" && e.epoch == epoch)
+            .expect("claim marker");
+        let tp = c.data_map()["traceparent"].as_str().unwrap().to_string();
+        tp.split('-').nth(2).unwrap().to_string()
+    };
+    let (first, second) = (claim_span(1), claim_span(2));
+    let outline = named("phase outline");
+    assert_eq!(
+        outline.len(),
+        1,
+        "outline ran once: {:?}",
+        crate::otlp::names(&spans)
+    );
+    assert_eq!(
+        parent(outline[0]),
+        first,
+        "the outline belongs to attempt 1"
+    );
+    // Attempt 2: a child of the submitter's span, linked to attempt 1.
+    let attempts = named("attempt research");
+    assert_eq!(
+        attempts.len(),
+        1,
+        "only the surviving attempt closed its span"
+    );
+    let b_attempt = attempts[0];
+    assert_eq!(hex(&b_attempt.span_id), second);
+    assert_eq!(parent(b_attempt), root);
+    assert!(
+        b_attempt.links.iter().any(|l| hex(&l.span_id) == first),
+        "attempt 2 links to attempt 1"
+    );
+    assert_eq!(
+        attr(b_attempt, "leasehold.outcome").as_deref(),
+        Some("completed")
+    );
+    assert_eq!(attr(b_attempt, "leasehold.job.epoch").as_deref(), Some("2"));
+    // Its phases, in the tree under it; the outline is not redone.
+    for p in ["perspectives", "experts", "final", "artifact", "deliver"] {
+        let ps = named(&format!("phase {p}"));
+        assert_eq!(ps.len(), 1, "phase {p}");
+        assert_eq!(parent(ps[0]), second, "phase {p} under attempt 2");
+    }
+    let experts = hex(&named("phase experts")[0].span_id);
+    let sections: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("section "))
+        .collect();
+    assert_eq!(sections.len(), 4, "2 experts x 2 sections");
+    assert!(sections.iter().all(|s| parent(s) == experts));
+    // Model calls: GenAI attributes, under a section or a phase.
+    let chats = named("chat sim-1");
+    assert!(
+        chats.len() >= CLEAN_CALLS as usize - 1,
+        "{} chats",
+        chats.len()
+    );
+    for c in &chats {
+        assert_eq!(attr(c, "gen_ai.operation.name").as_deref(), Some("chat"));
+        assert!(attr(c, "gen_ai.usage.output_tokens").is_some());
+        let up = by_id.get(&parent(c)).expect("a chat's parent was exported");
+        assert!(up.name.starts_with("section ") || up.name.starts_with("phase "));
+    }
+    // Tool calls: searches in sections, the delivery's effect in deliver.
+    let tools: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("execute_tool "))
+        .collect();
+    assert!(
+        tools
+            .iter()
+            .any(|t| t.name == "execute_tool search"
+                && by_id[&parent(t)].name.starts_with("section "))
+    );
+    let publish = tools
+        .iter()
+        .find(|t| t.name == "execute_tool publish")
+        .expect("the delivery");
+    assert_eq!(by_id[&parent(publish)].name, "phase deliver");
+    assert_eq!(
+        attr(publish, "leasehold.effect").as_deref(),
+        Some("executed")
+    );
+}
