@@ -189,6 +189,11 @@ async fn two_reaper_replicas_each_export_their_own_counters_and_the_fleet_view()
             ("leasehold_fleet_jobs_parked", 1.0),
             ("leasehold_fleet_jobs_in_flight", 0.0),
             ("leasehold_fleet_queue_depth", 0.0),
+            // The work queue's limit: what "queue full" will be measured by.
+            (
+                "leasehold_fleet_queue_limit_messages",
+                leasehold_store::setup::SetupOptions::default().work_max_msgs as f64,
+            ),
         ] {
             assert_eq!(
                 sample(&text, &format!("{series}{{replica=\"{id}\"}}")),

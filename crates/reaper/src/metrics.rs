@@ -28,6 +28,14 @@ pub struct Metrics {
     pub running: u64,
     /// Tickets waiting in the work stream, over every kind.
     pub queue_depth: u64,
+    /// Bytes the work stream holds.
+    #[serde(default)]
+    pub queue_bytes: u64,
+    /// The work stream's limits (submissions beyond are refused); 0: none.
+    #[serde(default)]
+    pub queue_max_msgs: u64,
+    #[serde(default)]
+    pub queue_max_bytes: u64,
     /// Age in seconds of the oldest running or waiting job (since its creation).
     pub oldest_in_flight_age_s: Option<f64>,
     pub oldest_in_flight_job: Option<String>,
@@ -101,11 +109,23 @@ impl Tally {
         self.m
     }
 
-    pub fn set_queue(&mut self, depth: u64, sessions: u64, dlq_by_kind: BTreeMap<String, u64>) {
-        self.m.queue_depth = depth;
+    pub fn set_queue(&mut self, q: Queue, sessions: u64, dlq_by_kind: BTreeMap<String, u64>) {
+        self.m.queue_depth = q.messages;
+        self.m.queue_bytes = q.bytes;
+        self.m.queue_max_msgs = q.max_msgs;
+        self.m.queue_max_bytes = q.max_bytes;
         self.m.sessions = sessions;
         self.m.dead_letters_by_kind = dlq_by_kind;
     }
+}
+
+/// The work stream's fill and limits.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Queue {
+    pub messages: u64,
+    pub bytes: u64,
+    pub max_msgs: u64,
+    pub max_bytes: u64,
 }
 
 /// This replica's counters at one moment.

@@ -51,7 +51,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::decide::{self, RunningAction};
-use crate::metrics::{Counters, Metrics, Tally};
+use crate::metrics::{Counters, Metrics, Queue, Tally};
 use crate::Options;
 
 /// How long start-up waits for an unavailable NATS before giving up.
@@ -430,6 +430,9 @@ async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                 inner.prom.fleet(&FleetSnapshot {
                     jobs: m.jobs,
                     queued: Some(m.queue_depth),
+                    queue_bytes: m.queue_bytes,
+                    queue_max_msgs: m.queue_max_msgs,
+                    queue_max_bytes: m.queue_max_bytes,
                     in_flight: m.in_flight,
                     parked: m.parked,
                     oldest_in_flight_age: m
@@ -820,11 +823,21 @@ impl Inner {
     }
 
     /// Tickets in the work stream (waiting or in progress).
-    async fn queue_depth(&self) -> u64 {
+    async fn queue_depth(&self) -> Queue {
         let name = self.conn.layout.work_stream();
+        let limit = |v: i64| u64::try_from(v).unwrap_or(0);
         match self.conn.js.get_stream(&name).await {
-            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
-            Err(_) => 0,
+            Ok(mut s) => s
+                .info()
+                .await
+                .map(|i| Queue {
+                    messages: i.state.messages,
+                    bytes: i.state.bytes,
+                    max_msgs: limit(i.config.max_messages),
+                    max_bytes: limit(i.config.max_bytes),
+                })
+                .unwrap_or_default(),
+            Err(_) => Queue::default(),
         }
     }
 

@@ -580,6 +580,11 @@ pub struct FleetSnapshot {
     /// Jobs waiting to run (`queued`), when the sweep can tell them apart
     /// from running ones; `None` leaves the gauge as it was.
     pub queued: Option<u64>,
+    /// Bytes held by the work stream, and its limits (0: none): a
+    /// submission beyond a limit is refused with "queue full".
+    pub queue_bytes: u64,
+    pub queue_max_msgs: u64,
+    pub queue_max_bytes: u64,
     /// Jobs queued or running.
     pub in_flight: u64,
     pub parked: u64,
@@ -609,6 +614,9 @@ struct ReaperInner {
     advisories: Counter,
     jobs: Gauge,
     queue_depth: Gauge,
+    queue_bytes: Gauge,
+    queue_max_msgs: Gauge,
+    queue_max_bytes: Gauge,
     in_flight: Gauge,
     parked: Gauge,
     oldest_age: Gauge<f64, AtomicU64>,
@@ -676,6 +684,26 @@ impl ReaperMetrics {
             "Jobs waiting to run (queued)",
             queue_depth.clone(),
         );
+        let queue_bytes = Gauge::default();
+        r.register_with_unit(
+            "leasehold_fleet_queue",
+            "Bytes held by the work stream",
+            Unit::Bytes,
+            queue_bytes.clone(),
+        );
+        let queue_max_msgs = Gauge::default();
+        r.register(
+            "leasehold_fleet_queue_limit_messages",
+            "The work stream's message limit; submissions beyond are refused (0: none)",
+            queue_max_msgs.clone(),
+        );
+        let queue_max_bytes = Gauge::default();
+        r.register_with_unit(
+            "leasehold_fleet_queue_limit",
+            "The work stream's byte limit; submissions beyond are refused (0: none)",
+            Unit::Bytes,
+            queue_max_bytes.clone(),
+        );
         let in_flight = Gauge::default();
         r.register(
             "leasehold_fleet_jobs_in_flight",
@@ -718,6 +746,9 @@ impl ReaperMetrics {
                 advisories,
                 jobs,
                 queue_depth,
+                queue_bytes,
+                queue_max_msgs,
+                queue_max_bytes,
                 in_flight,
                 parked,
                 oldest_age,
@@ -772,6 +803,9 @@ impl ReaperMetrics {
         if let Some(q) = s.queued {
             i.queue_depth.set(gauge_of(q));
         }
+        i.queue_bytes.set(gauge_of(s.queue_bytes));
+        i.queue_max_msgs.set(gauge_of(s.queue_max_msgs));
+        i.queue_max_bytes.set(gauge_of(s.queue_max_bytes));
         i.in_flight.set(gauge_of(s.in_flight));
         i.parked.set(gauge_of(s.parked));
         i.oldest_age
@@ -963,6 +997,9 @@ mod tests {
         let mut s = FleetSnapshot {
             jobs: 10,
             queued: Some(4),
+            queue_bytes: 2048,
+            queue_max_msgs: 1000,
+            queue_max_bytes: 1 << 20,
             in_flight: 6,
             parked: 1,
             oldest_in_flight_age: Some(Duration::from_secs(90)),
@@ -984,6 +1021,15 @@ mod tests {
             ("leasehold_reaper_advisories_total{replica=\"r-1\"}", 3.0),
             ("leasehold_fleet_jobs{replica=\"r-1\"}", 10.0),
             ("leasehold_fleet_queue_depth{replica=\"r-1\"}", 4.0),
+            ("leasehold_fleet_queue_bytes{replica=\"r-1\"}", 2048.0),
+            (
+                "leasehold_fleet_queue_limit_messages{replica=\"r-1\"}",
+                1000.0,
+            ),
+            (
+                "leasehold_fleet_queue_limit_bytes{replica=\"r-1\"}",
+                1048576.0,
+            ),
             ("leasehold_fleet_jobs_in_flight{replica=\"r-1\"}", 6.0),
             ("leasehold_fleet_jobs_parked{replica=\"r-1\"}", 1.0),
             (
