@@ -163,6 +163,9 @@ fn panic_text(e: tokio::task::JoinError) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
+/// How long an owner keeps trying to publish its job's next ticket.
+const TICKET_PATIENCE: Duration = Duration::from_secs(30);
+
 /// What the outcome paths of one attempt share.
 struct Attempt {
     shared: Arc<Shared>,
@@ -514,12 +517,20 @@ impl Attempt {
     /// A new ticket for the job, unless the one this attempt holds can
     /// serve (a hand-back NAKs it back). Published before the record names
     /// it, so a queued record never names a ticket that was not published.
-    /// A full work queue (or NATS away) is waited out: the owner must not
-    /// leave its job without a ticket while its session keeps others away.
+    /// A full work queue (or NATS away) is waited out for a while
+    /// ([`TICKET_PATIENCE`]; 10 s once shutdown hands jobs back); then the
+    /// caller decides (a retry re-queues without a ticket, for the reaper
+    /// to replace).
     async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
         let mut pause = Duration::from_millis(100);
+        let patience = tokio::time::Instant::now() + TICKET_PATIENCE;
         let mut give_up: Option<tokio::time::Instant> = None;
         loop {
+            if tokio::time::Instant::now() >= patience {
+                return Err(JobsError::Nats(format!(
+                    "no ticket could be published in {TICKET_PATIENCE:?}"
+                )));
+            }
             match self
                 .shared
                 .work
@@ -611,11 +622,15 @@ impl Attempt {
             // Each retry gets a fresh ticket: retries never spend the
             // deliveries of one ticket, so --max-attempts cannot run into
             // the consumer's max deliveries.
+            // Without one (the publish failed for good), the job is still
+            // re-queued: a waiting job whose ticket is gone gets a fresh
+            // one from the reaper after --stranded-grace. Leaving it
+            // running under this live session would strand it.
             let seq = match self.fresh_ticket("retry").await {
-                Ok(s) => s,
+                Ok(s) => Some(s),
                 Err(e) => {
-                    tracing::warn!(job = %rec.id, error = %e, "cannot publish the retry's ticket; the session's end recovers the job");
-                    return;
+                    tracing::warn!(job = %rec.id, error = %e, "cannot publish the retry's ticket; re-queueing the job without one (the reaper replaces a lost ticket after --stranded-grace)");
+                    None
                 }
             };
             let error = JobError {
@@ -625,7 +640,9 @@ impl Attempt {
             };
             match persist(shared, &self.gate, move |r, o, now| {
                 machine::requeue(r, o, now, error.clone(), delay).map(|mut n| {
-                    n.ticket_seq = seq;
+                    if let Some(seq) = seq {
+                        n.ticket_seq = seq;
+                    }
                     n
                 })
             })

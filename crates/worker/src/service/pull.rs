@@ -17,6 +17,14 @@ use super::{claim, Shared};
 /// immediate fetches sized to the slots that are free at that moment, until
 /// the queue is drained or the slots are full. So a busy kind fills the
 /// worker and each idle kind holds at most one slot.
+///
+/// No pull waits for ever: a pull whose request or answer is lost (with a
+/// connection, or a consumer leader moving) gives its slots back after its
+/// expiry plus [`LOST_PULL_GRACE`], and the loop asks again.
+/// How long past a pull's expiry (a top-up fetch expects its answer at
+/// once) the loop waits for the pull to end before it counts it lost.
+const LOST_PULL_GRACE: Duration = Duration::from_secs(5);
+
 pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToken) {
     const MAX_BATCH: usize = 64;
     let mut consumer = None;
@@ -46,7 +54,9 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
             .await
         {
             Ok(batch) => {
-                let (got, failed) = take(&shared, batch, &mut permits, &shutdown).await;
+                let idle = shared.opts.pull_expires + LOST_PULL_GRACE;
+                let (got, failed) =
+                    take(&shared, &kind, batch, &mut permits, &shutdown, idle).await;
                 if failed && got == 0 {
                     // A refused pull (409: the consumer's max waiting pulls
                     // reached, a leader moving): back off instead of asking
@@ -85,7 +95,16 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
             let Ok(batch) = c.fetch().max_messages(want).messages().await else {
                 break;
             };
-            if take(&shared, batch, &mut permits, &shutdown).await.0 < want {
+            let (got, failed) = take(
+                &shared,
+                &kind,
+                batch,
+                &mut permits,
+                &shutdown,
+                LOST_PULL_GRACE,
+            )
+            .await;
+            if failed || got < want {
                 break;
             }
         }
@@ -93,16 +112,31 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
 }
 
 /// Dispatches the messages of one pull, one reserved slot each; returns how
-/// many arrived and whether the pull ended in an error. After shutdown
-/// began, tickets are handed back at once.
+/// many arrived and whether the pull ended in an error, or went `idle` with
+/// neither a message nor its end (its request or answer was lost). After
+/// shutdown began, tickets are handed back at once.
 async fn take(
     shared: &Arc<Shared>,
+    kind: &str,
     mut batch: async_nats::jetstream::consumer::pull::Batch,
     permits: &mut Vec<OwnedSemaphorePermit>,
     shutdown: &CancellationToken,
+    idle: Duration,
 ) -> (usize, bool) {
     let mut n = 0;
-    while let Some(m) = batch.next().await {
+    loop {
+        let m = match tokio::time::timeout(idle, batch.next()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    kind,
+                    ?idle,
+                    "a pull got neither tickets nor its end (lost with a connection?); pulling again"
+                );
+                return (n, true);
+            }
+        };
         let Ok(msg) = m else { return (n, true) };
         n += 1;
         if shutdown.is_cancelled() {
