@@ -364,13 +364,11 @@ async fn run(
     let link = {
         let (inner, stop) = (inner.clone(), shutdown.clone());
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_millis(500));
-            loop {
-                tokio::select! { _ = every.tick() => {}, _ = stop.cancelled() => return }
-                inner
-                    .readiness
-                    .set_connected(inner.conn.link.is_connected());
-            }
+            let link = inner.conn.link.clone();
+            inner
+                .readiness
+                .follow_connection(|| link.is_connected(), stop.cancelled())
+                .await
         })
     };
     shutdown.cancelled().await;

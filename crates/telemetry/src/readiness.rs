@@ -31,6 +31,22 @@ impl Readiness {
         self.0.layout_ok.store(ok, Ordering::Release);
     }
 
+    /// Keeps the connected flag in step with `is_connected` (checked every
+    /// 500 ms) until `stop` resolves.
+    #[cfg(feature = "http")]
+    pub async fn follow_connection(
+        &self,
+        is_connected: impl Fn() -> bool,
+        stop: impl std::future::Future<Output = ()>,
+    ) {
+        let mut every = tokio::time::interval(std::time::Duration::from_millis(500));
+        tokio::pin!(stop);
+        loop {
+            tokio::select! { _ = every.tick() => {}, _ = &mut stop => return }
+            self.set_connected(is_connected());
+        }
+    }
+
     /// Shutdown began: not ready again for the rest of this process.
     pub fn set_draining(&self) {
         self.0.draining.store(true, Ordering::Release);

@@ -414,11 +414,10 @@ async fn run(
     let link = {
         let (s, stop) = (shared.clone(), shutdown.clone());
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_millis(500));
-            loop {
-                tokio::select! { _ = every.tick() => {}, _ = stop.cancelled() => return }
-                s.readiness.set_connected(s.conn.link.is_connected());
-            }
+            let link = s.conn.link.clone();
+            s.readiness
+                .follow_connection(|| link.is_connected(), stop.cancelled())
+                .await
         })
     };
 
