@@ -192,7 +192,27 @@ impl NatsArgs {
             .map_err(|e| StoreError::Connect(format!("{}: {e}; set NATS_URL to a running server (`nats-server -js`)", self.url_for_logs())))?;
         let mut conn = Conn::new(client, layout);
         conn.link = link;
+        self.check_inbox(&conn).await?;
         Ok(conn)
+    }
+
+    /// Fails at once when the server refuses this user its reply inbox:
+    /// every request, JetStream call and KV read would otherwise only time
+    /// out. One request (JetStream's account info, answered even without
+    /// JetStream) is raced against the refusal; a refused probe subject or
+    /// a slow answer tells nothing, and the connection goes on.
+    async fn check_inbox(&self, conn: &Conn) -> Result<(), StoreError> {
+        let inbox = format!("{}.", self.inbox_prefix);
+        let probe = conn.client.request("$JS.API.INFO", "".into());
+        tokio::select! {
+            why = conn.link.refused(&inbox) => Err(StoreError::Config(format!(
+                "NATS refused this user a subscription to its reply inbox ({why}): set \
+                 LH_INBOX_PREFIX (--inbox-prefix) to the inbox prefix its permissions allow \
+                 (deploy/nats/permissions.conf: _INBOX_<role>)"
+            ))),
+            _ = conn.link.refused("$JS.API.INFO") => Ok(()),
+            _ = tokio::time::timeout(Duration::from_secs(2), probe) => Ok(()),
+        }
     }
 }
 
@@ -358,7 +378,10 @@ mod tests {
     #[test]
     fn an_inbox_prefix_is_a_subject_prefix_without_wildcards() {
         assert_eq!(parse_inbox_prefix("_INBOX").unwrap(), "_INBOX");
-        assert_eq!(parse_inbox_prefix("_INBOX_worker").unwrap(), "_INBOX_worker");
+        assert_eq!(
+            parse_inbox_prefix("_INBOX_worker").unwrap(),
+            "_INBOX_worker"
+        );
         assert_eq!(parse_inbox_prefix("_I.worker").unwrap(), "_I.worker");
         for bad in ["", "_INBOX.>", "a.*", "a..b", "a b", ".a", "a."] {
             assert!(parse_inbox_prefix(bad).is_err(), "{bad:?} accepted");
