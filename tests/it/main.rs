@@ -9,6 +9,7 @@ mod effects;
 mod lifecycle;
 mod liveness;
 mod ownership;
+mod perms;
 mod promise;
 mod reaper;
 mod research;
