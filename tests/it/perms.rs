@@ -375,6 +375,33 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
         std::time::SystemTime::now(),
     );
     jobs.create(&rec).await.unwrap();
+    // A finished job with an artifact (over one chunk), for `result`.
+    let doc: String = (0..40_000).map(|i| format!("line {i}\n")).collect();
+    leasehold_store::artifacts::Artifacts::open(&op)
+        .await
+        .unwrap()
+        .create(
+            leasehold_store::artifacts::NewArtifact {
+                name: "x-3/report.md".into(),
+                ..Default::default()
+            },
+            doc.as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut done = leasehold_core::machine::new_record(
+        "x-3",
+        "echo",
+        Default::default(),
+        0,
+        std::time::SystemTime::now(),
+    );
+    done.status = "completed".into();
+    done.result = Some(leasehold_proto::JobResult {
+        artifact: Some("x-3/report.md".into()),
+        ..Default::default()
+    });
+    jobs.create(&done).await.unwrap();
     let events = leasehold_store::events::Events::new(&op);
     let ev = leasehold_store::events::event("x-1", 0, "claimed", None, serde_json::json!({}));
     events.publish(&ev, None).await.unwrap();
@@ -412,6 +439,25 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
             .await
             .unwrap()
             .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
+            .await
+    })
+    .await;
+    // ... nor create any consumer: the server would deliver for it where it
+    // may not publish (here, the records as forged events of job x-1).
+    let _interest = sub
+        .client
+        .subscribe("lh.events.x-1.completed")
+        .await
+        .unwrap();
+    refused(&sub, "$JS.API.CONSUMER.CREATE.KV_lh_jobs", async {
+        sub.js
+            .get_stream_no_info("KV_lh_jobs")
+            .await
+            .unwrap()
+            .create_consumer(async_nats::jetstream::consumer::push::Config {
+                deliver_subject: "lh.events.x-1.completed".into(),
+                ..Default::default()
+            })
             .await
     })
     .await;
@@ -500,6 +546,15 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
         }),
     )
     .await;
+
+    // A submitter reads a report of several chunks, and follows a record,
+    // without a consumer.
+    let (code, out, err) = s.cli("submitter", &["result", "x-3"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out == doc, "{} bytes of {}", out.len(), doc.len());
+    let (code, out, err) = s.cli("submitter", &["watch", "x-3", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
 
     // A client without its role's inbox prefix gets no answer at all, and
     // is told why instead of only timing out.
