@@ -146,7 +146,7 @@ async fn announce(conn: &Conn, id: &str, seq: u64) {
             }
         }
         Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-            eprintln!("note: no worker is running: job {id} waits in the queue, and its record appears when a worker claims it");
+            eprintln!("note: no worker answered (none is running, or none of this release): job {id} waits in the queue, and its record appears when a worker claims it");
         }
         Ok(Err(e)) => {
             eprintln!("note: job {id} is queued; no worker confirmed its record ({e}): it appears when a worker claims the job");
