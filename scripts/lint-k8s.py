@@ -15,7 +15,9 @@ against the binaries they run.
    RuntimeDefault seccomp, requests and limits, probes, disruption budgets,
    no `replicas` on a Deployment KEDA scales, explicit worker kinds without
    test kinds, a grace period longer than the drain timeout, the model key
-   from a Secret, a setup Job that cleans up after itself.
+   and NATS passwords from Secrets, each NATS user of
+   deploy/nats/permissions.conf with its role's inbox prefix, a setup Job
+   that cleans up after itself.
 
 Usage: scripts/lint-k8s.py [--bin-dir target/debug] [deploy/k8s]
 """
@@ -183,6 +185,16 @@ def check_pods(path, docs, bin_dir):
             if "LH_API_KEY" in env:
                 check("secretKeyRef" in env["LH_API_KEY"].get("valueFrom", {}),
                       "%s: LH_API_KEY must come from a Secret (valueFrom.secretKeyRef)" % cname)
+            for secret in ("NATS_PASSWORD", "NATS_TOKEN"):
+                if secret in env:
+                    check("secretKeyRef" in env[secret].get("valueFrom", {}),
+                          "%s: %s must come from a Secret (valueFrom.secretKeyRef)" % (cname, secret))
+            # A NATS user of deploy/nats/permissions.conf gets its answers only
+            # on its role's inbox prefix (lh-worker: _INBOX_worker).
+            user = env.get("NATS_USER", {}).get("value", "")
+            if user.startswith("lh-"):
+                check(env.get("LH_INBOX_PREFIX", {}).get("value") == "_INBOX_" + user[3:],
+                      "%s: NATS_USER %s needs LH_INBOX_PREFIX=_INBOX_%s" % (cname, user, user[3:]))
             if binary == "leasehold-worker":
                 kinds = env.get("LH_KINDS", {}).get("value")
                 if check(kinds is not None, "%s: set LH_KINDS explicitly" % cname):

@@ -12,6 +12,7 @@ mod liveness;
 mod observe;
 mod otlp;
 mod ownership;
+mod perms;
 mod promise;
 mod reaper;
 mod research;

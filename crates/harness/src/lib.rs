@@ -62,6 +62,11 @@ pub struct NatsServer {
     name: String,
     dir: tempfile::TempDir,
     sync_always: bool,
+    /// A configuration file copied beside the generated one and included
+    /// by it (users, accounts, permissions).
+    include: Option<String>,
+    /// Environment of the server process (variables the included file reads).
+    env: Vec<(String, String)>,
 }
 
 impl NatsServer {
@@ -95,9 +100,52 @@ impl NatsServer {
             name,
             dir,
             sync_always,
+            include: None,
+            env: Vec::new(),
         };
         s.spawn();
         s
+    }
+
+    /// Starts a single server whose configuration also includes the file
+    /// `conf` (copied beside the generated configuration, so the file is
+    /// used as shipped), with `env` in the server's environment (the
+    /// variables it refers to, such as passwords). A file that defines
+    /// accounts puts JetStream in them: connect as one of its users.
+    pub fn start_including(conf: &Path, env: &[(&str, String)]) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("lh-nats-")
+            .tempdir()
+            .expect("temp dir");
+        let name = conf
+            .file_name()
+            .expect("a configuration file name")
+            .to_string_lossy()
+            .into_owned();
+        std::fs::copy(conf, dir.path().join(&name))
+            .unwrap_or_else(|e| panic!("copy {}: {e}", conf.display()));
+        let mut s = NatsServer {
+            child: None,
+            fixed_dir: None,
+            port: free_port(),
+            cluster_port: None,
+            routes: Vec::new(),
+            name: "lh-test".into(),
+            dir,
+            sync_always: false,
+            include: Some(name),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        };
+        s.spawn();
+        s
+    }
+
+    /// The server's log so far (permission violations are logged here).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
     }
 
     /// Starts a single server whose storage lives in `dir` (kept after drop).
@@ -116,6 +164,8 @@ impl NatsServer {
             name: "lh-demo".into(),
             dir: tmp,
             sync_always: false,
+            include: None,
+            env: Vec::new(),
         };
         s.spawn();
         s
@@ -134,6 +184,9 @@ impl NatsServer {
             store = store.display(),
             sync = if self.sync_always { "  sync_interval: always\n" } else { "" },
         );
+        if let Some(file) = &self.include {
+            c.push_str(&format!("include \"{file}\"\n"));
+        }
         if let Some(cp) = self.cluster_port {
             let routes: Vec<String> = self
                 .routes
@@ -154,6 +207,7 @@ impl NatsServer {
         let mut child = Command::new(nats_server_bin())
             .arg("-c")
             .arg(&conf)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

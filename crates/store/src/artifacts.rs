@@ -164,6 +164,45 @@ impl Artifacts {
         )))
     }
 
+    /// Artifact `name` and its bytes, read with direct gets of its meta and
+    /// its chunks, so no consumer is created: a user allowed only to read
+    /// (a submitter may create no consumer at all) can fetch it. `None`
+    /// when there is no such artifact; a wrong size or digest is an error.
+    pub async fn read(&self, name: &str) -> Result<Option<(ObjectInfo, Vec<u8>)>, StoreError> {
+        let Some((_, info)) = self.last_meta(&self.meta_subject(name)).await? else {
+            return Ok(None);
+        };
+        if info.deleted {
+            return Ok(None);
+        }
+        let s = self
+            .js
+            .get_stream_no_info(format!("OBJ_{}", self.bucket))
+            .await
+            .map_err(|e| StoreError::nats("artifacts stream", e))?;
+        let subject = self.chunk_subject(&info.nuid);
+        let mut data = Vec::with_capacity(info.size);
+        let mut from = 1;
+        for _ in 0..info.chunks {
+            let m = s
+                .direct_get_next_for_subject(&subject, Some(from))
+                .await
+                .map_err(|e| StoreError::nats(&format!("artifact {name}: chunk"), e))?;
+            from = m.sequence + 1;
+            data.extend_from_slice(&m.payload);
+        }
+        let digest = format!("SHA-256={}", URL_SAFE.encode(Sha256::digest(&data)));
+        if data.len() != info.size || info.digest.as_ref().is_some_and(|d| *d != digest) {
+            return Err(StoreError::Nats(format!(
+                "artifact {name}: read {} bytes ({digest}), its meta says {} ({:?})",
+                data.len(),
+                info.size,
+                info.digest
+            )));
+        }
+        Ok(Some((info, data)))
+    }
+
     /// The last meta message of an object and its sequence.
     async fn last_meta(&self, subject: &str) -> Result<Option<(u64, ObjectInfo)>, StoreError> {
         let s = self

@@ -2,8 +2,10 @@
 //!
 //! Variables (each also a flag): `NATS_URL` (default `nats://127.0.0.1:4222`),
 //! `NATS_CREDS` (creds file), `NATS_USER` + `NATS_PASSWORD`, `NATS_TOKEN`,
-//! `NATS_CA`, `NATS_CERT` + `NATS_KEY` (TLS), and `LH_PREFIX` (namespace,
-//! default `lh`).
+//! `NATS_CA`, `NATS_CERT` + `NATS_KEY` (TLS), `LH_PREFIX` (namespace,
+//! default `lh`) and `LH_INBOX_PREFIX` (the subject prefix of reply inboxes,
+//! default `_INBOX`; a user whose permissions allow subscribing only to
+//! `_INBOX_<role>.>` sets it to `_INBOX_<role>`).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -62,6 +64,34 @@ pub struct NatsArgs {
         global = true
     )]
     pub prefix: String,
+    /// Subject prefix of this client's reply inboxes (JetStream API replies,
+    /// KV and object-store reads, requests). Set it to the prefix your NATS
+    /// user may subscribe to (`_INBOX_worker` for `_INBOX_worker.>`).
+    #[arg(
+        long = "inbox-prefix",
+        env = "LH_INBOX_PREFIX",
+        default_value = "_INBOX",
+        value_parser = parse_inbox_prefix,
+        global = true
+    )]
+    pub inbox_prefix: String,
+}
+
+/// An inbox prefix is one or more subject tokens without wildcards.
+fn parse_inbox_prefix(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.split('.').all(|t| {
+            !t.is_empty()
+                && t.chars()
+                    .all(|c| !c.is_whitespace() && c != '*' && c != '>')
+        });
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?} is not a subject prefix: use tokens without spaces or wildcards, like _INBOX_worker"
+        ))
+    }
 }
 
 impl Default for NatsArgs {
@@ -76,6 +106,7 @@ impl Default for NatsArgs {
             cert: None,
             key: None,
             prefix: "lh".into(),
+            inbox_prefix: "_INBOX".into(),
         }
     }
 }
@@ -103,6 +134,7 @@ impl NatsArgs {
         let events = link.clone();
         let mut opts = async_nats::ConnectOptions::new()
             .name(name)
+            .custom_inbox_prefix(&self.inbox_prefix)
             .connection_timeout(Duration::from_secs(5))
             .event_callback(move |ev| {
                 let events = events.clone();
@@ -160,7 +192,27 @@ impl NatsArgs {
             .map_err(|e| StoreError::Connect(format!("{}: {e}; set NATS_URL to a running server (`nats-server -js`)", self.url_for_logs())))?;
         let mut conn = Conn::new(client, layout);
         conn.link = link;
+        self.check_inbox(&conn).await?;
         Ok(conn)
+    }
+
+    /// Fails at once when the server refuses this user its reply inbox:
+    /// every request, JetStream call and KV read would otherwise only time
+    /// out. One request (JetStream's account info, answered even without
+    /// JetStream) is raced against the refusal; a refused probe subject or
+    /// a slow answer tells nothing, and the connection goes on.
+    async fn check_inbox(&self, conn: &Conn) -> Result<(), StoreError> {
+        let inbox = format!("{}.", self.inbox_prefix);
+        let probe = conn.client.request("$JS.API.INFO", "".into());
+        tokio::select! {
+            why = conn.link.refused(&inbox) => Err(StoreError::Config(format!(
+                "NATS refused this user a subscription to its reply inbox ({why}): set \
+                 LH_INBOX_PREFIX (--inbox-prefix) to the inbox prefix its permissions allow \
+                 (deploy/nats/permissions.conf: _INBOX_<role>)"
+            ))),
+            _ = conn.link.refused("$JS.API.INFO") => Ok(()),
+            _ = tokio::time::timeout(Duration::from_secs(2), probe) => Ok(()),
+        }
     }
 }
 
@@ -170,6 +222,7 @@ impl NatsArgs {
 #[derive(Clone, Debug)]
 pub struct Link {
     inner: Arc<Mutex<LinkState>>,
+    violation: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug)]
@@ -177,7 +230,12 @@ struct LinkState {
     connected: bool,
     since: Instant,
     reconnects: u64,
+    /// The server's latest permission errors (`Permissions Violation for
+    /// Publish to "..."`), newest last, at most [`KEEP_VIOLATIONS`].
+    violations: Vec<String>,
 }
+
+const KEEP_VIOLATIONS: usize = 32;
 
 impl Default for Link {
     fn default() -> Self {
@@ -186,7 +244,9 @@ impl Default for Link {
                 connected: true,
                 since: Instant::now(),
                 reconnects: 0,
+                violations: Vec::new(),
             })),
+            violation: Arc::new(tokio::sync::Notify::new()),
         }
     }
 }
@@ -206,7 +266,54 @@ impl Link {
                 s.connected = false;
                 s.since = Instant::now();
             }
+            async_nats::Event::ServerError(async_nats::ServerError::Other(e))
+                if is_permission_violation(&e) =>
+            {
+                // The server answers a refused publish or subscription with
+                // this error alone: the request that needed it only times
+                // out. Say what was refused, once per refusal.
+                tracing::warn!(
+                    error = %e,
+                    "NATS refused an operation: this NATS user lacks a permission \
+                     (deploy/nats/permissions.conf lists each role's; LH_INBOX_PREFIX \
+                     must be the inbox prefix the user may subscribe to)"
+                );
+                if s.violations.len() >= KEEP_VIOLATIONS {
+                    s.violations.remove(0);
+                }
+                s.violations.push(e);
+                self.violation.notify_waiters();
+            }
+            async_nats::Event::ServerError(e) => {
+                tracing::warn!(error = %e, "NATS server error");
+            }
             _ => {}
+        }
+    }
+
+    /// The permission errors the server sent this connection (newest last).
+    pub fn violations(&self) -> Vec<String> {
+        self.inner.lock().expect("link state").violations.clone()
+    }
+
+    /// Resolves with the server's permission error once one names a subject
+    /// starting with `subject_prefix` (one seen before the call counts).
+    /// Race it against an operation that would otherwise only time out.
+    pub async fn refused(&self, subject_prefix: &str) -> String {
+        let quoted = format!("\"{subject_prefix}");
+        loop {
+            let notified = self.violation.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(v) = self
+                .violations()
+                .into_iter()
+                .rev()
+                .find(|v| v.contains(&quoted))
+            {
+                return v;
+            }
+            notified.await;
         }
     }
 
@@ -229,6 +336,11 @@ impl Link {
     pub fn reconnects(&self) -> u64 {
         self.inner.lock().expect("link state").reconnects
     }
+}
+
+/// Whether a server error is a refused publish or subscription.
+pub fn is_permission_violation(e: &str) -> bool {
+    e.to_ascii_lowercase().contains("permissions violation")
 }
 
 /// `url` (or a comma-separated list of URLs) with the user-info part's
@@ -261,7 +373,24 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{is_permission_violation, parse_inbox_prefix, redact_url};
+
+    #[test]
+    fn an_inbox_prefix_is_a_subject_prefix_without_wildcards() {
+        assert_eq!(parse_inbox_prefix("_INBOX").unwrap(), "_INBOX");
+        assert_eq!(
+            parse_inbox_prefix("_INBOX_worker").unwrap(),
+            "_INBOX_worker"
+        );
+        assert_eq!(parse_inbox_prefix("_I.worker").unwrap(), "_I.worker");
+        for bad in ["", "_INBOX.>", "a.*", "a..b", "a b", ".a", "a."] {
+            assert!(parse_inbox_prefix(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(is_permission_violation(
+            "Permissions Violation for Publish to \"$KV.lh_jobs.x\""
+        ));
+        assert!(!is_permission_violation("Slow Consumer"));
+    }
 
     #[test]
     fn credentials_never_reach_a_log() {

@@ -322,6 +322,50 @@ impl Jobs {
         Ok(out)
     }
 
+    /// The last sequence of the bucket's stream when it was opened: where
+    /// to follow a record from that does not exist yet (its key may have
+    /// the markers of a removed job of the same id before it).
+    pub fn opened_at(&self) -> u64 {
+        self.kv.stream.cached_info().state.last_sequence
+    }
+
+    /// The first revision of the record written after stream sequence
+    /// `after`, read with a direct get: no
+    /// consumer is created, so a user allowed only to read records (a
+    /// submitter) can follow a job. `None` when there is none yet; a delete
+    /// or purge marker comes as its sequence without a record.
+    pub async fn revision_after(
+        &self,
+        id: &str,
+        after: u64,
+    ) -> Result<Option<(u64, Option<JobRecord>)>, JobsError> {
+        let subject = format!("$KV.{}.{id}", self.kv.name);
+        let m = match self
+            .kv
+            .stream
+            .direct_get_next_for_subject(&subject, Some(after + 1))
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
+                return Ok(None)
+            }
+            Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),
+        };
+        let marker = m
+            .headers
+            .get("KV-Operation")
+            .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE");
+        if marker {
+            return Ok(Some((m.sequence, None)));
+        }
+        let mut rec = decode(id, &m.payload)?;
+        if rec.input_beside || rec.output_beside {
+            self.internalize(&mut rec).await?;
+        }
+        Ok(Some((m.sequence, Some(rec))))
+    }
+
     /// A watch of every record change (for `leasehold watch` and tests).
     pub async fn watch(&self, id: &str) -> Result<kv::Watch, JobsError> {
         self.kv

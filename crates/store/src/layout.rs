@@ -107,6 +107,24 @@ impl Layout {
     pub fn cancel_wildcard(&self) -> String {
         format!("{}.cancel.*", self.prefix)
     }
+    /// `lh.enqueued.<seq>`: a submitter tells the fleet that ticket `seq`
+    /// of the work stream is its job; a worker creates the queued record
+    /// (submitters may not write records themselves).
+    pub fn enqueued_subject(&self, seq: u64) -> String {
+        format!("{}.enqueued.{seq}", self.prefix)
+    }
+    /// `lh.enqueued.*`.
+    pub fn enqueued_wildcard(&self) -> String {
+        format!("{}.enqueued.*", self.prefix)
+    }
+    /// The ticket sequence named by an `lh.enqueued.<seq>` subject.
+    pub fn seq_of_enqueued_subject(&self, subject: &str) -> Option<u64> {
+        subject
+            .strip_prefix(&self.prefix)?
+            .strip_prefix(".enqueued.")?
+            .parse()
+            .ok()
+    }
     /// Stream capturing the server's max-deliveries advisories of the work consumers.
     pub fn advisory_stream(&self) -> String {
         format!("{}_ADVISORIES", self.upper())
@@ -193,6 +211,9 @@ mod tests {
         assert_eq!(l.dlq_subject("echo"), "lh.dlq.echo");
         assert_eq!(l.dlq_stream(), "LH_DLQ");
         assert_eq!(l.cancel_subject("j"), "lh.cancel.j");
+        assert_eq!(l.enqueued_subject(7), "lh.enqueued.7");
+        assert_eq!(l.seq_of_enqueued_subject("lh.enqueued.7"), Some(7));
+        assert_eq!(l.seq_of_enqueued_subject("lh.enqueued.x"), None);
         assert_eq!(l.kind_of_submit_subject("lh.submit.echo"), Some("echo"));
         assert_eq!(Layout::new("acme").unwrap().jobs_bucket(), "acme_jobs");
         assert!(Layout::new("a.b").is_err());

@@ -10,8 +10,14 @@
 //!   worker that consumes the ticket.
 //! - `lh.cancel.<job_id>` requests are answered with whether the
 //!   cancellation was recorded.
+//! - `lh.enqueued.<seq>` requests (from `leasehold submit`, after the
+//!   stream's publish ack) create the queued record of the ticket at that
+//!   sequence, read back from the work stream: the job is visible (and can
+//!   be cancelled) before a worker is free to claim it, and a submitter
+//!   needs no write permission on `lh_jobs`. Only a stored ticket gets a
+//!   record, and exactly the one its claim would create.
 //!
-//! Both subscriptions use queue groups, so one worker of the fleet answers.
+//! Every subscription uses a queue group, so one worker of the fleet answers.
 
 use std::time::SystemTime;
 
@@ -21,7 +27,8 @@ use leasehold_core::machine;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_store::dlq::Dlq;
 use leasehold_store::events::{self, Events};
-use leasehold_store::{work, Conn, Jobs, JobsError};
+use leasehold_store::work::{self, Work};
+use leasehold_store::{Conn, Jobs, JobsError};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -30,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 pub struct Subscriptions {
     submit: async_nats::Subscriber,
     cancel: async_nats::Subscriber,
+    enqueued: async_nats::Subscriber,
 }
 
 /// Subscribes (queue groups) and waits until the server knows the interest.
@@ -46,11 +54,19 @@ pub async fn subscribe(conn: &Conn) -> anyhow::Result<Subscriptions> {
         .client
         .queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix))
         .await?;
+    let enqueued = conn
+        .client
+        .queue_subscribe(l.enqueued_wildcard(), format!("{}-gateway", l.prefix))
+        .await?;
     // A flush only writes the SUBs to the socket; a request on the same
     // connection returns only after the server processed everything before
     // it, so the interest is registered when this returns.
     conn.js.query_account().await?;
-    Ok(Subscriptions { submit, cancel })
+    Ok(Subscriptions {
+        submit,
+        cancel,
+        enqueued,
+    })
 }
 
 /// Serves until `shutdown` fires.
@@ -62,6 +78,7 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
     let Subscriptions {
         mut submit,
         mut cancel,
+        mut enqueued,
     } = subs;
     // The kinds the work stream captures; anything else is unknown.
     let captured: Vec<String> = match conn.js.get_stream(l.work_stream()).await {
@@ -96,6 +113,15 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
                     let _ = conn.client.publish(r, reply.to_string().into()).await;
                 }
             }
+            Some(m) = enqueued.next() => {
+                let reply = match l.seq_of_enqueued_subject(&m.subject) {
+                    Some(seq) => gw.record_ticket(seq).await,
+                    None => json!({"created": false, "outcome": "invalid", "error": format!("{} names no ticket sequence", m.subject)}),
+                };
+                if let Some(r) = m.reply {
+                    let _ = conn.client.publish(r, reply.to_string().into()).await;
+                }
+            }
         }
     }
 }
@@ -106,10 +132,69 @@ pub struct Gateway {
     pub jobs: Jobs,
     pub events: Events,
     pub dlq: Dlq,
+    pub work: Work,
     pub kinds: Kinds,
+    /// The largest submission a claim accepts (`--max-submission-bytes`).
+    pub max_submission_bytes: usize,
 }
 
 impl Gateway {
+    /// Creates the queued record of the ticket stored at `seq`, as its
+    /// claim would (same id, spec and ticket); the answer says whether it
+    /// did and why not. A ticket already taken, a re-issued one (its
+    /// record exists) or one that does not decode (its claim records the
+    /// rejection) gets nothing.
+    async fn record_ticket(&self, seq: u64) -> serde_json::Value {
+        let ticket = match self.work.get(seq).await {
+            Ok(Some(t)) => t,
+            // Consumed already (its claim made the record), or never stored.
+            Ok(None) => return json!({"seq": seq, "created": false, "outcome": "gone"}),
+            Err(e) => {
+                return json!({"seq": seq, "created": false, "outcome": "error", "error": e.to_string()})
+            }
+        };
+        if let Some(id) = ticket.headers.get(work::JOB_ID_HEADER) {
+            return json!({"seq": seq, "id": id.as_str(), "created": false, "outcome": "reissued"});
+        }
+        let hint = work::ticket_job_id(Some(&ticket.headers));
+        let ct = work::content_type(Some(&ticket.headers));
+        let sub = Submission {
+            kind: &ticket.kind,
+            payload: &ticket.payload,
+            msg_id: hint.as_deref(),
+            content_type: ct.as_deref(),
+            stream_seq: seq,
+        };
+        let accepted = match spec::decode(sub, &self.kinds, self.max_submission_bytes) {
+            Ok(a) => a,
+            Err(rej) => {
+                return json!({"seq": seq, "id": rej.id, "created": false, "outcome": "invalid", "error": rej.error.to_string()})
+            }
+        };
+        let mut rec = machine::new_record(
+            &accepted.id,
+            &ticket.kind,
+            accepted.spec,
+            seq,
+            SystemTime::now(),
+        );
+        // The trace the job joins, as its claim would choose it.
+        rec.traceparent = crate::service::claim::job_traceparent(
+            Some(&ticket.headers),
+            &accepted.id,
+            &ticket.kind,
+        );
+        match self.jobs.create(&rec).await {
+            Ok(_) => json!({"seq": seq, "id": rec.id, "created": true, "status": "queued"}),
+            Err(JobsError::Exists(_)) => {
+                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "exists"})
+            }
+            Err(e) => {
+                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "error", "error": e.to_string()})
+            }
+        }
+    }
+
     async fn on_submission(&self, kind: &str, stream_has_it: bool, m: async_nats::Message) {
         let Gateway {
             conn,
@@ -117,6 +202,7 @@ impl Gateway {
             events,
             dlq,
             kinds,
+            ..
         } = self;
         let hint = work::ticket_job_id(m.headers.as_ref());
         let ct = work::content_type(m.headers.as_ref());

@@ -1,13 +1,18 @@
 //! `leasehold cancel ID`: ask for cancellation on `lh.cancel.<ID>`.
 //! A queued job is cancelled at once; a running job's owner is told and
 //! stops at once (or, if it cannot be reached, at its next write; a retry,
-//! hand-back or reclaim never undoes the request). When no worker answers,
-//! the request is recorded directly.
+//! hand-back or reclaim never undoes the request).
+//!
+//! A worker records the request. When no worker answers, the CLI records
+//! it itself if its NATS user may write job records (an operator's); a
+//! submitter's may not, and NATS refuses the write: then nothing was
+//! recorded, and the command says so and exits 1.
 
 use std::time::Duration;
 
 use leasehold_store::events::Events;
 use leasehold_store::{jobs, Jobs, NatsArgs};
+use serde_json::json;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -18,17 +23,33 @@ pub struct Args {
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli cancel").await?;
     let subject = conn.layout.cancel_subject(&a.id);
-    let reply: serde_json::Value = match tokio::time::timeout(
-        Duration::from_secs(3),
-        conn.client.request(subject, "".into()),
-    )
-    .await
-    {
+    let ask = conn.client.request(subject.clone(), "".into());
+    let reply: serde_json::Value = match tokio::time::timeout(Duration::from_secs(3), ask).await {
         Ok(Ok(m)) => serde_json::from_slice(&m.payload)?,
-        _ => {
-            // No worker answered: record it ourselves through the same transition.
+        unanswered => {
+            let why = match unanswered {
+                Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                    "no worker is running".to_string()
+                }
+                Ok(Err(e)) => format!("the request failed: {e}"),
+                _ => "no worker answered within 3s".to_string(),
+            };
+            // Record it ourselves through the same transition, unless NATS
+            // refuses this user the write (it only says so on the side: the
+            // write itself would just time out).
             let jobs = Jobs::open(&conn).await?;
-            jobs::cancel(&jobs, &Events::new(&conn), &a.id).await.0
+            let events = Events::new(&conn);
+            let records = format!("$KV.{}.", conn.layout.jobs_bucket());
+            tokio::select! {
+                (r, _) = jobs::cancel(&jobs, &events, &a.id) => r,
+                refusal = conn.link.refused(&records) => {
+                    eprintln!(
+                        "error: {why} on {subject}, and this NATS user may not write job records ({refusal}): \
+                         nothing was recorded; cancel again once a worker runs, or as a user with the operator's permissions"
+                    );
+                    json!({"id": a.id, "recorded": false, "outcome": "refused", "error": refusal})
+                }
+            }
         }
     };
     println!("{reply}");

@@ -3,7 +3,6 @@
 
 use anyhow::Context as _;
 use leasehold_store::{Jobs, NatsArgs};
-use tokio::io::AsyncReadExt;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -28,18 +27,17 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     }
     let res = rec.result.unwrap_or_default();
     if let Some(name) = &res.artifact {
-        let store = conn
-            .js
-            .get_object_store(conn.layout.artifacts_bucket())
+        // Direct gets, no consumer: a submitter's NATS user may create none.
+        let artifacts = leasehold_store::artifacts::Artifacts::open(&conn).await?;
+        let Some((_, bytes)) = artifacts
+            .read(name)
             .await
-            .context("artifacts store")?;
-        let mut obj = store
-            .get(name)
-            .await
-            .with_context(|| format!("artifact {name}"))?;
-        let mut text = String::new();
-        obj.read_to_string(&mut text).await?;
-        print!("{text}");
+            .with_context(|| format!("artifact {name}"))?
+        else {
+            eprintln!("error: job {} names artifact {name}, which is gone", rec.id);
+            return Ok(1);
+        };
+        print!("{}", String::from_utf8_lossy(&bytes));
         if res.partial {
             eprintln!(
                 "note: partial result; skipped sections: {}",

@@ -4,13 +4,19 @@
 //! wraps a bare input object. The spec is validated locally with the same
 //! rules a worker applies, so a bad spec is refused before it is sent.
 //! Prints the job id on stdout.
+//!
+//! The submitter never writes the job record (a NATS user with the
+//! submitter's permissions may not): after the stream's publish ack it asks
+//! the fleet on `lh.enqueued.<seq>` to create the queued record of the
+//! stored ticket, so the job is visible and cancellable at once. With no
+//! worker running the record appears when one claims the ticket.
 
 use std::io::Read;
 
 use anyhow::Context as _;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_store::work::Work;
-use leasehold_store::{Jobs, JobsError, NatsArgs};
+use leasehold_store::{Conn, Jobs, NatsArgs};
 use prost::Message as _;
 
 #[derive(clap::Args, Debug)]
@@ -140,28 +146,14 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         }
     };
     let id = msg_id.unwrap_or_else(|| spec::seq_id(published.seq));
-    let jobs = Jobs::open(&conn).await?;
     if published.duplicate {
         eprintln!("duplicate: job {id} was already submitted; this is the same job");
-    } else if let Some(acc) = accepted {
-        // Make the job visible as queued at once; a worker may already have
-        // created the record, which is fine.
-        let rec = leasehold_core::machine::new_record(
-            &id,
-            &a.kind,
-            acc.spec,
-            published.seq,
-            std::time::SystemTime::now(),
-        );
-        match jobs.create(&rec).await {
-            Ok(_) | Err(JobsError::Exists(_)) => {}
-            Err(e) => {
-                eprintln!("warning: the job is queued but its record could not be created yet: {e}")
-            }
-        }
+    } else {
+        announce(&conn, &id, published.seq).await;
     }
     println!("{id}");
     if a.wait {
+        let jobs = Jobs::open(&conn).await?;
         let Some(rec) = super::watch::follow_for(&jobs, &id, false, true, a.timeout).await? else {
             return Ok(super::watch::TIMED_OUT);
         };
@@ -169,6 +161,35 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         return Ok(if rec.status == "completed" { 0 } else { 1 });
     }
     Ok(0)
+}
+
+/// Asks a worker to create the queued record of the ticket at `seq`; what
+/// cannot be done now is done by the ticket's claim, so nothing here fails
+/// the submission.
+async fn announce(conn: &Conn, id: &str, seq: u64) {
+    let ask = conn
+        .client
+        .request(conn.layout.enqueued_subject(seq), "".into());
+    match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
+        Ok(Ok(m)) => {
+            let answer: serde_json::Value = serde_json::from_slice(&m.payload).unwrap_or_default();
+            if answer["outcome"] == "error" {
+                eprintln!(
+                    "note: job {id} is queued; its record is not written yet ({}): it appears when a worker claims the job",
+                    answer["error"].as_str().unwrap_or("unknown error")
+                );
+            }
+        }
+        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            eprintln!("note: no worker answered (none is running, or none of this release): job {id} waits in the queue, and its record appears when a worker claims it");
+        }
+        Ok(Err(e)) => {
+            eprintln!("note: job {id} is queued; no worker confirmed its record ({e}): it appears when a worker claims the job");
+        }
+        Err(_) => {
+            eprintln!("note: job {id} is queued; no worker confirmed its record within 5s: it appears when a worker claims the job");
+        }
+    }
 }
 
 #[cfg(test)]

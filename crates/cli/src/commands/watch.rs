@@ -3,10 +3,11 @@
 //! for long work. Exit 0 when it completed, 1 when it ended otherwise, 124
 //! when the timeout passed first (the job goes on).
 
-use futures::StreamExt;
+use std::time::Duration;
+
 use indicatif::{ProgressBar, ProgressStyle};
 use leasehold_core::{JobRecord, Status};
-use leasehold_store::{jobs, Jobs, NatsArgs};
+use leasehold_store::{Jobs, NatsArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -71,8 +72,14 @@ pub async fn follow_for(
 }
 
 /// Follows the record until it is terminal (or parked) and returns it.
+///
+/// Each revision is read with a direct get of the next one after the last
+/// seen, polling while there is none: no consumer is created, so a
+/// submitter's NATS user (which may create none) can follow a job. A job
+/// that has no record yet is waited for.
 pub async fn follow(jobs: &Jobs, id: &str, json: bool, quiet: bool) -> anyhow::Result<JobRecord> {
-    let mut watch = jobs.watch(id).await?;
+    const FIRST_POLL: Duration = Duration::from_millis(20);
+    const LAST_POLL: Duration = Duration::from_millis(500);
     let bar = if quiet {
         ProgressBar::hidden()
     } else {
@@ -83,13 +90,22 @@ pub async fn follow(jobs: &Jobs, id: &str, json: bool, quiet: bool) -> anyhow::R
             .expect("template")
             .progress_chars("=> "),
     );
-    bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    while let Some(entry) = watch.next().await {
-        let entry = entry?;
-        if entry.operation != async_nats::jetstream::kv::Operation::Put {
+    bar.enable_steady_tick(Duration::from_millis(200));
+    // From the current revision on (older ones are history).
+    let mut after = match jobs.get(id).await? {
+        Some(v) => v.revision - 1,
+        None => jobs.opened_at(),
+    };
+    let mut pause = FIRST_POLL;
+    loop {
+        let Some((seq, rec)) = jobs.revision_after(id, after).await? else {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(LAST_POLL);
             continue;
-        }
-        let rec = jobs::decode(id, &entry.value)?;
+        };
+        after = seq;
+        pause = FIRST_POLL;
+        let Some(rec) = rec else { continue };
         if json {
             println!("{}", serde_json::to_string(&rec)?);
         }
@@ -114,5 +130,4 @@ pub async fn follow(jobs: &Jobs, id: &str, json: bool, quiet: bool) -> anyhow::R
             return Ok(rec);
         }
     }
-    anyhow::bail!("the watch of job {id} ended before the job did (NATS connection lost?)")
 }

@@ -35,10 +35,12 @@ fn header_id(msg: &jetstream::Message) -> Option<String> {
 /// The trace a job joins: the submitter's `traceparent` header, else (when
 /// traces are exported) a new root `job` span's. Kept in the record, so
 /// every attempt, on any worker, after any re-queue, joins the same trace.
-fn job_traceparent(msg: &jetstream::Message, id: &str, kind: &str) -> Option<String> {
-    let sent = msg
-        .headers
-        .as_ref()
+pub(crate) fn job_traceparent(
+    headers: Option<&async_nats::HeaderMap>,
+    id: &str,
+    kind: &str,
+) -> Option<String> {
+    let sent = headers
         .and_then(|h| h.get(trace::TRACEPARENT))
         .map(|v| v.as_str().trim().to_string())
         .filter(|tp| trace::span_context_from_traceparent(tp).is_some());
@@ -236,7 +238,7 @@ pub(crate) async fn handle_delivery(
                     machine::new_record(&accepted.id, &kind, accepted.spec.clone(), seq, c.now),
                     &c,
                 );
-                record.traceparent = job_traceparent(&msg, &accepted.id, &kind);
+                record.traceparent = job_traceparent(msg.headers.as_ref(), &accepted.id, &kind);
                 mine = record.claim_token.clone();
                 (
                     shared.jobs.create(&record).await.map(|r| (r, record)),
@@ -279,7 +281,7 @@ pub(crate) async fn handle_delivery(
                         reclaim,
                     } => {
                         if record.traceparent.is_none() {
-                            record.traceparent = job_traceparent(&msg, &accepted.id, &kind);
+                            record.traceparent = job_traceparent(msg.headers.as_ref(), &accepted.id, &kind);
                         }
                         mine = record.claim_token.clone();
                         (

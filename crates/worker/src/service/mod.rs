@@ -30,7 +30,7 @@
 //! anything left is recovered at once rather than after the timeout.
 
 mod attempt;
-mod claim;
+pub(crate) mod claim;
 mod pull;
 mod session;
 
@@ -385,7 +385,9 @@ async fn run(
         jobs: shared.jobs.clone(),
         events: shared.events.clone(),
         dlq: shared.dlq.clone(),
+        work: shared.work.clone(),
         kinds: shared.kinds.clone(),
+        max_submission_bytes: shared.opts.max_submission_bytes,
     };
     let gw = tokio::spawn(crate::gateway::run(gw, gateway, shutdown.clone()));
     // The session outlives the drain and the hand-back: it stops last.
