@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use leasehold_store::events::Events;
-use leasehold_store::{jobs, Jobs, NatsArgs};
+use leasehold_store::{jobs, NatsArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -27,7 +27,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         Ok(Ok(m)) => serde_json::from_slice(&m.payload)?,
         _ => {
             // No worker answered: record it ourselves through the same transition.
-            let jobs = Jobs::open(&conn).await?;
+            let jobs = super::open_jobs(&conn).await?;
             jobs::cancel(&jobs, &Events::new(&conn), &a.id).await.0
         }
     };

@@ -10,7 +10,7 @@ use std::io::Read;
 use anyhow::Context as _;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_store::work::Work;
-use leasehold_store::{Jobs, JobsError, NatsArgs};
+use leasehold_store::{JobsError, NatsArgs};
 use prost::Message as _;
 
 #[derive(clap::Args, Debug)]
@@ -96,7 +96,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             )
         })?;
     let id = msg_id.unwrap_or_else(|| spec::seq_id(published.seq));
-    let jobs = Jobs::open(&conn).await?;
+    let jobs = super::open_jobs(&conn).await?;
     if published.duplicate {
         eprintln!("duplicate: job {id} was already submitted; this is the same job");
     } else if let Some(acc) = accepted {
