@@ -2,6 +2,7 @@
 //! ports with its own storage), workers in-process or as real child
 //! processes where the test is about a process dying or pausing.
 
+mod chaos;
 mod cli;
 mod cluster;
 mod effects;
