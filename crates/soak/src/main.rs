@@ -116,6 +116,13 @@ struct Args {
     /// often is dead-lettered as poison (a valid, counted outcome).
     #[arg(long, default_value_t = 6)]
     max_stale_reclaims: u32,
+    /// Inject only these fault kinds (comma-separated): kill9_worker_same_id,
+    /// kill9_worker_new_id, sigstop_worker, sigterm_worker, kill9_reaper,
+    /// partition_freeze, partition_cut (with --proxied > 0), kill9_server
+    /// (single node), kill9_node_leader, kill9_node_follower,
+    /// leader_stepdown (--cluster). Default: all of the topology's.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<String>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -175,6 +182,7 @@ fn shape(a: &Args) -> plan::Shape {
             a.gap_min.as_millis() as u64,
             a.gap_max.as_millis().max(a.gap_min.as_millis()) as u64,
         ),
+        only: (!a.faults.is_empty()).then(|| a.faults.clone()),
     }
 }
 
@@ -184,6 +192,14 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         a.proxied <= a.workers,
         "--proxied must not exceed --workers"
     );
+    let kinds = plan::fault_kinds(a.cluster, a.proxied > 0);
+    for f in &a.faults {
+        anyhow::ensure!(
+            kinds.contains(&f.as_str()),
+            "--faults: {f:?} is not a fault of this topology; choose from {}",
+            kinds.join(", ")
+        );
+    }
     let seed = a.seed.unwrap_or_else(|| {
         SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)

@@ -228,6 +228,32 @@ pub struct Shape {
     /// Streams whose leaders node faults aim at.
     pub streams: Vec<String>,
     pub gap_ms: (u64, u64),
+    /// Only these fault kinds (names as [`Fault::name`]); all when `None`.
+    pub only: Option<Vec<String>>,
+}
+
+/// The fault kinds a topology can have, by name.
+pub fn fault_kinds(cluster: bool, proxied: bool) -> Vec<&'static str> {
+    let mut k = vec![
+        "kill9_worker_same_id",
+        "kill9_worker_new_id",
+        "sigstop_worker",
+        "sigterm_worker",
+        "kill9_reaper",
+    ];
+    if proxied {
+        k.extend(["partition_freeze", "partition_cut"]);
+    }
+    if cluster {
+        k.extend([
+            "kill9_node_leader",
+            "kill9_node_follower",
+            "leader_stepdown",
+        ]);
+    } else {
+        k.push("kill9_server");
+    }
+    k
 }
 
 /// A schedule long enough for `run` (the executor stops when time is up).
@@ -236,14 +262,16 @@ pub struct Shape {
 /// even a short run sees every kind once before any kind twice.
 pub fn faults(seed: u64, run: Duration, s: &Shape) -> Vec<Step> {
     let mut r = Rng::stream(seed, "faults");
-    let mut deck_kinds: Vec<&str> = vec!["kill_same", "kill_new", "pause", "term", "reaper"];
-    if !s.proxied.is_empty() {
-        deck_kinds.extend(["freeze", "cut"]);
-    }
-    if s.cluster {
-        deck_kinds.extend(["node_leader", "node_follower", "stepdown"]);
-    } else {
-        deck_kinds.push("server");
+    let deck_kinds: Vec<&str> = fault_kinds(s.cluster, !s.proxied.is_empty())
+        .into_iter()
+        .filter(|k| {
+            s.only
+                .as_ref()
+                .is_none_or(|only| only.iter().any(|o| o == k))
+        })
+        .collect();
+    if deck_kinds.is_empty() {
+        return Vec::new();
     }
     let mut deck: Vec<&str> = Vec::new();
     let mut out = Vec::new();
@@ -264,34 +292,34 @@ pub fn faults(seed: u64, run: Duration, s: &Shape) -> Vec<Step> {
         let beyond = s.session_ms + r.range(500, 3000);
         let stream = s.streams[r.range(0, s.streams.len() as u64 - 1) as usize].clone();
         let fault = match k {
-            "kill_same" | "kill_new" => Fault::KillWorker {
+            "kill9_worker_same_id" | "kill9_worker_new_id" => Fault::KillWorker {
                 worker,
-                same_id: k == "kill_same",
+                same_id: k == "kill9_worker_same_id",
                 down_ms: r.range(0, 2000),
             },
-            "pause" => Fault::PauseWorker {
+            "sigstop_worker" => Fault::PauseWorker {
                 worker,
                 pause_ms: beyond,
             },
-            "term" => Fault::TermWorker { worker },
-            "freeze" => Fault::FreezeWorker {
+            "sigterm_worker" => Fault::TermWorker { worker },
+            "partition_freeze" => Fault::FreezeWorker {
                 worker: proxied,
                 pause_ms: beyond,
             },
-            "cut" => Fault::CutWorker {
+            "partition_cut" => Fault::CutWorker {
                 worker: proxied,
                 pause_ms: r.range(1000, s.session_ms + 2000),
             },
-            "reaper" => Fault::KillReaper {
+            "kill9_reaper" => Fault::KillReaper {
                 reaper: r.range(0, s.reapers as u64 - 1) as usize,
                 down_ms: r.range(200, 3000),
             },
-            "server" => Fault::RestartServer {
+            "kill9_server" => Fault::RestartServer {
                 down_ms: r.range(500, 6000),
             },
-            "node_leader" | "node_follower" => Fault::KillNode {
+            "kill9_node_leader" | "kill9_node_follower" => Fault::KillNode {
                 stream,
-                role: if k == "node_leader" {
+                role: if k == "kill9_node_leader" {
                     Role::Leader
                 } else {
                     Role::Follower
@@ -351,6 +379,7 @@ mod tests {
             session_ms: 3000,
             streams: vec!["LH_WORK".into(), "LH_EVENTS".into()],
             gap_ms: (3000, 8000),
+            only: None,
         }
     }
 
@@ -386,6 +415,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_fault_filter_deals_only_those_kinds() {
+        let mut s = shape(true);
+        s.only = Some(vec!["leader_stepdown".into(), "kill9_node_leader".into()]);
+        let plan = faults(5, Duration::from_secs(120), &s);
+        assert!(!plan.is_empty());
+        assert!(plan
+            .iter()
+            .all(|st| matches!(st.fault.name(), "leader_stepdown" | "kill9_node_leader")));
     }
 
     #[test]
