@@ -69,3 +69,82 @@ async fn a_retry_whose_ticket_cannot_be_published_does_not_leave_the_job_running
     stop.cancel();
     b.wait().await.unwrap();
 }
+
+/// Found by `leasehold-soak --seed 630518508 --cluster --minutes 30`: a
+/// worker given SIGTERM three seconds after a node restart never finished
+/// its shutdown ("shutdown: stop pulling; draining in-flight jobs for up to
+/// 2s", then nothing for 30 s until it was killed). A pull loop that got a
+/// ticket tops up with `fetch()`, which sets no expiry: when its request or
+/// the server's answer is lost (the connection drops, the consumer's
+/// leader moves), nothing ever ends that fetch. The loop waits for ever,
+/// holding every slot it reserved for the top-up, so the worker stops
+/// taking tickets of that kind, runs fewer of any other, and its shutdown
+/// waits for the loop.
+///
+/// Reproduced exactly: the worker's pull requests pass through the proxy
+/// with a delay (and, the proxy keeping order, everything it sends after
+/// one), so the top-up fetch sent the moment a ticket is delivered is still
+/// in the proxy when the connection is cut; the client reconnects at once.
+#[tokio::test]
+async fn a_top_up_fetch_lost_with_its_connection_does_not_stall_the_worker() {
+    let env = Env::with(SetupOptions::default()).await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(&["--worker-id", "fetch-a"], &[("NATS_URL", proxy.url())]);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    proxy.delay("$JS.API.CONSUMER.MSG.NEXT.>", Duration::from_secs(3));
+    env.submit("sleep", json!({"input": {"ms": 100}}), "first")
+        .await;
+    // The ticket is delivered (the server's side of the proxy is not
+    // delayed): the worker's top-up fetch follows at once, into the delay.
+    let mut sleep_consumer = env.work.consumer("sleep").await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while sleep_consumer.info().await.unwrap().num_ack_pending == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never delivered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+    proxy.clear();
+    // The worker is back: another kind's loop serves an echo job.
+    env.submit("echo", json!({"input": {}}), "alive").await;
+    env.wait_status("alive", "completed", Duration::from_secs(30))
+        .await;
+    // And its sleep loop must be too.
+    for i in 0..3 {
+        env.submit(
+            "sleep",
+            json!({"input": {"ms": 100}}),
+            &format!("after-{i}"),
+        )
+        .await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    for i in 0..3 {
+        let id = format!("after-{i}");
+        loop {
+            let r = env.jobs.get(&id).await.unwrap().map(|v| v.value.status);
+            if r.as_deref() == Some("completed") {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{id} not run in 60 s (record: {r:?}); the worker:\n{}",
+                a.output()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // And it shuts down within its drain and hand-back time.
+    a.term();
+    let (st, a) = tokio::task::spawn_blocking(move || {
+        let st = a.wait_timeout(Duration::from_secs(30));
+        (st, a)
+    })
+    .await
+    .unwrap();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "no clean exit 30 s after SIGTERM ({st:?}):\n{}",
+        a.output()
+    );
+}
