@@ -98,7 +98,7 @@ impl Chaos<'_> {
     /// than `--index-after` are not indexed yet).
     async fn running(&self, worker: Option<&str>) -> (Vec<Affected>, Option<String>) {
         let (mut v, note) = self.indexed(worker).await;
-        for a in self.tracker.running(worker) {
+        for a in self.tracker.running(worker).await {
             if !v.iter().any(|x| x.job == a.job) {
                 v.push(a);
             }

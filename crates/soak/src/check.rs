@@ -398,8 +398,14 @@ pub struct FaultRecovery {
     /// Finished by their owner without a new claim (a drain, a short cut).
     pub kept: usize,
     pub unrecovered: Vec<String>,
+    /// Affected jobs that took longer than [`SLOW_MS`] to be claimed again
+    /// (their timelines are saved with the logs).
+    pub slow: Vec<(String, u64)>,
     pub canary_ms: Option<u64>,
 }
+
+/// A recovery slower than this gets its job's timeline saved.
+pub const SLOW_MS: u64 = 20_000;
 
 fn since(t: &str, at: SystemTime) -> Option<u64> {
     leasehold_core::time::parse_rfc3339(t)
@@ -446,6 +452,9 @@ pub fn recovery(faults: &[Injected], c: &Collected, canaries: &[Canary]) -> Vec<
                 });
                 if let Some(ms) = claim {
                     r.reclaimed_ms.push(ms);
+                    if ms > SLOW_MS {
+                        r.slow.push((a.job.clone(), ms));
+                    }
                     continue;
                 }
                 let kept = c

@@ -78,6 +78,8 @@ pub struct Collected {
     pub owner_runs: BTreeMap<String, Runs>,
     /// Whether the ticket at each sequence asked about is still in the stream.
     pub tickets: BTreeMap<u64, bool>,
+    /// Records whose get (any replica) disagreed with the last audited revision.
+    pub stale_reads: u64,
     /// `spurious 10164` lines per log file.
     pub spurious_10164: BTreeMap<String, u64>,
 }
@@ -232,6 +234,20 @@ pub async fn collect(
             .entry(id.to_string())
             .or_default()
             .push(Rev { seq: m.seq, rec });
+    }
+
+    // The record as the last revision the stream's leader served (a get
+    // may be answered by a replica that is behind); a get that disagrees
+    // is counted, not trusted.
+    let caught_up = c.audit_state.last_seq >= c.audit_state.origin_last_seq;
+    for (id, revs) in c.audit.iter().filter(|_| caught_up) {
+        let Some(last) = revs.last() else { continue };
+        if let Some(slot) = c.records.get_mut(id) {
+            if slot.as_ref() != last.rec.as_ref() {
+                c.stale_reads += 1;
+                *slot = last.rec.clone();
+            }
+        }
     }
 
     // Events.

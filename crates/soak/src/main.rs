@@ -363,6 +363,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     let per_fault = check::recovery(&injected, &c, &submitter.canaries());
     let summary = check::recovery_summary(&per_fault);
     fleet.stop_all().await;
+    save_timelines(&logs, &c, &verdict, &per_fault);
 
     let report = report(ReportIn {
         a: &a,
@@ -407,6 +408,64 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         );
     }
     Ok(verdict.passed())
+}
+
+/// Saves, for every job with a finding and every slow recovery, its record
+/// revisions and its events in `<logs>/jobs/<id>.json`: the evidence a
+/// post-mortem starts from (the servers are gone by then).
+fn save_timelines(
+    logs: &std::path::Path,
+    c: &collect::Collected,
+    v: &check::Verdict,
+    per_fault: &[check::FaultRecovery],
+) {
+    let mut ids: std::collections::BTreeSet<String> = [
+        &v.lost,
+        &v.duplicate_effects,
+        &v.stale_writes,
+        &v.stuck,
+        &v.wrong_outcomes,
+    ]
+    .into_iter()
+    .flatten()
+    .map(|x| x.job.clone())
+    .collect();
+    ids.extend(
+        per_fault
+            .iter()
+            .flat_map(|f| f.slow.iter().map(|(j, _)| j.clone())),
+    );
+    ids.extend(per_fault.iter().flat_map(|f| f.unrecovered.iter().cloned()));
+    let dir = logs.join("jobs");
+    if ids.is_empty() || std::fs::create_dir_all(&dir).is_err() {
+        return;
+    }
+    for id in ids {
+        let revisions: Vec<Value> = c
+            .audit
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .map(|r| json!({"seq": r.seq, "record": r.rec}))
+            .collect();
+        let events: Vec<Value> = c
+            .events
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .map(|(seq, e)| json!({"seq": seq, "event": e}))
+            .collect();
+        let effects: Vec<&Value> = c
+            .effects
+            .iter()
+            .filter(|e| e["body"]["job_id"].as_str() == Some(id.as_str()))
+            .collect();
+        let doc = json!({"job": id, "revisions": revisions, "events": events, "effects": effects});
+        let _ = std::fs::write(
+            dir.join(format!("{id}.json")),
+            serde_json::to_vec_pretty(&doc).unwrap_or_default(),
+        );
+    }
 }
 
 /// Polls the records of jobs not yet settled until all are, or `timeout`.
@@ -522,6 +581,7 @@ fn report(r: ReportIn<'_>) -> Value {
         },
         "faults": {
             "injected": r.injected.len(),
+            "sigterm_not_done_in_30s": r.injected.iter().filter(|f| f.notes.iter().any(|n| n.contains("after SIGTERM"))).count(),
             "by_kind": faults_by_kind,
             "sink_faults_armed": r.sink_armed,
             "list": r.injected,
@@ -543,6 +603,7 @@ fn report(r: ReportIn<'_>) -> Value {
             "method": "lines `spurious 10164 on update; re-reading` that leasehold_store logs at debug (the soak runs every worker and reaper with RUST_LOG=info,leasehold_store=debug) when a revision-conditioned record update is refused with 10164 and retried; record_writes is the number of record revisions accepted (the audit mirror). 10164s on record creates and on fenced event publishes are retried without a log line and are not counted.",
         },
         "audit": r.c.audit_state,
+        "stale_record_reads_at_the_end": r.c.stale_reads,
         "record_revisions": revisions,
         "events": events,
         "effects_at_sink": r.c.effects.len(),
@@ -591,6 +652,10 @@ fn print_table(r: &Value) {
                 "{} ({})",
                 r["faults"]["injected"], r["faults"]["sink_faults_armed"]
             ),
+        ),
+        (
+            "workers still running 30 s after SIGTERM (killed)".into(),
+            r["faults"]["sigterm_not_done_in_30s"].to_string(),
         ),
         ("lost".into(), inv["lost"]["count"].to_string()),
         (
