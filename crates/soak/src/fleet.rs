@@ -382,11 +382,22 @@ pub async fn wait_for_log(p: &Proc, needle: &str, timeout: Duration) -> anyhow::
     Ok(())
 }
 
-/// Creates the run's log folder afresh.
-pub fn log_dir(out: &Path, seed: u64, leg: &str) -> anyhow::Result<PathBuf> {
-    let d = out.join(format!("soak-{seed}{leg}-logs"));
-    if d.exists() {
-        std::fs::remove_dir_all(&d).with_context(|| format!("clearing {}", d.display()))?;
+/// Creates the run's log folder. A replay of the same seed never destroys
+/// an earlier run's evidence: an existing folder (and report) is moved
+/// aside with the time it was moved.
+pub fn log_dir(out: &Path, seed: u64) -> anyhow::Result<PathBuf> {
+    let d = out.join(format!("soak-{seed}-logs"));
+    let report = out.join(format!("soak-{seed}.json"));
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.as_secs())
+        .unwrap_or(0);
+    for p in [&d, &report] {
+        if p.exists() {
+            let aside = PathBuf::from(format!("{}.before-{stamp}", p.display()));
+            std::fs::rename(p, &aside)
+                .with_context(|| format!("moving {} aside", p.display()))?;
+        }
     }
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     Ok(d)

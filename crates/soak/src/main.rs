@@ -236,7 +236,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         }
     );
     std::fs::create_dir_all(&a.out)?;
-    let logs = fleet::log_dir(&a.out, seed, "")?;
+    let logs = fleet::log_dir(&a.out, seed)?;
     std::fs::write(
         logs.join("plan.json"),
         serde_json::to_vec_pretty(
