@@ -4,7 +4,7 @@ CARGO ?= cargo
 NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup build test test-cluster demo bench verify fmt clippy clean-demo \
+.PHONY: setup build test test-cluster soak soak-ci demo bench verify fmt clippy clean-demo \
 	lint lint-tools hadolint k8s-lint deny image image-test
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11); idempotent.
@@ -21,13 +21,35 @@ setup:
 build:
 	$(CARGO) build --workspace --bins
 
-## test: unit and integration tests against real nats-server processes.
+## test: unit and integration tests against real nats-server processes (the
+## 3-node cluster tier included), then a short seeded chaos soak.
 test: setup build
 	$(CARGO) test --workspace --no-fail-fast -- --test-threads=4
+	$(MAKE) --no-print-directory soak-ci
 
-## test-cluster: the 3-node cluster tier (slower; leader elections on 2 cores).
+## test-cluster: only the 3-node cluster tier (also part of `make test`).
 test-cluster: setup build
-	$(CARGO) test -p leasehold-tests --test it -- --ignored cluster
+	$(CARGO) test -p leasehold-tests --test it -- cluster
+
+## soak: a seeded chaos run on a 3-node cluster; SOAK_MINUTES (10), SOAK_SEED
+## (drawn and printed when unset), SOAK_SINGLE=1 for one server. Writes
+## bench-results/soak-<seed>.json; exits non-zero when an invariant failed.
+SOAK_MINUTES ?= 10
+SOAK_OUT ?= bench-results
+soak: setup build
+	target/debug/leasehold-soak $(if $(SOAK_SINGLE),,--cluster) --minutes $(SOAK_MINUTES) \
+		$(if $(SOAK_SEED),--seed $(SOAK_SEED)) --out $(SOAK_OUT)
+
+## soak-ci: the short soak `make test` runs, about three minutes: one server
+## with every fault kind, then the cluster with its own (node kills of
+## stream leaders and followers, step-downs) and a partition. Fixed seeds.
+SOAK_CI_SEED ?= 20260501
+soak-ci: build
+	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s --out $(SOAK_OUT)
+	target/debug/leasehold-soak --seed $$(( $(SOAK_CI_SEED) + 1 )) --cluster --seconds 50 --rate 0.8 \
+		--gap-min 2s --gap-max 6s \
+		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \
+		--quiesce-timeout 150s --out $(SOAK_OUT)
 
 ## demo: the main job on embedded defaults (local nats-server, a small fleet).
 demo: setup build

@@ -1,105 +1,389 @@
-//! A 3-node JetStream cluster with every stream and bucket at R3.
+//! The cluster tier: a 3-node JetStream cluster with every stream and bucket
+//! at R3, nodes killed (leaders among them) while jobs run.
+//!
+//! Timing on a loaded 2-core machine is the enemy here: a leader election
+//! takes seconds, a node restart more. So nothing below sleeps for a fixed
+//! time or expects an answer within one: every wait is on a condition
+//! (a record's status, a log line, a stream's replicas being current) with
+//! a generous deadline, and every operation a client would retry across a
+//! failover (a submission, a read) is retried until that deadline. The
+//! checks themselves are as strict as on one node. Only one cluster runs at
+//! a time (three servers each are enough load for the other tests).
 
 use std::time::Duration;
 
-use leasehold_harness::{wait_for_jetstream, Cluster};
+use leasehold_harness::{wait_for_jetstream, Cluster, Proc};
+use leasehold_store::events::{Events, FenceError};
 use leasehold_store::setup::{self, SetupOptions};
-use leasehold_store::{Jobs, NatsArgs};
+use leasehold_store::work::Work;
+use leasehold_store::{Conn, Jobs, NatsArgs};
 use leasehold_worker::{Options, Worker};
-use serde_json::json;
+use serde_json::{json, Value};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-// Three servers plus failover on two cores take 20 s and leader elections
-// make its timing loaded-machine sensitive: it runs with `make test-cluster`
-// (the chaos and cluster tier), not in `make test`.
-#[tokio::test]
-#[ignore = "cluster tier: make test-cluster"]
-async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
-    let mut c = Cluster::start();
-    wait_for_jetstream(&c.nodes[0].url(), Duration::from_secs(30)).await;
-    let nats = NatsArgs::local(c.url(), "lh");
-    let conn = nats.connect("test").await.unwrap();
-    setup::ensure(
-        &conn,
-        &SetupOptions {
-            replicas: 3,
-            ack_wait: Duration::from_secs(2),
-            ..SetupOptions::default()
-        },
-    )
+use crate::support::wait_log;
+
+/// One cluster at a time in this test binary.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Generous bound of anything that waits on an election or a restart.
+const PATIENCE: Duration = Duration::from_secs(120);
+
+/// A formed cluster with the layout at R3 (setup retried: right after the
+/// cluster forms, stream creation can fail while the meta group settles).
+async fn cluster() -> (Cluster, Conn) {
+    let c = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    for n in &c.nodes {
+        wait_for_jetstream(&n.url(), PATIENCE).await;
+    }
+    let conn = NatsArgs::local(c.url(), "lh")
+        .connect("test")
+        .await
+        .unwrap();
+    let o = SetupOptions {
+        replicas: 3,
+        ack_wait: Duration::from_secs(2),
+        kinds: vec!["echo".into(), "sleep".into()],
+        ..SetupOptions::default()
+    };
+    eventually("setup at R3", || async {
+        setup::ensure(&conn, &o).await.map_err(|e| e.to_string())
+    })
+    .await;
+    (c, conn)
+}
+
+/// Retries `f` until it succeeds or [`PATIENCE`] passes.
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(15), f()).await {
+            Ok(Ok(v)) => return v,
+            Ok(Err(e)) if Instant::now() > deadline => panic!("{what}: {e}"),
+            Err(_) if Instant::now() > deadline => panic!("{what}: no answer"),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+async fn submit(work: &Work, kind: &str, input: Value, id: &str) {
+    let spec = json!({ "input": input }).to_string();
+    eventually(&format!("submit {id}"), || async {
+        work.submit(kind, spec.clone().into(), Some(id), None)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+}
+
+/// Polls (a watch may be cut by a node kill) until the job completed, and
+/// checks that exactly one revision says so. Read through the history,
+/// which the stream's leader serves: a plain get may be answered by a
+/// replica that is behind.
+async fn completed_once(jobs: &Jobs, id: &str) {
+    eventually(&format!("{id} completed exactly once"), || async {
+        let history = jobs.history(id).await.map_err(|e| e.to_string())?;
+        match history.last() {
+            Some(v) if v.value.status == "completed" => {}
+            other => return Err(format!("not completed: {:?}", other.map(|v| &v.value))),
+        }
+        let done = history
+            .iter()
+            .filter(|h| h.value.status == "completed")
+            .count();
+        assert_eq!(done, 1, "{id}: exactly one completion");
+        Ok(())
+    })
     .await
-    .unwrap();
+}
+
+/// `$JS.API.STREAM.INFO.<stream>`'s cluster section.
+async fn stream_cluster(conn: &Conn, stream: &str) -> Value {
+    eventually(&format!("stream info {stream}"), || async {
+        let m = conn
+            .client
+            .request(format!("$JS.API.STREAM.INFO.{stream}"), "".into())
+            .await
+            .map_err(|e| e.to_string())?;
+        let v: Value = serde_json::from_slice(&m.payload).map_err(|e| e.to_string())?;
+        match v["cluster"]["leader"].as_str() {
+            Some(_) => Ok(v["cluster"].clone()),
+            None => Err(format!("no leader yet: {v}")),
+        }
+    })
+    .await
+}
+
+/// Node index of a server name (`lh-n<i>`, the harness's naming).
+fn node(name: &str) -> usize {
+    name.strip_prefix("lh-n").unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
+    let _one = ONE_CLUSTER.lock().await;
+    let (mut c, conn) = cluster().await;
     let mut o = Options::local(&c.url(), "lh");
     o.session_timeout = Duration::from_secs(3);
     o.kinds = vec!["echo".into(), "sleep".into()];
     let stop = CancellationToken::new();
     let w = Worker::new(o).start(stop.clone()).await.unwrap();
-    let work = leasehold_store::work::Work::new(&conn);
+    let work = Work::new(&conn);
     let jobs = Jobs::open(&conn).await.unwrap();
     for i in 0..10 {
-        work.submit(
-            "echo",
-            json!({"input": {"i": i}}).to_string().into(),
-            Some(&format!("r3-{i}")),
-            None,
-        )
-        .await
-        .unwrap();
+        submit(&work, "echo", json!({"i": i}), &format!("r3-{i}")).await;
     }
-    // Kill one node; clients connected to it reconnect to the others, and R3
-    // streams keep their quorum with two of three.
+    // Kill one node; clients connected to it reconnect to the others, and
+    // R3 streams keep their quorum with two of three.
     c.nodes[2].kill();
     for i in 10..20 {
-        // Publishes retry across the reconnect.
-        let mut tries = 0;
-        while work
-            .submit(
-                "echo",
-                json!({"input": {"i": i}}).to_string().into(),
-                Some(&format!("r3-{i}")),
-                None,
-            )
-            .await
-            .is_err()
-        {
-            tries += 1;
-            assert!(
-                tries < 50,
-                "the cluster did not accept writes with one node down"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        submit(&work, "echo", json!({"i": i}), &format!("r3-{i}")).await;
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     for i in 0..20 {
-        let id = format!("r3-{i}");
-        // Polled rather than watched: a watch may be cut by the node kill.
-        loop {
-            if let Ok(Some(v)) = jobs.get(&id).await {
-                if v.value.status == "completed" {
-                    // A claim whose reply was lost in the failover is
-                    // reclaimed after its lease (epoch 2): safe, not a
-                    // second run. What must hold is one completion.
-                    // Reads may fail while the cluster elects new leaders.
-                    let Ok(history) = jobs.history(&id).await else {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    };
-                    let done = history
-                        .iter()
-                        .filter(|h| h.value.status == "completed")
-                        .count();
-                    assert_eq!(done, 1, "{id}: exactly one completion");
-                    break;
-                }
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{id} did not complete on the degraded cluster"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        // A claim whose reply was lost in the failover is recovered when
+        // its session ends (epoch 2): safe, not a second run. What must
+        // hold is one completion.
+        completed_once(&jobs, &format!("r3-{i}")).await;
     }
     stop.cancel();
     w.wait().await.unwrap();
+}
+
+/// Two owners of one job publish fenced events at once on an R3 event
+/// stream: the stale one (epoch 1) reads through a follower, the new one
+/// (epoch 2) through the leader. Once the new owner's `claimed` marker is
+/// in the stream, not one event of the old owner may land after it, and
+/// the old owner must learn that it lost the job (`FenceError::Lost`), not
+/// loop on a refusal: its refusal path reads the job's last sequence and
+/// last claim from the stream leader, never from a replica that may not
+/// have the new marker yet.
+#[tokio::test]
+async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
+    let _one = ONE_CLUSTER.lock().await;
+    let (c, conn) = cluster().await;
+    let stream = conn.layout.events_stream();
+    let cl = stream_cluster(&conn, &stream).await;
+    let leader = node(cl["leader"].as_str().unwrap());
+    let follower = node(cl["replicas"][0]["name"].as_str().unwrap());
+    let stale = NatsArgs::local(c.nodes[follower].url(), "lh")
+        .connect("stale-owner")
+        .await
+        .unwrap();
+    let fresh = NatsArgs::local(c.nodes[leader].url(), "lh")
+        .connect("new-owner")
+        .await
+        .unwrap();
+    let (old, new) = (Events::new(&stale), Events::new(&fresh));
+    const JOBS: usize = 40;
+    let mut races = tokio::task::JoinSet::new();
+    for i in 0..JOBS {
+        let (old, new) = (old.clone(), new.clone());
+        races.spawn(async move {
+            let job = format!("race-{i}");
+            // The old owner claims and publishes as fast as it can until
+            // it is told it lost the job.
+            let a = {
+                let job = job.clone();
+                tokio::spawn(async move {
+                    let deadline = Instant::now() + PATIENCE;
+                    let mut fence = loop {
+                        match old.claim_marker(&job, 1, "old", json!({})).await {
+                            Ok(f) => break f,
+                            // The new marker was first: refused at once.
+                            Err(FenceError::Lost { .. }) => return (0u32, true),
+                            Err(FenceError::Nats(e)) => {
+                                assert!(Instant::now() < deadline, "{job}: {e}");
+                                tokio::time::sleep(Duration::from_millis(50)).await
+                            }
+                        }
+                    };
+                    let mut landed = 0;
+                    while Instant::now() < deadline {
+                        match fence.publish("section", json!({"n": landed})).await {
+                            Ok(_) => landed += 1,
+                            Err(FenceError::Lost { ours, newer_epoch }) => {
+                                assert_eq!((ours, newer_epoch), (1, 2));
+                                return (landed, true);
+                            }
+                            Err(FenceError::Nats(_)) => {}
+                        }
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    (landed, false)
+                })
+            };
+            // The new owner claims a moment later (staggered so the
+            // markers land at every point of the old owner's stream).
+            tokio::time::sleep(Duration::from_millis(5 * (i as u64 % 8))).await;
+            let deadline = Instant::now() + PATIENCE;
+            let mut fence = loop {
+                match new.claim_marker(&job, 2, "new", json!({})).await {
+                    Ok(f) => break f,
+                    Err(FenceError::Lost { .. }) => panic!("{job}: the newest claim was refused"),
+                    // "keeps moving" while the old owner publishes: again.
+                    Err(FenceError::Nats(e)) => assert!(Instant::now() < deadline, "{job}: {e}"),
+                }
+            };
+            for n in 0..3 {
+                loop {
+                    match fence.publish("section", json!({"by": "new", "n": n})).await {
+                        Ok(_) => break,
+                        Err(FenceError::Lost { .. }) => {
+                            panic!("{job}: the new owner was fenced off")
+                        }
+                        Err(FenceError::Nats(e)) => {
+                            assert!(Instant::now() < deadline, "{job}: {e}")
+                        }
+                    }
+                }
+            }
+            let (landed, told) = a.await.unwrap();
+            assert!(told, "{job}: the old owner was never told it lost the job");
+            (job, landed)
+        });
+    }
+    let events = Events::new(&conn);
+    let mut before_marker = 0;
+    while let Some(r) = races.join_next().await {
+        let (job, landed) = r.unwrap();
+        let evs = events.read(&job).await.unwrap();
+        let marker = evs
+            .iter()
+            .position(|(_, e)| e.r#type == "claimed" && e.epoch == 2)
+            .unwrap_or_else(|| panic!("{job}: no epoch-2 marker"));
+        let late: Vec<_> = evs[marker..]
+            .iter()
+            .filter(|(_, e)| e.epoch < 2)
+            .map(|(seq, e)| format!("{} at seq {seq}", e.r#type))
+            .collect();
+        assert!(
+            late.is_empty(),
+            "{job}: stale events after the new claim: {late:?}"
+        );
+        // Every publish the old owner was told had landed is before the
+        // marker (with its own marker; a publish whose ack was lost may
+        // have landed too, before the marker as well).
+        let old_events = evs[..marker].iter().filter(|(_, e)| e.epoch == 1).count();
+        assert!(
+            old_events >= landed as usize,
+            "{job}: {old_events} < {landed}"
+        );
+        assert!(
+            evs[marker..].len() >= 4,
+            "{job}: the new owner's marker and 3 events"
+        );
+        before_marker += landed;
+    }
+    // The race happened: the old owner did publish before being fenced off.
+    assert!(before_marker > 0);
+}
+
+/// A worker, a reaper and the CLI started while one node of three is down,
+/// right after it was killed as the leader of the job records' stream:
+/// none of them may give up (an unavailable server is waited for; only a
+/// missing layout stops them), and jobs complete.
+#[tokio::test]
+async fn worker_reaper_and_cli_start_with_a_node_down_right_after_a_leader_was_killed() {
+    let _one = ONE_CLUSTER.lock().await;
+    let (mut c, conn) = cluster().await;
+    let jobs = Jobs::open(&conn).await.unwrap();
+    let work = Work::new(&conn);
+    // A finished job for `leasehold status` to show.
+    {
+        let mut o = Options::local(&c.url(), "lh");
+        o.kinds = vec!["echo".into(), "sleep".into()];
+        let stop = CancellationToken::new();
+        let w = Worker::new(o).start(stop.clone()).await.unwrap();
+        submit(&work, "echo", json!({"before": true}), "before").await;
+        completed_once(&jobs, "before").await;
+        stop.cancel();
+        w.wait().await.unwrap();
+    }
+    let bucket = format!("KV_{}", conn.layout.jobs_bucket());
+    let leader = node(
+        stream_cluster(&conn, &bucket).await["leader"]
+            .as_str()
+            .unwrap(),
+    );
+    c.nodes[leader].kill();
+    // At once: the processes get every node's URL, the dead one included.
+    let env = |extra: &[(&'static str, String)]| {
+        let mut e: Vec<(&str, String)> = vec![
+            ("NATS_URL", c.url()),
+            ("LH_PREFIX", "lh".into()),
+            ("RUST_LOG", "info".into()),
+        ];
+        e.extend(extra.iter().cloned());
+        e
+    };
+    let mut worker = Proc::spawn(
+        "leasehold-worker",
+        &[],
+        &env(&[
+            ("LH_KINDS", "echo,sleep".into()),
+            ("LH_DEV_KINDS", "1".into()),
+            ("LH_SESSION_TIMEOUT", "3s".into()),
+        ]),
+    );
+    let mut reaper = Proc::spawn(
+        "leasehold-reaper",
+        &[],
+        &env(&[("LH_INTERVAL", "1s".into())]),
+    );
+    let cli = |args: &'static [&'static str]| {
+        let env = env(&[("RUST_LOG", "warn".into())])
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect::<Vec<_>>();
+        tokio::task::spawn_blocking(move || {
+            let env: Vec<(&str, String)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            let mut p = Proc::spawn("leasehold", args, &env);
+            let st = p.wait_timeout(PATIENCE + Duration::from_secs(30));
+            (st, p.output())
+        })
+    };
+    let (st, out) = cli(&["status", "before"]).await.unwrap();
+    assert!(
+        st.is_some_and(|s| s.success()) && out.contains("\"completed\""),
+        "leasehold status right after the leader's death: {st:?}\n{out}"
+    );
+    let (st, out) = cli(&["list"]).await.unwrap();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "leasehold list right after the leader's death: {st:?}\n{out}"
+    );
+    wait_log(&worker, "worker starting", PATIENCE).await;
+    wait_log(&reaper, "reaper starting", PATIENCE).await;
+    assert!(worker.alive(), "worker exited:\n{}", worker.output());
+    assert!(reaper.alive(), "reaper exited:\n{}", reaper.output());
+    for i in 0..5 {
+        submit(&work, "echo", json!({"i": i}), &format!("degraded-{i}")).await;
+    }
+    submit(&work, "sleep", json!({"ms": 500}), "degraded-sleep").await;
+    for i in 0..5 {
+        completed_once(&jobs, &format!("degraded-{i}")).await;
+    }
+    completed_once(&jobs, "degraded-sleep").await;
+    // The node comes back and the fleet carries on.
+    let _c = tokio::task::spawn_blocking(move || {
+        c.nodes[leader].restart();
+        c
+    })
+    .await
+    .unwrap();
+    submit(&work, "echo", json!({"after": true}), "after-restart").await;
+    completed_once(&jobs, "after-restart").await;
+    worker.term();
+    reaper.term();
+    let w = tokio::task::spawn_blocking(move || worker.wait_timeout(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert!(w.is_some_and(|s| s.success()), "worker exit: {w:?}");
 }

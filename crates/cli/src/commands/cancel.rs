@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use leasehold_store::events::Events;
-use leasehold_store::{jobs, Jobs, NatsArgs};
+use leasehold_store::{jobs, NatsArgs};
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]
@@ -37,7 +37,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             // Record it ourselves through the same transition, unless NATS
             // refuses this user the write (it only says so on the side: the
             // write itself would just time out).
-            let jobs = Jobs::open(&conn).await?;
+            let jobs = super::open_jobs(&conn).await?;
             let events = Events::new(&conn);
             let records = format!("$KV.{}.", conn.layout.jobs_bucket());
             tokio::select! {

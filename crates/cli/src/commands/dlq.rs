@@ -174,7 +174,7 @@ async fn show(dlq: &Dlq, seq: u64) -> anyhow::Result<i32> {
 
 async fn replay(conn: &Conn, dlq: &Dlq, seq: u64, keep: bool) -> anyhow::Result<i32> {
     let l = letter(dlq, seq).await?;
-    let jobs = Jobs::open(conn).await?;
+    let jobs = super::open_jobs(conn).await?;
     let out = if is_rejection(&l) {
         replay_rejected(conn, &jobs, &l).await?
     } else {
@@ -333,7 +333,7 @@ pub(crate) async fn requeue_ticket(
     match res {
         Ok(v) => {
             // The job is waiting again: the index lists it (and no longer as parked).
-            let active = leasehold_store::index::Active::open(conn).await?;
+            let active = super::open_active(conn).await?;
             active.reconcile(&v.value).await?;
         }
         Err(e) => {

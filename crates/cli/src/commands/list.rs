@@ -4,8 +4,8 @@
 
 use anyhow::bail;
 use leasehold_core::{JobRecord, Status};
-use leasehold_store::index::{Active, Filter};
-use leasehold_store::{Jobs, NatsArgs};
+use leasehold_store::index::Filter;
+use leasehold_store::NatsArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -46,7 +46,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         bail!("finished jobs ({s}) are not in the index of active jobs; add --all to scan every record");
     }
     let conn = nats.connect("leasehold-cli list").await?;
-    let jobs = Jobs::open(&conn).await?;
+    let jobs = super::open_jobs(&conn).await?;
     let keep = |r: &JobRecord| {
         status.is_none_or(|s| r.status == s.as_str())
             && a.kind.as_ref().is_none_or(|k| &r.kind == k)
@@ -84,7 +84,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             more = true;
         }
     } else {
-        let active = Active::open(&conn).await?;
+        let active = super::open_active(&conn).await?;
         let filter = match (status, &a.worker) {
             (_, Some(w)) => Filter::RunningBy(w),
             (Some(Status::Running), None) => Filter::Running,

@@ -13,7 +13,28 @@ pub mod tool;
 pub mod transcript;
 pub mod watch;
 
+use std::time::Duration;
+
+use leasehold_store::index::Active;
+use leasehold_store::{retry_unavailable, Conn, Jobs, StoreError};
+
 use crate::{Cli, Command};
+
+/// How long a command waits for JetStream when it opens the buckets it
+/// reads and the server does not answer (a leader election, a node
+/// restarting), as the worker and the reaper do at start; a missing layout
+/// fails at once.
+const OPEN_DEADLINE: Duration = Duration::from_secs(120);
+
+/// The job records, waiting out an unavailable server.
+pub(crate) async fn open_jobs(conn: &Conn) -> Result<Jobs, StoreError> {
+    retry_unavailable("jobs bucket", OPEN_DEADLINE, || Jobs::open(conn)).await
+}
+
+/// The index of active jobs, waiting out an unavailable server.
+pub(crate) async fn open_active(conn: &Conn) -> Result<Active, StoreError> {
+    retry_unavailable("index of active jobs", OPEN_DEADLINE, || Active::open(conn)).await
+}
 
 /// Runs one command and returns the process exit code. Errors are printed
 /// to stderr here, once.

@@ -2,7 +2,7 @@
 //! object store for jobs with an artifact, else the result value as JSON.
 
 use anyhow::Context as _;
-use leasehold_store::{Jobs, NatsArgs};
+use leasehold_store::NatsArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -12,7 +12,7 @@ pub struct Args {
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli result").await?;
-    let jobs = Jobs::open(&conn).await?;
+    let jobs = super::open_jobs(&conn).await?;
     let Some(v) = jobs.get(&a.id).await? else {
         eprintln!("error: no job {:?} (`leasehold list` shows jobs)", a.id);
         return Ok(1);

@@ -49,10 +49,10 @@ enum Cmd {
 
 pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli review").await?;
-    let jobs = Jobs::open(&conn).await?;
+    let jobs = super::open_jobs(&conn).await?;
     let events = Events::new(&conn);
     match args.cmd {
-        Cmd::List { json } => list(&jobs, &Active::open(&conn).await?, json).await,
+        Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
         Cmd::Resume { id } => {
             let v = jobs
                 .transition(&id, |cur| {
@@ -94,7 +94,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 })
                 .await
                 .map_err(|e| explain(e, &id))?;
-            Active::open(&conn).await?.reconcile(&v.value).await?;
+            super::open_active(&conn).await?.reconcile(&v.value).await?;
             let ev = events::event(
                 &id,
                 v.value.epoch,

@@ -1,6 +1,6 @@
 //! `leasehold status ID`: print one job's record as JSON.
 
-use leasehold_store::{Jobs, NatsArgs};
+use leasehold_store::NatsArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -10,7 +10,7 @@ pub struct Args {
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli status").await?;
-    let jobs = Jobs::open(&conn).await?;
+    let jobs = super::open_jobs(&conn).await?;
     match jobs.get(&a.id).await? {
         Some(v) => {
             println!("{}", serde_json::to_string_pretty(&v.value)?);

@@ -16,7 +16,7 @@ use std::io::Read;
 use anyhow::Context as _;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_store::work::Work;
-use leasehold_store::{Conn, Jobs, NatsArgs};
+use leasehold_store::{Conn, NatsArgs};
 use prost::Message as _;
 
 #[derive(clap::Args, Debug)]
@@ -153,7 +153,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     }
     println!("{id}");
     if a.wait {
-        let jobs = Jobs::open(&conn).await?;
+        let jobs = super::open_jobs(&conn).await?;
         let Some(rec) = super::watch::follow_for(&jobs, &id, false, true, a.timeout).await? else {
             return Ok(super::watch::TIMED_OUT);
         };

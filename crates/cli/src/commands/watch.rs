@@ -26,7 +26,7 @@ pub const TIMED_OUT: i32 = 124;
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli watch").await?;
-    let jobs = Jobs::open(&conn).await?;
+    let jobs = super::open_jobs(&conn).await?;
     let Some(rec) = follow_for(&jobs, &a.id, a.json, a.json, a.timeout).await? else {
         return Ok(TIMED_OUT);
     };
