@@ -137,7 +137,7 @@ pub async fn history(o: &Opts) -> anyhow::Result<Value> {
         };
         let varz = side.s.monitor("/varz").await.unwrap_or(Value::Null);
         let took: Vec<f64> = swept[k].iter().map(|x| x.0).collect();
-        let med = |v: &[f64]| json!({"median": median(v), "samples": v});
+        let med = |v: &[f64]| json!({"median": median(v), "min": v.iter().copied().fold(f64::NAN, f64::min), "samples": v});
         out.push(json!({
             "sweep_ms": med(&took),
             "sweep_jobs_seen": swept[k].iter().map(|x| x.1).collect::<Vec<_>>(),

@@ -68,7 +68,12 @@ fn env_of(id: &str, session: Option<&str>, log: &str) -> Vec<(&'static str, Stri
         ("LH_WORKER_ID", id.to_string()),
         ("LH_KINDS", "sleep".to_string()),
         ("RUST_LOG", log),
+        // The product's default pull lifetime (the other parts use 250 ms).
+        ("LH_PULL_EXPIRES", "1s".to_string()),
     ];
+    if let Ok(p) = std::env::var("LH_BENCH_PULL_EXPIRES") {
+        e.push(("LH_PULL_EXPIRES", p));
+    }
     if let Some(t) = session {
         e.push(("LH_SESSION_TIMEOUT", t.to_string()));
     }
