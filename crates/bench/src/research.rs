@@ -326,7 +326,7 @@ pub async fn research(a: &Args) -> anyhow::Result<Value> {
 }
 
 /// One crashed research job: a victim worker runs it alone and dies, a
-/// rescuer reclaims it after the lease and completes it.
+/// rescuer reclaims it once the victim's session ended and completes it.
 struct Crash<'a> {
     sim: &'a Sim,
     jobs: &'a Jobs,
@@ -382,7 +382,7 @@ impl Crash<'_> {
         let rec = completed(self.jobs, id).await?;
         let calls = self.sim.chat_requests().await? - c0;
         drop(rescuer);
-        // The abort variant exited long ago (the rescuer waited out its lease).
+        // The abort variant exited long ago (the rescuer waited out its session).
         let _ = victim.wait_timeout(Duration::from_secs(5));
         // What of the victim's work was durable when it died: model results
         // (outline, perspectives and final sections as phase events, one call
