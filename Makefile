@@ -55,10 +55,10 @@ soak-ci: build
 demo: setup build
 	./deploy/demo.sh
 
-## bench: throughput, recovery and handoff figures as JSON in bench-results/.
+## bench: whole-system figures as JSON in bench-results/ (BENCH_ARGS='--only recovery' etc.).
 bench: setup
 	$(CARGO) build --workspace --bins --release
-	target/release/leasehold-bench --out bench-results
+	target/release/leasehold-bench --out bench-results $(BENCH_ARGS)
 
 ## verify: formatting, lints and tests.
 verify: fmt clippy test
