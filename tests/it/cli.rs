@@ -451,6 +451,54 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
 }
 
 #[tokio::test]
+async fn setup_fits_its_default_bounds_to_a_small_server_and_never_lowers_an_explicit_one() {
+    // `nats-server -js` on a machine with little free disk limits JetStream
+    // to 75% of it: the default bounds (2 + 10 + 1 GiB) must still set up,
+    // lowered and said so, or the product cannot start there at all.
+    let s = NatsServer::start_with_file_store("4G"); // 4 * 10^9 bytes
+    wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+    let url = s.url();
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "echo"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("created  stream LH_EVENTS (max_bytes 1.2 GiB instead of the default 10 GiB")
+            && out.contains("max_file_store"),
+        "{out}"
+    );
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    let mut bytes = Vec::new();
+    for name in ["LH_WORK", "LH_EVENTS", "LH_DLQ"] {
+        let mut st = js.get_stream(name).await.unwrap();
+        bytes.push(st.info().await.unwrap().config.max_bytes);
+    }
+    assert_eq!(
+        bytes,
+        vec![2 << 30, 10 << 27, 256 << 20],
+        "bounds as fitted"
+    );
+    // Idempotent: a second setup and a check find nothing to change.
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "echo"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("already as wanted"), "{out}{err}");
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "echo", "--check"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    // A bound asked for explicitly is never lowered: a clear error, and the
+    // stream keeps what it had.
+    let (code, out, err) = cli(
+        &url,
+        &["setup", "--kinds", "echo", "--events-max-bytes", "8GiB"],
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("max_file_store") && err.contains("--events-max-bytes"),
+        "{err}"
+    );
+    let mut st = js.get_stream("LH_EVENTS").await.unwrap();
+    assert_eq!(st.info().await.unwrap().config.max_bytes, 10 << 27);
+}
+
+#[tokio::test]
 async fn tool_call_of_one_step_with_other_arguments_is_refused() {
     // A write's identity is its job, step and tool: a warm retry whose model
     // re-words the call must not make a second effect.

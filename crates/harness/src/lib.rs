@@ -67,6 +67,8 @@ pub struct NatsServer {
     include: Option<String>,
     /// Environment of the server process (variables the included file reads).
     env: Vec<(String, String)>,
+    /// JetStream's `max_file_store` (64GB unless a test asks for less).
+    max_file_store: String,
 }
 
 impl NatsServer {
@@ -102,6 +104,31 @@ impl NatsServer {
             sync_always,
             include: None,
             env: Vec::new(),
+            max_file_store: "64GB".into(),
+        };
+        s.spawn();
+        s
+    }
+
+    /// Starts a single server whose JetStream file storage is limited to
+    /// `limit` (`max_file_store`, e.g. `"4GB"`): a small machine's server.
+    pub fn start_with_file_store(limit: &str) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("lh-nats-")
+            .tempdir()
+            .expect("temp dir");
+        let mut s = NatsServer {
+            child: None,
+            fixed_dir: None,
+            port: free_port(),
+            cluster_port: None,
+            routes: Vec::new(),
+            name: "lh-test".into(),
+            dir,
+            sync_always: false,
+            include: None,
+            env: Vec::new(),
+            max_file_store: limit.into(),
         };
         s.spawn();
         s
@@ -138,6 +165,7 @@ impl NatsServer {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.clone()))
                 .collect(),
+            max_file_store: "64GB".into(),
         };
         s.spawn();
         s
@@ -166,6 +194,7 @@ impl NatsServer {
             sync_always: false,
             include: None,
             env: Vec::new(),
+            max_file_store: "64GB".into(),
         };
         s.spawn();
         s
@@ -178,8 +207,9 @@ impl NatsServer {
             .unwrap_or_else(|| self.dir.path().to_path_buf())
             .join("js");
         let mut c = format!(
-            "server_name: {name}\nlisten: 127.0.0.1:{port}\njetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 256MB\n  max_file_store: 64GB\n{sync}}}\n",
+            "server_name: {name}\nlisten: 127.0.0.1:{port}\njetstream {{\n  store_dir: \"{store}\"\n  max_memory_store: 256MB\n  max_file_store: {max_file_store}\n{sync}}}\n",
             name = self.name,
+            max_file_store = self.max_file_store,
             port = self.port,
             store = store.display(),
             sync = if self.sync_always { "  sync_interval: always\n" } else { "" },

@@ -395,8 +395,7 @@ pub fn log_dir(out: &Path, seed: u64) -> anyhow::Result<PathBuf> {
     for p in [&d, &report] {
         if p.exists() {
             let aside = PathBuf::from(format!("{}.before-{stamp}", p.display()));
-            std::fs::rename(p, &aside)
-                .with_context(|| format!("moving {} aside", p.display()))?;
+            std::fs::rename(p, &aside).with_context(|| format!("moving {} aside", p.display()))?;
         }
     }
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;

@@ -71,7 +71,39 @@ pub struct SetupOptions {
     pub dlq_max_age: Duration,
     pub dlq_max_msgs: i64,
     pub dlq_max_bytes: i64,
+    /// Which byte bounds are defaults rather than asked for: a server whose
+    /// JetStream storage limit (`max_file_store`) cannot reserve them gets
+    /// them halved until they fit (never below [`FIT_FLOOR`]), and the
+    /// change says so. An explicit bound is never lowered: it fails with a
+    /// clear error instead.
+    pub fit: Fit,
 }
+
+/// Byte bounds that may be lowered to fit the server (see [`SetupOptions::fit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fit {
+    pub work: bool,
+    pub events: bool,
+    pub dlq: bool,
+}
+
+impl Fit {
+    /// Every bound as given: none is lowered.
+    pub const EXACT: Fit = Fit {
+        work: false,
+        events: false,
+        dlq: false,
+    };
+    /// Every bound a default that may be lowered.
+    pub const DEFAULTS: Fit = Fit {
+        work: true,
+        events: true,
+        dlq: true,
+    };
+}
+
+/// The smallest a default byte bound is lowered to when fitting a server.
+pub const FIT_FLOOR: i64 = 64 << 20;
 
 impl Default for SetupOptions {
     fn default() -> Self {
@@ -96,6 +128,7 @@ impl Default for SetupOptions {
             dlq_max_age: Duration::from_secs(30 * 86_400),
             dlq_max_msgs: 100_000,
             dlq_max_bytes: 1 << 30,
+            fit: Fit::DEFAULTS,
         }
     }
 }
@@ -132,6 +165,9 @@ pub struct Change {
     /// `stream LH_WORK`, `consumer lh_workers_echo`, `kv lh_jobs`, ...
     pub object: String,
     pub state: ChangeState,
+    /// What the operator should know beside the state (a bound lowered to
+    /// fit the server).
+    pub note: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,6 +182,14 @@ pub enum ChangeState {
 impl Change {
     /// One line for an operator: `ok`, `created`/`missing`, `updated`/`drift`.
     pub fn line(&self, mode: Mode) -> String {
+        let line = self.state_line(mode);
+        match &self.note {
+            Some(n) => format!("{line} ({n})"),
+            None => line,
+        }
+    }
+
+    fn state_line(&self, mode: Mode) -> String {
         match (&self.state, mode) {
             (ChangeState::Unchanged, _) => format!("ok       {}", self.object),
             (ChangeState::Created, Mode::Apply) => format!("created  {}", self.object),
@@ -186,6 +230,30 @@ fn num(n: i64) -> String {
         "none".into()
     } else {
         n.to_string()
+    }
+}
+
+/// Whether `cur` is what fitting `asked` to a small server gives: `asked`
+/// halved one or more times, not below [`FIT_FLOOR`].
+fn is_fitted(cur: i64, asked: i64) -> bool {
+    let mut b = asked;
+    while b / 2 >= FIT_FLOOR {
+        b /= 2;
+        if b == cur {
+            return true;
+        }
+    }
+    false
+}
+
+/// Bytes for an operator: `2 GiB`, `640 MiB`.
+fn human_bytes(b: i64) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else if b >= 1 << 30 {
+        format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{} MiB", b >> 20)
     }
 }
 
@@ -369,39 +437,73 @@ pub async fn ensure_with(
             ..Default::default()
         });
     }
-    for want in streams {
+    for mut want in streams {
         let object = format!("stream {}", want.name);
-        let state = match js.get_stream(&want.name).await {
-            Ok(mut s) => {
-                let cur = s
-                    .info()
+        let fit = (want.name == l.work_stream() && o.fit.work)
+            || (want.name == l.events_stream() && o.fit.events)
+            || (want.name == l.dlq_stream() && o.fit.dlq);
+        let asked = want.max_bytes;
+        let cur = match js.get_stream(&want.name).await {
+            Ok(mut s) => Some(
+                s.info()
                     .await
                     .map_err(|e| err(&want.name, &e))?
                     .config
-                    .clone();
-                let d = stream_drift(&cur, &want);
-                if d.is_empty() {
-                    ChangeState::Unchanged
-                } else {
-                    if mode == Mode::Apply {
-                        js.update_stream(want.clone())
-                            .await
-                            .map_err(|e| err(&want.name, &e))?;
-                    }
-                    ChangeState::Updated(d)
-                }
-            }
-            Err(e) if crate::is_not_found(&e) => {
-                if mode == Mode::Apply {
-                    js.create_stream(want.clone())
-                        .await
-                        .map_err(|e| err(&want.name, &e))?;
-                }
-                ChangeState::Created
-            }
+                    .clone(),
+            ),
+            Err(e) if crate::is_not_found(&e) => None,
             Err(e) => return Err(crate::lookup_error(object, &e)),
         };
-        report.push(Change { object, state });
+        // A default bound an earlier setup already fitted to this server
+        // stays as it is when only checking.
+        if let (Some(c), Mode::Check, true) = (&cur, mode, fit) {
+            if is_fitted(c.max_bytes, asked) {
+                want.max_bytes = c.max_bytes;
+            }
+        }
+        let state = loop {
+            let state = match &cur {
+                Some(c) => match stream_drift(c, &want) {
+                    d if d.is_empty() => ChangeState::Unchanged,
+                    d => ChangeState::Updated(d),
+                },
+                None => ChangeState::Created,
+            };
+            let applied = match (&state, mode) {
+                (ChangeState::Updated(_), Mode::Apply) => {
+                    js.update_stream(want.clone()).await.map(drop)
+                }
+                (ChangeState::Created, Mode::Apply) => {
+                    js.create_stream(want.clone()).await.map(drop)
+                }
+                _ => Ok(()),
+            };
+            match applied {
+                Ok(()) => break state,
+                // Too big for the server's storage limit: a default bound
+                // is halved and tried again.
+                Err(e)
+                    if fit
+                        && want.max_bytes / 2 >= FIT_FLOOR
+                        && e.to_string().contains("10047") =>
+                {
+                    want.max_bytes /= 2;
+                }
+                Err(e) => return Err(err(&want.name, &e)),
+            }
+        };
+        let note = (want.max_bytes != asked).then(|| {
+            format!(
+                "max_bytes {} instead of the default {}: the server's JetStream storage limit (max_file_store) holds no more; raise it, or pass the bound explicitly",
+                human_bytes(want.max_bytes),
+                human_bytes(asked)
+            )
+        });
+        report.push(Change {
+            object,
+            state,
+            note,
+        });
     }
 
     // Consumers: one per kind on the work stream, and the shared watcher of
@@ -512,7 +614,11 @@ pub async fn ensure_with(
             }
             Err(e) => return Err(crate::lookup_error(object, &e)),
         };
-        report.push(Change { object, state });
+        report.push(Change {
+            object,
+            state,
+            note: None,
+        });
     }
 
     consumers.push((
@@ -587,7 +693,11 @@ pub async fn ensure_with(
             }
             Err(e) => return Err(crate::lookup_error(object, &e)),
         };
-        report.push(Change { object, state });
+        report.push(Change {
+            object,
+            state,
+            note: None,
+        });
     }
 
     let object = format!("object store {}", l.artifacts_bucket());
@@ -609,7 +719,11 @@ pub async fn ensure_with(
         }
         Err(e) => return Err(crate::lookup_error(object, &e)),
     };
-    report.push(Change { object, state });
+    report.push(Change {
+        object,
+        state,
+        note: None,
+    });
     Ok(report)
 }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use leasehold_core::time::parse_duration;
-use leasehold_store::setup::{self, Mode, SetupOptions};
+use leasehold_store::setup::{self, Fit, Mode, SetupOptions};
 use leasehold_store::NatsArgs;
 
 /// Sizes like `4GiB`, `512MiB`, `1000000` (bytes).
@@ -65,9 +65,12 @@ pub struct Args {
     /// with "maximum messages exceeded" (nothing is dropped).
     #[arg(long, env = "LH_WORK_MAX_MSGS", default_value_t = 1_000_000)]
     work_max_msgs: i64,
-    /// Bytes the work queue holds at most (refused beyond).
-    #[arg(long, env = "LH_WORK_MAX_BYTES", default_value = "2GiB", value_parser = parse_bytes)]
-    work_max_bytes: i64,
+    /// Bytes the work queue holds at most (refused beyond). Default 2GiB,
+    /// halved until it fits a server whose JetStream storage limit
+    /// (max_file_store) is smaller (setup says so); a value given here is
+    /// never lowered.
+    #[arg(long, env = "LH_WORK_MAX_BYTES", value_parser = parse_bytes)]
+    work_max_bytes: Option<i64>,
     /// Pull requests waiting on one work consumer (one per idle kind per
     /// worker process: size it above the fleet).
     #[arg(long, env = "LH_MAX_WAITING", default_value_t = 4096)]
@@ -82,9 +85,9 @@ pub struct Args {
     events_max_age: Duration,
     /// Bytes the event stream holds at most: a safety net; beyond, new
     /// events are refused (jobs wait) rather than running jobs' checkpoints
-    /// dropped.
-    #[arg(long, env = "LH_EVENTS_MAX_BYTES", default_value = "10GiB", value_parser = parse_bytes)]
-    events_max_bytes: i64,
+    /// dropped. Default 10GiB, fitted to the server like --work-max-bytes.
+    #[arg(long, env = "LH_EVENTS_MAX_BYTES", value_parser = parse_bytes)]
+    events_max_bytes: Option<i64>,
     /// Revisions kept per job record.
     #[arg(long, env = "LH_JOB_HISTORY", default_value_t = 8)]
     job_history: i64,
@@ -94,9 +97,10 @@ pub struct Args {
     /// ...at most this many...
     #[arg(long, env = "LH_DLQ_MAX_MSGS", default_value_t = 100_000)]
     dlq_max_msgs: i64,
-    /// ...and at most this many bytes (the oldest go first).
-    #[arg(long, env = "LH_DLQ_MAX_BYTES", default_value = "1GiB", value_parser = parse_bytes)]
-    dlq_max_bytes: i64,
+    /// ...and at most this many bytes (the oldest go first). Default 1GiB,
+    /// fitted to the server like --work-max-bytes.
+    #[arg(long, env = "LH_DLQ_MAX_BYTES", value_parser = parse_bytes)]
+    dlq_max_bytes: Option<i64>,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
@@ -109,6 +113,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(a.work_max_msgs > 0, "--work-max-msgs must be positive");
     let conn = nats.connect("leasehold-cli setup").await?;
     setup::ping(&conn.js).await?;
+    let d = SetupOptions::default();
     let o = SetupOptions {
         replicas: a.replicas,
         kinds: a.kinds,
@@ -116,16 +121,21 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         max_deliver: a.max_deliver,
         dedupe_window: a.dedupe_window,
         work_max_msgs: a.work_max_msgs,
-        work_max_bytes: a.work_max_bytes,
+        work_max_bytes: a.work_max_bytes.unwrap_or(d.work_max_bytes),
         max_waiting: a.max_waiting,
         events_max_age: a.events_max_age,
-        events_max_bytes: a.events_max_bytes,
+        events_max_bytes: a.events_max_bytes.unwrap_or(d.events_max_bytes),
         effects_retention: a.effects_retention,
         job_history: a.job_history,
         dlq_max_age: a.dlq_max_age,
         dlq_max_msgs: a.dlq_max_msgs,
-        dlq_max_bytes: a.dlq_max_bytes,
-        ..SetupOptions::default()
+        dlq_max_bytes: a.dlq_max_bytes.unwrap_or(d.dlq_max_bytes),
+        fit: Fit {
+            work: a.work_max_bytes.is_none(),
+            events: a.events_max_bytes.is_none(),
+            dlq: a.dlq_max_bytes.is_none(),
+        },
+        ..d
     };
     let mode = if a.check { Mode::Check } else { Mode::Apply };
     let changes = setup::ensure_with(&conn, &o, mode).await?;

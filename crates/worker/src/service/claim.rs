@@ -281,7 +281,8 @@ pub(crate) async fn handle_delivery(
                         reclaim,
                     } => {
                         if record.traceparent.is_none() {
-                            record.traceparent = job_traceparent(msg.headers.as_ref(), &accepted.id, &kind);
+                            record.traceparent =
+                                job_traceparent(msg.headers.as_ref(), &accepted.id, &kind);
                         }
                         mine = record.claim_token.clone();
                         (
