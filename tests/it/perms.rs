@@ -128,6 +128,29 @@ async fn refused<T>(conn: &Conn, subject: &str, op: impl Future<Output = T>) -> 
     }
 }
 
+/// Asserts that `conn`'s user may not purge `stream`.
+async fn refused_purge(conn: &Conn, stream: &str) {
+    let subject = format!("$JS.API.STREAM.PURGE.{stream}");
+    refused(conn, &subject, async {
+        conn.js
+            .get_stream_no_info(stream)
+            .await
+            .unwrap()
+            .purge()
+            .await
+    })
+    .await;
+}
+
+/// A stream outside leasehold's layout, which no role may create.
+fn rogue_stream() -> async_nats::jetstream::stream::Config {
+    async_nats::jetstream::stream::Config {
+        name: "ROGUE".into(),
+        subjects: vec!["rogue.>".into()],
+        ..Default::default()
+    }
+}
+
 /// Waits (on a KV watch) until `pred` holds for the record.
 async fn wait_record(
     jobs: &Jobs,
@@ -424,15 +447,7 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
         sub.js.delete_stream("LH_WORK"),
     )
     .await;
-    refused(&sub, "$JS.API.STREAM.PURGE.LH_EVENTS", async {
-        sub.js
-            .get_stream_no_info("LH_EVENTS")
-            .await
-            .unwrap()
-            .purge()
-            .await
-    })
-    .await;
+    refused_purge(&sub, "LH_EVENTS").await;
     refused(&sub, "$JS.API.CONSUMER.CREATE.LH_WORK", async {
         sub.js
             .get_stream_no_info("LH_WORK")
@@ -471,30 +486,12 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     // A worker may not purge the events or the work queue, nor create or
     // delete a stream.
     let w = s.connect("worker").await;
-    refused(&w, "$JS.API.STREAM.PURGE.LH_EVENTS", async {
-        w.js.get_stream_no_info("LH_EVENTS")
-            .await
-            .unwrap()
-            .purge()
-            .await
-    })
-    .await;
-    refused(&w, "$JS.API.STREAM.PURGE.LH_WORK", async {
-        w.js.get_stream_no_info("LH_WORK")
-            .await
-            .unwrap()
-            .purge()
-            .await
-    })
-    .await;
+    refused_purge(&w, "LH_EVENTS").await;
+    refused_purge(&w, "LH_WORK").await;
     refused(
         &w,
         "$JS.API.STREAM.CREATE.",
-        w.js.create_stream(async_nats::jetstream::stream::Config {
-            name: "ROGUE".into(),
-            subjects: vec!["rogue.>".into()],
-            ..Default::default()
-        }),
+        w.js.create_stream(rogue_stream()),
     )
     .await;
     refused(
@@ -513,14 +510,7 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
         r.js.delete_stream("LH_DLQ"),
     )
     .await;
-    refused(&r, "$JS.API.STREAM.PURGE.LH_WORK", async {
-        r.js.get_stream_no_info("LH_WORK")
-            .await
-            .unwrap()
-            .purge()
-            .await
-    })
-    .await;
+    refused_purge(&r, "LH_WORK").await;
 
     // Nothing was changed: the record, the events and the streams are there.
     assert_eq!(
@@ -539,11 +529,7 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     refused(
         &op,
         "$JS.API.STREAM.CREATE.ROGUE",
-        op.js.create_stream(async_nats::jetstream::stream::Config {
-            name: "ROGUE".into(),
-            subjects: vec!["rogue.>".into()],
-            ..Default::default()
-        }),
+        op.js.create_stream(rogue_stream()),
     )
     .await;
 

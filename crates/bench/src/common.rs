@@ -3,15 +3,14 @@
 //! percentiles, and the report (JSON plus the printed table).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use leasehold_core::JobRecord;
-use leasehold_harness::{free_port, wait_for_jetstream, Proc};
+use leasehold_harness::{free_port, spawn_nats_server, wait_for_jetstream, Proc};
 use leasehold_store::setup::{self, SetupOptions};
 use leasehold_store::{Conn, Jobs, NatsArgs};
 use serde_json::{json, Value};
@@ -27,19 +26,6 @@ pub struct Server {
     port: u16,
     http: u16,
     dir: PathBuf,
-}
-
-fn nats_server_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
-        return PathBuf::from(p);
-    }
-    std::env::var_os("PATH")
-        .and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|d| d.join("nats-server"))
-                .find(|p| p.is_file())
-        })
-        .unwrap_or_else(|| panic!("nats-server not found on PATH (make setup installs it)"))
 }
 
 impl Server {
@@ -58,35 +44,7 @@ impl Server {
             ),
         )
         .expect("write nats.conf");
-        let mut child = Command::new(nats_server_bin())
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start nats-server");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = dir.join("server.log");
-        std::thread::spawn(move || {
-            let mut f = std::fs::File::create(log).ok();
-            let mut tx = Some(tx);
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(f) = f.as_mut() {
-                    use std::io::Write;
-                    let _ = writeln!(f, "{line}");
-                }
-                if line.contains("Server is ready") {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(());
-                    }
-                }
-            }
-        });
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-            let _ = child.kill();
-            panic!("nats-server did not become ready within 30 s");
-        }
+        let child = spawn_nats_server(&conf, &[], &dir.join("server.log"));
         Server {
             child: Some(child),
             port,

@@ -102,18 +102,8 @@ pub async fn kill9(c: &Case, reps: usize) -> anyhow::Result<Value> {
         let mut victim = worker(&url, &env_of(&victim_id, c.session_timeout, "warn"));
         wait_session(&conn, &victim_id).await?;
         let id = format!("k9-{}-{i}", c.key);
-        let mut w = jobs.watch(&id).await?;
-        work.submit(
-            "sleep",
-            json!({"input": {"ms": 600_000}}).to_string().into(),
-            Some(&id),
-            None,
-        )
-        .await?;
-        let (claimed_at, first) = next_rec(&mut w, &id, Duration::from_secs(30), |r| {
-            r.status == "running" && r.worker_id.as_deref() == Some(victim_id.as_str())
-        })
-        .await
+        let (mut w, claimed_at, first) = sleep_held_by(&work, &jobs, &id, 600_000, &victim_id)
+            .await
         .map_err(|e| anyhow::anyhow!("{e}; victim log:\n{}", tail(&victim.output(), 30)))?;
         let mut rescuer = None;
         if !c.before_index {
@@ -261,21 +251,10 @@ pub async fn sigstop(reps: usize) -> anyhow::Result<Value> {
         let victim = worker(&url, &env_of(&vid, Some("2s"), "info"));
         wait_session(&conn, &vid).await?;
         let id = format!("stop-{i}");
-        let mut w = jobs.watch(&id).await?;
         // Long enough to be indexed before the stop, short enough that the
         // paused owner's handler has finished when it is continued (its
         // completion is then its first write attempt).
-        work.submit(
-            "sleep",
-            json!({"input": {"ms": 2500}}).to_string().into(),
-            Some(&id),
-            None,
-        )
-        .await?;
-        let (_, first) = next_rec(&mut w, &id, Duration::from_secs(30), |r| {
-            r.status == "running" && r.worker_id.as_deref() == Some(vid.as_str())
-        })
-        .await?;
+        let (mut w, _, first) = sleep_held_by(&work, &jobs, &id, 2500, &vid).await?;
         wait_indexed(&conn, &id).await?;
         let rescuer = worker(&url, &env_of(&rid, Some("2s"), "warn"));
         wait_session(&conn, &rid).await?;
@@ -402,4 +381,28 @@ pub fn rows(r: &mut Report, key: &str, v: &Value) {
         t.map_or("none".into(), |t| format!("p95 <= {t:.0} ms")),
         v["met"].as_bool(),
     );
+}
+
+/// Submits a `sleep` job of `ms` as `id` and waits until `owner` runs it;
+/// the record's watch (to follow it further), when and what was claimed.
+async fn sleep_held_by(
+    work: &Work,
+    jobs: &Jobs,
+    id: &str,
+    ms: u64,
+    owner: &str,
+) -> anyhow::Result<(async_nats::jetstream::kv::Watch, Instant, leasehold_core::JobRecord)> {
+    let mut w = jobs.watch(id).await?;
+    work.submit(
+        "sleep",
+        json!({"input": {"ms": ms}}).to_string().into(),
+        Some(id),
+        None,
+    )
+    .await?;
+    let (at, first) = next_rec(&mut w, id, Duration::from_secs(30), |r| {
+        r.status == "running" && r.worker_id.as_deref() == Some(owner)
+    })
+    .await?;
+    Ok((w, at, first))
 }

@@ -143,7 +143,10 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         ],
         Some(logs.join("sim.log")),
     );
-    let sim_addr = wait_for_line(&sim, "listening on ").await?;
+    let sim_addr = sim
+        .wait_for_line("listening on ", Duration::from_secs(15))
+        .await
+        .map_err(anyhow::Error::msg)?;
     let sim_url = format!("http://{sim_addr}");
     say(format!(
         "started leasehold-sim at {sim_url} (model faults at {:.0}%)",
@@ -569,26 +572,6 @@ async fn deliveries_by_job(sim: &str) -> anyhow::Result<HashMap<String, u32>> {
         }
     }
     Ok(out)
-}
-
-async fn wait_for_line(p: &Proc, prefix: &str) -> anyhow::Result<String> {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        if let Some(rest) = p
-            .output()
-            .lines()
-            .find_map(|l| l.strip_prefix(prefix).map(str::to_string))
-        {
-            return Ok(rest.trim().to_string());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{} did not start:\n{}",
-            p.name(),
-            p.output()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn terminal(r: &JobRecord) -> bool {

@@ -71,6 +71,43 @@ pub struct NatsServer {
     max_file_store: String,
 }
 
+/// Starts `nats-server -c conf` with `env`, copies its log to `log`, and
+/// returns once it says it is ready (panics with the log after 30 s).
+pub fn spawn_nats_server(conf: &Path, env: &[(String, String)], log: &Path) -> Child {
+    let mut child = Command::new(nats_server_bin())
+        .arg("-c")
+        .arg(conf)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start nats-server: {e}; install it with `make setup`"));
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel();
+    let log_path = log.to_path_buf();
+    std::thread::spawn(move || {
+        let mut log = std::fs::File::create(log_path).ok();
+        let mut tx = Some(tx);
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(f) = log.as_mut() {
+                use std::io::Write;
+                let _ = writeln!(f, "{line}");
+            }
+            if line.contains("Server is ready") {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+        let _ = child.kill();
+        let log = std::fs::read_to_string(log).unwrap_or_default();
+        panic!("nats-server did not become ready within 30s:\n{log}");
+    }
+    child
+}
+
 impl NatsServer {
     /// Starts a single server and waits until it says it is ready.
     pub fn start() -> Self {
@@ -89,49 +126,43 @@ impl NatsServer {
         name: String,
         sync_always: bool,
     ) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("lh-nats-")
-            .tempdir()
-            .expect("temp dir");
-        let mut s = NatsServer {
-            child: None,
-            fixed_dir: None,
-            port,
-            cluster_port,
-            routes,
-            name,
-            dir,
-            sync_always,
-            include: None,
-            env: Vec::new(),
-            max_file_store: "64GB".into(),
-        };
-        s.spawn();
-        s
+        let mut s = Self::unstarted();
+        (s.port, s.cluster_port, s.routes) = (port, cluster_port, routes);
+        (s.name, s.sync_always) = (name, sync_always);
+        Self::launch(s)
     }
 
-    /// Starts a single server whose JetStream file storage is limited to
-    /// `limit` (`max_file_store`, e.g. `"4GB"`): a small machine's server.
-    pub fn start_with_file_store(limit: &str) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("lh-nats-")
-            .tempdir()
-            .expect("temp dir");
-        let mut s = NatsServer {
+    /// A single server's settings with a fresh temporary folder, not yet started.
+    fn unstarted() -> Self {
+        NatsServer {
             child: None,
             fixed_dir: None,
             port: free_port(),
             cluster_port: None,
             routes: Vec::new(),
             name: "lh-test".into(),
-            dir,
+            dir: tempfile::Builder::new()
+                .prefix("lh-nats-")
+                .tempdir()
+                .expect("temp dir"),
             sync_always: false,
             include: None,
             env: Vec::new(),
-            max_file_store: limit.into(),
-        };
+            max_file_store: "64GB".into(),
+        }
+    }
+
+    fn launch(mut s: Self) -> Self {
         s.spawn();
         s
+    }
+
+    /// Starts a single server whose JetStream file storage is limited to
+    /// `limit` (`max_file_store`, e.g. `"4G"`): a small machine's server.
+    pub fn start_with_file_store(limit: &str) -> Self {
+        let mut s = Self::unstarted();
+        s.max_file_store = limit.into();
+        Self::launch(s)
     }
 
     /// Starts a single server whose configuration also includes the file
@@ -140,35 +171,17 @@ impl NatsServer {
     /// variables it refers to, such as passwords). A file that defines
     /// accounts puts JetStream in them: connect as one of its users.
     pub fn start_including(conf: &Path, env: &[(&str, String)]) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("lh-nats-")
-            .tempdir()
-            .expect("temp dir");
+        let mut s = Self::unstarted();
         let name = conf
             .file_name()
             .expect("a configuration file name")
             .to_string_lossy()
             .into_owned();
-        std::fs::copy(conf, dir.path().join(&name))
+        std::fs::copy(conf, s.dir.path().join(&name))
             .unwrap_or_else(|e| panic!("copy {}: {e}", conf.display()));
-        let mut s = NatsServer {
-            child: None,
-            fixed_dir: None,
-            port: free_port(),
-            cluster_port: None,
-            routes: Vec::new(),
-            name: "lh-test".into(),
-            dir,
-            sync_always: false,
-            include: Some(name),
-            env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.clone()))
-                .collect(),
-            max_file_store: "64GB".into(),
-        };
-        s.spawn();
-        s
+        s.include = Some(name);
+        s.env = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        Self::launch(s)
     }
 
     /// The server's log so far (permission violations are logged here).
@@ -179,25 +192,10 @@ impl NatsServer {
     /// Starts a single server whose storage lives in `dir` (kept after drop).
     pub fn start_in(dir: &Path) -> Self {
         std::fs::create_dir_all(dir).expect("storage dir");
-        let tmp = tempfile::Builder::new()
-            .prefix("lh-nats-")
-            .tempdir()
-            .expect("temp dir");
-        let mut s = NatsServer {
-            child: None,
-            fixed_dir: Some(dir.to_path_buf()),
-            port: free_port(),
-            cluster_port: None,
-            routes: Vec::new(),
-            name: "lh-demo".into(),
-            dir: tmp,
-            sync_always: false,
-            include: None,
-            env: Vec::new(),
-            max_file_store: "64GB".into(),
-        };
-        s.spawn();
-        s
+        let mut s = Self::unstarted();
+        s.fixed_dir = Some(dir.to_path_buf());
+        s.name = "lh-demo".into();
+        Self::launch(s)
     }
 
     fn config(&self) -> String {
@@ -234,41 +232,11 @@ impl NatsServer {
     fn spawn(&mut self) {
         let conf = self.dir.path().join("nats.conf");
         std::fs::write(&conf, self.config()).expect("write nats.conf");
-        let mut child = Command::new(nats_server_bin())
-            .arg("-c")
-            .arg(&conf)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start nats-server: {e}; install it with `make setup`")
-            });
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = mpsc::channel();
-        let log_path = self.dir.path().join("server.log");
-        std::thread::spawn(move || {
-            let mut log = std::fs::File::create(log_path).ok();
-            let mut tx = Some(tx);
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(f) = log.as_mut() {
-                    use std::io::Write;
-                    let _ = writeln!(f, "{line}");
-                }
-                if line.contains("Server is ready") {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(());
-                    }
-                }
-            }
-        });
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-            let _ = child.kill();
-            let log =
-                std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
-            panic!("nats-server did not become ready within 30s:\n{log}");
-        }
-        self.child = Some(child);
+        self.child = Some(spawn_nats_server(
+            &conf,
+            &self.env,
+            &self.dir.path().join("server.log"),
+        ));
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -496,6 +464,27 @@ impl Proc {
     /// The process's output so far.
     pub fn output(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the process prints a line starting with `prefix` (such
+    /// as `leasehold-sim`'s `listening on `) and returns the rest of it;
+    /// after `timeout`, an error that quotes the output so far.
+    pub async fn wait_for_line(&self, prefix: &str, timeout: Duration) -> Result<String, String> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let out = self.output();
+            if let Some(rest) = out.lines().find_map(|l| l.strip_prefix(prefix)) {
+                return Ok(rest.trim().to_string());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "{} did not print {prefix:?} within {timeout:?}; its output ({}):\n{out}",
+                    self.name,
+                    self.log.display()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     pub fn name(&self) -> &str {

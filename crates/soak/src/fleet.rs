@@ -128,7 +128,10 @@ impl Fleet {
             ],
             Some(self.logs.join("sim.log")),
         );
-        let addr = wait_for_line(&p, "listening on ", Duration::from_secs(20)).await?;
+        let addr = p
+            .wait_for_line("listening on ", Duration::from_secs(20))
+            .await
+            .map_err(anyhow::Error::msg)?;
         self.sim_url = format!("http://{addr}");
         self.sim = Some(p);
         Ok(())
@@ -342,28 +345,6 @@ impl Fleet {
         .await;
         self.sim = None;
         self.save_server_logs();
-    }
-}
-
-/// Waits until a process prints a line starting with `prefix`; the rest of
-/// the line.
-pub async fn wait_for_line(p: &Proc, prefix: &str, timeout: Duration) -> anyhow::Result<String> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(rest) = p
-            .output()
-            .lines()
-            .find_map(|l| l.strip_prefix(prefix).map(str::to_string))
-        {
-            return Ok(rest.trim().to_string());
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "{} did not print {prefix:?} within {timeout:?}; its log: {}",
-            p.name(),
-            p.log.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
