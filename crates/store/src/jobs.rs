@@ -175,26 +175,34 @@ impl Jobs {
         &self.kv
     }
 
-    /// The record and its revision, if it exists.
+    /// The record and its revision, if it exists, as the bucket's stream
+    /// leader has it. Every decision reads here, so no read is older than
+    /// the last write acknowledged: a direct get may be answered by any
+    /// replica (on R3 a restarted node still catching up answers "no such
+    /// key" for a record written seconds before), and a decision taken on
+    /// such a read (an index entry removed, a write given up as "no job")
+    /// can strand a job. Watches stay as they are (they follow, never decide).
     pub async fn get(&self, id: &str) -> Result<Option<Versioned<JobRecord>>, JobsError> {
-        let entry = self
-            .kv
-            .entry(id)
-            .await
-            .map_err(|e| JobsError::Nats(format!("read job {id}: {e}")))?;
-        match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let mut value = decode(id, &e.value)?;
-                if value.input_beside || value.output_beside {
-                    self.internalize(&mut value).await?;
-                }
-                Ok(Some(Versioned {
-                    value,
-                    revision: e.revision,
-                }))
-            }
-            _ => Ok(None),
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let subject = format!("$KV.{}.{id}", self.kv.name);
+        let m = match self.kv.stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => m,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+            Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),
+        };
+        let removed = m.headers.get("KV-Operation").is_some()
+            || m.headers.get("Nats-Marker-Reason").is_some();
+        if removed {
+            return Ok(None);
         }
+        let mut value = decode(id, &m.payload)?;
+        if value.input_beside || value.output_beside {
+            self.internalize(&mut value).await?;
+        }
+        Ok(Some(Versioned {
+            value,
+            revision: m.sequence,
+        }))
     }
 
     /// Creates the record only if the key is absent.
