@@ -417,3 +417,67 @@ async fn a_hundred_thousand_finished_records_cost_the_active_paths_nothing() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+/// Found by the 30-minute cluster soak: an attempt that ends without its
+/// outcome written (the write refused for another reason than lost
+/// ownership) leaves a record that names a live worker which no longer
+/// runs the job; the session never ends, so nothing would ever move it.
+/// The reaper asks live owners whether they run what the index says, and
+/// re-offers what they do not; what they do run is left alone.
+#[tokio::test]
+async fn a_job_its_live_owner_does_not_run_is_reoffered() {
+    let env = default_env().await;
+    let (w, stop) = env.worker().await;
+    env.submit("sleep", json!({"input": {"ms": 60_000}}), "held")
+        .await;
+    env.wait_status("held", "running", Duration::from_secs(15))
+        .await;
+    env.wait_indexed("held", Duration::from_secs(10)).await;
+    // A record exactly like the one the live worker holds, for a job it
+    // does not run, indexed under it, with no ticket: what the soak's
+    // refused write left behind.
+    let held = env.jobs.get("held").await.unwrap().unwrap().value;
+    let mut ghost = held.clone();
+    ghost.id = "ghost".into();
+    ghost.kind = "echo".into();
+    ghost.ticket_seq = 0;
+    if let Some(s) = ghost.spec.as_mut() {
+        s.id = Some("ghost".into());
+        s.input = json!({"n": 1}).to_string();
+    }
+    env.jobs.create(&ghost).await.unwrap();
+    let idx = active(&env).await;
+    idx.put(
+        &Key::Run {
+            worker: w.worker_id.clone(),
+            job: "ghost".into(),
+        },
+        &ghost,
+    )
+    .await
+    .unwrap();
+    // A job that already lost a worker runs alone: an idle worker takes it.
+    let (b, bstop) = env.worker().await;
+    let (r, rstop) = start_reaper(&env).await;
+    let done = env
+        .wait_status("ghost", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        (done.epoch, done.stale_reclaims),
+        (2, 1),
+        "re-offered once, claimed anew"
+    );
+    // The job the worker does run was not touched.
+    let still = env.jobs.get("held").await.unwrap().unwrap();
+    assert_eq!(
+        (still.value.status.as_str(), still.value.epoch),
+        ("running", 1),
+        "a job its owner runs is never re-offered"
+    );
+    rstop.cancel();
+    r.wait().await.unwrap();
+    for (h, s) in [(w, stop), (b, bstop)] {
+        s.cancel();
+        h.wait().await.unwrap();
+    }
+}

@@ -104,7 +104,7 @@ pub async fn kill9(c: &Case, reps: usize) -> anyhow::Result<Value> {
         let id = format!("k9-{}-{i}", c.key);
         let (mut w, claimed_at, first) = sleep_held_by(&work, &jobs, &id, 600_000, &victim_id)
             .await
-        .map_err(|e| anyhow::anyhow!("{e}; victim log:\n{}", tail(&victim.output(), 30)))?;
+            .map_err(|e| anyhow::anyhow!("{e}; victim log:\n{}", tail(&victim.output(), 30)))?;
         let mut rescuer = None;
         if !c.before_index {
             wait_indexed(&conn, &id).await?;
@@ -391,7 +391,11 @@ async fn sleep_held_by(
     id: &str,
     ms: u64,
     owner: &str,
-) -> anyhow::Result<(async_nats::jetstream::kv::Watch, Instant, leasehold_core::JobRecord)> {
+) -> anyhow::Result<(
+    async_nats::jetstream::kv::Watch,
+    Instant,
+    leasehold_core::JobRecord,
+)> {
     let mut w = jobs.watch(id).await?;
     work.submit(
         "sleep",

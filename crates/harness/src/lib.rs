@@ -180,7 +180,10 @@ impl NatsServer {
         std::fs::copy(conf, s.dir.path().join(&name))
             .unwrap_or_else(|e| panic!("copy {}: {e}", conf.display()));
         s.include = Some(name);
-        s.env = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        s.env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
         Self::launch(s)
     }
 

@@ -40,7 +40,7 @@ use leasehold_core::time::rfc3339;
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::index::{Filter, Key};
 use leasehold_store::recovery::{self, Action, Recovery};
-use leasehold_store::sessions::{Ping, SessionInfo};
+use leasehold_store::sessions::{Ping, Runs, SessionInfo};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
 use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
@@ -687,13 +687,16 @@ impl Inner {
         if let Some((_, last)) = window.last() {
             *self.verify_cursor.lock().unwrap() = last.clone();
         }
+        let mut held = Vec::new();
         for (worker, job) in window {
             let key = Key::Run {
                 worker: worker.clone(),
                 job: job.clone(),
             };
             match self.recovery.jobs.get(&job).await {
-                Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {}
+                Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {
+                    held.push((worker, job, v.value.epoch));
+                }
                 Ok(Some(v)) => {
                     if v.value.status == Status::Dead.as_str() {
                         let _ = self.recovery.finish_if_unfinished(&v.value).await;
@@ -714,6 +717,41 @@ impl Inner {
                     }
                 }
                 Err(e) => tracing::debug!(job, error = %e, "verify: record unreadable"),
+            }
+        }
+        self.ask_owners(held).await;
+    }
+
+    /// Asks each live owner whether it really runs the job its record and
+    /// index say it does. One that says no (an attempt that ended without
+    /// its outcome written, so nothing would ever move the job while the
+    /// process lives) has the job re-offered at that epoch.
+    async fn ask_owners(&self, held: Vec<(String, String, u64)>) {
+        let r = &self.recovery;
+        let answers: Vec<_> = futures::stream::iter(held)
+            .map(|(worker, job, epoch)| async move {
+                let runs = r
+                    .sessions
+                    .runs(&worker, &job, epoch, Duration::from_secs(1))
+                    .await;
+                (worker, job, epoch, runs)
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        for (worker, job, epoch, runs) in answers {
+            if runs != Runs::No {
+                continue;
+            }
+            tracing::warn!(
+                job,
+                worker,
+                epoch,
+                "its live owner does not run it; re-offering it"
+            );
+            match r.recover_unrun(&worker, &job, epoch).await {
+                Ok(a) => self.stats.count(&a, &self.prom),
+                Err(e) => tracing::warn!(job, error = %e, "cannot re-offer an unrun job"),
             }
         }
     }

@@ -185,7 +185,12 @@ impl Jobs {
     pub async fn get(&self, id: &str) -> Result<Option<Versioned<JobRecord>>, JobsError> {
         use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let subject = format!("$KV.{}.{id}", self.kv.name);
-        let m = match self.kv.stream.get_last_raw_message_by_subject(&subject).await {
+        let m = match self
+            .kv
+            .stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
             Ok(m) => m,
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
             Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),

@@ -154,6 +154,30 @@ impl Recovery {
         live: Option<&str>,
         overdue: Option<Duration>,
     ) -> Result<Action, StoreError> {
+        self.recover_job_at(worker, job, live, overdue, None).await
+    }
+
+    /// Re-offers `job` that `worker` holds at `epoch` although its process
+    /// (alive) said it does not run it: an attempt that ended without its
+    /// outcome written. A newer claim (another epoch) is left alone.
+    pub async fn recover_unrun(
+        &self,
+        worker: &str,
+        job: &str,
+        epoch: u64,
+    ) -> Result<Action, StoreError> {
+        self.recover_job_at(worker, job, None, None, Some(epoch))
+            .await
+    }
+
+    async fn recover_job_at(
+        &self,
+        worker: &str,
+        job: &str,
+        live: Option<&str>,
+        overdue: Option<Duration>,
+        epoch: Option<u64>,
+    ) -> Result<Action, StoreError> {
         let run_key = Key::Run {
             worker: worker.into(),
             job: job.into(),
@@ -163,6 +187,9 @@ impl Recovery {
                 self.active.remove(&run_key).await?;
                 return Ok(Action::Nothing("no record".into()));
             };
+            if epoch.is_some_and(|e| e != cur.value.epoch) {
+                return Ok(Action::Nothing("claimed again".into()));
+            }
             let now = SystemTime::now();
             let decision = machine::reoffer_if(
                 &cur.value,

@@ -701,6 +701,9 @@ impl Attempt {
     }
 }
 
+/// How long an owner keeps retrying a write whose record reads as missing.
+const MISSING_PATIENCE: Duration = Duration::from_secs(30);
+
 /// Writes through the gate, retrying transient NATS errors while this
 /// process may still own the job: the owner's duty is to write its
 /// outcome, since a live session keeps the job from anyone else. It stops
@@ -711,8 +714,16 @@ where
 {
     let mut pause = Duration::from_millis(50);
     let mut give_up: Option<tokio::time::Instant> = None;
+    // The owner knows its record exists: "no such record" is a read that
+    // has not caught up (a replica, a cluster changing leaders), for a while.
+    let missing_until = tokio::time::Instant::now() + MISSING_PATIENCE;
     loop {
         match gate.write(&f).await {
+            Err(JobsError::NotFound(_)) if tokio::time::Instant::now() < missing_until => {
+                tracing::warn!(job = %gate.id, "own record read as missing; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
             Err(e) if e.is_transient() => {
                 if shared.handoff.is_cancelled() {
                     let end = *give_up
@@ -760,7 +771,7 @@ impl Attempt {
         if e.is_ownership_lost() {
             self.lost(&format!("{what} refused: {e}")).await;
         } else {
-            tracing::error!(job = %self.rec.id, error = %e, "{what} could not be written; the job is recovered when this session ends");
+            tracing::error!(job = %self.rec.id, error = %e, "{what} could not be written; the job is re-offered once this process says it does not run it (reaper), or when its session ends");
         }
     }
 }
