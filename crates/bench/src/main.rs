@@ -94,8 +94,9 @@ pub struct Args {
     /// says so.
     #[arg(long, default_value_t = 300)]
     pub history_seed_budget: u64,
-    /// Seconds of mixed load in the storage plateau.
-    #[arg(long, default_value_t = 60)]
+    /// Seconds of mixed load in the storage plateau (past the 60 s that
+    /// removal markers stay, so the last third shows the steady state).
+    #[arg(long, default_value_t = 150)]
     pub plateau_secs: u64,
     /// Jobs submitted per second in the storage plateau.
     #[arg(long, default_value_t = 100)]

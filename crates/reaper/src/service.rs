@@ -743,14 +743,18 @@ impl Inner {
             if runs != Runs::No {
                 continue;
             }
-            tracing::warn!(
-                job,
-                worker,
-                epoch,
-                "its live owner does not run it; re-offering it"
-            );
             match r.recover_unrun(&worker, &job, epoch).await {
-                Ok(a) => self.stats.count(&a, &self.prom),
+                Ok(a) => {
+                    if matches!(a, Action::Reoffered { .. }) {
+                        tracing::warn!(
+                            job,
+                            worker,
+                            epoch,
+                            "its live owner does not run it; re-offered"
+                        );
+                    }
+                    self.stats.count(&a, &self.prom)
+                }
                 Err(e) => tracing::warn!(job, error = %e, "cannot re-offer an unrun job"),
             }
         }

@@ -10,13 +10,8 @@
 //!   still finds what its effects did. The bucket allows per-message TTLs
 //!   (`allow_msg_ttl`, see `setup::effects_config`).
 
-use std::time::Duration;
-
-use async_nats::jetstream::{
-    self, consumer, context::PublishErrorKind, kv, message::PublishMessage,
-};
+use async_nats::jetstream::{self, context::PublishErrorKind, kv, message::PublishMessage};
 use bytes::Bytes;
-use futures::StreamExt;
 
 use crate::{server_error_code, StoreError, WRONG_LAST_SEQUENCE};
 
@@ -99,46 +94,35 @@ pub async fn scan_prefix(
     kv: &kv::Store,
     prefix: &str,
 ) -> Result<Vec<(String, Bytes, u64)>, StoreError> {
-    let consumer = stream(js, kv)
-        .await?
-        .create_consumer(consumer::pull::OrderedConfig {
-            filter_subject: subject(kv, &format!("{prefix}.>")),
-            deliver_policy: consumer::DeliverPolicy::LastPerSubject,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| StoreError::nats("effects scan", e))?;
-    let mut pending = consumer.cached_info().num_pending;
-    let mut out = Vec::new();
-    if pending == 0 {
-        return Ok(out);
-    }
-    let mut msgs = consumer
-        .messages()
-        .await
-        .map_err(|e| StoreError::nats("effects scan", e))?;
+    // Direct gets, one per message, never a consumer: the retention
+    // removes hundreds of jobs a second, most with no entry at all, and a
+    // consumer per job ran the server into its consumer limit (10026).
+    let stream = stream(js, kv).await?;
+    let filter = subject(kv, &format!("{prefix}.>"));
     let strip = subject(kv, "");
-    while pending > 0 {
-        let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
-        let Ok(Some(Ok(m))) = next else {
-            return Err(StoreError::Nats(format!(
-                "scanning the effects of {prefix} stalled"
-            )));
+    let mut latest: std::collections::BTreeMap<String, (Bytes, u64, bool)> = Default::default();
+    let mut from = 1;
+    loop {
+        let m = match stream
+            .direct_get_next_for_subject(&filter, Some(from))
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => break,
+            Err(e) => return Err(StoreError::nats("effects scan", e)),
         };
-        let info = m.info().map_err(|e| StoreError::nats("effects scan", e))?;
-        pending = info.pending;
-        let revision = info.stream_sequence;
-        let removed = m.headers.as_ref().is_some_and(|h| {
-            h.get("KV-Operation").is_some() || h.get("Nats-Marker-Reason").is_some()
-        });
-        if removed {
-            continue;
-        }
+        from = m.sequence + 1;
+        let removed = m.headers.get("KV-Operation").is_some()
+            || m.headers.get("Nats-Marker-Reason").is_some();
         if let Some(key) = m.subject.strip_prefix(strip.as_str()) {
-            out.push((key.to_string(), m.payload.clone(), revision));
+            latest.insert(key.to_string(), (m.payload, m.sequence, removed));
         }
     }
-    Ok(out)
+    Ok(latest
+        .into_iter()
+        .filter(|(_, (_, _, removed))| !removed)
+        .map(|(k, (v, rev, _))| (k, v, rev))
+        .collect())
 }
 
 /// Removes every message of every key under `<prefix>.` (no markers are

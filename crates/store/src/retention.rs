@@ -45,8 +45,13 @@ enum Action {
     Transcripts,
 }
 
-/// How long removed records' markers stay before they vanish.
-const MARKER_TTL: Duration = Duration::from_secs(3600);
+/// How long removed records' markers stay before they vanish: long enough
+/// for a watcher to see the removal, short enough that what retention
+/// removes stops taking room within a minute.
+pub const MARKER_TTL: Duration = Duration::from_secs(60);
+
+/// Jobs removed side by side in one pass.
+const FORGET_CONCURRENCY: usize = 32;
 
 /// What one pass removed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -169,6 +174,7 @@ impl Retention {
         let mut pending = consumer.cached_info().num_pending;
         let mut pass = Pass::default();
         let mut last = after;
+        let mut due: Vec<(String, Option<String>)> = Vec::new();
         if pending > 0 {
             let mut msgs = consumer
                 .messages()
@@ -196,18 +202,30 @@ impl Retention {
                         .data_map()
                         .get("kind")
                         .and_then(|k| k.as_str().map(str::to_string));
-                    let done = match action {
-                        Action::Forget => {
-                            self.forget(&ev.job_id, retention, kind, &belongs).await?
-                        }
-                        Action::Transcripts => self.forget_transcript(&ev.job_id).await?,
-                    };
-                    match done {
-                        true => pass.forgotten += 1,
-                        false => pass.skipped += 1,
-                    }
+                    due.push((ev.job_id, kind));
                 }
                 last = seq;
+            }
+        }
+        // The jobs of the pass are independent: removed side by side, so
+        // retention keeps up with a fleet finishing hundreds of jobs a
+        // second. Any failure leaves the cursor where it was; the next pass
+        // does the same (idempotent) work again.
+        let belongs = &belongs;
+        let outcomes: Vec<Result<bool, StoreError>> = futures::stream::iter(due)
+            .map(|(id, kind)| async move {
+                match action {
+                    Action::Forget => self.forget(&id, retention, kind, belongs).await,
+                    Action::Transcripts => self.forget_transcript(&id).await,
+                }
+            })
+            .buffer_unordered(FORGET_CONCURRENCY)
+            .collect()
+            .await;
+        for o in outcomes {
+            match o? {
+                true => pass.forgotten += 1,
+                false => pass.skipped += 1,
             }
         }
         if last > after {

@@ -539,8 +539,10 @@ pub async fn ensure_with(
             storage: stream::StorageType::File,
             num_replicas: o.replicas,
             // Records removed at the end of their retention leave a marker
-            // that expires on its own.
-            limit_markers: Some(Duration::from_secs(3600)),
+            // that expires on its own (the server gives a purge marker this
+            // TTL whatever the purge asks): a minute, so retention's
+            // leftovers stop taking room within one.
+            limit_markers: Some(crate::retention::MARKER_TTL),
             ..Default::default()
         },
         // Sessions: per-key TTL with markers, so an ended session is an

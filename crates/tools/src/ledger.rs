@@ -313,7 +313,11 @@ impl EffectsLedger {
             if owner.job_id != job_id || ledger_key(job_id, &owner.effect_key) != key {
                 continue;
             }
-            match self.kv.purge_expect_revision(&bk_id, Some(rev)).await {
+            match self
+                .kv
+                .purge_expect_revision_with_ttl(&bk_id, rev, leasehold_store::retention::MARKER_TTL)
+                .await
+            {
                 Ok(()) => purged.business_keys += 1,
                 // Moved on meanwhile (taken over): no longer this job's.
                 Err(e)
