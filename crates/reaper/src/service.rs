@@ -40,7 +40,7 @@ use leasehold_core::time::rfc3339;
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::index::{Filter, Key};
 use leasehold_store::recovery::{self, Action, Recovery};
-use leasehold_store::sessions::{Ping, Runs, SessionInfo};
+use leasehold_store::sessions::{Ping, SessionInfo};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
 use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
@@ -206,7 +206,7 @@ impl Reaper {
             .nats
             .connect(&format!("leasehold-reaper {reaper_id}"))
             .await?;
-        setup::ping(&conn.js).await?;
+        retry_unavailable("JetStream", START_DEADLINE, || setup::ping(&conn.js)).await?;
         retry_unavailable("layout", START_DEADLINE, || setup::verify(&conn, &[])).await?;
         let advisories = advisory_consumer(&conn).await?;
         let recovery = retry_unavailable("buckets", START_DEADLINE, || {
@@ -732,7 +732,7 @@ impl Inner {
             .map(|(worker, job, epoch)| async move {
                 let runs = r
                     .sessions
-                    .runs(&worker, &job, epoch, Duration::from_secs(1))
+                    .answers_runs(&worker, &job, epoch, Duration::from_secs(1))
                     .await;
                 (worker, job, epoch, runs)
             })
@@ -740,7 +740,7 @@ impl Inner {
             .collect()
             .await;
         for (worker, job, epoch, runs) in answers {
-            if runs != Runs::No {
+            if runs != Some(false) {
                 continue;
             }
             match r.recover_unrun(&worker, &job, epoch).await {

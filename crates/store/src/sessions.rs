@@ -269,16 +269,40 @@ impl Sessions {
     /// (its claim's reply was lost, an attempt ended without its write):
     /// only the process itself can tell.
     pub async fn runs(&self, worker_id: &str, job: &str, epoch: u64, timeout: Duration) -> Runs {
-        let subject = self.layout.worker_subject(worker_id, "runs");
-        let req = async_nats::Request::new()
-            .payload(format!("{job} {epoch}").into())
-            .timeout(Some(timeout));
-        match self.client.send_request(subject, req).await {
+        match self.ask_runs(worker_id, job, epoch, timeout).await {
             Ok(m) if &m.payload[..] == b"yes" => Runs::Yes,
             Ok(_) => Runs::No,
             Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Runs::No,
             Err(_) => Runs::Unknown,
         }
+    }
+
+    /// Like [`Sessions::runs`], but only the process's own answer counts:
+    /// `None` when nobody answered (a process that is gone is the session
+    /// watcher's and the prober's to recover, with all its jobs at once).
+    pub async fn answers_runs(
+        &self,
+        worker_id: &str,
+        job: &str,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Option<bool> {
+        let m = self.ask_runs(worker_id, job, epoch, timeout).await.ok()?;
+        Some(&m.payload[..] == b"yes")
+    }
+
+    async fn ask_runs(
+        &self,
+        worker_id: &str,
+        job: &str,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<async_nats::Message, async_nats::RequestError> {
+        let subject = self.layout.worker_subject(worker_id, "runs");
+        let req = async_nats::Request::new()
+            .payload(format!("{job} {epoch}").into())
+            .timeout(Some(timeout));
+        self.client.send_request(subject, req).await
     }
 }
 

@@ -843,9 +843,16 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
 
 /// The server's JetStream API is reachable (used to give a clear error early).
 pub async fn ping(js: &jetstream::Context) -> Result<(), StoreError> {
-    js.query_account().await.map(|_| ()).map_err(|e| {
-        StoreError::Nats(format!(
-            "JetStream is not available on this server ({e}); start nats-server with -js"
-        ))
-    })
+    use async_nats::jetstream::context::AccountErrorKind;
+    match js.query_account().await {
+        Ok(_) => Ok(()),
+        // Nobody serves the JetStream API here: it is not enabled.
+        Err(e) if e.kind() == AccountErrorKind::JetStreamUnavailable => Err(StoreError::Nats(
+            format!("JetStream is not available on this server ({e}); start nats-server with -js"),
+        )),
+        // A timeout or an error during a leader election: try again.
+        Err(e) => Err(StoreError::Unavailable(format!(
+            "JetStream did not answer ({e})"
+        ))),
+    }
 }

@@ -196,7 +196,7 @@ impl Worker {
             .nats
             .connect(&format!("leasehold-worker {worker_id}"))
             .await?;
-        setup::ping(&conn.js).await?;
+        retry_unavailable("JetStream", START_DEADLINE, || setup::ping(&conn.js)).await?;
         retry_unavailable("layout", START_DEADLINE, || setup::verify(&conn, &served)).await?;
         let work = Work::new(&conn);
         let mut ack_wait = HashMap::new();
