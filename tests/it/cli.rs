@@ -415,6 +415,20 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
     })
     .await
     .unwrap();
+    // An earlier release's work consumer: the server's default 512 waiting
+    // pulls, which cannot be changed in place.
+    js.get_stream("LH_WORK")
+        .await
+        .unwrap()
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("lh_workers_research".into()),
+            filter_subject: "lh.submit.research".into(),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            max_waiting: 512,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let url = s.url();
     let (code, out, err) = cli(&url, &["setup", "--check"]).await;
     assert_eq!(code, 1, "drift makes --check fail: {err}");
@@ -440,6 +454,14 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
         "{out}"
     );
     assert!(out.contains("created  kv lh_sessions"), "{out}");
+    assert!(
+        out.contains("updated  consumer lh_workers_research: ")
+            && out.contains("max_waiting 512 -> 4096")
+            && out.contains("made again"),
+        "{out}"
+    );
+    let c = w.consumer_info("lh_workers_research").await.unwrap();
+    assert_eq!(c.config.max_waiting, 4096);
     assert_eq!(w.info().await.unwrap().config.max_messages, 1_000_000);
     let (code, out, err) = cli(&url, &["setup", "--check"]).await;
     assert_eq!(code, 0, "{out}{err}");

@@ -647,6 +647,7 @@ pub async fn ensure_with(
     for (stream_name, cfg) in consumers {
         let name = cfg.durable_name.clone().expect("durable");
         let object = format!("consumer {name}");
+        let mut note = None;
         let s = match js.get_stream_no_info(&stream_name).await {
             Ok(s) => s,
             Err(e) => return Err(crate::lookup_error(format!("stream {stream_name}"), &e)),
@@ -678,9 +679,24 @@ pub async fn ensure_with(
                     ChangeState::Unchanged
                 } else {
                     if mode == Mode::Apply {
-                        s.update_consumer(cfg.clone())
-                            .await
-                            .map_err(|e| err(&name, &e))?;
+                        match s.update_consumer(cfg.clone()).await {
+                            Ok(_) => {}
+                            // Some fields (max_waiting) cannot change in
+                            // place: the consumer is made again. Its
+                            // tickets stay in the work queue; those not yet
+                            // acknowledged are delivered again, which a
+                            // claim tells apart from new work.
+                            Err(e) if e.to_string().contains("can not be updated") => {
+                                s.delete_consumer(&name).await.map_err(|e| err(&name, &e))?;
+                                s.create_consumer(cfg.clone())
+                                    .await
+                                    .map_err(|e| err(&name, &e))?;
+                                note = Some(
+                                    "made again: the server cannot change this in place; unacknowledged tickets are delivered again".to_string(),
+                                );
+                            }
+                            Err(e) => return Err(err(&name, &e)),
+                        }
                     }
                     ChangeState::Updated(d)
                 }
@@ -698,7 +714,7 @@ pub async fn ensure_with(
         report.push(Change {
             object,
             state,
-            note: None,
+            note,
         });
     }
 
