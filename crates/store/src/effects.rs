@@ -10,10 +10,10 @@
 //!   still finds what its effects did. The bucket allows per-message TTLs
 //!   (`allow_msg_ttl`, see `setup::effects_config`).
 
-use async_nats::jetstream::{self, context::PublishErrorKind, kv, message::PublishMessage};
+use async_nats::jetstream::{self, kv, message::PublishMessage};
 use bytes::Bytes;
 
-use crate::{server_error_code, StoreError, WRONG_LAST_SEQUENCE};
+use crate::{server_error_code, StoreError};
 
 /// The `Nats-TTL` value that exempts a message from the stream's `max_age`.
 pub const TTL_NEVER: &str = "never";
@@ -55,18 +55,9 @@ pub async fn write_pinned(
         .payload(value)
         .header(async_nats::header::NATS_MESSAGE_TTL, TTL_NEVER)
         .expected_last_subject_sequence(expected);
-    let res = match js.send_publish(subject(kv, key), m).await {
-        Ok(f) => f.await,
-        Err(e) => Err(e),
-    };
-    match res {
-        Ok(ack) => Ok(ack.sequence),
-        Err(e)
-            if e.kind() == PublishErrorKind::WrongLastSequence
-                || server_error_code(&e) == Some(WRONG_LAST_SEQUENCE) =>
-        {
-            Err(PinnedError::WrongRevision)
-        }
+    match crate::publish_acked(js, subject(kv, key), m).await {
+        Ok(seq) => Ok(seq),
+        Err(e) if crate::moved_on(&e) => Err(PinnedError::WrongRevision),
         Err(e) if server_error_code(&e) == Some(MSG_TTL_DISABLED) => {
             Err(PinnedError::Nats(format!(
             "write {key}: bucket {} does not allow per-message TTLs; run `leasehold setup` ({e})",

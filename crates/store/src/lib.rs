@@ -188,3 +188,19 @@ pub const WRONG_LAST_SEQUENCE: u64 = 10071;
 /// Wrong last sequence while an earlier write is in process on a cluster
 /// leader: spurious, re-read and retry (10164).
 pub const WRONG_LAST_SEQUENCE_CONSTANT: u64 = 10164;
+
+/// Publishes `m` on `subject` and waits for the stream's ack; its sequence.
+pub(crate) async fn publish_acked(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    m: async_nats::jetstream::message::PublishMessage,
+) -> Result<u64, async_nats::jetstream::context::PublishError> {
+    Ok(js.send_publish(subject, m).await?.await?.sequence)
+}
+
+/// Whether a conditioned publish was refused because its subject moved on
+/// (the expected last sequence was not the subject's).
+pub(crate) fn moved_on(e: &async_nats::jetstream::context::PublishError) -> bool {
+    e.kind() == async_nats::jetstream::context::PublishErrorKind::WrongLastSequence
+        || server_error_code(e) == Some(WRONG_LAST_SEQUENCE)
+}

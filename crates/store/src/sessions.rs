@@ -26,7 +26,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, context::PublishErrorKind, kv, message::PublishMessage};
+use async_nats::jetstream::{self, kv, message::PublishMessage};
 use leasehold_core::machine::OwnerLiveness;
 use leasehold_core::time::rfc3339;
 use serde::{Deserialize, Serialize};
@@ -172,18 +172,9 @@ impl Sessions {
             m = m.header(SESSION_START_HEADER, "1");
         }
         let subject = format!("$KV.{}.{}", self.layout.sessions_bucket(), info.worker_id);
-        let res = match self.js.send_publish(subject, m).await {
-            Ok(f) => f.await,
-            Err(e) => Err(e),
-        };
-        match res {
-            Ok(ack) => Ok(ack.sequence),
-            Err(e)
-                if e.kind() == PublishErrorKind::WrongLastSequence
-                    || server_error_code(&e) == Some(WRONG_LAST_SEQUENCE) =>
-            {
-                Err(SessionError::Changed)
-            }
+        match crate::publish_acked(&self.js, subject, m).await {
+            Ok(seq) => Ok(seq),
+            Err(e) if crate::moved_on(&e) => Err(SessionError::Changed),
             Err(e) => Err(SessionError::Nats(e.to_string())),
         }
     }
