@@ -34,3 +34,13 @@ pub mod trace;
 
 pub use readiness::Readiness;
 pub use redact::{redact_text, redact_url, Secret, MASK};
+
+/// Serialises this crate's tests that create spans. `tracing` caches each
+/// call site's interest process-wide: a span first built on a thread with
+/// no subscriber while another test installs one can be cached as "never",
+/// and the other test's span is then silently disabled.
+#[cfg(test)]
+pub(crate) fn span_test_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -145,6 +145,7 @@ mod tests {
 
     #[test]
     fn json_lines_carry_the_span_fields() {
+        let _serial = crate::span_test_lock();
         let buf = Buf::default();
         let subscriber = tracing_subscriber::registry()
             .with(EnvFilter::new("info"))
@@ -180,6 +181,7 @@ mod tests {
 
     #[test]
     fn text_without_ansi_has_no_escapes() {
+        let _serial = crate::span_test_lock();
         let buf = Buf::default();
         let subscriber = tracing_subscriber::registry().with(text_layer(buf.clone(), false));
         tracing::subscriber::with_default(subscriber, || {

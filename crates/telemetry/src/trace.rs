@@ -308,6 +308,7 @@ mod tests {
 
     #[test]
     fn attempt_links_the_previous_one_and_parents_a_chat_span() {
+        let _serial = crate::span_test_lock();
         let (provider, exporter) = provider();
         let subscriber = tracing_subscriber::registry().with(layer(&provider));
         let (previous_tp, job_tp) = tracing::subscriber::with_default(subscriber, || {
@@ -446,8 +447,9 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn traceparent_round_trips_through_nats_headers() {
+    #[test]
+    fn traceparent_round_trips_through_nats_headers() {
+        let _serial = crate::span_test_lock();
         let (provider, exporter) = provider();
         let subscriber = tracing_subscriber::registry().with(layer(&provider));
         let _default = tracing::subscriber::set_default(subscriber);
@@ -455,11 +457,15 @@ mod tests {
         let submit = spans::job("j-2", "echo");
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", "j-2");
-        async {
-            inject(&mut headers);
-        }
-        .instrument(submit.clone())
-        .await;
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+            .block_on(
+                async {
+                    inject(&mut headers);
+                }
+                .instrument(submit.clone()),
+            );
         let sent = headers
             .get(TRACEPARENT)
             .expect("traceparent header")
@@ -500,6 +506,7 @@ mod tests {
 
     #[test]
     fn nothing_is_exported_without_the_layer() {
+        let _serial = crate::span_test_lock();
         let span = spans::job("j-3", "echo");
         assert_eq!(traceparent_of(&span), None);
         assert!(!link_to_traceparent(&span, "garbage"));
