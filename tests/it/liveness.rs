@@ -13,9 +13,15 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::{wait_log, Env};
 
-/// An environment made by a plain `leasehold setup` (consumer ack wait 30 s).
+/// An environment made by a plain `leasehold setup`, but with a consumer ack
+/// wait three times the default session timeout (an earlier release's
+/// default, 30 s): a recovery well within it did not wait for a redelivery.
 async fn default_env() -> Env {
-    Env::with(SetupOptions::default()).await
+    Env::with(SetupOptions {
+        ack_wait: Duration::from_secs(30),
+        ..SetupOptions::default()
+    })
+    .await
 }
 
 async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken) {
@@ -248,6 +254,59 @@ async fn a_partitioned_worker_loses_its_jobs_and_comes_back_without_writing() {
         .await;
     env.wait_status("after-partition", "completed", Duration::from_secs(15))
         .await;
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
+// A ticket delivered to a worker that dies before its claim is known only
+// to the consumer: no record, no index entry, no session naming it. Only the
+// ack wait brings it back, so the default ack wait is the session timeout
+// (the soak saw fresh jobs wait the 30 s of the earlier default).
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_whose_worker_died_before_claiming_runs_within_a_session_timeout() {
+    let defaults = SetupOptions::default();
+    let env = Env::with(defaults.clone()).await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(&["--worker-id", "died-a"], &[("NATS_URL", proxy.url())]);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    // A's first write for the job, the claim that creates its record, is held.
+    let hold = proxy.hold(&format!("$KV.{}.>", env.conn.layout.jobs_bucket()));
+    env.submit("echo", json!({"input": {"n": 1}}), "unclaimed")
+        .await;
+    hold.triggered().await;
+    a.kill9();
+    // The kernel closes a killed process's socket: so does the proxy (the
+    // held claim goes nowhere).
+    proxy.cut();
+    let t0 = tokio::time::Instant::now();
+    assert!(
+        env.jobs.get("unclaimed").await.unwrap().is_none(),
+        "the claim never reached the server"
+    );
+    let (b, stop) = env.worker().await;
+    let done = env
+        .wait_status("unclaimed", "completed", Duration::from_secs(45))
+        .await;
+    let took = t0.elapsed();
+    // The worker's default `--session-timeout`: a claimed job of a dead
+    // worker moves within it, and so must one it never claimed.
+    let session_timeout = Duration::from_secs(10);
+    assert!(
+        took < session_timeout + Duration::from_secs(3),
+        "ran {took:?} after its worker died (default ack wait {:?}): not within the default session timeout",
+        defaults.ack_wait
+    );
+    assert_eq!(done.worker_id.as_deref(), Some(b.worker_id.as_str()));
+    assert_eq!((done.epoch, done.stale_reclaims), (1, 0), "one claim, B's");
+    let history = env.jobs.history("unclaimed").await.unwrap();
+    assert!(
+        history
+            .iter()
+            .all(|v| v.value.worker_id.as_deref() != Some("died-a")),
+        "nothing of A's reached the record"
+    );
     stop.cancel();
     b.wait().await.unwrap();
 }

@@ -35,7 +35,8 @@ pub struct SetupOptions {
     pub kinds: Vec<String>,
     /// Consumer ack wait: how long a delivered ticket that nobody claimed
     /// (its worker stopped before the claim) waits before it is redelivered
-    /// (default 30 s). A claimed job never depends on it.
+    /// (default 10 s, the default session timeout: such a job comes back no
+    /// later than a claimed one). A claimed job never depends on it.
     pub ack_wait: Duration,
     /// Deliveries of one ticket before the server gives up and advises (default 20).
     pub max_deliver: i64,
@@ -114,7 +115,7 @@ impl Default for SetupOptions {
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),
-            ack_wait: Duration::from_secs(30),
+            ack_wait: Duration::from_secs(10),
             max_deliver: 20,
             dedupe_window: Duration::from_secs(3600),
             work_max_msgs: 1_000_000,

@@ -51,8 +51,10 @@ pub struct Args {
     kinds: Vec<String>,
     /// Ack wait of the work consumers: how long a ticket delivered to a
     /// worker that stopped before claiming it waits before redelivery (a
-    /// claimed job's recovery never depends on it).
-    #[arg(long, env = "LH_ACK_WAIT", default_value = "30s", value_parser = parse_duration)]
+    /// claimed job's recovery never depends on it). The default matches the
+    /// default session timeout, so such a job comes back no later than a
+    /// claimed one.
+    #[arg(long, env = "LH_ACK_WAIT", default_value = "10s", value_parser = parse_duration)]
     ack_wait: Duration,
     /// Deliveries of one ticket before the server gives up on it (the reaper
     /// then dead-letters a waiting job; a running one is never killed for it).
