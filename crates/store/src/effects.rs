@@ -103,8 +103,7 @@ pub async fn scan_prefix(
             Err(e) => return Err(StoreError::nats("effects scan", e)),
         };
         from = m.sequence + 1;
-        let removed = m.headers.get("KV-Operation").is_some()
-            || m.headers.get("Nats-Marker-Reason").is_some();
+        let removed = crate::is_removal(&m.headers);
         if let Some(key) = m.subject.strip_prefix(strip.as_str()) {
             latest.insert(key.to_string(), (m.payload, m.sequence, removed));
         }

@@ -273,10 +273,7 @@ impl Active {
                 )));
             };
             pending = m.info().map(|i| i.pending).unwrap_or(0);
-            let removed = m.headers.as_ref().is_some_and(|h| {
-                h.get("KV-Operation").is_some() || h.get("Nats-Marker-Reason").is_some()
-            });
-            if removed {
+            if m.headers.as_ref().is_some_and(crate::is_removal) {
                 continue;
             }
             let Some(key) = m.subject.strip_prefix(&prefix).and_then(Key::parse) else {

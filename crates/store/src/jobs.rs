@@ -195,9 +195,7 @@ impl Jobs {
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
             Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),
         };
-        let removed = m.headers.get("KV-Operation").is_some()
-            || m.headers.get("Nats-Marker-Reason").is_some();
-        if removed {
+        if crate::is_removal(&m.headers) {
             return Ok(None);
         }
         let mut value = decode(id, &m.payload)?;
@@ -365,11 +363,7 @@ impl Jobs {
             }
             Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),
         };
-        let marker = m
-            .headers
-            .get("KV-Operation")
-            .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE");
-        if marker {
+        if crate::is_removal(&m.headers) {
             return Ok(Some((m.sequence, None)));
         }
         let mut rec = decode(id, &m.payload)?;

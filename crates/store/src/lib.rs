@@ -189,6 +189,15 @@ pub const WRONG_LAST_SEQUENCE: u64 = 10071;
 /// leader: spurious, re-read and retry (10164).
 pub const WRONG_LAST_SEQUENCE_CONSTANT: u64 = 10164;
 
+/// Whether a KV message's headers mark its key removed: a delete or purge
+/// (`KV-Operation`), or a marker the server wrote (`Nats-Marker-Reason`: a
+/// per-message TTL ran out, a purge left a marker).
+pub(crate) fn is_removal(h: &async_nats::HeaderMap) -> bool {
+    h.get("Nats-Marker-Reason").is_some()
+        || h.get("KV-Operation")
+            .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"))
+}
+
 /// Publishes `m` on `subject` and waits for the stream's ack; its sequence.
 pub(crate) async fn publish_acked(
     js: &async_nats::jetstream::Context,
@@ -203,4 +212,27 @@ pub(crate) async fn publish_acked(
 pub(crate) fn moved_on(e: &async_nats::jetstream::context::PublishError) -> bool {
     e.kind() == async_nats::jetstream::context::PublishErrorKind::WrongLastSequence
         || server_error_code(e) == Some(WRONG_LAST_SEQUENCE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_removal;
+    use async_nats::HeaderMap;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, *v);
+        }
+        h
+    }
+
+    #[test]
+    fn deletes_purges_and_server_markers_are_removals() {
+        assert!(is_removal(&headers(&[("KV-Operation", "DEL")])));
+        assert!(is_removal(&headers(&[("KV-Operation", "PURGE")])));
+        assert!(is_removal(&headers(&[("Nats-Marker-Reason", "MaxAge")])));
+        assert!(!is_removal(&headers(&[])));
+        assert!(!is_removal(&headers(&[("Nats-TTL", "never")])));
+    }
 }

@@ -541,12 +541,7 @@ async fn on_session_message(
     opts: &WatchOptions,
     m: jetstream::Message,
 ) {
-    let ended = m.headers.as_ref().is_some_and(|h| {
-        h.get("Nats-Marker-Reason").is_some()
-            || h.get("KV-Operation")
-                .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
-    });
-    if !ended {
+    if !m.headers.as_ref().is_some_and(crate::is_removal) {
         let _ = m.ack().await;
         return;
     }
