@@ -3,6 +3,7 @@
 //! processes where the test is about a process dying or pausing.
 
 mod artifacts;
+mod busy;
 mod chaos;
 mod cli;
 mod cluster;

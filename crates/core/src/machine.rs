@@ -280,6 +280,16 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
     }
 }
 
+/// How long a ticket that met a transient failure (the store did not
+/// answer) waits before its next delivery, by how often it was delivered:
+/// 1 s, 2 s, 4 s … up to 30 s. An outage of minutes costs a handful of
+/// deliveries, not one a second, and a waiting job is never dead-lettered
+/// for its deliveries anyway.
+pub fn transient_retry_delay(deliveries: u64) -> Duration {
+    let exp = deliveries.saturating_sub(1).min(5) as u32;
+    Duration::from_secs(1u64 << exp).min(Duration::from_secs(30))
+}
+
 /// Whether a running record's attempt deadline passed, by more than the
 /// clock skew allowance (another host wrote it with its own clock).
 pub fn deadline_passed(rec: &JobRecord, now: SystemTime, skew: Duration) -> bool {
@@ -974,5 +984,14 @@ mod tests {
         assert!(fail(&a, &stranger, t(1), JobError::default()).is_err());
         assert!(park(&a, &stranger, t(1), "loop", "x").is_err());
         assert!(hand_back(&a, &stranger, t(1)).is_err());
+    }
+
+    #[test]
+    fn transient_retries_back_off_with_deliveries_up_to_thirty_seconds() {
+        let d: Vec<u64> = (1..=8)
+            .map(|n| transient_retry_delay(n).as_secs())
+            .collect();
+        assert_eq!(d, vec![1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(transient_retry_delay(0), Duration::from_secs(1));
     }
 }

@@ -10,29 +10,35 @@ use std::time::{Duration, SystemTime};
 
 use leasehold_core::time::parse_rfc3339;
 use leasehold_store::index::Entry;
+use leasehold_store::liveness::Verdict;
 
 /// What the sweep does with a running job's entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunningAction {
     Nothing,
-    /// The session the entry names is not its worker's live one: re-offer
-    /// (recovery decides again on the record).
+    /// The owner is gone by the liveness rule: re-offer (recovery decides
+    /// again on the record).
     OwnerGone,
+    /// The owner's liveness is unknown now: leave it for the next sweep.
+    Unsure,
     /// The owner lives but the attempt deadline passed (by more than the
     /// skew allowance): the attempt hangs; re-offer it anyway.
     Overdue,
 }
 
-/// Decides what a `run.<worker>.<job>` entry needs, given the session that
-/// is live for its worker now.
+/// Decides what a `run.<worker>.<job>` entry needs, given the verdict of
+/// the one liveness rule on the session the entry names.
 pub fn running_action(
     entry: &Entry,
-    live_session: Option<&str>,
+    owner: &Verdict,
     now: SystemTime,
     skew: Duration,
 ) -> RunningAction {
-    if live_session.is_none() || live_session != entry.session.as_deref() {
-        return RunningAction::OwnerGone;
+    match owner {
+        Verdict::Gone(_) => return RunningAction::OwnerGone,
+        // Unknown never re-offers: the next sweep asks again.
+        Verdict::Unknown(_) => return RunningAction::Unsure,
+        Verdict::Alive => {}
     }
     let overdue = entry
         .deadline
@@ -68,6 +74,7 @@ pub fn since(at: &str, now: SystemTime) -> Duration {
 mod tests {
     use super::*;
     use leasehold_core::time::rfc3339;
+    use leasehold_store::liveness::Unsure;
 
     fn t(s: u64) -> SystemTime {
         SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + s)
@@ -87,19 +94,25 @@ mod tests {
     const SKEW: Duration = Duration::from_secs(2);
 
     #[test]
-    fn a_running_entry_is_recovered_when_its_session_is_not_the_live_one() {
+    fn a_running_entry_is_recovered_only_when_its_owner_is_gone() {
         let e = running("s1", 100);
         assert_eq!(
-            running_action(&e, Some("s1"), t(10), SKEW),
+            running_action(&e, &Verdict::Alive, t(10), SKEW),
             RunningAction::Nothing
         );
         assert_eq!(
-            running_action(&e, None, t(10), SKEW),
+            running_action(&e, &Verdict::Gone("ended".into()), t(10), SKEW),
             RunningAction::OwnerGone
         );
+        // Even past its deadline, an unknown owner is left alone.
         assert_eq!(
-            running_action(&e, Some("s2"), t(10), SKEW),
-            RunningAction::OwnerGone
+            running_action(
+                &e,
+                &Verdict::Unknown(Unsure::Settling(Duration::ZERO)),
+                t(200),
+                SKEW
+            ),
+            RunningAction::Unsure
         );
     }
 
@@ -107,11 +120,11 @@ mod tests {
     fn a_deadline_counts_only_past_the_skew_allowance() {
         let e = running("s1", 100);
         assert_eq!(
-            running_action(&e, Some("s1"), t(102), SKEW),
+            running_action(&e, &Verdict::Alive, t(102), SKEW),
             RunningAction::Nothing
         );
         assert_eq!(
-            running_action(&e, Some("s1"), t(103), SKEW),
+            running_action(&e, &Verdict::Alive, t(103), SKEW),
             RunningAction::Overdue
         );
     }

@@ -39,8 +39,9 @@ use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_core::time::rfc3339;
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::index::{Filter, Key};
+use leasehold_store::liveness::Verdict;
 use leasehold_store::recovery::{self, Action, Recovery};
-use leasehold_store::sessions::{Ping, SessionInfo};
+use leasehold_store::sessions::{Ping, Runs, SessionInfo};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
 use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
@@ -127,7 +128,7 @@ impl Stats {
                 self.poison.fetch_add(1, Ordering::Relaxed);
                 prom.dead_lettered("poison", 1);
             }
-            Action::Nothing(_) => {}
+            Action::Nothing(_) | Action::Unsure(_) => {}
         }
     }
 }
@@ -509,8 +510,10 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
             },
             _ = tick.tick() => {
                 // Our own view of the server must have settled first: right
-                // after a reconnect every worker may still be reconnecting.
-                if inner.conn.link.reconnects() > 0 && inner.conn.connected_for() < Duration::from_secs(4) {
+                // after a reconnect every worker may still be reconnecting
+                // (the one settle rule, `leasehold_store::liveness`).
+                if inner.recovery.liveness.settling().is_some() {
+                    suspects.clear();
                     continue;
                 }
                 let timeout = inner.opts.probe_interval.max(Duration::from_millis(200));
@@ -604,28 +607,36 @@ impl Inner {
         let entries = r.active.list(Filter::All).await?;
         let now = SystemTime::now();
         let mut tally = Tally::default();
-        let mut live_of: HashMap<String, Option<String>> = HashMap::new();
+        // One verdict per recorded session in a sweep (a worker's jobs share it).
+        let mut verdicts: HashMap<(String, Option<String>), Verdict> = HashMap::new();
         let mut to_verify: Vec<(String, String)> = Vec::new();
         for (key, entry) in &entries {
             tally.observe(key, entry, now);
             let res: Result<(), ReaperError> = match key {
                 Key::Run { worker, job } => {
-                    let live = match live_of.get(worker) {
-                        Some(l) => l.clone(),
+                    let k = (worker.clone(), entry.session.clone());
+                    let verdict = match verdicts.get(&k) {
+                        Some(v) => v.clone(),
                         None => {
-                            let l = r.live_session(worker).await?;
-                            live_of.insert(worker.clone(), l.clone());
-                            l
+                            let v = r
+                                .liveness
+                                .owner(worker, entry.session.as_deref(), None)
+                                .await;
+                            verdicts.insert(k, v.clone());
+                            v
                         }
                     };
-                    match decide::running_action(entry, live.as_deref(), now, self.opts.clock_skew)
-                    {
+                    match decide::running_action(entry, &verdict, now, self.opts.clock_skew) {
                         RunningAction::Nothing => {
                             to_verify.push((worker.clone(), job.clone()));
                             Ok(())
                         }
+                        RunningAction::Unsure => {
+                            tracing::debug!(job, worker, %verdict, "owner's liveness unknown; the next sweep asks again");
+                            Ok(())
+                        }
                         RunningAction::OwnerGone => r
-                            .recover_job(worker, job, live.as_deref(), None)
+                            .recover_job(worker, job, None)
                             .await
                             .map(|a| self.stats.count(&a, &self.prom))
                             .map_err(Into::into),
@@ -635,7 +646,7 @@ impl Inner {
                                 worker,
                                 "attempt past its deadline while its worker lives; re-offering it"
                             );
-                            r.recover_job(worker, job, live.as_deref(), Some(self.opts.clock_skew))
+                            r.recover_job(worker, job, Some(self.opts.clock_skew))
                                 .await
                                 .map(|a| self.stats.count(&a, &self.prom))
                                 .map_err(Into::into)
@@ -656,11 +667,12 @@ impl Inner {
         self.verify_some(to_verify).await;
         let depth = self.queue_depth().await;
         let dlq = self.dlq_by_kind().await;
-        tally.set_queue(
-            depth,
-            live_of.values().filter(|v| v.is_some()).count() as u64,
-            dlq,
-        );
+        let live_workers: std::collections::HashSet<&String> = verdicts
+            .iter()
+            .filter(|(_, v)| v.is_alive())
+            .map(|((w, _), _)| w)
+            .collect();
+        tally.set_queue(depth, live_workers.len() as u64, dlq);
         self.stats.sweeps.fetch_add(1, Ordering::Relaxed);
         let mut m = tally.finish(&self.id, now, self.stats.counters());
         m.sessions = self.count_sessions().await.unwrap_or(m.sessions);
@@ -732,7 +744,7 @@ impl Inner {
             .map(|(worker, job, epoch)| async move {
                 let runs = r
                     .sessions
-                    .answers_runs(&worker, &job, epoch, Duration::from_secs(1))
+                    .runs(&worker, &job, epoch, Duration::from_secs(1))
                     .await;
                 (worker, job, epoch, runs)
             })
@@ -740,7 +752,7 @@ impl Inner {
             .collect()
             .await;
         for (worker, job, epoch, runs) in answers {
-            if runs != Some(false) {
+            if runs != Runs::No {
                 continue;
             }
             match r.recover_unrun(&worker, &job, epoch).await {
@@ -807,15 +819,38 @@ impl Inner {
                 return Ok(());
             }
         }
-        let lost = rec.ticket_seq;
+        let why = if ticket.is_some() {
+            "its ticket was delivered but never claimed"
+        } else {
+            "its ticket was gone"
+        };
+        self.replace_ticket(&rec, cur.revision, rec.ticket_seq, ticket.is_some(), why)
+            .await
+    }
+
+    /// Gives waiting job `rec` (read at `revision`) a fresh ticket in place
+    /// of `lost`: publish first (deduplicated by the revision, so replicas
+    /// publish one), then point the record at it (conditioned), then delete
+    /// the old one. A job is never dead-lettered for how often its ticket
+    /// was delivered: only its stale reclaims make it poison.
+    async fn replace_ticket(
+        &self,
+        rec: &JobRecord,
+        revision: u64,
+        lost: u64,
+        had_ticket: bool,
+        why: &str,
+    ) -> Result<(), ReaperError> {
+        let r = &self.recovery;
+        let job = rec.id.as_str();
         let published = r
             .work
-            .reissue(&rec, "stranded", &format!("r{}", cur.revision))
+            .reissue(rec, "stranded", &format!("r{revision}"))
             .await?;
         let res = r
             .jobs
             .transition(job, |c| {
-                if c.status != Status::Queued.as_str() || c.ticket_seq != lost {
+                if c.status != Status::Queued.as_str() || c.ticket_seq > lost {
                     return Ok(None);
                 }
                 let mut n = c.clone();
@@ -825,17 +860,12 @@ impl Inner {
             })
             .await?;
         if res.value.ticket_seq == published.seq && !published.duplicate {
-            if ticket.is_some() && lost > 0 {
+            if had_ticket && lost > 0 {
                 r.work.delete(lost).await?;
             }
             self.stats.tickets_replaced.fetch_add(1, Ordering::Relaxed);
             self.stats.recoveries.fetch_add(1, Ordering::Relaxed);
             self.prom.recovered(1);
-            let why = if ticket.is_some() {
-                "its ticket was delivered but never claimed"
-            } else {
-                "its ticket was gone"
-            };
             tracing::warn!(
                 job,
                 lost_ticket = lost,
@@ -996,30 +1026,46 @@ impl Inner {
         match status_of(&rec) {
             Some(Status::Running) => {
                 let worker = rec.worker_id.clone().unwrap_or_default();
-                let live = r.live_session(&worker).await?;
-                if live.is_some() && live == rec.session {
-                    tracing::info!(job = %id, seq, worker, "ticket past max deliveries of a job its live owner runs: deleted, the job goes on");
-                    r.work.delete(seq).await?;
-                    return Ok(());
+                let a = r.recover_job(&worker, &id, None).await?;
+                if let Action::Unsure(why) = &a {
+                    return Err(ReaperError::Store(StoreError::Nats(format!(
+                        "job {id}: {why}"
+                    ))));
                 }
-                let a = r.recover_job(&worker, &id, live.as_deref(), None).await?;
+                if matches!(a, Action::Nothing(_)) {
+                    tracing::info!(job = %id, seq, worker, "ticket past max deliveries of a job its live owner runs: deleted, the job goes on");
+                }
                 self.stats.count(&a, &self.prom);
                 r.work.delete(seq).await?;
                 Ok(())
             }
+            // A waiting job is never dead-lettered for its deliveries (they
+            // count refusals and transient errors, not what the job did):
+            // it gets a fresh ticket instead.
             Some(Status::Queued) => {
-                let killed = r
-                    .kill(&id, "max_deliveries", &reason, |c| {
-                        c.status == Status::Queued.as_str() && c.ticket_seq <= seq
-                    })
-                    .await?;
-                if killed == recovery::Killed::Now {
-                    self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
-                    self.prom.dead_lettered("max_deliveries", 1);
-                    tracing::warn!(job = %id, seq, deliveries = adv.deliveries, "waiting job past max deliveries marked dead");
+                if rec.cancel_requested {
+                    let v = r
+                        .jobs
+                        .transition(&id, |c| {
+                            match machine::request_cancel(c, SystemTime::now())? {
+                                machine::CancelOutcome::Cancelled(n) => Ok(Some(n)),
+                                _ => Ok(None),
+                            }
+                        })
+                        .await?;
+                    r.active.sync(&v.value, None).await?;
+                    r.work.delete(seq).await?;
+                    return Ok(());
                 }
-                r.work.delete(seq).await?;
-                Ok(())
+                tracing::info!(job = %id, seq, deliveries = adv.deliveries, "waiting job's ticket past max deliveries; giving it a fresh one");
+                self.replace_ticket(
+                    &rec,
+                    cur.revision,
+                    seq,
+                    true,
+                    "its ticket reached max deliveries",
+                )
+                .await
             }
             Some(Status::Dead) => {
                 r.finish(&rec, Some(&ticket), Some(seq)).await?;

@@ -223,6 +223,7 @@ impl NatsArgs {
 pub struct Link {
     inner: Arc<Mutex<LinkState>>,
     violation: Arc<tokio::sync::Notify>,
+    reconnected: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug)]
@@ -247,6 +248,7 @@ impl Default for Link {
                 violations: Vec::new(),
             })),
             violation: Arc::new(tokio::sync::Notify::new()),
+            reconnected: Arc::new(tokio::sync::Notify::new()),
         }
     }
 }
@@ -256,11 +258,15 @@ impl Link {
         let mut s = self.inner.lock().expect("link state");
         match ev {
             async_nats::Event::Connected => {
-                if !s.connected {
+                let back = !s.connected;
+                if back {
                     s.reconnects += 1;
                 }
                 s.connected = true;
                 s.since = Instant::now();
+                if back {
+                    self.reconnected.notify_waiters();
+                }
             }
             async_nats::Event::Disconnected => {
                 s.connected = false;
@@ -315,6 +321,11 @@ impl Link {
             }
             notified.await;
         }
+    }
+
+    /// Resolves the next time the connection comes back after a loss.
+    pub async fn reconnected(&self) {
+        self.reconnected.notified().await
     }
 
     /// Whether the client is connected now.

@@ -34,6 +34,7 @@ pub mod events;
 pub mod index;
 pub mod jobs;
 pub mod layout;
+pub mod liveness;
 pub mod recovery;
 pub mod retention;
 pub mod sessions;
@@ -182,6 +183,11 @@ pub fn server_error_code(err: &(dyn std::error::Error + 'static)) -> Option<u64>
 /// A stream at its message limit (discard new): 10077; at its byte limit: 10078.
 pub const STREAM_FULL_MSGS: u64 = 10077;
 pub const STREAM_FULL_BYTES: u64 = 10078;
+
+/// No message at that sequence (10037): a deletion of what is gone already.
+pub const NO_MESSAGE_FOUND: u64 = 10037;
+/// A message deletion the server refused (10057); its description says why.
+pub const MSG_DELETE_FAILED: u64 = 10057;
 
 /// Wrong last sequence: a real conflict (10071).
 pub const WRONG_LAST_SEQUENCE: u64 = 10071;

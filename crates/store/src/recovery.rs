@@ -2,7 +2,8 @@
 //! must die. Shared by workers and reapers, so recovery needs no reaper.
 //!
 //! - [`Recovery::recover_worker`] re-offers every job the index says a
-//!   worker runs, unless the session its record names is still alive: a new
+//!   worker runs whose owner is gone by the one liveness rule
+//!   ([`crate::liveness`]; an unknown owner is left for the next look): a new
 //!   ticket is published, then the record is released (`running -> queued`,
 //!   `stale_reclaims`+1, the new ticket's sequence) with a write conditioned
 //!   on the revision read, so the old owner is fenced off at once and of two
@@ -12,10 +13,12 @@
 //!   letter, the ticket deletion, the `dead` event (the completion marker),
 //!   the index entry removed; every step idempotent ([`death_id`]).
 //! - [`watch_session_ends`]: the durable consumer of the sessions bucket's
-//!   markers, shared by every worker and reaper process. An ended session's
-//!   worker is pinged first: a process that answers as the same session only
-//!   lost its key (the server was down past the timeout) and writes it again
-//!   itself; otherwise its jobs are re-offered.
+//!   markers, shared by every worker and reaper process. Nobody is judged
+//!   while our own connection settles after a reconnect; a process that
+//!   answers as the same session only lost its key (the server was down past
+//!   the timeout) and writes it again itself (looked at again, and counted
+//!   gone at the third look); otherwise its jobs are re-offered. The end is
+//!   acked only when every job of it was handled.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -31,7 +34,8 @@ use tokio_util::sync::CancellationToken;
 use crate::dlq::Dlq;
 use crate::events::{self, Events};
 use crate::index::{Active, Filter, Key};
-use crate::sessions::{Current, Ping, Sessions};
+use crate::liveness::{Liveness, Unsure, Verdict};
+use crate::sessions::Sessions;
 use crate::work::{Ticket, Work};
 use crate::{Conn, Jobs, JobsError, StoreError};
 
@@ -48,6 +52,9 @@ pub enum Action {
     Poisoned,
     /// Nothing to recover; a stale index entry may have been repaired.
     Nothing(String),
+    /// The owner's liveness is unknown now ([`Verdict::Unknown`]): nothing
+    /// was done, ask again later.
+    Unsure(String),
 }
 
 /// What a [`Recovery::kill`] did.
@@ -76,7 +83,7 @@ impl Report {
             Action::Reoffered { .. } => self.reoffered += 1,
             Action::Cancelled => self.cancelled += 1,
             Action::Poisoned => self.poisoned += 1,
-            Action::Nothing(_) => self.untouched += 1,
+            Action::Nothing(_) | Action::Unsure(_) => self.untouched += 1,
         }
     }
 }
@@ -90,6 +97,8 @@ pub struct Recovery {
     pub work: Work,
     pub events: Events,
     pub dlq: Dlq,
+    /// The one rule for "is this job's owner there?".
+    pub liveness: Liveness,
     /// Who acts (`reaper r-..`, `worker w-..`), in events and logs.
     pub actor: String,
     pub max_stale_reclaims: u32,
@@ -101,10 +110,12 @@ impl Recovery {
         actor: String,
         max_stale_reclaims: u32,
     ) -> Result<Self, StoreError> {
+        let sessions = Sessions::open(conn).await?;
         Ok(Recovery {
             jobs: Jobs::open(conn).await?,
             active: Active::open(conn).await?,
-            sessions: Sessions::open(conn).await?,
+            liveness: Liveness::new(sessions.clone(), conn.link.clone()),
+            sessions,
             work: Work::new(conn),
             events: Events::new(conn),
             dlq: Dlq::new(conn),
@@ -113,48 +124,55 @@ impl Recovery {
         })
     }
 
-    /// The session of `worker` that is alive now, if any.
-    pub async fn live_session(&self, worker: &str) -> Result<Option<String>, StoreError> {
-        Ok(match self.sessions.current(worker).await? {
-            Current::Live { info, .. } => Some(info.session),
-            _ => None,
-        })
-    }
-
-    /// Re-offers every job indexed as run by `worker` whose recorded session
-    /// is not `worker`'s live one.
-    pub async fn recover_worker(&self, worker: &str) -> Result<Report, StoreError> {
-        let live = self.live_session(worker).await?;
+    /// Re-offers every job indexed as run by `worker` whose owner is gone
+    /// by the one liveness rule ([`Liveness::owner`]). `Err` unless every
+    /// job was handled (re-offered, cancelled, dead-lettered, or found
+    /// alive or moved on): a session end is acked only then, so nothing is
+    /// left behind when no reaper runs. With `lost_key_is_gone`, a process
+    /// that answers pings as the recorded session although its key ended
+    /// (and it has not written it again since the last look) counts as gone.
+    pub async fn recover_worker(
+        &self,
+        worker: &str,
+        lost_key_is_gone: bool,
+    ) -> Result<Report, StoreError> {
         let mut report = Report::default();
+        let mut verdicts = Verdicts::ask(lost_key_is_gone);
+        let mut failed = Vec::new();
         for (key, _) in self.active.list(Filter::RunningBy(worker)).await? {
             match self
-                .recover_job(worker, key.job(), live.as_deref(), None)
+                .recover_job_at(worker, key.job(), &mut verdicts, None, None)
                 .await
             {
+                Ok(Action::Unsure(why)) => failed.push(format!("{}: {why}", key.job())),
                 Ok(a) => report.add(&a),
-                Err(e) => {
-                    tracing::warn!(job = key.job(), worker, error = %e, "recovery of one job failed; the next pass retries");
-                    report.untouched += 1;
-                }
+                Err(e) => failed.push(format!("{}: {e}", key.job())),
             }
         }
         if report.reoffered + report.cancelled + report.poisoned > 0 {
             tracing::warn!(worker, actor = %self.actor, reoffered = report.reoffered, cancelled = report.cancelled, poisoned = report.poisoned, "recovered the jobs of an ended session");
         }
+        if !failed.is_empty() {
+            return Err(StoreError::Nats(format!(
+                "{} job(s) of worker {worker} not recovered yet: {}",
+                failed.len(),
+                failed.join("; ")
+            )));
+        }
         Ok(report)
     }
 
-    /// Recovers one job that `worker` ran, unless its session `live` runs
-    /// it (and, with `overdue` given, its attempt deadline has not passed by
-    /// more than that skew allowance).
+    /// Recovers one job that `worker` ran if its owner is gone by the one
+    /// liveness rule; with `overdue` given, also when its owner lives but
+    /// its attempt deadline passed by more than that skew allowance.
     pub async fn recover_job(
         &self,
         worker: &str,
         job: &str,
-        live: Option<&str>,
         overdue: Option<Duration>,
     ) -> Result<Action, StoreError> {
-        self.recover_job_at(worker, job, live, overdue, None).await
+        self.recover_job_at(worker, job, &mut Verdicts::ask(false), overdue, None)
+            .await
     }
 
     /// Re-offers `job` that `worker` holds at `epoch` although its process
@@ -166,7 +184,8 @@ impl Recovery {
         job: &str,
         epoch: u64,
     ) -> Result<Action, StoreError> {
-        self.recover_job_at(worker, job, None, None, Some(epoch))
+        let said = Verdict::Gone("its live process says it does not run the job".into());
+        self.recover_job_at(worker, job, &mut Verdicts::known(said), None, Some(epoch))
             .await
     }
 
@@ -174,7 +193,7 @@ impl Recovery {
         &self,
         worker: &str,
         job: &str,
-        live: Option<&str>,
+        verdicts: &mut Verdicts,
         overdue: Option<Duration>,
         epoch: Option<u64>,
     ) -> Result<Action, StoreError> {
@@ -190,6 +209,24 @@ impl Recovery {
             if epoch.is_some_and(|e| e != cur.value.epoch) {
                 return Ok(Action::Nothing("claimed again".into()));
             }
+            // Only a running job of this worker needs its owner judged.
+            let live = if cur.value.status == Status::Running.as_str()
+                && cur.value.worker_id.as_deref() == Some(worker)
+            {
+                match verdicts
+                    .of(&self.liveness, worker, cur.value.session.as_deref())
+                    .await
+                {
+                    Verdict::Alive => cur.value.session.clone(),
+                    Verdict::Gone(_) => None,
+                    Verdict::Unknown(why) => {
+                        return Ok(Action::Unsure(Verdict::Unknown(why).to_string()))
+                    }
+                }
+            } else {
+                None
+            };
+            let live = live.as_deref();
             let now = SystemTime::now();
             let decision = machine::reoffer_if(
                 &cur.value,
@@ -438,6 +475,48 @@ fn jobs_err(e: JobsError) -> StoreError {
     }
 }
 
+/// The verdicts of one recovery pass, one per recorded session (a worker's
+/// jobs share it, so a pass asks once), or one given by the caller.
+struct Verdicts {
+    known: Option<Verdict>,
+    lost_key_is_gone: bool,
+    seen: std::collections::HashMap<Option<String>, Verdict>,
+}
+
+impl Verdicts {
+    fn ask(lost_key_is_gone: bool) -> Self {
+        Verdicts {
+            known: None,
+            lost_key_is_gone,
+            seen: Default::default(),
+        }
+    }
+
+    fn known(v: Verdict) -> Self {
+        Verdicts {
+            known: Some(v),
+            lost_key_is_gone: false,
+            seen: Default::default(),
+        }
+    }
+
+    async fn of(&mut self, l: &Liveness, worker: &str, session: Option<&str>) -> Verdict {
+        if let Some(v) = &self.known {
+            return v.clone();
+        }
+        let k = session.map(str::to_string);
+        if let Some(v) = self.seen.get(&k) {
+            return v.clone();
+        }
+        let mut v = l.owner(worker, session, None).await;
+        if self.lost_key_is_gone && v == Verdict::Unknown(Unsure::KeyLostButAnswers) {
+            v = Verdict::Gone("it answers pings but did not write its session key again".into());
+        }
+        self.seen.insert(k, v.clone());
+        v
+    }
+}
+
 /// The id shared by every publication of one death (dead letter and `dead`
 /// event), so recoverers finishing the same death publish once.
 pub fn death_id(rec: &JobRecord) -> String {
@@ -457,19 +536,18 @@ pub fn dead_event_covers(rec: &JobRecord, event_epoch: u64, event_marked_at: Opt
 /// Settings of the session-ends watcher.
 #[derive(Debug, Clone)]
 pub struct WatchOptions {
-    /// How long a ping of an ended session's worker waits for an answer.
-    pub ping_timeout: Duration,
-    /// After our own connection was re-established, wait this long before
-    /// acting on markers: a server restart ends every session at once, and
-    /// their workers need a moment to reconnect and answer.
-    pub settle_after_connect: Duration,
+    /// How many looks a process that answers pings but does not write its
+    /// session key again gets before its jobs are re-offered anyway.
+    pub looks_at_a_lost_key: u64,
+    /// The pause between two looks at such a process.
+    pub look_again_after: Duration,
 }
 
 impl Default for WatchOptions {
     fn default() -> Self {
         WatchOptions {
-            ping_timeout: Duration::from_millis(500),
-            settle_after_connect: Duration::from_secs(4),
+            looks_at_a_lost_key: 3,
+            look_again_after: Duration::from_secs(3),
         }
     }
 }
@@ -550,49 +628,34 @@ async fn on_session_message(
         let _ = m.ack().await;
         return;
     };
-    // A server restart ends every session at once: after our own
-    // connection came back, give the other workers time to reconnect and
-    // answer before judging anyone.
-    let up = conn.connected_for();
-    if conn.link.reconnects() > 0 && up < opts.settle_after_connect {
-        tokio::time::sleep(opts.settle_after_connect - up).await;
-    }
-    let deliveries = m.info().map(|i| i.delivered).unwrap_or(1);
-    match recovery.sessions.ping(&worker, opts.ping_timeout).await {
-        Ping::Alive(session) if deliveries < 3 => {
-            // Alive: it writes its key again itself at its next renewal.
-            // Look again shortly; a process that answers pings but never
-            // renews is recovered on the third look.
-            let live = recovery.live_session(&worker).await.ok().flatten();
-            if live.as_deref() != Some(session.as_str()) {
-                let _ = m.ack_with(AckKind::Nak(Some(Duration::from_secs(3)))).await;
-                return;
+    let deliveries = m.info().map(|i| i.delivered.max(1) as u64).unwrap_or(1);
+    // Keep the end while working on it: the consumer's ack wait is short,
+    // shorter than the settle time after a reconnect.
+    let progress = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let _ = m.ack_with(AckKind::Progress).await;
             }
+        })
+    };
+    // A server restart ends every session at once: after our own connection
+    // came back, nobody is judged until the others had time to reconnect.
+    while let Some(up) = recovery.liveness.settling() {
+        let left = recovery.liveness.settle().saturating_sub(up);
+        tokio::time::sleep(left.max(Duration::from_millis(50))).await;
+    }
+    let last_look = deliveries >= opts.looks_at_a_lost_key;
+    let res = recovery.recover_worker(&worker, last_look).await;
+    progress.abort();
+    match res {
+        Ok(_) => {
             let _ = m.ack().await;
         }
-        ping => {
-            tracing::info!(worker, ?ping, actor = %recovery.actor, "a worker's session ended; re-offering its jobs");
-            // Keep the end while working on it (the consumer's ack wait is short).
-            let progress = {
-                let m = m.clone();
-                tokio::spawn(async move {
-                    loop {
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        let _ = m.ack_with(AckKind::Progress).await;
-                    }
-                })
-            };
-            let res = recovery.recover_worker(&worker).await;
-            progress.abort();
-            match res {
-                Ok(_) => {
-                    let _ = m.ack().await;
-                }
-                Err(e) => {
-                    tracing::warn!(worker, error = %e, "recovering an ended session failed; retrying");
-                    let _ = m.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-                }
-            }
+        Err(e) => {
+            tracing::info!(worker, error = %e, actor = %recovery.actor, "an ended session's jobs are not all recovered; looking again");
+            let _ = m.ack_with(AckKind::Nak(Some(opts.look_again_after))).await;
         }
     }
 }

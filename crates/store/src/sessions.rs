@@ -10,7 +10,7 @@
 //! hosts' clocks are ever compared: the server's TTL timer alone decides.
 //!
 //! A job record names its owner's worker id and session; the job is alive
-//! exactly as long as that session is (see [`Sessions::liveness`]). The
+//! exactly as long as that session is (see [`crate::liveness`]). The
 //! markers of ended sessions are read by a durable consumer shared by every
 //! worker and reaper (`crate::recovery`), which re-offers the jobs.
 //!
@@ -27,7 +27,6 @@
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, kv, message::PublishMessage};
-use leasehold_core::machine::OwnerLiveness;
 use leasehold_core::time::rfc3339;
 use serde::{Deserialize, Serialize};
 
@@ -116,38 +115,35 @@ impl Sessions {
         &self.kv
     }
 
-    /// The state of `worker_id`'s key.
+    /// The state of `worker_id`'s key, as the stream's leader has it: a
+    /// direct get may be answered by a replica still catching up ("no such
+    /// key" for a session written a second ago, or an earlier process's
+    /// value), and every reader of this decides something.
     pub async fn current(&self, worker_id: &str) -> Result<Current, StoreError> {
-        let entry = self
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let subject = format!("$KV.{}.{worker_id}", self.layout.sessions_bucket());
+        let m = match self
             .kv
-            .entry(worker_id)
+            .stream
+            .get_last_raw_message_by_subject(&subject)
             .await
-            .map_err(|e| StoreError::nats("read session", e))?;
-        Ok(match entry {
-            Some(e) if e.operation == kv::Operation::Put => Current::Live {
-                info: serde_json::from_slice(&e.value).unwrap_or_default(),
-                revision: e.revision,
-            },
-            Some(e) => Current::Ended {
-                revision: e.revision,
-            },
-            None => Current::Absent,
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                return Ok(Current::Absent)
+            }
+            Err(e) => return Err(StoreError::nats("read session", e)),
+        };
+        Ok(if crate::is_removal(&m.headers) {
+            Current::Ended {
+                revision: m.sequence,
+            }
+        } else {
+            Current::Live {
+                info: serde_json::from_slice(&m.payload).unwrap_or_default(),
+                revision: m.sequence,
+            }
         })
-    }
-
-    /// Whether the session `session` of `worker_id` is alive (the owner of a
-    /// running job as its record names it).
-    pub async fn liveness(&self, worker_id: &str, session: Option<&str>) -> OwnerLiveness {
-        match self.current(worker_id).await {
-            Ok(Current::Live { info, .. }) if Some(info.session.as_str()) == session => {
-                OwnerLiveness::Live
-            }
-            Ok(_) => OwnerLiveness::Dead,
-            Err(e) => {
-                tracing::debug!(worker_id, error = %e, "session liveness unknown");
-                OwnerLiveness::Unknown
-            }
-        }
     }
 
     /// Writes the session key with a TTL of `timeout`, conditioned on the
@@ -250,7 +246,7 @@ pub enum Runs {
     Yes,
     /// It does not: the record names it, but nothing runs there.
     No,
-    /// No answer (timeout, no responders, or our own connection is down).
+    /// No answer of its own (timeout, no responders, or our own connection is down).
     Unknown,
 }
 
@@ -258,28 +254,15 @@ impl Sessions {
     /// Asks the process of `worker_id` whether it runs `job` at `epoch`. A
     /// record can name a live session for a job that process does not run
     /// (its claim's reply was lost, an attempt ended without its write):
-    /// only the process itself can tell.
+    /// only the process itself can tell, so only its own answer is a yes or
+    /// a no. "No responders" is [`Runs::Unknown`]: a process that is gone is
+    /// its session's to recover, all its jobs at once (see `crate::liveness`).
     pub async fn runs(&self, worker_id: &str, job: &str, epoch: u64, timeout: Duration) -> Runs {
         match self.ask_runs(worker_id, job, epoch, timeout).await {
             Ok(m) if &m.payload[..] == b"yes" => Runs::Yes,
             Ok(_) => Runs::No,
-            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Runs::No,
             Err(_) => Runs::Unknown,
         }
-    }
-
-    /// Like [`Sessions::runs`], but only the process's own answer counts:
-    /// `None` when nobody answered (a process that is gone is the session
-    /// watcher's and the prober's to recover, with all its jobs at once).
-    pub async fn answers_runs(
-        &self,
-        worker_id: &str,
-        job: &str,
-        epoch: u64,
-        timeout: Duration,
-    ) -> Option<bool> {
-        let m = self.ask_runs(worker_id, job, epoch, timeout).await.ok()?;
-        Some(&m.payload[..] == b"yes")
     }
 
     async fn ask_runs(

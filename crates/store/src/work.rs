@@ -194,12 +194,29 @@ impl Work {
     pub async fn delete(&self, seq: u64) -> Result<bool, StoreError> {
         match self.stream().await?.delete_message(seq).await {
             Ok(b) => Ok(b),
-            Err(e) => {
-                // Already gone is what we wanted.
-                tracing::debug!(seq, error = %e, "delete ticket");
-                Ok(false)
-            }
+            // Already gone (or never there) is what we wanted.
+            Err(e) if is_gone(&e) => Ok(false),
+            // Anything else may have left the ticket in place: say so, so
+            // the caller does not take a deletion for done.
+            Err(e) => Err(StoreError::nats("delete ticket", e)),
         }
+    }
+}
+
+/// Whether a refused deletion says the message is not there: the server
+/// answers 10037 ("no message found"), or 10057 (deletion failed) naming it.
+fn is_gone(e: &async_nats::jetstream::stream::DeleteMessageError) -> bool {
+    use async_nats::jetstream::stream::DeleteMessageErrorKind;
+    match e.kind() {
+        DeleteMessageErrorKind::JetStream(js) => match js.error_code().0 {
+            crate::NO_MESSAGE_FOUND => true,
+            crate::MSG_DELETE_FAILED => js
+                .to_string()
+                .to_ascii_lowercase()
+                .contains("no message found"),
+            _ => false,
+        },
+        _ => false,
     }
 }
 

@@ -18,7 +18,7 @@ use leasehold_core::spec::{self, Submission};
 use leasehold_core::JobRecord;
 use leasehold_store::events;
 use leasehold_store::index::Key;
-use leasehold_store::sessions::Runs;
+use leasehold_store::liveness::Verdict;
 use leasehold_store::work;
 use leasehold_store::{JobsError, Versioned};
 use leasehold_telemetry::metrics::AttemptOutcome;
@@ -95,22 +95,28 @@ impl Shared {
                 OwnerLiveness::Dead
             };
         }
-        match self.sessions.liveness(worker, rec.session.as_deref()).await {
-            // A live session does not prove the job runs there: ask.
-            OwnerLiveness::Live => match self
-                .sessions
-                .runs(worker, &rec.id, rec.epoch, Duration::from_secs(1))
-                .await
-            {
-                Runs::Yes => OwnerLiveness::Live,
-                Runs::No => {
-                    tracing::info!(job = %rec.id, owner = worker, "the record's live owner does not run the job; reclaiming it");
-                    OwnerLiveness::Dead
-                }
-                Runs::Unknown => OwnerLiveness::Unknown,
-            },
-            other => other,
+        // Everyone else's: the one liveness rule, asking the live process
+        // whether it runs the job at that epoch.
+        match self
+            .recovery
+            .liveness
+            .owner(worker, rec.session.as_deref(), Some((&rec.id, rec.epoch)))
+            .await
+        {
+            Verdict::Alive => OwnerLiveness::Live,
+            Verdict::Gone(why) => {
+                tracing::info!(job = %rec.id, owner = worker, why, "the record's owner is gone; reclaiming the job");
+                OwnerLiveness::Dead
+            }
+            Verdict::Unknown(_) => OwnerLiveness::Unknown,
         }
+    }
+
+    /// How long a ticket that met a transient failure waits before its
+    /// next delivery: growing with its deliveries, so an outage of minutes
+    /// costs a few deliveries, not one a second.
+    pub(crate) fn transient_delay(&self, deliveries: u64) -> Duration {
+        machine::transient_retry_delay(deliveries)
     }
 }
 
@@ -122,12 +128,19 @@ pub(crate) struct Claiming {
 }
 
 impl Claiming {
-    fn new(shared: &Arc<Shared>, id: &str) -> Self {
-        shared.claiming.lock().unwrap().insert(id.to_string());
-        Claiming {
+    /// Registers a claim of `id`; `None` when this process is claiming it
+    /// already (two tickets of one job, or a restart reclaim and a ticket):
+    /// the second waits for the first instead of racing it.
+    pub(crate) fn new(shared: &Arc<Shared>, id: &str) -> Option<Self> {
+        let mut c = shared.claiming.lock().unwrap();
+        if c.contains(id) {
+            return None;
+        }
+        c.insert(id.to_string());
+        Some(Claiming {
             shared: shared.clone(),
             id: id.to_string(),
-        }
+        })
     }
 }
 
@@ -135,6 +148,42 @@ impl Drop for Claiming {
     fn drop(&mut self) {
         self.shared.claiming.lock().unwrap().remove(&self.id);
         self.shared.idle.notify_waiters();
+    }
+}
+
+/// Stale reclaims from which a job is a *suspect*: it lost a worker more
+/// than once and may be what kills them. A worker runs at most one suspect
+/// at a time (next to any number of other jobs), so one culprit's next
+/// crash never takes another suspect with it: an innocent bystander's
+/// stale reclaims rise once per *different* culprit it met, a culprit's on
+/// every crash. A job that lost a worker once is no suspect yet: after a
+/// kill -9 on a busy fleet, its jobs run again at once wherever a slot is
+/// free.
+pub(crate) const SUSPECT_AFTER: u32 = 2;
+
+/// The one suspect this worker runs, held for the suspect's whole attempt.
+pub(crate) struct SuspectSlot {
+    shared: Arc<Shared>,
+}
+
+impl SuspectSlot {
+    /// Takes the worker's suspect slot for `id`, without waiting: `None`
+    /// when another suspect runs here.
+    pub(crate) fn take(shared: &Arc<Shared>, id: &str) -> Option<Self> {
+        let mut s = shared.suspect.lock().unwrap();
+        if s.as_deref().is_some_and(|other| other != id) {
+            return None;
+        }
+        *s = Some(id.to_string());
+        Some(SuspectSlot {
+            shared: shared.clone(),
+        })
+    }
+}
+
+impl Drop for SuspectSlot {
+    fn drop(&mut self) {
+        *self.shared.suspect.lock().unwrap() = None;
     }
 }
 
@@ -155,7 +204,7 @@ fn attach(shared: &Shared, id: &str, seq: u64, msg: &mut Option<jetstream::Messa
 pub(crate) async fn handle_delivery(
     shared: Arc<Shared>,
     msg: jetstream::Message,
-    mut permit: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
 ) {
     let mut slot = Some(msg);
     let msg = slot.as_ref().expect("set");
@@ -196,11 +245,18 @@ pub(crate) async fn handle_delivery(
         return;
     }
     let msg = slot.take().expect("set");
-    let mut alone = shared.opts.concurrency <= 1;
     // The token of our own claim, kept across rounds: a claim whose reply
     // was lost is recognised on the next read as ours.
     let mut mine: Option<String> = None;
-    let claiming = Claiming::new(&shared, &accepted.id);
+    let Some(claiming) = Claiming::new(&shared, &accepted.id) else {
+        tracing::debug!(job = %accepted.id, "this process is claiming the job already; the ticket waits for that claim");
+        let _ = msg
+            .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+            .await;
+        return;
+    };
+    // Held for a suspect's whole attempt (see SUSPECT_AFTER).
+    let mut suspect: Option<SuspectSlot> = None;
     // Set when a claim write failed without a definite answer: the next
     // rounds read the record until it says whether the claim landed.
     let mut unsure = 0u32;
@@ -223,10 +279,9 @@ pub(crate) async fn handle_delivery(
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(job = %accepted.id, error = %e, "cannot read the record; retrying the ticket in 1s");
-                    let _ = msg
-                        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                        .await;
+                    let d = shared.transient_delay(deliveries);
+                    tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot read the record; the ticket comes back later");
+                    let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
                     return;
                 }
             }
@@ -264,17 +319,26 @@ pub(crate) async fn handle_delivery(
                 };
                 let c = shared.claimant_of(seq, deliveries, owner);
                 match machine::decide_claim(value, &c) {
-                    // A job that already lost a worker may be what kills
-                    // workers: run it alone, so its next crash takes no
-                    // bystander down (whose stale reclaims would otherwise
-                    // climb with it).
-                    ClaimDecision::Claim { .. } if value.stale_reclaims >= 1 && !alone => {
-                        if go_solo(&shared, &mut permit, &msg, &kind).await {
-                            alone = true;
-                            continue;
+                    // A suspect may be what kills workers: at most one runs
+                    // here at a time. Another worker, or this one once its
+                    // suspect ended, takes it; waiting costs it nothing (a
+                    // waiting job is never dead-lettered for deliveries).
+                    ClaimDecision::Claim { .. }
+                        if value.stale_reclaims >= SUSPECT_AFTER && suspect.is_none() =>
+                    {
+                        match SuspectSlot::take(&shared, &accepted.id) {
+                            Some(s) => {
+                                suspect = Some(s);
+                                continue;
+                            }
+                            None => {
+                                tracing::debug!(job = %accepted.id, stale_reclaims = value.stale_reclaims, "a suspect runs here already; handing this suspect to another worker");
+                                let _ = msg
+                                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                                    .await;
+                                return;
+                            }
                         }
-                        let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        return;
                     }
                     ClaimDecision::Claim {
                         mut record,
@@ -314,10 +378,9 @@ pub(crate) async fn handle_delivery(
                             }
                             Err(JobsError::Conflict(_)) => continue,
                             Err(e) => {
-                                tracing::warn!(job = %accepted.id, error = %e, "cannot record the cancellation; retrying the ticket in 1s");
-                                let _ = msg
-                                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                                    .await;
+                                let d = shared.transient_delay(deliveries);
+                                tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot record the cancellation; the ticket comes back later");
+                                let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
                                 return;
                             }
                         }
@@ -366,6 +429,7 @@ pub(crate) async fn handle_delivery(
                     Some(claiming),
                 )
                 .await;
+                drop(suspect);
                 return;
             }
             Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
@@ -379,7 +443,7 @@ pub(crate) async fn handle_delivery(
         }
     }
     let _ = msg
-        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+        .ack_with(AckKind::Nak(Some(shared.transient_delay(deliveries))))
         .await;
 }
 
@@ -394,10 +458,9 @@ async fn settle_live(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message,
             let _ = msg.ack().await;
         }
         Err(e) => {
-            tracing::warn!(job = %rec.id, error = %e, "cannot index the job; retrying the ticket in 1s");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let d = shared.transient_delay(delivered(msg));
+            tracing::warn!(job = %rec.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot index the job; the ticket comes back later");
+            let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
         }
     }
 }
@@ -483,47 +546,15 @@ async fn id_conflict(
         Err(e) => {
             tracing::warn!(error = %e, "cannot dead-letter the conflicting submission; retrying");
             let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
                 .await;
         }
     }
 }
 
-/// Takes every slot of this worker for a suspect job (one that already
-/// lost a worker), waiting up to one session timeout for the running jobs
-/// to finish while keeping the suspect's ticket from being redelivered.
-/// `false` when another suspect is waiting already or the slots did not
-/// free up in time: the caller hands the ticket back for another worker.
-async fn go_solo(
-    shared: &Shared,
-    permit: &mut OwnedSemaphorePermit,
-    msg: &jetstream::Message,
-    kind: &str,
-) -> bool {
-    let Ok(_one_at_a_time) = shared.solo.try_lock() else {
-        return false;
-    };
-    let want = (shared.opts.concurrency - 1) as u32;
-    let every = shared.progress_every(kind);
-    let acquire = shared.slots.clone().acquire_many_owned(want);
-    tokio::pin!(acquire);
-    let deadline = tokio::time::Instant::now() + shared.opts.session_timeout;
-    loop {
-        tokio::select! {
-            p = &mut acquire => {
-                let Ok(p) = p else { return false };
-                permit.merge(p);
-                tracing::info!(subject = %msg.subject, "suspect job: running it alone");
-                return true;
-            }
-            _ = tokio::time::sleep(every) => {
-                if tokio::time::Instant::now() >= deadline {
-                    return false;
-                }
-                let _ = msg.ack_with(AckKind::Progress).await;
-            }
-        }
-    }
+/// How often `msg` has been delivered (this delivery included).
+fn delivered(msg: &jetstream::Message) -> u64 {
+    msg.info().map(|i| i.delivered.max(1) as u64).unwrap_or(1)
 }
 
 /// A bad submission: never crashes the worker, never silently dropped.
@@ -602,7 +633,7 @@ async fn reject(
             Err(e) => {
                 tracing::warn!(error = %e, "cannot record the rejection; retrying the ticket");
                 let _ = msg
-                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
                     .await;
                 return;
             }
@@ -631,7 +662,7 @@ async fn reject(
         Err(e) => {
             tracing::warn!(error = %e, "cannot dead-letter the rejected submission; retrying");
             let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
                 .await;
         }
     }
@@ -639,11 +670,32 @@ async fn reject(
 
 /// At start with a stable identity: take back, at once, the jobs an earlier
 /// process of this identity held (listed by the index, never by a scan).
-pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
+/// Such a takeover writes the session key anew and leaves no end marker for
+/// the earlier process, so nobody else would recover its jobs before a
+/// reaper's sweep: this retries until every one of them is handled.
+pub(crate) async fn restart_reclaim_all(shared: Arc<Shared>) {
+    let mut pause = Duration::from_millis(200);
+    loop {
+        match restart_reclaim(shared.clone()).await {
+            Ok(0) => return,
+            Ok(left) => tracing::warn!(left, "restart reclaim: jobs of an earlier process of this identity not handled yet; retrying"),
+            Err(e) => tracing::warn!(error = %e, "restart reclaim failed; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = shared.shutdown.cancelled() => return,
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// One pass of [`restart_reclaim_all`]: how many jobs are left for the next.
+pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<usize> {
     let entries = shared
         .active
         .list(leasehold_store::index::Filter::RunningBy(&shared.worker_id))
         .await?;
+    let mut left = 0;
     for (_, entry) in entries {
         if !shared.handlers.contains_key(&entry.kind) {
             continue;
@@ -653,7 +705,8 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
             Ok(None) => continue,
             // One unreadable record never stops the others' reclaim.
             Err(e) => {
-                tracing::warn!(job = %entry.job, error = %e, "restart reclaim skips this job");
+                tracing::warn!(job = %entry.job, error = %e, "restart reclaim skips this job for now");
+                left += 1;
                 continue;
             }
         };
@@ -664,13 +717,33 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
         {
             continue;
         }
-        // A job that already lost a worker before runs alone (see go_solo).
-        let slots = if rec.stale_reclaims >= 1 {
-            shared.opts.concurrency as u32
-        } else {
-            1
+        // A ticket of the job is being claimed here right now: that claim
+        // decides (it sees an earlier process's job, as this would).
+        let Some(claiming) = Claiming::new(&shared, &rec.id) else {
+            continue;
         };
-        let permit = shared.slots.clone().acquire_many_owned(slots).await?;
+        // A suspect runs here only if no other suspect does; otherwise it
+        // is re-offered for another worker.
+        let suspect = if rec.stale_reclaims >= SUSPECT_AFTER {
+            match SuspectSlot::take(&shared, &rec.id) {
+                Some(s) => Some(s),
+                None => {
+                    drop(claiming);
+                    match shared
+                        .recovery
+                        .recover_job(&shared.worker_id, &rec.id, None)
+                        .await
+                    {
+                        Ok(leasehold_store::recovery::Action::Unsure(_)) | Err(_) => left += 1,
+                        Ok(_) => {}
+                    }
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        let permit = shared.slots.clone().acquire_owned().await?;
         let claimant = shared.claimant(0, OwnerLiveness::Dead);
         let token = claimant.claim_token.clone();
         let session = shared.session.id.clone();
@@ -695,18 +768,18 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<()> {
             Ok(v) if v.value.claim_token.as_deref() == Some(token.as_str()) => {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
                 shared.count_claim(&v.value.kind, true);
-                tokio::spawn(attempt::run_claimed(
-                    shared.clone(),
-                    v,
-                    None,
-                    permit,
-                    true,
-                    None,
-                ));
+                let s = shared.clone();
+                tokio::spawn(async move {
+                    attempt::run_claimed(s, v, None, permit, true, Some(claiming)).await;
+                    drop(suspect);
+                });
             }
-            Err(e) => tracing::warn!(job = %rec.id, error = %e, "restart reclaim failed"),
+            Err(e) => {
+                tracing::warn!(job = %rec.id, error = %e, "restart reclaim of this job failed; retrying");
+                left += 1;
+            }
             _ => {}
         }
     }
-    Ok(())
+    Ok(left)
 }

@@ -199,11 +199,6 @@ impl Worker {
         retry_unavailable("JetStream", START_DEADLINE, || setup::ping(&conn.js)).await?;
         retry_unavailable("layout", START_DEADLINE, || setup::verify(&conn, &served)).await?;
         let work = Work::new(&conn);
-        let mut ack_wait = HashMap::new();
-        for k in &served {
-            let w = retry_unavailable("consumer", START_DEADLINE, || work.ack_wait(k)).await?;
-            ack_wait.insert(k.clone(), w);
-        }
         let recovery = retry_unavailable("buckets", START_DEADLINE, || {
             Recovery::open(
                 &conn,
@@ -255,11 +250,10 @@ impl Worker {
             claiming: StdMutex::new(Default::default()),
             idle: Notify::new(),
             handoff: CancellationToken::new(),
-            solo: tokio::sync::Mutex::new(()),
+            suspect: StdMutex::new(None),
             stats: Arc::new(Stats::default()),
             metrics: self.metrics.clone(),
             readiness: self.readiness.clone(),
-            ack_wait,
             shutdown: shutdown.clone(),
             opts,
         });
@@ -310,28 +304,17 @@ pub(crate) struct Shared {
     pub(crate) idle: Notify,
     /// Phase 3 of shutdown: hand every running job back.
     pub(crate) handoff: CancellationToken,
-    /// One suspect at a time may wait to run alone (see `claim::go_solo`).
-    pub(crate) solo: tokio::sync::Mutex<()>,
+    /// The one suspect job this process runs, if any (see `claim::SUSPECT_AFTER`).
+    pub(crate) suspect: StdMutex<Option<String>>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) metrics: Metrics,
     pub(crate) readiness: Readiness,
-    pub(crate) ack_wait: HashMap<String, Duration>,
     /// The process's shutdown (fired by the session when another process
     /// took over this identity).
     pub(crate) shutdown: CancellationToken,
 }
 
 impl Shared {
-    /// How often a suspect's held ticket gets a progress ack while it waits
-    /// for the worker's slots: a third of its consumer's ack wait.
-    pub(crate) fn progress_every(&self, kind: &str) -> Duration {
-        self.ack_wait
-            .get(kind)
-            .copied()
-            .unwrap_or(Duration::from_secs(30))
-            / 3
-    }
-
     /// Counts an attempt's (or an unclaimed job's) outcome in the stats.
     /// The metrics get it from the attempt's timer.
     pub(crate) fn count(&self, outcome: AttemptOutcome) {
@@ -406,11 +389,7 @@ async fn run(
     ));
     if shared.opts.worker_id.is_some() {
         let s = shared.clone();
-        tokio::spawn(async move {
-            if let Err(e) = claim::restart_reclaim(s).await {
-                tracing::warn!(error = %e, "reclaiming this identity's earlier jobs failed; they are recovered when that process's session ends");
-            }
-        });
+        tokio::spawn(claim::restart_reclaim_all(s));
     }
 
     let link = {

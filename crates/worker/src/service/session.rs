@@ -150,8 +150,16 @@ pub(crate) async fn renew_loop(shared: Arc<Shared>, stop: CancellationToken) {
     let mut every = tokio::time::interval(s.renew);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     every.tick().await;
+    let link = shared.conn.link.clone();
     loop {
-        tokio::select! { _ = every.tick() => {}, _ = stop.cancelled() => return }
+        // Renew at once when the connection comes back: a reconnect is the
+        // window in which a prober sees "no responders" for this live
+        // process, and a fresh revision makes its conditioned end miss.
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = link.reconnected() => { every.reset(); }
+            _ = stop.cancelled() => return
+        }
         // A renewal that comes after the session may have ended (this
         // process was paused, or NATS was away) re-checks every job.
         let stale = s.clock.age() >= s.clock_max_age();
