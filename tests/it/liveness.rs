@@ -515,7 +515,7 @@ async fn a_job_its_live_owner_does_not_run_is_reoffered() {
     )
     .await
     .unwrap();
-    // A job that already lost a worker runs alone: an idle worker takes it.
+    // Re-offered, it runs again wherever a slot is free.
     let (b, bstop) = env.worker().await;
     let (r, rstop) = start_reaper(&env).await;
     let done = env

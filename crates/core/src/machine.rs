@@ -282,13 +282,16 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
 
 /// How long a ticket that met a transient failure (the store did not
 /// answer) waits before its next delivery, by how often it was delivered:
-/// 1 s, 2 s, 4 s … up to 30 s. An outage of minutes costs a handful of
-/// deliveries, not one a second, and a waiting job is never dead-lettered
-/// for its deliveries anyway.
+/// 1 s, 2 s, 4 s, then 5 s. A leader election costs a job a few seconds at
+/// most, an outage of a minute a dozen deliveries instead of sixty, and a
+/// job with a record is never dead-lettered for its deliveries anyway.
 pub fn transient_retry_delay(deliveries: u64) -> Duration {
-    let exp = deliveries.saturating_sub(1).min(5) as u32;
-    Duration::from_secs(1u64 << exp).min(Duration::from_secs(30))
+    let exp = deliveries.saturating_sub(1).min(3) as u32;
+    Duration::from_secs(1u64 << exp).min(TRANSIENT_RETRY_CAP)
 }
+
+/// The longest wait of [`transient_retry_delay`].
+pub const TRANSIENT_RETRY_CAP: Duration = Duration::from_secs(5);
 
 /// Whether a running record's attempt deadline passed, by more than the
 /// clock skew allowance (another host wrote it with its own clock).
@@ -987,11 +990,11 @@ mod tests {
     }
 
     #[test]
-    fn transient_retries_back_off_with_deliveries_up_to_thirty_seconds() {
-        let d: Vec<u64> = (1..=8)
+    fn transient_retries_back_off_with_deliveries_up_to_five_seconds() {
+        let d: Vec<u64> = (1..=6)
             .map(|n| transient_retry_delay(n).as_secs())
             .collect();
-        assert_eq!(d, vec![1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(d, vec![1, 2, 4, 5, 5, 5]);
         assert_eq!(transient_retry_delay(0), Duration::from_secs(1));
     }
 }

@@ -1033,7 +1033,12 @@ impl Inner {
                     ))));
                 }
                 if matches!(a, Action::Nothing(_)) {
-                    tracing::info!(job = %id, seq, worker, "ticket past max deliveries of a job its live owner runs: deleted, the job goes on");
+                    // The ticket may be the job's only cover (not indexed
+                    // yet): index it under its owner before the ticket goes.
+                    if let Some(now) = r.jobs.get(&id).await? {
+                        r.active.sync(&now.value, None).await?;
+                    }
+                    tracing::info!(job = %id, seq, worker, "ticket past max deliveries of a job its live owner runs: indexed under its owner and deleted, the job goes on");
                 }
                 self.stats.count(&a, &self.prom);
                 r.work.delete(seq).await?;
