@@ -576,3 +576,19 @@ pub fn log_dir(out: &Path, seed: u64) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     Ok(d)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_session_is_read_from_the_start_line() {
+        let log = "2026-12-01T09:16:11.905662Z  INFO leasehold_worker::service: worker starting \
+            worker_id=\"soak-w1\" session=3e8c14c9b00543a79db90ed5cff172b8 kinds=[\"echo\"] concurrency=8\n";
+        assert_eq!(
+            session_of(log).as_deref(),
+            Some("3e8c14c9b00543a79db90ed5cff172b8")
+        );
+        assert_eq!(session_of("worker stopping session=x\n"), None);
+    }
+}

@@ -211,18 +211,16 @@ fn judge_one(r: &Reoffer, procs: &[Incarnation], spans: &[Disturbance]) -> (&'st
     let Some(t) = r.at_t else {
         return ("unattributed", format!("unreadable time {:?}", r.at));
     };
-    let by_session = r
-        .session
-        .as_ref()
-        .and_then(|s| procs.iter().find(|p| p.session.as_ref() == Some(s)));
-    // Without a known session: the process of that id running at the time.
-    let by_time = || {
-        procs
+    let owner = match &r.session {
+        Some(s) => procs.iter().find(|p| p.session.as_ref() == Some(s)),
+        // No session known: the process of that id running at the time
+        // (a session no process logged is never guessed at).
+        None => procs
             .iter()
             .rev()
-            .find(|p| p.id == r.owner && p.started <= t && p.ended.is_none_or(|e| e + GRACE >= t))
+            .find(|p| p.id == r.owner && p.started <= t && p.ended.is_none_or(|e| e + GRACE >= t)),
     };
-    let Some(p) = by_session.or_else(by_time) else {
+    let Some(p) = owner else {
         return (
             "unattributed",
             format!(
@@ -406,6 +404,12 @@ mod tests {
         }];
         judge(&mut r, &procs, &spans);
         assert_eq!(r[0].judged, "false");
+
+        // A session no process of the soak logged is not guessed at.
+        let mut unknown = r.clone();
+        unknown[0].session = Some("s7".into());
+        judge(&mut unknown, &procs, &[]);
+        assert_eq!(unknown[0].judged, "unattributed");
 
         // A fault on another process of the slot is no excuse either.
         let spans = [Disturbance {
