@@ -160,6 +160,10 @@ struct Args {
     /// Default: all of the profile's.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
+    /// busy: how many poison jobs [default: 3 plus one per two minutes of
+    /// run, at most 8]; 0 runs the busy fleet without them.
+    #[arg(long)]
+    poison_jobs: Option<usize>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -190,6 +194,11 @@ impl Args {
         );
         k.quiesce_timeout = self.quiesce_timeout.unwrap_or(k.quiesce_timeout);
         k.max_stale_reclaims = self.max_stale_reclaims.unwrap_or(k.max_stale_reclaims);
+        anyhow::ensure!(
+            k.poison || self.poison_jobs.is_none(),
+            "--poison-jobs: only the busy profile plans poison jobs"
+        );
+        k.poison_jobs = self.poison_jobs.or(k.poison_jobs);
         Ok(k)
     }
 
@@ -764,7 +773,7 @@ fn report(r: ReportIn<'_>) -> Value {
             "gap_ms": [k.gap.0.as_millis() as u64, k.gap.1.as_millis() as u64],
             "model_fault_rate": r.a.model_fault_rate, "max_stale_reclaims": k.max_stale_reclaims,
             "quiesce_timeout_s": k.quiesce_timeout.as_secs_f64(),
-            "long_jobs": k.long, "poison_jobs": k.poison,
+            "long_jobs": k.long, "poison_jobs": r.subs.iter().filter(|s| s.expect == plan::Expect::Poison).count(),
             "reapers": 2, "reaper_interval": "1s",
         },
         "jobs": {

@@ -147,7 +147,7 @@ pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
         v.extend(long_jobs(seed, run, l.lanes(k.slots()), l));
     }
     if k.poison {
-        v.extend(poison_jobs(seed, run));
+        v.extend(poison_jobs(seed, run, k.poison_jobs));
     }
     // Stable: the mix keeps its order among equal times.
     v.sort_by_key(|j| j.at_ms);
@@ -189,11 +189,12 @@ pub fn long_jobs(seed: u64, run: Duration, lanes: usize, l: &LongJobs) -> Vec<Jo
         .collect()
 }
 
-/// A few poison jobs (`crash`: the attempt aborts its worker), 3 plus one
-/// per two minutes of run (at most 8), submitted between 5 s and half-way.
-pub fn poison_jobs(seed: u64, run: Duration) -> Vec<JobPlan> {
+/// `n` poison jobs (`crash`: the attempt aborts its worker), by default 3
+/// plus one per two minutes of run (at most 8), submitted between 5 s and
+/// half-way.
+pub fn poison_jobs(seed: u64, run: Duration, n: Option<usize>) -> Vec<JobPlan> {
     let mut r = Rng::stream(seed, "poison");
-    let n = (3 + run.as_secs() / 120).min(8) as usize;
+    let n = n.unwrap_or((3 + run.as_secs() / 120).min(8) as usize);
     let last = (run.as_millis() as u64 / 2).max(6000);
     let mut at: Vec<u64> = (0..n).map(|_| r.range(5000, last)).collect();
     at.sort_unstable();

@@ -72,6 +72,8 @@ pub struct Knobs {
     pub long: Option<LongJobs>,
     /// Planned poison (`crash`) jobs, and crashed workers started again.
     pub poison: bool,
+    /// How many poison jobs (default: 3 plus one per two minutes of run).
+    pub poison_jobs: Option<usize>,
     /// A `dead` job that is not a planned poison job fails the run.
     pub dead_fails: bool,
     /// Slot use the load is sized for (reported against it).
@@ -148,6 +150,7 @@ impl Profile {
             max_stale_reclaims: 6,
             long: None,
             poison: false,
+            poison_jobs: None,
             dead_fails: false,
             slot_use_target: None,
         };
