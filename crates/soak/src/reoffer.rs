@@ -55,6 +55,8 @@ pub struct Reoffer {
     pub seen_in: Vec<&'static str>,
     /// The recoverer (`by` of the event), or the claimer of the next epoch.
     pub by: Option<String>,
+    /// The claimer's session, when a claim counted the stale reclaim.
+    pub claimer_session: Option<String>,
     /// `false`, `owner_gone`, `fault`, `unattributed`.
     pub judged: &'static str,
     pub why: String,
@@ -84,6 +86,9 @@ pub fn find(c: &Collected) -> Vec<Reoffer> {
                                 .then(|| rec.worker_id.clone())
                                 .flatten()
                                 .map(|w| format!("claim by {w}")),
+                            claimer_session: (rec.status == "running")
+                                .then(|| rec.session.clone())
+                                .flatten(),
                             judged: "",
                             why: String::new(),
                         },
@@ -133,6 +138,7 @@ pub fn find(c: &Collected) -> Vec<Reoffer> {
                     at_t,
                     seen_in: Vec::new(),
                     by: None,
+                    claimer_session: None,
                     judged: "",
                     why: String::new(),
                 }
@@ -259,10 +265,17 @@ fn judge_one(r: &Reoffer, procs: &[Incarnation], spans: &[Disturbance]) -> (&'st
         ),
         None => "still running at the end".into(),
     };
+    // Its own process taking the job back (its attempt had ended without
+    // its outcome written) is still a live owner losing its job.
+    let own = if r.claimer_session.is_some() && r.claimer_session == p.session {
+        "; taken back by the same process"
+    } else {
+        ""
+    };
     (
         "false",
         format!(
-            "{who} was alive and undisturbed: started {}, {life}",
+            "{who} was alive and undisturbed: started {}, {life}{own}",
             rfc3339(p.started)
         ),
     )
@@ -418,6 +431,25 @@ mod tests {
         }];
         judge(&mut r, &procs, &spans);
         assert_eq!(r[0].judged, "false");
+    }
+
+    #[test]
+    fn a_live_process_taking_its_own_job_back_is_named() {
+        let c = collected(
+            vec![
+                rec("running", 1, "w1", "s1", 0, 10),
+                rec("running", 2, "w1", "s1", 1, 30),
+            ],
+            vec![],
+        );
+        let mut r = find(&c);
+        judge(&mut r, &[proc(0, 1, "s1", (0, None))], &[]);
+        assert_eq!(r[0].judged, "false");
+        assert!(
+            r[0].why.ends_with("taken back by the same process"),
+            "{}",
+            r[0].why
+        );
     }
 
     #[test]
