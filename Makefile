@@ -32,24 +32,38 @@ test-cluster: setup build
 	$(CARGO) test -p leasehold-tests --test it -- cluster
 
 ## soak: a seeded chaos run on a 3-node cluster; SOAK_MINUTES (10), SOAK_SEED
-## (drawn and printed when unset), SOAK_SINGLE=1 for one server. Writes
+## (drawn and printed when unset), SOAK_SINGLE=1 for one server, SOAK_PROFILE
+## (default, busy, nats-restart: always one server, rolling: always the
+## cluster; `leasehold-soak --help` describes them). Writes
 ## bench-results/soak-<seed>.json; exits non-zero when an invariant failed.
 SOAK_MINUTES ?= 10
 SOAK_OUT ?= bench-results
+SOAK_PROFILE ?= default
 soak: setup build
-	target/debug/leasehold-soak $(if $(SOAK_SINGLE),,--cluster) --minutes $(SOAK_MINUTES) \
-		$(if $(SOAK_SEED),--seed $(SOAK_SEED)) --out $(SOAK_OUT)
+	target/debug/leasehold-soak --profile $(SOAK_PROFILE) \
+		$(if $(or $(SOAK_SINGLE),$(filter nats-restart,$(SOAK_PROFILE))),,--cluster) \
+		--minutes $(SOAK_MINUTES) $(if $(SOAK_SEED),--seed $(SOAK_SEED)) --out $(SOAK_OUT)
 
-## soak-ci: the short soak `make test` runs, about three minutes: one server
+## soak-ci: the short soak `make test` runs, about five minutes: one server
 ## with every fault kind, then the cluster with its own (node kills of
-## stream leaders and followers, step-downs) and a partition. Fixed seeds.
+## stream leaders and followers, step-downs) and a partition, then the busy
+## profile on one server (every slot busy with long jobs, poison jobs, worker
+## kills). Fixed seeds. Every leg runs even when an earlier one failed (each
+## finds something else); the target fails if any did.
 SOAK_CI_SEED ?= 20260501
 soak-ci: build
-	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s --out $(SOAK_OUT)
+	@rc=0; \
+	set -x; \
+	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s \
+		--out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --seed $$(( $(SOAK_CI_SEED) + 1 )) --cluster --seconds 50 --rate 0.8 \
 		--gap-min 2s --gap-max 6s \
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \
-		--quiesce-timeout 150s --out $(SOAK_OUT)
+		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
+	target/debug/leasehold-soak --profile busy --seed $$(( $(SOAK_CI_SEED) + 2 )) --seconds 60 \
+		--quiesce-timeout 80s --out $(SOAK_OUT) || rc=$$?; \
+	{ set +x; } 2>/dev/null; \
+	exit $$rc
 
 ## demo: the main job on embedded defaults (local nats-server, a small fleet).
 demo: setup build

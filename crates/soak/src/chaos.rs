@@ -8,9 +8,12 @@
 //! cluster is given time to be whole again (every stream's replicas
 //! current).
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use leasehold_store::index::{Active, Filter};
+use leasehold_store::sessions::{Ping, Sessions};
 use leasehold_store::Conn;
 use serde::Serialize;
 use serde_json::Value;
@@ -38,10 +41,18 @@ pub struct Injected {
     /// Milliseconds since the start of the run.
     pub at_ms: u64,
     pub restored_ms: u64,
+    /// A worker fault that left its process running (pause, partition):
+    /// when the process first answered a ping after the fault was lifted.
+    pub reachable_ms: Option<u64>,
     /// Wall-clock time of the injection (to read the processes' logs by).
     pub at_utc: String,
     #[serde(skip)]
     pub at: SystemTime,
+    #[serde(skip)]
+    pub restored_at: SystemTime,
+    /// The worker process the fault hit (its generation in the slot).
+    #[serde(skip)]
+    pub generation: Option<u32>,
     /// Jobs the fault interrupted (a worker fault: the worker's running
     /// jobs; a server fault: every running job).
     pub affected: Vec<Affected>,
@@ -51,6 +62,17 @@ pub struct Injected {
     pub notes: Vec<String>,
 }
 
+/// A worker process that exited by itself (a `crash` job aborts it) and
+/// was started again.
+#[derive(Debug, Clone, Serialize)]
+pub struct Crashed {
+    pub worker: String,
+    pub generation: u32,
+    /// When the soak saw it gone (milliseconds since the start of the run).
+    pub seen_ms: u64,
+    pub status: String,
+}
+
 pub struct Chaos<'a> {
     pub fleet: &'a mut Fleet,
     pub conn: &'a Conn,
@@ -58,11 +80,140 @@ pub struct Chaos<'a> {
     pub tracker: &'a Tracker,
     pub start: Instant,
     pub streams: Vec<String>,
+    /// Start again, at once and under the same identity, every worker
+    /// whose process exits by itself (as a process supervisor would).
+    pub supervise: bool,
+    /// What [`Chaos::supervise`] saw and did.
+    pub crashed: Vec<Crashed>,
+    /// The worker slot a fault holds now (never restarted behind its back).
+    held: Option<usize>,
+    /// Fault number -> when its worker answered a ping again.
+    reachable: Arc<Mutex<BTreeMap<usize, SystemTime>>>,
+    sessions: Option<Sessions>,
 }
 
-impl Chaos<'_> {
+/// How often a supervised run looks for workers that exited by itself.
+/// The harness gives no exit to await (it owns the child processes), so
+/// this is a poll, like a supervisor's.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(200);
+
+impl<'a> Chaos<'a> {
+    pub fn new(
+        fleet: &'a mut Fleet,
+        conn: &'a Conn,
+        submitter: &'a Submitter,
+        tracker: &'a Tracker,
+        start: Instant,
+        streams: Vec<String>,
+        supervise: bool,
+    ) -> Self {
+        Chaos {
+            fleet,
+            conn,
+            submitter,
+            tracker,
+            start,
+            streams,
+            supervise,
+            crashed: Vec::new(),
+            held: None,
+            reachable: Arc::default(),
+            sessions: None,
+        }
+    }
+
     fn ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
+    }
+
+    /// Waits `d`; when supervising, restarts crashed workers meanwhile.
+    async fn pause(&mut self, d: Duration) {
+        if !self.supervise {
+            tokio::time::sleep(d).await;
+            return;
+        }
+        let until = tokio::time::Instant::now() + d;
+        loop {
+            self.supervise();
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return;
+            }
+            tokio::time::sleep((until - now).min(SUPERVISE_EVERY)).await;
+        }
+    }
+
+    /// Runs `fut` to its end; when supervising, restarts crashed workers
+    /// meanwhile.
+    pub async fn during<T>(&mut self, fut: impl std::future::Future<Output = T>) -> T {
+        tokio::pin!(fut);
+        if !self.supervise {
+            return fut.await;
+        }
+        loop {
+            self.supervise();
+            tokio::select! {
+                v = &mut fut => return v,
+                _ = tokio::time::sleep(SUPERVISE_EVERY) => {}
+            }
+        }
+    }
+
+    /// Starts again (same identity) every worker that exited by itself,
+    /// except one a fault holds. Returns how many.
+    pub fn supervise(&mut self) -> usize {
+        if !self.supervise {
+            return 0;
+        }
+        let mut n = 0;
+        for (slot, st) in self.fleet.exited_workers(self.held) {
+            let w = &self.fleet.workers[slot];
+            let c = Crashed {
+                worker: w.id.clone(),
+                generation: w.generation,
+                seen_ms: self.ms(),
+                status: st.to_string(),
+            };
+            eprintln!(
+                "soak: worker {} (process {}) exited by itself ({}); starting it again",
+                c.worker, c.generation, c.status
+            );
+            self.crashed.push(c);
+            self.fleet.spawn_worker(slot, false);
+            n += 1;
+        }
+        n
+    }
+
+    /// After the run: when each fault's worker answered again.
+    pub fn reachable(&self) -> BTreeMap<usize, SystemTime> {
+        self.reachable.lock().unwrap().clone()
+    }
+
+    /// Pings worker `id` until it answers (at most a minute), in the
+    /// background, and notes when for fault `n`.
+    async fn probe_reachable(&mut self, n: usize, id: String) {
+        if self.sessions.is_none() {
+            self.sessions = Sessions::open(self.conn).await.ok();
+        }
+        let Some(sessions) = self.sessions.clone() else {
+            return;
+        };
+        let out = self.reachable.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                match sessions.ping(&id, Duration::from_secs(1)).await {
+                    Ping::Alive(_) => {
+                        out.lock().unwrap().insert(n, SystemTime::now());
+                        return;
+                    }
+                    Ping::Timeout => {}
+                    // Nothing to wait on: ask again shortly.
+                    _ => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            }
+        });
     }
 
     /// Runs `plan` until `until` (since the start); returns what was injected.
@@ -73,7 +224,7 @@ impl Chaos<'_> {
             if self.start.elapsed() + gap >= until {
                 break;
             }
-            tokio::time::sleep(gap).await;
+            self.pause(gap).await;
             let inj = self.inject(out.len(), &step.fault).await;
             eprintln!(
                 "soak: fault {:>3} {:<22} {:<28} affected {:>2} restored after {:.1}s{}",
@@ -134,7 +285,10 @@ impl Chaos<'_> {
     async fn inject(&mut self, n: usize, fault: &Fault) -> Injected {
         let mut notes = Vec::new();
         // Node faults wait for a whole cluster first (bounded).
-        if matches!(fault, Fault::KillNode { .. } | Fault::StepDown { .. }) {
+        if matches!(
+            fault,
+            Fault::KillNode { .. } | Fault::StepDown { .. } | Fault::RollingRestart { .. }
+        ) {
             if let Err(e) =
                 wait_cluster_whole(self.conn, &self.streams, Duration::from_secs(90)).await
             {
@@ -142,6 +296,8 @@ impl Chaos<'_> {
             }
         }
         let worker_id = fault.worker().map(|w| self.fleet.workers[w].id.clone());
+        let generation = fault.worker().map(|w| self.fleet.workers[w].generation);
+        self.held = fault.worker();
         let (affected, note) = self.running(worker_id.as_deref()).await;
         notes.extend(note);
         let mut target = worker_id.clone().unwrap_or_default();
@@ -157,17 +313,26 @@ impl Chaos<'_> {
                 if let Some(p) = self.fleet.workers[worker].proc.as_mut() {
                     p.kill9();
                 }
-                tokio::time::sleep(Duration::from_millis(down_ms)).await;
+                self.fleet.ended(worker, "kill -9 by the soak");
+                self.pause(Duration::from_millis(down_ms)).await;
                 self.fleet.spawn_worker(worker, !same_id);
                 if !same_id {
                     target = format!("{target} -> {}", self.fleet.workers[worker].id);
                 }
             }
             Fault::PauseWorker { worker, pause_ms } => {
-                if let Some(p) = self.fleet.workers[worker].proc.as_ref() {
-                    p.stop();
-                    tokio::time::sleep(Duration::from_millis(pause_ms)).await;
-                    p.cont();
+                let stopped = self.fleet.workers[worker]
+                    .proc
+                    .as_ref()
+                    .map(|p| p.stop())
+                    .is_some();
+                if stopped {
+                    self.pause(Duration::from_millis(pause_ms)).await;
+                    if let Some(p) = self.fleet.workers[worker].proc.as_ref() {
+                        p.cont();
+                    }
+                    self.probe_reachable(n, self.fleet.workers[worker].id.clone())
+                        .await;
                 }
             }
             Fault::TermWorker { worker } => {
@@ -189,39 +354,44 @@ impl Chaos<'_> {
                         }
                     }
                 }
+                self.fleet.ended(worker, "SIGTERM by the soak");
                 self.fleet.spawn_worker(worker, false);
             }
             Fault::FreezeWorker { worker, pause_ms } => {
                 for p in &self.fleet.workers[worker].proxies {
                     p.freeze();
                 }
-                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+                self.pause(Duration::from_millis(pause_ms)).await;
                 for p in &self.fleet.workers[worker].proxies {
                     p.thaw();
                 }
+                self.probe_reachable(n, self.fleet.workers[worker].id.clone())
+                    .await;
             }
             Fault::CutWorker { worker, pause_ms } => {
                 for p in &self.fleet.workers[worker].proxies {
                     p.refuse_new(true);
                     p.cut();
                 }
-                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+                self.pause(Duration::from_millis(pause_ms)).await;
                 for p in &self.fleet.workers[worker].proxies {
                     p.refuse_new(false);
                 }
+                self.probe_reachable(n, self.fleet.workers[worker].id.clone())
+                    .await;
             }
             Fault::KillReaper { reaper, down_ms } => {
                 target = format!("reaper {}", reaper + 1);
                 if let Some(p) = self.fleet.reapers[reaper].proc.as_mut() {
                     p.kill9();
                 }
-                tokio::time::sleep(Duration::from_millis(down_ms)).await;
+                self.pause(Duration::from_millis(down_ms)).await;
                 self.fleet.spawn_reaper(reaper);
             }
             Fault::RestartServer { down_ms } => {
                 target = "nats-server".into();
                 self.fleet.kill_node(0);
-                tokio::time::sleep(Duration::from_millis(down_ms)).await;
+                self.pause(Duration::from_millis(down_ms)).await;
                 if let Err(e) = self.fleet.restart_node(0).await {
                     notes.push(e.to_string());
                 }
@@ -244,7 +414,7 @@ impl Chaos<'_> {
                 });
                 target = format!("node lh-n{node} ({role:?} of {stream})");
                 self.fleet.kill_node(node);
-                tokio::time::sleep(Duration::from_millis(down_ms)).await;
+                self.pause(Duration::from_millis(down_ms)).await;
                 if let Err(e) = self.fleet.restart_node(node).await {
                     notes.push(e.to_string());
                 }
@@ -270,7 +440,44 @@ impl Chaos<'_> {
                 }
                 target = format!("{stream} (leader was {})", before.unwrap_or("?".into()));
             }
+            Fault::NatsRestart { graceful, down_ms } => {
+                target = "nats-server".into();
+                self.stop_server(0, graceful, &mut notes).await;
+                self.pause(Duration::from_millis(down_ms)).await;
+                if let Err(e) = self.fleet.restart_node(0).await {
+                    notes.push(e.to_string());
+                }
+            }
+            Fault::RollingRestart { nodes, down_ms } => {
+                target = nodes
+                    .iter()
+                    .map(|i| format!("lh-n{i}"))
+                    .collect::<Vec<_>>()
+                    .join(" -> ");
+                for node in nodes {
+                    let t0 = Instant::now();
+                    self.stop_server(node, true, &mut notes).await;
+                    self.pause(Duration::from_millis(down_ms)).await;
+                    if let Err(e) = self.fleet.restart_node(node).await {
+                        notes.push(e.to_string());
+                    }
+                    // The node has rejoined when every stream has a leader
+                    // and every replica (its own too) is current again.
+                    let whole = self.wait_whole(Duration::from_secs(120)).await;
+                    match whole {
+                        Ok(()) => notes.push(format!(
+                            "lh-n{node} back and current after {:.1}s",
+                            t0.elapsed().as_secs_f64()
+                        )),
+                        Err(e) => notes.push(format!(
+                            "lh-n{node}: cluster not whole 120s after its restart: {e}"
+                        )),
+                    }
+                }
+            }
         }
+        self.held = None;
+        let restored_at = SystemTime::now();
         Injected {
             n,
             name: fault.name(),
@@ -278,12 +485,40 @@ impl Chaos<'_> {
             target,
             at_ms,
             restored_ms: self.ms(),
+            reachable_ms: None,
             at_utc: leasehold_core::time::rfc3339(at),
             at,
+            restored_at,
+            generation,
             affected,
             canary,
             notes,
         }
+    }
+
+    /// Stops server `node`: SIGTERM and its exit (`graceful`), else SIGKILL.
+    async fn stop_server(&mut self, node: usize, graceful: bool, notes: &mut Vec<String>) {
+        if !graceful {
+            self.fleet.kill_node(node);
+            return;
+        }
+        let name = if self.fleet.is_cluster() {
+            format!("lh-n{node}")
+        } else {
+            "the server".into()
+        };
+        let stopped = self.fleet.stop_node(node, Duration::from_secs(30)).await;
+        match stopped {
+            Ok(how) => notes.push(format!("{name} {how}")),
+            Err(e) => notes.push(format!("{name}: {e}")),
+        }
+    }
+
+    /// [`wait_cluster_whole`], restarting crashed workers meanwhile.
+    async fn wait_whole(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let (conn, streams) = (self.conn, self.streams.clone());
+        self.during(wait_cluster_whole(conn, &streams, timeout))
+            .await
     }
 
     /// After the last fault: every worker and reaper running and reachable,
@@ -312,6 +547,7 @@ impl Chaos<'_> {
                     "worker {} was not running at the end; started again",
                     self.fleet.workers[w].id
                 ));
+                self.fleet.ended(w, "found not running after the injection");
                 self.fleet.spawn_worker(w, false);
             }
         }

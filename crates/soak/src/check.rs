@@ -38,6 +38,14 @@
 //! - **wrong outcome**: an `echo`, `sleep` or recovering `fail` job that
 //!   ended `failed`, or a terminal `fail` (or one with more failures than
 //!   attempts) that ended `completed`.
+//! - **false re-offer** (every profile): a job taken from an owner whose
+//!   process was alive and not held by a fault of the soak (see
+//!   [`crate::reoffer`]).
+//! - **unexpected dead** (every profile but `default`, whose faults may
+//!   legitimately poison a job): a job ended `dead` that is not a planned
+//!   poison job.
+//! - **poison not dead**: a planned poison job (`crash`) that did not end
+//!   `dead` with class `poison` by the end of the quiesce.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
@@ -73,6 +81,9 @@ pub struct Verdict {
     pub stale_writes: Vec<Finding>,
     pub stuck: Vec<Finding>,
     pub wrong_outcomes: Vec<Finding>,
+    pub false_reoffers: Vec<Finding>,
+    pub unexpected_dead: Vec<Finding>,
+    pub poison_not_dead: Vec<Finding>,
     /// Counts that inform but do not fail the run.
     pub info: BTreeMap<String, u64>,
 }
@@ -84,7 +95,31 @@ impl Verdict {
             && self.stale_writes.is_empty()
             && self.stuck.is_empty()
             && self.wrong_outcomes.is_empty()
+            && self.false_reoffers.is_empty()
+            && self.unexpected_dead.is_empty()
+            && self.poison_not_dead.is_empty()
     }
+
+    /// Every list of findings, by the name the report gives it.
+    pub fn lists(&self) -> [(&'static str, &Vec<Finding>); 8] {
+        [
+            ("lost", &self.lost),
+            ("duplicate effect", &self.duplicate_effects),
+            ("stale write", &self.stale_writes),
+            ("stuck", &self.stuck),
+            ("wrong outcome", &self.wrong_outcomes),
+            ("false re-offer", &self.false_reoffers),
+            ("unexpected dead", &self.unexpected_dead),
+            ("poison not dead", &self.poison_not_dead),
+        ]
+    }
+}
+
+/// Which of the profile-dependent invariants hold for a run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Rules {
+    /// A `dead` job that is not a planned poison job is a failure.
+    pub dead_fails: bool,
 }
 
 const TERMINAL: [&str; 5] = ["completed", "failed", "cancelled", "rejected", "dead"];
@@ -93,8 +128,17 @@ fn one_effect_kind(kind: &str) -> bool {
     matches!(kind, "deliver" | "research")
 }
 
-pub fn verdict(subs: &[Submission], c: &Collected) -> Verdict {
+pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
     let mut v = Verdict::default();
+    for s in subs
+        .iter()
+        .filter(|s| s.expect == Expect::Poison && !s.accepted)
+    {
+        v.poison_not_dead.push(f(
+            &s.id,
+            format!("never accepted: {}", s.error.as_deref().unwrap_or("?")),
+        ));
+    }
     let accepted: Vec<&Submission> = subs.iter().filter(|s| s.accepted).collect();
     let kinds: HashMap<&str, &str> = subs
         .iter()
@@ -157,6 +201,7 @@ pub fn verdict(subs: &[Submission], c: &Collected) -> Verdict {
             continue;
         };
         outcome(&mut v, s, rec, by_job.get(id).copied().unwrap_or(0));
+        deaths(&mut v, s, rec, rules);
         if !settled(rec) {
             stuck(&mut v, rec, c);
         }
@@ -221,6 +266,28 @@ fn outcome(v: &mut Verdict, s: &Submission, rec: &JobRecord, effects: u64) {
             ),
         )),
         _ => {}
+    }
+}
+
+fn deaths(v: &mut Verdict, s: &Submission, rec: &JobRecord, rules: Rules) {
+    let class = rec.error.as_ref().map_or("", |e| e.class.as_str());
+    let why = || {
+        format!(
+            "{} ({class}: {}) after {} stale reclaims and {} attempts",
+            rec.status,
+            rec.error.as_ref().map_or("", |e| e.message.as_str()),
+            rec.stale_reclaims,
+            rec.attempts
+        )
+    };
+    if s.expect == Expect::Poison {
+        if rec.status != "dead" || class != "poison" {
+            v.poison_not_dead
+                .push(f(&s.id, format!("a poison job ended {}", why())));
+        }
+    } else if rec.status == "dead" && rules.dead_fails {
+        v.unexpected_dead
+            .push(f(&s.id, format!("not a poison job, ended {}", why())));
     }
 }
 
@@ -421,6 +488,9 @@ fn worker_fault(name: &str) -> bool {
             | "kill9_node_leader"
             | "kill9_node_follower"
             | "leader_stepdown"
+            | "nats_restart_kill9"
+            | "nats_restart_sigterm"
+            | "rolling_restart"
     )
 }
 

@@ -4,19 +4,76 @@
 //! folder.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::process::ExitStatus;
+use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
 use leasehold_harness::{wait_for_jetstream, Cluster, FaultProxy, NatsServer, Proc};
+use serde::Serialize;
 
 /// Knobs the processes are started with.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub seed: u64,
     pub session_timeout: Duration,
-    pub concurrency: usize,
+    /// Concurrency of each worker slot (the last value repeats).
+    pub concurrency: Vec<usize>,
+    /// Kinds every worker serves.
+    pub kinds: Vec<String>,
     pub model_fault_rate: f64,
     pub max_stale_reclaims: u32,
+}
+
+impl Settings {
+    pub fn concurrency_of(&self, slot: usize) -> usize {
+        self.concurrency
+            .get(slot)
+            .or(self.concurrency.last())
+            .copied()
+            .unwrap_or(1)
+    }
+}
+
+/// One worker process from its start to its end: what the soak knows of
+/// its life, to tell a live owner from a gone one afterwards.
+#[derive(Debug, Clone, Serialize)]
+pub struct Incarnation {
+    pub slot: usize,
+    pub id: String,
+    pub generation: u32,
+    /// The process's session (from its `worker starting` line).
+    pub session: Option<String>,
+    #[serde(serialize_with = "utc")]
+    pub started: SystemTime,
+    /// When the soak ended it, or first saw it ended.
+    #[serde(serialize_with = "utc_opt")]
+    pub ended: Option<SystemTime>,
+    /// How it ended: killed or stopped by the soak, or exited by itself.
+    pub how: Option<String>,
+    #[serde(skip)]
+    pub log: PathBuf,
+}
+
+fn utc<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&leasehold_core::time::rfc3339(*t))
+}
+
+fn utc_opt<S: serde::Serializer>(t: &Option<SystemTime>, s: S) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => utc(t, s),
+        None => s.serialize_none(),
+    }
+}
+
+/// The session id in a worker's `worker starting` line.
+pub fn session_of(log: &str) -> Option<String> {
+    let line = log.lines().find(|l| l.contains("worker starting"))?;
+    let rest = line.split(" session=").nth(1)?;
+    let id: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .collect();
+    (!id.is_empty()).then_some(id)
 }
 
 /// One worker slot: a process, restarted under the same or a new identity.
@@ -52,6 +109,8 @@ pub struct Fleet {
     pub sim_url: String,
     pub workers: Vec<WorkerSlot>,
     pub reapers: Vec<ReaperSlot>,
+    /// Every worker process started, in order.
+    pub incarnations: Vec<Incarnation>,
     /// Each server's log (rewritten at every restart, so copied first).
     server_logs: Vec<(String, PathBuf)>,
     /// Restarts per node so far.
@@ -94,9 +153,14 @@ impl Fleet {
             sim_url: String::new(),
             workers: Vec::new(),
             reapers: Vec::new(),
+            incarnations: Vec::new(),
             restarts: vec![0; server_logs.len()],
             server_logs,
         })
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.servers, Servers::Cluster(_))
     }
 
     /// Each server's client URL.
@@ -185,8 +249,8 @@ impl Fleet {
             ),
             ("LH_PULL_EXPIRES", "500ms".into()),
             ("LH_DRAIN_TIMEOUT", "2s".into()),
-            ("LH_CONCURRENCY", s.concurrency.to_string()),
-            ("LH_KINDS", crate::plan::KINDS.join(",")),
+            ("LH_CONCURRENCY", s.concurrency_of(slot).to_string()),
+            ("LH_KINDS", s.kinds.join(",")),
             ("LH_DEV_KINDS", "1".into()),
             ("LH_MAX_ATTEMPTS", crate::plan::MAX_ATTEMPTS.to_string()),
             ("LH_RETRY_BASE", "500ms".into()),
@@ -205,7 +269,64 @@ impl Fleet {
         let log = self
             .logs
             .join(format!("worker{}.{}.log", slot + 1, w.generation));
-        w.proc = Some(Proc::spawn_logged("leasehold-worker", &[], &env, Some(log)));
+        w.proc = Some(Proc::spawn_logged(
+            "leasehold-worker",
+            &[],
+            &env,
+            Some(log.clone()),
+        ));
+        self.incarnations.push(Incarnation {
+            slot,
+            id: w.id.clone(),
+            generation: w.generation,
+            session: None,
+            started: SystemTime::now(),
+            ended: None,
+            how: None,
+            log,
+        });
+    }
+
+    /// Notes that the current process of worker `slot` ended (`how`), if
+    /// it was not noted already.
+    pub fn ended(&mut self, slot: usize, how: impl Into<String>) {
+        if let Some(i) = self
+            .incarnations
+            .iter_mut()
+            .rev()
+            .find(|i| i.slot == slot)
+            .filter(|i| i.ended.is_none())
+        {
+            i.ended = Some(SystemTime::now());
+            i.how = Some(how.into());
+        }
+    }
+
+    /// Worker slots (but `skip`) whose process exited by itself (not
+    /// killed or taken out by the soak), with the exit status; each is
+    /// noted as ended.
+    pub fn exited_workers(&mut self, skip: Option<usize>) -> Vec<(usize, ExitStatus)> {
+        let mut out = Vec::new();
+        for slot in (0..self.workers.len()).filter(|s| Some(*s) != skip) {
+            let st = self.workers[slot]
+                .proc
+                .as_mut()
+                .and_then(|p| p.wait_timeout(Duration::ZERO));
+            if let Some(st) = st {
+                self.ended(slot, format!("exited by itself ({st})"));
+                out.push((slot, st));
+            }
+        }
+        out
+    }
+
+    /// Reads every worker's session from its log (once it has one).
+    pub fn read_sessions(&mut self) {
+        for i in self.incarnations.iter_mut().filter(|i| i.session.is_none()) {
+            i.session = std::fs::read_to_string(&i.log)
+                .ok()
+                .and_then(|l| session_of(&l));
+        }
     }
 
     /// Adds and starts `n` reapers.
@@ -249,6 +370,53 @@ impl Fleet {
             Servers::Cluster(Some(c)) => c.nodes[i].kill(),
             _ => {}
         }
+    }
+
+    /// The configuration file node `i` (or the single server) runs with.
+    fn node_conf(&self, i: usize) -> Option<PathBuf> {
+        match &self.servers {
+            Servers::Single(Some(s)) => Some(s.store_dir().join("nats.conf")),
+            Servers::Cluster(Some(c)) => c.nodes.get(i).map(|n| n.store_dir().join("nats.conf")),
+            _ => None,
+        }
+    }
+
+    /// Stops node `i` as an operator would: SIGTERM, then waits for the
+    /// process to exit (the harness only kills, so the process is found by
+    /// the configuration file it was started with, which is this run's
+    /// own). Falls back to SIGKILL when it does not exit within `timeout`;
+    /// says what happened.
+    pub async fn stop_node(&mut self, i: usize, timeout: Duration) -> Result<String, String> {
+        let conf = self.node_conf(i).ok_or("no such node")?;
+        let Some(pid) = pid_running(&conf) else {
+            self.kill_node(i);
+            return Err(format!(
+                "no process runs {}; killed instead",
+                conf.display()
+            ));
+        };
+        let t0 = std::time::Instant::now();
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .map_err(|e| e.to_string())?;
+        if !sent.success() {
+            self.kill_node(i);
+            return Err(format!("kill -TERM {pid} failed; killed instead"));
+        }
+        // No exit to await from here: the harness owns the child; its
+        // /proc entry says when it is gone (a zombie until reaped).
+        while t0.elapsed() < timeout {
+            if !process_runs(pid) {
+                return Ok(format!(
+                    "exited {:.1}s after SIGTERM",
+                    t0.elapsed().as_secs_f64()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.kill_node(i);
+        Err(format!("still running {timeout:?} after SIGTERM; killed"))
     }
 
     /// Starts node `i` again on its port and storage (blocking work off the
@@ -310,6 +478,9 @@ impl Fleet {
     /// SIGTERM everything started here and wait a little; what remains is
     /// killed when dropped.
     pub async fn stop_all(&mut self) {
+        for slot in 0..self.workers.len() {
+            self.ended(slot, "stopped at the end of the run");
+        }
         for w in &mut self.workers {
             for p in &w.proxies {
                 p.thaw();
@@ -348,6 +519,29 @@ impl Fleet {
     }
 }
 
+/// The pid of the process (not a zombie) whose command line names `conf`.
+fn pid_running(conf: &Path) -> Option<u32> {
+    let want = conf.to_string_lossy().to_string();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let names = cmd.split(|b| *b == 0).any(|a| a == want.as_bytes());
+        (names && process_runs(pid)).then_some(pid)
+    })
+}
+
+/// Whether `pid` is a process that has not exited (zombies have).
+fn process_runs(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name in parentheses.
+        Ok(st) => st
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|c| !matches!(c, 'Z' | 'X')),
+        Err(_) => false,
+    }
+}
+
 /// Waits until a process's log contains `needle`.
 pub async fn wait_for_log(p: &Proc, needle: &str, timeout: Duration) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
@@ -381,4 +575,20 @@ pub fn log_dir(out: &Path, seed: u64) -> anyhow::Result<PathBuf> {
     }
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_session_is_read_from_the_start_line() {
+        let log = "2026-12-01T09:16:11.905662Z  INFO leasehold_worker::service: worker starting \
+            worker_id=\"soak-w1\" session=3e8c14c9b00543a79db90ed5cff172b8 kinds=[\"echo\"] concurrency=8\n";
+        assert_eq!(
+            session_of(log).as_deref(),
+            Some("3e8c14c9b00543a79db90ed5cff172b8")
+        );
+        assert_eq!(session_of("worker stopping session=x\n"), None);
+    }
 }

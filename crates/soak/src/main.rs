@@ -24,7 +24,10 @@ mod check;
 mod collect;
 mod fleet;
 mod plan;
+mod profile;
+mod reoffer;
 mod rng;
+mod slots;
 mod submit;
 mod track;
 
@@ -40,12 +43,13 @@ use leasehold_store::{Jobs, NatsArgs};
 use serde_json::{json, Value};
 
 use crate::fleet::{Fleet, Settings};
+use crate::profile::{Knobs, Profile};
 
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "leasehold-soak",
     version,
-    about = "Seeded chaos soak of leasehold: real processes and nats-servers, a realistic job mix, faults injected on a schedule drawn from the seed, invariants (lost, duplicate effects, stale writes, stuck) checked from outside",
+    about = "Seeded chaos soak of leasehold: real processes and nats-servers, a realistic job mix, faults injected on a schedule drawn from the seed, invariants (lost, duplicate effects, stale writes, stuck, false re-offers) checked from outside",
     long_about = "Seeded chaos soak of leasehold.\n\n\
         Starts a nats-server (or, with --cluster, a 3-node JetStream cluster with every stream at R3), \
         leasehold-sim (model faults at --model-fault-rate: truncated streams, error events, 429 with \
@@ -58,11 +62,30 @@ use crate::fleet::{Fleet, Settings};
         restart, a partition of a proxied worker (freeze, or cut and refuse reconnects), kill -9 of a \
         reaper, and kill -9 of the server (single node) or of a stream leader or follower node and \
         leader step-downs (cluster).\n\n\
-        The seed is printed at start; --seed N replays the same plan (the jobs, their times, the faults \
-        and their order). Then it stops injecting, restores everything, waits for every job to settle \
+        Profiles (--profile) put the fleet where users put it; each sets the defaults of the options \
+        below (an option given on the command line wins):\n\
+        - default: the above, exactly as before profiles (a seed replays the same plan).\n\
+        - busy: long sleep jobs (20-60 s) sized to the fleet's slots (workers x concurrency, 10% more \
+        lanes than slots) to keep slot use above 90% (measured and reported), worker 1 with 2 slots for \
+        6 kinds (--concurrency 2,4), a few poison jobs (kind crash, which aborts its worker; the soak \
+        starts a crashed worker again at once under its identity), the mix at 0.25/s, and the default's \
+        faults with kill -9 of workers dealt twice as often, every 5-15 s; --max-stale-reclaims 10. A \
+        planned poison job must end dead (class poison) within --quiesce-timeout, and any other job \
+        ending dead fails the run.\n\
+        - nats-restart: single node; the server stopped (SIGTERM, or kill -9) and kept down 2-3 session \
+        timeouts before it starts again on its storage, every 8-20 s, with long jobs on 75% of the slots \
+        and the mix at 0.5/s. No job may end dead.\n\
+        - rolling: 3-node cluster; a rolling restart of the nodes one at a time (SIGTERM, its exit, \
+        0.5-3 s down, start, wait until every stream has a leader and every replica is current), every \
+        5-15 s, with long jobs on 75% of the slots and the mix at 0.5/s. No job may end dead.\n\n\
+        The seed is printed at start; --seed N (with the same --profile) replays the same plan (the jobs, \
+        their times, the faults and their order). Then it stops injecting, restores everything, waits for every job to settle \
         and checks: lost (no record, or not terminal/parked-with-reason), duplicate effects at the sink, \
         stale writes (record revisions and events older than an accepted epoch), stuck (no live owner, \
-        no ticket), wrong outcomes; it measures recovery after each fault (p50/p95) and counts the \
+        no ticket), wrong outcomes, and false re-offers: a job taken from its owner (a recoverer's \
+        `recovered` progress event naming the worker, or a record whose stale_reclaims rose) while that \
+        owner's process was alive, not killed, paused, partitioned or being stopped by the soak, and \
+        stayed alive. It measures recovery after each fault (p50/p95), slot use, and counts the \
         spurious 10164 rejections the store retried.\n\n\
         Output: <out>/soak-<seed>.json, a table on stdout, process logs in <out>/soak-<seed>-logs/. \
         Exit 0: every invariant held; 1: an invariant failed (the offending jobs are printed); 2: the \
@@ -72,6 +95,9 @@ struct Args {
     /// Seed of the plan; printed at start. Default: drawn from the clock.
     #[arg(long, env = "SOAK_SEED")]
     seed: Option<u64>,
+    /// Which fleet, load and faults (described above).
+    #[arg(long, value_enum, env = "SOAK_PROFILE", default_value = "default")]
+    profile: Profile,
     /// Length of the injection phase in minutes (quiescence and checks come after).
     #[arg(long, env = "SOAK_MINUTES", conflicts_with = "seconds")]
     minutes: Option<f64>,
@@ -79,50 +105,65 @@ struct Args {
     #[arg(long, env = "SOAK_SECONDS")]
     seconds: Option<u64>,
     /// Run on a 3-node JetStream cluster (every stream and bucket at R3)
-    /// instead of a single server.
+    /// instead of a single server (rolling: always; nats-restart: never).
     #[arg(long)]
     cluster: bool,
     /// Where soak-<seed>.json and the log folder go.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
-    /// Worker processes.
-    #[arg(long, default_value_t = 4)]
-    workers: usize,
-    /// How many of the workers sit behind fault proxies (partitionable).
-    #[arg(long, default_value_t = 2)]
-    proxied: usize,
-    /// Jobs each worker runs at once.
-    #[arg(long, default_value_t = 8)]
-    concurrency: usize,
-    /// Submissions per second (exponential gaps).
-    #[arg(long, default_value_t = 1.5)]
-    rate: f64,
-    /// The workers' session timeout (short, so a pause resolves within the run).
-    #[arg(long, default_value = "3s", value_parser = parse_duration)]
-    session_timeout: Duration,
-    /// Shortest quiet gap between two faults.
-    #[arg(long, default_value = "3s", value_parser = parse_duration)]
-    gap_min: Duration,
-    /// Longest quiet gap between two faults.
-    #[arg(long, default_value = "12s", value_parser = parse_duration)]
-    gap_max: Duration,
-    /// How long to wait for every job to settle after the last fault.
-    #[arg(long, default_value = "300s", value_parser = parse_duration)]
-    quiesce_timeout: Duration,
+    /// Worker processes [default: 4].
+    #[arg(long)]
+    workers: Option<usize>,
+    /// How many of the workers sit behind fault proxies (partitionable)
+    /// [default: 2].
+    #[arg(long)]
+    proxied: Option<usize>,
+    /// Jobs each worker runs at once; a list (2,4) gives worker 1, 2, ...
+    /// their own, the last value repeating [default: 8; busy: 2,4;
+    /// nats-restart, rolling: 4].
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Vec<usize>,
+    /// Submissions per second of the job mix (exponential gaps)
+    /// [default: 1.5; busy: 0.25; nats-restart, rolling: 0.5].
+    #[arg(long)]
+    rate: Option<f64>,
+    /// The workers' session timeout (short, so a pause resolves within the
+    /// run) [default: 3s].
+    #[arg(long, value_parser = parse_duration)]
+    session_timeout: Option<Duration>,
+    /// Shortest quiet gap between two faults [default: 3s; busy, rolling:
+    /// 5s; nats-restart: 8s].
+    #[arg(long, value_parser = parse_duration)]
+    gap_min: Option<Duration>,
+    /// Longest quiet gap between two faults [default: 12s; busy, rolling:
+    /// 15s; nats-restart: 20s].
+    #[arg(long, value_parser = parse_duration)]
+    gap_max: Option<Duration>,
+    /// How long to wait for every job to settle after the last fault
+    /// [default: 300s; other profiles: 180s].
+    #[arg(long, value_parser = parse_duration)]
+    quiesce_timeout: Option<Duration>,
     /// Share of model requests the simulator answers with a fault.
     #[arg(long, default_value_t = 0.1)]
     model_fault_rate: f64,
     /// Workers' and reapers' --max-stale-reclaims: a job interrupted this
-    /// often is dead-lettered as poison (a valid, counted outcome).
-    #[arg(long, default_value_t = 6)]
-    max_stale_reclaims: u32,
+    /// often is dead-lettered as poison (a valid, counted outcome in the
+    /// default profile) [default: 6; busy: 10].
+    #[arg(long)]
+    max_stale_reclaims: Option<u32>,
     /// Inject only these fault kinds (comma-separated): kill9_worker_same_id,
     /// kill9_worker_new_id, sigstop_worker, sigterm_worker, kill9_reaper,
     /// partition_freeze, partition_cut (with --proxied > 0), kill9_server
     /// (single node), kill9_node_leader, kill9_node_follower,
-    /// leader_stepdown (--cluster). Default: all of the topology's.
+    /// leader_stepdown (--cluster); nats_restart_kill9,
+    /// nats_restart_sigterm (nats-restart); rolling_restart (rolling).
+    /// Default: all of the profile's.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
+    /// busy: how many poison jobs [default: 3 plus one per two minutes of
+    /// run, at most 8]; 0 runs the busy fleet without them.
+    #[arg(long)]
+    poison_jobs: Option<usize>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -135,6 +176,47 @@ impl Args {
             (None, Some(s)) => Duration::from_secs(s),
             (None, None) => Duration::from_secs(180),
         }
+    }
+
+    /// The profile's settings with the command line's overrides.
+    fn knobs(&self) -> anyhow::Result<Knobs> {
+        let mut k = self.profile.knobs(self.cluster)?;
+        k.workers = self.workers.unwrap_or(k.workers);
+        k.proxied = self.proxied.unwrap_or(k.proxied);
+        if !self.concurrency.is_empty() {
+            k.concurrency = self.concurrency.clone();
+        }
+        k.rate = self.rate.unwrap_or(k.rate);
+        k.session_timeout = self.session_timeout.unwrap_or(k.session_timeout);
+        k.gap = (
+            self.gap_min.unwrap_or(k.gap.0),
+            self.gap_max.unwrap_or(k.gap.1),
+        );
+        k.quiesce_timeout = self.quiesce_timeout.unwrap_or(k.quiesce_timeout);
+        k.max_stale_reclaims = self.max_stale_reclaims.unwrap_or(k.max_stale_reclaims);
+        anyhow::ensure!(
+            k.poison || self.poison_jobs.is_none(),
+            "--poison-jobs: only the busy profile plans poison jobs"
+        );
+        k.poison_jobs = self.poison_jobs.or(k.poison_jobs);
+        Ok(k)
+    }
+
+    /// The flags that replay this run's plan.
+    fn replay(&self, seed: u64, k: &Knobs) -> String {
+        let mut s = format!("leasehold-soak --seed {seed}");
+        if k.profile != Profile::Default {
+            s.push_str(&format!(" --profile {}", k.profile.name()));
+        }
+        if self.cluster {
+            s.push_str(" --cluster");
+        }
+        match (self.minutes, self.seconds) {
+            (Some(m), _) => s.push_str(&format!(" --minutes {m}")),
+            (None, Some(x)) => s.push_str(&format!(" --seconds {x}")),
+            _ => {}
+        }
+        s
     }
 }
 
@@ -155,8 +237,8 @@ async fn main() {
     }
 }
 
-fn shape(a: &Args) -> plan::Shape {
-    let streams = if a.cluster {
+fn shape(k: &Knobs, only: &[String]) -> plan::Shape {
+    let streams = if k.cluster {
         vec![
             "LH_WORK".to_string(),
             "LH_EVENTS".into(),
@@ -168,35 +250,45 @@ fn shape(a: &Args) -> plan::Shape {
         Vec::new()
     };
     plan::Shape {
-        cluster: a.cluster,
-        workers: a.workers,
-        proxied: (a.workers.saturating_sub(a.proxied)..a.workers).collect(),
+        workers: k.workers,
+        proxied: (k.workers.saturating_sub(k.proxied)..k.workers).collect(),
         reapers: 2,
-        session_ms: a.session_timeout.as_millis() as u64,
+        session_ms: k.session_timeout.as_millis() as u64,
         streams: if streams.is_empty() {
             vec!["LH_WORK".into()]
         } else {
             streams
         },
         gap_ms: (
-            a.gap_min.as_millis() as u64,
-            a.gap_max.as_millis().max(a.gap_min.as_millis()) as u64,
+            k.gap.0.as_millis() as u64,
+            k.gap.1.as_millis().max(k.gap.0.as_millis()) as u64,
         ),
-        only: (!a.faults.is_empty()).then(|| a.faults.clone()),
+        kinds: k.deck(),
+        only: (!only.is_empty()).then(|| only.to_vec()),
     }
 }
 
 async fn run(a: Args) -> anyhow::Result<bool> {
-    anyhow::ensure!(a.workers >= 2, "--workers must be at least 2");
+    let k = a.knobs()?;
+    anyhow::ensure!(k.workers >= 2, "--workers must be at least 2");
     anyhow::ensure!(
-        a.proxied <= a.workers,
+        k.proxied <= k.workers,
         "--proxied must not exceed --workers"
     );
-    let kinds = plan::fault_kinds(a.cluster, a.proxied > 0);
+    anyhow::ensure!(
+        k.concurrency.iter().all(|c| *c > 0),
+        "--concurrency must be at least 1"
+    );
+    let mut kinds: Vec<&str> = Vec::new();
+    for x in k.deck() {
+        if !kinds.contains(&x) {
+            kinds.push(x);
+        }
+    }
     for f in &a.faults {
         anyhow::ensure!(
             kinds.contains(&f.as_str()),
-            "--faults: {f:?} is not a fault of this topology; choose from {}",
+            "--faults: {f:?} is not a fault of this profile and topology; choose from {}",
             kinds.join(", ")
         );
     }
@@ -207,61 +299,53 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             .unwrap_or(1)
     });
     let run_len = a.run_length();
-    let shape = shape(&a);
-    let jobs_plan = plan::jobs(seed, run_len, a.rate);
+    let shape = shape(&k, &a.faults);
+    let jobs_plan = plan::plan_jobs(seed, run_len, &k);
     let fault_plan = plan::faults(seed, run_len, &shape);
     let sink_plan = plan::sink_faults(seed, run_len);
+    let plan_doc = plan_doc(seed, &k, &jobs_plan, &fault_plan, &sink_plan);
     if a.print_plan {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(
-                &json!({"seed": seed, "jobs": jobs_plan, "faults": fault_plan, "sink_faults": sink_plan})
-            )?
-        );
+        println!("{}", serde_json::to_string_pretty(&plan_doc)?);
         return Ok(true);
     }
-    let topology = if a.cluster {
+    let topology = if k.cluster {
         "3-node cluster (R3)"
     } else {
         "single node"
     };
     println!(
-        "leasehold-soak: seed {seed} ({topology}, {:.0}s of faults); replay with: leasehold-soak --seed {seed}{}{}",
+        "leasehold-soak: seed {seed} (profile {}, {topology}, {:.0}s of faults); replay with: {}",
+        k.profile.name(),
         run_len.as_secs_f64(),
-        if a.cluster { " --cluster" } else { "" },
-        match (a.minutes, a.seconds) {
-            (Some(m), _) => format!(" --minutes {m}"),
-            (None, Some(s)) => format!(" --seconds {s}"),
-            _ => String::new(),
-        }
+        a.replay(seed, &k)
     );
     std::fs::create_dir_all(&a.out)?;
     let logs = fleet::log_dir(&a.out, seed)?;
     std::fs::write(
         logs.join("plan.json"),
-        serde_json::to_vec_pretty(
-            &json!({"seed": seed, "jobs": jobs_plan, "faults": fault_plan, "sink_faults": sink_plan}),
-        )?,
+        serde_json::to_vec_pretty(&plan_doc)?,
     )?;
     say(format!("logs in {}", logs.display()));
     let wall = Instant::now();
 
+    let concurrency: Vec<usize> = (0..k.workers).map(|i| k.concurrency_of(i)).collect();
     let settings = Settings {
         seed,
-        session_timeout: a.session_timeout,
-        concurrency: a.concurrency,
+        session_timeout: k.session_timeout,
+        concurrency: concurrency.clone(),
+        kinds: k.kinds(),
         model_fault_rate: a.model_fault_rate,
-        max_stale_reclaims: a.max_stale_reclaims,
+        max_stale_reclaims: k.max_stale_reclaims,
     };
-    let mut fleet = Fleet::servers(settings, &logs, a.cluster).await?;
+    let mut fleet = Fleet::servers(settings, &logs, k.cluster).await?;
     say(format!("nats at {}", fleet.url));
     let conn = NatsArgs::local(fleet.url.clone(), "lh")
         .connect("leasehold-soak")
         .await?;
-    let replicas = if a.cluster { 3 } else { 1 };
+    let replicas = if k.cluster { 3 } else { 1 };
     let opts = SetupOptions {
         replicas,
-        kinds: plan::KINDS.iter().map(|k| k.to_string()).collect(),
+        kinds: k.kinds(),
         job_history: 64,
         ..SetupOptions::default()
     };
@@ -281,25 +365,27 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     fleet.start_sim().await?;
     say(format!("leasehold-sim at {}", fleet.sim_url));
     fleet.add_reapers(2);
-    fleet.add_workers(a.workers, &shape.proxied).await?;
+    fleet.add_workers(k.workers, &shape.proxied).await?;
     for w in &fleet.workers {
         if let Some(p) = &w.proc {
             fleet::wait_for_log(p, "worker starting", Duration::from_secs(120)).await?;
         }
     }
+    let planned = jobs_plan
+        .iter()
+        .filter(|j| j.at_ms < run_len.as_millis() as u64)
+        .count();
     say(format!(
-        "{} workers ({} behind fault proxies), 2 reapers; {} jobs planned, {} faults drawn",
-        a.workers,
-        a.proxied,
-        jobs_plan
-            .iter()
-            .filter(|j| j.at_ms < run_len.as_millis() as u64)
-            .count(),
+        "{} workers ({} behind fault proxies, {} slots), 2 reapers; {planned} jobs planned, {} faults drawn",
+        k.workers,
+        k.proxied,
+        k.slots(),
         fault_plan.len()
     ));
 
     let jobs = Jobs::open(&conn).await?;
     let start = Instant::now();
+    let start_wall = SystemTime::now();
     let submitter = submit::Submitter::new(&conn, jobs.clone(), seed, start, &fleet.url);
     let sim_url = fleet.sim_url.clone();
     let sink = async {
@@ -319,15 +405,16 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         armed
     };
     let tracker = track::Tracker::start(jobs.clone());
-    let mut chaos = chaos::Chaos {
-        fleet: &mut fleet,
-        conn: &conn,
-        submitter: &submitter,
-        tracker: &tracker,
+    let mut chaos = chaos::Chaos::new(
+        &mut fleet,
+        &conn,
+        &submitter,
+        &tracker,
         start,
-        streams: shape.streams.clone(),
-    };
-    let (_, sink_armed, injected) = tokio::join!(
+        shape.streams.clone(),
+        k.poison,
+    );
+    let (_, sink_armed, mut injected) = tokio::join!(
         submitter.run(&jobs_plan, run_len),
         sink,
         chaos.run(&fault_plan, run_len)
@@ -341,7 +428,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     for n in &restore_notes {
         say(n);
     }
-    submitter.finish().await;
+    chaos.during(submitter.finish()).await;
     let subs = submitter.submissions();
     let accepted: Vec<(String, u64)> = subs
         .iter()
@@ -352,20 +439,78 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         "{} submissions ({} accepted); waiting up to {:?} for every job to settle",
         subs.len(),
         accepted.len(),
-        a.quiesce_timeout
+        k.quiesce_timeout
     ));
-    let quiet_after = quiesce(&jobs, &accepted, a.quiesce_timeout).await;
+    let quiet_after = chaos
+        .during(quiesce(&jobs, &accepted, k.quiesce_timeout))
+        .await;
     // Let index removals and the audit mirror catch up.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    chaos
+        .during(tokio::time::sleep(Duration::from_secs(3)))
+        .await;
 
-    let c = collect::collect(&conn, &jobs, &accepted, &fleet.sim_url, &logs).await?;
-    let verdict = check::verdict(&subs, &c);
+    let c = chaos
+        .during(collect::collect(&conn, &jobs, &accepted, &sim_url, &logs))
+        .await?;
+    let crashed = chaos.crashed.clone();
+    let reachable = chaos.reachable();
+    drop(chaos);
+    for f in &mut injected {
+        f.reachable_ms = reachable
+            .get(&f.n)
+            .map(|t| f.at_ms + t.duration_since(f.at).unwrap_or_default().as_millis() as u64);
+    }
+    fleet.read_sessions();
+    let mut verdict = check::verdict(
+        &subs,
+        &c,
+        check::Rules {
+            dead_fails: k.dead_fails,
+        },
+    );
+    let mut reoffers = reoffer::find(&c);
+    reoffer::judge(
+        &mut reoffers,
+        &fleet.incarnations,
+        &reoffer::disturbances(&injected),
+    );
+    for r in &reoffers {
+        *verdict
+            .info
+            .entry(format!("reoffers.{}", r.judged))
+            .or_default() += 1;
+        if r.judged == "false" {
+            verdict.false_reoffers.push(check::Finding {
+                job: r.job.clone(),
+                reason: format!(
+                    "epoch {} of {} re-offered at {} by {} (seen in {}): {}",
+                    r.epoch,
+                    r.owner,
+                    r.at,
+                    r.by.as_deref().unwrap_or("?"),
+                    r.seen_in.join(" and "),
+                    r.why
+                ),
+            });
+        }
+    }
+    let slot_use = slots::measure(
+        &c,
+        &fleet.incarnations,
+        (
+            start_wall + SLOT_USE_RAMP.min(run_len),
+            start_wall + run_len,
+        ),
+        &concurrency,
+        k.slot_use_target,
+    );
     let per_fault = check::recovery(&injected, &c, &submitter.canaries());
     let summary = check::recovery_summary(&per_fault);
     fleet.stop_all().await;
     save_timelines(&logs, &c, &verdict, &per_fault);
 
     let report = report(ReportIn {
+        k: &k,
         a: &a,
         seed,
         topology,
@@ -382,33 +527,56 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         summary: &summary,
         restore_notes: &restore_notes,
         logs: &logs,
+        reoffers: &reoffers,
+        slot_use: &slot_use,
+        fleet: &fleet,
+        crashed: &crashed,
     });
     let path = a.out.join(format!("soak-{seed}.json"));
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
     print_table(&report);
     println!("report: {}", path.display());
+    if let Some(t) = slot_use.target.filter(|t| slot_use.share < *t) {
+        println!(
+            "note: slot use {:.1}% is below the {:.0}% this profile's load is sized for",
+            slot_use.share * 100.0,
+            t * 100.0
+        );
+    }
     if verdict.passed() {
         println!("invariants: OK");
     } else {
         println!("invariants FAILED (process logs in {}):", logs.display());
-        for (name, list) in [
-            ("lost", &verdict.lost),
-            ("duplicate effect", &verdict.duplicate_effects),
-            ("stale write", &verdict.stale_writes),
-            ("stuck", &verdict.stuck),
-            ("wrong outcome", &verdict.wrong_outcomes),
-        ] {
+        for (name, list) in verdict.lists() {
             for x in list {
                 println!("  {name}: {}: {}", x.job, x.reason);
             }
         }
-        println!(
-            "replay: leasehold-soak --seed {seed}{}",
-            if a.cluster { " --cluster" } else { "" }
-        );
+        println!("replay: {}", a.replay(seed, &k));
     }
     Ok(verdict.passed())
 }
+
+/// The plan as `--print-plan` prints it and `plan.json` keeps it (the
+/// default profile's exactly as before profiles).
+fn plan_doc(
+    seed: u64,
+    k: &Knobs,
+    jobs: &[plan::JobPlan],
+    faults: &[plan::Step],
+    sink: &[plan::SinkFault],
+) -> Value {
+    let mut doc = json!({"seed": seed, "jobs": jobs, "faults": faults, "sink_faults": sink});
+    if k.profile != Profile::Default {
+        doc["profile"] = json!(k.profile);
+        doc["slots"] = json!(k.slots());
+    }
+    doc
+}
+
+/// Slot use is measured from this long after the first submissions (the
+/// fleet's slots fill within the first seconds).
+const SLOT_USE_RAMP: Duration = Duration::from_secs(5);
 
 /// Saves, for every job with a finding and every slow recovery, its record
 /// revisions and its events in `<logs>/jobs/<id>.json`: the evidence a
@@ -419,17 +587,12 @@ fn save_timelines(
     v: &check::Verdict,
     per_fault: &[check::FaultRecovery],
 ) {
-    let mut ids: std::collections::BTreeSet<String> = [
-        &v.lost,
-        &v.duplicate_effects,
-        &v.stale_writes,
-        &v.stuck,
-        &v.wrong_outcomes,
-    ]
-    .into_iter()
-    .flatten()
-    .map(|x| x.job.clone())
-    .collect();
+    let mut ids: std::collections::BTreeSet<String> = v
+        .lists()
+        .into_iter()
+        .flat_map(|(_, l)| l.iter())
+        .map(|x| x.job.clone())
+        .collect();
     ids.extend(
         per_fault
             .iter()
@@ -510,6 +673,7 @@ async fn quiesce(jobs: &Jobs, ids: &[(String, u64)], timeout: Duration) -> Optio
 }
 
 struct ReportIn<'a> {
+    k: &'a Knobs,
     a: &'a Args,
     seed: u64,
     topology: &'a str,
@@ -526,6 +690,15 @@ struct ReportIn<'a> {
     summary: &'a Value,
     restore_notes: &'a [String],
     logs: &'a std::path::Path,
+    reoffers: &'a [reoffer::Reoffer],
+    slot_use: &'a slots::SlotUse,
+    fleet: &'a Fleet,
+    crashed: &'a [chaos::Crashed],
+}
+
+/// A long job of a profile (`soak-<seed>-L<n>-sleep`).
+fn long_job(id: &str) -> bool {
+    id.ends_with("-sleep") && id.rsplit('-').nth(1).is_some_and(|x| x.starts_with('L'))
 }
 
 fn report(r: ReportIn<'_>) -> Value {
@@ -536,7 +709,13 @@ fn report(r: ReportIn<'_>) -> Value {
                 .get(&s.id)
                 .and_then(|x| x.as_ref())
                 .map_or("no record".to_string(), |x| x.status.clone());
-        let kind = if s.canary { "canary" } else { s.kind.as_str() };
+        let kind = if s.canary {
+            "canary"
+        } else if long_job(&s.id) {
+            "long sleep"
+        } else {
+            s.kind.as_str()
+        };
         *by_kind
             .entry(kind.to_string())
             .or_default()
@@ -556,18 +735,45 @@ fn report(r: ReportIn<'_>) -> Value {
     let events: usize = r.c.events.values().map(Vec::len).sum();
     let spurious: u64 = r.c.spurious_10164.values().sum();
     let list = |v: &[check::Finding]| json!({"count": v.len(), "jobs": v});
+    let k = r.k;
+    let uniform = k.concurrency.len() == 1;
+    let poison: Vec<Value> = r
+        .subs
+        .iter()
+        .filter(|s| s.expect == plan::Expect::Poison)
+        .map(|s| {
+            let rec = r.c.records.get(&s.id).and_then(|x| x.as_ref());
+            json!({
+                "job": s.id,
+                "accepted": s.accepted,
+                "status": rec.map(|x| x.status.clone()),
+                "class": rec.and_then(|x| x.error.as_ref().map(|e| e.class.clone())),
+                "stale_reclaims": rec.map(|x| x.stale_reclaims),
+                "ended_at": rec.map(|x| x.updated_at.clone()),
+            })
+        })
+        .collect();
+    let mut judged: BTreeMap<&str, u64> = BTreeMap::new();
+    for x in r.reoffers {
+        *judged.entry(x.judged).or_default() += 1;
+    }
     json!({
         "seed": r.seed,
+        "profile": k.profile,
         "topology": r.topology,
         "injection_s": r.run_len.as_secs_f64(),
         "wall_s": r.wall.as_secs_f64(),
         "settled_after_s": r.quiet_after.map(|d| d.as_secs_f64()),
         "passed": r.verdict.passed(),
         "settings": {
-            "workers": r.a.workers, "proxied": r.a.proxied, "concurrency": r.a.concurrency,
-            "rate_per_s": r.a.rate, "session_timeout_ms": r.a.session_timeout.as_millis() as u64,
-            "gap_ms": [r.a.gap_min.as_millis() as u64, r.a.gap_max.as_millis() as u64],
-            "model_fault_rate": r.a.model_fault_rate, "max_stale_reclaims": r.a.max_stale_reclaims,
+            "workers": k.workers, "proxied": k.proxied,
+            "concurrency": if uniform { json!(k.concurrency[0]) } else { json!((0..k.workers).map(|i| k.concurrency_of(i)).collect::<Vec<_>>()) },
+            "slots": k.slots(), "kinds": k.kinds(),
+            "rate_per_s": k.rate, "session_timeout_ms": k.session_timeout.as_millis() as u64,
+            "gap_ms": [k.gap.0.as_millis() as u64, k.gap.1.as_millis() as u64],
+            "model_fault_rate": r.a.model_fault_rate, "max_stale_reclaims": k.max_stale_reclaims,
+            "quiesce_timeout_s": k.quiesce_timeout.as_secs_f64(),
+            "long_jobs": k.long, "poison_jobs": r.subs.iter().filter(|s| s.expect == plan::Expect::Poison).count(),
             "reapers": 2, "reaper_interval": "1s",
         },
         "jobs": {
@@ -581,7 +787,7 @@ fn report(r: ReportIn<'_>) -> Value {
         },
         "faults": {
             "injected": r.injected.len(),
-            "sigterm_not_done_in_30s": r.injected.iter().filter(|f| f.notes.iter().any(|n| n.contains("after SIGTERM"))).count(),
+            "sigterm_not_done_in_30s": r.injected.iter().filter(|f| f.name == "sigterm_worker" && f.notes.iter().any(|n| n.contains("after SIGTERM"))).count(),
             "by_kind": faults_by_kind,
             "sink_faults_armed": r.sink_armed,
             "list": r.injected,
@@ -592,8 +798,24 @@ fn report(r: ReportIn<'_>) -> Value {
             "stale_writes": list(&r.verdict.stale_writes),
             "stuck": list(&r.verdict.stuck),
             "wrong_outcomes": list(&r.verdict.wrong_outcomes),
+            "false_reoffers": list(&r.verdict.false_reoffers),
+            "unexpected_dead": if k.dead_fails { list(&r.verdict.unexpected_dead) } else { json!("not checked in this profile (its faults may poison a job)") },
+            "poison_not_dead": list(&r.verdict.poison_not_dead),
         },
         "info": r.verdict.info,
+        "reoffers": {
+            "total": r.reoffers.len(),
+            "by_judgement": judged,
+            "grace_ms": reoffer::GRACE.as_millis() as u64,
+            "method": "a recoverer's `progress` event with recovered=true naming the worker, or a record revision whose stale_reclaims rose (the owner: the last running revision before it), one per job and owner epoch; judged against the owner's process (by the session the record names) and the faults the soak injected: owner_gone (it had ended, or ended within grace_ms), fault (a fault of the soak held it, until grace_ms after it was lifted or it answered a ping again), false (alive, undisturbed, stayed alive), unattributed (no such process)",
+            "list": r.reoffers,
+        },
+        "slot_use": r.slot_use,
+        "poison": poison,
+        "workers": {
+            "crashed_and_restarted": r.crashed,
+            "processes": r.fleet.incarnations,
+        },
         "recovery": r.summary,
         "recovery_per_fault": r.per_fault,
         "spurious_10164": {
@@ -621,8 +843,13 @@ fn print_table(r: &Value) {
     let rec = &r["recovery"];
     let rows: Vec<(String, String)> = vec![
         (
-            "seed / topology".into(),
-            format!("{} / {}", r["seed"], r["topology"].as_str().unwrap_or("")),
+            "seed / profile / topology".into(),
+            format!(
+                "{} / {} / {}",
+                r["seed"],
+                r["profile"].as_str().unwrap_or(""),
+                r["topology"].as_str().unwrap_or("")
+            ),
         ),
         (
             "injection / wall time (s)".into(),
@@ -670,6 +897,63 @@ fn print_table(r: &Value) {
         (
             "wrong outcomes".into(),
             inv["wrong_outcomes"]["count"].to_string(),
+        ),
+        (
+            "false re-offers (of re-offers seen)".into(),
+            format!(
+                "{} ({})",
+                inv["false_reoffers"]["count"], r["reoffers"]["total"]
+            ),
+        ),
+        (
+            "dead, not a poison job".into(),
+            match inv["unexpected_dead"]["count"].as_u64() {
+                Some(n) => n.to_string(),
+                None => "not checked".into(),
+            },
+        ),
+        (
+            "poison jobs not dead as poison (planned)".into(),
+            format!(
+                "{} ({})",
+                inv["poison_not_dead"]["count"],
+                r["poison"].as_array().map_or(0, Vec::len)
+            ),
+        ),
+        (
+            "slot use % of all / of live slots (target)".into(),
+            format!(
+                "{:.1} / {:.1} ({})",
+                r["slot_use"]["share"].as_f64().unwrap_or(0.0) * 100.0,
+                r["slot_use"]["share_of_live"].as_f64().unwrap_or(0.0) * 100.0,
+                r["slot_use"]["target"]
+                    .as_f64()
+                    .map_or("-".into(), |t| format!("{:.0}", t * 100.0))
+            ),
+        ),
+        (
+            "slot use % per worker (its slots)".into(),
+            r["slot_use"]["per_worker"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|w| {
+                    format!(
+                        "{}:{:.0} ({})",
+                        w["slot"].as_u64().unwrap_or(0) + 1,
+                        w["share"].as_f64().unwrap_or(0.0) * 100.0,
+                        w["concurrency"]
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+        (
+            "worker processes that exited by themselves".into(),
+            r["workers"]["crashed_and_restarted"]
+                .as_array()
+                .map_or(0, Vec::len)
+                .to_string(),
         ),
         (
             "reclaim after worker fault p50/p95 ms (n)".into(),
@@ -760,4 +1044,155 @@ fn print_table(r: &Value) {
         }
     }
     println!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Expect, Fault};
+
+    fn knobs(args: &[&str]) -> Knobs {
+        let mut v = vec!["leasehold-soak"];
+        v.extend(args);
+        Args::parse_from(v).knobs().unwrap()
+    }
+
+    fn doc(seed: u64, run: Duration, k: &Knobs, only: &[String]) -> String {
+        let jobs = plan::plan_jobs(seed, run, k);
+        let faults = plan::faults(seed, run, &shape(k, only));
+        let sink = plan::sink_faults(seed, run);
+        serde_json::to_string_pretty(&plan_doc(seed, k, &jobs, &faults, &sink)).unwrap()
+    }
+
+    fn fnv(s: &str) -> u64 {
+        s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
+
+    /// Pinned from the `--print-plan` output of the soak before profiles
+    /// existed (make soak-ci's two legs): a recorded seed keeps its plan.
+    #[test]
+    fn the_default_profile_replays_the_plans_recorded_before_profiles() {
+        let k = knobs(&[]);
+        let d = doc(20260501, Duration::from_secs(75), &k, &[]);
+        assert_eq!((d.len(), fnv(&d)), (36374, 0x2186_9226_da44_d913));
+        let only: Vec<String> = "kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id"
+            .split(',')
+            .map(String::from)
+            .collect();
+        let k = knobs(&[
+            "--cluster",
+            "--rate",
+            "0.8",
+            "--gap-min",
+            "2s",
+            "--gap-max",
+            "6s",
+        ]);
+        let d = doc(20260502, Duration::from_secs(50), &k, &only);
+        assert_eq!((d.len(), fnv(&d)), (14992, 0xbf80_47d3_c013_8fa4));
+    }
+
+    #[test]
+    fn every_profile_replays_its_seed() {
+        let run = Duration::from_secs(120);
+        for p in ["busy", "nats-restart", "rolling"] {
+            let k = knobs(&["--profile", p]);
+            assert_eq!(doc(7, run, &k, &[]), doc(7, run, &k, &[]), "{p}");
+            assert_ne!(doc(7, run, &k, &[]), doc(8, run, &k, &[]), "{p}");
+        }
+    }
+
+    #[test]
+    fn busy_fills_every_slot_with_long_jobs_and_plans_a_few_poison_jobs() {
+        let k = knobs(&["--profile", "busy"]);
+        let run = Duration::from_secs(70);
+        let plan = plan::plan_jobs(20260503, run, &k);
+        assert!(plan.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+        let long: Vec<(u64, u64)> = plan
+            .iter()
+            .filter(|j| long_job(&j.id))
+            .map(|j| (j.at_ms, j.spec["input"]["ms"].as_u64().unwrap()))
+            .collect();
+        let end = run.as_millis() as u64;
+        for &(at, ms) in &long {
+            assert!((20_000..=60_000).contains(&ms), "{ms}");
+            assert!(at + ms <= end + 30_000, "{at} + {ms}");
+        }
+        // At every second of the run, at least as many long jobs are
+        // planned to be in flight as the fleet has slots (14).
+        assert_eq!(k.slots(), 14);
+        for t in (2_000..end).step_by(1000) {
+            let n = long
+                .iter()
+                .filter(|(at, ms)| *at <= t && t < at + ms)
+                .count();
+            assert!(n >= k.slots(), "{n} long jobs at {t} ms");
+        }
+        let poison: Vec<_> = plan.iter().filter(|j| j.kind == "crash").collect();
+        assert_eq!(poison.len(), 3);
+        assert!(poison
+            .iter()
+            .all(|j| j.expect == Expect::Poison && (5_000..=35_000).contains(&j.at_ms)));
+        // The mix is there, at its lower rate.
+        assert!(plan.iter().any(|j| j.kind == "research"));
+        // Kill -9 of workers especially.
+        let faults = plan::faults(20260503, Duration::from_secs(600), &shape(&k, &[]));
+        let first: Vec<&str> = faults.iter().take(10).map(|s| s.fault.name()).collect();
+        let kills = first
+            .iter()
+            .filter(|n| n.starts_with("kill9_worker"))
+            .count();
+        assert_eq!(kills, 4, "{first:?}");
+        assert!(faults.iter().all(|s| (5_000..=15_000).contains(&s.gap_ms)));
+    }
+
+    #[test]
+    fn nats_restart_keeps_the_server_down_past_the_session_timeout() {
+        let k = knobs(&["--profile", "nats-restart"]);
+        let faults = plan::faults(11, Duration::from_secs(300), &shape(&k, &[]));
+        assert!(faults.len() > 5);
+        let mut kinds = std::collections::BTreeSet::new();
+        for s in &faults {
+            let Fault::NatsRestart { graceful, down_ms } = s.fault else {
+                panic!("{:?}", s.fault);
+            };
+            kinds.insert(graceful);
+            assert!((6_000..=9_000).contains(&down_ms), "{down_ms}");
+        }
+        assert_eq!(kinds.len(), 2);
+        assert!(!k.cluster);
+        let plan = plan::plan_jobs(11, Duration::from_secs(300), &k);
+        assert!(plan.iter().any(|j| long_job(&j.id)));
+        assert!(!plan.iter().any(|j| j.kind == "crash"));
+    }
+
+    #[test]
+    fn rolling_restarts_every_node_once_per_fault() {
+        let k = knobs(&["--profile", "rolling"]);
+        assert!(k.cluster);
+        let faults = plan::faults(12, Duration::from_secs(300), &shape(&k, &[]));
+        assert!(!faults.is_empty());
+        for s in &faults {
+            let Fault::RollingRestart { nodes, .. } = &s.fault else {
+                panic!("{:?}", s.fault);
+            };
+            let mut n = nodes.clone();
+            n.sort_unstable();
+            assert_eq!(n, vec![0, 1, 2]);
+        }
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_profile() {
+        let k = knobs(&["--profile", "busy", "--concurrency", "3", "--workers", "5"]);
+        assert_eq!(k.slots(), 15);
+        assert!(k.poison);
+        assert!(
+            Args::parse_from(["leasehold-soak", "--profile", "nats-restart", "--cluster"])
+                .knobs()
+                .is_err()
+        );
+    }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::profile::{Knobs, LongJobs};
 use crate::rng::Rng;
 
 /// Attempts a worker gives a job (the workers' `--max-attempts`, set by the soak).
@@ -24,6 +25,8 @@ pub enum Expect {
     NotCompleted,
     /// Anything terminal or parked (deliveries and research under faults).
     Any,
+    /// A poison job (`crash`): must end `dead` with class `poison`.
+    Poison,
 }
 
 /// A planned cancel request.
@@ -134,6 +137,80 @@ pub fn jobs(seed: u64, run: Duration, rate: f64) -> Vec<JobPlan> {
     out
 }
 
+/// Every planned submission of a run with knobs `k`, in time order: the job
+/// mix at `k.rate`, then (by profile) long jobs and poison jobs. Each part
+/// draws from its own stream of the seed, so the default profile's plan is
+/// the mix alone, exactly as before profiles.
+pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
+    let mut v = jobs(seed, run, k.rate);
+    if let Some(l) = &k.long {
+        v.extend(long_jobs(seed, run, l.lanes(k.slots()), l));
+    }
+    if k.poison {
+        v.extend(poison_jobs(seed, run, k.poison_jobs));
+    }
+    // Stable: the mix keeps its order among equal times.
+    v.sort_by_key(|j| j.at_ms);
+    v
+}
+
+/// Long `sleep` jobs in `lanes` lanes: every lane's first job within the
+/// first second, each next one `lead_ms` before the previous one of its
+/// lane is planned to end, for as long as `run` lasts. A job's planned end
+/// is at most `tail_ms` after `run` (the last of a lane is cut short, never
+/// below the shortest duration), so the run settles soon after.
+pub fn long_jobs(seed: u64, run: Duration, lanes: usize, l: &LongJobs) -> Vec<JobPlan> {
+    let mut r = Rng::stream(seed, "long");
+    let end = run.as_millis() as u64;
+    let mut drawn: Vec<(u64, usize, u64)> = Vec::new();
+    for lane in 0..lanes {
+        let mut t = r.range(0, 1000);
+        while t < end {
+            let ms = r
+                .range(l.ms.0, l.ms.1)
+                .min((end + l.tail_ms).saturating_sub(t))
+                .max(l.ms.0);
+            drawn.push((t, lane, ms));
+            t = (t + ms).saturating_sub(l.lead_ms).max(t + 1);
+        }
+    }
+    drawn.sort_unstable();
+    drawn
+        .into_iter()
+        .enumerate()
+        .map(|(n, (at_ms, lane, ms))| JobPlan {
+            at_ms,
+            id: format!("soak-{seed}-L{n:04}-sleep"),
+            kind: "sleep",
+            spec: json!({"input": {"ms": ms, "lane": lane}}),
+            cancel: None,
+            expect: Expect::NotFailed,
+        })
+        .collect()
+}
+
+/// `n` poison jobs (`crash`: the attempt aborts its worker), by default 3
+/// plus one per two minutes of run (at most 8), submitted between 5 s and
+/// half-way.
+pub fn poison_jobs(seed: u64, run: Duration, n: Option<usize>) -> Vec<JobPlan> {
+    let mut r = Rng::stream(seed, "poison");
+    let n = n.unwrap_or((3 + run.as_secs() / 120).min(8) as usize);
+    let last = (run.as_millis() as u64 / 2).max(6000);
+    let mut at: Vec<u64> = (0..n).map(|_| r.range(5000, last)).collect();
+    at.sort_unstable();
+    at.into_iter()
+        .enumerate()
+        .map(|(i, at_ms)| JobPlan {
+            at_ms,
+            id: format!("soak-{seed}-P{i:02}-crash"),
+            kind: "crash",
+            spec: json!({"input": {"poison": i}}),
+            cancel: None,
+            expect: Expect::Poison,
+        })
+        .collect()
+}
+
 /// Which replica of a stream a node fault hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -173,6 +250,14 @@ pub enum Fault {
     },
     /// Cluster: ask the leader of `stream` to step down.
     StepDown { stream: String },
+    /// Single node: stop the server (SIGTERM and wait for its exit, or
+    /// SIGKILL), keep it down `down_ms` (longer than the session timeout),
+    /// start it again on its storage.
+    NatsRestart { graceful: bool, down_ms: u64 },
+    /// Cluster: restart the nodes one at a time in this order: SIGTERM, wait
+    /// for the exit, `down_ms` down, start, wait until every stream has a
+    /// leader and every replica is current again; then the next node.
+    RollingRestart { nodes: Vec<usize>, down_ms: u64 },
 }
 
 impl Fault {
@@ -191,6 +276,9 @@ impl Fault {
             } => "kill9_node_leader",
             Fault::KillNode { .. } => "kill9_node_follower",
             Fault::StepDown { .. } => "leader_stepdown",
+            Fault::NatsRestart { graceful: true, .. } => "nats_restart_sigterm",
+            Fault::NatsRestart { .. } => "nats_restart_kill9",
+            Fault::RollingRestart { .. } => "rolling_restart",
         }
     }
 
@@ -218,7 +306,6 @@ pub struct Step {
 /// The shape of the fleet the schedule is drawn for.
 #[derive(Debug, Clone)]
 pub struct Shape {
-    pub cluster: bool,
     pub workers: usize,
     /// Worker slots behind a fault proxy (partitionable).
     pub proxied: Vec<usize>,
@@ -228,6 +315,9 @@ pub struct Shape {
     /// Streams whose leaders node faults aim at.
     pub streams: Vec<String>,
     pub gap_ms: (u64, u64),
+    /// The deck the kinds are dealt from (names as [`Fault::name`]; a kind
+    /// listed twice comes twice as often): the profile's.
+    pub kinds: Vec<&'static str>,
     /// Only these fault kinds (names as [`Fault::name`]); all when `None`.
     pub only: Option<Vec<String>>,
 }
@@ -262,8 +352,10 @@ pub fn fault_kinds(cluster: bool, proxied: bool) -> Vec<&'static str> {
 /// even a short run sees every kind once before any kind twice.
 pub fn faults(seed: u64, run: Duration, s: &Shape) -> Vec<Step> {
     let mut r = Rng::stream(seed, "faults");
-    let deck_kinds: Vec<&str> = fault_kinds(s.cluster, !s.proxied.is_empty())
-        .into_iter()
+    let deck_kinds: Vec<&str> = s
+        .kinds
+        .iter()
+        .copied()
         .filter(|k| {
             s.only
                 .as_ref()
@@ -317,6 +409,20 @@ pub fn faults(seed: u64, run: Duration, s: &Shape) -> Vec<Step> {
             "kill9_server" => Fault::RestartServer {
                 down_ms: r.range(500, 6000),
             },
+            "nats_restart_kill9" | "nats_restart_sigterm" => Fault::NatsRestart {
+                graceful: k == "nats_restart_sigterm",
+                // Past the session timeout: every session key ends while
+                // the server is away, and live owners must keep their jobs.
+                down_ms: r.range(2 * s.session_ms, 3 * s.session_ms),
+            },
+            "rolling_restart" => {
+                let mut nodes: Vec<usize> = (0..3).collect();
+                r.shuffle(&mut nodes);
+                Fault::RollingRestart {
+                    nodes,
+                    down_ms: r.range(500, 3000),
+                }
+            }
             "kill9_node_leader" | "kill9_node_follower" => Fault::KillNode {
                 stream,
                 role: if k == "kill9_node_leader" {
@@ -372,13 +478,13 @@ mod tests {
 
     fn shape(cluster: bool) -> Shape {
         Shape {
-            cluster,
             workers: 4,
             proxied: vec![2, 3],
             reapers: 2,
             session_ms: 3000,
             streams: vec!["LH_WORK".into(), "LH_EVENTS".into()],
             gap_ms: (3000, 8000),
+            kinds: fault_kinds(cluster, true),
             only: None,
         }
     }

@@ -1,0 +1,247 @@
+//! Profiles: which fleet, which load and which faults a run has.
+//!
+//! `default` is the soak as it always was (a seed replays the same plan as
+//! before profiles existed). The others put the fleet where users put it:
+//!
+//! - `busy`: long `sleep` jobs sized to the fleet's slots (every slot busy,
+//!   a small queue behind them), one worker with fewer slots than the kinds
+//!   it serves, a few poison jobs (`crash`, which aborts its worker; the soak
+//!   starts a crashed worker again, as a process supervisor would), and the
+//!   usual faults with more worker kills.
+//! - `nats-restart`: the single server killed or stopped and started again
+//!   after two to three session timeouts, with long jobs in flight.
+//! - `rolling`: a rolling restart of the three cluster nodes, one node at a
+//!   time (SIGTERM, start, wait until it is current again), under long jobs.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::plan;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Profile {
+    /// Today's soak: the job mix at --rate, every fault kind of the topology.
+    Default,
+    /// A fleet kept above 90% slot use with long jobs, poison jobs among them.
+    Busy,
+    /// Single-node server restarts longer than the session timeout.
+    NatsRestart,
+    /// Rolling restarts of the 3 cluster nodes.
+    Rolling,
+}
+
+/// Long `sleep` jobs that keep slots busy: `lanes` chains of jobs, each
+/// submitted `lead_ms` before the previous one of its lane is planned to end.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LongJobs {
+    /// Lanes per slot of the fleet, rounded up (above 1: a small queue
+    /// behind the slots, so a freed slot finds a job waiting).
+    pub per_slot: f64,
+    /// Duration of each job, uniform in this range.
+    pub ms: (u64, u64),
+    /// No job is planned to end later than this after the injection.
+    pub tail_ms: u64,
+    pub lead_ms: u64,
+}
+
+impl LongJobs {
+    /// How many lanes a fleet of `slots` gets.
+    pub fn lanes(&self, slots: usize) -> usize {
+        (self.per_slot * slots as f64).ceil() as usize
+    }
+}
+
+/// What a profile sets; every field but the profile's nature (long jobs,
+/// poison, the fault deck) can be changed on the command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Knobs {
+    pub profile: Profile,
+    pub cluster: bool,
+    pub workers: usize,
+    pub proxied: usize,
+    /// Concurrency of each worker slot; the last value repeats.
+    pub concurrency: Vec<usize>,
+    /// Submissions per second of the usual job mix.
+    pub rate: f64,
+    pub session_timeout: Duration,
+    pub gap: (Duration, Duration),
+    pub quiesce_timeout: Duration,
+    pub max_stale_reclaims: u32,
+    pub long: Option<LongJobs>,
+    /// Planned poison (`crash`) jobs, and crashed workers started again.
+    pub poison: bool,
+    /// How many poison jobs (default: 3 plus one per two minutes of run).
+    pub poison_jobs: Option<usize>,
+    /// A `dead` job that is not a planned poison job fails the run.
+    pub dead_fails: bool,
+    /// Slot use the load is sized for (reported against it).
+    pub slot_use_target: Option<f64>,
+}
+
+impl Knobs {
+    /// The concurrency of worker slot `i`.
+    pub fn concurrency_of(&self, i: usize) -> usize {
+        self.concurrency
+            .get(i)
+            .or(self.concurrency.last())
+            .copied()
+            .unwrap_or(1)
+    }
+
+    /// Slots of the whole fleet: the sum of every worker's concurrency.
+    pub fn slots(&self) -> usize {
+        (0..self.workers).map(|i| self.concurrency_of(i)).sum()
+    }
+
+    /// Kinds the workers serve (and setup creates).
+    pub fn kinds(&self) -> Vec<String> {
+        let mut k: Vec<String> = plan::KINDS.iter().map(|k| k.to_string()).collect();
+        if self.poison {
+            k.push("crash".into());
+        }
+        k
+    }
+
+    /// The fault kinds dealt, in deck order (a kind listed twice is dealt
+    /// twice as often).
+    pub fn deck(&self) -> Vec<&'static str> {
+        let proxied = self.proxied > 0;
+        match self.profile {
+            Profile::Default => plan::fault_kinds(self.cluster, proxied),
+            Profile::Busy => {
+                let mut k = plan::fault_kinds(self.cluster, proxied);
+                // Kill -9 of workers especially: what a busy fleet loses most.
+                k.extend(["kill9_worker_same_id", "kill9_worker_new_id"]);
+                k
+            }
+            Profile::NatsRestart => vec!["nats_restart_kill9", "nats_restart_sigterm"],
+            Profile::Rolling => vec!["rolling_restart"],
+        }
+    }
+}
+
+impl Profile {
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::Default => "default",
+            Profile::Busy => "busy",
+            Profile::NatsRestart => "nats-restart",
+            Profile::Rolling => "rolling",
+        }
+    }
+
+    /// The profile's settings before the command line's overrides.
+    /// `cluster` is the `--cluster` flag (`rolling` is always a cluster,
+    /// `nats-restart` never).
+    pub fn knobs(self, cluster: bool) -> anyhow::Result<Knobs> {
+        let s = Duration::from_secs;
+        let base = Knobs {
+            profile: self,
+            cluster,
+            workers: 4,
+            proxied: 2,
+            concurrency: vec![8],
+            rate: 1.5,
+            session_timeout: s(3),
+            gap: (s(3), s(12)),
+            quiesce_timeout: s(300),
+            max_stale_reclaims: 6,
+            long: None,
+            poison: false,
+            poison_jobs: None,
+            dead_fails: false,
+            slot_use_target: None,
+        };
+        let long = |per_slot| LongJobs {
+            per_slot,
+            ms: (20_000, 60_000),
+            tail_ms: 30_000,
+            lead_ms: 2_000,
+        };
+        Ok(match self {
+            Profile::Default => base,
+            Profile::Busy => Knobs {
+                // Worker 1 serves 6 kinds with 2 slots; the others have 4.
+                concurrency: vec![2, 4],
+                rate: 0.25,
+                // Fewer faults than the default's 3-12 s, and room for more
+                // interruptions before a job counts as poison: the soak's own
+                // kills must not be what dead-letters a 60 s job (at this
+                // rate a job loses a worker about once a minute).
+                gap: (s(5), s(15)),
+                max_stale_reclaims: 10,
+                quiesce_timeout: s(180),
+                long: Some(long(1.1)),
+                poison: true,
+                dead_fails: true,
+                slot_use_target: Some(0.9),
+                ..base
+            },
+            Profile::NatsRestart => {
+                anyhow::ensure!(
+                    !cluster,
+                    "--profile nats-restart restarts the single server; drop --cluster"
+                );
+                Knobs {
+                    concurrency: vec![4],
+                    rate: 0.5,
+                    gap: (s(8), s(20)),
+                    quiesce_timeout: s(180),
+                    long: Some(long(0.75)),
+                    dead_fails: true,
+                    ..base
+                }
+            }
+            Profile::Rolling => Knobs {
+                cluster: true,
+                concurrency: vec![4],
+                rate: 0.5,
+                gap: (s(5), s(15)),
+                quiesce_timeout: s(180),
+                long: Some(long(0.75)),
+                dead_fails: true,
+                ..base
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_profile_is_the_soak_as_it_was() {
+        let k = Profile::Default.knobs(false).unwrap();
+        assert_eq!(k.workers, 4);
+        assert_eq!(k.slots(), 32);
+        assert_eq!(k.kinds(), plan::KINDS.map(String::from).to_vec());
+        assert_eq!(k.deck(), plan::fault_kinds(false, true));
+        assert!(k.long.is_none() && !k.poison && !k.dead_fails);
+    }
+
+    #[test]
+    fn busy_has_a_worker_with_more_kinds_than_slots() {
+        let k = Profile::Busy.knobs(false).unwrap();
+        assert_eq!(k.concurrency_of(0), 2);
+        assert_eq!(k.concurrency_of(3), 4);
+        assert_eq!(k.slots(), 14);
+        assert!(k.kinds().len() > k.concurrency_of(0));
+        assert!(k.kinds().contains(&"crash".to_string()));
+        let deck = k.deck();
+        let kills = deck
+            .iter()
+            .filter(|d| d.starts_with("kill9_worker"))
+            .count();
+        assert_eq!(kills, 4);
+    }
+
+    #[test]
+    fn topologies_are_fixed_where_the_profile_needs_one() {
+        assert!(Profile::Rolling.knobs(false).unwrap().cluster);
+        assert!(Profile::NatsRestart.knobs(true).is_err());
+        assert!(!Profile::NatsRestart.knobs(false).unwrap().cluster);
+    }
+}
