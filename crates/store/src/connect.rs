@@ -136,6 +136,7 @@ impl NatsArgs {
             .name(name)
             .custom_inbox_prefix(&self.inbox_prefix)
             .connection_timeout(Duration::from_secs(5))
+            .reconnect_delay_callback(reconnect_delay)
             .event_callback(move |ev| {
                 let events = events.clone();
                 async move { events.on(ev) }
@@ -215,6 +216,24 @@ impl NatsArgs {
         }
     }
 }
+
+/// The pause before reconnect attempt `attempts`: at once, then 100 ms
+/// doubling, capped at [`RECONNECT_DELAY_CAP`]. The client's own default
+/// grows to 4 s, so after a long server outage a process could come back
+/// up to 4 s after the server did, as long as the settle time every
+/// liveness judgement waits after a reconnect
+/// ([`crate::liveness::SETTLE_AFTER_RECONNECT`]): a live worker would be
+/// judged gone. With this cap every process is back well within it.
+pub fn reconnect_delay(attempts: usize) -> Duration {
+    if attempts <= 1 {
+        return Duration::ZERO;
+    }
+    let exp = (attempts - 2).min(16) as u32;
+    (Duration::from_millis(100) * 2u32.pow(exp)).min(RECONNECT_DELAY_CAP)
+}
+
+/// The longest pause between two reconnect attempts.
+pub const RECONNECT_DELAY_CAP: Duration = Duration::from_secs(1);
 
 /// What the connection's events tell: whether it is up, since when, and
 /// how often it came back (for readiness, and for judging others' sessions
@@ -384,7 +403,17 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_permission_violation, parse_inbox_prefix, redact_url};
+    use super::RECONNECT_DELAY_CAP;
+    use super::{is_permission_violation, parse_inbox_prefix, reconnect_delay, redact_url};
+
+    #[test]
+    fn reconnects_come_well_within_the_settle_time() {
+        use std::time::Duration;
+        let d: Vec<u128> = (1..=7).map(|a| reconnect_delay(a).as_millis()).collect();
+        assert_eq!(d, vec![0, 100, 200, 400, 800, 1000, 1000]);
+        assert!(RECONNECT_DELAY_CAP * 2 < crate::liveness::SETTLE_AFTER_RECONNECT);
+        assert_eq!(reconnect_delay(usize::MAX), Duration::from_secs(1));
+    }
 
     #[test]
     fn an_inbox_prefix_is_a_subject_prefix_without_wildcards() {

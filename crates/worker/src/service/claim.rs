@@ -323,8 +323,10 @@ pub(crate) async fn handle_delivery(
                     // here at a time. Another worker, or this one once its
                     // suspect ended, takes it; waiting costs it nothing (a
                     // waiting job is never dead-lettered for deliveries).
-                    ClaimDecision::Claim { .. }
-                        if value.stale_reclaims >= SUSPECT_AFTER && suspect.is_none() =>
+                    // (Judged on the claim as it would be written: a reclaim
+                    // from a gone owner counts that loss too.)
+                    ClaimDecision::Claim { ref record, .. }
+                        if record.stale_reclaims >= SUSPECT_AFTER && suspect.is_none() =>
                     {
                         match SuspectSlot::take(&shared, &accepted.id) {
                             Some(s) => {
@@ -410,6 +412,13 @@ pub(crate) async fn handle_delivery(
                     });
                 }
                 shared.count_claim(&kind, reclaim);
+                // A suspect may kill this process at once: index it before
+                // it runs, so the end of this session recovers (or
+                // dead-letters) it even when no other worker of its kind
+                // is left to take its ticket's wake-up.
+                if suspect.is_some() {
+                    index_now(&shared, &record).await;
+                }
                 // The ticket becomes a wake-up call: it comes back by itself
                 // one session timeout from now, unless the job finished or
                 // was indexed (then it is acked first).
@@ -549,6 +558,15 @@ async fn id_conflict(
                 .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
                 .await;
         }
+    }
+}
+
+/// Enters a freshly claimed job in the index at once (not after
+/// `--index-after`); on failure its ticket's wake-up still covers it.
+async fn index_now(shared: &Shared, rec: &JobRecord) {
+    let Some(key) = Key::of(rec) else { return };
+    if let Err(e) = shared.active.put(&key, rec).await {
+        tracing::warn!(job = %rec.id, error = %e, "cannot index a suspect before it runs; its ticket still covers it");
     }
 }
 
@@ -724,7 +742,8 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<usize
         };
         // A suspect runs here only if no other suspect does; otherwise it
         // is re-offered for another worker.
-        let suspect = if rec.stale_reclaims >= SUSPECT_AFTER {
+        // This claim counts the earlier process's loss too.
+        let suspect = if rec.stale_reclaims + 1 >= SUSPECT_AFTER {
             match SuspectSlot::take(&shared, &rec.id) {
                 Some(s) => Some(s),
                 None => {
@@ -767,6 +786,9 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<usize
             // Only our own fresh token proves the claim is ours.
             Ok(v) if v.value.claim_token.as_deref() == Some(token.as_str()) => {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
+                if suspect.is_some() {
+                    index_now(&shared, &v.value).await;
+                }
                 shared.count_claim(&v.value.kind, true);
                 let s = shared.clone();
                 tokio::spawn(async move {
