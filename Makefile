@@ -61,7 +61,7 @@ soak-ci: build
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \
 		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile busy --seed $$(( $(SOAK_CI_SEED) + 2 )) --seconds 60 \
-		--quiesce-timeout 80s --out $(SOAK_OUT) || rc=$$?; \
+		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	{ set +x; } 2>/dev/null; \
 	exit $$rc
 

@@ -189,12 +189,12 @@ pub fn long_jobs(seed: u64, run: Duration, lanes: usize, l: &LongJobs) -> Vec<Jo
         .collect()
 }
 
-/// `n` poison jobs (`crash`: the attempt aborts its worker), by default 3
+/// `n` poison jobs (`crash`: the attempt aborts its worker), by default 2
 /// plus one per two minutes of run (at most 8), submitted between 5 s and
 /// half-way.
 pub fn poison_jobs(seed: u64, run: Duration, n: Option<usize>) -> Vec<JobPlan> {
     let mut r = Rng::stream(seed, "poison");
-    let n = n.unwrap_or((3 + run.as_secs() / 120).min(8) as usize);
+    let n = n.unwrap_or((2 + run.as_secs() / 120).min(8) as usize);
     let last = (run.as_millis() as u64 / 2).max(6000);
     let mut at: Vec<u64> = (0..n).map(|_| r.range(5000, last)).collect();
     at.sort_unstable();

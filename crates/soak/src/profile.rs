@@ -166,12 +166,15 @@ impl Profile {
                 // Worker 1 serves 6 kinds with 2 slots; the others have 4.
                 concurrency: vec![2, 4],
                 rate: 0.25,
-                // Fewer faults than the default's 3-12 s, and room for more
+                // Fewer faults than the default's 3-12 s, and some room for
                 // interruptions before a job counts as poison: the soak's own
                 // kills must not be what dead-letters a 60 s job (at this
-                // rate a job loses a worker about once a minute).
+                // rate a job loses a worker about once a minute), while each
+                // poison job's crashes (limit + 1 of them) take its
+                // bystanders along, so the limit stays close to the
+                // product's default (3).
                 gap: (s(5), s(15)),
-                max_stale_reclaims: 10,
+                max_stale_reclaims: 5,
                 quiesce_timeout: s(180),
                 long: Some(long(1.1)),
                 poison: true,
@@ -196,6 +199,11 @@ impl Profile {
             }
             Profile::Rolling => Knobs {
                 cluster: true,
+                // The product's default session: a restarted node's leader
+                // elections can stall writes for several seconds, which the
+                // default timeout rides out and the soak's short one
+                // (3 s, for quick recoveries elsewhere) does not.
+                session_timeout: s(10),
                 concurrency: vec![4],
                 rate: 0.5,
                 gap: (s(5), s(15)),
