@@ -17,6 +17,7 @@
 //! | `research-cost` | what one research job reads with 0..1,000 other jobs' events present | no background | <= 1.2x |
 //! | `queue-full` | refused submission into a full work queue, CLI exit 75, nothing accepted lost | an accepted submission | 10077, 75, 0 lost |
 
+mod busy;
 mod common;
 mod history;
 mod inflight;
@@ -45,6 +46,7 @@ pub const PARTS: &[&str] = &[
     "research",
     "research-cost",
     "queue-full",
+    "busy",
 ];
 
 #[derive(Parser, Debug)]
@@ -58,7 +60,7 @@ pub struct Args {
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, plateau, research,
-    /// research-cost, queue-full. All by default.
+    /// research-cost, queue-full, busy. All by default.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Echo jobs per throughput run.
@@ -70,6 +72,10 @@ pub struct Args {
     /// Repetitions of each recovery case and of the SIGTERM handoff.
     #[arg(long, default_value_t = 8)]
     pub reps: usize,
+    /// Repetitions of the busy fleet's kill -9 (4 bystanders each) and of
+    /// the poison job.
+    #[arg(long, default_value_t = 3)]
+    pub busy_reps: usize,
     /// Recovery cases to run (a, b, c, d).
     #[arg(long, value_delimiter = ',', default_value = "a,b,c,d")]
     pub cases: Vec<String>,
@@ -230,6 +236,44 @@ async fn main() -> anyhow::Result<()> {
         }
         r.json
             .insert("recovery_after_kill9".into(), Value::Object(all));
+    }
+    if a.runs("busy") {
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "busy-bystanders",
+            busy::bystanders(a.busy_reps),
+        )
+        .await
+        {
+            let s = &v["kill_to_running_again_ms"];
+            r.cmp(
+                "busy fleet (92% of slots), kill -9: each bystander running again p50/p95 ms",
+                format!("{}/{} (n={})", s["p50"], s["p95"], s["n"]),
+                format!("{} other jobs disturbed", v["other_jobs_disturbed"]),
+                "p95 <= session timeout + 1 s (11000 ms), none disturbed",
+                v["met"].as_bool(),
+            );
+            r.json.insert("busy_bystanders".into(), v);
+        }
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "busy-poison",
+            busy::poison(a.busy_reps),
+        )
+        .await
+        {
+            let s = &v["submit_to_dead_ms"];
+            r.cmp(
+                "poison job: submit -> dead p50/max ms",
+                format!("{}/{} (n={})", s["p50"], s["max"], s["n"]),
+                "--max-stale-reclaims 3, session 10 s",
+                "<= (3 + 1) x (10 s + 1 s) = 44000 ms",
+                v["met"].as_bool(),
+            );
+            r.json.insert("busy_poison".into(), v);
+        }
     }
     if a.runs("handoff") {
         if let Some(v) = part(&mut r, &mut failed, "handoff", recovery::handoff(a.reps)).await {
