@@ -44,23 +44,9 @@ async fn fill(
     let mut ids = Vec::new();
     for i in 0..n {
         let id = format!("{prefix}-{i}");
-        let mut w = jobs.watch(&id).await?;
-        work.submit(
-            "sleep",
-            json!({"input": {"ms": 600_000}}).to_string().into(),
-            Some(&id),
-            None,
-        )
-        .await?;
-        let (_, r) = next_rec(&mut w, &id, Duration::from_secs(30), |r| {
-            r.status == "running"
-        })
-        .await?;
-        anyhow::ensure!(
-            r.worker_id.as_deref() == Some(owner),
-            "{id} went to {:?}, not {owner}",
-            r.worker_id
-        );
+        crate::recovery::sleep_held_by(work, jobs, &id, 600_000, owner)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e} (every slot of {owner} should take one)"))?;
         ids.push(id);
     }
     Ok(ids)

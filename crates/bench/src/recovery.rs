@@ -385,7 +385,7 @@ pub fn rows(r: &mut Report, key: &str, v: &Value) {
 
 /// Submits a `sleep` job of `ms` as `id` and waits until `owner` runs it;
 /// the record's watch (to follow it further), when and what was claimed.
-async fn sleep_held_by(
+pub(crate) async fn sleep_held_by(
     work: &Work,
     jobs: &Jobs,
     id: &str,
