@@ -791,18 +791,7 @@ impl Inner {
             return Ok(());
         }
         if rec.cancel_requested {
-            // A claim honours it, but this job is not being claimed: do it here.
-            let v = r
-                .jobs
-                .transition(job, |c| {
-                    match machine::request_cancel(c, SystemTime::now())? {
-                        machine::CancelOutcome::Cancelled(n) => Ok(Some(n)),
-                        _ => Ok(None),
-                    }
-                })
-                .await?;
-            r.active.sync(&v.value, Some(key)).await?;
-            return Ok(());
+            return self.cancel_waiting(job, Some(key)).await;
         }
         // A ticket is stuck when it is gone, or was delivered already and
         // still not claimed long past its due time (past max deliveries with
@@ -826,6 +815,24 @@ impl Inner {
         };
         self.replace_ticket(&rec, cur.revision, rec.ticket_seq, ticket.is_some(), why)
             .await
+    }
+
+    /// Cancels a waiting job whose cancel was requested (a claim would
+    /// honour it, but nothing is claiming it), and makes the index agree;
+    /// `stale` is its index key when known.
+    async fn cancel_waiting(&self, job: &str, stale: Option<&Key>) -> Result<(), ReaperError> {
+        let r = &self.recovery;
+        let v = r
+            .jobs
+            .transition(job, |c| {
+                match machine::request_cancel(c, SystemTime::now())? {
+                    machine::CancelOutcome::Cancelled(n) => Ok(Some(n)),
+                    _ => Ok(None),
+                }
+            })
+            .await?;
+        r.active.sync(&v.value, stale).await?;
+        Ok(())
     }
 
     /// Gives waiting job `rec` (read at `revision`) a fresh ticket in place
@@ -1049,16 +1056,7 @@ impl Inner {
             // it gets a fresh ticket instead.
             Some(Status::Queued) => {
                 if rec.cancel_requested {
-                    let v = r
-                        .jobs
-                        .transition(&id, |c| {
-                            match machine::request_cancel(c, SystemTime::now())? {
-                                machine::CancelOutcome::Cancelled(n) => Ok(Some(n)),
-                                _ => Ok(None),
-                            }
-                        })
-                        .await?;
-                    r.active.sync(&v.value, None).await?;
+                    self.cancel_waiting(&id, None).await?;
                     r.work.delete(seq).await?;
                     return Ok(());
                 }

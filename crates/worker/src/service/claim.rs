@@ -111,13 +111,6 @@ impl Shared {
             Verdict::Unknown(_) => OwnerLiveness::Unknown,
         }
     }
-
-    /// How long a ticket that met a transient failure waits before its
-    /// next delivery: growing with its deliveries, so an outage of minutes
-    /// costs a few deliveries, not one a second.
-    pub(crate) fn transient_delay(&self, deliveries: u64) -> Duration {
-        machine::transient_retry_delay(deliveries)
-    }
 }
 
 /// Registers a claim in flight for the duration of its write (see
@@ -160,6 +153,13 @@ impl Drop for Claiming {
 /// kill -9 on a busy fleet, its jobs run again at once wherever a slot is
 /// free.
 pub(crate) const SUSPECT_AFTER: u32 = 2;
+
+/// Whether a claim that leaves the job at `stale_reclaims` (the record as
+/// the claim writes it: a reclaim from a gone owner counts that loss) makes
+/// it a suspect.
+pub(crate) fn is_suspect(stale_reclaims: u32) -> bool {
+    stale_reclaims >= SUSPECT_AFTER
+}
 
 /// The one suspect this worker runs, held for the suspect's whole attempt.
 pub(crate) struct SuspectSlot {
@@ -279,7 +279,7 @@ pub(crate) async fn handle_delivery(
                     return;
                 }
                 Err(e) => {
-                    let d = shared.transient_delay(deliveries);
+                    let d = machine::transient_retry_delay(deliveries);
                     tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot read the record; the ticket comes back later");
                     let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
                     return;
@@ -326,7 +326,7 @@ pub(crate) async fn handle_delivery(
                     // (Judged on the claim as it would be written: a reclaim
                     // from a gone owner counts that loss too.)
                     ClaimDecision::Claim { ref record, .. }
-                        if record.stale_reclaims >= SUSPECT_AFTER && suspect.is_none() =>
+                        if is_suspect(record.stale_reclaims) && suspect.is_none() =>
                     {
                         match SuspectSlot::take(&shared, &accepted.id) {
                             Some(s) => {
@@ -334,7 +334,7 @@ pub(crate) async fn handle_delivery(
                                 continue;
                             }
                             None => {
-                                tracing::debug!(job = %accepted.id, stale_reclaims = value.stale_reclaims, "a suspect runs here already; handing this suspect to another worker");
+                                tracing::debug!(job = %accepted.id, stale_reclaims = record.stale_reclaims, "a suspect runs here already; handing this suspect to another worker");
                                 let _ = msg
                                     .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                                     .await;
@@ -380,7 +380,7 @@ pub(crate) async fn handle_delivery(
                             }
                             Err(JobsError::Conflict(_)) => continue,
                             Err(e) => {
-                                let d = shared.transient_delay(deliveries);
+                                let d = machine::transient_retry_delay(deliveries);
                                 tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot record the cancellation; the ticket comes back later");
                                 let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
                                 return;
@@ -452,7 +452,9 @@ pub(crate) async fn handle_delivery(
         }
     }
     let _ = msg
-        .ack_with(AckKind::Nak(Some(shared.transient_delay(deliveries))))
+        .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
+            deliveries,
+        ))))
         .await;
 }
 
@@ -467,7 +469,7 @@ async fn settle_live(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message,
             let _ = msg.ack().await;
         }
         Err(e) => {
-            let d = shared.transient_delay(delivered(msg));
+            let d = machine::transient_retry_delay(delivered(msg));
             tracing::warn!(job = %rec.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot index the job; the ticket comes back later");
             let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
         }
@@ -555,7 +557,9 @@ async fn id_conflict(
         Err(e) => {
             tracing::warn!(error = %e, "cannot dead-letter the conflicting submission; retrying");
             let _ = msg
-                .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
+                .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
+                    delivered(msg),
+                ))))
                 .await;
         }
     }
@@ -651,7 +655,9 @@ async fn reject(
             Err(e) => {
                 tracing::warn!(error = %e, "cannot record the rejection; retrying the ticket");
                 let _ = msg
-                    .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
+                    .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
+                        delivered(msg),
+                    ))))
                     .await;
                 return;
             }
@@ -680,7 +686,9 @@ async fn reject(
         Err(e) => {
             tracing::warn!(error = %e, "cannot dead-letter the rejected submission; retrying");
             let _ = msg
-                .ack_with(AckKind::Nak(Some(shared.transient_delay(delivered(msg)))))
+                .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
+                    delivered(msg),
+                ))))
                 .await;
         }
     }
@@ -743,7 +751,7 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<usize
         // A suspect runs here only if no other suspect does; otherwise it
         // is re-offered for another worker.
         // This claim counts the earlier process's loss too.
-        let suspect = if rec.stale_reclaims + 1 >= SUSPECT_AFTER {
+        let suspect = if is_suspect(rec.stale_reclaims + 1) {
             match SuspectSlot::take(&shared, &rec.id) {
                 Some(s) => Some(s),
                 None => {
