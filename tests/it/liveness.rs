@@ -540,3 +540,106 @@ async fn a_job_its_live_owner_does_not_run_is_reoffered() {
         h.wait().await.unwrap();
     }
 }
+
+// A's index write is held at the proxy and A is paused (SIGSTOP) with it in
+// flight; its session ends and B reclaims the job from the ticket's
+// wake-up. When A resumes, its index task completes: before, it acked the
+// ticket it held, which by then was B's wake-up, so with B killed before
+// its own `--index-after` nothing covered the job (no ticket, no entry
+// under B) and no surviving worker could recover it.
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_index_write_of_a_paused_owner_leaves_the_new_owners_cover_alone() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let a = env.worker_proc(&["--worker-id", "late-a"], &[("NATS_URL", proxy.url())]);
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    let hold = proxy.hold(&format!("$KV.{}.>", env.conn.layout.active_bucket()));
+    env.submit("sleep", json!({"input": {"ms": 6000}}), "late-index")
+        .await;
+    tokio::time::timeout(Duration::from_secs(15), hold.triggered())
+        .await
+        .expect("A's index write reached the proxy");
+    a.stop();
+    // B takes the job from its ticket's wake-up once A's session ended; B
+    // would index it only after 30 s on its own.
+    let mut b = env.worker_proc(
+        &["--worker-id", "late-b"],
+        &[("LH_INDEX_AFTER", "30s".into())],
+    );
+    env.wait_for("late-index", Duration::from_secs(20), |r| {
+        r.worker_id.as_deref() == Some("late-b") && r.status == "running"
+    })
+    .await;
+    hold.release();
+    a.cont();
+    // A's index task finishes: it sees the job is B's now (or, as before,
+    // acks B's wake-up: the ticket is gone).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !a
+        .output()
+        .contains("the job moved on before its index write")
+        && tickets(&env).await > 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "A's index task never ended:\n{}",
+            a.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    b.kill9();
+    // A outlives B: its watcher of ended sessions recovers the job from
+    // B's index entry, and it runs again (on A, the only worker left).
+    let done = env
+        .wait_status("late-index", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(done.worker_id.as_deref(), Some("late-a"));
+    assert_eq!(
+        done.epoch, 3,
+        "A's claim, B's reclaim, the recovery's claim"
+    );
+    let keys = active(&env).await.keys_of("late-index").await.unwrap();
+    assert!(
+        keys.is_empty(),
+        "nothing of the job left in the index: {keys:?}"
+    );
+}
+
+// A remover that read the job at one epoch and acts late (a paused
+// recoverer, a claim's old-entry removal, a same-id takeover) must not
+// delete the entry a later incarnation wrote under the same key.
+#[tokio::test]
+async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
+    let env = Env::new().await;
+    let idx = active(&env).await;
+    let mut rec = leasehold_core::JobRecord {
+        id: "reborn".into(),
+        kind: "sleep".into(),
+        status: "queued".into(),
+        next_run_at: Some("2026-01-01T00:00:00Z".into()),
+        epoch: 2,
+        ..Default::default()
+    };
+    let key = Key::Wait {
+        job: "reborn".into(),
+    };
+    idx.put(&key, &rec).await.unwrap();
+    // Someone who knew the job at epoch 1 leaves epoch 2's entry alone.
+    idx.remove(&key, 1).await.unwrap();
+    assert_eq!(idx.keys_of("reborn").await.unwrap(), vec![key.clone()]);
+    // `sync` of a stale state removes only what that state may remove.
+    rec.epoch = 1;
+    rec.status = "running".into();
+    rec.worker_id = Some("w".into());
+    idx.sync(&rec, Some(&key)).await.unwrap();
+    let mut keys = idx.keys_of("reborn").await.unwrap();
+    keys.sort();
+    assert!(keys.contains(&key), "epoch 2's entry kept: {keys:?}");
+    // Who knows epoch 2 (or does not care) removes it.
+    idx.remove(&key, 2).await.unwrap();
+    assert!(!idx.keys_of("reborn").await.unwrap().contains(&key));
+    // Removing what is not there is no error.
+    idx.remove(&key, u64::MAX).await.unwrap();
+}

@@ -34,6 +34,16 @@ use crate::{Conn, Layout, StoreError};
 /// How long the marker of a removed entry stays (then the key is gone).
 const REMOVED_MARKER_TTL: Duration = Duration::from_secs(60);
 
+/// How often a removal re-judges an entry that changed under it.
+const REMOVE_TRIES: usize = 5;
+
+/// Whether an entry (its stored bytes) may be removed by someone who knows
+/// the job at `epoch`: yes unless it names a later epoch. Bytes that are no
+/// entry are removable (nothing can depend on them).
+fn removable(value: &[u8], epoch: u64) -> bool {
+    serde_json::from_slice::<Entry>(value).map_or(true, |e| e.epoch <= epoch)
+}
+
 /// One index key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Key {
@@ -171,12 +181,43 @@ impl Active {
             .map_err(|e| StoreError::nats("index put", e))
     }
 
-    /// Removes `key` (a purge whose marker soon expires).
-    pub async fn remove(&self, key: &Key) -> Result<(), StoreError> {
-        self.kv
-            .purge_with_ttl(key.as_string(), REMOVED_MARKER_TTL)
-            .await
-            .map_err(|e| StoreError::nats("index remove", e))
+    /// Removes `key` (a purge whose marker soon expires) unless its entry
+    /// describes a later incarnation of the job than `epoch`: a remover that
+    /// paused between reading the record and removing (a recoverer, a late
+    /// owner, a same-id takeover) never deletes a newer claim's entry. The
+    /// purge is conditioned on the revision it judged, so an entry written
+    /// meanwhile is judged again. `u64::MAX` removes whatever is there.
+    pub async fn remove(&self, key: &Key, epoch: u64) -> Result<(), StoreError> {
+        let k = key.as_string();
+        for _ in 0..REMOVE_TRIES {
+            let Some(e) = self
+                .kv
+                .entry(k.clone())
+                .await
+                .map_err(|e| StoreError::nats("index read", e))?
+            else {
+                return Ok(());
+            };
+            if e.operation != kv::Operation::Put {
+                return Ok(());
+            }
+            if !removable(&e.value, epoch) {
+                tracing::debug!(key = %k, epoch, "index entry is a later incarnation's; kept");
+                return Ok(());
+            }
+            match self
+                .kv
+                .purge_expect_revision_with_ttl(k.clone(), e.revision, REMOVED_MARKER_TTL)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(err) if err.kind() == kv::PurgeErrorKind::WrongLastRevision => continue,
+                Err(err) => return Err(StoreError::nats("index remove", err)),
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "index entry {k} changed {REMOVE_TRIES} times while being removed"
+        )))
     }
 
     /// Makes the index agree with `rec`: its key written (unless terminal),
@@ -188,7 +229,7 @@ impl Active {
             self.put(k, rec).await?;
         }
         if let Some(old) = stale.filter(|o| Some(*o) != key.as_ref()) {
-            self.remove(old).await?;
+            self.remove(old, rec.epoch).await?;
         }
         Ok(())
     }
@@ -203,7 +244,7 @@ impl Active {
         }
         for k in self.keys_of(&rec.id).await? {
             if Some(&k) != want.as_ref() {
-                self.remove(&k).await?;
+                self.remove(&k, rec.epoch).await?;
             }
         }
         Ok(())

@@ -203,7 +203,10 @@ impl Recovery {
         };
         for _ in 0..8 {
             let Some(cur) = self.jobs.get(job).await.map_err(jobs_err)? else {
-                self.active.remove(&run_key).await?;
+                // No record, so no epoch to judge by but the one we were asked about.
+                self.active
+                    .remove(&run_key, epoch.unwrap_or(u64::MAX))
+                    .await?;
                 return Ok(Action::Nothing("no record".into()));
             };
             if epoch.is_some_and(|e| e != cur.value.epoch) {
@@ -318,7 +321,6 @@ impl Recovery {
                     };
                     match self.jobs.update(&r, cur.revision).await {
                         Ok(_) => {
-                            self.active.sync(&r, Some(&run_key)).await?;
                             let ev = events::event(
                                 job,
                                 r.epoch,
@@ -330,6 +332,9 @@ impl Recovery {
                                 .events
                                 .publish(&ev, Some(&format!("{job}:recovered:{}", published.seq)))
                                 .await;
+                            // The notice first (it is lost if the index write
+                            // fails and this returns), then the index.
+                            self.active.sync(&r, Some(&run_key)).await?;
                             return Ok(Action::Reoffered {
                                 ticket_seq: published.seq,
                             });
@@ -396,7 +401,7 @@ impl Recovery {
         });
         if covered {
             for k in self.active.keys_of(&rec.id).await? {
-                self.active.remove(&k).await?;
+                self.active.remove(&k, rec.epoch).await?;
             }
             return Ok(());
         }
@@ -461,7 +466,7 @@ impl Recovery {
         );
         self.events.publish(&ev, Some(&death_id(rec))).await?;
         for k in self.active.keys_of(&rec.id).await? {
-            self.active.remove(&k).await?;
+            self.active.remove(&k, rec.epoch).await?;
         }
         tracing::info!(job = %rec.id, class, dlq_seq, "dead-lettered");
         Ok(dlq_seq)

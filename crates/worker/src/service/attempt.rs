@@ -61,6 +61,15 @@ pub(crate) enum Stop {
     Deadline,
 }
 
+/// How a claim came about.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claimed {
+    /// Taken from a previous owner.
+    pub reclaim: bool,
+    /// Entered in the index by the claim, before the attempt runs.
+    pub indexed: bool,
+}
+
 /// Runs one claimed job to an owner-checked outcome. Never leaves the job
 /// held by this process: a panic in the attempt requeues it.
 pub(crate) async fn run_claimed(
@@ -68,7 +77,7 @@ pub(crate) async fn run_claimed(
     claimed: Versioned<JobRecord>,
     msg: Option<jetstream::Message>,
     permit: OwnedSemaphorePermit,
-    reclaim: bool,
+    how: Claimed,
     claiming: Option<super::claim::Claiming>,
 ) {
     let id = claimed.value.id.clone();
@@ -116,7 +125,7 @@ pub(crate) async fn run_claimed(
             shared.clone(),
             claimed,
             ticket.clone(),
-            reclaim,
+            how,
             (stop_tx.clone(), stop_rx),
         )
         .instrument(span),
@@ -187,7 +196,7 @@ async fn run_attempt(
     shared: Arc<Shared>,
     claimed: Versioned<JobRecord>,
     ticket: TicketSlot,
-    reclaim: bool,
+    Claimed { reclaim, indexed }: Claimed,
     (stop_tx, mut stop_rx): (mpsc::Sender<Stop>, mpsc::Receiver<Stop>),
 ) {
     let started = tokio::time::Instant::now();
@@ -235,7 +244,7 @@ async fn run_attempt(
             }
         }
     }
-    let indexed = Arc::new(AtomicBool::new(false));
+    let indexed = Arc::new(AtomicBool::new(indexed));
     let span = tracing::Span::current();
     let timer = StdMutex::new(Some(timer));
     let Some(fence) = fence else {
@@ -375,7 +384,20 @@ fn spawn_watchers(
             }
             indexed.store(true, Ordering::Relaxed);
             shared.stats.indexed.fetch_add(1, Ordering::Relaxed);
-            settle(&ticket, AckKind::Ack).await;
+            // The ticket is acked only while the job is still ours: a task
+            // that ran late (a paused process, a slow index write) may hold
+            // a delivery that is a new owner's wake-up by now.
+            match shared.jobs.get(&rec.id).await {
+                Ok(Some(v)) if still_ours(&v.value, &rec) => settle(&ticket, AckKind::Ack).await,
+                Ok(_) => {
+                    tracing::info!(job = %rec.id, epoch = rec.epoch, "the job moved on before its index write; its ticket is left to the new state");
+                    ticket.lock().unwrap().take();
+                    let _ = shared.active.remove(&key, rec.epoch).await;
+                }
+                Err(e) => {
+                    tracing::debug!(job = %rec.id, error = %e, "cannot read the record after indexing; the ticket's wake-up settles it");
+                }
+            }
         });
     }
     // Stops that come from outside the handler.
@@ -787,6 +809,15 @@ async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
         json!({"reason": why}),
     );
     let _ = shared.events.publish(&ev, None).await;
+}
+
+/// Whether `now` (the record as read) is still the claim `ours` wrote: same
+/// incarnation, same owner process, still running.
+fn still_ours(now: &JobRecord, ours: &JobRecord) -> bool {
+    now.epoch == ours.epoch
+        && now.worker_id == ours.worker_id
+        && now.session == ours.session
+        && now.status == leasehold_core::Status::Running.as_str()
 }
 
 /// Acks or NAKs the live delivery of the ticket, if this process holds one.

@@ -403,20 +403,25 @@ pub(crate) async fn handle_delivery(
             Ok((revision, record)) => {
                 // The job's previous index entry (waiting, or an earlier
                 // owner's) goes; its running entry comes with --index-after.
-                if let Some(old) = current.as_ref().and_then(|v| Key::of(&v.value)) {
+                if let Some((old, epoch)) = current
+                    .as_ref()
+                    .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.epoch)))
+                {
                     let active = shared.active.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = active.remove(&old).await {
+                        if let Err(e) = active.remove(&old, epoch).await {
                             tracing::debug!(key = %old.as_string(), error = %e, "old index entry left for the reaper");
                         }
                     });
                 }
                 shared.count_claim(&kind, reclaim);
-                // A suspect may kill this process at once: index it before
-                // it runs, so the end of this session recovers (or
-                // dead-letters) it even when no other worker of its kind
-                // is left to take its ticket's wake-up.
-                if suspect.is_some() {
+                // A suspect may kill this process at once, and a reclaim's
+                // ticket may still be acked by its previous owner's late
+                // index task: index either before it runs, so the end of
+                // this session recovers (or dead-letters) it even without
+                // its ticket's wake-up.
+                let indexed = suspect.is_some() || reclaim;
+                if indexed {
                     index_now(&shared, &record).await;
                 }
                 // The ticket becomes a wake-up call: it comes back by itself
@@ -434,7 +439,7 @@ pub(crate) async fn handle_delivery(
                     claimed,
                     Some(msg),
                     permit,
-                    reclaim,
+                    attempt::Claimed { reclaim, indexed },
                     Some(claiming),
                 )
                 .await;
@@ -492,7 +497,7 @@ async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
         .await;
     if let Ok(keys) = shared.active.keys_of(&rec.id).await {
         for k in keys {
-            let _ = shared.active.remove(&k).await;
+            let _ = shared.active.remove(&k, rec.epoch).await;
         }
     }
 }
@@ -566,11 +571,13 @@ async fn id_conflict(
 }
 
 /// Enters a freshly claimed job in the index at once (not after
-/// `--index-after`); on failure its ticket's wake-up still covers it.
+/// `--index-after`), for a claim whose ticket may not cover it (a suspect,
+/// a reclaim, a restart reclaim); on failure the ticket's wake-up, if any,
+/// is its only cover (the write is retried by the index task).
 async fn index_now(shared: &Shared, rec: &JobRecord) {
     let Some(key) = Key::of(rec) else { return };
     if let Err(e) = shared.active.put(&key, rec).await {
-        tracing::warn!(job = %rec.id, error = %e, "cannot index a suspect before it runs; its ticket still covers it");
+        tracing::warn!(job = %rec.id, error = %e, "cannot index a reclaimed job before it runs");
     }
 }
 
@@ -794,13 +801,16 @@ pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<usize
             // Only our own fresh token proves the claim is ours.
             Ok(v) if v.value.claim_token.as_deref() == Some(token.as_str()) => {
                 tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
-                if suspect.is_some() {
-                    index_now(&shared, &v.value).await;
-                }
+                // No ticket covers it: the index must (run_claimed knows).
+                index_now(&shared, &v.value).await;
                 shared.count_claim(&v.value.kind, true);
                 let s = shared.clone();
                 tokio::spawn(async move {
-                    attempt::run_claimed(s, v, None, permit, true, Some(claiming)).await;
+                    let how = attempt::Claimed {
+                        reclaim: true,
+                        indexed: true,
+                    };
+                    attempt::run_claimed(s, v, None, permit, how, Some(claiming)).await;
                     drop(suspect);
                 });
             }
