@@ -285,7 +285,8 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
 }
 
 /// A worker, a reaper and the CLI started while one node of three is down,
-/// right after it was killed as the leader of the job records' stream:
+/// right after it was killed as the leader of the job records' stream and
+/// while the sessions' and the advisories' streams elect new leaders:
 /// none of them may give up (an unavailable server is waited for; only a
 /// missing layout stops them), and jobs complete.
 #[tokio::test]
@@ -312,6 +313,20 @@ async fn worker_reaper_and_cli_start_with_a_node_down_right_after_a_leader_was_k
             .unwrap(),
     );
     c.nodes[leader].kill();
+    // And the streams the worker and the reaper write to first at start
+    // (the sessions, the advisories) elect a leader right as they start.
+    for stream in [
+        format!("KV_{}", conn.layout.sessions_bucket()),
+        conn.layout.advisory_stream(),
+    ] {
+        let _ = conn
+            .client
+            .request(
+                format!("$JS.API.STREAM.LEADER.STEPDOWN.{stream}"),
+                "".into(),
+            )
+            .await;
+    }
     // At once: the processes get every node's URL, the dead one included.
     let env = |extra: &[(&'static str, String)]| {
         let mut e: Vec<(&str, String)> = vec![

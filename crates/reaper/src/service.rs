@@ -209,7 +209,7 @@ impl Reaper {
             .await?;
         retry_unavailable("JetStream", START_DEADLINE, || setup::ping(&conn.js)).await?;
         retry_unavailable("layout", START_DEADLINE, || setup::verify(&conn, &[])).await?;
-        let advisories = advisory_consumer(&conn).await?;
+        let advisories = advisory_consumer_at_start(&conn).await?;
         let recovery = retry_unavailable("buckets", START_DEADLINE, || {
             Recovery::open(
                 &conn,
@@ -271,6 +271,24 @@ impl Reaper {
             readiness: self.readiness,
             join,
         })
+    }
+}
+
+/// [`advisory_consumer`] at start: the layout was verified, so a failure
+/// now is the advisory stream electing a leader (a node restarting), waited
+/// out up to [`START_DEADLINE`].
+async fn advisory_consumer_at_start(conn: &Conn) -> Result<consumer::PullConsumer, ReaperError> {
+    let end = tokio::time::Instant::now() + START_DEADLINE;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match advisory_consumer(conn).await {
+            Err(e) if tokio::time::Instant::now() + pause < end => {
+                tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "advisory consumer not available yet; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            other => return other,
+        }
     }
 }
 
@@ -724,7 +742,7 @@ impl Inner {
                     }
                 }
                 Ok(None) => {
-                    if self.recovery.active.remove(&key).await.is_ok() {
+                    if self.recovery.active.remove(&key, u64::MAX).await.is_ok() {
                         self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -778,7 +796,7 @@ impl Inner {
     async fn check_waiting(&self, job: &str, key: &Key) -> Result<(), ReaperError> {
         let r = &self.recovery;
         let Some(cur) = r.jobs.get(job).await? else {
-            r.active.remove(key).await?;
+            r.active.remove(key, u64::MAX).await?;
             return Ok(());
         };
         let rec = cur.value;

@@ -90,10 +90,23 @@ pub(crate) async fn begin(shared: &Arc<Shared>) -> anyhow::Result<async_nats::Su
     let s = &shared.session;
     let w = &shared.worker_id;
     let deadline = tokio::time::Instant::now() + s.timeout + Duration::from_secs(5);
+    // A leader election of the sessions stream (a node restarting) is
+    // waited out, not fatal: the worker starts once the stream answers.
+    let unavailable_until = tokio::time::Instant::now() + super::START_DEADLINE;
+    let mut pause = Backoff::default();
     // Decide the revision to write at before our own responder exists, so
     // a ping of this identity reaches only an earlier process.
     let expected = loop {
-        match shared.sessions.current(w).await? {
+        let current = match shared.sessions.current(w).await {
+            Ok(c) => c,
+            Err(e) => {
+                pause
+                    .wait("read this identity's session", &e, unavailable_until)
+                    .await?;
+                continue;
+            }
+        };
+        match current {
             Current::Absent => break 0,
             Current::Ended { revision } => break revision,
             Current::Live { info, revision } => {
@@ -127,12 +140,34 @@ pub(crate) async fn begin(shared: &Arc<Shared>) -> anyhow::Result<async_nats::Su
         .await?;
     // The subscription is registered once a round trip completed.
     shared.conn.js.query_account().await?;
-    let rev = match shared.sessions.write(&s.info, s.timeout, expected, true).await {
-        Ok(rev) => rev,
-        Err(SessionError::Changed) => anyhow::bail!(
-            "worker id {w:?}: another process wrote this identity's session while this one started; give each process its own --worker-id"
-        ),
-        Err(SessionError::Nats(m)) => anyhow::bail!("cannot open the session: {m}"),
+    let mut tried = false;
+    let rev = loop {
+        match shared
+            .sessions
+            .write(&s.info, s.timeout, expected, true)
+            .await
+        {
+            Ok(rev) => break rev,
+            Err(SessionError::Changed) => {
+                // A write of ours whose reply was lost may have landed.
+                if tried {
+                    if let Ok(Current::Live { info, revision }) = shared.sessions.current(w).await {
+                        if info.session == s.info.session {
+                            break revision;
+                        }
+                    }
+                }
+                anyhow::bail!(
+                    "worker id {w:?}: another process wrote this identity's session while this one started; give each process its own --worker-id"
+                )
+            }
+            Err(SessionError::Nats(m)) => {
+                tried = true;
+                pause
+                    .wait("open the session", &m, unavailable_until)
+                    .await?;
+            }
+        }
     };
     s.revision.store(rev, Ordering::Relaxed);
     s.clock.confirm();
@@ -142,6 +177,31 @@ pub(crate) async fn begin(shared: &Arc<Shared>) -> anyhow::Result<async_nats::Su
         .fetch_add(1, Ordering::Relaxed);
     shared.metrics.session_renewal(Renewal::Ok);
     Ok(sub)
+}
+
+/// The pause between start-up attempts against a sessions stream that does
+/// not answer: 100 ms doubling to 1 s, until a deadline.
+#[derive(Default)]
+struct Backoff(u32);
+
+impl Backoff {
+    async fn wait(
+        &mut self,
+        what: &str,
+        e: &dyn std::fmt::Display,
+        until: tokio::time::Instant,
+    ) -> anyhow::Result<()> {
+        let d = Duration::from_millis(100 << self.0.min(3)).min(Duration::from_secs(1));
+        anyhow::ensure!(
+            tokio::time::Instant::now() + d < until,
+            "cannot {what}: {e} (gave up after {:?})",
+            super::START_DEADLINE
+        );
+        tracing::warn!(error = %e, retry_in_ms = d.as_millis() as u64, "cannot {what} yet; retrying");
+        self.0 += 1;
+        tokio::time::sleep(d).await;
+        Ok(())
+    }
 }
 
 /// Renews the session until `stop`.
