@@ -5,7 +5,7 @@ NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
 .PHONY: setup build test test-cluster soak soak-ci demo bench verify fmt clippy clean-demo \
-	lint lint-tools hadolint k8s-lint deny image image-test
+	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11); idempotent.
 setup:
@@ -48,7 +48,9 @@ soak: setup build
 ## with every fault kind, then the cluster with its own (node kills of
 ## stream leaders and followers, step-downs) and a partition, then the busy
 ## profile on one server (every slot busy with long jobs, poison jobs, worker
-## kills). Fixed seeds. Every leg runs even when an earlier one failed (each
+## kills; its last long jobs start near the end and poison jobs still
+## kill workers, restarting them, so it may need up to 240 s to settle).
+## Fixed seeds. Every leg runs even when an earlier one failed (each
 ## finds something else); the target fails if any did.
 SOAK_CI_SEED ?= 20260501
 soak-ci: build
@@ -61,7 +63,7 @@ soak-ci: build
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \
 		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile busy --seed $$(( $(SOAK_CI_SEED) + 2 )) --seconds 60 \
-		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
+		--quiesce-timeout 240s --out $(SOAK_OUT) || rc=$$?; \
 	{ set +x; } 2>/dev/null; \
 	exit $$rc
 
@@ -70,9 +72,30 @@ demo: setup build
 	./deploy/demo.sh
 
 ## bench: whole-system figures as JSON in bench-results/ (BENCH_ARGS='--only recovery' etc.).
-bench: setup
+## The regression part compares with the previous release's worker, built
+## first by bench-baseline.
+bench: setup bench-baseline
 	$(CARGO) build --workspace --bins --release
-	target/release/leasehold-bench --out bench-results $(BENCH_ARGS)
+	target/release/leasehold-bench --out bench-results \
+		--baseline-bins $(BENCH_BASELINE_DIR)/release $(BENCH_ARGS)
+
+## bench-baseline: the previous release (BENCH_BASELINE_REV, wave 2's last
+## commit) built in release mode into target/baseline, from a worktree of
+## this repository; built once, reused after.
+BENCH_BASELINE_REV ?= c7e17a7
+BENCH_BASELINE_DIR ?= target/baseline
+bench-baseline:
+	@if [ -x $(BENCH_BASELINE_DIR)/release/leasehold-worker ] && \
+		[ "$$(cat $(BENCH_BASELINE_DIR)/rev 2>/dev/null)" = "$(BENCH_BASELINE_REV)" ]; then \
+		echo "baseline $(BENCH_BASELINE_REV) built: $(BENCH_BASELINE_DIR)/release"; \
+	else \
+		rm -rf $(BENCH_BASELINE_DIR)/src; git worktree prune; \
+		git worktree add --detach $(BENCH_BASELINE_DIR)/src $(BENCH_BASELINE_REV) && \
+		(cd $(BENCH_BASELINE_DIR)/src && CARGO_TARGET_DIR=$(CURDIR)/$(BENCH_BASELINE_DIR) \
+			$(CARGO) build --release --bin leasehold-worker) && \
+		echo $(BENCH_BASELINE_REV) > $(BENCH_BASELINE_DIR)/rev && \
+		git worktree remove --force $(BENCH_BASELINE_DIR)/src; \
+	fi
 
 ## verify: formatting, lints and tests.
 verify: fmt clippy test

@@ -3,7 +3,7 @@
 //! percentiles, and the report (JSON plus the printed table).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -146,7 +146,21 @@ pub fn worker_env(url: &str, extra: &[(&'static str, String)]) -> Vec<(&'static 
 }
 
 pub fn worker(url: &str, extra: &[(&'static str, String)]) -> Proc {
-    Proc::spawn("leasehold-worker", &[], &worker_env(url, extra))
+    worker_from(None, url, extra)
+}
+
+/// A bench worker from the binaries in `bins` (another build's, a baseline
+/// release), or this build's when `None`.
+pub fn worker_from(bins: Option<&Path>, url: &str, extra: &[(&'static str, String)]) -> Proc {
+    match bins {
+        Some(dir) => Proc::spawn_path(
+            &dir.join("leasehold-worker"),
+            &[],
+            &worker_env(url, extra),
+            None,
+        ),
+        None => Proc::spawn("leasehold-worker", &[], &worker_env(url, extra)),
+    }
 }
 
 /// A reaper process (its defaults unless `extra` says otherwise); returns

@@ -16,6 +16,9 @@
 //! | `research` | sections/s, flush latency, coalescing, rework per crash | the seed's rework | <= 1 call repeated |
 //! | `research-cost` | what one research job reads with 0..1,000 other jobs' events present | no background | <= 1.2x |
 //! | `queue-full` | refused submission into a full work queue, CLI exit 75, nothing accepted lost | an accepted submission | 10077, 75, 0 lost |
+//! | `busy` | kill -9 on a fleet at 92% of its slots: each bystander running again; a poison job's submit -> dead | the session timeout | p95 <= 11 s; <= (max stale reclaims + 1) x 11 s |
+//! | `reoffers` | false re-offers with ~100 long jobs in flight: `leasehold-soak` rolling (3 nodes) and nats-restart (down 2-3 session timeouts) runs | | 0 |
+//! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 
 mod busy;
 mod common;
@@ -24,6 +27,7 @@ mod inflight;
 mod plateau;
 mod queue;
 mod recovery;
+mod reoffers;
 mod research;
 mod throughput;
 
@@ -47,6 +51,8 @@ pub const PARTS: &[&str] = &[
     "research-cost",
     "queue-full",
     "busy",
+    "regression",
+    "reoffers",
 ];
 
 #[derive(Parser, Debug)]
@@ -60,7 +66,8 @@ pub struct Args {
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, plateau, research,
-    /// research-cost, queue-full, busy. All by default.
+    /// research-cost, queue-full, busy, reoffers, regression. All by default
+    /// (regression only with --baseline-bins).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Echo jobs per throughput run.
@@ -133,6 +140,17 @@ pub struct Args {
     /// Refused submissions timed in the full-queue part.
     #[arg(long, default_value_t = 20)]
     pub queue_probes: usize,
+    /// A previous release's binaries (a directory holding its
+    /// leasehold-worker): the `regression` part compares this build's echo
+    /// throughput and latency with it. `make bench-baseline` builds one.
+    #[arg(long, env = "BENCH_BASELINE_BINS")]
+    pub baseline_bins: Option<PathBuf>,
+    /// Seconds of faults in each of the reoffers part's two soak runs.
+    #[arg(long, default_value_t = 90)]
+    pub reoffer_secs: u64,
+    /// Alternating rounds (baseline, this build) of the regression part.
+    #[arg(long, default_value_t = 3)]
+    pub baseline_rounds: usize,
 }
 
 impl Args {
@@ -392,6 +410,46 @@ async fn main() -> anyhow::Result<()> {
             queue::rows(&mut r, &v);
             r.json.insert("queue_full".into(), v);
         }
+    }
+
+    if a.runs("reoffers") {
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "reoffers",
+            reoffers::false_reoffers(a.reoffer_secs, 20261201, &a.out),
+        )
+        .await
+        {
+            reoffers::rows(&mut r, &v);
+            r.json.insert("false_reoffers".into(), v);
+        }
+    }
+    let asked = a.only.iter().any(|p| p == "regression");
+    match (&a.baseline_bins, a.runs("regression")) {
+        (Some(dir), true) => {
+            if let Some(v) = part(
+                &mut r,
+                &mut failed,
+                "regression",
+                throughput::against_baseline(dir, a.jobs, a.latency_jobs, a.baseline_rounds),
+            )
+            .await
+            {
+                throughput::baseline_rows(&mut r, &v);
+                r.json.insert("regression".into(), v);
+            }
+        }
+        (None, true) if asked => {
+            anyhow::bail!(
+                "--only regression needs --baseline-bins DIR (make bench-baseline builds one)"
+            )
+        }
+        (None, true) => r.row(
+            "regression: not run",
+            "no --baseline-bins (make bench-baseline builds one)",
+        ),
+        _ => {}
     }
 
     r.json.insert(

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::future::IntoFuture;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -134,9 +135,14 @@ impl Writes {
 }
 
 pub async fn throughput(workers: usize, n: usize) -> anyhow::Result<Value> {
+    throughput_of(None, workers, n).await
+}
+
+/// [`throughput`] of the worker binaries in `bins` (this build's if `None`).
+async fn throughput_of(bins: Option<&Path>, workers: usize, n: usize) -> anyhow::Result<Value> {
     let (s, conn) = server(SetupOptions::default()).await?;
     let procs: Vec<Proc> = (0..workers)
-        .map(|_| worker(&s.url(), &[("LH_CONCURRENCY", "64".into())]))
+        .map(|_| worker_from(bins, &s.url(), &[("LH_CONCURRENCY", "64".into())]))
         .collect();
     // Warm up: the workers are connected and pulling once these completed.
     run_batch(&conn, workers * 8, "warm").await?;
@@ -167,8 +173,13 @@ pub async fn throughput(workers: usize, n: usize) -> anyhow::Result<Value> {
 /// One echo job at a time through one worker, from the submission's
 /// publish to its completed record seen on a watch (as a client sees it).
 pub async fn latency(n: usize) -> anyhow::Result<Value> {
+    latency_of(None, n).await
+}
+
+/// [`latency`] of the worker binary in `bins` (this build's if `None`).
+async fn latency_of(bins: Option<&Path>, n: usize) -> anyhow::Result<Value> {
     let (s, conn) = server(SetupOptions::default()).await?;
-    let _w = worker(&s.url(), &[("LH_CONCURRENCY", "64".into())]);
+    let _w = worker_from(bins, &s.url(), &[("LH_CONCURRENCY", "64".into())]);
     // The same server's single-writer CAS round trip, the baseline.
     let kv = conn
         .js
@@ -325,4 +336,88 @@ pub fn rows(r: &mut Report, ceiling: Option<&Value>, tp: &[Value], lat: Option<&
             format!("{:.1}", f64_of(&l["p50_in_cas_round_trips"])),
         );
     }
+}
+
+/// Echo throughput (4 workers) and submit -> result latency of this build
+/// against the worker binaries in `baseline` (a previous release built by
+/// `make bench-baseline`), in alternating rounds on fresh servers so both
+/// see the same machine. Each side's figure is its best round (the least
+/// disturbed by the machine's noise). Targets: throughput >= 0.9x, latency
+/// p50 and p95 <= 1.1x the baseline's.
+pub async fn against_baseline(
+    baseline: &Path,
+    jobs: usize,
+    latency_jobs: usize,
+    rounds: usize,
+) -> anyhow::Result<Value> {
+    anyhow::ensure!(
+        baseline.join("leasehold-worker").is_file(),
+        "no leasehold-worker in {} (build it with `make bench-baseline`)",
+        baseline.display()
+    );
+    let (mut tp, mut p50, mut p95) = ([vec![], vec![]], [vec![], vec![]], [vec![], vec![]]);
+    for _ in 0..rounds.max(1) {
+        for (side, bins) in [(0, Some(baseline)), (1, None)] {
+            let t = throughput_of(bins, 4, jobs).await?;
+            tp[side].push(f64_of(&t["jobs_per_s"]));
+            let l = latency_of(bins, latency_jobs).await?;
+            p50[side].push(f64_of(&l["submit_to_result_ms"]["p50"]));
+            p95[side].push(f64_of(&l["submit_to_result_ms"]["p95"]));
+        }
+    }
+    let best_max = |v: &[f64]| v.iter().cloned().fold(f64::MIN, f64::max);
+    let best_min = |v: &[f64]| v.iter().cloned().fold(f64::MAX, f64::min);
+    let tp_ratio = best_max(&tp[1]) / best_max(&tp[0]);
+    let p50_ratio = best_min(&p50[1]) / best_min(&p50[0]);
+    let p95_ratio = best_min(&p95[1]) / best_min(&p95[0]);
+    Ok(json!({
+        "baseline_bins": baseline.display().to_string(),
+        "rounds": rounds.max(1),
+        "jobs_per_s_4_workers": {"baseline": tp[0], "this": tp[1], "ratio_best": tp_ratio},
+        "submit_to_result_p50_ms": {"baseline": p50[0], "this": p50[1], "ratio_best": p50_ratio},
+        "submit_to_result_p95_ms": {"baseline": p95[0], "this": p95[1], "ratio_best": p95_ratio},
+        "throughput_met": tp_ratio >= 0.9,
+        "latency_met": p50_ratio <= 1.1 && p95_ratio <= 1.1,
+    }))
+}
+
+/// The rows of [`against_baseline`].
+pub fn baseline_rows(r: &mut Report, v: &Value) {
+    let side = |k: &str, which: &str| -> String {
+        v[k][which]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|x| format!("{:.1}", f64_of(x)))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_default()
+    };
+    r.cmp(
+        "echo jobs/s, 4 workers: this build / baseline (best round)",
+        format!(
+            "{:.2}x (this: {})",
+            f64_of(&v["jobs_per_s_4_workers"]["ratio_best"]),
+            side("jobs_per_s_4_workers", "this")
+        ),
+        format!("baseline: {}", side("jobs_per_s_4_workers", "baseline")),
+        ">= 0.9x",
+        v["throughput_met"].as_bool(),
+    );
+    r.cmp(
+        "submit -> result p50/p95: this build / baseline (best round)",
+        format!(
+            "{:.2}x / {:.2}x (this p50: {})",
+            f64_of(&v["submit_to_result_p50_ms"]["ratio_best"]),
+            f64_of(&v["submit_to_result_p95_ms"]["ratio_best"]),
+            side("submit_to_result_p50_ms", "this")
+        ),
+        format!(
+            "baseline p50: {}",
+            side("submit_to_result_p50_ms", "baseline")
+        ),
+        "<= 1.1x",
+        v["latency_met"].as_bool(),
+    );
 }

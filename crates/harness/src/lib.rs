@@ -383,6 +383,22 @@ impl Proc {
         env: &[(&str, String)],
         log: Option<PathBuf>,
     ) -> Self {
+        Self::spawn_path(&bin_path(bin), args, env, log)
+    }
+
+    /// Like [`Proc::spawn_logged`], for the binary at `path` (another
+    /// build's, e.g. a baseline release the bench compares with).
+    pub fn spawn_path(
+        path: &Path,
+        args: &[&str],
+        env: &[(&str, String)],
+        log: Option<PathBuf>,
+    ) -> Self {
+        let bin = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| path.display().to_string());
+        let bin = bin.as_str();
         let logdir = tempfile::Builder::new()
             .prefix("lh-proc-")
             .tempdir()
@@ -390,7 +406,7 @@ impl Proc {
         let log = log.unwrap_or_else(|| logdir.path().join(format!("{bin}.log")));
         let out = std::fs::File::create(&log).expect("log file");
         let err = out.try_clone().expect("log file");
-        let mut cmd = Command::new(bin_path(bin));
+        let mut cmd = Command::new(path);
         cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
         for (k, v) in env {
             cmd.env(k, v);
