@@ -722,3 +722,170 @@ async fn dlq_list_pages_and_filters_on_the_server_without_payloads() {
     assert_eq!((letters.len(), more), (5, false));
     assert!(letters.iter().all(|l| l.payload.is_empty()));
 }
+
+// Issue 18: replaying a letter whose bytes are still refused used to send
+// them anyway and delete the letter; the worker rejected them again and the
+// new letter, carrying the same Nats-Msg-Id, was dropped by the DLQ's
+// dedupe: the raw submission was gone.
+#[tokio::test]
+async fn dlq_replay_never_loses_a_letter_whose_bytes_are_still_refused() {
+    let env = Env::new().await;
+    let (w, stop_w) = env.worker().await;
+    env.work
+        .submit("echo", "{\"input\":[1,2".into(), Some("bad-1"), None)
+        .await
+        .unwrap();
+    env.wait_status("bad-1", "rejected", Duration::from_secs(10))
+        .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let letters = loop {
+        let l = letters_of(&env, "bad-1").await;
+        if !l.is_empty() {
+            break l;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no letter for bad-1: {:?}",
+            Dlq::new(&env.conn).list().await.unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(letters.len(), 1);
+    let seq = letters[0].seq.to_string();
+    // Refused without sending anything.
+    let (code, _, err) = cli(&env, &["dlq", "replay", &seq]).await;
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains("--spec") && err.contains("--force") && err.contains("kept"),
+        "{err}"
+    );
+    assert_eq!(letters_of(&env, "bad-1").await.len(), 1);
+    // Forced: sent, rejected again, and the letter is still there.
+    let (code, out, err) = cli(&env, &["dlq", "replay", &seq, "--force", "--wait", "2s"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"letter_deleted\":false"), "{out}");
+    let kept = letters_of(&env, "bad-1").await;
+    assert!(
+        kept.iter().any(|l| l.seq == letters[0].seq),
+        "the original letter stays: {kept:?}"
+    );
+    // A corrected submission runs under the same id; then the letter goes.
+    let fixed = std::env::temp_dir().join(format!("lh-fixed-{}.json", std::process::id()));
+    std::fs::write(&fixed, r#"{"input":{"list":[1,2]}}"#).unwrap();
+    let (code, out, err) = cli(
+        &env,
+        &["dlq", "replay", &seq, "--spec", fixed.to_str().unwrap()],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"letter_deleted\":true"), "{out}\n{err}");
+    let done = env
+        .wait_status("bad-1", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(done.result.unwrap().output, r#"{"list":[1,2]}"#);
+    assert!(!letters_of(&env, "bad-1")
+        .await
+        .iter()
+        .any(|l| l.seq == letters[0].seq));
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+// A replayed submission that no worker takes keeps its letter.
+#[tokio::test]
+async fn dlq_replay_keeps_the_letter_until_a_worker_accepts_the_job() {
+    let env = Env::new().await;
+    let mut o = env.opts();
+    o.max_submission_bytes = 16;
+    let (strict, stop_strict) = env.worker_with(o).await;
+    env.work
+        .submit(
+            "echo",
+            json!({"input": {"text": "more than sixteen bytes"}})
+                .to_string()
+                .into(),
+            Some("no-taker"),
+            None,
+        )
+        .await
+        .unwrap();
+    env.wait_status("no-taker", "rejected", Duration::from_secs(10))
+        .await;
+    stop_strict.cancel();
+    strict.wait().await.unwrap();
+    let seq = letters_of(&env, "no-taker").await[0].seq.to_string();
+    let (code, out, err) = cli(&env, &["dlq", "replay", &seq, "--wait", "1s"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("kept"), "{err}");
+    assert!(out.contains("\"letter_deleted\":false"), "{out}");
+    assert_eq!(letters_of(&env, "no-taker").await.len(), 1);
+    // The job is queued and indexed meanwhile; a worker runs it, and a
+    // second replay (safe: the resubmission is recognised) lets it go.
+    let (w, stop_w) = env.worker().await;
+    env.wait_status("no-taker", "completed", Duration::from_secs(10))
+        .await;
+    let (code, out, err) = cli(&env, &["dlq", "replay", &seq]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"letter_deleted\":true"), "{out}\n{err}");
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+// Ticket first: a dead job's replay into a full work queue changes nothing
+// (before, the record said `queued` with no ticket, for ever) and can be
+// run again once there is room.
+#[tokio::test]
+async fn dlq_replay_into_a_full_queue_leaves_the_dead_job_and_its_letter() {
+    let env = Env::with(SetupOptions {
+        work_max_msgs: 1,
+        ..SetupOptions::default()
+    })
+    .await;
+    let p = env
+        .work
+        .submit(
+            "echo",
+            json!({"input": {"v": 1}}).to_string().into(),
+            Some("full-replay"),
+            None,
+        )
+        .await
+        .unwrap();
+    env.put_indexed(&abandoned("full-replay", "echo", json!({"v": 1}), p.seq, 3))
+        .await;
+    let r = reaper(&env).await;
+    env.wait_status("full-replay", "dead", Duration::from_secs(10))
+        .await;
+    stop_reaper(r).await;
+    let seq = letters_of(&env, "full-replay").await[0].seq.to_string();
+    // The queue's one place is taken.
+    env.work
+        .submit("echo", "{\"input\":{}}".into(), Some("occupant"), None)
+        .await
+        .unwrap();
+    let (code, _, err) = cli(&env, &["dlq", "replay", &seq]).await;
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("kept") && err.contains("again"), "{err}");
+    assert_eq!(
+        env.jobs
+            .get("full-replay")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .status,
+        "dead"
+    );
+    assert_eq!(letters_of(&env, "full-replay").await.len(), 1);
+    // Room again: the same command works.
+    let (w, stop_w) = env.worker().await;
+    env.wait_status("occupant", "completed", Duration::from_secs(10))
+        .await;
+    let (code, out, err) = cli(&env, &["dlq", "replay", &seq]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"letter_deleted\":true"), "{out}");
+    env.wait_status("full-replay", "completed", Duration::from_secs(10))
+        .await;
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}

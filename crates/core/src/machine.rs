@@ -226,6 +226,18 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
     let Some(status) = status_of(rec) else {
         return ClaimDecision::Drop(format!("unknown status {:?}", rec.status));
     };
+    // An operator's requeue (a dead letter's replay, a review's resume)
+    // publishes its ticket first and then writes `queued`: a ticket newer
+    // than the record's, of a job that can be requeued, waits a moment for
+    // that write instead of being dropped (after NEWER_TICKET_PATIENCE
+    // deliveries it is a duplicate, and goes).
+    let requeueable = matches!(
+        status,
+        Status::Dead | Status::Failed | Status::Rejected | Status::Cancelled | Status::Parked
+    );
+    if requeueable && c.ticket_seq > rec.ticket_seq && c.deliveries < NEWER_TICKET_PATIENCE {
+        return ClaimDecision::Wait(NEWER_TICKET_WAIT);
+    }
     match status {
         s if s.is_terminal() => ClaimDecision::Drop(format!("job is {s}")),
         Status::Parked => ClaimDecision::Drop("job is parked for review".into()),
@@ -792,6 +804,29 @@ mod tests {
             Err(TransitionError::OwnershipLost(_))
         ));
         assert!(touch(&b, &Owner::of(&b).unwrap(), t(12)).is_ok());
+    }
+
+    #[test]
+    fn a_newer_ticket_of_a_requeueable_job_waits_for_the_requeue_then_goes() {
+        let mut dead = fresh();
+        dead.status = "dead".into();
+        let mut c = claimant("b", "t2", t(4));
+        c.ticket_seq = 7;
+        assert_eq!(
+            decide_claim(&dead, &c),
+            ClaimDecision::Wait(NEWER_TICKET_WAIT)
+        );
+        c.deliveries = NEWER_TICKET_PATIENCE;
+        assert!(matches!(decide_claim(&dead, &c), ClaimDecision::Drop(_)));
+        // The record's own ticket, or an older one, goes at once; so does
+        // any ticket of a completed job (a duplicate submission).
+        c.deliveries = 1;
+        c.ticket_seq = 1;
+        assert!(matches!(decide_claim(&dead, &c), ClaimDecision::Drop(_)));
+        let mut done = fresh();
+        done.status = "completed".into();
+        c.ticket_seq = 7;
+        assert!(matches!(decide_claim(&done, &c), ClaimDecision::Drop(_)));
     }
 
     #[test]

@@ -5,8 +5,11 @@
 //! raw bytes as they came, the reason in headers). Replay puts the job back:
 //! a dead job is queued again under the same id with a fresh attempt budget
 //! (its history stays in the record's revisions and its events) and gets a
-//! new ticket; a rejected submission's raw bytes are published again after
-//! the reason is shown. A replayed letter is deleted unless `--keep`.
+//! new ticket (published first); a rejected submission's raw bytes (or a
+//! corrected submission, `--spec FILE`) are published again after the
+//! reason is shown, and bytes still refused only with `--force`. A letter
+//! is deleted only once its replay was accepted as a job (and not with
+//! `--keep`): the raw submission is never lost.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::time::SystemTime;
@@ -53,13 +56,31 @@ enum Cmd {
         /// The letter's sequence (from `leasehold dlq list`).
         seq: u64,
     },
-    /// Resubmit a dead letter: same job id, fresh attempt budget, history kept.
+    /// Resubmit a dead letter: same job id, fresh attempt budget, history
+    /// kept. The letter leaves only once its replay was accepted as a job
+    /// (a dead job queued again with its new ticket; a rejected
+    /// submission's bytes taken by a worker); until then it stays, and
+    /// running this again is safe (the resubmission is recognised).
     Replay {
         /// The letter's sequence (from `leasehold dlq list`).
         seq: u64,
-        /// Keep the letter in the DLQ after replaying it.
+        /// Keep the letter in the DLQ even after the replay was accepted.
         #[arg(long)]
         keep: bool,
+        /// Replay this corrected submission (a file, `-` for standard
+        /// input) instead of the letter's own bytes or spec: same kind,
+        /// same id.
+        #[arg(long, value_name = "FILE")]
+        spec: Option<std::path::PathBuf>,
+        /// Replay bytes the built-in validation refuses (they are refused
+        /// again unless the workers' configuration differs); the letter
+        /// is kept.
+        #[arg(long)]
+        force: bool,
+        /// How long to wait for a worker to accept a replayed submission
+        /// before leaving its letter in place.
+        #[arg(long, default_value = "15s", value_parser = leasehold_core::time::parse_duration)]
+        wait: std::time::Duration,
     },
     /// Delete every dead letter (asks for confirmation on a terminal).
     Purge {
@@ -81,7 +102,21 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             after,
         } => list(&dlq, json, kind, class, limit, after).await,
         Cmd::Show { seq } => show(&dlq, seq).await,
-        Cmd::Replay { seq, keep } => replay(&conn, &dlq, seq, keep).await,
+        Cmd::Replay {
+            seq,
+            keep,
+            spec,
+            force,
+            wait,
+        } => {
+            let o = ReplayOpts {
+                keep,
+                spec,
+                force,
+                wait,
+            };
+            replay(&conn, &dlq, seq, &o).await
+        }
         Cmd::Purge { yes } => purge(&dlq, yes).await,
     }
 }
@@ -172,24 +207,75 @@ async fn show(dlq: &Dlq, seq: u64) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-async fn replay(conn: &Conn, dlq: &Dlq, seq: u64, keep: bool) -> anyhow::Result<i32> {
+/// What `dlq replay` was asked besides the letter.
+struct ReplayOpts {
+    keep: bool,
+    spec: Option<std::path::PathBuf>,
+    force: bool,
+    wait: std::time::Duration,
+}
+
+async fn replay(conn: &Conn, dlq: &Dlq, seq: u64, o: &ReplayOpts) -> anyhow::Result<i32> {
     let l = letter(dlq, seq).await?;
+    let corrected = o.spec.as_deref().map(read_spec).transpose()?;
     let jobs = super::open_jobs(conn).await?;
-    let out = if is_rejection(&l) {
-        replay_rejected(conn, &jobs, &l).await?
+    let (mut out, accepted) = if is_rejection(&l) {
+        replay_rejected(conn, &jobs, &l, corrected, o).await?
     } else {
-        replay_dead(conn, &jobs, &l).await?
+        (replay_dead(conn, &jobs, &l, corrected).await?, true)
     };
-    if !keep {
+    let deleted = accepted && !o.keep;
+    if deleted {
         dlq.delete(seq).await.with_context(|| format!("the job was replayed, but letter {seq} could not be deleted; delete it later or ignore it"))?;
+        eprintln!("letter {seq} deleted: its replay was accepted as a job");
+    } else if !accepted {
+        eprintln!("letter {seq} kept: its replay was not accepted as a job (yet); `leasehold dlq replay {seq}` again is safe");
     }
+    out["letter_deleted"] = json!(deleted);
     println!("{out}");
     Ok(0)
 }
 
-/// Requeues the dead job with a fresh budget, gives it a new ticket, and
-/// points the record at it.
-async fn replay_dead(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result<Value> {
+/// The bytes of a corrected submission (`-`: standard input).
+fn read_spec(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    if path.as_os_str() == "-" {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
+            .context("cannot read the corrected submission from standard input")?;
+        return Ok(b);
+    }
+    std::fs::read(path)
+        .with_context(|| format!("cannot read the corrected submission {}", path.display()))
+}
+
+/// The built-in validation of `payload` as a submission of `kind` under `id`.
+fn validate(
+    kind: &str,
+    payload: &[u8],
+    id: Option<&str>,
+    content_type: Option<&str>,
+) -> Result<spec::Accepted, spec::Rejected> {
+    let sub = Submission {
+        kind,
+        payload,
+        msg_id: id,
+        content_type,
+        stream_seq: 0,
+    };
+    spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES)
+}
+
+/// Requeues the dead job with a fresh budget. The ticket first: it is
+/// published before the record says `queued`, so a failure at any step
+/// leaves either the dead job (run this again: the same ticket is
+/// recognised) or a queued job with a ticket, never a queued job nobody
+/// will run.
+async fn replay_dead(
+    conn: &Conn,
+    jobs: &Jobs,
+    l: &Letter,
+    corrected: Option<Vec<u8>>,
+) -> anyhow::Result<Value> {
     let body: DeadJob = serde_json::from_slice(&l.payload).with_context(|| {
         format!(
             "letter {} is not a dead job's letter (class {:?}); `leasehold dlq show {}` shows it",
@@ -197,6 +283,25 @@ async fn replay_dead(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result<Val
         )
     })?;
     let id = body.record.id.clone();
+    let new_spec = match corrected {
+        Some(bytes) => Some(
+            validate(
+                &body.record.kind,
+                &bytes,
+                Some(&id),
+                Some("application/json"),
+            )
+            .map_err(|rej| {
+                anyhow::anyhow!(
+                    "the corrected submission is refused ({}); letter {} kept",
+                    rej.error,
+                    l.seq
+                )
+            })?
+            .spec,
+        ),
+        None => None,
+    };
     let refuse = |rec: &JobRecord| -> Result<(), TransitionError> {
         match status_of(rec) {
             Some(Status::Dead | Status::Failed | Status::Rejected | Status::Cancelled) => Ok(()),
@@ -207,17 +312,38 @@ async fn replay_dead(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result<Val
             }),
         }
     };
-    let queued = match jobs.get(&id).await? {
+    let current = jobs.get(&id).await?;
+    let mut base = match &current {
+        Some(v) => {
+            refuse(&v.value).map_err(|e| explain(JobsError::Transition(e), &id))?;
+            v.value.clone()
+        }
+        // The record is gone (purged bucket): recreate it from the letter.
+        None => body.record.clone(),
+    };
+    if let Some(spec) = &new_spec {
+        base.spec = Some(spec.clone());
+    }
+    let nonce = format!("{}-{}", l.seq, current.as_ref().map_or(0, |v| v.revision));
+    let ticket = Work::new(conn)
+        .reissue(&base, "replay", &nonce)
+        .await
+        .with_context(|| format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq))?
+        .seq;
+    let queued = match current {
         Some(_) => jobs
             .transition(&id, |cur| {
                 refuse(cur)?;
-                machine::requeue_fresh(cur, SystemTime::now(), 0).map(Some)
+                let mut r = machine::requeue_fresh(cur, SystemTime::now(), ticket)?;
+                if let Some(spec) = &new_spec {
+                    r.spec = Some(spec.clone());
+                }
+                Ok(Some(r))
             })
             .await
             .map_err(|e| explain(e, &id))?,
         None => {
-            // The record is gone (purged bucket): recreate it from the letter.
-            let rec = machine::requeue_fresh(&body.record, SystemTime::now(), 0)?;
+            let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)?;
             let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
             leasehold_store::Versioned {
                 value: rec,
@@ -225,20 +351,18 @@ async fn replay_dead(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result<Val
             }
         }
     };
-    let ticket = requeue_ticket(
-        conn,
-        jobs,
-        &queued.value,
-        "replay",
-        &format!("{}-{}", l.seq, queued.revision),
-    )
-    .await?;
+    // Waiting again: the index lists it, so the sweep replaces a ticket
+    // that a worker dropped before the record said `queued`.
+    super::open_active(conn)
+        .await?
+        .reconcile(&queued.value)
+        .await?;
     let ev = events::event(
         &id,
         queued.value.epoch,
         "progress",
         None,
-        json!({"phase": "replayed", "dlq_seq": l.seq, "ticket_seq": ticket}),
+        json!({"phase": "replayed", "dlq_seq": l.seq, "ticket_seq": ticket, "corrected": new_spec.is_some()}),
     );
     let _ = Events::new(conn)
         .publish(&ev, Some(&format!("{id}:replayed:{ticket}")))
@@ -247,26 +371,51 @@ async fn replay_dead(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result<Val
     Ok(json!({"id": id, "status": "queued", "ticket_seq": ticket, "replayed_from": l.seq}))
 }
 
-/// Publishes the raw bytes of a rejected submission again, after saying why
-/// they were rejected. A `rejected` record of the same id is queued again
-/// when the bytes now decode, so the worker runs it instead of dropping it.
-async fn replay_rejected(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result<Value> {
+/// Publishes a rejected submission's raw bytes (or a corrected
+/// submission) again, after saying why they were rejected. Bytes the
+/// built-in validation still refuses are not sent unless forced. A
+/// `rejected` record of the same id is queued again first (and indexed),
+/// so the worker runs it instead of dropping it. Returns whether a worker
+/// accepted the replay within `--wait`: only then may the letter go.
+async fn replay_rejected(
+    conn: &Conn,
+    jobs: &Jobs,
+    l: &Letter,
+    corrected: Option<Vec<u8>>,
+    o: &ReplayOpts,
+) -> anyhow::Result<(Value, bool)> {
     eprintln!(
         "letter {} is a rejected submission of kind {:?}: {}",
         l.seq, l.kind, l.reason
     );
-    let ct = work::content_type(Some(&l.headers));
-    let sub = Submission {
-        kind: &l.kind,
-        payload: &l.payload,
-        msg_id: l.job_id.as_deref(),
-        content_type: ct.as_deref(),
-        stream_seq: 0,
+    let is_corrected = corrected.is_some();
+    let (payload, ct) = match corrected {
+        Some(b) => (bytes::Bytes::from(b), Some("application/json".to_string())),
+        None => (l.payload.clone(), work::content_type(Some(&l.headers))),
     };
-    match spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES) {
-        Ok(accepted) => {
-            if jobs.get(&accepted.id).await?.is_some_and(|v| v.value.status == Status::Rejected.as_str()) {
-                jobs.transition(&accepted.id, |cur| {
+    let verdict = validate(&l.kind, &payload, l.job_id.as_deref(), ct.as_deref());
+    let refused = match &verdict {
+        Ok(_) => false,
+        Err(rej) if !o.force => anyhow::bail!(
+            "letter {} kept, nothing sent: {} still refused by the built-in validation ({}); replay a corrected submission with `--spec FILE`, or send them anyway with `--force`",
+            l.seq,
+            if is_corrected { "the corrected submission is" } else { "its bytes are" },
+            rej.error
+        ),
+        Err(rej) => {
+            eprintln!("warning: sending bytes the built-in validation refuses ({}), as --force asks; the letter is kept", rej.error);
+            true
+        }
+    };
+    let started = SystemTime::now();
+    if let Ok(accepted) = &verdict {
+        if jobs
+            .get(&accepted.id)
+            .await?
+            .is_some_and(|v| v.value.status == Status::Rejected.as_str())
+        {
+            let v = jobs
+                .transition(&accepted.id, |cur| {
                     if cur.status != Status::Rejected.as_str() {
                         return Ok(None);
                     }
@@ -277,30 +426,98 @@ async fn replay_rejected(conn: &Conn, jobs: &Jobs, l: &Letter) -> anyhow::Result
                 })
                 .await
                 .map_err(|e| explain(e, &accepted.id))?;
-            }
+            super::open_active(conn).await?.reconcile(&v.value).await?;
         }
-        Err(rej) => eprintln!("warning: these bytes are still refused by the built-in validation ({}); a worker will reject them again unless its configuration differs", rej.error),
     }
     eprintln!(
-        "replaying its raw bytes ({} bytes) as they came",
-        l.payload.len()
+        "replaying {} ({} bytes)",
+        if is_corrected {
+            "the corrected submission"
+        } else {
+            "its raw bytes as they came"
+        },
+        payload.len()
     );
-    let msg_id = l.job_id.as_ref().map(|id| format!("{id}:replay:{}", l.seq));
+    let digest = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        payload.hash(&mut h);
+        h.finish()
+    };
+    let msg_id = l
+        .job_id
+        .as_ref()
+        .map(|id| format!("{id}:replay:{}:{digest:016x}", l.seq));
     let p = Work::new(conn)
         .resubmit_raw(
             &l.kind,
-            l.payload.clone(),
+            payload,
             Some(&l.headers),
             l.job_id.as_deref(),
             msg_id.as_deref(),
         )
-        .await?;
+        .await
+        .with_context(|| {
+            format!(
+                "the replay could not be published; letter {} kept: run this again",
+                l.seq
+            )
+        })?;
     if p.duplicate {
         eprintln!("note: this letter was already replayed recently (the stream recognised the resubmission)");
     }
-    Ok(
-        json!({"id": l.job_id, "kind": l.kind, "ticket_seq": p.seq, "replayed_from": l.seq, "duplicate": p.duplicate}),
-    )
+    let accepted = match (&l.job_id, refused) {
+        (Some(id), false) => accepted_by_a_worker(jobs, id, started, o.wait).await?,
+        (None, _) => {
+            eprintln!("the letter names no job id: whether a worker accepts it cannot be told");
+            false
+        }
+        (_, true) => false,
+    };
+    Ok((
+        json!({"id": l.job_id, "kind": l.kind, "ticket_seq": p.seq, "replayed_from": l.seq, "duplicate": p.duplicate, "accepted": accepted}),
+        accepted,
+    ))
+}
+
+/// Waits up to `wait` for a worker to take the replayed submission `id`:
+/// its record claimed or settled by a worker (anything but queued), or
+/// rejected again after `since` (the reason is shown).
+async fn accepted_by_a_worker(
+    jobs: &Jobs,
+    id: &str,
+    since: SystemTime,
+    wait: std::time::Duration,
+) -> anyhow::Result<bool> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if let Some(v) = jobs.get(id).await? {
+            let r = &v.value;
+            let after =
+                leasehold_core::time::parse_rfc3339(&r.updated_at).is_some_and(|t| t >= since);
+            match status_of(r) {
+                Some(Status::Queued) | None => {}
+                Some(Status::Rejected) if !after => {}
+                Some(Status::Rejected) => {
+                    eprintln!(
+                        "rejected again: {}",
+                        r.error
+                            .as_ref()
+                            .map_or("no reason recorded", |e| e.message.as_str())
+                    );
+                    return Ok(false);
+                }
+                Some(_) => return Ok(true),
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            eprintln!(
+                "no worker took job {id} within {wait:?}; `leasehold status {id}` follows it"
+            );
+            return Ok(false);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// Publishes a fresh ticket for a queued record and points the record at it
