@@ -572,3 +572,62 @@ async fn tool_call_of_one_step_with_other_arguments_is_refused() {
         "a clear error: {err}"
     );
 }
+
+// Issue 18: after `setup --kinds research,echo,sleep`, a plain `setup` (the
+// hint `setup --check` gave) removed echo and sleep with an echo ticket
+// queued: echo workers refused to start and echo submissions failed.
+#[tokio::test]
+async fn setup_never_removes_a_kind_silently_and_prunes_only_an_empty_one() {
+    let s = NatsServer::start();
+    wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+    let url = s.url();
+    let (code, _, err) = cli(&url, &["setup", "--kinds", "research,echo,sleep"]).await;
+    assert_eq!(code, 0, "{err}");
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    let subjects = |js: async_nats::jetstream::Context| async move {
+        let mut st = js.get_stream("LH_WORK").await.unwrap();
+        let mut v = st.info().await.unwrap().config.subjects.clone();
+        v.sort();
+        v
+    };
+    let all = vec!["lh.submit.echo", "lh.submit.research", "lh.submit.sleep"];
+    // An echo ticket waits (no worker).
+    js.publish("lh.submit.echo", r#"{"input":{}}"#.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // Without --kinds: the kinds set up are what is wanted.
+    let (code, out, err) = cli(&url, &["setup", "--check"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = cli(&url, &["setup"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(subjects(js.clone()).await, all);
+    // Leaving kinds out is refused without --prune, and changes nothing.
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "research"]).await;
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("leaves out echo, sleep") && err.contains("--prune"),
+        "{err}"
+    );
+    assert_eq!(subjects(js.clone()).await, all);
+    // With --prune, a kind with a queued ticket is refused, with its count.
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "research,sleep", "--prune"]).await;
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("kind echo has 1 ticket(s) queued"), "{err}");
+    assert_eq!(subjects(js.clone()).await, all);
+    // An empty kind goes, subject and consumer.
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "research,echo", "--prune"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("removed  kind sleep"), "{out}");
+    assert_eq!(
+        subjects(js.clone()).await,
+        vec!["lh.submit.echo", "lh.submit.research"]
+    );
+    let w = js.get_stream("LH_WORK").await.unwrap();
+    assert!(w.consumer_info("lh_workers_sleep").await.is_err());
+    assert!(w.consumer_info("lh_workers_echo").await.is_ok());
+    // The echo ticket is still there.
+    let mut w = js.get_stream("LH_WORK").await.unwrap();
+    assert_eq!(w.info().await.unwrap().state.messages, 1);
+}

@@ -431,3 +431,49 @@ async fn leaseholds_own_tickets_get_the_streams_ack_never_the_gateways_answer() 
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 18: a kind set up while the fleet runs. The gateway read the work
+// stream's subjects once at start, so an older worker's gateway (one of
+// the queue group) rejected the new kind's submissions as `unknown_kind`
+// although the stream stored them.
+#[tokio::test]
+async fn a_kind_set_up_on_a_running_fleet_is_accepted_by_every_gateway() {
+    let only_echo = leasehold_store::setup::SetupOptions {
+        kinds: vec!["echo".into()],
+        ..leasehold_store::setup::SetupOptions::default()
+    };
+    let env = Env::with(only_echo.clone()).await;
+    let mut o = env.opts();
+    o.kinds = vec!["echo".into()];
+    let (echo_w, stop_echo) = env.worker_with(o).await;
+    // Its gateway has seen a submission (and so the subjects) already.
+    env.submit("echo", json!({"input": {}}), "before").await;
+    env.wait_status("before", "completed", Duration::from_secs(10))
+        .await;
+    let both = leasehold_store::setup::SetupOptions {
+        kinds: vec!["echo".into(), "sleep".into()],
+        ..only_echo
+    };
+    leasehold_store::setup::ensure(&env.conn, &both)
+        .await
+        .unwrap();
+    let mut o = env.opts();
+    o.kinds = vec!["sleep".into()];
+    let (sleep_w, stop_sleep) = env.worker_with(o).await;
+    for i in 0..20 {
+        env.submit("sleep", json!({"input": {"ms": 10}}), &format!("live-{i}"))
+            .await;
+    }
+    for i in 0..20 {
+        let r = env
+            .wait_for(&format!("live-{i}"), Duration::from_secs(20), |r| {
+                r.status == "completed" || r.status == "rejected"
+            })
+            .await;
+        assert_eq!(r.status, "completed", "live-{i}: {:?}", r.error);
+    }
+    stop_echo.cancel();
+    stop_sleep.cancel();
+    echo_w.wait().await.unwrap();
+    sleep_w.wait().await.unwrap();
+}

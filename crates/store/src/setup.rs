@@ -755,6 +755,70 @@ pub async fn ensure(conn: &Conn, o: &SetupOptions) -> Result<Vec<String>, StoreE
         .collect())
 }
 
+/// The kinds set up now: those whose submit subject the work stream
+/// captures (`None`: no work stream yet).
+pub async fn kinds_set_up(conn: &Conn) -> Result<Option<Vec<String>>, StoreError> {
+    let l = &conn.layout;
+    let mut s = match conn.js.get_stream(l.work_stream()).await {
+        Ok(s) => s,
+        Err(e) => {
+            return match crate::lookup_error(format!("stream {}", l.work_stream()), &e) {
+                StoreError::Missing(_) => Ok(None),
+                other => Err(other),
+            }
+        }
+    };
+    let info = s
+        .info()
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("stream {}: {e}", l.work_stream())))?;
+    Ok(Some(
+        info.config
+            .subjects
+            .iter()
+            .filter_map(|subj| l.kind_of_submit_subject(subj).map(str::to_string))
+            .collect(),
+    ))
+}
+
+/// Tickets of `kind` in the work stream now (waiting or held by a worker).
+pub async fn tickets_of_kind(conn: &Conn, kind: &str) -> Result<u64, StoreError> {
+    let l = &conn.layout;
+    let s = conn
+        .js
+        .get_stream_no_info(l.work_stream())
+        .await
+        .map_err(|e| StoreError::nats("work stream", e))?;
+    let subject = l.submit_subject(kind);
+    let mut info = s
+        .info_with_subjects(subject.clone())
+        .await
+        .map_err(|e| StoreError::nats("work stream subjects", e))?;
+    let mut n = 0;
+    while let Some(x) = futures::StreamExt::next(&mut info).await {
+        let (subj, count) = x.map_err(|e| StoreError::nats("work stream subjects", e))?;
+        if subj == subject {
+            n += count as u64;
+        }
+    }
+    Ok(n)
+}
+
+/// Removes `kind`'s work consumer (after its subject left the work stream).
+pub async fn remove_kind_consumer(conn: &Conn, kind: &str) -> Result<bool, StoreError> {
+    let l = &conn.layout;
+    let s = conn
+        .js
+        .get_stream_no_info(l.work_stream())
+        .await
+        .map_err(|e| StoreError::nats("work stream", e))?;
+    match s.delete_consumer(&l.work_consumer(kind)).await {
+        Ok(_) => Ok(true),
+        Err(e) if crate::is_not_found(&e) => Ok(false),
+        Err(e) => Err(StoreError::nats("delete consumer", e)),
+    }
+}
+
 /// Checks that what `kinds` need exists; the error lists exactly what is
 /// missing. A lookup the server did not answer is
 /// [`StoreError::Unavailable`], never "missing": callers retry it (see

@@ -81,21 +81,23 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
         mut enqueued,
     } = subs;
     // The kinds the work stream captures; anything else is unknown.
-    let captured: Vec<String> = match conn.js.get_stream(l.work_stream()).await {
-        Ok(mut s) => s
-            .info()
-            .await
-            .map(|i| i.config.subjects.clone())
-            .unwrap_or_default(),
-        Err(_) => Vec::new(),
-    };
+    let mut captured = Captured::default();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             Some(m) = submit.next() => {
                 let Some(kind) = l.kind_of_submit_subject(&m.subject).map(str::to_string) else { continue };
-                let stream_has_it = captured.iter().any(|s| s == m.subject.as_str());
-                gw.on_submission(&kind, stream_has_it, m).await;
+                match captured.has(conn, m.subject.as_str()).await {
+                    Ok(stream_has_it) => gw.on_submission(&kind, stream_has_it, m).await,
+                    Err(e) => {
+                        // Never reject what the stream may have stored.
+                        tracing::warn!(subject = %m.subject, error = %e, "gateway: cannot read the work stream's subjects; not judging this submission");
+                        if let Some(reply) = m.reply {
+                            let body = json!({"error": {"code": 503, "class": "unavailable", "description": format!("cannot tell whether kind {kind:?} is set up ({e}); if the stream stored it, it runs; otherwise submit again")}});
+                            let _ = conn.client.publish(reply, body.to_string().into()).await;
+                        }
+                    }
+                }
             }
             Some(m) = cancel.next() => {
                 let id = m.subject.rsplit('.').next().unwrap_or_default().to_string();
@@ -123,6 +125,56 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
                 }
             }
         }
+    }
+}
+
+/// The subjects the work stream captures, as last read. A subject that is
+/// not among them is read again before it is judged unknown (a kind set up
+/// while the fleet runs); what is among them is trusted for
+/// [`Captured::FRESH_FOR`] (a kind pruned meanwhile).
+#[derive(Default)]
+pub(crate) struct Captured {
+    subjects: Vec<String>,
+    read_at: Option<std::time::Instant>,
+}
+
+impl Captured {
+    const FRESH_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+    /// Attempts at reading the stream's subjects before giving up.
+    const TRIES: u32 = 3;
+
+    /// Whether the work stream stores `subject`, from a read no older than
+    /// [`Captured::FRESH_FOR`] if it says yes, and a fresh one if it says no.
+    pub(crate) async fn has(&mut self, conn: &Conn, subject: &str) -> Result<bool, String> {
+        let fresh = self.read_at.is_some_and(|t| t.elapsed() < Self::FRESH_FOR);
+        if fresh && self.subjects.iter().any(|s| s == subject) {
+            return Ok(true);
+        }
+        let mut last = String::new();
+        for i in 0..Self::TRIES {
+            match Self::read(conn).await {
+                Ok(v) => {
+                    self.subjects = v;
+                    self.read_at = Some(std::time::Instant::now());
+                    return Ok(self.subjects.iter().any(|s| s == subject));
+                }
+                Err(e) => last = e,
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200 << i)).await;
+        }
+        Err(last)
+    }
+
+    async fn read(conn: &Conn) -> Result<Vec<String>, String> {
+        let mut s = conn
+            .js
+            .get_stream(conn.layout.work_stream())
+            .await
+            .map_err(|e| e.to_string())?;
+        s.info()
+            .await
+            .map(|i| i.config.subjects.clone())
+            .map_err(|e| e.to_string())
     }
 }
 

@@ -1,6 +1,8 @@
 //! `leasehold setup`: create the streams, buckets and consumers, or bring
 //! an existing layout to the wanted limits (it says what it changed);
-//! `--check` only reports how the server's layout differs.
+//! `--check` only reports how the server's layout differs. A kind set up is
+//! never removed silently: without `--kinds` the kinds set up are kept, and
+//! leaving one out needs `--prune`, refused while it has queued tickets.
 
 use std::time::Duration;
 
@@ -40,15 +42,16 @@ pub struct Args {
     #[arg(long, env = "LH_REPLICAS", default_value_t = 1)]
     replicas: usize,
     /// Kinds that get a submit subject and a consumer, comma-separated.
+    /// Without it: the kinds set up now (research on a fresh server). A
+    /// list that leaves out a kind set up now is refused unless --prune.
     /// The test kinds (echo, sleep, fail, crash, deliver) are for dev setups:
     /// list them here and start workers with --dev-kinds.
-    #[arg(
-        long,
-        env = "LH_KINDS",
-        value_delimiter = ',',
-        default_value = "research"
-    )]
-    kinds: Vec<String>,
+    #[arg(long, env = "LH_KINDS", value_delimiter = ',')]
+    kinds: Option<Vec<String>>,
+    /// Remove the kinds set up now that --kinds leaves out (their subject
+    /// and consumer); refused while such a kind has tickets in the queue.
+    #[arg(long, requires = "kinds")]
+    prune: bool,
     /// Ack wait of the work consumers: how long a ticket delivered to a
     /// worker that stopped before claiming it waits before redelivery (a
     /// claimed job's recovery never depends on it). The default matches the
@@ -105,9 +108,42 @@ pub struct Args {
     dlq_max_bytes: Option<i64>,
 }
 
+/// The kind a fresh server gets when `--kinds` is not given.
+const FIRST_KINDS: &[&str] = &["research"];
+
+/// The kinds to set up, and those to remove: `asked` (or, without it, the
+/// kinds set up now), checked against the kinds set up now. Leaving out a
+/// kind set up now needs `prune`.
+fn plan_kinds(
+    asked: Option<Vec<String>>,
+    now: Option<Vec<String>>,
+    prune: bool,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let now = now.unwrap_or_default();
+    let Some(asked) = asked else {
+        let keep = if now.is_empty() {
+            FIRST_KINDS.iter().map(|k| k.to_string()).collect()
+        } else {
+            now
+        };
+        return Ok((keep, Vec::new()));
+    };
+    anyhow::ensure!(!asked.is_empty(), "--kinds must name at least one kind");
+    let dropped: Vec<String> = now.into_iter().filter(|k| !asked.contains(k)).collect();
+    anyhow::ensure!(
+        dropped.is_empty() || prune,
+        "--kinds leaves out {} set up now; list {} to keep {}, or pass --prune to remove {} (refused while tickets of {} are queued)",
+        dropped.join(", "),
+        if dropped.len() == 1 { "it" } else { "them" },
+        if dropped.len() == 1 { "it" } else { "them" },
+        if dropped.len() == 1 { "it" } else { "them" },
+        if dropped.len() == 1 { "it" } else { "them" },
+    );
+    Ok((asked, dropped))
+}
+
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(a.max_deliver >= 2, "--max-deliver must be at least 2");
-    anyhow::ensure!(!a.kinds.is_empty(), "--kinds must name at least one kind");
     anyhow::ensure!(
         (1..=64).contains(&a.job_history),
         "--job-history must be 1 to 64"
@@ -115,10 +151,18 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(a.work_max_msgs > 0, "--work-max-msgs must be positive");
     let conn = nats.connect("leasehold-cli setup").await?;
     setup::ping(&conn.js).await?;
+    let (kinds, pruned) = plan_kinds(a.kinds, setup::kinds_set_up(&conn).await?, a.prune)?;
+    for k in &pruned {
+        let n = setup::tickets_of_kind(&conn, k).await?;
+        anyhow::ensure!(
+            n == 0,
+            "kind {k} has {n} ticket(s) queued: nothing changed; let its workers drain them (or cancel those jobs), then prune it"
+        );
+    }
     let d = SetupOptions::default();
     let o = SetupOptions {
         replicas: a.replicas,
-        kinds: a.kinds,
+        kinds,
         ack_wait: a.ack_wait,
         max_deliver: a.max_deliver,
         dedupe_window: a.dedupe_window,
@@ -144,6 +188,15 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     for c in &changes {
         println!("{}", c.line(mode));
     }
+    for k in &pruned {
+        match mode {
+            Mode::Apply => {
+                setup::remove_kind_consumer(&conn, k).await?;
+                println!("removed  kind {k} (its subject and consumer)");
+            }
+            Mode::Check => println!("prune    kind {k}"),
+        }
+    }
     let changed = changes.iter().filter(|c| c.changed()).count();
     match mode {
         Mode::Apply if changed == 0 => eprintln!("the layout was already as wanted"),
@@ -161,7 +214,46 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, plan_kinds};
+
+    fn v(k: &[&str]) -> Vec<String> {
+        k.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn kinds_set_up_are_kept_unless_pruned() {
+        // Without --kinds: what is set up, or research on a fresh server.
+        assert_eq!(
+            plan_kinds(None, Some(v(&["echo", "sleep"])), false).unwrap(),
+            (v(&["echo", "sleep"]), v(&[]))
+        );
+        assert_eq!(
+            plan_kinds(None, None, false).unwrap(),
+            (v(&["research"]), v(&[]))
+        );
+        // Adding is always fine; leaving one out needs --prune.
+        assert_eq!(
+            plan_kinds(Some(v(&["echo", "sleep"])), Some(v(&["echo"])), false)
+                .unwrap()
+                .1,
+            v(&[])
+        );
+        let e = plan_kinds(
+            Some(v(&["research"])),
+            Some(v(&["echo", "research"])),
+            false,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("leaves out echo") && e.to_string().contains("--prune"),
+            "{e}"
+        );
+        assert_eq!(
+            plan_kinds(Some(v(&["research"])), Some(v(&["echo", "research"])), true).unwrap(),
+            (v(&["research"]), v(&["echo"]))
+        );
+        assert!(plan_kinds(Some(v(&[])), None, false).is_err());
+    }
 
     #[test]
     fn sizes_read_with_their_units() {
