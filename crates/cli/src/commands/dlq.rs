@@ -312,51 +312,41 @@ async fn replay_dead(
             }),
         }
     };
-    let current = jobs.get(&id).await?;
-    let mut base = match &current {
-        Some(v) => {
-            refuse(&v.value).map_err(|e| explain(JobsError::Transition(e), &id))?;
-            v.value.clone()
-        }
-        // The record is gone (purged bucket): recreate it from the letter.
-        None => body.record.clone(),
-    };
-    if let Some(spec) = &new_spec {
-        base.spec = Some(spec.clone());
-    }
-    let nonce = format!("{}-{}", l.seq, current.as_ref().map_or(0, |v| v.revision));
-    let ticket = Work::new(conn)
-        .reissue(&base, "replay", &nonce)
+    let (queued, ticket) = if jobs.get(&id).await?.is_some() {
+        requeue_ticket_first(
+            conn,
+            jobs,
+            &id,
+            refuse,
+            "replay",
+            &l.seq.to_string(),
+            new_spec.as_ref(),
+        )
         .await
-        .with_context(|| format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq))?
-        .seq;
-    let queued = match current {
-        Some(_) => jobs
-            .transition(&id, |cur| {
-                refuse(cur)?;
-                let mut r = machine::requeue_fresh(cur, SystemTime::now(), ticket)?;
-                if let Some(spec) = &new_spec {
-                    r.spec = Some(spec.clone());
-                }
-                Ok(Some(r))
-            })
+        .with_context(|| format!("letter {} kept", l.seq))?
+    } else {
+        // The record is gone (purged bucket): recreate it from the letter,
+        // its ticket first too.
+        let mut base = body.record.clone();
+        if let Some(spec) = &new_spec {
+            base.spec = Some(spec.clone());
+        }
+        let ticket = Work::new(conn)
+            .reissue(&base, "replay", &format!("{}-0", l.seq))
             .await
-            .map_err(|e| explain(e, &id))?,
-        None => {
-            let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)?;
-            let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
+            .with_context(|| format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq))?
+            .seq;
+        let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)?;
+        let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
+        super::open_active(conn).await?.reconcile(&rec).await?;
+        (
             leasehold_store::Versioned {
                 value: rec,
                 revision,
-            }
-        }
+            },
+            ticket,
+        )
     };
-    // Waiting again: the index lists it, so the sweep replaces a ticket
-    // that a worker dropped before the record said `queued`.
-    super::open_active(conn)
-        .await?
-        .reconcile(&queued.value)
-        .await?;
     let ev = events::event(
         &id,
         queued.value.epoch,
@@ -520,44 +510,57 @@ async fn accepted_by_a_worker(
     }
 }
 
-/// Publishes a fresh ticket for a queued record and points the record at it
-/// (a worker claiming the ticket first adopts it itself). Shared with `review resume`.
-pub(crate) async fn requeue_ticket(
+/// Queues the existing job `id` again with a fresh budget, its ticket
+/// first: the ticket is published (its id derived from the record's
+/// revision, so a re-run after any failure publishes the same one), then
+/// the record says `queued` naming it, then the index lists it. `allowed`
+/// refuses the states this command does not requeue; `spec` replaces the
+/// job's spec. Shared by `dlq replay` and `review resume`.
+pub(crate) async fn requeue_ticket_first<F>(
     conn: &Conn,
     jobs: &Jobs,
-    rec: &JobRecord,
+    id: &str,
+    allowed: F,
     reason: &str,
     nonce: &str,
-) -> anyhow::Result<u64> {
-    let p = Work::new(conn)
-        .reissue(rec, reason, nonce)
+    spec: Option<&leasehold_core::JobSpec>,
+) -> anyhow::Result<(leasehold_store::Versioned<JobRecord>, u64)>
+where
+    F: Fn(&JobRecord) -> Result<(), TransitionError>,
+{
+    let cur = jobs
+        .get(id)
+        .await?
+        .with_context(|| format!("no job {id}"))?;
+    allowed(&cur.value).map_err(|e| explain(JobsError::Transition(e), id))?;
+    let mut base = cur.value.clone();
+    if let Some(s) = spec {
+        base.spec = Some(s.clone());
+    }
+    let ticket = Work::new(conn)
+        .reissue(&base, reason, &format!("{nonce}-{}", cur.revision))
         .await
-        .with_context(|| format!("job {} is queued but its ticket could not be published; the reaper re-enqueues it after its stranded grace, or run this again", rec.id))?;
-    let epoch = rec.epoch;
-    let res = jobs
-        .transition(&rec.id, |cur| {
-            if cur.status != Status::Queued.as_str()
-                || cur.epoch != epoch
-                || cur.ticket_seq >= p.seq
-            {
-                return Ok(None);
+        .with_context(|| {
+            format!(
+                "the ticket of job {id} could not be published; nothing changed: run this again"
+            )
+        })?
+        .seq;
+    let v = jobs
+        .transition(id, |c| {
+            allowed(c)?;
+            let mut r = machine::requeue_fresh(c, SystemTime::now(), ticket)?;
+            if let Some(s) = spec {
+                r.spec = Some(s.clone());
             }
-            let mut r = cur.clone();
-            r.ticket_seq = p.seq;
             Ok(Some(r))
         })
-        .await;
-    match res {
-        Ok(v) => {
-            // The job is waiting again: the index lists it (and no longer as parked).
-            let active = super::open_active(conn).await?;
-            active.reconcile(&v.value).await?;
-        }
-        Err(e) => {
-            tracing::debug!(job = %rec.id, error = %e, "ticket_seq not recorded; the claiming worker adopts it")
-        }
-    }
-    Ok(p.seq)
+        .await
+        .map_err(|e| explain(e, id))?;
+    // Waiting again: the index lists it (no longer as parked or dead), so
+    // the sweep replaces a ticket a worker dropped before this write.
+    super::open_active(conn).await?.reconcile(&v.value).await?;
+    Ok((v, ticket))
 }
 
 /// A job-record error with what to do about it.

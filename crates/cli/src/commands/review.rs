@@ -3,7 +3,9 @@
 //! whose outcome is uncertain, a loop).
 //!
 //! A parked job keeps its full state (checkpoints, progress, budget used).
-//! `resume` queues it again with a fresh attempt budget and a new ticket; the
+//! `resume` queues it again with a fresh attempt budget and a new ticket
+//! (published first: a failure at any step leaves the job parked, or queued
+//! with its ticket, and the command can be run again); the
 //! workflow continues from its checkpoints. `fail` ends it as `failed` with
 //! the reviewer's reason (error class `review`).
 
@@ -16,7 +18,7 @@ use leasehold_store::index::{Active, Filter};
 use leasehold_store::{Jobs, NatsArgs};
 use serde_json::{json, Value};
 
-use super::dlq::{explain, requeue_ticket};
+use super::dlq::{explain, requeue_ticket_first};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -54,15 +56,16 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     match args.cmd {
         Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
         Cmd::Resume { id } => {
-            let v = jobs
-                .transition(&id, |cur| {
-                    only_parked(cur, "resume")?;
-                    machine::requeue_fresh(cur, SystemTime::now(), 0).map(Some)
-                })
-                .await
-                .map_err(|e| explain(e, &id))?;
-            let ticket =
-                requeue_ticket(&conn, &jobs, &v.value, "resume", &v.revision.to_string()).await?;
+            let (v, ticket) = requeue_ticket_first(
+                &conn,
+                &jobs,
+                &id,
+                |cur| only_parked(cur, "resume"),
+                "resume",
+                "r",
+                None,
+            )
+            .await?;
             let ev = events::event(
                 &id,
                 v.value.epoch,
