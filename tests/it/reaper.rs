@@ -889,3 +889,44 @@ async fn dlq_replay_into_a_full_queue_leaves_the_dead_job_and_its_letter() {
     stop_w.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 18: `review resume` wrote `queued` before publishing the ticket;
+// into a full queue the job was queued for ever with no ticket and the
+// command refused to run again. Ticket first: nothing changes, and the
+// same command works once there is room.
+#[tokio::test]
+async fn review_resume_into_a_full_queue_leaves_the_job_parked_and_can_be_run_again() {
+    let env = Env::with(SetupOptions {
+        work_max_msgs: 1,
+        ..SetupOptions::default()
+    })
+    .await;
+    let mut r = machine::new_record("held", "echo", spec(json!({"v": 2})), 0, SystemTime::now());
+    r.status = "parked".into();
+    r.epoch = 1;
+    r.parked_reason = Some("uncertain_effect".into());
+    env.put_indexed(&r).await;
+    env.work
+        .submit("echo", "{\"input\":{}}".into(), Some("occupant"), None)
+        .await
+        .unwrap();
+    let (code, _, err) = cli(&env, &["review", "resume", "held"]).await;
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains("nothing changed") && err.contains("again"),
+        "{err}"
+    );
+    let now = env.jobs.get("held").await.unwrap().unwrap().value;
+    assert_eq!((now.status.as_str(), now.ticket_seq), ("parked", 0));
+    let (w, stop_w) = env.worker().await;
+    env.wait_status("occupant", "completed", Duration::from_secs(10))
+        .await;
+    let (code, _, err) = cli(&env, &["review", "resume", "held"]).await;
+    assert_eq!(code, 0, "{err}");
+    let done = env
+        .wait_status("held", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(done.result.unwrap().output, json!({"v": 2}).to_string());
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
