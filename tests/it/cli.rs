@@ -631,3 +631,47 @@ async fn setup_never_removes_a_kind_silently_and_prunes_only_an_empty_one() {
     let mut w = js.get_stream("LH_WORK").await.unwrap();
     assert_eq!(w.info().await.unwrap().state.messages, 1);
 }
+
+// Issue 18: `submit … --id nw-1` with no worker running: `list` showed 0
+// jobs, `status nw-1` said no job, `cancel nw-1` said `not_found`, yet it
+// ran once a worker came back.
+#[tokio::test]
+async fn a_job_submitted_while_no_worker_runs_is_visible_and_cancellable_at_once() {
+    let env = Env::new().await;
+    let url = env.url();
+    for id in ["nw-1", "nw-2"] {
+        let (code, out, err) = cli(
+            &url,
+            &["submit", "echo", r#"{"input":{"n":1}}"#, "--id", id],
+        )
+        .await;
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(out.trim(), id);
+        assert!(!err.contains("could not be written"), "{err}");
+    }
+    let (code, out, err) = cli(&url, &["status", "nw-1"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["status"],
+        "queued"
+    );
+    let (code, out, err) = cli(&url, &["list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("nw-1") && out.contains("nw-2"), "{out}");
+    let (code, out, err) = cli(&url, &["cancel", "nw-1"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.wait_status("nw-1", "cancelled", Duration::from_secs(5))
+        .await;
+    // A worker that comes back runs the other one, and not the cancelled one.
+    let (w, stop) = env.worker().await;
+    let done = env
+        .wait_status("nw-2", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(done.epoch, 1, "one claim of the record the submit wrote");
+    assert_eq!(
+        env.jobs.get("nw-1").await.unwrap().unwrap().value.status,
+        "cancelled"
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+}

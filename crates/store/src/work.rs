@@ -273,3 +273,77 @@ impl Work {
         self.publish(self.layout.submit_subject(kind), m).await
     }
 }
+
+impl Work {
+    /// Creates the queued record of the ticket stored at `seq`, as its
+    /// claim would (same id, spec and ticket; `traceparent` picks the
+    /// trace from the ticket's headers, id and kind); the answer says
+    /// whether it did and why not. A ticket already taken, a re-issued one
+    /// (its record exists) or one that does not decode (its claim records
+    /// the rejection) gets nothing. The gateway answers `lh.enqueued.<seq>`
+    /// with it; `leasehold submit` calls it itself when no worker runs. The
+    /// record is listed in the index as waiting (the claim removes it), so
+    /// `leasehold list` shows a job that waits for a free worker.
+    pub async fn record_ticket(
+        &self,
+        jobs: &crate::Jobs,
+        active: &crate::index::Active,
+        seq: u64,
+        kinds: &leasehold_core::spec::Kinds,
+        max_bytes: usize,
+        traceparent: impl Fn(&HeaderMap, &str, &str) -> Option<String>,
+    ) -> serde_json::Value {
+        use leasehold_core::{machine, spec};
+        use serde_json::json;
+        let ticket = match self.get(seq).await {
+            Ok(Some(t)) => t,
+            // Consumed already (its claim made the record), or never stored.
+            Ok(None) => return json!({"seq": seq, "created": false, "outcome": "gone"}),
+            Err(e) => {
+                return json!({"seq": seq, "created": false, "outcome": "error", "error": e.to_string()})
+            }
+        };
+        if let Some(id) = ticket.headers.get(JOB_ID_HEADER) {
+            return json!({"seq": seq, "id": id.as_str(), "created": false, "outcome": "reissued"});
+        }
+        let hint = ticket_job_id(Some(&ticket.headers));
+        let ct = content_type(Some(&ticket.headers));
+        let sub = spec::Submission {
+            kind: &ticket.kind,
+            payload: &ticket.payload,
+            msg_id: hint.as_deref(),
+            content_type: ct.as_deref(),
+            stream_seq: seq,
+        };
+        let accepted = match spec::decode(sub, kinds, max_bytes) {
+            Ok(a) => a,
+            Err(rej) => {
+                return json!({"seq": seq, "id": rej.id, "created": false, "outcome": "invalid", "error": rej.error.to_string()})
+            }
+        };
+        let mut rec = machine::new_record(
+            &accepted.id,
+            &ticket.kind,
+            accepted.spec,
+            seq,
+            std::time::SystemTime::now(),
+        );
+        rec.traceparent = traceparent(&ticket.headers, &accepted.id, &ticket.kind);
+        match jobs.create(&rec).await {
+            Ok(_) => {
+                if let Some(key) = crate::index::Key::of(&rec) {
+                    if let Err(e) = active.put(&key, &rec).await {
+                        tracing::debug!(job = %rec.id, error = %e, "queued record not indexed; its ticket covers it");
+                    }
+                }
+                json!({"seq": seq, "id": rec.id, "created": true, "status": "queued"})
+            }
+            Err(crate::JobsError::Exists(_)) => {
+                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "exists"})
+            }
+            Err(e) => {
+                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "error", "error": e.to_string()})
+            }
+        }
+    }
+}

@@ -185,66 +185,26 @@ pub struct Gateway {
     pub events: Events,
     pub dlq: Dlq,
     pub work: Work,
+    pub active: leasehold_store::index::Active,
     pub kinds: Kinds,
     /// The largest submission a claim accepts (`--max-submission-bytes`).
     pub max_submission_bytes: usize,
 }
 
 impl Gateway {
-    /// Creates the queued record of the ticket stored at `seq`, as its
-    /// claim would (same id, spec and ticket); the answer says whether it
-    /// did and why not. A ticket already taken, a re-issued one (its
-    /// record exists) or one that does not decode (its claim records the
-    /// rejection) gets nothing.
+    /// [`Work::record_ticket`] with this worker's kinds, size limit and
+    /// trace choice.
     async fn record_ticket(&self, seq: u64) -> serde_json::Value {
-        let ticket = match self.work.get(seq).await {
-            Ok(Some(t)) => t,
-            // Consumed already (its claim made the record), or never stored.
-            Ok(None) => return json!({"seq": seq, "created": false, "outcome": "gone"}),
-            Err(e) => {
-                return json!({"seq": seq, "created": false, "outcome": "error", "error": e.to_string()})
-            }
-        };
-        if let Some(id) = ticket.headers.get(work::JOB_ID_HEADER) {
-            return json!({"seq": seq, "id": id.as_str(), "created": false, "outcome": "reissued"});
-        }
-        let hint = work::ticket_job_id(Some(&ticket.headers));
-        let ct = work::content_type(Some(&ticket.headers));
-        let sub = Submission {
-            kind: &ticket.kind,
-            payload: &ticket.payload,
-            msg_id: hint.as_deref(),
-            content_type: ct.as_deref(),
-            stream_seq: seq,
-        };
-        let accepted = match spec::decode(sub, &self.kinds, self.max_submission_bytes) {
-            Ok(a) => a,
-            Err(rej) => {
-                return json!({"seq": seq, "id": rej.id, "created": false, "outcome": "invalid", "error": rej.error.to_string()})
-            }
-        };
-        let mut rec = machine::new_record(
-            &accepted.id,
-            &ticket.kind,
-            accepted.spec,
-            seq,
-            SystemTime::now(),
-        );
-        // The trace the job joins, as its claim would choose it.
-        rec.traceparent = crate::service::claim::job_traceparent(
-            Some(&ticket.headers),
-            &accepted.id,
-            &ticket.kind,
-        );
-        match self.jobs.create(&rec).await {
-            Ok(_) => json!({"seq": seq, "id": rec.id, "created": true, "status": "queued"}),
-            Err(JobsError::Exists(_)) => {
-                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "exists"})
-            }
-            Err(e) => {
-                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "error", "error": e.to_string()})
-            }
-        }
+        self.work
+            .record_ticket(
+                &self.jobs,
+                &self.active,
+                seq,
+                &self.kinds,
+                self.max_submission_bytes,
+                |h, id, kind| crate::service::claim::job_traceparent(Some(h), id, kind),
+            )
+            .await
     }
 
     async fn on_submission(&self, kind: &str, stream_has_it: bool, m: async_nats::Message) {

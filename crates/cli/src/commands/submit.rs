@@ -5,11 +5,14 @@
 //! rules a worker applies, so a bad spec is refused before it is sent.
 //! Prints the job id on stdout.
 //!
-//! The submitter never writes the job record (a NATS user with the
-//! submitter's permissions may not): after the stream's publish ack it asks
+//! The submitter does not write the job record while a worker runs (a NATS
+//! user with the submitter's permissions may not): after the stream's
+//! publish ack it asks
 //! the fleet on `lh.enqueued.<seq>` to create the queued record of the
 //! stored ticket, so the job is visible and cancellable at once. With no
-//! worker running the record appears when one claims the ticket.
+//! worker running it writes that record itself (the same function), when
+//! its NATS user may; otherwise the record appears when a worker claims
+//! the ticket.
 
 use std::io::Read;
 
@@ -181,7 +184,32 @@ async fn announce(conn: &Conn, id: &str, seq: u64) {
             }
         }
         Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-            eprintln!("note: no worker answered (none is running, or none of this release): job {id} waits in the queue, and its record appears when a worker claims it");
+            // No worker runs: write the record the gateway would have
+            // written (a submitter without write permission on the job
+            // records cannot; then the claim writes it).
+            let made = match (super::open_jobs(conn).await, super::open_active(conn).await) {
+                (Ok(jobs), Ok(active)) => {
+                    Work::new(conn)
+                        .record_ticket(
+                            &jobs,
+                            &active,
+                            seq,
+                            &Kinds::default(),
+                            spec::DEFAULT_MAX_BYTES,
+                            |_, _, _| None,
+                        )
+                        .await
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    serde_json::json!({"created": false, "outcome": "error", "error": e.to_string()})
+                }
+            };
+            if made["created"] != true && made["outcome"] != "exists" {
+                eprintln!(
+                    "note: no worker is running and job {id}'s record could not be written here ({}): it waits in the queue, and its record appears when a worker claims it",
+                    made["error"].as_str().or(made["outcome"].as_str()).unwrap_or("unknown")
+                );
+            }
         }
         Ok(Err(e)) => {
             eprintln!("note: job {id} is queued; no worker confirmed its record ({e}): it appears when a worker claims the job");

@@ -369,6 +369,7 @@ async fn run(
         events: shared.events.clone(),
         dlq: shared.dlq.clone(),
         work: shared.work.clone(),
+        active: shared.active.clone(),
         kinds: shared.kinds.clone(),
         max_submission_bytes: shared.opts.max_submission_bytes,
     };
