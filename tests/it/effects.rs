@@ -286,3 +286,47 @@ async fn setup_upgrades_an_existing_ledger_to_entries_that_never_expire() {
         .unwrap_err();
     assert_eq!(err.class(), "unreachable", "{err}");
 }
+
+// Issue 18: a recorded cancel whose notice did not reach the owner (here
+// written into the record directly, as a canceller's lost notice leaves
+// it) did not stop a write effect whose ownership proof came after it:
+// the proof succeeded and the effect ran. The worker is held at the
+// ledger read that precedes the proof while the cancel lands.
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_recorded_before_a_write_effects_proof_stops_the_effect() {
+    let env = Env::new().await;
+    let (_sim, base) = spawn_sim(&[]).await;
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let tools = [
+        ("LH_PUBLISH_URL", format!("{base}/effects")),
+        ("LH_KINDS", "deliver".into()),
+        ("NATS_URL", proxy.url()),
+    ];
+    let a = env.worker_proc(&[], &tools);
+    crate::support::wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    let hold = proxy.hold("$JS.API.DIRECT.GET.KV_lh_effects.>");
+    let args = json!({"title": "t", "document": "never, once cancelled"});
+    env.submit("deliver", json!({"input": args}), "cancel-first")
+        .await;
+    tokio::time::timeout(Duration::from_secs(15), hold.triggered())
+        .await
+        .expect("the worker reached the ledger read before its proof");
+    env.jobs
+        .transition("cancel-first", |r| {
+            let mut n = r.clone();
+            n.cancel_requested = true;
+            Ok(Some(n))
+        })
+        .await
+        .unwrap();
+    hold.release();
+    let r = env
+        .wait_for("cancel-first", Duration::from_secs(20), |r| {
+            matches!(r.status.as_str(), "cancelled" | "completed" | "failed")
+        })
+        .await;
+    assert_eq!(r.status, "cancelled", "{r:?}");
+    assert_eq!(sink_count(&base).await, 0, "the effect never ran");
+}

@@ -271,15 +271,17 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
                     ClaimDecision::Wait(Duration::from_secs(1))
                 }
                 _ => {
-                    if rec.stale_reclaims >= c.max_stale_reclaims {
-                        return ClaimDecision::Poison(Duration::from_secs(5));
-                    }
+                    // As recovery decides (`reoffer_if`): a cancel request
+                    // wins over poison, the job ends as its user asked.
                     if rec.cancel_requested {
                         return ClaimDecision::Cancel(Box::new(cancelled(
                             rec,
                             c.now,
                             "cancelled: its owner stopped before honouring the request",
                         )));
+                    }
+                    if rec.stale_reclaims >= c.max_stale_reclaims {
+                        return ClaimDecision::Poison(Duration::from_secs(5));
                     }
                     ClaimDecision::Claim {
                         record: Box::new(claimed(rec, c, true)),
@@ -460,6 +462,15 @@ pub fn touch(
     now: SystemTime,
 ) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
+    // A recorded cancel stops every write effect still to come, even when
+    // its notice never reached the owner: the proof is refused.
+    if rec.cancel_requested {
+        return Err(TransitionError::NotAllowed {
+            status: "running, asked to be cancelled".into(),
+            action: "a write effect",
+            allowed: "not asked to be cancelled",
+        });
+    }
     r.last_heartbeat_at = Some(rfc3339(now));
     Ok(r)
 }
@@ -519,8 +530,14 @@ pub fn fail(
     error: JobError,
 ) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
-    r.status = Status::Failed.as_str().into();
     r.attempts += 1;
+    // Cancel is final: a job asked to be cancelled ends cancelled.
+    if rec.cancel_requested {
+        let mut c = cancelled(&r, now, "cancelled on request (instead of failing)");
+        c.attempts = r.attempts;
+        return Ok(c);
+    }
+    r.status = Status::Failed.as_str().into();
     r.error = Some(error);
     release(&mut r);
     Ok(r)
@@ -567,6 +584,14 @@ pub fn park(
     message: &str,
 ) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
+    // Cancel is final: nobody would resume a job asked to be cancelled.
+    if rec.cancel_requested {
+        return Ok(cancelled(
+            &r,
+            now,
+            "cancelled on request (instead of parking)",
+        ));
+    }
     r.status = Status::Parked.as_str().into();
     r.parked_reason = Some(reason.into());
     r.error = Some(JobError {
@@ -621,13 +646,14 @@ pub enum CancelOutcome {
 /// A cancellation request (not owner-side: anyone may ask).
 pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome, TransitionError> {
     match status_of(rec) {
-        Some(Status::Queued) => {
+        Some(s @ (Status::Queued | Status::Parked)) => {
             let mut r = rec.clone();
             r.status = Status::Cancelled.as_str().into();
             r.cancel_requested = true;
+            r.parked_reason = None;
             r.error = Some(JobError {
                 class: "cancelled".into(),
-                message: "cancelled while queued".into(),
+                message: format!("cancelled while {s}"),
                 at: rfc3339(now),
             });
             r.updated_at = rfc3339(now);
@@ -646,7 +672,7 @@ pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome,
         _ => Err(TransitionError::NotAllowed {
             status: rec.status.clone(),
             action: "cancel",
-            allowed: "queued or running (a parked job is ended with `leasehold review fail`)",
+            allowed: "queued, parked or running",
         }),
     }
 }
@@ -804,6 +830,41 @@ mod tests {
             Err(TransitionError::OwnershipLost(_))
         ));
         assert!(touch(&b, &Owner::of(&b).unwrap(), t(12)).is_ok());
+    }
+
+    #[test]
+    fn cancel_is_final_through_park_failure_effects_and_a_dead_owner() {
+        let mut a = claim(&fresh(), &claimant("a", "t1", t(0)));
+        a.cancel_requested = true;
+        let o = Owner::of(&a).unwrap();
+        assert!(matches!(
+            touch(&a, &o, t(1)),
+            Err(TransitionError::NotAllowed {
+                action: "a write effect",
+                ..
+            })
+        ));
+        assert_eq!(
+            park(&a, &o, t(1), "uncertain_effect", "m").unwrap().status,
+            "cancelled"
+        );
+        let e = JobError {
+            class: "terminal".into(),
+            message: "m".into(),
+            at: rfc3339(t(1)),
+        };
+        let f = fail(&a, &o, t(1), e).unwrap();
+        assert_eq!((f.status.as_str(), f.attempts), ("cancelled", 1));
+        // A poison-level job whose owner died: the claim cancels it, as
+        // recovery does, instead of dead-lettering it.
+        a.stale_reclaims = 9;
+        let mut c = claimant("b", "t2", t(2));
+        c.owner = OwnerLiveness::Dead;
+        assert!(matches!(decide_claim(&a, &c), ClaimDecision::Cancel(_)));
+        assert!(matches!(
+            reoffer_if(&a, "a", None, None, t(2), 0, 3),
+            Reoffer::Cancelled(_)
+        ));
     }
 
     #[test]

@@ -492,9 +492,17 @@ impl Gate {
                 }
             }
         }
+        // Every record read here doubles as a cancellation check, even one
+        // whose transition `f` refuses (a write effect's proof).
+        let seen = self.cancel_seen.clone();
         let v = self
             .jobs
-            .transition(&self.id, |rec| f(rec, &owner, SystemTime::now()).map(Some))
+            .transition(&self.id, |rec| {
+                if rec.cancel_requested {
+                    seen.cancel();
+                }
+                f(rec, &owner, SystemTime::now()).map(Some)
+            })
             .await?;
         Ok(self.remember(v))
     }
@@ -542,8 +550,10 @@ pub async fn cancel(
     id: &str,
 ) -> (serde_json::Value, Option<String>) {
     let mut outcome = None;
+    let mut was = String::new();
     let res = jobs
         .transition(id, |rec| {
+            was = rec.status.clone();
             match machine::request_cancel(rec, SystemTime::now())? {
                 machine::CancelOutcome::Cancelled(r) => {
                     outcome = Some("cancelled");
@@ -573,7 +583,7 @@ pub async fn cancel(
                     v.value.epoch,
                     "cancelled",
                     None,
-                    json!({"while": "queued", "kind": v.value.kind}),
+                    json!({"while": was, "kind": v.value.kind}),
                 );
                 let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
             }

@@ -507,6 +507,9 @@ impl Attempt {
         })
         .await
         {
+            Ok(v) if v.value.status == "cancelled" => {
+                self.cancelled_instead(&v.value, "park").await
+            }
             Ok(v) => {
                 self.ended(AttemptOutcome::Parked, None);
                 // The parked entry before the ticket goes: a parked job is
@@ -522,6 +525,16 @@ impl Attempt {
             }
             Err(e) => self.refused("parking", e).await,
         }
+    }
+
+    /// The owner's outcome write found a cancel request and ended the job
+    /// cancelled instead (the machine's rule: cancel is final).
+    async fn cancelled_instead(&self, rec: &JobRecord, instead_of: &str) {
+        self.ended(AttemptOutcome::Cancelled, None);
+        self.publish_event("cancelled", json!({"instead_of": instead_of}), None)
+            .await;
+        settle(&self.ticket, AckKind::Ack).await;
+        self.reindex(rec).await;
     }
 
     async fn cancel(&self) {
@@ -706,6 +719,9 @@ impl Attempt {
             })
             .await
             {
+                Ok(v) if v.value.status == "cancelled" => {
+                    self.cancelled_instead(&v.value, "failure").await
+                }
                 Ok(v) => {
                     self.ended(AttemptOutcome::Failed, Some(&class));
                     self.publish_event(
