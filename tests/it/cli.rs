@@ -437,7 +437,9 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
         "{out}"
     );
     assert!(
-        out.contains("kv lh_jobs: max_msgs_per_subject 64 -> 8"),
+        out.contains("drift    kv lh_jobs: ")
+            && out.contains("max_bytes none -> 2147483648")
+            && out.contains("max_msgs_per_subject 64 -> 8"),
         "{out}"
     );
     assert!(out.contains("missing  kv lh_sessions"), "{out}");
@@ -493,10 +495,36 @@ async fn setup_fits_its_default_bounds_to_a_small_server_and_never_lowers_an_exp
         let mut st = js.get_stream(name).await.unwrap();
         bytes.push(st.info().await.unwrap().config.max_bytes);
     }
+    // Fitted as a whole before anything was made: every default halved
+    // together (three times here), none below 64 MiB.
     assert_eq!(
         bytes,
-        vec![2 << 30, 10 << 27, 256 << 20],
+        vec![256 << 20, 10 << 27, 128 << 20],
         "bounds as fitted"
+    );
+    let mut buckets = Vec::new();
+    for name in [
+        "KV_lh_jobs",
+        "KV_lh_payloads",
+        "KV_lh_active",
+        "KV_lh_sessions",
+        "KV_lh_effects",
+        "OBJ_lh_artifacts",
+    ] {
+        let mut st = js.get_stream(name).await.unwrap();
+        buckets.push(st.info().await.unwrap().config.max_bytes);
+    }
+    assert_eq!(
+        buckets,
+        vec![
+            256 << 20,
+            256 << 20,
+            64 << 20,
+            64 << 20,
+            128 << 20,
+            512 << 20
+        ],
+        "every bucket bounded and fitted"
     );
     // Idempotent: a second setup and a check find nothing to change.
     let (code, out, err) = cli(&url, &["setup", "--kinds", "echo"]).await;
@@ -674,4 +702,118 @@ async fn a_job_submitted_while_no_worker_runs_is_visible_and_cancellable_at_once
     );
     stop.cancel();
     w.wait().await.unwrap();
+}
+
+// Issue 18: on a server whose storage could not hold another layout, setup
+// created 3 streams, failed on the 4th (exit 1), and `leasehold submit`
+// into that half layout exited 0. Now the whole reservation is worked out
+// first: nothing is created, the error gives the numbers, and nothing
+// accepts a submission.
+#[tokio::test]
+async fn setup_that_cannot_reserve_the_layout_creates_nothing_and_says_how_much_it_needs() {
+    let s = NatsServer::start_with_file_store("300M");
+    wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+    let url = s.url();
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "echo"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("needs at least")
+            && err.contains("Nothing was created")
+            && err.contains("--jobs-max-bytes"),
+        "{err}"
+    );
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    let names: Vec<String> = futures::StreamExt::collect::<Vec<_>>(js.stream_names())
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(names.is_empty(), "nothing created: {names:?}");
+    let (code, _, err) = cli(&url, &["submit", "echo", r#"{"input":{}}"#, "--id", "half"]).await;
+    assert_ne!(code, 0, "a submission into no layout is refused: {err}");
+    // Bounds that fit: it sets up.
+    let small = [
+        "setup",
+        "--kinds",
+        "echo",
+        "--work-max-bytes",
+        "16MiB",
+        "--events-max-bytes",
+        "16MiB",
+        "--dlq-max-bytes",
+        "16MiB",
+        "--jobs-max-bytes",
+        "16MiB",
+        "--payloads-max-bytes",
+        "16MiB",
+        "--active-max-bytes",
+        "16MiB",
+        "--sessions-max-bytes",
+        "16MiB",
+        "--effects-max-bytes",
+        "16MiB",
+        "--artifacts-max-bytes",
+        "16MiB",
+    ];
+    let (code, out, err) = cli(&url, &small).await;
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+// A full bucket of job records refuses writes, never drops: the jobs that
+// find no room wait with their tickets, the worker says why, and once the
+// bound is raised every one of them runs.
+#[tokio::test]
+async fn a_full_job_records_bucket_holds_jobs_back_and_loses_none() {
+    let o = leasehold_store::setup::SetupOptions {
+        jobs_max_bytes: 48 << 10,
+        fit: leasehold_store::setup::Fit::EXACT,
+        ..leasehold_store::setup::SetupOptions::default()
+    };
+    let env = Env::with(o.clone()).await;
+    let w = env.worker_proc(&[], &[]);
+    crate::support::wait_log(&w, "worker starting", Duration::from_secs(10)).await;
+    let n = 80;
+    for i in 0..n {
+        env.submit(
+            "echo",
+            serde_json::json!({"input": {"i": i}}),
+            &format!("full-{i}"),
+        )
+        .await;
+    }
+    crate::support::wait_log(
+        &w,
+        "the job records' bucket is full",
+        Duration::from_secs(30),
+    )
+    .await;
+    let mut done = 0;
+    for i in 0..n {
+        if env
+            .jobs
+            .get(&format!("full-{i}"))
+            .await
+            .unwrap()
+            .is_some_and(|v| v.value.status == "completed")
+        {
+            done += 1;
+        }
+    }
+    assert!(
+        done < n,
+        "the bucket filled before every job ran ({done} of {n})"
+    );
+    leasehold_store::setup::ensure(
+        &env.conn,
+        &leasehold_store::setup::SetupOptions {
+            jobs_max_bytes: 64 << 20,
+            ..o
+        },
+    )
+    .await
+    .unwrap();
+    for i in 0..n {
+        env.wait_status(&format!("full-{i}"), "completed", Duration::from_secs(30))
+            .await;
+    }
 }

@@ -74,6 +74,17 @@ impl JobsError {
     }
 }
 
+/// A write error, with what to do when it is the bucket's byte bound (a
+/// full bucket refuses writes; nothing is dropped, and the writer retries).
+fn full_hint(e: &(dyn std::error::Error + 'static)) -> String {
+    match server_error_code(e) {
+        Some(crate::STREAM_FULL_BYTES | crate::STREAM_FULL_MSGS) => format!(
+            "the job records' bucket is full ({e}): writes wait until there is room; raise its bound (`leasehold setup --jobs-max-bytes`) or let retention remove finished jobs"
+        ),
+        _ => e.to_string(),
+    }
+}
+
 /// Inputs and outputs larger than this live beside the record (in the
 /// payloads bucket), so the record every owner write rewrites stays small.
 pub const INLINE_MAX: usize = 16 * 1024;
@@ -218,7 +229,11 @@ impl Jobs {
             Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => {
                 Err(JobsError::Conflict(rec.id.clone()))
             }
-            Err(e) => Err(JobsError::Nats(format!("create job {}: {e}", rec.id))),
+            Err(e) => Err(JobsError::Nats(format!(
+                "create job {}: {}",
+                rec.id,
+                full_hint(&e)
+            ))),
         }
     }
 
@@ -237,7 +252,11 @@ impl Jobs {
                 tracing::debug!(job = %rec.id, "spurious 10164 on update; re-reading");
                 Err(JobsError::Conflict(rec.id.clone()))
             }
-            Err(e) => Err(JobsError::Nats(format!("update job {}: {e}", rec.id))),
+            Err(e) => Err(JobsError::Nats(format!(
+                "update job {}: {}",
+                rec.id,
+                full_hint(&e)
+            ))),
         }
     }
 

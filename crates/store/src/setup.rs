@@ -72,6 +72,16 @@ pub struct SetupOptions {
     pub dlq_max_age: Duration,
     pub dlq_max_msgs: i64,
     pub dlq_max_bytes: i64,
+    /// Byte bounds of the buckets: job records (default 2 GiB), large inputs
+    /// and outputs (2 GiB), the index of active jobs (256 MiB), sessions
+    /// (64 MiB), the effects ledger (1 GiB) and artifacts (4 GiB). Reserved
+    /// like the streams'; a full bucket refuses writes, it never drops.
+    pub jobs_max_bytes: i64,
+    pub payloads_max_bytes: i64,
+    pub active_max_bytes: i64,
+    pub sessions_max_bytes: i64,
+    pub effects_max_bytes: i64,
+    pub artifacts_max_bytes: i64,
     /// Which byte bounds are defaults rather than asked for: a server whose
     /// JetStream storage limit (`max_file_store`) cannot reserve them gets
     /// them halved until they fit (never below [`FIT_FLOOR`]), and the
@@ -86,6 +96,12 @@ pub struct Fit {
     pub work: bool,
     pub events: bool,
     pub dlq: bool,
+    pub jobs: bool,
+    pub payloads: bool,
+    pub active: bool,
+    pub sessions: bool,
+    pub effects: bool,
+    pub artifacts: bool,
 }
 
 impl Fit {
@@ -94,12 +110,24 @@ impl Fit {
         work: false,
         events: false,
         dlq: false,
+        jobs: false,
+        payloads: false,
+        active: false,
+        sessions: false,
+        effects: false,
+        artifacts: false,
     };
     /// Every bound a default that may be lowered.
     pub const DEFAULTS: Fit = Fit {
         work: true,
         events: true,
         dlq: true,
+        jobs: true,
+        payloads: true,
+        active: true,
+        sessions: true,
+        effects: true,
+        artifacts: true,
     };
 }
 
@@ -129,6 +157,12 @@ impl Default for SetupOptions {
             dlq_max_age: Duration::from_secs(30 * 86_400),
             dlq_max_msgs: 100_000,
             dlq_max_bytes: 1 << 30,
+            jobs_max_bytes: 2 << 30,
+            payloads_max_bytes: 2 << 30,
+            active_max_bytes: 256 << 20,
+            sessions_max_bytes: 64 << 20,
+            effects_max_bytes: 1 << 30,
+            artifacts_max_bytes: 4 << 30,
             fit: Fit::DEFAULTS,
         }
     }
@@ -363,15 +397,19 @@ pub async fn ensure_with(
         let text = e.to_string();
         if text.contains("10047") {
             StoreError::Config(format!(
-                "setup {what}: the server's JetStream storage limit (max_file_store) is smaller than the bounds asked for; lower them (--work-max-bytes, --events-max-bytes, --dlq-max-bytes) or raise the server's limit ({text})"
+                "setup {what}: the server's JetStream storage limit (max_file_store) is smaller than the bounds asked for; lower them ({BOUND_FLAGS}) or raise the server's limit ({text})"
             ))
         } else {
             StoreError::Nats(format!("setup {what}: {text}"))
         }
     };
 
-    // Streams, each with its bounds.
-    let mut streams = vec![stream::Config {
+    // The byte bounds, fitted as a whole before anything is created.
+    let bounds = plan_bounds(conn, o, mode).await?;
+
+    // Streams, each with its bounds; the work stream, which accepts
+    // submissions, comes last (below), once everything else exists.
+    let work = stream::Config {
         name: l.work_stream(),
         description: Some("leasehold work tickets (one per job until it is terminal)".into()),
         subjects: o.kinds.iter().map(|k| l.submit_subject(k)).collect(),
@@ -380,10 +418,11 @@ pub async fn ensure_with(
         num_replicas: o.replicas,
         duplicate_window: o.dedupe_window,
         max_messages: o.work_max_msgs,
-        max_bytes: o.work_max_bytes,
+        max_bytes: bounds.get(Bound::Work),
         discard: stream::DiscardPolicy::New,
         ..Default::default()
-    }];
+    };
+    let mut streams = Vec::new();
     for (name, subject, age, dedupe, msgs, bytes, discard, what) in [
         (
             l.events_stream(),
@@ -391,7 +430,7 @@ pub async fn ensure_with(
             o.events_max_age,
             Duration::from_secs(120),
             -1,
-            o.events_max_bytes,
+            bounds.get(Bound::Events),
             stream::DiscardPolicy::New,
             "job events",
         ),
@@ -401,7 +440,7 @@ pub async fn ensure_with(
             o.dlq_max_age,
             Duration::from_secs(3600),
             o.dlq_max_msgs,
-            o.dlq_max_bytes,
+            bounds.get(Bound::Dlq),
             stream::DiscardPolicy::Old,
             "dead letters",
         ),
@@ -411,7 +450,7 @@ pub async fn ensure_with(
             Duration::from_secs(7 * 86_400),
             Duration::from_secs(120),
             100_000,
-            64 << 20,
+            ADVISORY_MAX_BYTES,
             stream::DiscardPolicy::Old,
             "max-deliveries advisories",
         ),
@@ -438,75 +477,9 @@ pub async fn ensure_with(
             ..Default::default()
         });
     }
-    for mut want in streams {
-        let object = format!("stream {}", want.name);
-        let fit = (want.name == l.work_stream() && o.fit.work)
-            || (want.name == l.events_stream() && o.fit.events)
-            || (want.name == l.dlq_stream() && o.fit.dlq);
-        let asked = want.max_bytes;
-        let cur = match js.get_stream(&want.name).await {
-            Ok(mut s) => Some(
-                s.info()
-                    .await
-                    .map_err(|e| err(&want.name, &e))?
-                    .config
-                    .clone(),
-            ),
-            Err(e) if crate::is_not_found(&e) => None,
-            Err(e) => return Err(crate::lookup_error(object, &e)),
-        };
-        // A default bound an earlier setup already fitted to this server
-        // stays as it is when only checking.
-        if let (Some(c), Mode::Check, true) = (&cur, mode, fit) {
-            if is_fitted(c.max_bytes, asked) {
-                want.max_bytes = c.max_bytes;
-            }
-        }
-        let state = loop {
-            let state = match &cur {
-                Some(c) => match stream_drift(c, &want) {
-                    d if d.is_empty() => ChangeState::Unchanged,
-                    d => ChangeState::Updated(d),
-                },
-                None => ChangeState::Created,
-            };
-            let applied = match (&state, mode) {
-                (ChangeState::Updated(_), Mode::Apply) => {
-                    js.update_stream(want.clone()).await.map(drop)
-                }
-                (ChangeState::Created, Mode::Apply) => {
-                    js.create_stream(want.clone()).await.map(drop)
-                }
-                _ => Ok(()),
-            };
-            match applied {
-                Ok(()) => break state,
-                // Too big for the server's storage limit: a default bound
-                // is halved and tried again.
-                Err(e)
-                    if fit
-                        && want.max_bytes / 2 >= FIT_FLOOR
-                        && e.to_string().contains("10047") =>
-                {
-                    want.max_bytes /= 2;
-                }
-                Err(e) => return Err(err(&want.name, &e)),
-            }
-        };
-        let note = (want.max_bytes != asked).then(|| {
-            format!(
-                "max_bytes {} instead of the default {}: the server's JetStream storage limit (max_file_store) holds no more; raise it, or pass the bound explicitly",
-                human_bytes(want.max_bytes),
-                human_bytes(asked)
-            )
-        });
-        report.push(Change {
-            object,
-            state,
-            note,
-        });
+    for want in streams {
+        report.push(apply_stream(js, l, o, &bounds, want, mode, &err).await?);
     }
-
     // Consumers: one per kind on the work stream, and the shared watcher of
     // ended sessions (on the sessions bucket's stream, made below).
     let mut consumers: Vec<(String, consumer::pull::Config)> = o
@@ -544,6 +517,7 @@ pub async fn ensure_with(
             // TTL whatever the purge asks): a minute, so retention's
             // leftovers stop taking room within one.
             limit_markers: Some(crate::retention::MARKER_TTL),
+            max_bytes: bounds.get(Bound::Jobs),
             ..Default::default()
         },
         // Sessions: per-key TTL with markers, so an ended session is an
@@ -555,6 +529,7 @@ pub async fn ensure_with(
             storage: stream::StorageType::File,
             num_replicas: o.replicas,
             limit_markers: Some(Duration::from_secs(86_400)),
+            max_bytes: bounds.get(Bound::Sessions),
             ..Default::default()
         },
         kv::Config {
@@ -565,6 +540,7 @@ pub async fn ensure_with(
             storage: stream::StorageType::File,
             num_replicas: o.replicas,
             limit_markers: Some(Duration::from_secs(60)),
+            max_bytes: bounds.get(Bound::Active),
             ..Default::default()
         },
         kv::Config {
@@ -575,54 +551,24 @@ pub async fn ensure_with(
             storage: stream::StorageType::File,
             num_replicas: o.replicas,
             limit_markers: Some(Duration::from_secs(60)),
+            max_bytes: bounds.get(Bound::Payloads),
             ..Default::default()
         },
-        effects_config(l.effects_bucket(), o.effects_retention, o.replicas),
+        kv::Config {
+            max_bytes: bounds.get(Bound::Effects),
+            ..effects_config(l.effects_bucket(), o.effects_retention, o.replicas)
+        },
     ];
     for cfg in buckets {
-        let object = format!("kv {}", cfg.bucket);
-        let stream_name = format!("KV_{}", cfg.bucket);
-        let want = kv_stream_want(&cfg);
-        let state = match js.get_stream(&stream_name).await {
-            Ok(mut s) => {
-                let cur = s
-                    .info()
-                    .await
-                    .map_err(|e| err(&stream_name, &e))?
-                    .config
-                    .clone();
-                let mut d = stream_drift(&cur, &want);
-                // The bucket's own subjects and dedupe window are the client's business.
-                d.retain(|(f, _, _)| {
-                    f != "subjects" && f != "dedupe_window" && f != "discard" && f != "max_msg_size"
-                });
-                if d.is_empty() {
-                    ChangeState::Unchanged
-                } else {
-                    if mode == Mode::Apply {
-                        js.create_or_update_key_value(cfg.clone())
-                            .await
-                            .map_err(|e| err(&cfg.bucket, &e))?;
-                    }
-                    ChangeState::Updated(d)
-                }
-            }
-            Err(e) if crate::is_not_found(&e) => {
-                if mode == Mode::Apply {
-                    js.create_or_update_key_value(cfg.clone())
-                        .await
-                        .map_err(|e| err(&cfg.bucket, &e))?;
-                }
-                ChangeState::Created
-            }
-            Err(e) => return Err(crate::lookup_error(object, &e)),
-        };
-        report.push(Change {
-            object,
-            state,
-            note: None,
-        });
+        report.push(apply_bucket(js, l, &bounds, cfg, mode, &err).await?);
     }
+
+    // The artifacts' object store.
+    report.push(apply_object_store(js, l, o, &bounds, mode, &err).await?);
+
+    // Last, the work stream: a layout that failed half-way accepts no
+    // submission.
+    report.push(apply_stream(js, l, o, &bounds, work, mode, &err).await?);
 
     consumers.push((
         format!("KV_{}", l.sessions_bucket()),
@@ -719,31 +665,478 @@ pub async fn ensure_with(
         });
     }
 
-    let object = format!("object store {}", l.artifacts_bucket());
-    let state = match js.get_object_store(l.artifacts_bucket()).await {
-        Ok(_) => ChangeState::Unchanged,
-        Err(e) if crate::is_not_found(&e) => {
-            if mode == Mode::Apply {
-                js.create_object_store(object_store::Config {
-                    bucket: l.artifacts_bucket(),
+    Ok(report)
+}
+
+/// The flags of every byte bound, for errors that send the operator there.
+const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes";
+
+/// The halvings tried when fitting the default bounds as a whole.
+const MAX_HALVINGS: u32 = 12;
+
+/// One byte bound of the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bound {
+    Work,
+    Events,
+    Dlq,
+    Jobs,
+    Payloads,
+    Active,
+    Sessions,
+    Effects,
+    Artifacts,
+}
+
+impl Bound {
+    const ALL: [Bound; 9] = [
+        Bound::Work,
+        Bound::Events,
+        Bound::Dlq,
+        Bound::Jobs,
+        Bound::Payloads,
+        Bound::Active,
+        Bound::Sessions,
+        Bound::Effects,
+        Bound::Artifacts,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Bound::Work => "work",
+            Bound::Events => "events",
+            Bound::Dlq => "dlq",
+            Bound::Jobs => "jobs",
+            Bound::Payloads => "payloads",
+            Bound::Active => "active",
+            Bound::Sessions => "sessions",
+            Bound::Effects => "effects",
+            Bound::Artifacts => "artifacts",
+        }
+    }
+
+    fn asked(self, o: &SetupOptions) -> (i64, bool) {
+        let f = &o.fit;
+        match self {
+            Bound::Work => (o.work_max_bytes, f.work),
+            Bound::Events => (o.events_max_bytes, f.events),
+            Bound::Dlq => (o.dlq_max_bytes, f.dlq),
+            Bound::Jobs => (o.jobs_max_bytes, f.jobs),
+            Bound::Payloads => (o.payloads_max_bytes, f.payloads),
+            Bound::Active => (o.active_max_bytes, f.active),
+            Bound::Sessions => (o.sessions_max_bytes, f.sessions),
+            Bound::Effects => (o.effects_max_bytes, f.effects),
+            Bound::Artifacts => (o.artifacts_max_bytes, f.artifacts),
+        }
+    }
+
+    /// The stream that holds this bound.
+    fn stream(self, l: &crate::Layout) -> String {
+        match self {
+            Bound::Work => l.work_stream(),
+            Bound::Events => l.events_stream(),
+            Bound::Dlq => l.dlq_stream(),
+            Bound::Jobs => format!("KV_{}", l.jobs_bucket()),
+            Bound::Payloads => format!("KV_{}", l.payloads_bucket()),
+            Bound::Active => format!("KV_{}", l.active_bucket()),
+            Bound::Sessions => format!("KV_{}", l.sessions_bucket()),
+            Bound::Effects => format!("KV_{}", l.effects_bucket()),
+            Bound::Artifacts => format!("OBJ_{}", l.artifacts_bucket()),
+        }
+    }
+
+    fn of_stream(l: &crate::Layout, name: &str) -> Option<Bound> {
+        Bound::ALL.into_iter().find(|b| b.stream(l) == name)
+    }
+}
+
+/// The byte bounds setup applies: as asked, or (defaults only) fitted.
+#[derive(Debug, Clone)]
+struct Bounds {
+    asked: [(i64, bool); 9],
+    fitted: [i64; 9],
+}
+
+impl Bounds {
+    fn idx(b: Bound) -> usize {
+        Bound::ALL
+            .iter()
+            .position(|x| *x == b)
+            .expect("every bound listed")
+    }
+    fn get(&self, b: Bound) -> i64 {
+        self.fitted[Self::idx(b)]
+    }
+    fn asked(&self, b: Bound) -> i64 {
+        self.asked[Self::idx(b)].0
+    }
+    fn fit(&self, b: Bound) -> bool {
+        self.asked[Self::idx(b)].1
+    }
+}
+
+/// A default bound after `k` halvings (never below [`FIT_FLOOR`], never
+/// above what was asked); an explicit one as asked.
+fn fitted(asked: i64, fit: bool, k: u32) -> i64 {
+    if fit {
+        (asked >> k).max(FIT_FLOOR.min(asked))
+    } else {
+        asked
+    }
+}
+
+/// Whether a failed create or update was refused for lack of storage (10047).
+fn no_room(e: &(dyn std::error::Error + 'static)) -> bool {
+    let t = e.to_string();
+    crate::server_error_code(e) == Some(10047)
+        || t.contains("10047")
+        || t.contains("insufficient storage")
+}
+
+/// Works out every byte bound before anything is created. On a layout
+/// not made yet (no work stream), the bytes it still has to reserve are
+/// asked of the server at once, by creating the work stream alone with
+/// that bound and deleting it again; when the server cannot hold them, the
+/// default bounds are halved together until it can. When even their floor
+/// does not fit, nothing is created and the error gives the numbers. An
+/// existing layout keeps today's per-object fit.
+async fn plan_bounds(conn: &Conn, o: &SetupOptions, mode: Mode) -> Result<Bounds, StoreError> {
+    let l = &conn.layout;
+    let js = &conn.js;
+    let asked = Bound::ALL.map(|b| b.asked(o));
+    let mut bounds = Bounds {
+        asked,
+        fitted: asked.map(|(a, _)| a),
+    };
+    if mode == Mode::Check {
+        return Ok(bounds);
+    }
+    match js.get_stream(l.work_stream()).await {
+        Ok(_) => return Ok(bounds),
+        Err(e) if crate::is_not_found(&e) => {}
+        Err(e) => {
+            return Err(crate::lookup_error(
+                format!("stream {}", l.work_stream()),
+                &e,
+            ))
+        }
+    }
+    // What each bound's stream reserves already (a half layout left by an
+    // earlier run that failed).
+    let mut held = [0i64; 9];
+    for (i, b) in Bound::ALL.into_iter().enumerate() {
+        if b == Bound::Work {
+            continue;
+        }
+        match js.get_stream(b.stream(l)).await {
+            Ok(mut st) => {
+                let c = st
+                    .info()
+                    .await
+                    .map_err(|e| StoreError::Unavailable(format!("stream {}: {e}", b.stream(l))))?
+                    .config
+                    .max_bytes;
+                held[i] = c.max(0);
+            }
+            Err(e) if crate::is_not_found(&e) => {}
+            Err(e) => return Err(crate::lookup_error(format!("stream {}", b.stream(l)), &e)),
+        }
+    }
+    let advisories = match js.get_stream(l.advisory_stream()).await {
+        Ok(_) => 0,
+        Err(e) if crate::is_not_found(&e) => ADVISORY_MAX_BYTES,
+        Err(e) => {
+            return Err(crate::lookup_error(
+                format!("stream {}", l.advisory_stream()),
+                &e,
+            ))
+        }
+    };
+    let mut last_total = 0;
+    for k in 0..=MAX_HALVINGS {
+        let sizes = asked.map(|(a, fit)| fitted(a, fit, k));
+        let total: i64 = advisories
+            + sizes
+                .iter()
+                .zip(held)
+                .map(|(want, h)| (want - h).max(0))
+                .sum::<i64>();
+        if total == 0 || can_reserve(conn, total, o.replicas).await? {
+            bounds.fitted = sizes;
+            return Ok(bounds);
+        }
+        last_total = total;
+        let at_floor = asked
+            .iter()
+            .zip(sizes)
+            .all(|((a, fit), sz)| !fit || sz == FIT_FLOOR.min(*a));
+        if at_floor {
+            break;
+        }
+    }
+    let parts: Vec<String> = Bound::ALL
+        .into_iter()
+        .zip(asked)
+        .map(|(b, (a, fit))| {
+            let sz = fitted(a, fit, MAX_HALVINGS);
+            if fit {
+                format!("{} {}", b.name(), human_bytes(sz))
+            } else {
+                format!("{} {} (as asked)", b.name(), human_bytes(sz))
+            }
+        })
+        .collect();
+    Err(StoreError::Config(format!(
+        "setup cannot reserve this layout's storage: it needs at least {} more ({}, advisories {}; the defaults at their lowest fit), and the server's JetStream storage limit (max_file_store) holds less. Nothing was created. Lower the bounds ({BOUND_FLAGS}) or raise the server's limit",
+        human_bytes(last_total),
+        parts.join(", "),
+        human_bytes(ADVISORY_MAX_BYTES)
+    )))
+}
+
+/// The advisory stream's fixed bound.
+const ADVISORY_MAX_BYTES: i64 = 64 << 20;
+
+/// Whether the server can reserve `bytes` more: the work stream (not made
+/// yet) is created alone with that bound and a subject of its own, then
+/// deleted.
+async fn can_reserve(conn: &Conn, bytes: i64, replicas: usize) -> Result<bool, StoreError> {
+    let l = &conn.layout;
+    let probe = stream::Config {
+        name: l.work_stream(),
+        description: Some(
+            "leasehold setup: reserving the layout's storage (deleted at once)".into(),
+        ),
+        subjects: vec![format!("{}.setup-probe", l.prefix)],
+        storage: stream::StorageType::File,
+        num_replicas: replicas,
+        max_bytes: bytes,
+        discard: stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    match conn.js.create_stream(probe).await {
+        Ok(_) => {
+            conn.js.delete_stream(l.work_stream()).await.map_err(|e| {
+                StoreError::Nats(format!("setup: removing the reservation probe: {e}"))
+            })?;
+            Ok(true)
+        }
+        Err(e) if no_room(&e) => Ok(false),
+        Err(e) => Err(StoreError::Nats(format!("setup: reserving storage: {e}"))),
+    }
+}
+
+/// Creates or updates one stream (or, checking, compares it); a default
+/// byte bound the server cannot hold is halved and tried again.
+async fn apply_stream(
+    js: &jetstream::Context,
+    l: &crate::Layout,
+    _o: &SetupOptions,
+    bounds: &Bounds,
+    mut want: stream::Config,
+    mode: Mode,
+    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+) -> Result<Change, StoreError> {
+    let object = format!("stream {}", want.name);
+    let bound = Bound::of_stream(l, &want.name);
+    let fit = bound.is_some_and(|b| bounds.fit(b));
+    let asked = bound.map_or(want.max_bytes, |b| bounds.asked(b));
+    let cur = match js.get_stream(&want.name).await {
+        Ok(mut s) => Some(
+            s.info()
+                .await
+                .map_err(|e| err(&want.name, &e))?
+                .config
+                .clone(),
+        ),
+        Err(e) if crate::is_not_found(&e) => None,
+        Err(e) => return Err(crate::lookup_error(object, &e)),
+    };
+    // A default bound an earlier setup fitted to this server stays as it
+    // is (setup is idempotent; an explicit bound grows it).
+    if let (Some(c), true) = (&cur, fit) {
+        if is_fitted(c.max_bytes, asked) {
+            want.max_bytes = c.max_bytes;
+        }
+    }
+    let state = loop {
+        let state = match &cur {
+            Some(c) => match stream_drift(c, &want) {
+                d if d.is_empty() => ChangeState::Unchanged,
+                d => ChangeState::Updated(d),
+            },
+            None => ChangeState::Created,
+        };
+        let applied = match (&state, mode) {
+            (ChangeState::Updated(_), Mode::Apply) => {
+                js.update_stream(want.clone()).await.map(drop)
+            }
+            (ChangeState::Created, Mode::Apply) => js.create_stream(want.clone()).await.map(drop),
+            _ => Ok(()),
+        };
+        match applied {
+            Ok(()) => break state,
+            // Too big for the server's storage limit: a default bound
+            // is halved and tried again.
+            Err(e) if fit && want.max_bytes / 2 >= FIT_FLOOR && no_room(&e) => {
+                want.max_bytes /= 2;
+            }
+            Err(e) => return Err(err(&want.name, &e)),
+        }
+    };
+    Ok(Change {
+        object,
+        state,
+        note: fitted_note(want.max_bytes, asked),
+    })
+}
+
+/// The note of a default bound lowered to fit the server.
+fn fitted_note(got: i64, asked: i64) -> Option<String> {
+    (got != asked).then(|| {
+        format!(
+            "max_bytes {} instead of the default {}: the server's JetStream storage limit (max_file_store) holds no more; raise it, or pass the bound explicitly",
+            human_bytes(got),
+            human_bytes(asked)
+        )
+    })
+}
+
+/// Creates or updates one KV bucket (or, checking, compares its stream).
+async fn apply_bucket(
+    js: &jetstream::Context,
+    l: &crate::Layout,
+    bounds: &Bounds,
+    mut cfg: kv::Config,
+    mode: Mode,
+    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+) -> Result<Change, StoreError> {
+    let object = format!("kv {}", cfg.bucket);
+    let stream_name = format!("KV_{}", cfg.bucket);
+    let bound = Bound::of_stream(l, &stream_name);
+    let fit = bound.is_some_and(|b| bounds.fit(b));
+    let asked = bound.map_or(cfg.max_bytes, |b| bounds.asked(b));
+    let cur = match js.get_stream(&stream_name).await {
+        Ok(mut s) => Some(
+            s.info()
+                .await
+                .map_err(|e| err(&stream_name, &e))?
+                .config
+                .clone(),
+        ),
+        Err(e) if crate::is_not_found(&e) => None,
+        Err(e) => return Err(crate::lookup_error(object, &e)),
+    };
+    if let (Some(c), true) = (&cur, fit) {
+        if is_fitted(c.max_bytes, asked) {
+            cfg.max_bytes = c.max_bytes;
+        }
+    }
+    let state = loop {
+        let state = match &cur {
+            Some(c) => {
+                let mut d = stream_drift(c, &kv_stream_want(&cfg));
+                // The bucket's own subjects and dedupe window are the client's business.
+                d.retain(|(f, _, _)| {
+                    f != "subjects" && f != "dedupe_window" && f != "discard" && f != "max_msg_size"
+                });
+                if d.is_empty() {
+                    ChangeState::Unchanged
+                } else {
+                    ChangeState::Updated(d)
+                }
+            }
+            None => ChangeState::Created,
+        };
+        let applied = match (&state, mode) {
+            (ChangeState::Unchanged, _) | (_, Mode::Check) => Ok(()),
+            _ => js.create_or_update_key_value(cfg.clone()).await.map(drop),
+        };
+        match applied {
+            Ok(()) => break state,
+            Err(e) if fit && cfg.max_bytes / 2 >= FIT_FLOOR && no_room(&e) => {
+                cfg.max_bytes /= 2;
+            }
+            Err(e) => return Err(err(&cfg.bucket, &e)),
+        }
+    };
+    Ok(Change {
+        object,
+        state,
+        note: fitted_note(cfg.max_bytes, asked),
+    })
+}
+
+/// Creates the artifacts' object store, or brings its bound to the wanted one.
+async fn apply_object_store(
+    js: &jetstream::Context,
+    l: &crate::Layout,
+    o: &SetupOptions,
+    bounds: &Bounds,
+    mode: Mode,
+    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+) -> Result<Change, StoreError> {
+    let bucket = l.artifacts_bucket();
+    let object = format!("object store {bucket}");
+    let stream_name = format!("OBJ_{bucket}");
+    let fit = bounds.fit(Bound::Artifacts);
+    let asked = bounds.asked(Bound::Artifacts);
+    let mut want = bounds.get(Bound::Artifacts);
+    let cur = match js.get_stream(&stream_name).await {
+        Ok(mut s) => Some(
+            s.info()
+                .await
+                .map_err(|e| err(&stream_name, &e))?
+                .config
+                .clone(),
+        ),
+        Err(e) if crate::is_not_found(&e) => None,
+        Err(e) => return Err(crate::lookup_error(object, &e)),
+    };
+    if let (Some(c), true) = (&cur, fit) {
+        if is_fitted(c.max_bytes, asked) {
+            want = c.max_bytes;
+        }
+    }
+    let state = loop {
+        let state = match &cur {
+            Some(c) if c.max_bytes == want => ChangeState::Unchanged,
+            Some(c) => {
+                ChangeState::Updated(vec![("max_bytes".into(), num(c.max_bytes), num(want))])
+            }
+            None => ChangeState::Created,
+        };
+        let applied: Result<(), Box<dyn std::error::Error + Send + Sync>> = match (&state, mode) {
+            (ChangeState::Updated(_), Mode::Apply) => {
+                let mut c = cur.clone().expect("updated means it exists");
+                c.max_bytes = want;
+                js.update_stream(c).await.map(drop).map_err(Into::into)
+            }
+            (ChangeState::Created, Mode::Apply) => js
+                .create_object_store(object_store::Config {
+                    bucket: bucket.clone(),
                     description: Some("leasehold artifacts (reports)".into()),
                     storage: stream::StorageType::File,
                     num_replicas: o.replicas,
+                    max_bytes: want,
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| err("artifacts", &e))?;
-            }
-            ChangeState::Created
+                .map(drop)
+                .map_err(Into::into),
+            _ => Ok(()),
+        };
+        match applied {
+            Ok(()) => break state,
+            Err(e) if fit && want / 2 >= FIT_FLOOR && no_room(&*e) => want /= 2,
+            Err(e) => return Err(err("artifacts", &e)),
         }
-        Err(e) => return Err(crate::lookup_error(object, &e)),
     };
-    report.push(Change {
+    Ok(Change {
         object,
         state,
-        note: None,
-    });
-    Ok(report)
+        note: fitted_note(want, asked),
+    })
 }
 
 /// Creates or updates everything; returns one line per object.

@@ -106,6 +106,27 @@ pub struct Args {
     /// fitted to the server like --work-max-bytes.
     #[arg(long, env = "LH_DLQ_MAX_BYTES", value_parser = parse_bytes)]
     dlq_max_bytes: Option<i64>,
+    /// Bytes of job records at most (default 2GiB; a full bucket refuses
+    /// new jobs' records, their tickets wait). Every bucket's default is
+    /// fitted to the server like --work-max-bytes.
+    #[arg(long, env = "LH_JOBS_MAX_BYTES", value_parser = parse_bytes)]
+    jobs_max_bytes: Option<i64>,
+    /// Bytes of large inputs and outputs kept beside their records (default 2GiB).
+    #[arg(long, env = "LH_PAYLOADS_MAX_BYTES", value_parser = parse_bytes)]
+    payloads_max_bytes: Option<i64>,
+    /// Bytes of the index of active jobs (default 256MiB).
+    #[arg(long, env = "LH_ACTIVE_MAX_BYTES", value_parser = parse_bytes)]
+    active_max_bytes: Option<i64>,
+    /// Bytes of worker sessions (default 64MiB).
+    #[arg(long, env = "LH_SESSIONS_MAX_BYTES", value_parser = parse_bytes)]
+    sessions_max_bytes: Option<i64>,
+    /// Bytes of the effects ledger (default 1GiB; a full ledger holds write
+    /// effects back, it never forgets one).
+    #[arg(long, env = "LH_EFFECTS_MAX_BYTES", value_parser = parse_bytes)]
+    effects_max_bytes: Option<i64>,
+    /// Bytes of artifacts (reports; default 4GiB).
+    #[arg(long, env = "LH_ARTIFACTS_MAX_BYTES", value_parser = parse_bytes)]
+    artifacts_max_bytes: Option<i64>,
 }
 
 /// The kind a fresh server gets when `--kinds` is not given.
@@ -176,10 +197,22 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         dlq_max_age: a.dlq_max_age,
         dlq_max_msgs: a.dlq_max_msgs,
         dlq_max_bytes: a.dlq_max_bytes.unwrap_or(d.dlq_max_bytes),
+        jobs_max_bytes: a.jobs_max_bytes.unwrap_or(d.jobs_max_bytes),
+        payloads_max_bytes: a.payloads_max_bytes.unwrap_or(d.payloads_max_bytes),
+        active_max_bytes: a.active_max_bytes.unwrap_or(d.active_max_bytes),
+        sessions_max_bytes: a.sessions_max_bytes.unwrap_or(d.sessions_max_bytes),
+        effects_max_bytes: a.effects_max_bytes.unwrap_or(d.effects_max_bytes),
+        artifacts_max_bytes: a.artifacts_max_bytes.unwrap_or(d.artifacts_max_bytes),
         fit: Fit {
             work: a.work_max_bytes.is_none(),
             events: a.events_max_bytes.is_none(),
             dlq: a.dlq_max_bytes.is_none(),
+            jobs: a.jobs_max_bytes.is_none(),
+            payloads: a.payloads_max_bytes.is_none(),
+            active: a.active_max_bytes.is_none(),
+            sessions: a.sessions_max_bytes.is_none(),
+            effects: a.effects_max_bytes.is_none(),
+            artifacts: a.artifacts_max_bytes.is_none(),
         },
         ..d
     };
