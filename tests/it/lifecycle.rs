@@ -205,3 +205,67 @@ async fn a_large_input_and_output_live_beside_a_small_record() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 18: an input over 16 KiB whose payload was removed (retention, an
+// operator) came back as an empty value and the job ran on `null`; an
+// output likewise printed `null`. A missing payload is an error.
+#[tokio::test]
+async fn a_missing_payload_is_an_error_never_an_empty_value() {
+    let env = Env::new().await;
+    let payloads = env.conn.js.get_key_value("lh_payloads").await.unwrap();
+    // An output kept beside its record, then gone: `result` says so.
+    let (w, stop) = env.worker().await;
+    let big = "y".repeat(40_000);
+    env.submit("echo", json!({"input": {"text": big}}), "big-out")
+        .await;
+    let done = env
+        .wait_status("big-out", "completed", Duration::from_secs(10))
+        .await;
+    assert!(done.output_beside);
+    payloads
+        .purge(format!("big-out.output.{}", done.epoch))
+        .await
+        .unwrap();
+    let out = tokio::process::Command::new(leasehold_harness::bin_path("leasehold"))
+        .args(["result", "big-out"])
+        .env("NATS_URL", env.url())
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("output") && err.contains("gone"), "{err}");
+    assert!(out.stdout.is_empty(), "no value printed");
+    stop.cancel();
+    w.wait().await.unwrap();
+    // An input kept beside a queued record, then gone: the job fails with
+    // the reason instead of running on nothing.
+    let mut rec = leasehold_core::machine::new_record(
+        "big-in",
+        "echo",
+        leasehold_core::JobSpec {
+            input: json!({"text": big}).to_string(),
+            ..Default::default()
+        },
+        0,
+        std::time::SystemTime::now(),
+    );
+    env.jobs.externalize(&mut rec).await.unwrap();
+    env.jobs.create(&rec).await.unwrap();
+    payloads.purge("big-in.input").await.unwrap();
+    // A ticket that does not carry the input itself (a small one under
+    // the same id): the claim runs the record's.
+    env.submit("echo", json!({"input": {"small": 1}}), "big-in")
+        .await;
+    let (w, stop) = env.worker().await;
+    let failed = env
+        .wait_for("big-in", Duration::from_secs(10), |r| {
+            matches!(r.status.as_str(), "failed" | "completed")
+        })
+        .await;
+    assert_eq!(failed.status, "failed", "{failed:?}");
+    let why = failed.error.unwrap().message;
+    assert!(why.contains("input") && why.contains("gone"), "{why}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -330,7 +330,13 @@ async fn replay_dead(
         let mut base = body.record.clone();
         if let Some(spec) = &new_spec {
             base.spec = Some(spec.clone());
+            base.input_beside = false;
         }
+        anyhow::ensure!(
+            !(base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty())),
+            "job {id}'s record is gone and its input (over 16 KiB) was kept beside it, not in the letter; nothing changed, letter {} kept: replay it with a corrected submission (`--spec FILE`)",
+            l.seq
+        );
         let ticket = Work::new(conn)
             .reissue(&base, "replay", &format!("{}-0", l.seq))
             .await
@@ -536,7 +542,12 @@ where
     let mut base = cur.value.clone();
     if let Some(s) = spec {
         base.spec = Some(s.clone());
+        base.input_beside = false;
     }
+    anyhow::ensure!(
+        !(base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty())),
+        "job {id}'s input (over 16 KiB, kept beside its record) is gone from the payloads bucket; nothing changed: requeue it with a corrected submission (`dlq replay SEQ --spec FILE`)"
+    );
     let ticket = Work::new(conn)
         .reissue(&base, reason, &format!("{nonce}-{}", cur.revision))
         .await

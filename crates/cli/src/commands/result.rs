@@ -44,6 +44,14 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 res.skipped_sections.join(", ")
             );
         }
+    } else if res.output.is_empty() && rec.output_beside {
+        // Over 16 KiB, it was kept beside the record and is gone: an
+        // error, never an empty value.
+        eprintln!(
+            "error: job {}'s output (over 16 KiB, kept beside its record) is gone from the payloads bucket",
+            rec.id
+        );
+        return Ok(1);
     } else {
         println!(
             "{}",

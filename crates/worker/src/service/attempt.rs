@@ -283,6 +283,15 @@ async fn run_attempt(
         timer,
         span,
     };
+    // An input kept beside the record (over 16 KiB) that is gone fails the
+    // job with the reason: it never runs on an empty value.
+    if rec.input_beside && rec.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
+        a.error(HandlerError::terminal(
+            "the job's input (over 16 KiB, kept beside its record in the payloads bucket) is gone; it is not run on an empty value",
+        ))
+        .await;
+        return;
+    }
     let input: Value = rec
         .spec
         .as_ref()
