@@ -148,3 +148,52 @@ async fn retention_can_differ_by_kind() {
     r.1.cancel();
     r.0.wait().await.unwrap();
 }
+
+// Issue 18: a dead job's ledger and payloads went with the kind's
+// retention (7 days) while its dead letter lived 30: a late `dlq replay`
+// ran its write effects again and its large input came back empty. A dead
+// job now stays as long as its letter may be replayed.
+#[tokio::test]
+async fn a_dead_job_is_kept_as_long_as_its_dead_letter_lives() {
+    let env = Env::with(leasehold_store::setup::SetupOptions {
+        ack_wait: crate::support::ACK_WAIT,
+        dlq_max_age: Duration::from_secs(5),
+        ..Default::default()
+    })
+    .await;
+    let big = "z".repeat(40_000);
+    for (id, status) in [("ended-dead", "dead"), ("ended-failed", "failed")] {
+        let mut rec = leasehold_core::machine::new_record(
+            id,
+            "echo",
+            leasehold_core::JobSpec {
+                input: json!({"text": big}).to_string(),
+                ..Default::default()
+            },
+            0,
+            std::time::SystemTime::now(),
+        );
+        rec.status = status.into();
+        rec.epoch = 1;
+        env.jobs.externalize(&mut rec).await.unwrap();
+        env.jobs.create(&rec).await.unwrap();
+        let ev = leasehold_store::events::event(id, 1, status, None, json!({"kind": "echo"}));
+        env.events.publish(&ev, None).await.unwrap();
+    }
+    let t0 = tokio::time::Instant::now();
+    let r = reaper(&env, "1s", &[]).await;
+    gone(&env, "ended-failed", Duration::from_secs(10)).await;
+    let dead = env.jobs.get("ended-dead").await.unwrap();
+    assert!(
+        dead.is_some_and(|v| v.value.spec.unwrap().input.contains(&big)),
+        "the dead job and its large input stay while its letter lives"
+    );
+    gone(&env, "ended-dead", Duration::from_secs(15)).await;
+    assert!(
+        t0.elapsed() >= Duration::from_secs(4),
+        "not before its letter's 5 s (gone after {:?})",
+        t0.elapsed()
+    );
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}

@@ -14,6 +14,10 @@
 //! class. Every step is idempotent, so replicas may overlap; the cursor is
 //! advanced with a conditioned write.
 //!
+//! A dead job is kept at least as long as its dead letter lives (the DLQ's
+//! `max_age`), from its own cursor (`gd.<seconds>`): a late replay finds
+//! its payloads and its effects ledger, and never repeats an effect.
+//!
 //! Transcripts (a job's `journal` and `tool` events: every model message
 //! and tool result) may go sooner than the rest, from their own cursor
 //! (`tx.<seconds>`), when keeping full transcripts is not wanted.
@@ -39,8 +43,11 @@ pub const TRANSCRIPT_EVENTS: [&str; 2] = ["journal", "tool"];
 /// What a pass does to each finished job that is due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
-    /// Everything of the job goes (cursor `gc.<secs>`).
+    /// Everything of the job goes (cursor `gc.<secs>`), dead jobs aside.
     Forget,
+    /// Everything of a dead job goes (cursor `gd.<secs>`), no sooner than
+    /// its dead letter may still be replayed.
+    ForgetDead,
     /// Only its transcript events go (cursor `tx.<secs>`).
     Transcripts,
 }
@@ -78,17 +85,43 @@ pub struct Retention {
     jobs: Jobs,
     index: kv::Store,
     effects: Option<PurgeEffects>,
+    /// How long a dead letter lives (the DLQ's `max_age`; zero: no age
+    /// limit): a dead job's data is kept at least this long, since its
+    /// letter's replay needs its payloads and its effects ledger.
+    dead_floor: Duration,
 }
 
 impl Retention {
     pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
+        let dead_floor = match conn.js.get_stream(conn.layout.dlq_stream()).await {
+            Ok(mut s) => s
+                .info()
+                .await
+                .map(|i| i.config.max_age)
+                .map_err(|e| StoreError::nats("dead letters' stream", e))?,
+            Err(e) => {
+                return Err(crate::lookup_error(
+                    format!("stream {}", conn.layout.dlq_stream()),
+                    &e,
+                ))
+            }
+        };
         Ok(Retention {
             js: conn.js.clone(),
             layout: conn.layout.clone(),
             jobs: Jobs::open(conn).await?,
             index: crate::open_kv(conn, &conn.layout.active_bucket()).await?,
             effects: None,
+            dead_floor,
         })
+    }
+
+    /// How long a dead job of a class with `retention` is kept: no less
+    /// than its dead letter lives (with no age limit on letters, the class's
+    /// retention: the letter then carries what a replay needs, as far as
+    /// it can).
+    pub fn dead_retention(&self, retention: Duration) -> Duration {
+        retention.max(self.dead_floor)
     }
 
     /// How a job's effects are removed (else its ledger keys are purged by
@@ -110,7 +143,20 @@ impl Retention {
     where
         F: Fn(&str) -> bool,
     {
-        self.scan(Action::Forget, retention, belongs, max).await
+        let a = self.scan(Action::Forget, retention, &belongs, max).await?;
+        let d = self
+            .scan(
+                Action::ForgetDead,
+                self.dead_retention(retention),
+                &belongs,
+                max,
+            )
+            .await?;
+        Ok(Pass {
+            seen: a.seen.max(d.seen),
+            forgotten: a.forgotten + d.forgotten,
+            skipped: a.skipped + d.skipped,
+        })
     }
 
     /// One pass removing the transcripts ([`TRANSCRIPT_EVENTS`]) of jobs
@@ -133,6 +179,7 @@ impl Retention {
     {
         let class = match action {
             Action::Forget => "gc",
+            Action::ForgetDead => "gd",
             Action::Transcripts => "tx",
         };
         let cursor_key = format!("{class}.{}", retention.as_secs());
@@ -159,6 +206,11 @@ impl Retention {
             .map_err(|e| StoreError::nats("events stream", e))?;
         let filters: Vec<String> = TERMINAL_EVENTS
             .iter()
+            .filter(|t| match action {
+                Action::Forget => **t != "dead",
+                Action::ForgetDead => **t == "dead",
+                Action::Transcripts => true,
+            })
             .map(|t| format!("{}.events.*.{t}", self.layout.prefix))
             .collect();
         let consumer = stream
@@ -215,7 +267,9 @@ impl Retention {
         let outcomes: Vec<Result<bool, StoreError>> = futures::stream::iter(due)
             .map(|(id, kind)| async move {
                 match action {
-                    Action::Forget => self.forget(&id, retention, kind, belongs).await,
+                    Action::Forget | Action::ForgetDead => {
+                        self.forget(&id, retention, kind, belongs).await
+                    }
                     Action::Transcripts => self.forget_transcript(&id).await,
                 }
             })
@@ -285,6 +339,13 @@ impl Retention {
         let age = parse_rfc3339(&rec.updated_at)
             .and_then(|t| SystemTime::now().duration_since(t).ok())
             .unwrap_or_default();
+        // A dead job is kept while its dead letter may be replayed (the
+        // pass of its `dead` event removes it).
+        let retention = if rec.status == leasehold_core::Status::Dead.as_str() {
+            self.dead_retention(retention)
+        } else {
+            retention
+        };
         if !finished || age < retention {
             // Replayed, or finished again later: a later terminal event
             // brings it back when that one is due.

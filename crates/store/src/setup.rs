@@ -438,7 +438,12 @@ pub async fn ensure_with(
             l.dlq_stream(),
             l.dlq_wildcard(),
             o.dlq_max_age,
-            Duration::from_secs(3600),
+            // The server wants the dedupe window no longer than max age.
+            if o.dlq_max_age.is_zero() {
+                Duration::from_secs(3600)
+            } else {
+                o.dlq_max_age.min(Duration::from_secs(3600))
+            },
             o.dlq_max_msgs,
             bounds.get(Bound::Dlq),
             stream::DiscardPolicy::Old,
