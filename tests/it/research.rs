@@ -888,3 +888,39 @@ async fn research_trace_is_one_tree_across_a_crash_and_its_reclaim() {
         Some("executed")
     );
 }
+
+// Issue 18: research adopted any stored `<id>/report.md`, so a job id reused
+// after an earlier job's document outlived it (retention removed an
+// artifact only when the result named it) delivered the earlier document.
+#[tokio::test]
+async fn research_with_a_reused_id_never_adopts_an_earlier_jobs_document() {
+    let lab = Lab::new(&[]).await;
+    let store = lab
+        .env
+        .conn
+        .js
+        .get_object_store(lab.env.conn.layout.artifacts_bucket())
+        .await
+        .unwrap();
+    let earlier = async_nats::jetstream::object_store::ObjectMetadata {
+        name: "r-reused/report.md".into(),
+        metadata: [(
+            "lh-incarnation".to_string(),
+            "2020-01-01T00:00:00.000Z".to_string(),
+        )]
+        .into(),
+        ..Default::default()
+    };
+    store
+        .put(earlier, &mut "THE EARLIER JOB'S DOCUMENT".as_bytes())
+        .await
+        .unwrap();
+    let _w = lab.worker(&[]);
+    lab.submit("r-reused").await;
+    let rec = lab.completed("r-reused").await;
+    let doc = lab.artifact(&rec).await;
+    assert!(
+        !doc.contains("THE EARLIER JOB'S DOCUMENT") && doc.contains("## Appendix A: Sources"),
+        "this job's own document: {doc}"
+    );
+}

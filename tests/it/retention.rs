@@ -180,9 +180,25 @@ async fn a_dead_job_is_kept_as_long_as_its_dead_letter_lives() {
         let ev = leasehold_store::events::event(id, 1, status, None, json!({"kind": "echo"}));
         env.events.publish(&ev, None).await.unwrap();
     }
+    // A document the failed job stored before it failed: its result names
+    // none, and it goes with the job all the same.
+    let store = env
+        .conn
+        .js
+        .get_object_store(env.conn.layout.artifacts_bucket())
+        .await
+        .unwrap();
+    store
+        .put("ended-failed/report.md", &mut "half a report".as_bytes())
+        .await
+        .unwrap();
     let t0 = tokio::time::Instant::now();
     let r = reaper(&env, "1s", &[]).await;
     gone(&env, "ended-failed", Duration::from_secs(10)).await;
+    assert!(
+        store.get("ended-failed/report.md").await.is_err(),
+        "its unnamed document went with it"
+    );
     let dead = env.jobs.get("ended-dead").await.unwrap();
     assert!(
         dead.is_some_and(|v| v.value.spec.unwrap().input.contains(&big)),

@@ -71,6 +71,10 @@ pub const WORKFLOW_VERSION: &str = "research/1";
 const META_VERSION: &str = "lh-version";
 const META_TITLE: &str = "lh-title";
 const META_SKIPPED: &str = "lh-skipped";
+/// The incarnation of the job that stored the document (its record's
+/// `created_at`): an id reused after retention starts a new incarnation,
+/// and never adopts an earlier one's document.
+const META_INCARNATION: &str = "lh-incarnation";
 
 /// Everything one attempt of a research job may use.
 #[derive(Clone)]
@@ -992,6 +996,13 @@ impl<'a> Job<'a> {
     /// document, whatever version made it: only the delivery and the
     /// completion remain, and rewriting it would change its digest and so
     /// the delivery's idempotency key.
+    /// Whether a stored document's metadata names this job's incarnation
+    /// (documents stored before the stamp existed count as this job's).
+    fn ours(&self, meta: &std::collections::HashMap<String, String>) -> bool {
+        meta.get(META_INCARNATION)
+            .is_none_or(|c| *c == self.ctx.record.created_at)
+    }
+
     async fn stored_artifact(&self) -> Result<Option<Artifact>, Stop> {
         let retryable =
             |e: &dyn std::fmt::Display| Stop::Err(ResearchError::retryable(e.to_string()));
@@ -1000,6 +1011,18 @@ impl<'a> Job<'a> {
             .map_err(|e| retryable(&e))?;
         let name = self.artifact_name();
         match artifacts.store().get(&name).await {
+            Ok(obj) if !self.ours(&obj.info.metadata) => {
+                // An earlier job of this id left it (its retention did not
+                // remove it): not this job's document. It goes, so this
+                // job stores its own.
+                tracing::warn!(job = %self.ctx.job_id, "a stored report of an earlier job with this id is removed, not adopted");
+                artifacts
+                    .store()
+                    .delete(&name)
+                    .await
+                    .map_err(|e| retryable(&e))?;
+                Ok(None)
+            }
             Ok(mut obj) => {
                 let mut doc = String::new();
                 obj.read_to_string(&mut doc)
@@ -1066,6 +1089,10 @@ impl<'a> Job<'a> {
                 (META_VERSION.to_string(), art.version.clone()),
                 (META_TITLE.to_string(), art.title.clone()),
                 (META_SKIPPED.to_string(), json!(art.skipped).to_string()),
+                (
+                    META_INCARNATION.to_string(),
+                    self.ctx.record.created_at.clone(),
+                ),
             ]
             .into(),
         };
@@ -1088,11 +1115,13 @@ impl<'a> Job<'a> {
             }
             Written::Existing(info) => {
                 // Another attempt stored the job's document first: it is the
-                // job's document, and this one is dropped.
+                // job's document, and this one is dropped (one of an earlier
+                // job with this id is removed instead, and this attempt's
+                // retry stores its own).
                 tracing::warn!(job = %self.ctx.job_id, nuid = %info.nuid, "artifact already stored by another attempt: not overwritten, adopting the stored one");
-                self.stored_artifact()
-                    .await?
-                    .ok_or_else(|| retryable(&"the stored artifact could not be read back"))
+                self.stored_artifact().await?.ok_or_else(|| {
+                    retryable(&"the stored artifact was an earlier job's (removed) or could not be read back")
+                })
             }
         }
     }

@@ -390,10 +390,16 @@ impl Retention {
         let l = &self.layout;
         self.purge_subject(&l.events_stream(), l.job_events_filter(id))
             .await?;
-        if let Some(name) = artifact {
-            if let Ok(store) = self.js.get_object_store(l.artifacts_bucket()).await {
+        // The artifact the result names, and the one a job of this id
+        // stores by convention (`<id>/report.md`) whatever its end: a job
+        // that failed or was cancelled after storing it names none.
+        let conventional = format!("{id}/report.md");
+        let mut names = vec![conventional.clone()];
+        names.extend(artifact.filter(|a| *a != conventional));
+        if let Ok(store) = self.js.get_object_store(l.artifacts_bucket()).await {
+            for name in names {
                 if let Err(e) = store.delete(&name).await {
-                    tracing::debug!(job = id, error = %e, "artifact not deleted (gone already?)");
+                    tracing::debug!(job = id, artifact = %name, error = %e, "artifact not deleted (gone already?)");
                 }
             }
         }
