@@ -636,3 +636,61 @@ async fn a_ticket_refused_for_configuration_skew_parks_its_job_once() {
     r.1.cancel();
     r.0.wait().await.unwrap();
 }
+
+// Issue 18: the owner's terminal write landed but its answer was lost; the
+// gate's retry found the job completed and read that as "ownership lost",
+// so no terminal event was published: retention, which reads terminal
+// events, never found the job (a leak that also blocked its id). The gate
+// recognises its own landed write, as the claim does by its token.
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_write_whose_answer_was_lost_is_recognised_as_the_owners() {
+    let env = Env::new().await;
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    // No renewal falls inside the muted window below.
+    let a = env.worker_proc(
+        &["--worker-id", "lost-ack"],
+        &[
+            ("NATS_URL", proxy.url()),
+            ("LH_SESSION_TIMEOUT", "60s".into()),
+            ("LH_SESSION_RENEW", "30s".into()),
+        ],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    env.submit("sleep", json!({"input": {"ms": 1500}}), "lost-ack-job")
+        .await;
+    env.wait_status("lost-ack-job", "running", Duration::from_secs(10))
+        .await;
+    // The next write of the record is the completion: it reaches the
+    // server, its answer never comes back.
+    let hold = proxy.hold("$KV.lh_jobs.lost-ack-job");
+    tokio::time::timeout(Duration::from_secs(10), hold.triggered())
+        .await
+        .expect("the completion was written");
+    proxy.mute_replies(true);
+    hold.release();
+    env.wait_status("lost-ack-job", "completed", Duration::from_secs(10))
+        .await;
+    wait_log(&a, "owner write failed; retrying", Duration::from_secs(20)).await;
+    proxy.mute_replies(false);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !env
+        .events_of("lost-ack-job")
+        .await
+        .iter()
+        .any(|e| e.r#type == "completed")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no completed event:\n{}",
+            a.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !a.output().contains("ownership lost"),
+        "its own landed write was not read as a loss:\n{}",
+        a.output()
+    );
+}

@@ -74,6 +74,18 @@ impl JobsError {
     }
 }
 
+/// Whether the stored record `read` is the write `tried` (the flags of
+/// values kept beside it aside: the stored form sets them).
+fn same_write(tried: &JobRecord, read: &JobRecord) -> bool {
+    let norm = |r: &JobRecord| {
+        let mut r = r.clone();
+        r.input_beside = false;
+        r.output_beside = false;
+        r
+    };
+    norm(tried) == norm(read)
+}
+
 /// A write error, with what to do when it is the bucket's byte bound (a
 /// full bucket refuses writes; nothing is dropped, and the writer retries).
 fn full_hint(e: &(dyn std::error::Error + 'static)) -> String {
@@ -451,6 +463,9 @@ pub struct Gate {
     /// request, a reclaim) makes that write conflict, and the slow path
     /// re-reads and decides on the fresh record.
     last: Arc<Mutex<Option<Versioned<JobRecord>>>>,
+    /// The writes this owner tried since its last answered one (a reply
+    /// lost, a timeout): one found in the record landed, and is ours.
+    tried: Arc<Mutex<Vec<JobRecord>>>,
     /// Fires once any record this gate reads or writes carries
     /// `cancel_requested`: every owner write doubles as a cancellation check.
     cancel_seen: tokio_util::sync::CancellationToken,
@@ -465,6 +480,7 @@ impl Gate {
             id: id.into(),
             owner,
             last: Arc::default(),
+            tried: Arc::default(),
             cancel_seen: tokio_util::sync::CancellationToken::new(),
             session: None,
         }
@@ -499,6 +515,7 @@ impl Gate {
         let cached = self.last.lock().expect("gate cache").clone();
         if let Some(cur) = cached {
             if let Ok(next) = f(&cur.value, &owner, SystemTime::now()) {
+                self.tried.lock().expect("gate tried").push(next.clone());
                 match self.jobs.update(&next, cur.revision).await {
                     Ok(revision) => {
                         return Ok(self.remember(Versioned {
@@ -514,19 +531,33 @@ impl Gate {
         // Every record read here doubles as a cancellation check, even one
         // whose transition `f` refuses (a write effect's proof).
         let seen = self.cancel_seen.clone();
+        let tried = self.tried.clone();
         let v = self
             .jobs
             .transition(&self.id, |rec| {
                 if rec.cancel_requested {
                     seen.cancel();
                 }
-                f(rec, &owner, SystemTime::now()).map(Some)
+                // Our own write whose answer was lost landed: it is ours,
+                // not a sign that someone else took the job.
+                if tried
+                    .lock()
+                    .expect("gate tried")
+                    .iter()
+                    .any(|t| same_write(t, rec))
+                {
+                    return Ok(None);
+                }
+                let next = f(rec, &owner, SystemTime::now())?;
+                tried.lock().expect("gate tried").push(next.clone());
+                Ok(Some(next))
             })
             .await?;
         Ok(self.remember(v))
     }
 
     fn remember(&self, v: Versioned<JobRecord>) -> Versioned<JobRecord> {
+        self.tried.lock().expect("gate tried").clear();
         if v.value.cancel_requested {
             self.cancel_seen.cancel();
         }
