@@ -213,3 +213,46 @@ async fn a_dead_job_is_kept_as_long_as_its_dead_letter_lives() {
     r.1.cancel();
     r.0.wait().await.unwrap();
 }
+
+// Issue 18: a dedupe window longer than a kind's retention swallowed a
+// reused id: the stream dropped the new submission as a duplicate of the
+// forgotten job and `leasehold submit` said "this is the same job".
+#[tokio::test]
+async fn a_reused_id_swallowed_by_the_dedupe_window_is_an_error_not_a_duplicate() {
+    let env = Env::new().await; // dedupe window: 1 h
+    let (w, stop) = env.worker().await;
+    let submit = |id: &'static str| {
+        let url = env.url();
+        async move {
+            let out = tokio::process::Command::new(leasehold_harness::bin_path("leasehold"))
+                .args(["submit", "echo", r#"{"input":{}}"#, "--id", id])
+                .env("NATS_URL", url)
+                .output()
+                .await
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+    };
+    assert_eq!(submit("reuse-1").await.0, Some(0));
+    env.wait_status("reuse-1", "completed", Duration::from_secs(10))
+        .await;
+    // A duplicate of a job that is still there is the same job.
+    let (code, err) = submit("reuse-1").await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("this is the same job"), "{err}");
+    let r = reaper(&env, "1s", &[]).await;
+    gone(&env, "reuse-1", Duration::from_secs(15)).await;
+    let (code, err) = submit("reuse-1").await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("dedupe window") && err.contains("nothing was queued"),
+        "{err}"
+    );
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -477,3 +477,31 @@ async fn a_kind_set_up_on_a_running_fleet_is_accepted_by_every_gateway() {
     echo_w.wait().await.unwrap();
     sleep_w.wait().await.unwrap();
 }
+
+// Issue 18: retry tickets were deduped by `<id>:retry:<epoch>`, which a job
+// id reused after retention repeats (its epochs start again): within the
+// dedupe window the new job's retry ticket was swallowed.
+#[tokio::test]
+async fn a_reissued_ticket_is_deduped_per_incarnation_of_its_id() {
+    let env = Env::new().await;
+    let t = std::time::SystemTime::now();
+    let earlier = leasehold_core::machine::new_record(
+        "again",
+        "echo",
+        Default::default(),
+        1,
+        t - Duration::from_secs(60),
+    );
+    let later = leasehold_core::machine::new_record("again", "echo", Default::default(), 1, t);
+    let a = env.work.reissue(&earlier, "retry", "1").await.unwrap();
+    let rerun = env.work.reissue(&earlier, "retry", "1").await.unwrap();
+    assert!(
+        rerun.duplicate && rerun.seq == a.seq,
+        "the same step again is one ticket"
+    );
+    let b = env.work.reissue(&later, "retry", "1").await.unwrap();
+    assert!(
+        !b.duplicate && b.seq != a.seq,
+        "another incarnation's retry is its own ticket"
+    );
+}

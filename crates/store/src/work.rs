@@ -132,7 +132,7 @@ impl Work {
         let payload: Bytes = serde_json::to_vec(&spec).expect("spec serializes").into();
         let mut m = PublishMessage::build()
             .payload(payload)
-            .message_id(format!("{}:{reason}:{nonce}", rec.id))
+            .message_id(reissue_id(rec, reason, nonce))
             .header(JOB_ID_HEADER, rec.id.as_str());
         if let Some(tp) = rec.traceparent.as_deref() {
             // A record rebuilt from this ticket (a replay) keeps the trace.
@@ -272,6 +272,20 @@ impl Work {
         }
         self.publish(self.layout.submit_subject(kind), m).await
     }
+}
+
+/// The dedupe id of a re-issued ticket: the same for a re-run of the same
+/// step (the same record, reason and nonce), different for another
+/// incarnation of the id (a job id reused after retention starts a new
+/// record, whose `created_at` differs), so `<id>:retry:1` of a new job is
+/// never swallowed as a duplicate of the earlier job's.
+pub fn reissue_id(rec: &JobRecord, reason: &str, nonce: &str) -> String {
+    let incarnation: String = rec
+        .created_at
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect();
+    format!("{}:{reason}:{nonce}:{incarnation}", rec.id)
 }
 
 impl Work {

@@ -150,6 +150,22 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     };
     let id = msg_id.unwrap_or_else(|| spec::seq_id(published.seq));
     if published.duplicate {
+        // The stream recognised the id within its dedupe window. If no
+        // record is left, the earlier job with this id is gone (retention
+        // shorter than the window): this submission was swallowed.
+        // (A duplicate's sequence is the first submission's: a ticket still
+        // there is a job still queued.)
+        let gone = match super::open_jobs(&conn).await {
+            Ok(jobs) => {
+                matches!(jobs.get(&id).await, Ok(None))
+                    && matches!(Work::new(&conn).get(published.seq).await, Ok(None))
+            }
+            Err(_) => false,
+        };
+        if gone {
+            eprintln!("error: job id {id} was used within the work stream's dedupe window (`leasehold setup --dedupe-window`) by a job that is gone now (its retention is shorter than the window); nothing was queued: submit under another id, or once the window has passed");
+            return Ok(1);
+        }
         eprintln!("duplicate: job {id} was already submitted; this is the same job");
     } else {
         announce(&conn, &id, published.seq).await;
