@@ -256,3 +256,58 @@ async fn a_reused_id_swallowed_by_the_dedupe_window_is_an_error_not_a_duplicate(
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 18: retention removed a job's events first, although its terminal
+// event is the pass's only pointer to the job: a reaper killed between the
+// events and the record left the record for ever (and its id blocked).
+// The reaper is held at the record's removal and killed -9 there.
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reaper_killed_in_the_middle_of_forgetting_a_job_leaves_it_for_the_next() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {}}), "half-forgotten")
+        .await;
+    env.wait_status("half-forgotten", "completed", Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    w.wait().await.unwrap();
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let hold = proxy.hold("$KV.lh_jobs.half-forgotten");
+    let mut a = leasehold_harness::Proc::spawn(
+        "leasehold-reaper",
+        &[],
+        &[
+            ("NATS_URL", proxy.url()),
+            ("LH_RETENTION", "1s".into()),
+            ("LH_INTERVAL", "300ms".into()),
+            ("RUST_LOG", "info".into()),
+        ],
+    );
+    tokio::time::timeout(Duration::from_secs(20), hold.triggered())
+        .await
+        .expect("the reaper reached the record's removal");
+    a.kill9();
+    proxy.cut();
+    assert!(env.jobs.get("half-forgotten").await.unwrap().is_some());
+    assert!(
+        env.events_of("half-forgotten")
+            .await
+            .iter()
+            .any(|e| e.r#type == "completed"),
+        "the terminal event, the pointer to the job, is still there"
+    );
+    let r = reaper(&env, "1s", &[]).await;
+    gone(&env, "half-forgotten", Duration::from_secs(15)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !env.events_of("half-forgotten").await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "its events went last"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}

@@ -60,8 +60,9 @@ pub struct Options {
     #[arg(long, env = "LH_CLOCK_SKEW", default_value = "2s", value_parser = parse_duration)]
     pub clock_skew: Duration,
     /// How long a finished job is kept after its last write: then its
-    /// events, artifact, effects-ledger entries and record are removed, in
-    /// that order. 0 keeps everything.
+    /// artifact, effects-ledger entries, payloads, record and, last, its
+    /// events are removed, in that order (a dead job: at least as long as
+    /// its dead letter lives). 0 keeps everything.
     #[arg(long, env = "LH_RETENTION", default_value = "7d", value_parser = parse_duration)]
     pub retention: Duration,
     /// Retention per kind, comma-separated `kind=duration` (e.g.

@@ -2,11 +2,13 @@
 //!
 //! A finished job (completed, failed, cancelled, rejected, dead) is kept for
 //! its retention after its terminal write, then everything of it goes, in
-//! an order that never leaves events without their record: its events, its
-//! artifact, its effects-ledger entries, its large payloads, any index
-//! entry, and the record last (conditioned on the revision read, so a job
-//! replayed meanwhile is left alone). A job id reused afterwards starts
-//! fresh.
+//! an order that survives a crash at any step: its artifact, its
+//! effects-ledger entries, its large payloads, any index entry, the record
+//! (conditioned on the revision read, so a job replayed meanwhile is left
+//! alone), and its events last, up to the terminal event that made it due:
+//! that event is the pass's only pointer to the job, so a pass that stops
+//! half-way leaves it for the next one, and a job that reuses the id
+//! meanwhile keeps its own events. A job id reused afterwards starts fresh.
 //!
 //! Nothing scans the history to find what is due: the terminal events are
 //! read in stream order, lagging by the retention, from a cursor kept in
@@ -226,7 +228,7 @@ impl Retention {
         let mut pending = consumer.cached_info().num_pending;
         let mut pass = Pass::default();
         let mut last = after;
-        let mut due: Vec<(String, Option<String>)> = Vec::new();
+        let mut due: Vec<(String, Option<String>, u64)> = Vec::new();
         if pending > 0 {
             let mut msgs = consumer
                 .messages()
@@ -254,7 +256,7 @@ impl Retention {
                         .data_map()
                         .get("kind")
                         .and_then(|k| k.as_str().map(str::to_string));
-                    due.push((ev.job_id, kind));
+                    due.push((ev.job_id, kind, seq));
                 }
                 last = seq;
             }
@@ -265,10 +267,11 @@ impl Retention {
         // does the same (idempotent) work again.
         let belongs = &belongs;
         let outcomes: Vec<Result<bool, StoreError>> = futures::stream::iter(due)
-            .map(|(id, kind)| async move {
+            .map(|(id, kind, seq)| async move {
                 match action {
                     Action::Forget | Action::ForgetDead => {
-                        self.forget(&id, retention, kind, belongs).await
+                        self.forget_upto(&id, retention, kind, belongs, Some(seq))
+                            .await
                     }
                     Action::Transcripts => self.forget_transcript(&id).await,
                 }
@@ -317,6 +320,23 @@ impl Retention {
     where
         F: Fn(&str) -> bool,
     {
+        self.forget_upto(id, retention, kind, belongs, None).await
+    }
+
+    /// [`Retention::forget`], where `terminal_seq` is the sequence of the
+    /// terminal event that made the job due: its events are removed up to
+    /// it only, so a job that reuses the id meanwhile keeps its own.
+    async fn forget_upto<F>(
+        &self,
+        id: &str,
+        retention: Duration,
+        kind: Option<String>,
+        belongs: &F,
+        terminal_seq: Option<u64>,
+    ) -> Result<bool, StoreError>
+    where
+        F: Fn(&str) -> bool,
+    {
         if kind.as_deref().is_some_and(|k| !belongs(k)) {
             return Ok(false);
         }
@@ -327,8 +347,10 @@ impl Retention {
             Err(e) => return Err(StoreError::Nats(e.to_string())),
         };
         let Some(cur) = cur else {
-            // No record: whatever is left of the job goes.
+            // No record (an earlier pass removed it and stopped before the
+            // events): whatever is left of the job goes.
             self.purge_job_data(id, None).await?;
+            self.purge_events(id, terminal_seq).await?;
             return Ok(true);
         };
         let rec = &cur.value;
@@ -359,10 +381,33 @@ impl Retention {
             .purge_expect_revision_with_ttl(id, cur.revision, MARKER_TTL)
             .await
         {
-            Ok(()) => Ok(true),
-            Err(e) if crate::server_error_code(&e) == Some(crate::WRONG_LAST_SEQUENCE) => Ok(false),
-            Err(e) => Err(StoreError::nats("remove record", e)),
+            Ok(()) => {}
+            Err(e) if crate::server_error_code(&e) == Some(crate::WRONG_LAST_SEQUENCE) => {
+                return Ok(false)
+            }
+            Err(e) => return Err(StoreError::nats("remove record", e)),
         }
+        // The events last: the terminal event is this pass's only pointer
+        // to the job, so a failure before here leaves it to the next pass.
+        self.purge_events(id, terminal_seq).await?;
+        Ok(true)
+    }
+
+    /// A job's events, up to its terminal event's sequence when known.
+    async fn purge_events(&self, id: &str, upto: Option<u64>) -> Result<(), StoreError> {
+        let l = &self.layout;
+        let s = self
+            .js
+            .get_stream_no_info(l.events_stream())
+            .await
+            .map_err(|e| StoreError::nats("purge", e))?;
+        let filter = l.job_events_filter(id);
+        let res = match upto {
+            // `sequence` purges below it: the terminal event is included.
+            Some(seq) => s.purge().filter(filter).sequence(seq + 1).await,
+            None => s.purge().filter(filter).await,
+        };
+        res.map(|_| ()).map_err(|e| StoreError::nats("purge", e))
     }
 
     /// Removes the transcript events of job `id` if it is finished. A job
@@ -385,11 +430,9 @@ impl Retention {
         Ok(true)
     }
 
-    /// Everything of a job but its record, in order: events first.
+    /// Everything of a job but its record and its events.
     async fn purge_job_data(&self, id: &str, artifact: Option<String>) -> Result<(), StoreError> {
         let l = &self.layout;
-        self.purge_subject(&l.events_stream(), l.job_events_filter(id))
-            .await?;
         // The artifact the result names, and the one a job of this id
         // stores by convention (`<id>/report.md`) whatever its end: a job
         // that failed or was cancelled after storing it names none.
