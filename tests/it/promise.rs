@@ -694,3 +694,57 @@ async fn a_terminal_write_whose_answer_was_lost_is_recognised_as_the_owners() {
         a.output()
     );
 }
+
+/// A handler that parks its job at once.
+struct ParksAtOnce;
+
+#[async_trait::async_trait]
+impl Handler for ParksAtOnce {
+    async fn run(&self, _: JobCtx) -> Result<Outcome, HandlerError> {
+        Ok(Outcome::Parked {
+            reason: "review".into(),
+            message: "a person decides".into(),
+        })
+    }
+}
+
+// Issue 18: a job that parked before `--index-after`, with its park entry's
+// write failing, was never listed by `review list`: nothing else indexes
+// a parked job. Its ticket is now kept until the entry is written.
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_park_whose_index_write_failed_is_listed_all_the_same() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut o = env.opts();
+    o.nats.url = proxy.url();
+    o.index_after = Duration::from_secs(30);
+    let stop = CancellationToken::new();
+    let w = Worker::new(o)
+        .with_handler("echo", std::sync::Arc::new(ParksAtOnce))
+        .start(stop.clone())
+        .await
+        .unwrap();
+    proxy.drop_matching("$KV.lh_active.>");
+    env.submit("echo", json!({"input": {}}), "parked-fast")
+        .await;
+    env.wait_status("parked-fast", "parked", Duration::from_secs(10))
+        .await;
+    let active = Active::open(&env.conn).await.unwrap();
+    assert!(
+        active.list(Filter::Parked).await.unwrap().is_empty(),
+        "the park entry's write was lost"
+    );
+    proxy.clear();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while active.list(Filter::Parked).await.unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the parked job is listed once its kept ticket comes back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.cancel();
+    w.wait().await.unwrap();
+}

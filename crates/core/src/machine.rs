@@ -240,7 +240,10 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
     }
     match status {
         s if s.is_terminal() => ClaimDecision::Drop(format!("job is {s}")),
-        Status::Parked => ClaimDecision::Drop("job is parked for review".into()),
+        // Settled: its index entry is made sure of first (a park whose
+        // index write failed kept its ticket for this), so `review list`
+        // always shows it.
+        Status::Parked => ClaimDecision::Settle("job is parked for review".into()),
         Status::Queued if rec.cancel_requested => {
             ClaimDecision::Cancel(Box::new(cancelled(rec, c.now, "cancelled before it ran")))
         }

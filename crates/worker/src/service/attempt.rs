@@ -443,14 +443,20 @@ impl Attempt {
     }
 
     /// After the record's new state is written: the index follows it.
-    async fn reindex(&self, rec: &JobRecord) {
+    /// Whether it does (a failure is repaired by the reaper, or by the
+    /// ticket a caller keeps for it).
+    async fn reindex(&self, rec: &JobRecord) -> bool {
         let stale = self.maybe_indexed().then(|| self.run_key());
         let needed = Key::of(rec).is_some();
         if !needed && stale.is_none() {
-            return;
+            return true;
         }
-        if let Err(e) = self.shared.active.sync(rec, stale.as_ref()).await {
-            tracing::warn!(job = %rec.id, error = %e, "index not updated; the reaper repairs it");
+        match self.shared.active.sync(rec, stale.as_ref()).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(job = %rec.id, error = %e, "index not updated; the reaper repairs it");
+                false
+            }
         }
     }
 
@@ -522,15 +528,22 @@ impl Attempt {
             Ok(v) => {
                 self.ended(AttemptOutcome::Parked, None);
                 // The parked entry before the ticket goes: a parked job is
-                // always listed.
-                self.reindex(&v.value).await;
+                // always listed. When it cannot be written, the ticket is
+                // kept: it comes back, and its claim indexes the parked
+                // job before it settles it.
+                let indexed = self.reindex(&v.value).await;
                 self.publish_event(
                     "parked",
                     json!({"reason": reason, "message": message}),
                     None,
                 )
                 .await;
-                settle(&self.ticket, AckKind::Ack).await;
+                let keep = if indexed {
+                    AckKind::Ack
+                } else {
+                    AckKind::Nak(Some(Duration::from_secs(1)))
+                };
+                settle(&self.ticket, keep).await;
             }
             Err(e) => self.refused("parking", e).await,
         }

@@ -466,11 +466,11 @@ pub(crate) async fn handle_delivery(
 /// A ticket of a job a live owner holds: make sure the job is indexed
 /// under its owner (its liveness no longer needs the ticket), then ack.
 async fn settle_live(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message, why: &str) {
-    let key = Key::of(rec).expect("a running record has a key");
+    let key = Key::of(rec).expect("a running or parked record has a key");
     match shared.active.put(&key, rec).await {
         Ok(()) => {
             shared.stats.settled.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(job = %rec.id, owner = ?rec.worker_id, why, "ticket settled: a live owner holds the job");
+            tracing::debug!(job = %rec.id, owner = ?rec.worker_id, why, "ticket settled: the job is indexed and needs no ticket");
             let _ = msg.ack().await;
         }
         Err(e) => {
