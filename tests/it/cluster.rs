@@ -201,6 +201,7 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
                                 assert!(Instant::now() < deadline, "{job}: {e}");
                                 tokio::time::sleep(Duration::from_millis(50)).await
                             }
+                            Err(e @ FenceError::Refused(_)) => panic!("{job}: {e}"),
                         }
                     };
                     let mut landed = 0;
@@ -212,6 +213,7 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
                                 return (landed, true);
                             }
                             Err(FenceError::Nats(_)) => {}
+                            Err(e @ FenceError::Refused(_)) => panic!("{job}: {e}"),
                         }
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
@@ -228,6 +230,7 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
                     Err(FenceError::Lost { .. }) => panic!("{job}: the newest claim was refused"),
                     // "keeps moving" while the old owner publishes: again.
                     Err(FenceError::Nats(e)) => assert!(Instant::now() < deadline, "{job}: {e}"),
+                    Err(e @ FenceError::Refused(_)) => panic!("{job}: {e}"),
                 }
             };
             for n in 0..3 {
@@ -240,6 +243,7 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
                         Err(FenceError::Nats(e)) => {
                             assert!(Instant::now() < deadline, "{job}: {e}")
                         }
+                        Err(e @ FenceError::Refused(_)) => panic!("{job}: {e}"),
                     }
                 }
             }

@@ -924,3 +924,55 @@ async fn research_with_a_reused_id_never_adopts_an_earlier_jobs_document() {
         "this job's own document: {doc}"
     );
 }
+
+// Issue 18: the flusher retried a refusal that retrying cannot change (the
+// event stream full) until the attempt timeout (6 h by default), counting
+// the dropped checkpoints as published. Now the attempt stops at once and
+// the job is retried from its last checkpoint.
+#[tokio::test]
+async fn research_checkpoints_refused_by_a_full_event_stream_stop_the_attempt_not_hang_it() {
+    let rules = std::env::temp_dir().join(format!("lh-slow-full-{}.json", std::process::id()));
+    std::fs::write(&rules, r#"{"rules": [{"kind": "slow", "delay_ms": 3}]}"#).unwrap();
+    let lab = Lab::new(&[("LH_SIM_FAULTS", rules.display().to_string())]).await;
+    let id = "r-full";
+    let _w = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
+    lab.submit(id).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !lab
+        .env
+        .events_of(id)
+        .await
+        .iter()
+        .any(|e| e.r#type == "section")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no section checkpoint"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The event stream is full from now on.
+    let js = &lab.env.conn.js;
+    let name = lab.env.conn.layout.events_stream();
+    let mut st = js.get_stream(&name).await.unwrap();
+    let info = st.info().await.unwrap().clone();
+    let mut full = info.config.clone();
+    full.max_bytes = info.state.bytes as i64;
+    js.update_stream(full).await.unwrap();
+    let retried = lab
+        .env
+        .wait_for(id, Duration::from_secs(30), |r| {
+            r.error
+                .as_ref()
+                .is_some_and(|e| e.message.contains("refused by the event stream"))
+        })
+        .await;
+    assert_ne!(
+        retried.status, "running",
+        "the attempt stopped: {retried:?}"
+    );
+    // Room again: the retry resumes and completes.
+    js.update_stream(info.config.clone()).await.unwrap();
+    let rec = lab.completed(id).await;
+    assert!(rec.attempts >= 1, "{rec:?}");
+}

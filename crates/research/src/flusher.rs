@@ -122,6 +122,7 @@ pub struct Flusher {
     queued: Arc<AtomicU64>,
     published: Arc<AtomicU64>,
     lost: Arc<AtomicBool>,
+    refused: Arc<std::sync::Mutex<Option<String>>>,
     pub stats: Arc<FlushStats>,
 }
 
@@ -131,12 +132,19 @@ pub struct Flusher {
 struct Shared {
     published: Arc<AtomicU64>,
     lost: Arc<AtomicBool>,
+    /// Why the event stream refused a checkpoint for good, if it did: the
+    /// attempt stops (nothing after it may be persisted out of order).
+    refused: Arc<std::sync::Mutex<Option<String>>>,
     stats: Arc<FlushStats>,
 }
 
 impl Shared {
     fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
+    }
+    /// Lost, or a checkpoint refused: nothing more is persisted.
+    fn is_stopped(&self) -> bool {
+        self.is_lost() || self.refused.lock().map_or(true, |r| r.is_some())
     }
 }
 
@@ -161,11 +169,13 @@ impl Flusher {
             queued: Arc::new(AtomicU64::new(0)),
             published: Arc::new(AtomicU64::new(0)),
             lost: Arc::new(AtomicBool::new(false)),
+            refused: Arc::default(),
             stats: Arc::new(FlushStats::default()),
         };
         let shared = Shared {
             published: f.published.clone(),
             lost: f.lost.clone(),
+            refused: f.refused.clone(),
             stats: f.stats.clone(),
         };
         let task = tokio::spawn(run(shared, rx, fence, gate, cancel));
@@ -193,6 +203,11 @@ impl Flusher {
         self.push(Item::Progress(p));
     }
 
+    /// Why the event stream refused a checkpoint for good, if it did.
+    pub fn refused(&self) -> Option<String> {
+        self.refused.lock().ok().and_then(|r| r.clone())
+    }
+
     /// The highest ticket whose item is durable.
     pub fn published(&self) -> u64 {
         self.published.load(Ordering::SeqCst)
@@ -217,7 +232,11 @@ impl Flusher {
     pub fn block_until_published(&self, n: u64, timeout: Duration) {
         let deadline = std::time::Instant::now() + timeout;
         let wait = || {
-            while self.published() < n && !self.is_lost() && std::time::Instant::now() < deadline {
+            while self.published() < n
+                && !self.is_lost()
+                && self.refused().is_none()
+                && std::time::Instant::now() < deadline
+            {
                 std::thread::sleep(Duration::from_millis(2));
             }
         };
@@ -262,28 +281,31 @@ async fn run(
                 Item::Barrier(tx) => barriers.push(tx),
                 Item::Progress(p) => progress = Some(p),
                 Item::Event { ty, data } => {
-                    if !f.is_lost() {
-                        publish(&f, &fence, &cancel, ty, &data).await;
+                    if !f.is_stopped() && publish(&f, &fence, &cancel, ty, &data).await {
                         f.stats.events.fetch_add(1, Ordering::Relaxed);
                         durable += 1;
                         let us = u32::try_from(queued.elapsed().as_micros()).unwrap_or(u32::MAX);
                         if let Ok(mut l) = f.stats.latencies_us.lock() {
                             l.push(us);
                         }
+                        f.published.fetch_max(n, Ordering::SeqCst);
                     }
-                    f.published.fetch_max(n, Ordering::SeqCst);
                 }
             }
         }
         if let Some(p) = progress.filter(|p| Some(p) != last_written.as_ref()) {
-            if !f.is_lost() {
+            if !f.is_stopped() {
                 write_progress(&f, &fence, &gate, &cancel, &p).await;
                 last_written = Some(p);
                 wrote = true;
             }
         }
-        f.published.fetch_max(top, Ordering::SeqCst);
-        let ok = !f.is_lost();
+        // Only what was persisted counts as published: waiters on a dropped
+        // item see the loss or the refusal instead.
+        let ok = !f.is_stopped();
+        if ok {
+            f.published.fetch_max(top, Ordering::SeqCst);
+        }
         if ok && (durable > 0 || wrote) {
             leasehold_telemetry::observe::checkpoint_flush(started.elapsed(), durable);
         }
@@ -300,26 +322,41 @@ fn mark_lost(f: &Shared, cancel: &CancellationToken, why: &str) {
     cancel.cancel();
 }
 
+/// Publishes one event under the fence, retrying what may pass later;
+/// whether it was persisted.
 async fn publish(
     f: &Shared,
     fence: &Mutex<Fence>,
     cancel: &CancellationToken,
     ty: &str,
     data: &Value,
-) {
+) -> bool {
     let mut attempt = 0;
     loop {
         let res = fence.lock().await.publish(ty, data.clone()).await;
         match res {
-            Ok(_) => return,
-            Err(FenceError::Lost { .. }) => return mark_lost(f, cancel, "fence"),
+            Ok(_) => return true,
+            Err(FenceError::Lost { .. }) => {
+                mark_lost(f, cancel, "fence");
+                return false;
+            }
+            Err(FenceError::Refused(e)) => {
+                // Retrying cannot help; the attempt stops and the job is
+                // retried later (by then the stream may have room).
+                tracing::warn!(ty, error = %e, "checkpoint refused by the event stream; stopping the attempt");
+                if let Ok(mut r) = f.refused.lock() {
+                    r.get_or_insert(e);
+                }
+                cancel.cancel();
+                return false;
+            }
             Err(FenceError::Nats(e)) => {
                 attempt += 1;
                 tracing::warn!(ty, attempt, error = %e, "checkpoint publish failed; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff(attempt)) => {}
                     // The job is over (cancelled, handed back): give up.
-                    _ = cancel.cancelled() => return,
+                    _ = cancel.cancelled() => return false,
                 }
             }
         }

@@ -359,6 +359,11 @@ pub async fn run(ctx: ResearchCtx, cfg: &ResearchConfig) -> Result<ResearchOutco
     if flusher.is_lost() {
         return Err(ResearchError::cancelled());
     }
+    if let Some(why) = flusher.refused() {
+        return Err(ResearchError::retryable(format!(
+            "a checkpoint was refused by the event stream ({why}); the job is retried from its last checkpoint"
+        )));
+    }
     match res {
         Ok(mut r) => match flushed {
             Ok(Ok(())) => {

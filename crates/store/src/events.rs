@@ -57,7 +57,14 @@ pub enum FenceError {
     /// Transient: NATS did not answer; retry with backoff.
     #[error("publish event: {0}")]
     Nats(String),
+    /// The event stream refused it for good (full at its byte or count
+    /// bound, or the message too large): retrying now changes nothing.
+    #[error("the event stream refused the event: {0}")]
+    Refused(String),
 }
+
+/// The server's "message size exceeds maximum allowed" (10054).
+const MESSAGE_TOO_LARGE: u64 = 10054;
 
 /// Builds an event.
 pub fn event(job_id: &str, epoch: u64, ty: &str, worker_id: Option<&str>, data: Value) -> JobEvent {
@@ -471,6 +478,16 @@ impl Fence {
                         });
                     }
                     self.last_seq = last.map_or(0, |(seq, _)| seq);
+                }
+                Err(e)
+                    if matches!(
+                        server_error_code(&e),
+                        Some(
+                            crate::STREAM_FULL_BYTES | crate::STREAM_FULL_MSGS | MESSAGE_TOO_LARGE
+                        )
+                    ) =>
+                {
+                    return Err(FenceError::Refused(e.to_string()))
                 }
                 Err(e) => return Err(FenceError::Nats(e.to_string())),
             }
