@@ -123,7 +123,11 @@ impl Retention {
     /// retention: the letter then carries what a replay needs, as far as
     /// it can).
     pub fn dead_retention(&self, retention: Duration) -> Duration {
-        retention.max(self.dead_floor)
+        // A margin past the letter's expiry (a tenth, at most an hour): a
+        // replay that read the letter just before it expired finds the
+        // job's data.
+        let margin = (self.dead_floor / 10).min(Duration::from_secs(3600));
+        retention.max(self.dead_floor + margin)
     }
 
     /// How a job's effects are removed (else its ledger keys are purged by
