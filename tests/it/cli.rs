@@ -817,3 +817,23 @@ async fn a_full_job_records_bucket_holds_jobs_back_and_loses_none() {
             .await;
     }
 }
+
+// Issue 24: `watch` on a mistyped id waited for ever, silently.
+#[tokio::test]
+async fn watch_refuses_an_unknown_id_unless_told_to_wait_for_it() {
+    let env = Env::new().await;
+    let url = env.url();
+    let (code, out, err) = cli(&url, &["watch", "no-such-job"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("no job no-such-job") && err.contains("--wait-for-id"),
+        "{err}"
+    );
+    let (code, _, err) = cli(
+        &url,
+        &["watch", "not-yet", "--wait-for-id", "--timeout", "500ms"],
+    )
+    .await;
+    assert_eq!(code, 124, "{err}");
+    assert!(err.contains("not picked up yet"), "{err}");
+}

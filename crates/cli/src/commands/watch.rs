@@ -1,5 +1,6 @@
-//! `leasehold watch ID [--json] [--timeout D]`: follow a job live until it
-//! is terminal. Shows status, attempts, epoch and a progress bar of sections
+//! `leasehold watch ID [--json] [--timeout D] [--wait-for-id]`: follow a
+//! job live until it is terminal; an unknown id is refused (exit 1) unless
+//! `--wait-for-id`. Shows status, attempts, epoch and a progress bar of sections
 //! for long work. Exit 0 when it completed, 1 when it ended otherwise, 124
 //! when the timeout passed first (the job goes on).
 
@@ -19,6 +20,10 @@ pub struct Args {
     /// Stop waiting after this long (e.g. 30s, 10m); the job is not affected.
     #[arg(long, value_parser = leasehold_core::time::parse_duration)]
     timeout: Option<std::time::Duration>,
+    /// Wait for a job that has no record yet (one about to be submitted)
+    /// instead of refusing an unknown id.
+    #[arg(long)]
+    wait_for_id: bool,
 }
 
 /// Exit code when a wait's timeout passed before the job ended (as timeout(1)).
@@ -27,6 +32,13 @@ pub const TIMED_OUT: i32 = 124;
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli watch").await?;
     let jobs = super::open_jobs(&conn).await?;
+    if !a.wait_for_id && jobs.get(&a.id).await?.is_none() {
+        eprintln!(
+            "error: no job {}; `leasehold list` shows the active jobs (a job submitted while no worker runs, by a user that may not write records, gets its record when a worker takes it: `--wait-for-id` waits for it)",
+            a.id
+        );
+        return Ok(1);
+    }
     let Some(rec) = follow_for(&jobs, &a.id, a.json, a.json, a.timeout).await? else {
         return Ok(TIMED_OUT);
     };
