@@ -187,8 +187,11 @@ async fn cli_submit_wait_status_list_result_cancel() {
     )
     .await;
     assert_eq!(code, 0, "{err}");
-    assert!(
-        out.starts_with("cli-1\n") && out.contains("\"completed\""),
+    // One JSON document on stdout (for `| jq`), the id in it.
+    let rec: serde_json::Value = serde_json::from_str(&out).expect("stdout is one JSON document");
+    assert_eq!(
+        (rec["id"].as_str(), rec["status"].as_str()),
+        (Some("cli-1"), Some("completed")),
         "{out}"
     );
     let (code, out, _) = cli(&url, &["result", "cli-1"]).await;

@@ -37,7 +37,8 @@ pub struct Args {
     /// Send the spec as protobuf (Content-Type: application/protobuf).
     #[arg(long)]
     protobuf: bool,
-    /// Wait until the job is terminal, print its record, and exit 0 only if it completed.
+    /// Wait until the job is terminal, print its record (only that, as one
+    /// JSON document: the id is in it), and exit 0 only if it completed.
     #[arg(long)]
     wait: bool,
     /// With --wait: stop waiting after this long (exit 124; the job goes on).
@@ -170,7 +171,13 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     } else {
         announce(&conn, &id, published.seq).await;
     }
-    println!("{id}");
+    if a.wait {
+        // One JSON document on stdout (the record names the id), so the
+        // output can be piped to `jq`; the id goes to stderr meanwhile.
+        eprintln!("job {id} submitted; waiting for it to end");
+    } else {
+        println!("{id}");
+    }
     if a.wait {
         let jobs = super::open_jobs(&conn).await?;
         let Some(rec) = super::watch::follow_for(&jobs, &id, false, true, a.timeout).await? else {
