@@ -19,12 +19,16 @@ pub struct Args {
     /// Only running jobs of this worker.
     #[arg(long)]
     worker: Option<String>,
-    /// At most this many jobs (sorted by id); `--after` continues.
+    /// At most this many jobs; `--after` continues.
     #[arg(long, default_value_t = 100)]
     limit: usize,
-    /// Start after this job id (the last id of the previous page).
+    /// Start after this job (the last id of the previous page, in the
+    /// same `--sort` order).
     #[arg(long)]
     after: Option<String>,
+    /// Order: `newest` (submitted last first), `oldest`, or `id`.
+    #[arg(long, value_enum, default_value_t = Sort::Newest)]
+    sort: Sort,
     /// Every record ever kept, finished ones too (a scan of the whole
     /// bucket: slow on a long history).
     #[arg(long)]
@@ -35,6 +39,51 @@ pub struct Args {
     /// One JSON record per line instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// The order `list` shows jobs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sort {
+    Newest,
+    Oldest,
+    Id,
+}
+
+/// Sorts `(job id, created_at)` items in `sort` order and keeps those after
+/// `after` (an id no longer listed: from the start).
+fn order<T>(items: &mut Vec<T>, sort: Sort, after: Option<&str>, key: impl Fn(&T) -> (&str, &str)) {
+    items.sort_by(|x, y| {
+        let ((ix, cx), (iy, cy)) = (key(x), key(y));
+        match sort {
+            Sort::Id => ix.cmp(iy),
+            Sort::Oldest => cx.cmp(cy).then(ix.cmp(iy)),
+            Sort::Newest => cy.cmp(cx).then(ix.cmp(iy)),
+        }
+    });
+    if let Some(after) = after {
+        if let Some(i) = items.iter().position(|x| key(x).0 == after) {
+            items.drain(..=i);
+        } else if sort == Sort::Id {
+            items.retain(|x| key(x).0 > after);
+        }
+    }
+}
+
+/// "3m", "2h", "5d": how long ago an RFC 3339 time was.
+fn age(at: &str) -> String {
+    let Some(t) = leasehold_core::time::parse_rfc3339(at) else {
+        return "-".into();
+    };
+    let s = std::time::SystemTime::now()
+        .duration_since(t)
+        .unwrap_or_default()
+        .as_secs();
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m", s / 60),
+        3600..=86_399 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86_400),
+    }
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
@@ -77,8 +126,9 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             .map(|v| v.value)
             .filter(|r| keep(r))
             .collect();
-        recs.sort_by(|x, y| x.id.cmp(&y.id));
-        recs.retain(|r| a.after.as_ref().is_none_or(|after| &r.id > after));
+        order(&mut recs, a.sort, a.after.as_deref(), |r| {
+            (r.id.as_str(), r.created_at.as_str())
+        });
         if recs.len() > a.limit {
             recs.truncate(a.limit);
             more = true;
@@ -93,9 +143,11 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             _ => Filter::All,
         };
         let mut entries = active.list(filter).await?;
-        entries.retain(|(_, e)| a.after.as_ref().is_none_or(|after| &e.job > after));
         entries.retain(|(_, e)| a.kind.as_ref().is_none_or(|k| &e.kind == k));
         entries.dedup_by(|x, y| x.1.job == y.1.job);
+        order(&mut entries, a.sort, a.after.as_deref(), |(_, e)| {
+            (e.job.as_str(), e.created_at.as_str())
+        });
         recs = Vec::new();
         for (_, e) in entries {
             if recs.len() == a.limit {
@@ -117,21 +169,29 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             println!("{}", serde_json::to_string(r)?);
         }
     } else {
+        // The id column is as wide as the longest id shown: long ids
+        // never break the table.
+        let w = recs.iter().map(|r| r.id.len()).max().unwrap_or(0).max(2);
         println!(
-            "{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {:<16} UPDATED",
-            "ID", "KIND", "STATUS", "ATTEMPTS", "EPOCH", "RECLAIM", "WORKER"
+            "{:<w$} {:<10} {:<10} {:>5} {:>8} {:>6} {:>7}  {:<16} LAST ERROR",
+            "ID", "KIND", "STATUS", "AGE", "ATTEMPTS", "EPOCH", "RECLAIM", "WORKER"
         );
         for r in &recs {
+            let err = r.error.as_ref().map_or("-".to_string(), |e| {
+                let m: String = e.message.chars().take(60).collect();
+                format!("{}: {m}", e.class)
+            });
             println!(
-                "{:<28} {:<10} {:<10} {:>8} {:>6} {:>7}  {:<16} {}",
+                "{:<w$} {:<10} {:<10} {:>5} {:>8} {:>6} {:>7}  {:<16} {}",
                 r.id,
                 r.kind,
                 r.status,
+                age(&r.created_at),
                 r.attempts,
                 r.epoch,
                 r.stale_reclaims,
                 r.worker_id.as_deref().unwrap_or("-"),
-                r.updated_at
+                err
             );
         }
     }
@@ -144,4 +204,29 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         _ => eprintln!("{} job(s)", recs.len()),
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{order, Sort};
+
+    #[test]
+    fn newest_first_by_default_and_after_continues_in_that_order() {
+        let items = vec![("seq-10", "t2"), ("seq-2", "t1"), ("seq-11", "t3")];
+        fn key<'a>(x: &'a (&'static str, &'static str)) -> (&'a str, &'a str) {
+            (x.0, x.1)
+        }
+        let mut v = items.clone();
+        order(&mut v, Sort::Newest, None, key);
+        assert_eq!(v, vec![("seq-11", "t3"), ("seq-10", "t2"), ("seq-2", "t1")]);
+        let mut v = items.clone();
+        order(&mut v, Sort::Newest, Some("seq-11"), key);
+        assert_eq!(v, vec![("seq-10", "t2"), ("seq-2", "t1")]);
+        let mut v = items.clone();
+        order(&mut v, Sort::Oldest, None, key);
+        assert_eq!(v[0], ("seq-2", "t1"));
+        let mut v = items;
+        order(&mut v, Sort::Id, Some("seq-10"), key);
+        assert_eq!(v, vec![("seq-11", "t3"), ("seq-2", "t1")]);
+    }
 }
