@@ -840,3 +840,37 @@ async fn watch_refuses_an_unknown_id_unless_told_to_wait_for_it() {
     assert_eq!(code, 124, "{err}");
     assert!(err.contains("not picked up yet"), "{err}");
 }
+
+// Issue 24: `result` of a failed job sent the user to `watch`; there was no
+// `result --wait`.
+#[tokio::test]
+async fn result_says_what_happened_and_can_wait_for_the_end() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    let url = env.url();
+    env.submit(
+        "fail",
+        serde_json::json!({"input": {"class": "terminal", "times": 1}}),
+        "res-failed",
+    )
+    .await;
+    env.wait_status("res-failed", "failed", Duration::from_secs(10))
+        .await;
+    let (code, out, err) = cli(&url, &["result", "res-failed"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("is failed: ") && err.contains("terminal"),
+        "{err}"
+    );
+    env.submit(
+        "sleep",
+        serde_json::json!({"input": {"ms": 600}}),
+        "res-later",
+    )
+    .await;
+    let (code, out, err) = cli(&url, &["result", "res-later", "--wait", "--timeout", "20s"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.trim().is_empty(), "{out}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -1,5 +1,7 @@
-//! `leasehold result ID`: print a completed job's result: the report from the
-//! object store for jobs with an artifact, else the result value as JSON.
+//! `leasehold result ID [--wait [--timeout D]]`: print a completed job's
+//! result: the report from the object store for jobs with an artifact, else
+//! the result value as JSON. A job that did not complete: what happened to
+//! it and what to do (exit 1).
 
 use anyhow::Context as _;
 use leasehold_store::NatsArgs;
@@ -8,6 +10,13 @@ use leasehold_store::NatsArgs;
 pub struct Args {
     /// The job id.
     id: String,
+    /// Wait until the job ends (or is parked) instead of refusing one
+    /// that has not ended yet.
+    #[arg(long)]
+    wait: bool,
+    /// With --wait: stop waiting after this long (exit 124; the job goes on).
+    #[arg(long, requires = "wait", value_parser = leasehold_core::time::parse_duration)]
+    timeout: Option<std::time::Duration>,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
@@ -17,12 +26,32 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         eprintln!("error: no job {:?} (`leasehold list` shows jobs)", a.id);
         return Ok(1);
     };
-    let rec = v.value;
+    let mut rec = v.value;
+    if a.wait {
+        let Some(r) = super::watch::follow_for(&jobs, &a.id, false, true, a.timeout).await? else {
+            return Ok(super::watch::TIMED_OUT);
+        };
+        rec = r;
+    }
     if rec.status != "completed" {
-        eprintln!(
-            "error: job {} is {}, not completed; follow it with `leasehold watch {}`",
-            rec.id, rec.status, rec.id
-        );
+        // Say what happened to it, and what to do.
+        let why = rec
+            .error
+            .as_ref()
+            .map(|e| format!(": {} ({})", e.message, e.class))
+            .unwrap_or_default();
+        let next = match rec.status.as_str() {
+            "queued" | "running" => format!(
+                "it has not ended yet: `leasehold result {} --wait` waits for it",
+                rec.id
+            ),
+            "parked" => "it waits for a person: `leasehold review list`".to_string(),
+            "dead" => {
+                "`leasehold dlq list` has its dead letter, `dlq replay` runs it again".to_string()
+            }
+            _ => "it has no result".to_string(),
+        };
+        eprintln!("error: job {} is {}{why}; {next}", rec.id, rec.status);
         return Ok(1);
     }
     let res = rec.result.unwrap_or_default();
