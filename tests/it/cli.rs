@@ -874,3 +874,23 @@ async fn result_says_what_happened_and_can_wait_for_the_end() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 24: `cancel` of an unknown or finished job printed only JSON.
+#[tokio::test]
+async fn cancel_of_an_unknown_or_finished_job_says_why() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    let url = env.url();
+    let (code, out, err) = cli(&url, &["cancel", "never-was"]).await;
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("error: no job never-was"), "{err}");
+    env.submit("echo", serde_json::json!({"input": {}}), "done-already")
+        .await;
+    env.wait_status("done-already", "completed", Duration::from_secs(10))
+        .await;
+    let (code, _, err) = cli(&url, &["cancel", "done-already"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("is completed: nothing to cancel"), "{err}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -53,9 +53,22 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         }
     };
     println!("{reply}");
-    Ok(if reply["recorded"].as_bool() == Some(true) {
-        0
-    } else {
-        1
-    })
+    if reply["recorded"].as_bool() == Some(true) {
+        return Ok(0);
+    }
+    // Nothing recorded: say why on stderr, as every command does.
+    let id = &a.id;
+    match reply["outcome"].as_str().unwrap_or_default() {
+        "not_found" => eprintln!("error: no job {id} (`leasehold list` shows the active jobs)"),
+        "unchanged" => eprintln!(
+            "error: job {id} is {}: nothing to cancel",
+            reply["status"].as_str().unwrap_or("finished")
+        ),
+        "refused" => {}
+        other => eprintln!(
+            "error: the cancellation of job {id} was not recorded ({other}: {})",
+            reply["error"].as_str().unwrap_or("no reason given")
+        ),
+    }
+    Ok(1)
 }
