@@ -505,3 +505,49 @@ async fn a_reissued_ticket_is_deduped_per_incarnation_of_its_id() {
         "another incarnation's retry is its own ticket"
     );
 }
+
+// Issue 24: a kind known to the binary but not set up was refused with the
+// compiled-in list of kinds, and left a dead letter (and a `rejected`
+// record holding the id) for a submission refused to its face.
+#[tokio::test]
+async fn a_kind_not_set_up_is_refused_with_the_kinds_set_up_and_keeps_nothing() {
+    let env = Env::with(leasehold_store::setup::SetupOptions {
+        kinds: vec!["echo".into()],
+        ..leasehold_store::setup::SetupOptions::default()
+    })
+    .await;
+    let mut o = env.opts();
+    o.kinds = vec!["echo".into()];
+    let (w, stop) = env.worker_with(o).await;
+    let out = tokio::process::Command::new(leasehold_harness::bin_path("leasehold"))
+        .args([
+            "submit",
+            "sleep",
+            r#"{"input":{"ms":1}}"#,
+            "--id",
+            "not-set-up",
+        ])
+        .env("NATS_URL", env.url())
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("unknown kind \"sleep\"")
+            && err.contains("runs echo")
+            && !err.contains("crash"),
+        "the kinds set up, not the compiled-in list: {err}"
+    );
+    assert!(
+        env.jobs.get("not-set-up").await.unwrap().is_none(),
+        "no record holds the id"
+    );
+    let letters = leasehold_store::dlq::Dlq::new(&env.conn)
+        .list()
+        .await
+        .unwrap();
+    assert!(letters.is_empty(), "no dead letter: {letters:?}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

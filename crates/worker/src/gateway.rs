@@ -88,7 +88,14 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
             Some(m) = submit.next() => {
                 let Some(kind) = l.kind_of_submit_subject(&m.subject).map(str::to_string) else { continue };
                 match captured.has(conn, m.subject.as_str()).await {
-                    Ok(stream_has_it) => gw.on_submission(&kind, stream_has_it, m).await,
+                    Ok(stream_has_it) => {
+                        let set_up: Vec<String> = captured
+                            .subjects
+                            .iter()
+                            .filter_map(|x| l.kind_of_submit_subject(x).map(str::to_string))
+                            .collect();
+                        gw.on_submission(&kind, stream_has_it, &set_up, m).await
+                    }
                     Err(e) => {
                         // Never reject what the stream may have stored.
                         tracing::warn!(subject = %m.subject, error = %e, "gateway: cannot read the work stream's subjects; not judging this submission");
@@ -207,7 +214,13 @@ impl Gateway {
             .await
     }
 
-    async fn on_submission(&self, kind: &str, stream_has_it: bool, m: async_nats::Message) {
+    async fn on_submission(
+        &self,
+        kind: &str,
+        stream_has_it: bool,
+        set_up: &[String],
+        m: async_nats::Message,
+    ) {
         let Gateway {
             conn,
             jobs,
@@ -249,13 +262,23 @@ impl Gateway {
         // Nothing stores this subject: the gateway is the only one who sees it.
         let error = spec::SubmitError::UnknownKind {
             kind: kind.to_string(),
-            known: kinds.names().join(", "),
+            known: set_up.join(", "),
         };
         let id = match &result {
             Ok(a) => Some(a.id.clone()),
             Err(r) => r.id.clone(),
         };
         let message = error.to_string();
+        // A submitter waiting for the answer (`leasehold submit`, a request)
+        // is told, and nothing is kept: its bytes are its own, and its id
+        // stays free for when the kind is set up.
+        if let Some(reply) = &m.reply {
+            let _ = conn
+                .client
+                .publish(reply.clone(), error_reply(id.as_deref(), &error))
+                .await;
+            return;
+        }
         if let Some(id) = &id {
             let rec =
                 machine::rejected_record(id, kind, "rejected", &message, 0, SystemTime::now());
