@@ -894,3 +894,20 @@ async fn cancel_of_an_unknown_or_finished_job_says_why() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 24: a malformed --input exited 1 and an unreadable @file 1, while
+// the reference (and a malformed spec) say 2: bad input is bad usage.
+#[tokio::test]
+async fn unreadable_submissions_exit_2_like_any_bad_input() {
+    let env = Env::new().await;
+    let url = env.url();
+    for args in [
+        vec!["submit", "echo", "--input", "{not json"],
+        vec!["submit", "echo", "@/no/such/file.json"],
+        vec!["submit", "echo", "{not json"],
+    ] {
+        let (code, _, err) = cli(&url, &args).await;
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("nothing was submitted"), "{args:?}: {err}");
+    }
+}

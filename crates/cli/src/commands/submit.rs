@@ -96,7 +96,14 @@ fn read_spec(a: &Args) -> anyhow::Result<Vec<u8>> {
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
-    let raw = read_spec(&a)?;
+    // Unreadable input is bad usage (exit 2), like a spec that is refused.
+    let raw = match read_spec(&a) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e:#} (nothing was submitted)");
+            return Ok(2);
+        }
+    };
     let sub = Submission {
         kind: &a.kind,
         payload: &raw,
