@@ -976,3 +976,29 @@ async fn research_checkpoints_refused_by_a_full_event_stream_stop_the_attempt_no
     let rec = lab.completed(id).await;
     assert!(rec.attempts >= 1, "{rec:?}");
 }
+
+// Issue 24: a research job whose budget ran out failed with class
+// `terminal`, not `budget_exhausted` as the reference says.
+#[tokio::test]
+async fn research_whose_budget_runs_out_fails_as_budget_exhausted() {
+    let lab = Lab::new(&[]).await;
+    let _w = lab.worker(&[]);
+    lab.env
+        .submit(
+            "research",
+            json!({"input": {"topic": "leases", "experts": 2, "sections": 2}, "budget": {"max_steps": 1}}),
+            "r-budget",
+        )
+        .await;
+    let r = lab
+        .env
+        .wait_for("r-budget", Duration::from_secs(40), |r| {
+            matches!(
+                r.status.as_str(),
+                "completed" | "failed" | "parked" | "dead"
+            )
+        })
+        .await;
+    assert_eq!(r.status, "failed", "{r:?}");
+    assert_eq!(r.error.as_ref().unwrap().class, "budget_exhausted", "{r:?}");
+}

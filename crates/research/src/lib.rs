@@ -108,6 +108,8 @@ pub enum ResearchOutcome {
 pub enum ErrorClass {
     Retryable,
     Terminal,
+    /// A budget (cost, tokens, deadline) ran out: never retried.
+    BudgetExhausted,
     Cancelled,
 }
 
@@ -136,6 +138,12 @@ impl ResearchError {
         ResearchError {
             class: ErrorClass::Cancelled,
             message: "cancelled".into(),
+        }
+    }
+    pub fn budget_exhausted(m: impl Into<String>) -> Self {
+        ResearchError {
+            class: ErrorClass::BudgetExhausted,
+            message: m.into(),
         }
     }
 }
@@ -289,6 +297,7 @@ impl Stop {
             Stop::Err(e) => match e.class {
                 ErrorClass::Retryable => "retryable",
                 ErrorClass::Terminal => "terminal",
+                ErrorClass::BudgetExhausted => "budget_exhausted",
                 ErrorClass::Cancelled => "cancelled",
             },
         }
@@ -318,9 +327,9 @@ fn stop_of(outcome: SectionOutcome, what: &str) -> Stop {
         SectionOutcome::Failed { reason, .. } => {
             Stop::Err(ResearchError::terminal(format!("{what}: {reason}")))
         }
-        SectionOutcome::BudgetExhausted { kind } => Stop::Err(ResearchError::terminal(format!(
-            "{what}: budget exhausted ({kind:?})"
-        ))),
+        SectionOutcome::BudgetExhausted { kind } => Stop::Err(ResearchError::budget_exhausted(
+            format!("{what}: budget exhausted ({kind:?})"),
+        )),
         SectionOutcome::Skipped { reason } => Stop::Err(ResearchError::retryable(format!(
             "{what} could not be generated: {reason}"
         ))),

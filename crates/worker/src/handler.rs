@@ -37,6 +37,8 @@ pub enum ErrorClass {
     Retryable,
     /// Never retried.
     Terminal,
+    /// A budget of the job (cost, tokens, deadline) ran out: never retried.
+    BudgetExhausted,
     /// The attempt stopped because its cancel token fired.
     Cancelled,
 }
@@ -62,6 +64,12 @@ impl HandlerError {
             message: m.into(),
         }
     }
+    pub fn budget_exhausted(m: impl Into<String>) -> Self {
+        HandlerError {
+            class: ErrorClass::BudgetExhausted,
+            message: m.into(),
+        }
+    }
     pub fn cancelled() -> Self {
         HandlerError {
             class: ErrorClass::Cancelled,
@@ -72,6 +80,7 @@ impl HandlerError {
         match self.class {
             ErrorClass::Retryable => "retryable",
             ErrorClass::Terminal => "terminal",
+            ErrorClass::BudgetExhausted => "budget_exhausted",
             ErrorClass::Cancelled => "cancelled",
         }
     }

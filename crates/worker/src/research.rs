@@ -53,6 +53,7 @@ impl Handler for ResearchHandler {
             Err(e) => Err(match e.class {
                 RClass::Retryable => HandlerError::retryable(e.message),
                 RClass::Terminal => HandlerError::terminal(e.message),
+                RClass::BudgetExhausted => HandlerError::budget_exhausted(e.message),
                 RClass::Cancelled => HandlerError::cancelled(),
             }),
         }
