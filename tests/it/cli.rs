@@ -911,3 +911,45 @@ async fn unreadable_submissions_exit_2_like_any_bad_input() {
         assert!(err.contains("nothing was submitted"), "{args:?}: {err}");
     }
 }
+
+// Issue 24: the NATS CLI was the only way to see a job's event history.
+#[tokio::test]
+async fn events_show_a_jobs_history_and_follow_it_to_its_end() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    let url = env.url();
+    let (code, _, err) = cli(&url, &["events", "nobody"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("no job nobody"), "{err}");
+    env.submit("sleep", serde_json::json!({"input": {"ms": 800}}), "ev-1")
+        .await;
+    env.wait_status("ev-1", "running", Duration::from_secs(10))
+        .await;
+    // Follows from mid-run to the end.
+    let (code, out, err) = cli(&url, &["events", "ev-1", "--follow", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let types: Vec<String> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        types.first().map(String::as_str),
+        Some("claimed"),
+        "{types:?}"
+    );
+    assert_eq!(
+        types.last().map(String::as_str),
+        Some("completed"),
+        "{types:?}"
+    );
+    let (code, out, _) = cli(&url, &["events", "ev-1"]).await;
+    assert_eq!(code, 0);
+    assert!(out.lines().any(|l| l.contains(" completed ")), "{out}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

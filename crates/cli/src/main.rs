@@ -39,6 +39,8 @@ pub enum Command {
     List(commands::list::Args),
     /// Follow a job live until it reaches a terminal state.
     Watch(commands::watch::Args),
+    /// A job's history, event by event (`--follow` for new ones).
+    Events(commands::events::Args),
     /// Ask for a job's cancellation.
     Cancel(commands::cancel::Args),
     /// Print a finished job's result (the report, for research jobs).

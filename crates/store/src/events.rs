@@ -290,6 +290,16 @@ impl Events {
             .await
     }
 
+    /// The job's events from stream sequence `from` on.
+    pub async fn read_from(
+        &self,
+        job_id: &str,
+        from: u64,
+    ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        self.read_filtered(vec![self.layout.job_events_filter(job_id)], from)
+            .await
+    }
+
     /// The job's events of these types only, in order.
     pub async fn read_types(
         &self,

@@ -2,6 +2,7 @@
 
 pub mod cancel;
 pub mod dlq;
+pub mod events;
 pub mod list;
 pub mod model;
 pub mod result;
@@ -46,6 +47,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Status(a) => status::run(a, &nats).await,
         Command::List(a) => list::run(a, &nats).await,
         Command::Watch(a) => watch::run(a, &nats).await,
+        Command::Events(a) => events::run(a, &nats).await,
         Command::Cancel(a) => cancel::run(a, &nats).await,
         Command::Result(a) => result::run(a, &nats).await,
         Command::Dlq(a) => dlq::run(a, &nats).await,
