@@ -41,7 +41,10 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         print(&ev, a.json)?;
         last = seq;
     }
-    while a.follow {
+    if !a.follow {
+        return Ok(0);
+    }
+    loop {
         let ended = jobs.get(&a.id).await?.is_some_and(|v| {
             v.value
                 .status
