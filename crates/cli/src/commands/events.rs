@@ -55,10 +55,14 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             print(&ev, a.json)?;
             last = seq;
         }
+        tokio::time::sleep(FOLLOW_EVERY).await;
         if ended {
+            // The end's event follows the record's last write: one more look.
+            for (_, ev) in events.read_from(&a.id, last + 1).await? {
+                print(&ev, a.json)?;
+            }
             break;
         }
-        tokio::time::sleep(FOLLOW_EVERY).await;
     }
     Ok(0)
 }
