@@ -953,3 +953,39 @@ async fn events_show_a_jobs_history_and_follow_it_to_its_end() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 24: live workers and fleet counts were only visible with the NATS CLI.
+#[tokio::test]
+async fn workers_and_stats_show_the_fleet() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    let url = env.url();
+    env.submit(
+        "sleep",
+        serde_json::json!({"input": {"ms": 3000}}),
+        "st-run",
+    )
+    .await;
+    env.wait_status("st-run", "running", Duration::from_secs(10))
+        .await;
+    env.wait_indexed("st-run", Duration::from_secs(10)).await;
+    let (code, out, err) = cli(&url, &["workers", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0]["worker_id"], w.worker_id.as_str());
+    assert_eq!(rows[0]["running"], 1);
+    let (code, out, err) = cli(&url, &["stats", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["active_by_kind"]["sleep"]["running"], 1, "{v}");
+    assert_eq!(v["oldest_running"]["job"], "st-run", "{v}");
+    let (code, out, _) = cli(&url, &["stats"]).await;
+    assert_eq!(code, 0);
+    assert!(out.lines().any(|l| l.starts_with("sleep")), "{out}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

@@ -41,6 +41,10 @@ pub enum Command {
     Watch(commands::watch::Args),
     /// A job's history, event by event (`--follow` for new ones).
     Events(commands::events::Args),
+    /// The live worker processes and the jobs each runs.
+    Workers(commands::workers::Args),
+    /// Counts of active jobs by kind and status, tickets per kind, the oldest in flight.
+    Stats(commands::stats::Args),
     /// Ask for a job's cancellation.
     Cancel(commands::cancel::Args),
     /// Print a finished job's result (the report, for research jobs).

@@ -8,11 +8,13 @@ pub mod model;
 pub mod result;
 pub mod review;
 pub mod setup;
+pub mod stats;
 pub mod status;
 pub mod submit;
 pub mod tool;
 pub mod transcript;
 pub mod watch;
+pub mod workers;
 
 use std::time::Duration;
 
@@ -48,6 +50,8 @@ pub async fn run(cli: Cli) -> i32 {
         Command::List(a) => list::run(a, &nats).await,
         Command::Watch(a) => watch::run(a, &nats).await,
         Command::Events(a) => events::run(a, &nats).await,
+        Command::Workers(a) => workers::run(a, &nats).await,
+        Command::Stats(a) => stats::run(a, &nats).await,
         Command::Cancel(a) => cancel::run(a, &nats).await,
         Command::Result(a) => result::run(a, &nats).await,
         Command::Dlq(a) => dlq::run(a, &nats).await,
