@@ -14,8 +14,10 @@ use std::time::{Duration, Instant};
 use crate::layout::Layout;
 use crate::StoreError;
 
-/// How to reach NATS and which namespace to use. Flatten into a clap parser.
+/// How to reach NATS and which namespace to use. Flatten into a clap parser
+/// (its options show under their own heading in `--help`).
 #[derive(clap::Args, Debug, Clone)]
+#[command(next_help_heading = "NATS connection")]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated.
     #[arg(
