@@ -157,15 +157,24 @@ async fn worker_help_lists_every_variable_it_reads() {
         .chain(leasehold_model::MODEL_ENV_VARS)
         .chain(leasehold_tools::TOOL_ENV_VARS)
         .map(|(k, _)| *k)
-        .chain([
-            "NATS_URL",
-            "LH_PREFIX",
-            "LH_KINDS",
-            "LH_DEV_KINDS",
-            "RUST_LOG",
-        ]);
+        .chain(["NATS_URL", "LH_PREFIX", "LH_KINDS", "LH_DEV_KINDS"])
+        // Issue 24: the log and trace variables were missing.
+        .chain(leasehold_telemetry::ENV_VARS.iter().map(|(k, _)| *k));
     for k in vars {
         assert!(help.contains(k), "--help does not mention {k}:\n{help}");
+    }
+    // And the reaper's.
+    let out = tokio::process::Command::new(bin_path("leasehold-reaper"))
+        .arg("--help")
+        .output()
+        .await
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for (k, _) in leasehold_telemetry::ENV_VARS {
+        assert!(
+            help.contains(k),
+            "reaper --help does not mention {k}:\n{help}"
+        );
     }
 }
 

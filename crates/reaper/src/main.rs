@@ -17,10 +17,7 @@ async fn main() {
     // Every variable the reaper reads is a flag's (listed with `[env: ...]`)
     // except the log and trace settings.
     let matches = Options::command()
-        .after_help(format!(
-            "Logging:\n  {:<32} log filter, e.g. info or leasehold_reaper=debug [default: info]\n  {:<32} json or text [default: text]\n  {:<32} OTLP/gRPC collector for traces (none when unset)",
-            "RUST_LOG", "LH_LOG_FORMAT", "OTEL_EXPORTER_OTLP_ENDPOINT"
-        ))
+        .after_help(leasehold_telemetry::env_help())
         .get_matches();
     let mut opts = Options::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Err(e) = opts.validate() {

@@ -33,6 +33,32 @@ pub mod metrics;
 pub mod trace;
 
 pub use readiness::Readiness;
+
+/// The log and trace variables every binary reads (not flags), for its
+/// `--help`: see [`logs`] and [`trace`].
+pub const ENV_VARS: &[(&str, &str)] = &[
+    ("RUST_LOG", "log filter, e.g. info or leasehold_store=debug [default: info]"),
+    ("LH_LOG_FORMAT", "text or json [default: text]"),
+    ("NO_COLOR", "set (non-empty): no colours in text logs"),
+    (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTLP/gRPC collector for traces (also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) [default: none: no export]",
+    ),
+    ("OTEL_SERVICE_NAME", "the service name of exported spans [default: the binary's name]"),
+    (
+        "OTEL_*",
+        "the standard OpenTelemetry variables (OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS, OTEL_TRACES_SAMPLER, OTEL_BSP_*, OTEL_SDK_DISABLED)",
+    ),
+];
+
+/// The `--help` section of [`ENV_VARS`].
+pub fn env_help() -> String {
+    let mut s = String::from("Logs and traces (variables, not flags):\n");
+    for (name, what) in ENV_VARS {
+        s.push_str(&format!("  {name:<32} {what}\n"));
+    }
+    s
+}
 pub use redact::{redact_text, redact_url, Secret, MASK};
 
 /// Serialises this crate's tests that create spans. `tracing` caches each

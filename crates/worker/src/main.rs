@@ -41,10 +41,8 @@ fn env_help() -> String {
             s.push_str(&format!("  {name:<32} {what}\n"));
         }
     }
-    s.push_str(&format!(
-        "\nLogging:\n  {:<32} log filter, e.g. info or leasehold_worker=debug [default: info]\n",
-        "RUST_LOG"
-    ));
+    s.push('\n');
+    s.push_str(&leasehold_telemetry::env_help());
     s
 }
 
