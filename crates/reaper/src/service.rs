@@ -425,24 +425,50 @@ async fn open_retention(conn: &Conn) -> Result<leasehold_store::retention::Reten
     })))
 }
 
+/// What a sweep log line tells: logged at info when it changed since the
+/// last sweep (an idle reaper is quiet), else at debug.
+fn sweep_summary(m: &Metrics) -> (u64, u64, u64, u64, u64, u64) {
+    (
+        m.jobs,
+        m.running,
+        m.parked,
+        m.sessions,
+        m.recoveries,
+        m.queue_depth,
+    )
+}
+
 async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
+    let mut last = None;
     loop {
         let started = tokio::time::Instant::now();
         match inner.sweep().await {
             Ok(m) => {
-                tracing::info!(
-                    reaper_id = %m.reaper_id,
-                    jobs = m.jobs,
-                    running = m.running,
-                    in_flight = m.in_flight,
-                    queue_depth = m.queue_depth,
-                    oldest_in_flight_age_s = ?m.oldest_in_flight_age_s,
-                    parked = m.parked,
-                    sessions = m.sessions,
-                    recoveries = m.recoveries,
-                    took_ms = started.elapsed().as_millis() as u64,
-                    "sweep"
-                );
+                let now = sweep_summary(&m);
+                let changed = last != Some(now);
+                last = Some(now);
+                macro_rules! sweep_log {
+                    ($lvl:ident) => {
+                        tracing::$lvl!(
+                            reaper_id = %m.reaper_id,
+                            jobs = m.jobs,
+                            running = m.running,
+                            in_flight = m.in_flight,
+                            queue_depth = m.queue_depth,
+                            oldest_in_flight_age_s = ?m.oldest_in_flight_age_s,
+                            parked = m.parked,
+                            sessions = m.sessions,
+                            recoveries = m.recoveries,
+                            took_ms = started.elapsed().as_millis() as u64,
+                            "sweep"
+                        )
+                    };
+                }
+                if changed {
+                    sweep_log!(info);
+                } else {
+                    sweep_log!(debug);
+                }
                 inner.prom.sweep_finished(started.elapsed());
                 inner.prom.fleet(&FleetSnapshot {
                     jobs: m.jobs,
