@@ -833,18 +833,12 @@ async fn plan_bounds(conn: &Conn, o: &SetupOptions, mode: Mode) -> Result<Bounds
         if b == Bound::Work {
             continue;
         }
-        match js.get_stream(b.stream(l)).await {
-            Ok(mut st) => {
-                let c = st
-                    .info()
-                    .await
-                    .map_err(|e| StoreError::Unavailable(format!("stream {}: {e}", b.stream(l))))?
-                    .config
-                    .max_bytes;
-                held[i] = c.max(0);
-            }
-            Err(e) if crate::is_not_found(&e) => {}
-            Err(e) => return Err(crate::lookup_error(format!("stream {}", b.stream(l)), &e)),
+        let name = b.stream(l);
+        let unavailable = |w: &str, e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("stream {w}: {e}"))
+        };
+        if let Some(c) = current_config(js, &name, &format!("stream {name}"), &unavailable).await? {
+            held[i] = c.max_bytes.max(0);
         }
     }
     let advisories = match js.get_stream(l.advisory_stream()).await {
@@ -931,6 +925,31 @@ async fn can_reserve(conn: &Conn, bytes: i64, replicas: usize) -> Result<bool, S
     }
 }
 
+/// The config of stream `name` as the server has it (`None`: not there).
+async fn current_config(
+    js: &jetstream::Context,
+    name: &str,
+    object: &str,
+    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+) -> Result<Option<stream::Config>, StoreError> {
+    match js.get_stream(name).await {
+        Ok(mut s) => Ok(Some(
+            s.info().await.map_err(|e| err(name, &e))?.config.clone(),
+        )),
+        Err(e) if crate::is_not_found(&e) => Ok(None),
+        Err(e) => Err(crate::lookup_error(object.to_string(), &e)),
+    }
+}
+
+/// The byte bound to want: a default bound an earlier setup fitted to this
+/// server stays as it is (setup is idempotent; an explicit bound grows it).
+fn keep_fitted(cur: Option<&stream::Config>, fit: bool, asked: i64, want: i64) -> i64 {
+    match cur {
+        Some(c) if fit && is_fitted(c.max_bytes, asked) => c.max_bytes,
+        _ => want,
+    }
+}
+
 /// Creates or updates one stream (or, checking, compares it); a default
 /// byte bound the server cannot hold is halved and tried again.
 async fn apply_stream(
@@ -946,24 +965,8 @@ async fn apply_stream(
     let bound = Bound::of_stream(l, &want.name);
     let fit = bound.is_some_and(|b| bounds.fit(b));
     let asked = bound.map_or(want.max_bytes, |b| bounds.asked(b));
-    let cur = match js.get_stream(&want.name).await {
-        Ok(mut s) => Some(
-            s.info()
-                .await
-                .map_err(|e| err(&want.name, &e))?
-                .config
-                .clone(),
-        ),
-        Err(e) if crate::is_not_found(&e) => None,
-        Err(e) => return Err(crate::lookup_error(object, &e)),
-    };
-    // A default bound an earlier setup fitted to this server stays as it
-    // is (setup is idempotent; an explicit bound grows it).
-    if let (Some(c), true) = (&cur, fit) {
-        if is_fitted(c.max_bytes, asked) {
-            want.max_bytes = c.max_bytes;
-        }
-    }
+    let cur = current_config(js, &want.name, &object, err).await?;
+    want.max_bytes = keep_fitted(cur.as_ref(), fit, asked, want.max_bytes);
     let state = loop {
         let state = match &cur {
             Some(c) => match stream_drift(c, &want) {
@@ -1021,22 +1024,8 @@ async fn apply_bucket(
     let bound = Bound::of_stream(l, &stream_name);
     let fit = bound.is_some_and(|b| bounds.fit(b));
     let asked = bound.map_or(cfg.max_bytes, |b| bounds.asked(b));
-    let cur = match js.get_stream(&stream_name).await {
-        Ok(mut s) => Some(
-            s.info()
-                .await
-                .map_err(|e| err(&stream_name, &e))?
-                .config
-                .clone(),
-        ),
-        Err(e) if crate::is_not_found(&e) => None,
-        Err(e) => return Err(crate::lookup_error(object, &e)),
-    };
-    if let (Some(c), true) = (&cur, fit) {
-        if is_fitted(c.max_bytes, asked) {
-            cfg.max_bytes = c.max_bytes;
-        }
-    }
+    let cur = current_config(js, &stream_name, &object, err).await?;
+    cfg.max_bytes = keep_fitted(cur.as_ref(), fit, asked, cfg.max_bytes);
     let state = loop {
         let state = match &cur {
             Some(c) => {
@@ -1087,22 +1076,8 @@ async fn apply_object_store(
     let fit = bounds.fit(Bound::Artifacts);
     let asked = bounds.asked(Bound::Artifacts);
     let mut want = bounds.get(Bound::Artifacts);
-    let cur = match js.get_stream(&stream_name).await {
-        Ok(mut s) => Some(
-            s.info()
-                .await
-                .map_err(|e| err(&stream_name, &e))?
-                .config
-                .clone(),
-        ),
-        Err(e) if crate::is_not_found(&e) => None,
-        Err(e) => return Err(crate::lookup_error(object, &e)),
-    };
-    if let (Some(c), true) = (&cur, fit) {
-        if is_fitted(c.max_bytes, asked) {
-            want = c.max_bytes;
-        }
-    }
+    let cur = current_config(js, &stream_name, &object, err).await?;
+    want = keep_fitted(cur.as_ref(), fit, asked, want);
     let state = loop {
         let state = match &cur {
             Some(c) if c.max_bytes == want => ChangeState::Unchanged,
