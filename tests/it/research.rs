@@ -424,15 +424,18 @@ async fn research_fault_heavy_run_is_honest() {
     assert!(doc.contains("- Retries: "), "{doc}");
 }
 
-#[tokio::test]
-async fn research_stale_owner_checkpoints_are_refused() {
-    // Paced tokens so the job is still mid-expert when its worker freezes.
-    let rules = std::env::temp_dir().join(format!("lh-slow-{}.json", std::process::id()));
+/// A lab whose simulated model streams slowly (3 ms a token), so a job is
+/// mid-expert for a while; `tag` names its fault rules file (returned, for
+/// the test to remove).
+async fn paced_lab(tag: &str) -> (Lab, std::path::PathBuf) {
+    let rules = std::env::temp_dir().join(format!("lh-slow-{tag}-{}.json", std::process::id()));
     std::fs::write(&rules, r#"{"rules": [{"kind": "slow", "delay_ms": 3}]}"#).unwrap();
     let lab = Lab::new(&[("LH_SIM_FAULTS", rules.display().to_string())]).await;
-    let id = "r-stale";
-    let a = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
-    lab.submit(id).await;
+    (lab, rules)
+}
+
+/// Waits until job `id` checkpointed its first section.
+async fn first_section(lab: &Lab, id: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !lab
         .env
@@ -447,6 +450,16 @@ async fn research_stale_owner_checkpoints_are_refused() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[tokio::test]
+async fn research_stale_owner_checkpoints_are_refused() {
+    // Paced tokens so the job is still mid-expert when its worker freezes.
+    let (lab, rules) = paced_lab("stale").await;
+    let id = "r-stale";
+    let a = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
+    lab.submit(id).await;
+    first_section(&lab, id).await;
     a.stop();
     let _b = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
     let rec = lab.completed(id).await;
@@ -931,26 +944,11 @@ async fn research_with_a_reused_id_never_adopts_an_earlier_jobs_document() {
 // the job is retried from its last checkpoint.
 #[tokio::test]
 async fn research_checkpoints_refused_by_a_full_event_stream_stop_the_attempt_not_hang_it() {
-    let rules = std::env::temp_dir().join(format!("lh-slow-full-{}.json", std::process::id()));
-    std::fs::write(&rules, r#"{"rules": [{"kind": "slow", "delay_ms": 3}]}"#).unwrap();
-    let lab = Lab::new(&[("LH_SIM_FAULTS", rules.display().to_string())]).await;
+    let (lab, rules) = paced_lab("full").await;
     let id = "r-full";
     let _w = lab.worker(&[("LH_RESEARCH_EXPERT_CONCURRENCY", "1")]);
     lab.submit(id).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !lab
-        .env
-        .events_of(id)
-        .await
-        .iter()
-        .any(|e| e.r#type == "section")
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no section checkpoint"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    first_section(&lab, id).await;
     // The event stream is full from now on.
     let js = &lab.env.conn.js;
     let name = lab.env.conn.layout.events_stream();
@@ -975,6 +973,7 @@ async fn research_checkpoints_refused_by_a_full_event_stream_stop_the_attempt_no
     js.update_stream(info.config.clone()).await.unwrap();
     let rec = lab.completed(id).await;
     assert!(rec.attempts >= 1, "{rec:?}");
+    let _ = std::fs::remove_file(rules);
 }
 
 // Issue 24: a research job whose budget ran out failed with class
