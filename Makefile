@@ -33,8 +33,8 @@ test-cluster: setup build
 
 ## soak: a seeded chaos run on a 3-node cluster; SOAK_MINUTES (10), SOAK_SEED
 ## (drawn and printed when unset), SOAK_SINGLE=1 for one server, SOAK_PROFILE
-## (default, busy, nats-restart: always one server, rolling: always the
-## cluster; `leasehold-soak --help` describes them). Writes
+## (default, busy, operators, nats-restart: always one server, rolling: always
+## the cluster; `leasehold-soak --help` describes them). Writes
 ## bench-results/soak-<seed>.json; exits non-zero when an invariant failed.
 SOAK_MINUTES ?= 10
 SOAK_OUT ?= bench-results
@@ -44,13 +44,15 @@ soak: setup build
 		$(if $(or $(SOAK_SINGLE),$(filter nats-restart,$(SOAK_PROFILE))),,--cluster) \
 		--minutes $(SOAK_MINUTES) $(if $(SOAK_SEED),--seed $(SOAK_SEED)) --out $(SOAK_OUT)
 
-## soak-ci: the short soak `make test` runs, about five minutes: one server
+## soak-ci: the short soak `make test` runs, about six minutes: one server
 ## with every fault kind, then the cluster with its own (node kills of
 ## stream leaders and followers, step-downs) and a partition, then the busy
 ## profile on one server (every slot busy with long jobs, poison jobs, worker
 ## kills; its last long jobs start near the end and poison jobs still
-## kill workers, restarting them, so it may need up to 240 s to settle).
-## Fixed seeds. Every leg runs even when an earlier one failed (each
+## kill workers, restarting them, so it may need up to 240 s to settle),
+## then the operators profile on one server (reviews resumed and cancelled,
+## dead letters replayed, a kind added live and pruned, ids reused after a
+## short retention, all during the default's faults). Fixed seeds. Every leg runs even when an earlier one failed (each
 ## finds something else); the target fails if any did.
 SOAK_CI_SEED ?= 20260501
 soak-ci: build
@@ -64,6 +66,8 @@ soak-ci: build
 		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile busy --seed $$(( $(SOAK_CI_SEED) + 2 )) --seconds 60 \
 		--quiesce-timeout 240s --out $(SOAK_OUT) || rc=$$?; \
+	target/debug/leasehold-soak --profile operators --seed $$(( $(SOAK_CI_SEED) + 3 )) --seconds 60 \
+		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	{ set +x; } 2>/dev/null; \
 	exit $$rc
 

@@ -34,7 +34,7 @@ async fn worker_killed_between_in_flight_and_done_reconciles_to_one_effect() {
     env.submit("deliver", json!({"input": args}), "once").await;
     // Wait for the worst moment: the effect is committed at the destination
     // while the ledger still says in_flight (the worker is waiting on the reply).
-    let key = leasehold_tools::idempotency_key("once", "deliver#0", "publish");
+    let key = deliver_key(&env, "once").await;
     let effects = env.conn.js.get_key_value("lh_effects").await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
@@ -105,7 +105,7 @@ async fn an_unknowable_outcome_parks_the_job_with_its_reason() {
     let args = json!({"title": "t", "document": "maybe twice"});
     env.submit("deliver", json!({"input": args}), "unsure")
         .await;
-    let key = leasehold_tools::idempotency_key("unsure", "deliver#0", "publish");
+    let key = deliver_key(&env, "unsure").await;
     let effects = env.conn.js.get_key_value("lh_effects").await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     while effects
@@ -329,4 +329,11 @@ async fn a_cancel_recorded_before_a_write_effects_proof_stops_the_effect() {
         .await;
     assert_eq!(r.status, "cancelled", "{r:?}");
     assert_eq!(sink_count(&base).await, 0, "the effect never ran");
+}
+
+/// The idempotency key of a `deliver` job's one write, from its record's
+/// incarnation.
+async fn deliver_key(env: &Env, id: &str) -> String {
+    let r = env.wait_for(id, Duration::from_secs(15), |_| true).await;
+    leasehold_tools::incarnation_key(id, &r.created_at, "deliver#0", "publish")
 }

@@ -257,6 +257,59 @@ async fn a_reused_id_swallowed_by_the_dedupe_window_is_an_error_not_a_duplicate(
     w.wait().await.unwrap();
 }
 
+// Issue 18 (found by the soak's operators): a write's key was job + step +
+// tool, so an id reused after retention derived the earlier job's key, and
+// a destination that honours keys answered the new delivery with the old
+// one's result: the new document was never delivered.
+#[tokio::test]
+async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
+    let env = Env::with(leasehold_store::setup::SetupOptions {
+        ack_wait: crate::support::ACK_WAIT,
+        dedupe_window: Duration::from_secs(1),
+        ..Default::default()
+    })
+    .await;
+    let (_sim, base) = crate::support::spawn_sim(&[]).await;
+    let _w = env.worker_proc(
+        &[],
+        &[
+            ("LH_PUBLISH_URL", format!("{base}/effects")),
+            ("LH_KINDS", "deliver".into()),
+        ],
+    );
+    let deliver = |doc: &str| json!({"input": {"title": "t", "document": doc}});
+    env.submit("deliver", deliver("first life"), "rd-1").await;
+    let one = env
+        .wait_status("rd-1", "completed", Duration::from_secs(20))
+        .await;
+    let r = reaper(&env, "1s", &[]).await;
+    gone(&env, "rd-1", Duration::from_secs(15)).await;
+    env.submit("deliver", deliver("second life"), "rd-1").await;
+    let two = env
+        .wait_status("rd-1", "completed", Duration::from_secs(20))
+        .await;
+    let sink: serde_json::Value = reqwest::get(format!("{base}/effects"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let docs: Vec<&str> = sink
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["body"]["document"].as_str().unwrap())
+        .collect();
+    assert_eq!(docs, ["first life", "second life"], "{sink}");
+    let out = |r: &leasehold_core::JobRecord| -> serde_json::Value {
+        serde_json::from_str(&r.result.as_ref().unwrap().output).unwrap()
+    };
+    assert_ne!(out(&one)["key"], out(&two)["key"]);
+    assert_eq!(out(&two)["outcome"], "executed", "{}", out(&two));
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
 // Issue 18: retention removed a job's events first, although its terminal
 // event is the pass's only pointer to the job: a reaper killed between the
 // events and the record left the record for ever (and its id blocked).

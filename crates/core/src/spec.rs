@@ -80,10 +80,10 @@ fn validate_sleep(input: &serde_json::Map<String, Value>) -> Result<(), String> 
 
 fn validate_fail(input: &serde_json::Map<String, Value>) -> Result<(), String> {
     match input.get("class").and_then(Value::as_str) {
-        Some("retryable" | "terminal") => {}
+        Some("retryable" | "terminal" | "park") => {}
         _ => {
             return Err(format!(
-                "input.class: expected \"retryable\" or \"terminal\", got {}",
+                "input.class: expected \"retryable\", \"terminal\" or \"park\", got {}",
                 input
                     .get("class")
                     .map_or("nothing".to_string(), |v| v.to_string())

@@ -99,6 +99,8 @@ impl ToolEvents for ToolSink {
 pub struct SectionTools {
     pub toolbox: Arc<Toolbox>,
     pub job_id: String,
+    /// The job's incarnation (part of every write's key).
+    pub incarnation: String,
     pub epoch: u64,
     /// Stable section id (`e<expert>.s<index>`), the prefix of step ids.
     pub section: String,
@@ -139,6 +141,7 @@ impl ToolExecutor for SectionTools {
                 format!("{}/{call_id}", self.section),
                 self.epoch,
             )
+            .of_incarnation(&self.incarnation)
             .guarded(self.guard.clone());
             match self.toolbox.call(&ctx, name, args).await {
                 Ok(out) => ToolOutcome::Ok(match out.value {

@@ -806,6 +806,7 @@ impl<'a> Job<'a> {
                     let tools = Arc::new(SectionTools {
                         toolbox: self.toolbox.clone(),
                         job_id: self.ctx.job_id.clone(),
+                        incarnation: self.ctx.record.created_at.clone(),
                         epoch: self.ctx.epoch,
                         section: format!("e{e}.s{i}"),
                         offered: vec!["search", "fetch"],
@@ -1168,6 +1169,7 @@ impl<'a> Job<'a> {
             leasehold_tools::step_id("publish", 0),
             self.ctx.epoch,
         )
+        .of_incarnation(&self.ctx.record.created_at)
         .guarded(self.owner.clone());
         let title = if art.title.is_empty() {
             self.input.topic.clone()

@@ -46,6 +46,9 @@
 //!   poison job.
 //! - **poison not dead**: a planned poison job (`crash`) that did not end
 //!   `dead` with class `poison` by the end of the quiesce.
+//! - **operators** (profile `operators`): an operator's action that was not
+//!   refused when it must be, or left a job lost, resurrected, rejected or
+//!   with another job's effect (see [`crate::ops`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
@@ -84,6 +87,9 @@ pub struct Verdict {
     pub false_reoffers: Vec<Finding>,
     pub unexpected_dead: Vec<Finding>,
     pub poison_not_dead: Vec<Finding>,
+    /// What an operator's action left against the promise (profile
+    /// `operators`, see [`crate::ops`]).
+    pub operators: Vec<Finding>,
     /// Counts that inform but do not fail the run.
     pub info: BTreeMap<String, u64>,
 }
@@ -98,10 +104,11 @@ impl Verdict {
             && self.false_reoffers.is_empty()
             && self.unexpected_dead.is_empty()
             && self.poison_not_dead.is_empty()
+            && self.operators.is_empty()
     }
 
     /// Every list of findings, by the name the report gives it.
-    pub fn lists(&self) -> [(&'static str, &Vec<Finding>); 8] {
+    pub fn lists(&self) -> [(&'static str, &Vec<Finding>); 9] {
         [
             ("lost", &self.lost),
             ("duplicate effect", &self.duplicate_effects),
@@ -111,15 +118,19 @@ impl Verdict {
             ("false re-offer", &self.false_reoffers),
             ("unexpected dead", &self.unexpected_dead),
             ("poison not dead", &self.poison_not_dead),
+            ("operators", &self.operators),
         ]
     }
 }
 
 /// Which of the profile-dependent invariants hold for a run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Rules {
     /// A `dead` job that is not a planned poison job is a failure.
     pub dead_fails: bool,
+    /// Ids the operators reused after retention: each incarnation makes its
+    /// own effect for a step, judged by [`crate::ops::check`].
+    pub reused: HashSet<String>,
 }
 
 const TERMINAL: [&str; 5] = ["completed", "failed", "cancelled", "rejected", "dead"];
@@ -171,7 +182,7 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
         }
     }
     for ((job, step), n) in &by_step {
-        if *n > 1 {
+        if *n > 1 && !rules.reused.contains(job) {
             v.duplicate_effects
                 .push(f(job, format!("{n} effects at the sink for step {step}")));
         }
@@ -201,7 +212,7 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
             continue;
         };
         outcome(&mut v, s, rec, by_job.get(id).copied().unwrap_or(0));
-        deaths(&mut v, s, rec, rules);
+        deaths(&mut v, s, rec, &rules);
         if !settled(rec) {
             stuck(&mut v, rec, c);
         }
@@ -269,7 +280,7 @@ fn outcome(v: &mut Verdict, s: &Submission, rec: &JobRecord, effects: u64) {
     }
 }
 
-fn deaths(v: &mut Verdict, s: &Submission, rec: &JobRecord, rules: Rules) {
+fn deaths(v: &mut Verdict, s: &Submission, rec: &JobRecord, rules: &Rules) {
     let class = rec.error.as_ref().map_or("", |e| e.class.as_str());
     let why = || {
         format!(

@@ -22,6 +22,8 @@ pub struct Settings {
     pub kinds: Vec<String>,
     pub model_fault_rate: f64,
     pub max_stale_reclaims: u32,
+    /// `LH_RETENTION_KIND` of the reapers (empty: the default retention).
+    pub retention_kind: String,
 }
 
 impl Settings {
@@ -63,6 +65,44 @@ fn utc_opt<S: serde::Serializer>(t: &Option<SystemTime>, s: S) -> Result<S::Ok, 
         Some(t) => utc(t, s),
         None => s.serialize_none(),
     }
+}
+
+/// The environment a soak worker is started with: identity `id`, serving
+/// `kinds` (comma-separated) with `concurrency` slots, connected to `url`.
+pub fn worker_env(
+    s: &Settings,
+    url: String,
+    sim: &str,
+    id: &str,
+    concurrency: usize,
+    kinds: String,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("NATS_URL", url),
+        ("LH_WORKER_ID", id.to_string()),
+        (
+            "LH_SESSION_TIMEOUT",
+            format!("{}ms", s.session_timeout.as_millis()),
+        ),
+        ("LH_PULL_EXPIRES", "500ms".into()),
+        ("LH_DRAIN_TIMEOUT", "2s".into()),
+        ("LH_CONCURRENCY", concurrency.to_string()),
+        ("LH_KINDS", kinds),
+        ("LH_DEV_KINDS", "1".into()),
+        ("LH_MAX_ATTEMPTS", crate::plan::MAX_ATTEMPTS.to_string()),
+        ("LH_RETRY_BASE", "500ms".into()),
+        ("LH_RETRY_CAP", "5s".into()),
+        ("LH_MAX_STALE_RECLAIMS", s.max_stale_reclaims.to_string()),
+        ("LH_MODEL_BASE_URL", format!("{sim}/v1")),
+        ("LH_SEARCH_URL", sim.to_string()),
+        ("LH_PUBLISH_URL", format!("{sim}/effects")),
+        ("LH_FETCH_ALLOW", "127.0.0.1".into()),
+        ("LH_RESEARCH_RETRY_BASE", "200ms".into()),
+        ("LH_RESEARCH_RETRY_CAP", "3s".into()),
+        ("LH_RESEARCH_BREAKER_COOL_DOWN", "3s".into()),
+        // The store's debug lines include every spurious 10164 retried.
+        ("RUST_LOG", "info,leasehold_store=debug".into()),
+    ]
 }
 
 /// The session id in a worker's `worker starting` line.
@@ -239,33 +279,8 @@ impl Fleet {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        let sim = &self.sim_url;
-        let env: Vec<(&str, String)> = vec![
-            ("NATS_URL", url),
-            ("LH_WORKER_ID", w.id.clone()),
-            (
-                "LH_SESSION_TIMEOUT",
-                format!("{}ms", s.session_timeout.as_millis()),
-            ),
-            ("LH_PULL_EXPIRES", "500ms".into()),
-            ("LH_DRAIN_TIMEOUT", "2s".into()),
-            ("LH_CONCURRENCY", s.concurrency_of(slot).to_string()),
-            ("LH_KINDS", s.kinds.join(",")),
-            ("LH_DEV_KINDS", "1".into()),
-            ("LH_MAX_ATTEMPTS", crate::plan::MAX_ATTEMPTS.to_string()),
-            ("LH_RETRY_BASE", "500ms".into()),
-            ("LH_RETRY_CAP", "5s".into()),
-            ("LH_MAX_STALE_RECLAIMS", s.max_stale_reclaims.to_string()),
-            ("LH_MODEL_BASE_URL", format!("{sim}/v1")),
-            ("LH_SEARCH_URL", sim.clone()),
-            ("LH_PUBLISH_URL", format!("{sim}/effects")),
-            ("LH_FETCH_ALLOW", "127.0.0.1".into()),
-            ("LH_RESEARCH_RETRY_BASE", "200ms".into()),
-            ("LH_RESEARCH_RETRY_CAP", "3s".into()),
-            ("LH_RESEARCH_BREAKER_COOL_DOWN", "3s".into()),
-            // The store's debug lines include every spurious 10164 retried.
-            ("RUST_LOG", "info,leasehold_store=debug".into()),
-        ];
+        let kinds = s.kinds.join(",");
+        let env = worker_env(s, url, &self.sim_url, &w.id, s.concurrency_of(slot), kinds);
         let log = self
             .logs
             .join(format!("worker{}.{}.log", slot + 1, w.generation));
@@ -357,6 +372,10 @@ impl Fleet {
             ),
             ("RUST_LOG", "info,leasehold_store=debug".into()),
         ];
+        let mut env = env;
+        if !self.settings.retention_kind.is_empty() {
+            env.push(("LH_RETENTION_KIND", self.settings.retention_kind.clone()));
+        }
         let log = self
             .logs
             .join(format!("reaper{}.{}.log", slot + 1, r.generation));

@@ -23,6 +23,7 @@ mod chaos;
 mod check;
 mod collect;
 mod fleet;
+mod ops;
 mod plan;
 mod profile;
 mod reoffer;
@@ -77,7 +78,15 @@ use crate::profile::{Knobs, Profile};
         and the mix at 0.5/s. No job may end dead.\n\
         - rolling: 3-node cluster; a rolling restart of the nodes one at a time (SIGTERM, its exit, \
         0.5-3 s down, start, wait until every stream has a leader and every replica is current), every \
-        5-15 s, with long jobs on 75% of the slots and the mix at 0.5/s. No job may end dead.\n\n\
+        5-15 s, with long jobs on 75% of the slots and the mix at 0.5/s. No job may end dead.\n\
+        - operators: the default's faults (the mix at 0.8/s, without deliver) while operators act with \
+        the leasehold CLI: parked jobs resumed (review resume) and cancelled (a resume after the \
+        cancel must be refused), rejected submissions replayed (refused as they are, then with \
+        --spec FILE), the deliver kind added to the running fleet (setup --kinds, a job submitted \
+        before its worker starts), ids of it reused after a 5 s retention and a 20 s dedupe window, \
+        and the kind pruned (refused while a ticket of it is queued, then done; a later submission \
+        refused). Nothing may be lost, resurrected, rejected or delivered with another incarnation's \
+        document.\n\n\
         The seed is printed at start; --seed N (with the same --profile) replays the same plan (the jobs, \
         their times, the faults and their order). Then it stops injecting, restores everything, waits for every job to settle \
         and checks: lost (no record, or not terminal/parked-with-reason), duplicate effects at the sink, \
@@ -303,7 +312,11 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     let jobs_plan = plan::plan_jobs(seed, run_len, &k);
     let fault_plan = plan::faults(seed, run_len, &shape);
     let sink_plan = plan::sink_faults(seed, run_len);
-    let plan_doc = plan_doc(seed, &k, &jobs_plan, &fault_plan, &sink_plan);
+    let ops_plan = k.ops.then(|| ops::plan(seed, run_len));
+    let mut plan_doc = plan_doc(seed, &k, &jobs_plan, &fault_plan, &sink_plan);
+    if let Some(p) = &ops_plan {
+        plan_doc["operators"] = json!(p);
+    }
     if a.print_plan {
         println!("{}", serde_json::to_string_pretty(&plan_doc)?);
         return Ok(true);
@@ -336,8 +349,13 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         kinds: k.kinds(),
         model_fault_rate: a.model_fault_rate,
         max_stale_reclaims: k.max_stale_reclaims,
+        retention_kind: if k.ops {
+            ops::RETENTION.into()
+        } else {
+            String::new()
+        },
     };
-    let mut fleet = Fleet::servers(settings, &logs, k.cluster).await?;
+    let mut fleet = Fleet::servers(settings.clone(), &logs, k.cluster).await?;
     say(format!("nats at {}", fleet.url));
     let conn = NatsArgs::local(fleet.url.clone(), "lh")
         .connect("leasehold-soak")
@@ -347,6 +365,11 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         replicas,
         kinds: k.kinds(),
         job_history: 64,
+        dedupe_window: if k.ops {
+            ops::DEDUPE_WINDOW
+        } else {
+            SetupOptions::default().dedupe_window
+        },
         ..SetupOptions::default()
     };
     let mut tries = 0;
@@ -404,6 +427,22 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         }
         armed
     };
+    let operators = ops_plan.as_ref().map(|p| {
+        let o = ops::Ops::new(ops::OpsIn {
+            conn: &conn,
+            jobs: jobs.clone(),
+            seed,
+            start,
+            url: fleet.url.clone(),
+            sim_url: fleet.sim_url.clone(),
+            settings: settings.clone(),
+            replicas,
+            job_history: opts.job_history,
+            logs: logs.clone(),
+        });
+        o.start(p);
+        o
+    });
     let tracker = track::Tracker::start(jobs.clone());
     let mut chaos = chaos::Chaos::new(
         &mut fleet,
@@ -429,6 +468,10 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         say(n);
     }
     chaos.during(submitter.finish()).await;
+    if let Some(o) = &operators {
+        say("waiting for the operators' flows to end");
+        chaos.during(o.finish()).await;
+    }
     let subs = submitter.submissions();
     let accepted: Vec<(String, u64)> = subs
         .iter()
@@ -460,14 +503,27 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             .get(&f.n)
             .map(|t| f.at_ms + t.duration_since(f.at).unwrap_or_default().as_millis() as u64);
     }
+    let ops_log = operators.as_ref().map(|o| o.log());
+    if let Some((_, _, procs)) = &ops_log {
+        fleet.incarnations.extend(procs.iter().cloned());
+    }
     fleet.read_sessions();
     let mut verdict = check::verdict(
         &subs,
         &c,
         check::Rules {
             dead_fails: k.dead_fails,
+            reused: ops_log
+                .iter()
+                .flat_map(|(flows, _, _)| flows)
+                .filter(|f| f.what == "reuse")
+                .map(|f| f.id.clone())
+                .collect(),
         },
     );
+    if let Some((flows, _, _)) = &ops_log {
+        verdict.operators = ops::check(flows, &c);
+    }
     let mut reoffers = reoffer::find(&c);
     reoffer::judge(
         &mut reoffers,
@@ -509,7 +565,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     fleet.stop_all().await;
     save_timelines(&logs, &c, &verdict, &per_fault);
 
-    let report = report(ReportIn {
+    let mut report = report(ReportIn {
         k: &k,
         a: &a,
         seed,
@@ -532,6 +588,29 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         fleet: &fleet,
         crashed: &crashed,
     });
+    if let (Some(p), Some((flows, actions, _))) = (&ops_plan, &ops_log) {
+        report["operators"] = json!({
+            "plan": p,
+            "flows": flows,
+            "actions": actions,
+            "findings": verdict.operators.len(),
+        });
+        let mut by: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        for f in flows {
+            let e = by.entry(f.what).or_default();
+            e.0 += 1;
+            e.1 += usize::from(f.done && f.problems.is_empty());
+        }
+        let line: Vec<String> = by
+            .iter()
+            .map(|(w, (n, ok))| format!("{w} {ok}/{n}"))
+            .collect();
+        say(format!(
+            "operators: {} commands; flows ended clean: {}",
+            actions.len(),
+            line.join(", ")
+        ));
+    }
     let path = a.out.join(format!("soak-{seed}.json"));
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
     print_table(&report);

@@ -143,6 +143,10 @@ pub fn jobs(seed: u64, run: Duration, rate: f64) -> Vec<JobPlan> {
 /// the mix alone, exactly as before profiles.
 pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
     let mut v = jobs(seed, run, k.rate);
+    if k.ops {
+        // The operators' kind is not set up until they add it.
+        v.retain(|j| j.kind != crate::ops::LIVE_KIND);
+    }
     if let Some(l) = &k.long {
         v.extend(long_jobs(seed, run, l.lanes(k.slots()), l));
     }

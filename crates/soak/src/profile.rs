@@ -12,6 +12,10 @@
 //!   after two to three session timeouts, with long jobs in flight.
 //! - `rolling`: a rolling restart of the three cluster nodes, one node at a
 //!   time (SIGTERM, start, wait until it is current again), under long jobs.
+//! - `operators`: the default's faults while operators act on the fleet
+//!   with the `leasehold` CLI: reviews resumed and parked jobs cancelled,
+//!   dead letters replayed, a kind added to the running fleet and pruned,
+//!   ids reused after a short retention (see [`crate::ops`]).
 
 use std::time::Duration;
 
@@ -30,6 +34,9 @@ pub enum Profile {
     NatsRestart,
     /// Rolling restarts of the 3 cluster nodes.
     Rolling,
+    /// The default's faults while operators resume, cancel, replay, add and
+    /// prune a kind, and reuse ids after a short retention.
+    Operators,
 }
 
 /// Long `sleep` jobs that keep slots busy: `lanes` chains of jobs, each
@@ -78,6 +85,9 @@ pub struct Knobs {
     pub dead_fails: bool,
     /// Slot use the load is sized for (reported against it).
     pub slot_use_target: Option<f64>,
+    /// Operators act during the run ([`crate::ops`]); their kind
+    /// ([`crate::ops::LIVE_KIND`]) is not set up at the start.
+    pub ops: bool,
 }
 
 impl Knobs {
@@ -97,7 +107,11 @@ impl Knobs {
 
     /// Kinds the workers serve (and setup creates).
     pub fn kinds(&self) -> Vec<String> {
-        let mut k: Vec<String> = plan::KINDS.iter().map(|k| k.to_string()).collect();
+        let mut k: Vec<String> = plan::KINDS
+            .iter()
+            .filter(|k| !(self.ops && **k == crate::ops::LIVE_KIND))
+            .map(|k| k.to_string())
+            .collect();
         if self.poison {
             k.push("crash".into());
         }
@@ -109,7 +123,7 @@ impl Knobs {
     pub fn deck(&self) -> Vec<&'static str> {
         let proxied = self.proxied > 0;
         match self.profile {
-            Profile::Default => plan::fault_kinds(self.cluster, proxied),
+            Profile::Default | Profile::Operators => plan::fault_kinds(self.cluster, proxied),
             Profile::Busy => {
                 let mut k = plan::fault_kinds(self.cluster, proxied);
                 // Kill -9 of workers especially: what a busy fleet loses most.
@@ -129,6 +143,7 @@ impl Profile {
             Profile::Busy => "busy",
             Profile::NatsRestart => "nats-restart",
             Profile::Rolling => "rolling",
+            Profile::Operators => "operators",
         }
     }
 
@@ -153,6 +168,7 @@ impl Profile {
             poison_jobs: None,
             dead_fails: false,
             slot_use_target: None,
+            ops: false,
         };
         let long = |per_slot| LongJobs {
             per_slot,
@@ -162,6 +178,11 @@ impl Profile {
         };
         Ok(match self {
             Profile::Default => base,
+            Profile::Operators => Knobs {
+                rate: 0.8,
+                ops: true,
+                ..base
+            },
             Profile::Busy => Knobs {
                 // Worker 1 serves 6 kinds with 2 slots; the others have 4.
                 concurrency: vec![2, 4],
@@ -244,6 +265,14 @@ mod tests {
             .filter(|d| d.starts_with("kill9_worker"))
             .count();
         assert_eq!(kills, 4);
+    }
+
+    #[test]
+    fn operators_add_their_kind_live() {
+        let k = Profile::Operators.knobs(false).unwrap();
+        assert!(k.ops);
+        assert!(!k.kinds().contains(&crate::ops::LIVE_KIND.to_string()));
+        assert_eq!(k.deck(), plan::fault_kinds(false, true));
     }
 
     #[test]

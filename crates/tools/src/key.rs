@@ -1,8 +1,12 @@
 //! Idempotency keys, argument digests, ledger keys and business-key ids.
 //!
-//! - A write's idempotency key ([`idempotency_key`]) is the SHA-256 (hex) of
-//!   `"{job_id}:{step_id}:{tool}"`: the identity of the effect is the job's
-//!   step, not what the call says. The step id is stable across retries and
+//! - A write's idempotency key ([`incarnation_key`]) is the SHA-256 (hex) of
+//!   `"{job_id}@{incarnation}:{step_id}:{tool}"`, the incarnation being the
+//!   record's `created_at` (an id reused after retention is another job
+//!   and never shares a key with the earlier one); a call without a record
+//!   (`leasehold tool call`) and an effect begun before keys named the
+//!   incarnation use [`idempotency_key`], `"{job_id}:{step_id}:{tool}"`.
+//!   The identity of the effect is the job's step, not what the call says. The step id is stable across retries and
 //!   resumes of one step (see [`step_id`]), so a retry whose model re-words
 //!   the call derives the same key; the digest of its canonical arguments
 //!   ([`arg_digest`]) is stored beside the key, and a reuse with another
@@ -66,6 +70,13 @@ fn sha256_hex(s: &str) -> String {
 /// the arguments (64 hex characters; sent to the destination).
 pub fn idempotency_key(job_id: &str, step_id: &str, tool: &str) -> String {
     sha256_hex(&format!("{job_id}:{step_id}:{tool}"))
+}
+
+/// The idempotency key of a write of the job incarnation `incarnation`
+/// (its record's `created_at`): the job, its incarnation, the step and the
+/// tool, never the arguments.
+pub fn incarnation_key(job_id: &str, incarnation: &str, step_id: &str, tool: &str) -> String {
+    sha256_hex(&format!("{job_id}@{incarnation}:{step_id}:{tool}"))
 }
 
 /// The key of a read call: the job, the step, the tool and the canonical
@@ -167,6 +178,18 @@ mod tests {
             &json!({"supplier": "ACME", "number": "INV-1042", "total": "1150.00"}),
         );
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn incarnations_of_one_id_never_share_a_key() {
+        let a = incarnation_key("j", "2026-12-01T10:00:00Z", "publish#0", "publish");
+        let b = incarnation_key("j", "2026-12-01T11:00:00Z", "publish#0", "publish");
+        assert_ne!(a, b);
+        assert_ne!(a, idempotency_key("j", "publish#0", "publish"));
+        assert_eq!(
+            a,
+            incarnation_key("j", "2026-12-01T10:00:00Z", "publish#0", "publish")
+        );
     }
 
     #[test]

@@ -74,7 +74,8 @@ pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
 pub use faults::{FaultMode, Faults};
 pub use guard::{EffectGuard, OwnerGuard};
 pub use key::{
-    arg_digest, business_key_id, canonical_json, idempotency_key, ledger_key, read_key, step_id,
+    arg_digest, business_key_id, canonical_json, idempotency_key, incarnation_key, ledger_key,
+    read_key, step_id,
 };
 pub use ledger::{EffectState, EffectsLedger, LedgerEntry, Purged};
 pub use netguard::{AllowList, NetGuard};

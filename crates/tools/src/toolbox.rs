@@ -37,7 +37,9 @@ use crate::error::ToolError;
 use crate::events::{ToolEvent, ToolEventKind, ToolEvents};
 use crate::faults::{FaultMode, Faults};
 use crate::guard::EffectGuard;
-use crate::key::{arg_digest, business_key_id, check_job_id, idempotency_key, read_key};
+use crate::key::{
+    arg_digest, business_key_id, check_job_id, idempotency_key, incarnation_key, read_key,
+};
 use crate::ledger::{now_rfc3339, BusinessKeyEntry, EffectState, EffectsLedger, LedgerEntry};
 use crate::schema::ArgSchema;
 use crate::tool::{ExecCtx, Reconcile, Tool, ToolKind, ToolSpec};
@@ -233,6 +235,11 @@ pub struct CallCtx {
     pub step_id: String,
     /// The caller's claim epoch, recorded in the ledger.
     pub epoch: u64,
+    /// The job's incarnation (its record's `created_at`): part of every
+    /// write's key, so an id reused after retention never shares a key
+    /// with an earlier job of that id. `None` for callers without a record
+    /// (`leasehold tool call`).
+    pub incarnation: Option<String>,
     /// Proves, right before a write's effect, that the caller still owns
     /// the job (workers pass their gate's [`crate::OwnerGuard`]); `None`
     /// for callers that own nothing (`leasehold tool call`).
@@ -245,8 +252,15 @@ impl CallCtx {
             job_id: job_id.into(),
             step_id: step_id.into(),
             epoch,
+            incarnation: None,
             guard: None,
         }
+    }
+
+    /// The same call, of the job's incarnation `created_at`.
+    pub fn of_incarnation(mut self, created_at: impl Into<String>) -> Self {
+        self.incarnation = Some(created_at.into()).filter(|c: &String| !c.is_empty());
+        self
     }
 
     /// The same call, its write effects guarded by `guard`.
@@ -262,6 +276,7 @@ impl std::fmt::Debug for CallCtx {
             .field("job_id", &self.job_id)
             .field("step_id", &self.step_id)
             .field("epoch", &self.epoch)
+            .field("incarnation", &self.incarnation)
             .field("guarded", &self.guard.is_some())
             .finish()
     }
@@ -512,7 +527,7 @@ impl Toolbox {
         // A write is identified by its step; what it says is checked
         // against the digest stored with the key.
         let key = if write {
-            idempotency_key(&ctx.job_id, &ctx.step_id, name)
+            self.write_key(ctx, name).await
         } else {
             read_key(&ctx.job_id, &ctx.step_id, name, args)
         };
@@ -548,6 +563,27 @@ impl Toolbox {
                 Err(e)
             }
         }
+    }
+
+    /// A write's key: of the job's incarnation, unless the ledger already
+    /// holds the step under the key without one (an effect begun by a
+    /// worker from before keys named the incarnation keeps its key, so an
+    /// upgrade in the middle of a job never sends it again).
+    async fn write_key(&self, ctx: &CallCtx, tool: &str) -> String {
+        let legacy = idempotency_key(&ctx.job_id, &ctx.step_id, tool);
+        let Some(inc) = ctx.incarnation.as_deref() else {
+            return legacy;
+        };
+        let key = incarnation_key(&ctx.job_id, inc, &ctx.step_id, tool);
+        if let Some(ledger) = &self.ledger {
+            if let (Ok(None), Ok(Some(_))) = (
+                ledger.get(&ctx.job_id, &key).await,
+                ledger.get(&ctx.job_id, &legacy).await,
+            ) {
+                return legacy;
+            }
+        }
+        key
     }
 
     fn exec_ctx(&self, ctx: &CallCtx, tool: &dyn Tool, key: &str) -> ExecCtx {

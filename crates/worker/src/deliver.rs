@@ -50,6 +50,7 @@ impl Handler for Deliver {
             "document": ctx.input.get("document").and_then(|v| v.as_str()).unwrap_or(""),
         });
         let call = CallCtx::new(&ctx.record.id, "deliver#0", ctx.record.epoch)
+            .of_incarnation(&ctx.record.created_at)
             .guarded(OwnerGuard::shared(ctx.gate.clone()));
         let events = CollectEvents::new();
         let res = tokio::select! {

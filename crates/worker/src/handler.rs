@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use leasehold_core::JobRecord;
 use leasehold_proto::JobResult;
-use leasehold_store::events::{Fence, FenceError};
+use leasehold_store::events::{Events, Fence, FenceError};
 use leasehold_store::{Conn, Gate};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
@@ -146,7 +146,9 @@ impl Handler for Sleep {
 
 /// `fail`: input `{"class": "retryable"|"terminal", "times": N, "ms": M}`:
 /// runs for M milliseconds (default 0), then fails while fewer than N
-/// attempts have failed, then succeeds.
+/// attempts have failed, then succeeds. `{"class": "park"}` parks the job
+/// for a person instead, and completes once resumed (when the job already
+/// has a `parked` event).
 pub struct Fail;
 
 #[async_trait]
@@ -165,6 +167,23 @@ impl Handler for Fail {
             .and_then(Value::as_u64)
             .unwrap_or(u64::MAX);
         let failed = u64::from(ctx.record.attempts);
+        if ctx.input.get("class").and_then(Value::as_str) == Some("park") {
+            let parked_before = Events::new(&ctx.conn)
+                .last_of_type(&ctx.record.id, "parked")
+                .await
+                .map_err(|e| HandlerError::retryable(format!("reading the job's events: {e}")))?
+                .is_some();
+            if !parked_before {
+                return Ok(Outcome::Parked {
+                    reason: "injected".into(),
+                    message: "a park for review (test kind)".into(),
+                });
+            }
+            return Ok(Outcome::Completed(JobResult {
+                output: json!({"resumed": true}).to_string(),
+                ..Default::default()
+            }));
+        }
         if failed < times {
             let m = format!("injected failure {} of {times}", failed + 1);
             return Err(match ctx.input.get("class").and_then(Value::as_str) {

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use leasehold_tools::{
-    idempotency_key, CallCtx, Disposition, EffectGuard, EffectState, ExecCtx, FaultMode, Outcome,
-    Tool, ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
+    idempotency_key, incarnation_key, CallCtx, Disposition, EffectGuard, EffectState, ExecCtx,
+    FaultMode, Outcome, Tool, ToolError, ToolEventKind, ToolKind, ToolSpec, Toolbox,
 };
 use serde_json::{json, Value};
 
@@ -47,6 +47,33 @@ async fn timeout_after_commit_then_retry_is_one_effect_with_one_result() {
     let kinds = env.events.kinds();
     assert!(kinds.contains(&ToolEventKind::Reconciled), "{kinds:?}");
     assert!(env.events.events().iter().all(|e| e.key == key));
+}
+
+/// An effect begun by a worker from before keys named the job's incarnation
+/// keeps its key when a newer worker retries it: an upgrade in the middle
+/// of a job never sends the effect again. A step with no such entry gets the
+/// incarnation's key.
+#[tokio::test]
+async fn a_step_begun_under_the_key_without_incarnation_keeps_it() {
+    let env = Env::start().await;
+    let tb = env.toolbox();
+    let args = doc(14);
+    let legacy = idempotency_key("job-1", "section-14#1", "publish");
+    tb.faults().fail_next(1, FaultMode::TimeoutAfterCommit);
+    let old = ctx("section-14#1");
+    assert!(tb.call(&old, "publish", &args).await.is_err());
+    let upgraded = ctx("section-14#1").of_incarnation("2026-12-01T10:00:00Z");
+    let r = tb.call(&upgraded, "publish", &args).await.unwrap();
+    assert_eq!(r.outcome, Outcome::Reconciled);
+    assert_eq!(r.key, legacy);
+    assert_eq!(env.sim.count().await, 1);
+
+    let fresh = ctx("section-15#1").of_incarnation("2026-12-01T10:00:00Z");
+    let r = tb.call(&fresh, "publish", &doc(15)).await.unwrap();
+    assert_eq!(
+        r.key,
+        incarnation_key("job-1", "2026-12-01T10:00:00Z", "section-15#1", "publish")
+    );
 }
 
 /// The same, with a real hang at the sink (commit, then no answer within the
