@@ -448,10 +448,11 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
         out.contains("drift    stream LH_WORK: ") && out.contains("max_msgs none -> 1000000"),
         "{out}"
     );
+    // Unbounded bytes get a bound; 64 revisions are a choice, kept.
     assert!(
         out.contains("drift    kv lh_jobs: ")
             && out.contains("max_bytes none -> 2147483648")
-            && out.contains("max_msgs_per_subject 64 -> 8"),
+            && !out.contains("max_msgs_per_subject"),
         "{out}"
     );
     assert!(out.contains("missing  kv lh_sessions"), "{out}");
@@ -463,11 +464,21 @@ async fn setup_migrates_an_old_layout_and_check_reports_drift_without_changing_i
     let (code, out, err) = cli(&url, &["setup"]).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("updated  stream LH_WORK: "), "{out}");
+    // The events' 30 days and the consumer's 512 pulls are settings as set
+    // up: a setup not asked to change them keeps them.
+    assert!(!out.contains("max_age 30days"), "{out}");
+    assert!(!out.contains("max_waiting 512"), "{out}");
+    assert!(out.contains("created  kv lh_sessions"), "{out}");
+    let (code, out, err) = cli(
+        &url,
+        &["setup", "--events-max-age", "0s", "--max-waiting", "4096"],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
     assert!(
         out.contains("updated  stream LH_EVENTS: ") && out.contains("max_age 30days -> none"),
         "{out}"
     );
-    assert!(out.contains("created  kv lh_sessions"), "{out}");
     assert!(
         out.contains("updated  consumer lh_workers_research: ")
             && out.contains("max_waiting 512 -> 4096")
@@ -670,6 +681,70 @@ async fn setup_never_removes_a_kind_silently_and_prunes_only_an_empty_one() {
     // The echo ticket is still there.
     let mut w = js.get_stream("LH_WORK").await.unwrap();
     assert_eq!(w.info().await.unwrap().state.messages, 1);
+}
+
+// Issue 18 (the soak's operators): `setup --kinds ...,deliver` to add a kind
+// put every setting not given back to its default: a 20 s dedupe window
+// became 1 h, 64 revisions 8, an ack wait of 5 s 10 s (and on a cluster set
+// up with --replicas 3, every stream one replica).
+#[tokio::test]
+async fn adding_a_kind_keeps_every_setting_it_was_not_asked_to_change() {
+    let s = NatsServer::start();
+    wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+    let url = s.url();
+    let flags = [
+        "--dedupe-window",
+        "20s",
+        "--job-history",
+        "64",
+        "--ack-wait",
+        "5s",
+        "--max-deliver",
+        "7",
+        "--dlq-max-age",
+        "2d",
+    ];
+    let mut first = vec!["setup", "--kinds", "echo"];
+    first.extend(flags);
+    let (code, _, err) = cli(&url, &first).await;
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = cli(&url, &["setup", "--kinds", "echo,sleep"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        !out.contains("dedupe_window") && !out.contains("max_msgs_per_subject"),
+        "changed what it was not asked to: {out}"
+    );
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    let mut w = js.get_stream("LH_WORK").await.unwrap();
+    let cfg = w.info().await.unwrap().config.clone();
+    assert_eq!(cfg.duplicate_window, Duration::from_secs(20));
+    for kind in ["echo", "sleep"] {
+        let c = w
+            .consumer_info(format!("lh_workers_{kind}"))
+            .await
+            .unwrap()
+            .config;
+        assert_eq!(c.ack_wait, Duration::from_secs(5), "{kind}");
+        assert_eq!(c.max_deliver, 7, "{kind}");
+    }
+    let mut jobs = js.get_stream("KV_lh_jobs").await.unwrap();
+    assert_eq!(
+        jobs.info().await.unwrap().config.max_messages_per_subject,
+        64
+    );
+    let mut dlq = js.get_stream("LH_DLQ").await.unwrap();
+    assert_eq!(
+        dlq.info().await.unwrap().config.max_age,
+        Duration::from_secs(2 * 86_400)
+    );
+    // Nothing drifts from what is set up; a setting given is applied.
+    let (code, out, err) = cli(&url, &["setup", "--check"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = cli(&url, &["setup", "--dedupe-window", "1m"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("dedupe_window"), "{out}");
+    let cfg = w.info().await.unwrap().config.clone();
+    assert_eq!(cfg.duplicate_window, Duration::from_secs(60));
 }
 
 // Issue 18: `submit … --id nw-1` with no worker running: `list` showed 0

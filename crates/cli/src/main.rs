@@ -30,7 +30,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Create the streams, buckets and consumers (idempotent).
-    Setup(commands::setup::Args),
+    Setup(Box<commands::setup::Args>),
     /// Submit a job (a JSON spec from a file, inline, or stdin).
     Submit(commands::submit::Args),
     /// Show one job's record.

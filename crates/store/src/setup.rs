@@ -930,7 +930,7 @@ async fn current_config(
     js: &jetstream::Context,
     name: &str,
     object: &str,
-    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+    err: &(dyn Fn(&str, &dyn std::fmt::Display) -> StoreError + Sync),
 ) -> Result<Option<stream::Config>, StoreError> {
     match js.get_stream(name).await {
         Ok(mut s) => Ok(Some(
@@ -959,7 +959,7 @@ async fn apply_stream(
     bounds: &Bounds,
     mut want: stream::Config,
     mode: Mode,
-    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+    err: &(dyn Fn(&str, &dyn std::fmt::Display) -> StoreError + Sync),
 ) -> Result<Change, StoreError> {
     let object = format!("stream {}", want.name);
     let bound = Bound::of_stream(l, &want.name);
@@ -1017,7 +1017,7 @@ async fn apply_bucket(
     bounds: &Bounds,
     mut cfg: kv::Config,
     mode: Mode,
-    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+    err: &(dyn Fn(&str, &dyn std::fmt::Display) -> StoreError + Sync),
 ) -> Result<Change, StoreError> {
     let object = format!("kv {}", cfg.bucket);
     let stream_name = format!("KV_{}", cfg.bucket);
@@ -1068,7 +1068,7 @@ async fn apply_object_store(
     o: &SetupOptions,
     bounds: &Bounds,
     mode: Mode,
-    err: &dyn Fn(&str, &dyn std::fmt::Display) -> StoreError,
+    err: &(dyn Fn(&str, &dyn std::fmt::Display) -> StoreError + Sync),
 ) -> Result<Change, StoreError> {
     let bucket = l.artifacts_bucket();
     let object = format!("object store {bucket}");
@@ -1152,6 +1152,85 @@ pub async fn kinds_set_up(conn: &Conn) -> Result<Option<Vec<String>>, StoreError
             .filter_map(|subj| l.kind_of_submit_subject(subj).map(str::to_string))
             .collect(),
     ))
+}
+
+/// The settings of the layout on the server that `leasehold setup` decides
+/// besides the kinds and the byte bounds, each `None` when its object is
+/// not there: a setup that is not asked to change one keeps it (an operator
+/// adding a kind must not, say, take a cluster's streams down to one
+/// replica).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SetUp {
+    pub replicas: Option<usize>,
+    pub dedupe_window: Option<Duration>,
+    pub work_max_msgs: Option<i64>,
+    pub ack_wait: Option<Duration>,
+    pub max_deliver: Option<i64>,
+    pub max_waiting: Option<i64>,
+    pub events_max_age: Option<Duration>,
+    pub effects_retention: Option<Duration>,
+    pub job_history: Option<i64>,
+    pub dlq_max_age: Option<Duration>,
+    pub dlq_max_msgs: Option<i64>,
+}
+
+/// Reads [`SetUp`] from the server (one stream info per object, and the
+/// first work consumer's config).
+pub async fn settings_set_up(conn: &Conn) -> Result<SetUp, StoreError> {
+    let l = &conn.layout;
+    let err = |name: &str, e: &dyn std::fmt::Display| {
+        StoreError::Unavailable(format!("stream {name}: {e}"))
+    };
+    let js = &conn.js;
+    let work = current_config(js, &l.work_stream(), "work stream", &err).await?;
+    let events = current_config(js, &l.events_stream(), "event stream", &err).await?;
+    let dlq = current_config(js, &l.dlq_stream(), "dead-letter stream", &err).await?;
+    let jobs = current_config(js, &format!("KV_{}", l.jobs_bucket()), "jobs bucket", &err).await?;
+    let effects = current_config(
+        js,
+        &format!("KV_{}", l.effects_bucket()),
+        "effects bucket",
+        &err,
+    )
+    .await?;
+    let mut s = SetUp {
+        replicas: work.as_ref().map(|c| c.num_replicas.max(1)),
+        dedupe_window: work.as_ref().map(|c| c.duplicate_window),
+        // An unbounded count (an earlier release's) is not kept: it gets
+        // the default bound.
+        work_max_msgs: work.as_ref().map(|c| c.max_messages).filter(|m| *m > 0),
+        events_max_age: events.as_ref().map(|c| c.max_age),
+        effects_retention: effects.as_ref().map(|c| c.max_age),
+        job_history: jobs.as_ref().map(|c| c.max_messages_per_subject),
+        dlq_max_age: dlq.as_ref().map(|c| c.max_age),
+        dlq_max_msgs: dlq.as_ref().map(|c| c.max_messages).filter(|m| *m > 0),
+        ..SetUp::default()
+    };
+    let kinds = work
+        .as_ref()
+        .map(|c| {
+            c.subjects
+                .iter()
+                .filter_map(|subj| l.kind_of_submit_subject(subj).map(str::to_string))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    if let Some(kind) = kinds.first() {
+        let stream = js
+            .get_stream_no_info(l.work_stream())
+            .await
+            .map_err(|e| StoreError::nats("work stream", e))?;
+        match stream.consumer_info(l.work_consumer(kind)).await {
+            Ok(info) => {
+                s.ack_wait = Some(info.config.ack_wait);
+                s.max_deliver = Some(info.config.max_deliver);
+                s.max_waiting = Some(info.config.max_waiting);
+            }
+            Err(e) if crate::is_not_found(&e) => {}
+            Err(e) => return Err(StoreError::nats("work consumer", e)),
+        }
+    }
+    Ok(s)
 }
 
 /// Tickets of `kind` in the work stream now (waiting or held by a worker).

@@ -44,7 +44,7 @@ pub(crate) async fn open_active(conn: &Conn) -> Result<Active, StoreError> {
 pub async fn run(cli: Cli) -> i32 {
     let nats = cli.nats;
     let out = match cli.cmd {
-        Command::Setup(a) => setup::run(a, &nats).await,
+        Command::Setup(a) => setup::run(*a, &nats).await,
         Command::Submit(a) => submit::run(a, &nats).await,
         Command::Status(a) => status::run(a, &nats).await,
         Command::List(a) => list::run(a, &nats).await,

@@ -38,9 +38,10 @@ pub struct Args {
     /// differences; change nothing (exit 1 when anything differs).
     #[arg(long)]
     check: bool,
-    /// Replicas of every stream and bucket (3 on a 3-node cluster).
-    #[arg(long, env = "LH_REPLICAS", default_value_t = 1)]
-    replicas: usize,
+    /// Replicas of every stream and bucket (3 on a 3-node cluster)
+    /// [default: 1 on a new layout; as set up otherwise].
+    #[arg(long, env = "LH_REPLICAS")]
+    replicas: Option<usize>,
     /// Kinds that get a submit subject and a consumer, comma-separated.
     /// Without it: the kinds set up now (research on a fresh server). A
     /// list that leaves out a kind set up now is refused unless --prune.
@@ -56,20 +57,23 @@ pub struct Args {
     /// worker that stopped before claiming it waits before redelivery (a
     /// claimed job's recovery never depends on it). The default matches the
     /// default session timeout, so such a job comes back no later than a
-    /// claimed one.
-    #[arg(long, env = "LH_ACK_WAIT", default_value = "10s", value_parser = parse_duration)]
-    ack_wait: Duration,
+    /// claimed one [default: 10s on a new layout; as set up otherwise].
+    #[arg(long, env = "LH_ACK_WAIT", value_parser = parse_duration)]
+    ack_wait: Option<Duration>,
     /// Deliveries of one ticket before the server gives up on it (the reaper
-    /// then dead-letters a waiting job; a running one is never killed for it).
-    #[arg(long, env = "LH_MAX_DELIVER", default_value_t = 20)]
-    max_deliver: i64,
-    /// Dedupe window of submissions by Nats-Msg-Id.
-    #[arg(long, env = "LH_DEDUPE_WINDOW", default_value = "1h", value_parser = parse_duration)]
-    dedupe_window: Duration,
+    /// then dead-letters a waiting job; a running one is never killed for it)
+    /// [default: 20 on a new layout; as set up otherwise].
+    #[arg(long, env = "LH_MAX_DELIVER")]
+    max_deliver: Option<i64>,
+    /// Dedupe window of submissions by Nats-Msg-Id [default: 1h on a new
+    /// layout; as set up otherwise].
+    #[arg(long, env = "LH_DEDUPE_WINDOW", value_parser = parse_duration)]
+    dedupe_window: Option<Duration>,
     /// Tickets the work queue holds at most; beyond, submissions are refused
-    /// with "maximum messages exceeded" (nothing is dropped).
-    #[arg(long, env = "LH_WORK_MAX_MSGS", default_value_t = 1_000_000)]
-    work_max_msgs: i64,
+    /// with "maximum messages exceeded" (nothing is dropped) [default:
+    /// 1000000 on a new layout; as set up otherwise].
+    #[arg(long, env = "LH_WORK_MAX_MSGS")]
+    work_max_msgs: Option<i64>,
     /// Bytes the work queue holds at most (refused beyond). Default 2GiB,
     /// halved until it fits a server whose JetStream storage limit
     /// (max_file_store) is smaller (setup says so); a value given here is
@@ -77,31 +81,37 @@ pub struct Args {
     #[arg(long, env = "LH_WORK_MAX_BYTES", value_parser = parse_bytes)]
     work_max_bytes: Option<i64>,
     /// Pull requests waiting on one work consumer (one per idle kind per
-    /// worker process: size it above the fleet).
-    #[arg(long, env = "LH_MAX_WAITING", default_value_t = 4096)]
-    max_waiting: i64,
+    /// worker process: size it above the fleet) [default: 4096 on a new
+    /// layout; as set up otherwise].
+    #[arg(long, env = "LH_MAX_WAITING")]
+    max_waiting: Option<i64>,
     /// The effects bucket's max age. Ledger entries of jobs never expire by it
-    /// (written with Nats-TTL: never); they are removed with their job.
-    #[arg(long, env = "LH_EFFECTS_RETENTION", default_value = "7d", value_parser = parse_duration)]
-    effects_retention: Duration,
+    /// (written with Nats-TTL: never); they are removed with their job
+    /// [default: 7d on a new layout; as set up otherwise].
+    #[arg(long, env = "LH_EFFECTS_RETENTION", value_parser = parse_duration)]
+    effects_retention: Option<Duration>,
     /// The longest any event is kept (0: until its job's retention ends,
-    /// when the reaper removes it with the record).
-    #[arg(long, env = "LH_EVENTS_MAX_AGE", default_value = "0s", value_parser = parse_duration)]
-    events_max_age: Duration,
+    /// when the reaper removes it with the record) [default: 0s on a new
+    /// layout; as set up otherwise].
+    #[arg(long, env = "LH_EVENTS_MAX_AGE", value_parser = parse_duration)]
+    events_max_age: Option<Duration>,
     /// Bytes the event stream holds at most: a safety net; beyond, new
     /// events are refused (jobs wait) rather than running jobs' checkpoints
     /// dropped. Default 10GiB, fitted to the server like --work-max-bytes.
     #[arg(long, env = "LH_EVENTS_MAX_BYTES", value_parser = parse_bytes)]
     events_max_bytes: Option<i64>,
-    /// Revisions kept per job record.
-    #[arg(long, env = "LH_JOB_HISTORY", default_value_t = 8)]
-    job_history: i64,
-    /// Dead letters are kept at most this long...
-    #[arg(long, env = "LH_DLQ_MAX_AGE", default_value = "30d", value_parser = parse_duration)]
-    dlq_max_age: Duration,
-    /// ...at most this many...
-    #[arg(long, env = "LH_DLQ_MAX_MSGS", default_value_t = 100_000)]
-    dlq_max_msgs: i64,
+    /// Revisions kept per job record [default: 8 on a new layout; as set
+    /// up otherwise].
+    #[arg(long, env = "LH_JOB_HISTORY")]
+    job_history: Option<i64>,
+    /// Dead letters are kept at most this long... [default: 30d on a new
+    /// layout; as set up otherwise]
+    #[arg(long, env = "LH_DLQ_MAX_AGE", value_parser = parse_duration)]
+    dlq_max_age: Option<Duration>,
+    /// ...at most this many... [default: 100000 on a new layout; as set up
+    /// otherwise]
+    #[arg(long, env = "LH_DLQ_MAX_MSGS")]
+    dlq_max_msgs: Option<i64>,
     /// ...and at most this many bytes (the oldest go first). Default 1GiB,
     /// fitted to the server like --work-max-bytes.
     #[arg(long, env = "LH_DLQ_MAX_BYTES", value_parser = parse_bytes)]
@@ -164,14 +174,26 @@ fn plan_kinds(
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
-    anyhow::ensure!(a.max_deliver >= 2, "--max-deliver must be at least 2");
     anyhow::ensure!(
-        (1..=64).contains(&a.job_history),
+        a.max_deliver.is_none_or(|m| m >= 2),
+        "--max-deliver must be at least 2"
+    );
+    anyhow::ensure!(
+        a.job_history.is_none_or(|h| (1..=64).contains(&h)),
         "--job-history must be 1 to 64"
     );
-    anyhow::ensure!(a.work_max_msgs > 0, "--work-max-msgs must be positive");
+    anyhow::ensure!(
+        a.work_max_msgs.is_none_or(|m| m > 0),
+        "--work-max-msgs must be positive"
+    );
+    anyhow::ensure!(
+        a.replicas.is_none_or(|r| (1..=5).contains(&r)),
+        "--replicas must be 1 to 5"
+    );
     let conn = nats.connect("leasehold-cli setup").await?;
     setup::ping(&conn.js).await?;
+    // What is not asked for stays as set up (defaults are for new objects).
+    let now = setup::settings_set_up(&conn).await?;
     let (kinds, pruned) = plan_kinds(a.kinds, setup::kinds_set_up(&conn).await?, a.prune)?;
     for k in &pruned {
         let n = setup::tickets_of_kind(&conn, k).await?;
@@ -182,20 +204,35 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     }
     let d = SetupOptions::default();
     let o = SetupOptions {
-        replicas: a.replicas,
+        replicas: a.replicas.or(now.replicas).unwrap_or(d.replicas),
         kinds,
-        ack_wait: a.ack_wait,
-        max_deliver: a.max_deliver,
-        dedupe_window: a.dedupe_window,
-        work_max_msgs: a.work_max_msgs,
+        ack_wait: a.ack_wait.or(now.ack_wait).unwrap_or(d.ack_wait),
+        max_deliver: a.max_deliver.or(now.max_deliver).unwrap_or(d.max_deliver),
+        dedupe_window: a
+            .dedupe_window
+            .or(now.dedupe_window)
+            .unwrap_or(d.dedupe_window),
+        work_max_msgs: a
+            .work_max_msgs
+            .or(now.work_max_msgs)
+            .unwrap_or(d.work_max_msgs),
         work_max_bytes: a.work_max_bytes.unwrap_or(d.work_max_bytes),
-        max_waiting: a.max_waiting,
-        events_max_age: a.events_max_age,
+        max_waiting: a.max_waiting.or(now.max_waiting).unwrap_or(d.max_waiting),
+        events_max_age: a
+            .events_max_age
+            .or(now.events_max_age)
+            .unwrap_or(d.events_max_age),
         events_max_bytes: a.events_max_bytes.unwrap_or(d.events_max_bytes),
-        effects_retention: a.effects_retention,
-        job_history: a.job_history,
-        dlq_max_age: a.dlq_max_age,
-        dlq_max_msgs: a.dlq_max_msgs,
+        effects_retention: a
+            .effects_retention
+            .or(now.effects_retention)
+            .unwrap_or(d.effects_retention),
+        job_history: a.job_history.or(now.job_history).unwrap_or(d.job_history),
+        dlq_max_age: a.dlq_max_age.or(now.dlq_max_age).unwrap_or(d.dlq_max_age),
+        dlq_max_msgs: a
+            .dlq_max_msgs
+            .or(now.dlq_max_msgs)
+            .unwrap_or(d.dlq_max_msgs),
         dlq_max_bytes: a.dlq_max_bytes.unwrap_or(d.dlq_max_bytes),
         jobs_max_bytes: a.jobs_max_bytes.unwrap_or(d.jobs_max_bytes),
         payloads_max_bytes: a.payloads_max_bytes.unwrap_or(d.payloads_max_bytes),
