@@ -437,7 +437,6 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             sim_url: fleet.sim_url.clone(),
             settings: settings.clone(),
             replicas,
-            job_history: opts.job_history,
             logs: logs.clone(),
         });
         o.start(p);

@@ -141,8 +141,7 @@ pub struct Ops {
     url: String,
     sim_url: String,
     settings: Settings,
-    /// `leasehold setup` flags every call repeats (the soak's own setup).
-    setup_flags: Vec<String>,
+    replicas: usize,
     logs: PathBuf,
     state: Arc<Mutex<State>>,
     tasks: Arc<Mutex<JoinSet<()>>>,
@@ -157,8 +156,8 @@ pub struct OpsIn<'a> {
     pub url: String,
     pub sim_url: String,
     pub settings: Settings,
+    /// Replicas the soak set the layout up with.
     pub replicas: usize,
-    pub job_history: i64,
     pub logs: PathBuf,
 }
 
@@ -173,14 +172,7 @@ impl Ops {
             url: i.url,
             sim_url: i.sim_url,
             settings: i.settings,
-            setup_flags: vec![
-                "--replicas".into(),
-                i.replicas.to_string(),
-                "--job-history".into(),
-                i.job_history.to_string(),
-                "--dedupe-window".into(),
-                format!("{}s", DEDUPE_WINDOW.as_secs()),
-            ],
+            replicas: i.replicas,
             logs: i.logs,
             state: Arc::default(),
             tasks: Arc::default(),
@@ -536,6 +528,8 @@ impl Ops {
         }
     }
 
+    /// `leasehold setup --kinds ...` as an operator types it: only the
+    /// kinds (every other setting stays as the soak set it up).
     fn setup_args(&self, with_live: bool, prune: bool) -> Vec<String> {
         let mut kinds = self.settings.kinds.clone();
         if with_live {
@@ -545,7 +539,6 @@ impl Ops {
         if prune {
             a.push("--prune".into());
         }
-        a.extend(self.setup_flags.iter().cloned());
         a
     }
 
@@ -607,6 +600,21 @@ impl Ops {
                 self.problem(f, format!("setup adding {LIVE_KIND} never succeeded: {e}"));
                 return;
             }
+        }
+        // Adding a kind changes nothing it was not asked to.
+        match leasehold_store::setup::settings_set_up(&self.conn).await {
+            Ok(now) => {
+                if now.replicas != Some(self.replicas) || now.dedupe_window != Some(DEDUPE_WINDOW) {
+                    self.problem(
+                        f,
+                        format!(
+                            "setup --kinds changed the layout: replicas {:?} (was {}), dedupe window {:?} (was {DEDUPE_WINDOW:?})",
+                            now.replicas, self.replicas, now.dedupe_window
+                        ),
+                    );
+                }
+            }
+            Err(e) => self.problem(f, format!("reading the layout's settings: {e}")),
         }
         // Submitted before any worker serves the kind: must wait, not be rejected.
         let mut flows = JoinSet::new();
@@ -1010,8 +1018,10 @@ mod tests {
 
     #[test]
     fn a_reused_id_must_deliver_each_incarnations_document_once() {
-        let mut c = Collected::default();
-        c.effects = vec![json!({"body": {"job_id": "r", "document": "one"}})];
+        let mut c = Collected {
+            effects: vec![json!({"body": {"job_id": "r", "document": "one"}})],
+            ..Default::default()
+        };
         let f = check(&[flow("r", "reuse", &["one", "two"])], &c);
         assert_eq!(f.len(), 1, "{f:?}");
         c.effects
