@@ -1073,3 +1073,83 @@ async fn workers_and_stats_show_the_fleet() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 24: bulk cancel and bulk replay/purge of dead letters by filter,
+// each with a dry run that changes nothing, `--yes` to act, and a filter
+// matching nothing an error.
+#[tokio::test]
+async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
+    let env = Env::new().await;
+    let url = env.url();
+    for id in ["bulk-a1", "bulk-a2", "bulk-b1"] {
+        let (code, _, err) = cli(&url, &["submit", "echo", r#"{"input":{}}"#, "--id", id]).await;
+        assert_eq!(code, 0, "{err}");
+    }
+    let (code, out, err) = cli(&url, &["cancel", "--id-prefix", "bulk-a", "--dry-run"]).await;
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(lines.iter().all(|l| l["would"] == "cancel"), "{out}");
+    let status = |id: &'static str| {
+        let jobs = env.jobs.clone();
+        async move { jobs.get(id).await.unwrap().unwrap().value.status }
+    };
+    assert_eq!(
+        status("bulk-a1").await,
+        "queued",
+        "a dry run changes nothing"
+    );
+    let (code, _, err) = cli(&url, &["cancel", "--id-prefix", "bulk-a"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("2 job(s) match") && err.contains("--yes"),
+        "{err}"
+    );
+    let (code, out, err) = cli(&url, &["cancel", "--id-prefix", "bulk-a", "--yes"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(status("bulk-a1").await, "cancelled");
+    assert_eq!(status("bulk-a2").await, "cancelled");
+    assert_eq!(status("bulk-b1").await, "queued");
+    let (code, _, err) = cli(&url, &["cancel", "--id-prefix", "nothing-", "--yes"]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no active job matches"), "{err}");
+    let (code, _, err) = cli(&url, &["cancel"]).await;
+    assert_eq!(code, 2, "an id or a filter is required: {err}");
+
+    // Two rejected submissions become dead letters once a worker reads them.
+    for id in ["bulk-bad-1", "bulk-bad-2"] {
+        env.work
+            .submit("echo", b"{\"input\":[1,2".to_vec().into(), Some(id), None)
+            .await
+            .unwrap();
+    }
+    let (_w, stop) = env.worker().await;
+    let dlq = leasehold_store::dlq::Dlq::new(&env.conn);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while dlq.count().await.unwrap() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "no dead letters");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, out, err) = cli(&url, &["dlq", "replay", "--class", "rejected", "--dry-run"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 2, "{out}");
+    // Their bytes are still refused: each replay says so, the letters stay.
+    let (code, _, err) = cli(&url, &["dlq", "replay", "--class", "rejected", "--yes"]).await;
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(err.matches("still refused").count(), 2, "{err}");
+    assert_eq!(dlq.count().await.unwrap(), 2);
+    let (code, out, err) = cli(&url, &["dlq", "purge", "--kind", "echo", "--dry-run"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 2, "{out}");
+    assert_eq!(dlq.count().await.unwrap(), 2, "a dry run deletes nothing");
+    let (code, _, err) = cli(&url, &["dlq", "purge", "--kind", "sleep", "--yes"]).await;
+    assert_eq!(code, 1, "{err}");
+    let (code, out, err) = cli(&url, &["dlq", "purge", "--kind", "echo", "--yes"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"purged\":2"), "{out}");
+    assert_eq!(dlq.count().await.unwrap(), 0);
+    stop.cancel();
+}

@@ -1,4 +1,6 @@
-//! `leasehold cancel ID`: ask for cancellation on `lh.cancel.<ID>`.
+//! `leasehold cancel ID...`: ask for cancellation on `lh.cancel.<ID>`; or,
+//! with filters instead of ids, of every active job that matches them
+//! (`--dry-run` lists them, `--yes` cancels them).
 //! A queued job is cancelled at once; a running job's owner is told and
 //! stops at once (or, if it cannot be reached, at its next write; a retry,
 //! hand-back or reclaim never undoes the request).
@@ -11,18 +13,97 @@
 use std::time::Duration;
 
 use leasehold_store::events::Events;
+use leasehold_store::index::Filter;
 use leasehold_store::{jobs, NatsArgs};
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The job id.
-    id: String,
+    /// The job id(s).
+    #[arg(required_unless_present_any = ["kind", "status", "id_prefix"])]
+    ids: Vec<String>,
+    /// Instead of ids: every active job (queued, running or parked) of this kind.
+    #[arg(long, conflicts_with = "ids")]
+    kind: Option<String>,
+    /// Instead of ids: every active job in this status (queued, running or parked).
+    #[arg(long, conflicts_with = "ids", value_parser = ["queued", "running", "parked"])]
+    status: Option<String>,
+    /// Instead of ids: every active job whose id starts with this.
+    #[arg(long, conflicts_with = "ids")]
+    id_prefix: Option<String>,
+    /// With filters: list the jobs that would be cancelled (JSON lines), cancel nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// With filters: cancel every matching job without asking.
+    #[arg(long)]
+    yes: bool,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli cancel").await?;
-    let subject = conn.layout.cancel_subject(&a.id);
+    if !a.ids.is_empty() {
+        let mut code = 0;
+        for id in &a.ids {
+            code = code.max(cancel_one(&conn, id).await?);
+        }
+        return Ok(code);
+    }
+    // Filters: the index of active jobs says which.
+    let active = super::open_active(&conn).await?;
+    let mut matched: Vec<(String, String, String)> = active
+        .list(Filter::All)
+        .await?
+        .into_iter()
+        .map(|(_, e)| (e.job, e.kind, e.status))
+        .filter(|(job, kind, status)| {
+            a.kind.as_ref().is_none_or(|k| k == kind)
+                && a.status.as_ref().is_none_or(|s| s == status)
+                && a.id_prefix
+                    .as_ref()
+                    .is_none_or(|p| job.starts_with(p.as_str()))
+        })
+        .collect();
+    matched.sort();
+    matched.dedup_by(|x, y| x.0 == y.0);
+    if matched.is_empty() {
+        eprintln!("error: no active job matches (`leasehold list` shows the active jobs)");
+        return Ok(1);
+    }
+    if a.dry_run {
+        for (id, kind, status) in &matched {
+            println!(
+                "{}",
+                json!({"id": id, "kind": kind, "status": status, "would": "cancel"})
+            );
+        }
+        eprintln!(
+            "{} job(s) would be cancelled (dry run: nothing changed)",
+            matched.len()
+        );
+        return Ok(0);
+    }
+    if !a.yes {
+        eprintln!(
+            "error: {} job(s) match; pass --yes to cancel them, or --dry-run to list them",
+            matched.len()
+        );
+        return Ok(2);
+    }
+    let (mut done, mut not) = (0, 0);
+    for (id, _, _) in &matched {
+        match cancel_one(&conn, id).await? {
+            0 => done += 1,
+            _ => not += 1,
+        }
+    }
+    eprintln!("{done} job(s) cancelled, {not} not (each said why above)");
+    Ok(if not == 0 { 0 } else { 1 })
+}
+
+/// Asks for the cancellation of `id`; prints the answer as one JSON line
+/// (and, when nothing was recorded, why on stderr). Returns the exit code.
+async fn cancel_one(conn: &leasehold_store::Conn, id: &str) -> anyhow::Result<i32> {
+    let subject = conn.layout.cancel_subject(id);
     let ask = conn.client.request(subject.clone(), "".into());
     let reply: serde_json::Value = match tokio::time::timeout(Duration::from_secs(3), ask).await {
         Ok(Ok(m)) => serde_json::from_slice(&m.payload)?,
@@ -37,17 +118,17 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             // Record it ourselves through the same transition, unless NATS
             // refuses this user the write (it only says so on the side: the
             // write itself would just time out).
-            let jobs = super::open_jobs(&conn).await?;
-            let events = Events::new(&conn);
+            let jobs = super::open_jobs(conn).await?;
+            let events = Events::new(conn);
             let records = format!("$KV.{}.", conn.layout.jobs_bucket());
             tokio::select! {
-                (r, _) = jobs::cancel(&jobs, &events, &a.id) => r,
+                (r, _) = jobs::cancel(&jobs, &events, id) => r,
                 refusal = conn.link.refused(&records) => {
                     eprintln!(
                         "error: {why} on {subject}, and this NATS user may not write job records ({refusal}): \
                          nothing was recorded; cancel again once a worker runs, or as a user with the operator's permissions"
                     );
-                    json!({"id": a.id, "recorded": false, "outcome": "refused", "error": refusal})
+                    json!({"id": id, "recorded": false, "outcome": "refused", "error": refusal})
                 }
             }
         }
@@ -57,7 +138,6 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         return Ok(0);
     }
     // Nothing recorded: say why on stderr, as every command does.
-    let id = &a.id;
     match reply["outcome"].as_str().unwrap_or_default() {
         "not_found" => eprintln!("error: no job {id} (`leasehold list` shows the active jobs)"),
         "unchanged" => eprintln!(

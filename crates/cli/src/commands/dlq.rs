@@ -62,8 +62,24 @@ enum Cmd {
     /// submission's bytes taken by a worker); until then it stays, and
     /// running this again is safe (the resubmission is recognised).
     Replay {
-        /// The letter's sequence (from `leasehold dlq list`).
-        seq: u64,
+        /// The letter's sequence (from `leasehold dlq list`); or filters
+        /// (`--kind`, `--class`) to replay every matching letter.
+        #[arg(required_unless_present_any = ["kind", "class"])]
+        seq: Option<u64>,
+        /// Instead of SEQ: every letter of this kind.
+        #[arg(long, conflicts_with_all = ["seq", "spec"])]
+        kind: Option<String>,
+        /// Instead of SEQ: every letter of this class (poison,
+        /// max_deliveries, rejected, id_conflict).
+        #[arg(long, conflicts_with_all = ["seq", "spec"])]
+        class: Option<String>,
+        /// With filters: list the letters that would be replayed (JSON
+        /// lines), replay nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// With filters: replay every matching letter without asking.
+        #[arg(long)]
+        yes: bool,
         /// Keep the letter in the DLQ even after the replay was accepted.
         #[arg(long)]
         keep: bool,
@@ -82,8 +98,18 @@ enum Cmd {
         #[arg(long, default_value = "15s", value_parser = leasehold_core::time::parse_duration)]
         wait: std::time::Duration,
     },
-    /// Delete every dead letter (asks for confirmation on a terminal).
+    /// Delete every dead letter, or those matching `--kind`/`--class`
+    /// (asks for confirmation on a terminal).
     Purge {
+        /// Only letters of this kind.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only letters of this class.
+        #[arg(long)]
+        class: Option<String>,
+        /// List the letters that would be deleted (JSON lines), delete nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
@@ -104,6 +130,10 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         Cmd::Show { seq } => show(&dlq, seq).await,
         Cmd::Replay {
             seq,
+            kind,
+            class,
+            dry_run,
+            yes,
             keep,
             spec,
             force,
@@ -115,9 +145,34 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 force,
                 wait,
             };
-            replay(&conn, &dlq, seq, &o).await
+            match seq {
+                Some(seq) => replay(&conn, &dlq, seq, &o).await,
+                None => {
+                    let f = Matching {
+                        kind,
+                        class,
+                        dry_run,
+                        yes,
+                    };
+                    replay_matching(&conn, &dlq, &f, &o).await
+                }
+            }
         }
-        Cmd::Purge { yes } => purge(&dlq, yes).await,
+        Cmd::Purge {
+            kind,
+            class,
+            dry_run,
+            yes,
+        } if kind.is_some() || class.is_some() || dry_run => {
+            let f = Matching {
+                kind,
+                class,
+                dry_run,
+                yes,
+            };
+            purge_matching(&dlq, &f).await
+        }
+        Cmd::Purge { yes, .. } => purge(&dlq, yes).await,
     }
 }
 
@@ -587,6 +642,105 @@ pub(crate) fn explain(e: JobsError, id: &str) -> anyhow::Error {
         other => anyhow::Error::new(other)
             .context(format!("job {id}: check NATS and run the command again")),
     }
+}
+
+/// Which letters a bulk replay or purge acts on, and how.
+struct Matching {
+    kind: Option<String>,
+    class: Option<String>,
+    dry_run: bool,
+    yes: bool,
+}
+
+impl Matching {
+    /// Every letter matching the filters, oldest first (a page at a time).
+    async fn letters(&self, dlq: &Dlq) -> anyhow::Result<Vec<Letter>> {
+        let mut out = Vec::new();
+        let mut after = 0;
+        loop {
+            let (page, more) = dlq
+                .page(self.kind.as_deref(), self.class.as_deref(), after, 500)
+                .await?;
+            after = page.last().map_or(after, |l| l.seq);
+            out.extend(page);
+            if !more {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// `None` to go on; `Some(code)` when the command ends here: nothing
+    /// matches (1), a dry run (0, the letters listed), or no `--yes` (2).
+    fn gate(&self, letters: &[Letter], verb: &str, done: &str) -> Option<i32> {
+        if letters.is_empty() {
+            eprintln!("error: no dead letter matches (`leasehold dlq list` shows them)");
+            return Some(1);
+        }
+        if self.dry_run {
+            for l in letters {
+                println!(
+                    "{}",
+                    json!({"seq": l.seq, "kind": l.kind, "class": l.class, "job_id": l.job_id, "reason": l.reason, "would": verb})
+                );
+            }
+            eprintln!(
+                "{} letter(s) would be {done} (dry run: nothing changed)",
+                letters.len()
+            );
+            return Some(0);
+        }
+        if !self.yes {
+            eprintln!(
+                "error: {} letter(s) match; pass --yes to {verb} them, or --dry-run to list them",
+                letters.len()
+            );
+            return Some(2);
+        }
+        None
+    }
+}
+
+/// Replays every letter `f` matches, one by one as `dlq replay SEQ` does;
+/// one that fails is reported and the others go on.
+async fn replay_matching(
+    conn: &Conn,
+    dlq: &Dlq,
+    f: &Matching,
+    o: &ReplayOpts,
+) -> anyhow::Result<i32> {
+    let letters = f.letters(dlq).await?;
+    if let Some(code) = f.gate(&letters, "replay", "replayed") {
+        return Ok(code);
+    }
+    let mut failed = 0;
+    for l in &letters {
+        if let Err(e) = replay(conn, dlq, l.seq, o).await {
+            eprintln!("error: letter {}: {e:#}", l.seq);
+            failed += 1;
+        }
+    }
+    eprintln!(
+        "{} letter(s) replayed, {failed} not (each said why above)",
+        letters.len() - failed
+    );
+    Ok(if failed == 0 { 0 } else { 1 })
+}
+
+/// Deletes every letter `f` matches.
+async fn purge_matching(dlq: &Dlq, f: &Matching) -> anyhow::Result<i32> {
+    let letters = f.letters(dlq).await?;
+    if let Some(code) = f.gate(&letters, "delete", "deleted") {
+        return Ok(code);
+    }
+    let mut deleted = 0u64;
+    for l in &letters {
+        if dlq.delete(l.seq).await? {
+            deleted += 1;
+        }
+    }
+    eprintln!("deleted {deleted} dead letter(s)");
+    println!("{}", json!({"purged": deleted}));
+    Ok(0)
 }
 
 async fn purge(dlq: &Dlq, yes: bool) -> anyhow::Result<i32> {
