@@ -74,15 +74,53 @@ fn age(at: &str) -> String {
     let Some(t) = leasehold_core::time::parse_rfc3339(at) else {
         return "-".into();
     };
-    let s = std::time::SystemTime::now()
-        .duration_since(t)
-        .unwrap_or_default()
-        .as_secs();
+    short(
+        std::time::SystemTime::now()
+            .duration_since(t)
+            .unwrap_or_default()
+            .as_secs(),
+    )
+}
+
+/// Seconds in the largest whole unit: "42s", "3m", "2h", "5d".
+fn short(s: u64) -> String {
     match s {
         0..=59 => format!("{s}s"),
         60..=3599 => format!("{}m", s / 60),
         3600..=86_399 => format!("{}h", s / 3600),
         _ => format!("{}d", s / 86_400),
+    }
+}
+
+/// How long a job took: submission to its end when finished; the time its
+/// attempts ran so far otherwise (`-` before any).
+fn duration(r: &JobRecord) -> String {
+    let finished = r.status.parse::<Status>().is_ok_and(|s| s.is_terminal());
+    if finished {
+        let t = |x: &str| leasehold_core::time::parse_rfc3339(x);
+        if let (Some(a), Some(b)) = (t(&r.created_at), t(&r.updated_at)) {
+            return short(b.duration_since(a).unwrap_or_default().as_secs());
+        }
+    }
+    match r.budget_used.as_ref().map(|b| b.wall_s) {
+        Some(w) if w > 0.0 => short(w as u64),
+        _ => "-".into(),
+    }
+}
+
+/// Sections done of the total (research), or the phase, or `-`.
+fn progress(r: &JobRecord) -> String {
+    match &r.progress {
+        Some(p) if p.sections_total > 0 => {
+            let skipped = if p.skipped > 0 {
+                format!(" ({} skipped)", p.skipped)
+            } else {
+                String::new()
+            };
+            format!("{}/{}{skipped}", p.sections_done, p.sections_total)
+        }
+        Some(p) if !p.phase.is_empty() => p.phase.clone(),
+        _ => "-".into(),
     }
 }
 
@@ -173,8 +211,17 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         // never break the table.
         let w = recs.iter().map(|r| r.id.len()).max().unwrap_or(0).max(2);
         println!(
-            "{:<w$} {:<10} {:<10} {:>5} {:>8} {:>6} {:>7}  {:<16} LAST ERROR",
-            "ID", "KIND", "STATUS", "AGE", "ATTEMPTS", "EPOCH", "RECLAIM", "WORKER"
+            "{:<w$} {:<10} {:<10} {:>5} {:>8} {:<14} {:>8} {:>6} {:>7}  {:<16} LAST ERROR",
+            "ID",
+            "KIND",
+            "STATUS",
+            "AGE",
+            "DURATION",
+            "PROGRESS",
+            "ATTEMPTS",
+            "EPOCH",
+            "RECLAIM",
+            "WORKER"
         );
         for r in &recs {
             let err = r.error.as_ref().map_or("-".to_string(), |e| {
@@ -182,11 +229,13 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 format!("{}: {m}", e.class)
             });
             println!(
-                "{:<w$} {:<10} {:<10} {:>5} {:>8} {:>6} {:>7}  {:<16} {}",
+                "{:<w$} {:<10} {:<10} {:>5} {:>8} {:<14} {:>8} {:>6} {:>7}  {:<16} {}",
                 r.id,
                 r.kind,
                 r.status,
                 age(&r.created_at),
+                duration(r),
+                progress(r),
                 r.attempts,
                 r.epoch,
                 r.stale_reclaims,
@@ -208,7 +257,31 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{order, Sort};
+    use super::{duration, order, progress, short, Sort};
+    use leasehold_core::JobRecord;
+
+    #[test]
+    fn durations_and_progress_read_as_a_person_would() {
+        assert_eq!(short(42), "42s");
+        assert_eq!(short(3 * 3600 + 5), "3h");
+        let mut r = JobRecord {
+            status: "completed".into(),
+            created_at: "2026-12-01T10:00:00Z".into(),
+            updated_at: "2026-12-01T10:02:30Z".into(),
+            ..Default::default()
+        };
+        assert_eq!(duration(&r), "2m");
+        assert_eq!(progress(&r), "-");
+        r.status = "running".into();
+        assert_eq!(duration(&r), "-", "no attempt time recorded yet");
+        r.progress = Some(leasehold_proto::Progress {
+            phase: "sections".into(),
+            sections_done: 3,
+            sections_total: 16,
+            skipped: 1,
+        });
+        assert_eq!(progress(&r), "3/16 (1 skipped)");
+    }
 
     #[test]
     fn newest_first_by_default_and_after_continues_in_that_order() {
