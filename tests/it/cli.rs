@@ -1153,3 +1153,63 @@ async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
     assert_eq!(dlq.count().await.unwrap(), 0);
     stop.cancel();
 }
+
+// Issue 24: `--json` on every command, data on stdout (one document or
+// JSON lines) and messages on stderr.
+#[tokio::test]
+async fn every_command_takes_json_and_prints_only_json_on_stdout() {
+    let env = Env::new().await;
+    let url = env.url();
+    let (_w, stop) = env.worker().await;
+    let (code, _, err) = cli(
+        &url,
+        &["submit", "echo", r#"{"input":{"n":7}}"#, "--id", "j-1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    env.wait_status("j-1", "completed", Duration::from_secs(10))
+        .await;
+    let commands: &[(&[&str], i32)] = &[
+        (&["status", "j-1", "--json"], 0),
+        (&["result", "j-1", "--json"], 0),
+        (&["result", "no-such-job", "--json"], 1),
+        (&["cancel", "j-1", "--json"], 1),
+        (&["list", "--all", "--json"], 0),
+        (&["events", "j-1", "--json"], 0),
+        (&["workers", "--json"], 0),
+        (&["stats", "--json"], 0),
+        (&["review", "list", "--json"], 0),
+        (&["dlq", "list", "--json"], 0),
+        (&["tool", "list", "--json"], 0),
+        (&["setup", "--check", "--json"], 0),
+    ];
+    for (args, want) in commands {
+        let (code, out, err) = cli(&url, args).await;
+        assert_eq!(code, *want, "{args:?}: {out}{err}");
+        // One document (possibly pretty), or JSON lines.
+        let docs: Vec<serde_json::Value> = if let Ok(one) = serde_json::from_str(&out) {
+            vec![one]
+        } else {
+            out.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{args:?}: {e}: {l}")))
+                .collect()
+        };
+        // Empty lists (no parked job, no dead letter) are zero lines.
+        let may_be_empty = matches!(args[0], "review" | "dlq") || args[1] == "no-such-job";
+        if !may_be_empty {
+            assert!(!docs.is_empty(), "{args:?} printed nothing: {err}");
+        }
+    }
+    let (_, out, _) = cli(&url, &["result", "j-1", "--json"]).await;
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(doc["output"], serde_json::json!({"n": 7}), "{doc}");
+    let (_, out, _) = cli(&url, &["setup", "--check", "--json"]).await;
+    assert!(
+        out.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .all(|v| v["state"] == "ok"),
+        "{out}"
+    );
+    stop.cancel();
+}

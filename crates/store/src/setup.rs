@@ -248,6 +248,24 @@ impl Change {
     pub fn changed(&self) -> bool {
         self.state != ChangeState::Unchanged
     }
+
+    /// The same as one JSON object: `object`, `state` (`ok`, `created`,
+    /// `missing`, `updated`, `drift`), `fields` (`field`, `from`, `to`)
+    /// and `note`.
+    pub fn json(&self, mode: Mode) -> serde_json::Value {
+        let (state, fields) = match (&self.state, mode) {
+            (ChangeState::Unchanged, _) => ("ok", Vec::new()),
+            (ChangeState::Created, Mode::Apply) => ("created", Vec::new()),
+            (ChangeState::Created, Mode::Check) => ("missing", Vec::new()),
+            (ChangeState::Updated(d), m) => (
+                if m == Mode::Apply { "updated" } else { "drift" },
+                d.iter()
+                    .map(|(f, from, to)| serde_json::json!({"field": f, "from": from, "to": to}))
+                    .collect(),
+            ),
+        };
+        serde_json::json!({"object": self.object, "state": state, "fields": fields, "note": self.note})
+    }
 }
 
 fn dur(d: Duration) -> String {

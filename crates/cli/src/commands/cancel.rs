@@ -37,6 +37,8 @@ pub struct Args {
     /// With filters: cancel every matching job without asking.
     #[arg(long)]
     yes: bool,
+    #[command(flatten)]
+    json: super::AlwaysJson,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {

@@ -55,6 +55,8 @@ enum Cmd {
     Show {
         /// The letter's sequence (from `leasehold dlq list`).
         seq: u64,
+        #[command(flatten)]
+        json: super::AlwaysJson,
     },
     /// Resubmit a dead letter: same job id, fresh attempt budget, history
     /// kept. The letter leaves only once its replay was accepted as a job
@@ -97,6 +99,8 @@ enum Cmd {
         /// before leaving its letter in place.
         #[arg(long, default_value = "15s", value_parser = leasehold_core::time::parse_duration)]
         wait: std::time::Duration,
+        #[command(flatten)]
+        json: super::AlwaysJson,
     },
     /// Delete every dead letter, or those matching `--kind`/`--class`
     /// (asks for confirmation on a terminal).
@@ -113,6 +117,8 @@ enum Cmd {
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
+        #[command(flatten)]
+        json: super::AlwaysJson,
     },
 }
 
@@ -127,7 +133,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             limit,
             after,
         } => list(&dlq, json, kind, class, limit, after).await,
-        Cmd::Show { seq } => show(&dlq, seq).await,
+        Cmd::Show { seq, .. } => show(&dlq, seq).await,
         Cmd::Replay {
             seq,
             kind,
@@ -138,6 +144,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             spec,
             force,
             wait,
+            ..
         } => {
             let o = ReplayOpts {
                 keep,
@@ -163,6 +170,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             class,
             dry_run,
             yes,
+            ..
         } if kind.is_some() || class.is_some() || dry_run => {
             let f = Matching {
                 kind,

@@ -23,6 +23,15 @@ use leasehold_store::{retry_unavailable, Conn, Jobs, StoreError};
 
 use crate::{Cli, Command};
 
+/// `--json` on a command whose output is JSON already: accepted, so a
+/// script may pass `--json` to every command.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct AlwaysJson {
+    /// Output is JSON already (accepted so scripts may pass --json everywhere).
+    #[arg(long = "json", id = "json")]
+    _json: bool,
+}
+
 /// How long a command waits for JetStream when it opens the buckets it
 /// reads and the server does not answer (a leader election, a node
 /// restarting), as the worker and the reaper do at start; a missing layout

@@ -56,6 +56,8 @@ struct CheckArgs {
     /// Override LH_MODEL.
     #[arg(long)]
     model: Option<String>,
+    #[command(flatten)]
+    json: super::AlwaysJson,
 }
 
 pub async fn run(args: Args, _nats: &NatsArgs) -> anyhow::Result<i32> {

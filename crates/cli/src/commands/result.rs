@@ -17,6 +17,11 @@ pub struct Args {
     /// With --wait: stop waiting after this long (exit 124; the job goes on).
     #[arg(long, requires = "wait", value_parser = leasehold_core::time::parse_duration)]
     timeout: Option<std::time::Duration>,
+    /// One JSON document on stdout: `id`, `status`, and `output` (the
+    /// result value), `report` (an artifact's text), `partial`,
+    /// `skipped_sections` when completed; `error` and `hint` when not.
+    #[arg(long)]
+    json: bool,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
@@ -52,6 +57,12 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             _ => "it has no result".to_string(),
         };
         eprintln!("error: job {} is {}{why}; {next}", rec.id, rec.status);
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"id": rec.id, "status": rec.status, "error": rec.error, "hint": next})
+            );
+        }
         return Ok(1);
     }
     let res = rec.result.unwrap_or_default();
@@ -66,7 +77,14 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             eprintln!("error: job {} names artifact {name}, which is gone", rec.id);
             return Ok(1);
         };
-        print!("{}", String::from_utf8_lossy(&bytes));
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"id": rec.id, "status": rec.status, "report": String::from_utf8_lossy(&bytes), "artifact": name, "digest": res.digest, "partial": res.partial, "skipped_sections": res.skipped_sections})
+            );
+        } else {
+            print!("{}", String::from_utf8_lossy(&bytes));
+        }
         if res.partial {
             eprintln!(
                 "note: partial result; skipped sections: {}",
@@ -82,14 +100,21 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         );
         return Ok(1);
     } else {
-        println!(
-            "{}",
-            if res.output.is_empty() {
-                "null".to_string()
-            } else {
-                res.output
-            }
-        );
+        let output = if res.output.is_empty() {
+            "null".to_string()
+        } else {
+            res.output
+        };
+        if a.json {
+            let value: serde_json::Value =
+                serde_json::from_str(&output).unwrap_or(serde_json::Value::String(output));
+            println!(
+                "{}",
+                serde_json::json!({"id": rec.id, "status": rec.status, "output": value, "digest": res.digest})
+            );
+        } else {
+            println!("{output}");
+        }
     }
     Ok(0)
 }

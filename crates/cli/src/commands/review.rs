@@ -38,6 +38,8 @@ enum Cmd {
     Resume {
         /// The job id.
         id: String,
+        #[command(flatten)]
+        json: super::AlwaysJson,
     },
     /// End a parked job as failed.
     Fail {
@@ -46,6 +48,8 @@ enum Cmd {
         /// Why (recorded as the job's error message).
         #[arg(long)]
         reason: String,
+        #[command(flatten)]
+        json: super::AlwaysJson,
     },
 }
 
@@ -55,7 +59,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let events = Events::new(&conn);
     match args.cmd {
         Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
-        Cmd::Resume { id } => {
+        Cmd::Resume { id, .. } => {
             let (v, ticket) = requeue_ticket_first(
                 &conn,
                 &jobs,
@@ -85,7 +89,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             );
             Ok(0)
         }
-        Cmd::Fail { id, reason } => {
+        Cmd::Fail { id, reason, .. } => {
             anyhow::ensure!(
                 !reason.trim().is_empty(),
                 "--reason must say why the job is failed"

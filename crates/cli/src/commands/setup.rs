@@ -38,6 +38,9 @@ pub struct Args {
     /// differences; change nothing (exit 1 when anything differs).
     #[arg(long)]
     check: bool,
+    /// One JSON object per object (and per kind pruned) instead of lines.
+    #[arg(long)]
+    json: bool,
     /// Replicas of every stream and bucket (3 on a 3-node cluster)
     /// [default: 1 on a new layout; as set up otherwise].
     #[arg(long, env = "LH_REPLICAS")]
@@ -256,15 +259,29 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let mode = if a.check { Mode::Check } else { Mode::Apply };
     let changes = setup::ensure_with(&conn, &o, mode).await?;
     for c in &changes {
-        println!("{}", c.line(mode));
+        if a.json {
+            println!("{}", c.json(mode));
+        } else {
+            println!("{}", c.line(mode));
+        }
     }
     for k in &pruned {
-        match mode {
+        let state = match mode {
             Mode::Apply => {
                 setup::remove_kind_consumer(&conn, k).await?;
-                println!("removed  kind {k} (its subject and consumer)");
+                "removed"
             }
-            Mode::Check => println!("prune    kind {k}"),
+            Mode::Check => "prune",
+        };
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"object": format!("kind {k}"), "state": state, "fields": [], "note": null})
+            );
+        } else if mode == Mode::Apply {
+            println!("removed  kind {k} (its subject and consumer)");
+        } else {
+            println!("prune    kind {k}");
         }
     }
     let changed = changes.iter().filter(|c| c.changed()).count();

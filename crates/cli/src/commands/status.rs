@@ -6,6 +6,8 @@ use leasehold_store::NatsArgs;
 pub struct Args {
     /// The job id.
     id: String,
+    #[command(flatten)]
+    json: super::AlwaysJson,
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {

@@ -67,8 +67,9 @@ pub struct CallArgs {
     /// reconciled by an epoch at least as new as the worker's (use the job's current epoch).
     #[arg(long, default_value_t = 0)]
     pub epoch: u64,
-    /// Print the whole outcome (key, how the result was obtained, attempts) instead of the result alone.
-    #[arg(long)]
+    /// Print the whole outcome (key, how the result was obtained, attempts)
+    /// as one JSON document instead of the result alone.
+    #[arg(long, visible_alias = "json")]
     pub full: bool,
     /// Print the tool events on stderr.
     #[arg(long, short)]

@@ -36,7 +36,7 @@ struct RepairArgs {
     #[arg(long)]
     section_prompt: Option<String>,
     /// Print the report on stderr as JSON instead of text.
-    #[arg(long)]
+    #[arg(long, visible_alias = "json")]
     report_json: bool,
     /// Read the messages from this file instead of stdin.
     #[arg(long, short)]
