@@ -1116,6 +1116,12 @@ async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
     let (code, _, err) = cli(&url, &["cancel", "--id-prefix", "nothing-", "--yes"]).await;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("no active job matches"), "{err}");
+    let (code, out, err) = cli(&url, &["cancel", "--id-prefix", "nothing-", "--dry-run"]).await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, ""),
+        "a dry run listing nothing: {err}"
+    );
     let (code, _, err) = cli(&url, &["cancel"]).await;
     assert_eq!(code, 2, "an id or a filter is required: {err}");
 

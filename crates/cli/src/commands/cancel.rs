@@ -68,6 +68,11 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     matched.sort();
     matched.dedup_by(|x, y| x.0 == y.0);
     if matched.is_empty() {
+        // A dry run lists what matches: nothing is a listing too.
+        if a.dry_run {
+            eprintln!("no active job matches (dry run: nothing changed)");
+            return Ok(0);
+        }
         eprintln!("error: no active job matches (`leasehold list` shows the active jobs)");
         return Ok(1);
     }

@@ -678,9 +678,15 @@ impl Matching {
     }
 
     /// `None` to go on; `Some(code)` when the command ends here: nothing
-    /// matches (1), a dry run (0, the letters listed), or no `--yes` (2).
+    /// matches (1; 0 for a dry run), a dry run (0, the letters listed), or
+    /// no `--yes` (2).
     fn gate(&self, letters: &[Letter], verb: &str, done: &str) -> Option<i32> {
         if letters.is_empty() {
+            // A dry run lists what matches: nothing is a listing too.
+            if self.dry_run {
+                eprintln!("no dead letter matches (dry run: nothing changed)");
+                return Some(0);
+            }
             eprintln!("error: no dead letter matches (`leasehold dlq list` shows them)");
             return Some(1);
         }
