@@ -1001,3 +1001,87 @@ async fn research_whose_budget_runs_out_fails_as_budget_exhausted() {
     assert_eq!(r.status, "failed", "{r:?}");
     assert_eq!(r.error.as_ref().unwrap().class, "budget_exhausted", "{r:?}");
 }
+
+// Issue 24: a cancelled research job kept nothing of what it had written.
+// Now its record's result names `<id>/partial.md` (`partial: true`), and
+// `leasehold result` prints it (exit 1: the job did not complete).
+#[tokio::test]
+async fn a_cancelled_research_job_keeps_a_partial_report() {
+    let (lab, rules) = paced_lab("partial").await;
+    let _w = lab.worker(&[]);
+    lab.env
+        .submit(
+            "research",
+            json!({"input": {"topic": "leases", "experts": 2, "sections": 3}}),
+            "r-part",
+        )
+        .await;
+    first_section(&lab, "r-part").await;
+    let url = lab.env.url();
+    let (code, out, err) = crate::support::cli(&url, &["cancel", "r-part"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let r = lab
+        .env
+        .wait_for("r-part", Duration::from_secs(30), |r| {
+            matches!(r.status.as_str(), "cancelled" | "completed" | "failed")
+        })
+        .await;
+    assert_eq!(r.status, "cancelled", "{r:?}");
+    let res = r.result.clone().expect("a partial result");
+    assert!(res.partial, "{res:?}");
+    assert_eq!(res.artifact.as_deref(), Some("r-part/partial.md"));
+    assert!(!res.skipped_sections.is_empty(), "{res:?}");
+    let doc = lab.artifact(&r).await;
+    assert!(
+        doc.contains("Partial report: the job was cancelled"),
+        "{doc}"
+    );
+    let (code, out, err) = crate::support::cli(&url, &["result", "r-part"]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(out.contains("Partial report"), "{out}");
+    assert!(
+        err.contains("is cancelled") && err.contains("partial report"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(rules);
+}
+
+// Issue 24: the same for a job whose budget runs out after it wrote a
+// section: it fails `budget_exhausted` and keeps what it wrote.
+#[tokio::test]
+async fn a_research_job_out_of_budget_keeps_a_partial_report() {
+    let lab = Lab::new(&[]).await;
+    let _w = lab.worker(&[]);
+    lab.env
+        .submit(
+            "research",
+            json!({"input": {"topic": "leases", "experts": 1, "sections": 3}, "budget": {"max_steps": 8}}),
+            "r-budget-part",
+        )
+        .await;
+    let r = lab
+        .env
+        .wait_for("r-budget-part", Duration::from_secs(40), |r| {
+            matches!(
+                r.status.as_str(),
+                "completed" | "failed" | "parked" | "dead"
+            )
+        })
+        .await;
+    assert_eq!(r.status, "failed", "{r:?}");
+    assert_eq!(r.error.as_ref().unwrap().class, "budget_exhausted", "{r:?}");
+    let evs: Vec<String> = lab
+        .env
+        .events_of("r-budget-part")
+        .await
+        .iter()
+        .map(|e| e.r#type.clone())
+        .collect();
+    let res = r
+        .result
+        .clone()
+        .unwrap_or_else(|| panic!("no partial result: {r:?} {evs:?}"));
+    assert!(res.partial, "{res:?}");
+    let doc = lab.artifact(&r).await;
+    assert!(doc.contains("Partial report: its budget ran out"), "{doc}");
+}

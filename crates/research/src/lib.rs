@@ -119,32 +119,30 @@ pub enum ErrorClass {
 pub struct ResearchError {
     pub class: ErrorClass,
     pub message: String,
+    /// A cancelled or budget-exhausted job's partial report (the sections
+    /// written so far, stored as `<id>/partial.md`), when it has any.
+    pub partial: Option<Box<JobResult>>,
 }
 
 impl ResearchError {
-    pub fn retryable(m: impl Into<String>) -> Self {
+    fn of(class: ErrorClass, m: impl Into<String>) -> Self {
         ResearchError {
-            class: ErrorClass::Retryable,
+            class,
             message: m.into(),
+            partial: None,
         }
+    }
+    pub fn retryable(m: impl Into<String>) -> Self {
+        Self::of(ErrorClass::Retryable, m)
     }
     pub fn terminal(m: impl Into<String>) -> Self {
-        ResearchError {
-            class: ErrorClass::Terminal,
-            message: m.into(),
-        }
+        Self::of(ErrorClass::Terminal, m)
     }
     pub fn cancelled() -> Self {
-        ResearchError {
-            class: ErrorClass::Cancelled,
-            message: "cancelled".into(),
-        }
+        Self::of(ErrorClass::Cancelled, "cancelled")
     }
     pub fn budget_exhausted(m: impl Into<String>) -> Self {
-        ResearchError {
-            class: ErrorClass::BudgetExhausted,
-            message: m.into(),
-        }
+        Self::of(ErrorClass::BudgetExhausted, m)
     }
 }
 
@@ -414,6 +412,10 @@ struct Job<'a> {
     history: report::Recovery,
     done: AtomicU32,
     skipped: AtomicU32,
+    /// Expert sections written by this attempt, as each is (the experts
+    /// phase returns them only when every expert finished; a partial
+    /// report needs them when it did not).
+    fresh: StdMutex<Vec<SectionCk>>,
 }
 
 fn digest12(v: &str) -> String {
@@ -561,6 +563,7 @@ impl<'a> Job<'a> {
             history,
             done: AtomicU32::new(done as u32),
             skipped: AtomicU32::new(skipped as u32),
+            fresh: StdMutex::new(Vec::new()),
         })
     }
 
@@ -624,6 +627,101 @@ impl<'a> Job<'a> {
     }
 
     async fn run(mut self) -> Result<JobResult, Stop> {
+        match self.run_phases().await {
+            Err(Stop::Err(e))
+                if matches!(e.class, ErrorClass::Cancelled | ErrorClass::BudgetExhausted) =>
+            {
+                let partial = self.partial_report(&e).await;
+                Err(Stop::Err(ResearchError { partial, ..e }))
+            }
+            r => r,
+        }
+    }
+
+    /// A cancelled or budget-exhausted job's partial report, stored as
+    /// `<id>/partial.md` (overwritten by a later attempt's: it is never
+    /// delivered, so no key depends on its digest), when the outline and
+    /// the experts are known and at least one section was written. `None`
+    /// otherwise, or when it cannot be stored (the job's end matters more).
+    async fn partial_report(&self, e: &ResearchError) -> Option<Box<JobResult>> {
+        let outline = self.state.outline.as_ref()?;
+        let experts = self.state.experts.as_deref()?;
+        let mut sections: BTreeMap<(usize, usize), SectionCk> = self
+            .state
+            .sections
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        for s in self.fresh.lock().expect("fresh sections").iter() {
+            sections.insert((s.expert, s.index), s.clone());
+        }
+        if !sections.values().any(|s| s.completed()) && self.state.finals.is_empty() {
+            return None;
+        }
+        let why = match e.class {
+            ErrorClass::BudgetExhausted => format!("its budget ran out ({})", e.message),
+            _ => "the job was cancelled".to_string(),
+        };
+        let skipped: Vec<String> = outline
+            .sections
+            .iter()
+            .enumerate()
+            .flat_map(|(i, o)| {
+                let sections = &sections;
+                experts
+                    .iter()
+                    .enumerate()
+                    .filter(move |(x, _)| !sections.get(&(*x, i)).is_some_and(|s| s.completed()))
+                    .map(move |(_, ex)| format!("{}. {} ({})", i + 1, o.title, ex.name))
+            })
+            .collect();
+        let recovery = self.recovery().await;
+        let doc = report::partial_document(
+            &report::Doc {
+                input: &self.input,
+                outline,
+                experts,
+                sections: &sections,
+                finals: &self.state.finals,
+                skipped: &skipped,
+                recovery: &recovery,
+            },
+            &why,
+        );
+        let name = format!("{}/partial.md", self.ctx.job_id);
+        let store = Artifacts::open(&self.ctx.conn).await.ok()?;
+        let _ = store.store().delete(&name).await;
+        let new = NewArtifact {
+            name: name.clone(),
+            description: Some(format!(
+                "partial research report of job {}",
+                self.ctx.job_id
+            )),
+            metadata: [
+                (META_VERSION.to_string(), self.fp.clone()),
+                (
+                    META_INCARNATION.to_string(),
+                    self.ctx.record.created_at.clone(),
+                ),
+            ]
+            .into(),
+        };
+        match store.create(new, doc.as_bytes()).await {
+            Ok(_) => Some(Box::new(JobResult {
+                artifact: Some(name),
+                digest: Some(report::sha256_hex(&doc)),
+                partial: true,
+                skipped_sections: skipped,
+                ..Default::default()
+            })),
+            Err(err) => {
+                tracing::warn!(job = %self.ctx.job_id, error = %err, "the partial report could not be stored");
+                None
+            }
+        }
+    }
+
+    async fn run_phases(&mut self) -> Result<JobResult, Stop> {
         let (ne, ns) = (self.input.experts, self.input.sections);
         if let Some(art) = self.stored_artifact().await? {
             tracing::info!(job = %self.ctx.job_id, "research: artifact already stored; delivering it");
@@ -893,6 +991,7 @@ impl<'a> Job<'a> {
             self.done.fetch_add(1, Ordering::SeqCst);
             self.progress(Resume::Experts);
             self.crash.section(&self.flusher).await;
+            self.fresh.lock().expect("fresh sections").push(ck.clone());
             out.push(ck);
         }
         Ok(out)

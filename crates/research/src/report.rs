@@ -288,6 +288,53 @@ pub struct Doc<'a> {
     pub recovery: &'a Recovery,
 }
 
+/// The Markdown of a job that stopped before its final document (cancelled,
+/// or its budget ran out): what was written, section by section (the final
+/// text where there is one, else each expert's section), under a banner
+/// that says why and how much. Never delivered; kept as `<id>/partial.md`.
+pub fn partial_document(d: &Doc<'_>, why: &str) -> String {
+    let done = d.sections.values().filter(|s| s.completed()).count();
+    let total = d.outline.sections.len() * d.experts.len();
+    let mut out = format!(
+        "# {}
+
+",
+        d.outline.title.trim()
+    );
+    out.push_str(&format!(
+        "> **Partial report: {why}.** {done} of {total} expert section(s) and {} of {} final section(s) were written; the rest were not.\n\n",
+        d.finals.len(),
+        d.outline.sections.len()
+    ));
+    for (i, s) in d.outline.sections.iter().enumerate() {
+        out.push_str(&format!("## {}. {}\n\n", i + 1, s.title.trim()));
+        if let Some(f) = d.finals.get(&i) {
+            out.push_str(f.content.trim());
+            out.push_str("\n\n");
+            continue;
+        }
+        let mut any = false;
+        for (e, expert) in d.experts.iter().enumerate() {
+            if let Some(ck) = d.sections.get(&(e, i)).filter(|c| c.completed()) {
+                any = true;
+                out.push_str(&format!("### {} ({})\n\n", expert.name, expert.focus));
+                for line in ck.content.trim().lines() {
+                    if line.starts_with('#') {
+                        out.push_str("##");
+                    }
+                    out.push_str(line);
+                    out.push('\n');
+                }
+                out.push('\n');
+            }
+        }
+        if !any {
+            out.push_str("_Not written._\n\n");
+        }
+    }
+    out
+}
+
 /// The final Markdown.
 pub fn document(d: &Doc<'_>) -> String {
     let mut out = format!("# {}\n\n", d.outline.title.trim());

@@ -437,12 +437,13 @@ impl Retention {
     /// Everything of a job but its record and its events.
     async fn purge_job_data(&self, id: &str, artifact: Option<String>) -> Result<(), StoreError> {
         let l = &self.layout;
-        // The artifact the result names, and the one a job of this id
-        // stores by convention (`<id>/report.md`) whatever its end: a job
-        // that failed or was cancelled after storing it names none.
-        let conventional = format!("{id}/report.md");
-        let mut names = vec![conventional.clone()];
-        names.extend(artifact.filter(|a| *a != conventional));
+        // The artifact the result names, and those a job of this id
+        // stores by convention (`<id>/report.md`, and `<id>/partial.md`
+        // when cancelled or out of budget) whatever its end: a job whose
+        // end was not written after storing one names none.
+        let conventional = [format!("{id}/report.md"), format!("{id}/partial.md")];
+        let mut names = conventional.to_vec();
+        names.extend(artifact.filter(|a| !conventional.contains(a)));
         if let Ok(store) = self.js.get_object_store(l.artifacts_bucket()).await {
             for name in names {
                 if let Err(e) = store.delete(&name).await {

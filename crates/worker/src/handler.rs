@@ -49,32 +49,36 @@ pub enum ErrorClass {
 pub struct HandlerError {
     pub class: ErrorClass,
     pub message: String,
+    /// What the attempt produced before it stopped (a cancelled or
+    /// budget-exhausted research job's partial report): kept as the
+    /// record's `result` (with `partial: true`) of the job that ends.
+    pub partial: Option<Box<JobResult>>,
 }
 
 impl HandlerError {
-    pub fn retryable(m: impl Into<String>) -> Self {
+    fn of(class: ErrorClass, m: impl Into<String>) -> Self {
         HandlerError {
-            class: ErrorClass::Retryable,
+            class,
             message: m.into(),
+            partial: None,
         }
+    }
+    pub fn retryable(m: impl Into<String>) -> Self {
+        Self::of(ErrorClass::Retryable, m)
     }
     pub fn terminal(m: impl Into<String>) -> Self {
-        HandlerError {
-            class: ErrorClass::Terminal,
-            message: m.into(),
-        }
+        Self::of(ErrorClass::Terminal, m)
     }
     pub fn budget_exhausted(m: impl Into<String>) -> Self {
-        HandlerError {
-            class: ErrorClass::BudgetExhausted,
-            message: m.into(),
-        }
+        Self::of(ErrorClass::BudgetExhausted, m)
     }
     pub fn cancelled() -> Self {
-        HandlerError {
-            class: ErrorClass::Cancelled,
-            message: "cancelled".into(),
-        }
+        Self::of(ErrorClass::Cancelled, "cancelled")
+    }
+    /// The same error, carrying what the attempt produced before it stopped.
+    pub fn with_partial(mut self, partial: Option<Box<JobResult>>) -> Self {
+        self.partial = partial;
+        self
     }
     pub fn class_name(&self) -> &'static str {
         match self.class {

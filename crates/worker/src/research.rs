@@ -55,7 +55,8 @@ impl Handler for ResearchHandler {
                 RClass::Terminal => HandlerError::terminal(e.message),
                 RClass::BudgetExhausted => HandlerError::budget_exhausted(e.message),
                 RClass::Cancelled => HandlerError::cancelled(),
-            }),
+            }
+            .with_partial(e.partial)),
         }
     }
 }

@@ -56,11 +56,32 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             }
             _ => "it has no result".to_string(),
         };
-        eprintln!("error: job {} is {}{why}; {next}", rec.id, rec.status);
+        // A cancelled or budget-exhausted research job keeps what it wrote.
+        let partial = match rec.result.as_ref().filter(|r| r.partial) {
+            Some(r) => match &r.artifact {
+                Some(name) => leasehold_store::artifacts::Artifacts::open(&conn)
+                    .await?
+                    .read(name)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|(_, b)| (name.clone(), String::from_utf8_lossy(&b).into_owned())),
+                None => None,
+            },
+            None => None,
+        };
+        if let (Some((_, doc)), false) = (&partial, a.json) {
+            print!("{doc}");
+        }
+        let kept = match &partial {
+            Some((name, _)) => format!(" (its partial report, {name}, is on stdout)"),
+            None => String::new(),
+        };
+        eprintln!("error: job {} is {}{why}{kept}; {next}", rec.id, rec.status);
         if a.json {
             println!(
                 "{}",
-                serde_json::json!({"id": rec.id, "status": rec.status, "error": rec.error, "hint": next})
+                serde_json::json!({"id": rec.id, "status": rec.status, "error": rec.error, "hint": next, "partial_report": partial.map(|p| p.1)})
             );
         }
         return Ok(1);

@@ -328,19 +328,23 @@ async fn run_attempt(
         Ok(r) => r,
         Err(stop) => {
             cancel.cancel();
-            // Give the handler a moment to reach a safe point, then abort it.
-            if tokio::time::timeout(Duration::from_secs(10), &mut task)
-                .await
-                .is_err()
-            {
-                task.abort();
-                let _ = (&mut task).await;
-            }
+            // Give the handler a moment to reach a safe point, then abort
+            // it; what it produced before it stopped (a partial report)
+            // goes with a cancelled job's end.
+            let partial = match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
+                Ok(Ok(Err(e))) => e.partial,
+                Ok(_) => None,
+                Err(_) => {
+                    task.abort();
+                    let _ = (&mut task).await;
+                    None
+                }
+            };
             done.cancel();
             watchers.abort_all();
             match stop {
                 Stop::Lost(why) => a.lost(&why).await,
-                Stop::Cancel => a.cancel().await,
+                Stop::Cancel => a.cancel(partial).await,
                 Stop::Handoff => a.hand_back().await,
                 Stop::Deadline => {
                     let err = HandlerError::retryable(format!(
@@ -559,8 +563,16 @@ impl Attempt {
         self.reindex(rec).await;
     }
 
-    async fn cancel(&self) {
-        match persist(&self.shared, &self.gate, machine::cancel_owned).await {
+    async fn cancel(&self, partial: Option<Box<leasehold_proto::JobResult>>) {
+        let end = move |r: &JobRecord, o: &machine::Owner, now: SystemTime| {
+            machine::cancel_owned(r, o, now).map(|mut n| {
+                if let Some(p) = &partial {
+                    n.result = Some((**p).clone());
+                }
+                n
+            })
+        };
+        match persist(&self.shared, &self.gate, end).await {
             Ok(v) => {
                 self.ended(AttemptOutcome::Cancelled, None);
                 self.publish_event("cancelled", json!({}), None).await;
@@ -736,8 +748,14 @@ impl Attempt {
                 message: message.clone(),
                 at,
             };
+            let partial = err.partial.clone();
             match persist(shared, &self.gate, move |r, o, now| {
-                machine::fail(r, o, now, error.clone())
+                machine::fail(r, o, now, error.clone()).map(|mut n| {
+                    if let Some(p) = &partial {
+                        n.result = Some((**p).clone());
+                    }
+                    n
+                })
             })
             .await
             {
