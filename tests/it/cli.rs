@@ -176,6 +176,44 @@ async fn worker_help_lists_every_variable_it_reads() {
             "reaper --help does not mention {k}:\n{help}"
         );
     }
+    // And the sim's (issue 24: it pointed at source-code docs instead).
+    let out = tokio::process::Command::new(bin_path("leasehold-sim"))
+        .arg("--help")
+        .output()
+        .await
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let src = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/sim/src/model.rs"
+    ))
+    .unwrap()
+        + &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../crates/sim/src/effects.rs"
+        ))
+        .unwrap()
+        + &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../crates/sim/src/model/faults.rs"
+        ))
+        .unwrap();
+    let mut vars: Vec<&str> = src
+        .match_indices("\"LH_SIM_")
+        .map(|(i, _)| {
+            let rest = &src[i + 1..];
+            let end = rest
+                .find(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+                .unwrap_or(rest.len());
+            &rest[..end]
+        })
+        .collect();
+    vars.sort();
+    vars.dedup();
+    assert!(vars.len() >= 6, "{vars:?}");
+    for k in vars {
+        assert!(help.contains(k), "sim --help does not mention {k}:\n{help}");
+    }
 }
 
 #[tokio::test]

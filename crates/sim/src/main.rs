@@ -12,12 +12,49 @@ mod effects;
 mod model;
 mod web;
 
+/// What `--help` says beyond the flags: the endpoints, the environment
+/// variables and the fault file's format.
+const SIM_HELP: &str = "\
+Endpoints:
+  POST /v1/chat/completions   OpenAI-compatible chat (streamed or not, tools, response_format)
+  GET  /search?q=...&format=json   SearxNG-style search results
+  GET  /page/SLUG             the pages the search results link to
+  GET  /stats                 chat requests served so far
+  POST /effects               the effects sink (Idempotency-Key honoured); GET /effects lists,
+                              GET /effects/count counts, POST /effects/faults arms a fault
+
+Environment variables (besides the flags' own):
+  LH_SIM_TOKEN_DELAY_MS   pause between streamed tokens, ms [default: 2; 0 for tests]
+  LH_SIM_FAULT_RATE       share of chat requests that fault, 0 to 1 [default: 0]
+  LH_SIM_FAULT_KINDS      kinds drawn at that rate, comma-separated
+                          [default: cut,empty,error_event,rate_limit,overloaded]
+  LH_SIM_EFFECTS_FAULTS   effects-sink faults armed at start: mode[:count],...
+                          (commit_then_timeout, timeout_before_commit, empty_success,
+                          commit_twice, error_5xx, commit_then_5xx, commit_late)
+  LH_SIM_EFFECTS_HANG     how long a hanging effects fault hangs [default: 30s]
+  LH_SIM_EFFECTS_DEDUPE   whether a repeated Idempotency-Key replays the first result
+                          [default: true]
+  RUST_LOG                log filter [default: info]
+
+Model fault kinds: cut, empty, error_event, rate_limit, quota, server_error, overloaded,
+hang, slow, malformed_args, context_exceeded, refusal. A request header
+`x-sim-fault: KIND` always fires; then the --faults file's rules; then the rate.
+
+The --faults file: {\"rules\": [{\"kind\": \"cut\", \"nth\": [2, 5]},
+  {\"kind\": \"rate_limit\", \"every\": 4, \"retry_after\": \"1\"},
+  {\"kind\": \"slow\", \"rate\": 0.5, \"delay_ms\": 50, \"match\": \"reliability\"}]}
+Rule fields: kind (required); when: nth (1-based request numbers), every, rate (from the
+seed), after (from the Nth request on), times (at most this often), match (the last user
+message contains it), above_chars (the messages exceed it); parameters: retry_after
+(seconds, rate_limit), delay_ms (slow). A rule with no condition fires on every request.";
+
 /// Command-line options. Every flag also reads `LH_SIM_<FLAG>`.
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "leasehold-sim",
     version,
-    about = "Deterministic OpenAI-compatible model server, web and effects sink for leasehold's demo and tests"
+    about = "Deterministic OpenAI-compatible model server, web and effects sink for leasehold's demo and tests",
+    after_long_help = SIM_HELP
 )]
 pub struct Args {
     /// Address to listen on, e.g. 127.0.0.1:8089 (port 0 picks a free port; the bound address is printed on stdout as `listening on ADDR`).
@@ -26,7 +63,7 @@ pub struct Args {
     /// Seed of every deterministic choice (same seed + same request = same answer).
     #[arg(long, env = "LH_SIM_SEED", default_value_t = 0)]
     pub seed: u64,
-    /// JSON file of fault rules (see the model module docs).
+    /// JSON file of fault rules (format below, in --help).
     #[arg(long, env = "LH_SIM_FAULTS")]
     pub faults: Option<std::path::PathBuf>,
 }
