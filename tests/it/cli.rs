@@ -1214,6 +1214,7 @@ async fn every_command_takes_json_and_prints_only_json_on_stdout() {
     env.wait_status("j-1", "completed", Duration::from_secs(10))
         .await;
     let commands: &[(&[&str], i32)] = &[
+        (&["submit", "echo", r#"{"input":{}}"#, "--id", "j-2", "--json"], 0),
         (&["status", "j-1", "--json"], 0),
         (&["result", "j-1", "--json"], 0),
         (&["result", "no-such-job", "--json"], 1),

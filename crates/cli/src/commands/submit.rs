@@ -49,6 +49,10 @@ pub struct Args {
     /// worker to claim the job starts a trace.
     #[arg(long, env = "TRACEPARENT", value_parser = parse_traceparent)]
     traceparent: Option<String>,
+    /// Print `{"id", "kind", "ticket_seq", "duplicate"}` instead of the id
+    /// (with --wait: the final record, as always).
+    #[arg(long)]
+    json: bool,
 }
 
 /// `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`, ids not all zero.
@@ -182,6 +186,11 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         // One JSON document on stdout (the record names the id), so the
         // output can be piped to `jq`; the id goes to stderr meanwhile.
         eprintln!("job {id} submitted; waiting for it to end");
+    } else if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"id": id, "kind": a.kind, "ticket_seq": published.seq, "duplicate": published.duplicate})
+        );
     } else {
         println!("{id}");
     }
