@@ -1214,7 +1214,10 @@ async fn every_command_takes_json_and_prints_only_json_on_stdout() {
     env.wait_status("j-1", "completed", Duration::from_secs(10))
         .await;
     let commands: &[(&[&str], i32)] = &[
-        (&["submit", "echo", r#"{"input":{}}"#, "--id", "j-2", "--json"], 0),
+        (
+            &["submit", "echo", r#"{"input":{}}"#, "--id", "j-2", "--json"],
+            0,
+        ),
         (&["status", "j-1", "--json"], 0),
         (&["result", "j-1", "--json"], 0),
         (&["result", "no-such-job", "--json"], 1),
@@ -1257,4 +1260,48 @@ async fn every_command_takes_json_and_prints_only_json_on_stdout() {
         "{out}"
     );
     stop.cancel();
+}
+
+// Issue 24: offline commands listed the ten NATS connection options.
+#[tokio::test]
+async fn help_lists_connection_options_only_where_the_command_connects() {
+    let help = |args: &'static [&'static str]| async move {
+        let out = tokio::process::Command::new(bin_path("leasehold"))
+            .args(args)
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    for offline in [
+        &["transcript", "repair", "--help"][..],
+        &["model", "check", "--help"],
+        &["tool", "list", "--help"],
+    ] {
+        let h = help(offline).await;
+        assert!(!h.contains("--nats-url"), "{offline:?}:\n{h}");
+    }
+    for online in [
+        &["status", "--help"][..],
+        &["submit", "--help"],
+        &["tool", "call", "--help"],
+    ] {
+        let h = help(online).await;
+        assert!(
+            h.contains("NATS connection") && h.contains("--nats-url"),
+            "{online:?}:\n{h}"
+        );
+    }
+    // The options are still accepted (and ignored) where they are hidden.
+    let out = tokio::process::Command::new(bin_path("leasehold"))
+        .args(["tool", "list", "--nats-url", "nats://127.0.0.1:1"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

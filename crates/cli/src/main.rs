@@ -72,9 +72,37 @@ fn restore_sigpipe() {
     }
 }
 
+/// Subcommands that never connect to NATS: their `--help` leaves the
+/// connection options out (they are still accepted, and ignored).
+const OFFLINE: &[[&str; 2]] = &[
+    ["transcript", "repair"],
+    ["model", "check"],
+    ["tool", "list"],
+];
+
+/// The command line. An offline subcommand gets hidden copies of the
+/// connection options: a global option is not copied into a subcommand
+/// that has an argument of its id, so they stay out of its help.
+fn command() -> clap::Command {
+    use clap::{Args, CommandFactory};
+    let nats: Vec<clap::Arg> = NatsArgs::augment_args(clap::Command::new("nats"))
+        .get_arguments()
+        .map(|a| a.clone().global(false).hide(true))
+        .collect();
+    let mut cmd = Cli::command();
+    for [group, leaf] in OFFLINE {
+        cmd = cmd.mut_subcommand(group, |g| {
+            g.mut_subcommand(leaf, |l| l.args(nats.iter().cloned()))
+        });
+    }
+    cmd
+}
+
 fn main() {
     restore_sigpipe();
-    let cli = Cli::parse();
+    let matches = command().get_matches();
+    let cli =
+        <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
