@@ -30,6 +30,10 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Create the streams, buckets and consumers (idempotent).
+    ///
+    /// A setting not given keeps what is set up; the defaults shown are for
+    /// a new layout. Durations are written `10s`, `15m`, `1h`, `7d`; sizes
+    /// `4GiB`, `512MiB`, `64KiB` or in bytes (`1000000`).
     Setup(Box<commands::setup::Args>),
     /// Submit a job (a JSON spec from a file, inline, or stdin).
     Submit(commands::submit::Args),

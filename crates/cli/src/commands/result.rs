@@ -14,7 +14,8 @@ pub struct Args {
     /// that has not ended yet.
     #[arg(long)]
     wait: bool,
-    /// With --wait: stop waiting after this long (exit 124; the job goes on).
+    /// With --wait: stop waiting after this long (exit 124; the job goes
+    /// on), e.g. `30s`, `5m` [default: wait until the job ends].
     #[arg(long, requires = "wait", value_parser = leasehold_core::time::parse_duration)]
     timeout: Option<std::time::Duration>,
     /// One JSON document on stdout: `id`, `status`, and `output` (the

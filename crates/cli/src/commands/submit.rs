@@ -41,7 +41,8 @@ pub struct Args {
     /// JSON document: the id is in it), and exit 0 only if it completed.
     #[arg(long)]
     wait: bool,
-    /// With --wait: stop waiting after this long (exit 124; the job goes on).
+    /// With --wait: stop waiting after this long (exit 124; the job goes
+    /// on), e.g. `30s`, `5m` [default: wait until the job ends].
     #[arg(long, requires = "wait", value_parser = leasehold_core::time::parse_duration)]
     timeout: Option<std::time::Duration>,
     /// The W3C trace context the job joins (sent as the `traceparent`
