@@ -1143,7 +1143,7 @@ async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
     let (code, _, err) = cli(&url, &["cancel", "--id-prefix", "bulk-a"]).await;
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("2 job(s) match") && err.contains("--yes"),
+        err.contains("2 active job(s) match") && err.contains("--yes"),
         "{err}"
     );
     let (code, out, err) = cli(&url, &["cancel", "--id-prefix", "bulk-a", "--yes"]).await;

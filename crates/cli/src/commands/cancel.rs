@@ -67,34 +67,20 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         .collect();
     matched.sort();
     matched.dedup_by(|x, y| x.0 == y.0);
-    if matched.is_empty() {
-        // A dry run lists what matches: nothing is a listing too.
-        if a.dry_run {
-            eprintln!("no active job matches (dry run: nothing changed)");
-            return Ok(0);
-        }
-        eprintln!("error: no active job matches (`leasehold list` shows the active jobs)");
-        return Ok(1);
-    }
-    if a.dry_run {
-        for (id, kind, status) in &matched {
-            println!(
-                "{}",
-                json!({"id": id, "kind": kind, "status": status, "would": "cancel"})
-            );
-        }
-        eprintln!(
-            "{} job(s) would be cancelled (dry run: nothing changed)",
-            matched.len()
-        );
-        return Ok(0);
-    }
-    if !a.yes {
-        eprintln!(
-            "error: {} job(s) match; pass --yes to cancel them, or --dry-run to list them",
-            matched.len()
-        );
-        return Ok(2);
+    let gate = super::Bulk {
+        noun: "active job",
+        verb: "cancel",
+        done: "cancelled",
+        hint: "`leasehold list` shows the active jobs",
+        dry_run: a.dry_run,
+        yes: a.yes,
+    };
+    let items = matched
+        .iter()
+        .map(|(id, kind, status)| json!({"id": id, "kind": kind, "status": status}))
+        .collect();
+    if let Some(code) = gate.gate(items) {
+        return Ok(code);
     }
     let (mut done, mut not) = (0, 0);
     for (id, _, _) in &matched {

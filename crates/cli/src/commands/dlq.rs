@@ -677,40 +677,22 @@ impl Matching {
         }
     }
 
-    /// `None` to go on; `Some(code)` when the command ends here: nothing
-    /// matches (1; 0 for a dry run), a dry run (0, the letters listed), or
-    /// no `--yes` (2).
+    /// The bulk gate ([`super::Bulk::gate`]) over `letters`.
     fn gate(&self, letters: &[Letter], verb: &str, done: &str) -> Option<i32> {
-        if letters.is_empty() {
-            // A dry run lists what matches: nothing is a listing too.
-            if self.dry_run {
-                eprintln!("no dead letter matches (dry run: nothing changed)");
-                return Some(0);
-            }
-            eprintln!("error: no dead letter matches (`leasehold dlq list` shows them)");
-            return Some(1);
-        }
-        if self.dry_run {
-            for l in letters {
-                println!(
-                    "{}",
-                    json!({"seq": l.seq, "kind": l.kind, "class": l.class, "job_id": l.job_id, "reason": l.reason, "would": verb})
-                );
-            }
-            eprintln!(
-                "{} letter(s) would be {done} (dry run: nothing changed)",
-                letters.len()
-            );
-            return Some(0);
-        }
-        if !self.yes {
-            eprintln!(
-                "error: {} letter(s) match; pass --yes to {verb} them, or --dry-run to list them",
-                letters.len()
-            );
-            return Some(2);
-        }
-        None
+        let gate = super::Bulk {
+            noun: "dead letter",
+            verb,
+            done,
+            hint: "`leasehold dlq list` shows them",
+            dry_run: self.dry_run,
+            yes: self.yes,
+        };
+        gate.gate(
+            letters
+                .iter()
+                .map(|l| json!({"seq": l.seq, "kind": l.kind, "class": l.class, "job_id": l.job_id, "reason": l.reason}))
+                .collect(),
+        )
     }
 }
 

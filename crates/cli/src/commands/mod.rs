@@ -32,6 +32,57 @@ pub struct AlwaysJson {
     _json: bool,
 }
 
+/// What a bulk action by filter is about to act on, and how it was asked.
+pub(crate) struct Bulk<'a> {
+    /// `job`, `letter`: what one item is.
+    pub noun: &'a str,
+    /// `cancel`, `replay`, `delete`, and what the items become.
+    pub verb: &'a str,
+    pub done: &'a str,
+    /// Where to see them (for "nothing matches").
+    pub hint: &'a str,
+    pub dry_run: bool,
+    pub yes: bool,
+}
+
+impl Bulk<'_> {
+    /// The one gate of every bulk action: `None` to act on `items` (each
+    /// a JSON object describing one); `Some(code)` when the command ends
+    /// here: nothing matches (1; 0 for a dry run: a listing of nothing is
+    /// a listing), a dry run (0, the items listed as JSON lines with
+    /// `"would"`), or neither `--dry-run` nor `--yes` (2).
+    pub fn gate(&self, mut items: Vec<serde_json::Value>) -> Option<i32> {
+        let (noun, verb, done) = (self.noun, self.verb, self.done);
+        if items.is_empty() {
+            if self.dry_run {
+                eprintln!("no {noun} matches (dry run: nothing changed)");
+                return Some(0);
+            }
+            eprintln!("error: no {noun} matches ({})", self.hint);
+            return Some(1);
+        }
+        if self.dry_run {
+            for it in &mut items {
+                it["would"] = serde_json::json!(verb);
+                println!("{it}");
+            }
+            eprintln!(
+                "{} {noun}(s) would be {done} (dry run: nothing changed)",
+                items.len()
+            );
+            return Some(0);
+        }
+        if !self.yes {
+            eprintln!(
+                "error: {} {noun}(s) match; pass --yes to {verb} them, or --dry-run to list them",
+                items.len()
+            );
+            return Some(2);
+        }
+        None
+    }
+}
+
 /// How long a command waits for JetStream when it opens the buckets it
 /// reads and the server does not answer (a leader election, a node
 /// restarting), as the worker and the reaper do at start; a missing layout
