@@ -61,7 +61,9 @@ use tracing::Instrument;
 use crate::flusher::{Flusher, ProgressSnap};
 use crate::hooks::{Crash, CrashPoint, Journal, NoTools, Reporter, SectionTools, ToolSink};
 use crate::report::{Input, Recovery};
-use crate::state::{validate_experts, validate_outline, FinalCk, Resume, SectionCk, State};
+use crate::state::{
+    validate_experts, validate_outline, Expert, FinalCk, Outline, Resume, SectionCk, State,
+};
 
 /// The workflow version: bump when checkpoint meaning changes.
 pub const WORKFLOW_VERSION: &str = "research/1";
@@ -677,15 +679,7 @@ impl<'a> Job<'a> {
             .collect();
         let recovery = self.recovery().await;
         let doc = report::partial_document(
-            &report::Doc {
-                input: &self.input,
-                outline,
-                experts,
-                sections: &sections,
-                finals: &self.state.finals,
-                skipped: &skipped,
-                recovery: &recovery,
-            },
+            &self.report_doc(outline, experts, &sections, &skipped, &recovery),
             &why,
         );
         let name = format!("{}/partial.md", self.ctx.job_id);
@@ -718,6 +712,26 @@ impl<'a> Job<'a> {
                 tracing::warn!(job = %self.ctx.job_id, error = %err, "the partial report could not be stored");
                 None
             }
+        }
+    }
+
+    /// What the report of this job is made of.
+    fn report_doc<'d>(
+        &'d self,
+        outline: &'d Outline,
+        experts: &'d [Expert],
+        sections: &'d BTreeMap<(usize, usize), SectionCk>,
+        skipped: &'d [String],
+        recovery: &'d Recovery,
+    ) -> report::Doc<'d> {
+        report::Doc {
+            input: &self.input,
+            outline,
+            experts,
+            sections,
+            finals: &self.state.finals,
+            skipped,
+            recovery,
         }
     }
 
@@ -1178,15 +1192,8 @@ impl<'a> Job<'a> {
             .iter()
             .map(|(k, v)| (*k, v.clone()))
             .collect();
-        let doc = report::document(&report::Doc {
-            input: &self.input,
-            outline,
-            experts,
-            sections: &sections,
-            finals: &self.state.finals,
-            skipped: &skipped,
-            recovery: &recovery,
-        });
+        let doc =
+            report::document(&self.report_doc(outline, experts, &sections, &skipped, &recovery));
         let art = Artifact {
             name: self.artifact_name(),
             title: outline.title.trim().to_string(),
