@@ -66,7 +66,7 @@ pub fn human_duration(d: Duration) -> String {
     if ms < 10_000 {
         // One decimal below ten seconds: 3.2s.
         let tenths = (ms + 50) / 100;
-        return if tenths % 10 == 0 {
+        return if tenths.is_multiple_of(10) {
             format!("{}s", tenths / 10)
         } else {
             format!("{}.{}s", tenths / 10, tenths % 10)

@@ -234,12 +234,7 @@ impl Reaper {
             stranded_grace = %human_duration(opts.stranded_grace),
             probe_interval = %human_duration(opts.probe_interval),
             retention = %human_duration(opts.retention),
-            retention_kind = %opts
-                .retention_kind
-                .iter()
-                .map(|(k, d)| format!("{k}={}", human_duration(*d)))
-                .collect::<Vec<_>>()
-                .join(","),
+            retention_kind = %retention_by_kind(&opts.retention_kind),
             nats = %opts.nats.url_for_logs(),
             prefix = %opts.nats.prefix,
             "reaper starting"
@@ -441,6 +436,18 @@ fn sweep_summary(m: &Metrics) -> (u64, u64, u64, u64, u64, u64) {
         m.recoveries,
         m.queue_depth,
     )
+}
+
+/// `echo=1h,research=30d` for the log, `none` when no kind has its own.
+fn retention_by_kind(kinds: &[(String, Duration)]) -> String {
+    if kinds.is_empty() {
+        return "none".into();
+    }
+    kinds
+        .iter()
+        .map(|(k, d)| format!("{k}={}", human_duration(*d)))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
