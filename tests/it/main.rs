@@ -20,3 +20,4 @@ mod research;
 mod retention;
 mod submission;
 mod support;
+mod watch;
