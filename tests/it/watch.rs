@@ -186,3 +186,36 @@ async fn ctrl_c_ends_a_watch_at_once_with_130_and_the_job_goes_on() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_queued_job_says_how_many_tickets_of_its_kind_are_in_the_queue() {
+    let env = Env::new().await;
+    let mut o = env.opts();
+    o.concurrency = 1;
+    let (w, stop) = env.worker_with(o).await;
+    // One slot, taken by a long job whose ticket is settled once indexed.
+    let busy = env
+        .submit("sleep", json!({"input": {"ms": 60000}}), "w-busy")
+        .await;
+    env.wait_indexed(&busy, Duration::from_secs(20)).await;
+    // Two more, with their queued records written at submit.
+    for id in ["w-next", "w-last"] {
+        let (code, out, err) = crate::support::cli(
+            &env.url(),
+            &["submit", "sleep", "--id", id, "--input", r#"{"ms":100}"#],
+        )
+        .await;
+        assert_eq!(code, 0, "{out}{err}");
+    }
+    let p = watch(&env, "w-last");
+    // Its own ticket and w-next's are in the work queue.
+    wait_log(
+        &p,
+        "w-last queued behind 1 ticket of kind sleep",
+        Duration::from_secs(20),
+    )
+    .await;
+    drop(p);
+    stop.cancel();
+    w.wait().await.unwrap();
+}
