@@ -262,7 +262,8 @@ async fn live(
             // What the record does not say: best effort, as the user may
             // read it (a submitter may not read the work stream's info).
             if let Ok(Some((_, ev))) = events.last_of_type(id, "retry").await {
-                seen.model_retry = ModelRetry::of(&ev.data);
+                seen.model_retry =
+                    ModelRetry::of(&ev.data, &ev.at).filter(|r| r.is_current(SystemTime::now()));
             }
             seen.queue = None;
             if let Some(rec) = seen
@@ -329,12 +330,18 @@ struct ModelRetry {
     reason: String,
     attempt: u64,
     delay_ms: Option<u64>,
+    /// When the event was written.
+    at: Option<SystemTime>,
 }
+
+/// How long past its wait a model retry is still shown: the call it
+/// retried is then under way again, or done.
+const RETRY_SHOWN_FOR: Duration = Duration::from_secs(2);
 
 impl ModelRetry {
     /// The retry in a `retry` event's data; `None` for a job-level retry
     /// (the record says it better) or unreadable data.
-    fn of(data: &str) -> Option<ModelRetry> {
+    fn of(data: &str, at: &str) -> Option<ModelRetry> {
         let v: Value = serde_json::from_str(data).ok()?;
         let scope = v.get("scope")?.as_str()?.to_string();
         if scope == "job" {
@@ -350,7 +357,16 @@ impl ModelRetry {
                 .to_string(),
             attempt: v.get("attempt").and_then(Value::as_u64).unwrap_or(0),
             delay_ms: v.get("delay_ms").and_then(Value::as_u64),
+            at: parse_rfc3339(at),
         })
+    }
+
+    /// Whether the retry still explains the job's state at `now`: its wait
+    /// (`delay_ms`) and [`RETRY_SHOWN_FOR`] have not passed since it was
+    /// written (a retry without a time is not shown).
+    fn is_current(&self, now: SystemTime) -> bool {
+        let wait = Duration::from_millis(self.delay_ms.unwrap_or(0)) + RETRY_SHOWN_FOR;
+        self.at.is_some_and(|at| at + wait > now)
     }
 
     /// `model breaker open (circuit open for ...)`, `provider cooldown
@@ -359,6 +375,8 @@ impl ModelRetry {
         let class = self.class.as_deref().unwrap_or(&self.scope);
         let why = if self.reason.is_empty() {
             class.to_string()
+        } else if self.reason.starts_with(class) {
+            self.reason.clone()
         } else {
             format!("{class}: {}", self.reason)
         };
@@ -722,10 +740,12 @@ mod tests {
 
     #[test]
     fn model_retries_read_from_retry_events() {
-        let job = ModelRetry::of(r#"{"scope":"job","reason":"x","attempt":1}"#);
+        let at = "2026-12-01T10:00:00.000Z";
+        let job = ModelRetry::of(r#"{"scope":"job","reason":"x","attempt":1}"#, at);
         assert_eq!(job, None, "a job retry is the record's to tell");
         let cool = ModelRetry::of(
             r#"{"scope":"generation","reason":"HTTP 429","class":"rate_limited","attempt":2,"delay_ms":3000}"#,
+            at,
         )
         .unwrap();
         assert_eq!(
@@ -734,6 +754,7 @@ mod tests {
         );
         let open = ModelRetry::of(
             r#"{"scope":"generation","reason":"circuit open for model","class":"circuit_open","attempt":1}"#,
+            at,
         )
         .unwrap();
         assert_eq!(
@@ -742,8 +763,23 @@ mod tests {
         );
         let other = ModelRetry::of(
             r#"{"scope":"warm","reason":"reset","class":"connection_reset","attempt":2}"#,
+            at,
         )
         .unwrap();
         assert_eq!(other.describe(), "model retry 2 (connection_reset: reset)");
+        let t0 = parse_rfc3339(at).unwrap();
+        // Shown during its 3 s wait and 2 s after, then no longer.
+        assert!(cool.is_current(t0 + Duration::from_secs(4)));
+        assert!(!cool.is_current(t0 + Duration::from_secs(6)));
+        assert!(!other.is_current(t0 + Duration::from_secs(3)));
+        let dup = ModelRetry::of(
+            r#"{"scope":"generation","reason":"rate_limited: HTTP 429","class":"rate_limited","attempt":1,"delay_ms":1000}"#,
+            at,
+        )
+        .unwrap();
+        assert_eq!(
+            dup.describe(),
+            "provider cooldown 1s (rate_limited: HTTP 429)"
+        );
     }
 }
