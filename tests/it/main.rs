@@ -21,3 +21,4 @@ mod research;
 mod retention;
 mod submission;
 mod support;
+mod watch;

@@ -287,3 +287,129 @@ async fn json_logs_carry_span_context_and_never_a_credential() {
         "the API key is reported as set, never shown"
     );
 }
+
+#[tokio::test]
+async fn text_logs_at_info_give_one_warn_per_failed_attempt_with_short_prefixes() {
+    let env = Env::new().await;
+    let w = env.worker_proc(
+        &[],
+        &[
+            ("LH_RETRY_BASE", "100ms".into()),
+            ("LH_RETRY_CAP", "200ms".into()),
+        ],
+    );
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 2}}),
+        "log-fail",
+    )
+    .await;
+    env.wait_status("log-fail", "completed", Duration::from_secs(20))
+        .await;
+    w.term();
+    wait_log(&w, "worker stopped", Duration::from_secs(20)).await;
+    let out = w.output();
+    let warns: Vec<&str> = out.lines().filter(|l| l.contains(" WARN ")).collect();
+    assert_eq!(warns.len(), 2, "one WARN per failed attempt:\n{out}");
+    for (i, l) in warns.iter().enumerate() {
+        let n = i + 1;
+        assert!(
+            l.contains(&format!("[log-fail e{n}] "))
+                && l.contains("attempt failed; retrying in ")
+                && l.contains("class=\"retryable\"")
+                && l.contains(&format!("error=\"injected failure {n} of 2\"")),
+            "the cause on the attempt's WARN: {l}"
+        );
+    }
+    assert!(
+        !out.contains("retry decision"),
+        "retry decisions are debug:\n{out}"
+    );
+    for l in out.lines() {
+        // Timestamp, level, context and target: up to the target's `: `.
+        let prefix = l.find(": ").map_or(l, |i| &l[..i]);
+        assert!(
+            prefix.len() <= 200,
+            "a {}-character prefix: {l}",
+            prefix.len()
+        );
+        for noise in [
+            "otel.",
+            "gen_ai.",
+            "Some(",
+            "AllowList {",
+            "21600s",
+            "RetryPolicy {",
+        ] {
+            assert!(!l.contains(noise), "{noise} in {l}");
+        }
+    }
+    let start = out.lines().find(|l| l.contains("worker starting")).unwrap();
+    assert!(
+        start.contains("attempt_timeout=6h") && start.contains("kinds=echo,sleep,fail,crash"),
+        "human units and plain lists: {start}"
+    );
+}
+
+#[tokio::test]
+async fn an_idle_reaper_logs_nothing_at_info_while_it_sweeps() {
+    let env = Env::new().await;
+    let p = Proc::spawn(
+        "leasehold-reaper",
+        &["--reaper-id", "idle"],
+        &[
+            ("NATS_URL", env.url()),
+            ("LH_PREFIX", env.prefix.clone()),
+            ("LH_INTERVAL", "200ms".into()),
+            ("RUST_LOG", "info".into()),
+        ],
+    );
+    wait_log(&p, "reaper starting", Duration::from_secs(20)).await;
+    let subject = env.conn.layout.reaper_metrics_subject();
+    // The reaper's own count of sweeps, asked over NATS.
+    let sweeps = || async {
+        let m = tokio::time::timeout(
+            Duration::from_millis(500),
+            env.conn.client.request(subject.clone(), "".into()),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        serde_json::from_slice::<leasehold_reaper::Metrics>(&m.payload)
+            .ok()
+            .map(|m| m.sweeps)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut first = None;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the reaper did not sweep:\n{}",
+            p.output()
+        );
+        let n = sweeps().await.unwrap_or(0);
+        if n >= 1 && first.is_none() {
+            first = Some(p.output().lines().count());
+        }
+        if n >= 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = p.output();
+    let later: Vec<&str> = out.lines().skip(first.unwrap()).collect();
+    assert!(
+        later.is_empty(),
+        "an idle reaper logged over 4 sweeps: {later:#?}"
+    );
+    assert!(
+        !out.lines().any(|l| l.contains(" sweep")),
+        "no sweep line at info, not even the first:\n{out}"
+    );
+    let start = out.lines().find(|l| l.contains("reaper starting")).unwrap();
+    assert!(
+        start.contains("retention=7d") && start.contains("interval=200ms"),
+        "{start}"
+    );
+}

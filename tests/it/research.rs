@@ -1085,3 +1085,58 @@ async fn a_research_job_out_of_budget_keeps_a_partial_report() {
     let doc = lab.artifact(&r).await;
     assert!(doc.contains("Partial report: its budget ran out"), "{doc}");
 }
+
+// Issue 24, item 8: a research run with model faults, as an operator reads
+// it at the default level, and as `watch` shows it in a CI log.
+#[tokio::test]
+async fn research_logs_keep_retry_decisions_at_debug_and_watch_sums_up_the_sections() {
+    let lab = Lab::new(&[("LH_SIM_FAULT_RATE", "0.1".to_string())]).await;
+    let w = lab.worker(&[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    lab.submit("r-logs").await;
+    let watch = Proc::spawn(
+        "leasehold",
+        &["watch", "r-logs", "--wait-for-id"],
+        &[("NATS_URL", lab.env.url())],
+    );
+    let rec = lab.completed("r-logs").await;
+    let retries = lab
+        .env
+        .events_of("r-logs")
+        .await
+        .iter()
+        .filter(|e| e.r#type == "retry")
+        .count();
+    assert!(retries > 0, "the faults made the runtime retry");
+    let out = w.output();
+    assert!(
+        !out.contains("retry decision"),
+        "{retries} retry decisions, none at info:\n{out}"
+    );
+    for l in out.lines() {
+        let prefix = l.find(": ").map_or(l, |i| &l[..i]);
+        assert!(
+            prefix.len() <= 200,
+            "a {}-character prefix: {l}",
+            prefix.len()
+        );
+        assert!(!l.contains("otel.") && !l.contains("gen_ai."), "{l}");
+    }
+    assert!(
+        out.lines()
+            .any(|l| l.contains("[r-logs e1]") && l.contains("attempt ended")),
+        "the attempt's end names the job and epoch:\n{out}"
+    );
+    wait_log(&watch, "r-logs completed in ", Duration::from_secs(20)).await;
+    let shown = watch.output();
+    let p = rec.progress.clone().unwrap();
+    let summary = shown.lines().last().unwrap();
+    assert!(
+        summary.contains(&format!(
+            ": {}/{} sections, {} skipped → leasehold result r-logs",
+            p.sections_done, p.sections_total, p.skipped
+        )),
+        "{summary}"
+    );
+    assert!(shown.contains(" sections"), "{shown}");
+}

@@ -182,17 +182,39 @@ struct Samples {
     to_log: Vec<f64>,
 }
 
-/// `took_ms` and `jobs` of every `sweep` line the reaper logged so far.
+/// How long a sweep took (ms) and its `jobs` for every `sweep` line the
+/// reaper logged so far: `took=7ms` / `took=1.2s` (human units), or
+/// `took_ms=7` from a baseline release.
 fn sweeps(log: &str) -> Vec<(f64, u64)> {
-    let field = |l: &str, k: &str| {
+    let raw = |l: &str, k: &str| {
         l.split_whitespace()
             .find_map(|t| t.strip_prefix(k))
-            .map(|v| v.trim_matches(|c: char| !c.is_ascii_digit()).to_string())
+            .map(|v| v.trim_matches('"').to_string())
+    };
+    let field = |l: &str, k: &str| {
+        raw(l, k).map(|v| v.trim_matches(|c: char| !c.is_ascii_digit()).to_string())
+    };
+    let took_ms = |l: &str| -> Option<f64> {
+        if let Some(v) = field(l, "took_ms=") {
+            return v.parse().ok();
+        }
+        let v = raw(l, "took=")?;
+        if let Some(ms) = v.strip_suffix("ms") {
+            return ms.parse().ok();
+        }
+        if let Some(s) = v.strip_suffix('s').filter(|s| !s.contains(' ')) {
+            if let Ok(s) = s.parse::<f64>() {
+                return Some(s * 1000.0);
+            }
+        }
+        leasehold_core::time::parse_duration(&v)
+            .ok()
+            .map(|d| d.as_secs_f64() * 1000.0)
     };
     log.lines()
-        .filter(|l| l.contains("took_ms="))
+        .filter(|l| l.contains("took_ms=") || (l.contains(" sweep ") && l.contains("took=")))
         .filter_map(|l| {
-            let took = field(l, "took_ms=")?.parse().ok()?;
+            let took = took_ms(l)?;
             let jobs = field(l, "jobs=").and_then(|j| j.parse().ok()).unwrap_or(0);
             Some((took, jobs))
         })
@@ -354,5 +376,20 @@ pub fn rows(r: &mut Report, v: &Value) {
     }
     if let Some(f) = v["seeded"]["fallback"].as_str() {
         r.row("history seeding", f.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sweeps;
+
+    #[test]
+    fn sweep_lines_are_read_in_human_units_and_the_baselines_milliseconds() {
+        let log = "\
+2026-12-01T15:15:54Z  INFO leasehold_reaper::service: sweep reaper_id=r jobs=3 took=7ms
+2026-12-01T15:15:55Z  INFO leasehold_reaper::service: sweep reaper_id=r jobs=4 took=1.5s
+2026-12-01T15:15:56Z  INFO leasehold_reaper::service: sweep reaper_id=r jobs=5 took_ms=12
+2026-12-01T15:15:57Z  INFO leasehold_worker::service::attempt: attempt ended took=9ms";
+        assert_eq!(sweeps(log), vec![(7.0, 3), (1500.0, 4), (12.0, 5)]);
     }
 }

@@ -39,6 +39,19 @@ pub struct RetryPolicy {
     pub cap: Duration,
 }
 
+/// `5 attempts, backoff 1s..5m` (human durations).
+impl std::fmt::Display for RetryPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} attempts, backoff {}..{}",
+            self.max_attempts,
+            crate::time::human_duration(self.base),
+            crate::time::human_duration(self.cap)
+        )
+    }
+}
+
 impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy {

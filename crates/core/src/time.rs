@@ -55,6 +55,39 @@ pub fn format_duration(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
+/// A duration for people to read, rounded to what matters at its size:
+/// `850ms`, `3.2s`, `4m 12s`, `6h`, `2h 30m`, `7d`, `1d 6h`. Logs and the
+/// CLI's lines use it instead of `Debug` (`21600s`, `1.234567s`).
+pub fn human_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1_000 {
+        return format!("{ms}ms");
+    }
+    if ms < 10_000 {
+        // One decimal below ten seconds: 3.2s.
+        let tenths = (ms + 50) / 100;
+        return if tenths.is_multiple_of(10) {
+            format!("{}s", tenths / 10)
+        } else {
+            format!("{}.{}s", tenths / 10, tenths % 10)
+        };
+    }
+    let s = (ms + 500) / 1_000;
+    let pair = |big: u128, big_unit: &str, small: u128, small_unit: &str| {
+        if small == 0 {
+            format!("{big}{big_unit}")
+        } else {
+            format!("{big}{big_unit} {small}{small_unit}")
+        }
+    };
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3_599 => pair(s / 60, "m", s % 60, "s"),
+        3_600..=86_399 => pair(s / 3_600, "h", (s % 3_600) / 60, "m"),
+        _ => pair(s / 86_400, "d", (s % 86_400) / 3_600, "h"),
+    }
+}
+
 /// How long from `now` until `at` (zero when `at` is past or unparsable).
 pub fn until(now: SystemTime, at: Option<&str>) -> Duration {
     at.and_then(parse_rfc3339)
@@ -65,6 +98,23 @@ pub fn until(now: SystemTime, at: Option<&str>) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn human_durations_round_to_what_matters() {
+        let ms = Duration::from_millis;
+        assert_eq!(human_duration(ms(0)), "0ms");
+        assert_eq!(human_duration(ms(850)), "850ms");
+        assert_eq!(human_duration(ms(3_240)), "3.2s");
+        assert_eq!(human_duration(ms(2_000)), "2s");
+        assert_eq!(human_duration(ms(9_990)), "10s");
+        assert_eq!(human_duration(ms(42_400)), "42s");
+        assert_eq!(human_duration(Duration::from_secs(252)), "4m 12s");
+        assert_eq!(human_duration(Duration::from_secs(300)), "5m");
+        assert_eq!(human_duration(Duration::from_secs(21_600)), "6h");
+        assert_eq!(human_duration(Duration::from_secs(9_000)), "2h 30m");
+        assert_eq!(human_duration(Duration::from_secs(7 * 86_400)), "7d");
+        assert_eq!(human_duration(Duration::from_secs(30 * 3_600)), "1d 6h");
+    }
 
     #[test]
     fn durations_read_like_the_docs_say() {

@@ -456,6 +456,11 @@ impl Proc {
         self.signal("TERM");
     }
 
+    /// SIGINT (Ctrl-C at a terminal).
+    pub fn interrupt(&self) {
+        self.signal("INT");
+    }
+
     /// Waits for the process to exit; `None` on timeout.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + timeout;

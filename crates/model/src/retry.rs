@@ -194,7 +194,9 @@ impl RunContext {
     }
 
     pub(crate) fn emit(&self, r: RetryReport, into: &mut Vec<RetryReport>) {
-        tracing::info!(scope = ?r.scope, eligible = r.eligible, attempt = r.attempt, reason = %r.reason, "retry decision");
+        // Debug: the decision is also a `retry` event, and the attempt's end
+        // (one WARN when it fails) carries the cause.
+        tracing::debug!(scope = ?r.scope, eligible = r.eligible, attempt = r.attempt, reason = %r.reason, "retry decision");
         self.reporter.report(r.clone());
         into.push(r);
     }

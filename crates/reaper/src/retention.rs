@@ -87,7 +87,7 @@ pub async fn run(
                 match retention.transcripts_pass(after, PER_PASS).await {
                     Ok(p) => {
                         if p.forgotten > 0 {
-                            tracing::info!(after = ?after, jobs = p.forgotten, "transcripts of finished jobs removed");
+                            tracing::info!(after = %leasehold_core::time::human_duration(after), jobs = p.forgotten, "transcripts of finished jobs removed");
                         }
                         if (p.seen as usize) < PER_PASS || shutdown.is_cancelled() {
                             break;
@@ -109,7 +109,7 @@ pub async fn run(
                     Ok(p) => {
                         stats.forgotten.fetch_add(p.forgotten, Ordering::Relaxed);
                         if p.forgotten > 0 {
-                            tracing::info!(retention = ?c.retention, forgotten = p.forgotten, seen = p.seen, "finished jobs past their retention removed");
+                            tracing::info!(retention = %leasehold_core::time::human_duration(c.retention), forgotten = p.forgotten, seen = p.seen, "finished jobs past their retention removed");
                         }
                         if (p.seen as usize) < PER_PASS || shutdown.is_cancelled() {
                             break;

@@ -36,7 +36,7 @@ use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use leasehold_core::machine::{self, status_of};
 use leasehold_core::spec::{self, Kinds, Submission};
-use leasehold_core::time::rfc3339;
+use leasehold_core::time::{human_duration, rfc3339};
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::index::{Filter, Key};
 use leasehold_store::liveness::Verdict;
@@ -230,11 +230,11 @@ impl Reaper {
         tracing::info!(
             reaper_id,
             max_stale_reclaims = opts.max_stale_reclaims,
-            interval = ?opts.interval,
-            stranded_grace = ?opts.stranded_grace,
-            probe_interval = ?opts.probe_interval,
-            retention = ?opts.retention,
-            retention_kind = ?opts.retention_kind,
+            interval = %human_duration(opts.interval),
+            stranded_grace = %human_duration(opts.stranded_grace),
+            probe_interval = %human_duration(opts.probe_interval),
+            retention = %human_duration(opts.retention),
+            retention_kind = %retention_by_kind(&opts.retention_kind),
             nats = %opts.nats.url_for_logs(),
             prefix = %opts.nats.prefix,
             "reaper starting"
@@ -438,15 +438,30 @@ fn sweep_summary(m: &Metrics) -> (u64, u64, u64, u64, u64, u64) {
     )
 }
 
+/// `echo=1h,research=30d` for the log, `none` when no kind has its own.
+fn retention_by_kind(kinds: &[(String, Duration)]) -> String {
+    if kinds.is_empty() {
+        return "none".into();
+    }
+    kinds
+        .iter()
+        .map(|(k, d)| format!("{k}={}", human_duration(*d)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
-    let mut last = None;
+    // A sweep is logged at info only when its summary changed; the first
+    // is compared with an idle fleet (all zeros), so an idle reaper is
+    // quiet at info from its start (every sweep is logged at debug).
+    let mut last = (0, 0, 0, 0, 0, 0);
     loop {
         let started = tokio::time::Instant::now();
         match inner.sweep().await {
             Ok(m) => {
                 let now = sweep_summary(&m);
-                let changed = last != Some(now);
-                last = Some(now);
+                let changed = last != now;
+                last = now;
                 macro_rules! sweep_log {
                     ($lvl:ident) => {
                         tracing::$lvl!(
@@ -455,11 +470,14 @@ async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                             running = m.running,
                             in_flight = m.in_flight,
                             queue_depth = m.queue_depth,
-                            oldest_in_flight_age_s = ?m.oldest_in_flight_age_s,
+                            oldest_in_flight_age = %m
+                                .oldest_in_flight_age_s
+                                .map(|a| human_duration(Duration::from_secs_f64(a.max(0.0))))
+                                .unwrap_or_else(|| "-".into()),
                             parked = m.parked,
                             sessions = m.sessions,
                             recoveries = m.recoveries,
-                            took_ms = started.elapsed().as_millis() as u64,
+                            took = %human_duration(started.elapsed()),
                             "sweep"
                         )
                     };

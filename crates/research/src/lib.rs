@@ -497,7 +497,12 @@ impl<'a> Job<'a> {
                 }
             })?;
         if let Some(old) = ctx.record.versions.as_ref().filter(|o| **o != versions) {
-            tracing::info!(job = %ctx.job_id, ?old, new = ?versions, "versions changed: incompatible checkpoints are not reused");
+            tracing::info!(
+                job = %ctx.job_id,
+                old = %format_args!("workflow={} prompt={} model={} tools={}", old.workflow, old.prompt, old.model, old.tools),
+                new = %format_args!("workflow={} prompt={} model={} tools={}", versions.workflow, versions.prompt, versions.model, versions.tools),
+                "versions changed: incompatible checkpoints are not reused"
+            );
         }
         // The checkpoints first, without the journal; then the journal only
         // from where the sections still in flight began: a resume reads what

@@ -28,6 +28,22 @@ pub struct AllowList {
     pub nets: Vec<IpNet>,
 }
 
+/// `host,10.0.0.0/8` as [`AllowList::parse`] reads it; `none` when empty.
+impl std::fmt::Display for AllowList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.hosts.is_empty() && self.nets.is_empty() {
+            return f.write_str("none");
+        }
+        let items: Vec<String> = self
+            .hosts
+            .iter()
+            .cloned()
+            .chain(self.nets.iter().map(IpNet::to_string))
+            .collect();
+        f.write_str(&items.join(","))
+    }
+}
+
 impl AllowList {
     /// Parses `host,10.0.0.0/8,127.0.0.1,...`; an IP address is a /32 or /128.
     pub fn parse(s: &str) -> Result<Self, String> {

@@ -71,7 +71,7 @@ async fn main() {
         api_key = if research.model.api_key.is_some() { "set" } else { "unset" },
         search_url = %leasehold_telemetry::redact_url(&research.toolbox.search.url),
         publish_url = %leasehold_telemetry::redact_url(&research.toolbox.publish.url),
-        fetch_allow = ?research.toolbox.fetch.allow,
+        fetch_allow = %research.toolbox.fetch.allow,
         expert_concurrency = research.expert_concurrency,
         "workload configuration"
     );

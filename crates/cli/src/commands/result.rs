@@ -34,7 +34,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     };
     let mut rec = v.value;
     if a.wait {
-        let Some(r) = super::watch::follow_for(&jobs, &a.id, false, true, a.timeout).await? else {
+        let Some(r) = super::watch::follow_for(&jobs, &a.id, false, a.timeout).await? else {
             return Ok(super::watch::TIMED_OUT);
         };
         rec = r;

@@ -197,7 +197,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     }
     if a.wait {
         let jobs = super::open_jobs(&conn).await?;
-        let Some(rec) = super::watch::follow_for(&jobs, &id, false, true, a.timeout).await? else {
+        let Some(rec) = super::watch::follow_for(&jobs, &id, false, a.timeout).await? else {
             return Ok(super::watch::TIMED_OUT);
         };
         println!("{}", serde_json::to_string_pretty(&rec)?);

@@ -530,7 +530,14 @@ impl Attempt {
                 self.cancelled_instead(&v.value, "park").await
             }
             Ok(v) => {
-                self.ended(AttemptOutcome::Parked, None);
+                tracing::info!(
+                    outcome = AttemptOutcome::Parked.as_str(),
+                    reason = %reason,
+                    why = %message,
+                    took = %leasehold_core::time::human_duration(self.started.elapsed()),
+                    "attempt ended: parked for review (`leasehold review list`)"
+                );
+                self.finished(AttemptOutcome::Parked, None);
                 // The parked entry before the ticket goes: a parked job is
                 // always listed. When it cannot be written, the ticket is
                 // kept: it comes back, and its claim indexes the parked
@@ -725,7 +732,17 @@ impl Attempt {
                     self.reindex(&v.value).await;
                 }
                 Ok(v) => {
-                    self.ended(AttemptOutcome::Retried, Some("retryable"));
+                    self.failed_attempt(
+                        AttemptOutcome::Retried,
+                        "retryable",
+                        &err.message,
+                        &format!(
+                            "retrying in {} ({} of {} attempts failed)",
+                            leasehold_core::time::human_duration(delay),
+                            failed,
+                            policy.max_attempts
+                        ),
+                    );
                     self.reindex(&v.value).await;
                     // The fresh ticket is the job's now.
                     settle(&self.ticket, AckKind::Ack).await;
@@ -763,7 +780,7 @@ impl Attempt {
                     self.cancelled_instead(&v.value, "failure").await
                 }
                 Ok(v) => {
-                    self.ended(AttemptOutcome::Failed, Some(&class));
+                    self.failed_attempt(AttemptOutcome::Failed, &class, &message, "the job failed");
                     self.publish_event(
                         "failed",
                         json!({"class": class, "message": message, "attempts": failed}),
@@ -823,13 +840,32 @@ impl Attempt {
     /// The attempt's outcome: stats, metrics (duration by outcome) and its
     /// span (`error_type` marks it failed).
     fn ended(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
-        // One line per attempt, inside its span (job id, epoch, worker).
+        // One line per attempt, inside its span (job id, epoch).
         tracing::info!(
             outcome = outcome.as_str(),
             error = error_type,
-            elapsed_ms = self.started.elapsed().as_millis() as u64,
+            took = %leasehold_core::time::human_duration(self.started.elapsed()),
             "attempt ended"
         );
+        self.finished(outcome, error_type);
+    }
+
+    /// A failed attempt's end: its one WARN line, carrying the cause (class
+    /// and message) and what happens next, then the same bookkeeping as
+    /// [`Attempt::ended`].
+    fn failed_attempt(&self, outcome: AttemptOutcome, class: &str, message: &str, next: &str) {
+        tracing::warn!(
+            outcome = outcome.as_str(),
+            class,
+            error = message,
+            took = %leasehold_core::time::human_duration(self.started.elapsed()),
+            "attempt failed; {next}"
+        );
+        self.finished(outcome, Some(class));
+    }
+
+    /// Stats, metrics and the span of an attempt that ended.
+    fn finished(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
         self.shared.count(outcome);
         if let Some(t) = self.timer.lock().unwrap().take() {
             t.finish(outcome);

@@ -597,7 +597,7 @@ async fn reject(
     shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
     shared.metrics.rejected(kind);
     let message = rej.error.to_string();
-    tracing::info!(kind, seq, id = ?rej.id, error = %message, "rejected submission");
+    tracing::info!(kind, seq, id = rej.id.as_deref().unwrap_or("-"), error = %message, "rejected submission");
     if let Some(id) = &rej.id {
         let rec = machine::rejected_record(id, kind, "rejected", &message, seq, SystemTime::now());
         match shared.jobs.create(&rec).await {

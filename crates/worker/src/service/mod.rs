@@ -42,6 +42,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use leasehold_core::retry::RetryPolicy;
 use leasehold_core::spec::Kinds;
+use leasehold_core::time::human_duration;
 use leasehold_store::dlq::Dlq;
 use leasehold_store::events::Events;
 use leasehold_store::index::Active;
@@ -211,16 +212,16 @@ impl Worker {
         tracing::info!(
             worker_id,
             session = %session_id,
-            kinds = ?served,
+            kinds = %served.join(","),
             concurrency = opts.concurrency,
-            session_timeout = ?opts.session_timeout,
-            session_renew = ?renew,
-            attempt_timeout = ?opts.attempt_timeout,
-            index_after = ?opts.index_after,
-            drain_timeout = ?opts.drain_timeout,
-            pull_expires = ?opts.pull_expires,
+            session_timeout = %human_duration(opts.session_timeout),
+            session_renew = %human_duration(renew),
+            attempt_timeout = %human_duration(opts.attempt_timeout),
+            index_after = %human_duration(opts.index_after),
+            drain_timeout = %human_duration(opts.drain_timeout),
+            pull_expires = %human_duration(opts.pull_expires),
             max_stale_reclaims = opts.max_stale_reclaims,
-            retry = ?opts.retry_policy(),
+            retry = %opts.retry_policy(),
             nats = %opts.nats.url_for_logs(),
             prefix = %opts.nats.prefix,
             "worker starting"

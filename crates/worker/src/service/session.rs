@@ -247,7 +247,7 @@ pub(crate) async fn renew_loop(shared: Arc<Shared>, stop: CancellationToken) {
             }
             Err(SessionError::Nats(m)) => {
                 shared.metrics.session_renewal(Renewal::Failed);
-                tracing::warn!(error = %m, age = ?s.clock.age(), "session renewal failed; retrying");
+                tracing::warn!(error = %m, age = %leasehold_core::time::human_duration(s.clock.age()), "session renewal failed; retrying");
                 // Retry sooner than the interval: the timeout is close.
                 tokio::select! { _ = tokio::time::sleep(s.renew / 4) => {}, _ = stop.cancelled() => return }
             }
