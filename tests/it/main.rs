@@ -18,5 +18,6 @@ mod promise;
 mod reaper;
 mod research;
 mod retention;
+mod schedule;
 mod submission;
 mod support;

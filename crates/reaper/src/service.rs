@@ -1139,6 +1139,7 @@ impl Inner {
             msg_id: Some(id),
             content_type: ct.as_deref(),
             stream_seq: ticket.seq,
+            received_at: ticket.stored_at,
         };
         let spec = spec::decode(sub, &self.kinds, usize::MAX)
             .map(|a| a.spec)
@@ -1166,6 +1167,7 @@ impl Inner {
             msg_id: None,
             content_type: ct.as_deref(),
             stream_seq: ticket.seq,
+            received_at: ticket.stored_at,
         };
         match spec::decode(sub, &self.kinds, usize::MAX) {
             Ok(a) => Some(a.id),

@@ -1,0 +1,178 @@
+//! Jobs that run later: delayed jobs (`run_at`, `delay`) wait as `queued`
+//! records due at `next_run_at`, cost their ticket one delivery now and one
+//! when due however long the delay, and can be cancelled meanwhile.
+
+use std::time::{Duration, SystemTime};
+
+use leasehold_core::time::{parse_rfc3339, rfc3339};
+use leasehold_reaper::{Options as ReaperOptions, Reaper};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{cli, Env};
+
+async fn reaper(env: &Env) -> CancellationToken {
+    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
+    o.interval = Duration::from_millis(200);
+    let stop = CancellationToken::new();
+    let _h = Reaper::new(o).start(stop.clone()).await.unwrap();
+    stop
+}
+
+fn status_json(out: &str) -> serde_json::Value {
+    serde_json::from_str(out).unwrap_or_else(|e| panic!("status is not JSON ({e}): {out}"))
+}
+
+#[tokio::test]
+async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let url = env.url();
+    let before = SystemTime::now();
+    let (code, out, err) = cli(
+        &url,
+        &["submit", "echo", r#"{"input":{"n":1}}"#, "--delay", "3s", "--id", "later-1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    // Visible at once, queued, with the due time.
+    let (code, out, err) = cli(&url, &["status", "later-1"]).await;
+    assert_eq!(code, 0, "{err}");
+    let rec = status_json(&out);
+    assert_eq!(rec["status"], "queued", "{rec}");
+    let due = parse_rfc3339(rec["next_run_at"].as_str().expect("next_run_at")).unwrap();
+    let ahead = due.duration_since(before).unwrap();
+    assert!(
+        ahead >= Duration::from_millis(2500) && ahead <= Duration::from_secs(5),
+        "due {ahead:?} after the submission"
+    );
+    assert_eq!(rec["spec"]["run_at"], rfc3339(due), "{rec}");
+    let (_, out, _) = cli(&url, &["list", "--json"]).await;
+    assert!(out.contains("later-1"), "list shows the waiting job: {out}");
+    // Still queued shortly before it is due.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(env.jobs.get("later-1").await.unwrap().unwrap().value.status, "queued");
+    let done = env
+        .wait_status("later-1", "completed", Duration::from_secs(15))
+        .await;
+    let claimed = env
+        .events_of("later-1")
+        .await
+        .into_iter()
+        .find(|e| e.r#type == "claimed")
+        .expect("claimed event");
+    let claimed_at = parse_rfc3339(&claimed.at).unwrap();
+    assert!(claimed_at >= due, "claimed at {} before its due time {}", claimed.at, rfc3339(due));
+    assert_eq!(done.epoch, 1);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let url = env.url();
+    let (code, out, err) = cli(
+        &url,
+        &["submit", "echo", r#"{"input":{}}"#, "--delay", "3s", "--id", "later-c"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = cli(&url, &["cancel", "later-c"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.wait_status("later-c", "cancelled", Duration::from_secs(5))
+        .await;
+    // Past its due time it is still cancelled and was never claimed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let rec = env.jobs.get("later-c").await.unwrap().unwrap().value;
+    assert_eq!((rec.status.as_str(), rec.epoch), ("cancelled", 0), "{rec:?}");
+    assert!(
+        !env.events_of("later-c").await.iter().any(|e| e.r#type == "claimed"),
+        "a cancelled delayed job ran"
+    );
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_long_delay_costs_its_ticket_at_most_two_deliveries_and_is_never_dead_lettered() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let stop_reaper = reaper(&env).await;
+    // Published raw, as any NATS client would: the worker's claim records it.
+    env.submit("echo", json!({"input": {}, "delay": "1h"}), "later-long")
+        .await;
+    let rec = env
+        .wait_status("later-long", "queued", Duration::from_secs(5))
+        .await;
+    let due = parse_rfc3339(rec.next_run_at.as_deref().expect("due")).unwrap();
+    let ahead = due.duration_since(SystemTime::now()).unwrap();
+    assert!(ahead > Duration::from_secs(3500), "{ahead:?}");
+    // A few seconds of a running worker (pulling every 250 ms) and a
+    // reaper sweeping every 200 ms.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut consumer = env.work.consumer("echo").await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert!(
+        info.delivered.consumer_sequence <= 2,
+        "the delayed ticket was delivered {} times",
+        info.delivered.consumer_sequence
+    );
+    assert_eq!(info.num_ack_pending, 1, "the ticket waits for its due time");
+    let rec = env.jobs.get("later-long").await.unwrap().unwrap().value;
+    assert_eq!((rec.status.as_str(), rec.epoch), ("queued", 0), "{rec:?}");
+    let (_, out, _) = cli(&env.url(), &["dlq", "list", "--json"]).await;
+    assert!(!out.contains("later-long"), "dead-lettered: {out}");
+    stop_reaper.cancel();
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn bad_run_times_are_refused_with_exit_2_and_the_reason() {
+    let env = Env::new().await;
+    let url = env.url();
+    let past = rfc3339(SystemTime::now() - Duration::from_secs(600));
+    let far = rfc3339(SystemTime::now() + Duration::from_secs(400 * 86_400));
+    let both = format!(r#"{{"input":{{}},"run_at":"{far}","delay":"1s"}}"#);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["submit", "echo", r#"{"input":{}}"#, "--run-at", "tomorrow"],
+            "run_at: \"tomorrow\" is not an RFC 3339 UTC time",
+        ),
+        (
+            vec!["submit", "echo", r#"{"input":{}}"#, "--delay", "soon"],
+            "delay: invalid duration",
+        ),
+        (
+            vec!["submit", "echo", &both],
+            "run_at: give either run_at or delay, not both",
+        ),
+        (
+            vec!["submit", "echo", r#"{"input":{}}"#, "--run-at", &past],
+            "in the past (at most 5m is tolerated",
+        ),
+        (
+            vec!["submit", "echo", r#"{"input":{}}"#, "--run-at", &far],
+            "beyond the maximum delay of 366 days",
+        ),
+        (
+            vec!["submit", "echo", r#"{"input":{}}"#, "--delay", "400d"],
+            "beyond the maximum delay of 366 days",
+        ),
+    ];
+    for (args, want) in cases {
+        let (code, out, err) = cli(&url, &args).await;
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(err.contains("nothing was submitted"), "{args:?}: {err}");
+    }
+    // Published raw, a bad run time is a rejection kept as a dead letter.
+    let (_w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {}, "run_at": "noon"}), "later-bad")
+        .await;
+    let rec = env
+        .wait_status("later-bad", "rejected", Duration::from_secs(10))
+        .await;
+    let message = rec.error.map(|e| e.message).unwrap_or_default();
+    assert!(message.starts_with("run_at: \"noon\""), "{message}");
+    stop.cancel();
+}
