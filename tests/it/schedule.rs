@@ -9,6 +9,8 @@ use leasehold_reaper::{Options as ReaperOptions, Reaper};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use leasehold_harness::Proc;
+
 use crate::support::{cli, Env};
 
 async fn reaper(env: &Env) -> CancellationToken {
@@ -174,5 +176,121 @@ async fn bad_run_times_are_refused_with_exit_2_and_the_reason() {
         .await;
     let message = rec.error.map(|e| e.message).unwrap_or_default();
     assert!(message.starts_with("run_at: \"noon\""), "{message}");
+    stop.cancel();
+}
+
+fn unix(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs()
+}
+
+#[tokio::test]
+async fn bad_schedules_are_refused_with_their_exit_code_and_reason() {
+    let env = Env::new().await;
+    let url = env.url();
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["schedule", "add", "s1", "--cron", "61 * * * *", "echo", r#"{"input":{}}"#],
+            2,
+            "error: cron \"61 * * * *\" does not parse",
+        ),
+        (
+            vec!["schedule", "add", "s1", "--cron", "0 0 30 2 *", "echo", r#"{"input":{}}"#],
+            2,
+            "error: cron \"0 0 30 2 *\" never fires",
+        ),
+        (
+            vec!["schedule", "add", "s.1", "--cron", "* * * * *", "echo", r#"{"input":{}}"#],
+            2,
+            "error: invalid schedule name \"s.1\"",
+        ),
+        (
+            vec!["schedule", "add", "s1", "--cron", "* * * * *", "sleep", r#"{"input":{}}"#],
+            2,
+            "error: input.ms: required",
+        ),
+        (vec!["schedule", "pause", "nope"], 1, "error: no schedule named \"nope\""),
+        (vec!["schedule", "remove", "nope"], 1, "error: no schedule named \"nope\""),
+    ];
+    for (args, want_code, want) in cases {
+        let (code, out, err) = cli(&url, &args).await;
+        assert_eq!(code, want_code, "{args:?}: {out}{err}");
+        assert!(err.starts_with(want), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
+    }
+    let (code, out, err) = cli(&url, &["schedule", "list", "--json"]).await;
+    assert_eq!((code, out.as_str()), (0, ""), "{err}");
+}
+
+#[tokio::test]
+async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a_tick() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let url = env.url();
+    let renv = vec![
+        ("NATS_URL", url.clone()),
+        ("LH_PREFIX", env.prefix.clone()),
+        ("LH_INTERVAL", "200ms".to_string()),
+        ("LH_PROBE_INTERVAL", "0".to_string()),
+        ("RUST_LOG", "info".to_string()),
+    ];
+    let mut r1 = Proc::spawn("leasehold-reaper", &[], &renv);
+    let r2 = Proc::spawn("leasehold-reaper", &[], &renv);
+    crate::support::wait_log(&r1, "sweep", Duration::from_secs(20)).await;
+    crate::support::wait_log(&r2, "sweep", Duration::from_secs(20)).await;
+    let added = SystemTime::now();
+    let (code, out, err) = cli(
+        &url,
+        &["schedule", "add", "tick", "--cron", "*/2 * * * * *", "echo", r#"{"input":{"n":1}}"#],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("schedule tick added; next tick "), "{out}");
+    let first = unix(added) / 2 * 2 + 2;
+    // Both reapers fire the first ticks; then one dies at a tick.
+    env.wait_status(&format!("tick-{first}"), "completed", Duration::from_secs(10))
+        .await;
+    let kill_tick = first + 4;
+    let at = SystemTime::UNIX_EPOCH + Duration::from_secs(kill_tick);
+    if let Ok(d) = at.duration_since(SystemTime::now()) {
+        tokio::time::sleep(d + Duration::from_millis(50)).await;
+    }
+    r1.kill9();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (code, out, err) = cli(&url, &["schedule", "pause", "tick"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let paused = unix(SystemTime::now());
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Every tick from the first to the pause made exactly one job, which
+    // ran once; none was lost when a reaper died at its tick.
+    let mut tick = first;
+    while tick + 1 < paused {
+        let id = format!("tick-{tick}");
+        let rec = env.wait_status(&id, "completed", Duration::from_secs(10)).await;
+        assert_eq!(rec.epoch, 1, "{id} ran more than once");
+        let claims = env
+            .events_of(&id)
+            .await
+            .iter()
+            .filter(|e| e.r#type == "claimed")
+            .count();
+        assert_eq!(claims, 1, "{id}");
+        tick += 2;
+    }
+    assert!(tick - first >= 10, "ticks {first}..{tick} checked");
+    // Nothing fired before the schedule existed, or after its pause.
+    assert!(env.jobs.get(&format!("tick-{}", first - 2)).await.unwrap().is_none());
+    for t in (paused / 2 * 2 + 2..paused + 5).step_by(2) {
+        assert!(
+            env.jobs.get(&format!("tick-{t}")).await.unwrap().is_none(),
+            "tick {t} fired after the pause"
+        );
+    }
+    let (code, out, _) = cli(&url, &["schedule", "list", "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!((v["name"].as_str(), v["paused"].as_bool()), (Some("tick"), Some(true)), "{v}");
+    assert!(v["last_job"].as_str().unwrap().starts_with("tick-"), "{v}");
+    assert!(r2.output().contains("schedule fired"), "{}", r2.output());
+    drop(r2);
     stop.cancel();
 }
