@@ -33,7 +33,15 @@ async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
     let before = SystemTime::now();
     let (code, out, err) = cli(
         &url,
-        &["submit", "echo", r#"{"input":{"n":1}}"#, "--delay", "3s", "--id", "later-1"],
+        &[
+            "submit",
+            "echo",
+            r#"{"input":{"n":1}}"#,
+            "--delay",
+            "3s",
+            "--id",
+            "later-1",
+        ],
     )
     .await;
     assert_eq!(code, 0, "{out}{err}");
@@ -53,7 +61,10 @@ async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
     assert!(out.contains("later-1"), "list shows the waiting job: {out}");
     // Still queued shortly before it is due.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(env.jobs.get("later-1").await.unwrap().unwrap().value.status, "queued");
+    assert_eq!(
+        env.jobs.get("later-1").await.unwrap().unwrap().value.status,
+        "queued"
+    );
     let done = env
         .wait_status("later-1", "completed", Duration::from_secs(15))
         .await;
@@ -64,7 +75,12 @@ async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
         .find(|e| e.r#type == "claimed")
         .expect("claimed event");
     let claimed_at = parse_rfc3339(&claimed.at).unwrap();
-    assert!(claimed_at >= due, "claimed at {} before its due time {}", claimed.at, rfc3339(due));
+    assert!(
+        claimed_at >= due,
+        "claimed at {} before its due time {}",
+        claimed.at,
+        rfc3339(due)
+    );
     assert_eq!(done.epoch, 1);
     stop.cancel();
 }
@@ -76,7 +92,15 @@ async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
     let url = env.url();
     let (code, out, err) = cli(
         &url,
-        &["submit", "echo", r#"{"input":{}}"#, "--delay", "3s", "--id", "later-c"],
+        &[
+            "submit",
+            "echo",
+            r#"{"input":{}}"#,
+            "--delay",
+            "3s",
+            "--id",
+            "later-c",
+        ],
     )
     .await;
     assert_eq!(code, 0, "{out}{err}");
@@ -87,9 +111,16 @@ async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
     // Past its due time it is still cancelled and was never claimed.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let rec = env.jobs.get("later-c").await.unwrap().unwrap().value;
-    assert_eq!((rec.status.as_str(), rec.epoch), ("cancelled", 0), "{rec:?}");
+    assert_eq!(
+        (rec.status.as_str(), rec.epoch),
+        ("cancelled", 0),
+        "{rec:?}"
+    );
     assert!(
-        !env.events_of("later-c").await.iter().any(|e| e.r#type == "claimed"),
+        !env.events_of("later-c")
+            .await
+            .iter()
+            .any(|e| e.r#type == "claimed"),
         "a cancelled delayed job ran"
     );
     stop.cancel();
@@ -189,27 +220,67 @@ async fn bad_schedules_are_refused_with_their_exit_code_and_reason() {
     let url = env.url();
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (
-            vec!["schedule", "add", "s1", "--cron", "61 * * * *", "echo", r#"{"input":{}}"#],
+            vec![
+                "schedule",
+                "add",
+                "s1",
+                "--cron",
+                "61 * * * *",
+                "echo",
+                r#"{"input":{}}"#,
+            ],
             2,
             "error: cron \"61 * * * *\" does not parse",
         ),
         (
-            vec!["schedule", "add", "s1", "--cron", "0 0 30 2 *", "echo", r#"{"input":{}}"#],
+            vec![
+                "schedule",
+                "add",
+                "s1",
+                "--cron",
+                "0 0 30 2 *",
+                "echo",
+                r#"{"input":{}}"#,
+            ],
             2,
             "error: cron \"0 0 30 2 *\" never fires",
         ),
         (
-            vec!["schedule", "add", "s.1", "--cron", "* * * * *", "echo", r#"{"input":{}}"#],
+            vec![
+                "schedule",
+                "add",
+                "s.1",
+                "--cron",
+                "* * * * *",
+                "echo",
+                r#"{"input":{}}"#,
+            ],
             2,
             "error: invalid schedule name \"s.1\"",
         ),
         (
-            vec!["schedule", "add", "s1", "--cron", "* * * * *", "sleep", r#"{"input":{}}"#],
+            vec![
+                "schedule",
+                "add",
+                "s1",
+                "--cron",
+                "* * * * *",
+                "sleep",
+                r#"{"input":{}}"#,
+            ],
             2,
             "error: input.ms: required",
         ),
-        (vec!["schedule", "pause", "nope"], 1, "error: no schedule named \"nope\""),
-        (vec!["schedule", "remove", "nope"], 1, "error: no schedule named \"nope\""),
+        (
+            vec!["schedule", "pause", "nope"],
+            1,
+            "error: no schedule named \"nope\"",
+        ),
+        (
+            vec!["schedule", "remove", "nope"],
+            1,
+            "error: no schedule named \"nope\"",
+        ),
     ];
     for (args, want_code, want) in cases {
         let (code, out, err) = cli(&url, &args).await;
@@ -240,15 +311,27 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     let added = SystemTime::now();
     let (code, out, err) = cli(
         &url,
-        &["schedule", "add", "tick", "--cron", "*/2 * * * * *", "echo", r#"{"input":{"n":1}}"#],
+        &[
+            "schedule",
+            "add",
+            "tick",
+            "--cron",
+            "*/2 * * * * *",
+            "echo",
+            r#"{"input":{"n":1}}"#,
+        ],
     )
     .await;
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.starts_with("schedule tick added; next tick "), "{out}");
     let first = unix(added) / 2 * 2 + 2;
     // Both reapers fire the first ticks; then one dies at a tick.
-    env.wait_status(&format!("tick-{first}"), "completed", Duration::from_secs(10))
-        .await;
+    env.wait_status(
+        &format!("tick-{first}"),
+        "completed",
+        Duration::from_secs(10),
+    )
+    .await;
     let kill_tick = first + 4;
     let at = SystemTime::UNIX_EPOCH + Duration::from_secs(kill_tick);
     if let Ok(d) = at.duration_since(SystemTime::now()) {
@@ -265,7 +348,9 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     let mut tick = first;
     while tick + 1 < paused {
         let id = format!("tick-{tick}");
-        let rec = env.wait_status(&id, "completed", Duration::from_secs(10)).await;
+        let rec = env
+            .wait_status(&id, "completed", Duration::from_secs(10))
+            .await;
         assert_eq!(rec.epoch, 1, "{id} ran more than once");
         let claims = env
             .events_of(&id)
@@ -278,7 +363,12 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     }
     assert!(tick - first >= 10, "ticks {first}..{tick} checked");
     // Nothing fired before the schedule existed, or after its pause.
-    assert!(env.jobs.get(&format!("tick-{}", first - 2)).await.unwrap().is_none());
+    assert!(env
+        .jobs
+        .get(&format!("tick-{}", first - 2))
+        .await
+        .unwrap()
+        .is_none());
     for t in (paused / 2 * 2 + 2..paused + 5).step_by(2) {
         assert!(
             env.jobs.get(&format!("tick-{t}")).await.unwrap().is_none(),
@@ -288,7 +378,11 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     let (code, out, _) = cli(&url, &["schedule", "list", "--json"]).await;
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    assert_eq!((v["name"].as_str(), v["paused"].as_bool()), (Some("tick"), Some(true)), "{v}");
+    assert_eq!(
+        (v["name"].as_str(), v["paused"].as_bool()),
+        (Some("tick"), Some(true)),
+        "{v}"
+    );
     assert!(v["last_job"].as_str().unwrap().starts_with("tick-"), "{v}");
     assert!(r2.output().contains("schedule fired"), "{}", r2.output());
     drop(r2);

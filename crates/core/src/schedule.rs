@@ -136,7 +136,13 @@ mod tests {
 
     #[test]
     fn impossible_expressions_are_refused_in_one_line() {
-        for bad in ["61 * * * *", "* * *", "0 0 30 2 *", "a b c d e", "* * * * * * *"] {
+        for bad in [
+            "61 * * * *",
+            "* * *",
+            "0 0 30 2 *",
+            "a b c d e",
+            "* * * * * * *",
+        ] {
             let e = Schedule::parse(bad, t(0)).unwrap_err();
             assert!(!e.contains('\n') && e.starts_with("cron "), "{bad}: {e}");
         }
@@ -177,7 +183,10 @@ mod tests {
         assert_eq!(due_tick(&s, Some(t(2)), t(0), t(3)), None);
         assert_eq!(due_tick(&s, Some(t(2)), t(0), t(4)), Some(t(4)));
         assert_eq!(job_id("nightly", t(4)), "nightly-1799992804");
-        assert!(crate::spec::valid_job_id(&job_id(&"n".repeat(MAX_NAME_LEN), t(4))));
+        assert!(crate::spec::valid_job_id(&job_id(
+            &"n".repeat(MAX_NAME_LEN),
+            t(4)
+        )));
         assert!(valid_name("a_b-1") && !valid_name("a.b") && !valid_name(""));
     }
 }

@@ -336,10 +336,7 @@ pub fn due_at(spec: &JobSpec, received_at: SystemTime) -> Result<Option<SystemTi
     };
     match (run_at, delay) {
         (None, None) => Ok(None),
-        (Some(_), Some(_)) => Err(field(
-            "run_at",
-            "give either run_at or delay, not both",
-        )),
+        (Some(_), Some(_)) => Err(field("run_at", "give either run_at or delay, not both")),
         (Some(t), None) => {
             let at = parse_rfc3339(t.trim()).ok_or_else(|| {
                 field(
@@ -542,7 +539,10 @@ mod tests {
     fn due(payload: &str) -> Result<Option<String>, String> {
         decode(sub("echo", payload.as_bytes()), &Kinds::default(), 4096)
             .map(|a| {
-                assert_eq!(a.spec.delay, None, "the accepted spec names the due time alone");
+                assert_eq!(
+                    a.spec.delay, None,
+                    "the accepted spec names the due time alone"
+                );
                 a.spec.run_at
             })
             .map_err(|r| r.error.to_string())
@@ -551,22 +551,34 @@ mod tests {
     #[test]
     fn a_run_time_is_resolved_from_run_at_or_delay_after_the_submission() {
         assert_eq!(due(r#"{"input":{}}"#), Ok(None));
-        assert_eq!(due(r#"{"input":{},"delay":"90s"}"#), Ok(Some(rfc3339(at(90)))));
+        assert_eq!(
+            due(r#"{"input":{},"delay":"90s"}"#),
+            Ok(Some(rfc3339(at(90))))
+        );
         assert_eq!(
             due(r#"{"input":{},"delay":"2h"}"#),
             Ok(Some(rfc3339(at(7200))))
         );
         let t = rfc3339(at(3600));
-        assert_eq!(due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)), Ok(Some(t)));
+        assert_eq!(
+            due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)),
+            Ok(Some(t))
+        );
         // A slightly past time is tolerated (it runs at once).
         let t = rfc3339(at(0) - Duration::from_secs(299));
-        assert_eq!(due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)), Ok(Some(t)));
+        assert_eq!(
+            due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)),
+            Ok(Some(t))
+        );
     }
 
     #[test]
     fn bad_run_times_are_refused_with_the_field_and_the_reason() {
         let e = due(r#"{"input":{},"run_at":"tomorrow"}"#).unwrap_err();
-        assert!(e.starts_with("run_at: \"tomorrow\" is not an RFC 3339"), "{e}");
+        assert!(
+            e.starts_with("run_at: \"tomorrow\" is not an RFC 3339"),
+            "{e}"
+        );
         let e = due(r#"{"input":{},"delay":"soon"}"#).unwrap_err();
         assert!(e.starts_with("delay: invalid duration"), "{e}");
         let e = due(r#"{"input":{},"delay":"90"}"#).unwrap_err();

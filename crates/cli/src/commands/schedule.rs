@@ -87,16 +87,17 @@ fn validate(name: &str, cron: &str, kind: &str, raw: &[u8]) -> Result<Entry, Str
         stream_seq: 0,
         received_at: now,
     };
-    let accepted = spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES)
+    spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES)
         .map_err(|r| r.error.to_string())?;
     let value: serde_json::Value = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
     if value.get("run_at").is_some_and(|v| !v.is_null()) {
-        return Err("run_at: a schedule's spec cannot name one time (use delay, or the cron)".into());
+        return Err(
+            "run_at: a schedule's spec cannot name one time (use delay, or the cron)".into(),
+        );
     }
     if value.get("id").is_some_and(|v| !v.is_null()) {
         return Err("id: a schedule names its jobs `<name>-<tick>`; leave id out".into());
     }
-    let _ = accepted;
     let at = rfc3339(now);
     Ok(Entry {
         name: name.into(),
@@ -208,7 +209,11 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                         e.cron,
                         e.kind,
                         if e.paused { "paused" } else { "active" },
-                        if e.paused { "-".into() } else { next.unwrap_or_default() },
+                        if e.paused {
+                            "-".into()
+                        } else {
+                            next.unwrap_or_default()
+                        },
                         e.last_fired.as_deref().unwrap_or("-")
                     );
                 }

@@ -71,8 +71,7 @@ pub(crate) fn with_run_time(
         (None, Some(d)) => ("delay", d),
         (None, None) => return Ok(raw),
     };
-    let mut v: serde_json::Value =
-        serde_json::from_slice(&raw).context("the spec is not JSON")?;
+    let mut v: serde_json::Value = serde_json::from_slice(&raw).context("the spec is not JSON")?;
     let obj = v
         .as_object_mut()
         .context("the spec is not a JSON object like {\"input\":{...}}")?;
