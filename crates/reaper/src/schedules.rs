@@ -51,10 +51,19 @@ pub(crate) async fn fire_due(
         };
         let id = schedule::job_id(&entry.name, tick);
         let payload = serde_json::to_vec(&entry.spec).expect("a JSON value serializes");
-        let published = recovery
+        // One schedule that cannot submit (its kind not set up, a full
+        // queue) never holds the others back: it is tried at the next check.
+        let published = match recovery
             .work
             .submit(&entry.kind, payload.into(), Some(&id), None)
-            .await?;
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(schedule = %entry.name, job = %id, error = %e, "cannot submit the tick's job; trying again at the next check");
+                continue;
+            }
+        };
         if !published.duplicate {
             // Visible at once, as `leasehold submit` makes it (a worker's
             // claim would write the same record otherwise).
