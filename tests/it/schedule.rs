@@ -388,3 +388,24 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     drop(r2);
     stop.cancel();
 }
+
+#[tokio::test]
+async fn a_delayed_job_that_fails_once_is_retried_and_completes() {
+    // Its retry's ticket is re-issued from the record (without a run time:
+    // the record's next_run_at decides). That a run time more than 5m old
+    // is not refused on a retry is by construction (`Work::reissue`), not
+    // shown here: that would take 5 minutes.
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 1}, "delay": "1s"}),
+        "later-retry",
+    )
+    .await;
+    let rec = env
+        .wait_status("later-retry", "completed", Duration::from_secs(15))
+        .await;
+    assert_eq!((rec.attempts, rec.epoch), (1, 2), "{rec:?}");
+    stop.cancel();
+}
