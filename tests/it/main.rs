@@ -19,6 +19,7 @@ mod readme;
 mod reaper;
 mod research;
 mod retention;
+mod schedule;
 mod submission;
 mod support;
 mod watch;

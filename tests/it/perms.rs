@@ -254,6 +254,47 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     let summary = out.lines().last().unwrap_or_default();
     assert!(summary.starts_with("p-1 completed in "), "{out}{err}");
 
+    // An operator's schedule is fired by the reaper under its user.
+    let added = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let (code, out, err) = s
+        .cli(
+            "operator",
+            &[
+                "schedule",
+                "add",
+                "perm",
+                "--cron",
+                "* * * * * *",
+                "echo",
+                r#"{"input":{}}"#,
+            ],
+        )
+        .await;
+    assert_eq!(code, 0, "schedule add as lh-operator: {out}{err}");
+    let fired = async {
+        loop {
+            for t in added + 1..added + 30 {
+                if let Ok(Some(_)) = jobs.get(&format!("perm-{t}")).await {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), fired)
+        .await
+        .unwrap_or_else(|_| panic!("no tick fired under lh-reaper:\n{}", reaper.output()));
+    let (code, out, err) = s.cli("operator", &["schedule", "remove", "perm"]).await;
+    assert_eq!(code, 0, "schedule remove as lh-operator: {out}{err}");
+    assert!(
+        !reaper.output().contains("schedules not checked"),
+        "{}",
+        reaper.output()
+    );
+
     // The record of a job no worker has claimed yet is written by a worker
     // on the submitter's request: status answers at once.
     let (code, out, err) = s
@@ -349,7 +390,12 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     // The operator inspects.
     let (code, out, err) = s.cli("operator", &["list", "--all", "--json"]).await;
     assert_eq!(code, 0, "{err}");
-    assert_eq!(out.lines().count(), 3, "{out}");
+    // (besides the schedule's jobs)
+    let listed = out
+        .lines()
+        .filter(|l| !l.contains(r#""id":"perm-"#))
+        .count();
+    assert_eq!(listed, 3, "{out}");
     let (code, _, err) = s.cli("operator", &["dlq", "list"]).await;
     assert_eq!(code, 0, "{err}");
     let (code, _, err) = s

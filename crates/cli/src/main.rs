@@ -57,6 +57,8 @@ pub enum Command {
     Dlq(commands::dlq::Args),
     /// Parked jobs waiting for a person: list, resume, fail.
     Review(commands::review::Args),
+    /// Recurring schedules (cron, UTC), fired by the reapers: add, list, pause, resume, remove.
+    Schedule(commands::schedule::Args),
     /// Repair a tool-calling transcript for a warm retry (OpenAI message format).
     Transcript(commands::transcript::Args),
     /// Talk to the configured model provider through the workers' client.

@@ -7,12 +7,14 @@
 //!   says so.
 //! - [`spec`]: decoding and validating submissions (JSON or protobuf).
 //! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
+//! - [`schedule`]: recurring schedules: cron expressions and which tick fires.
 //! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`).
 //!
 //! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing.
 
 pub mod machine;
 pub mod retry;
+pub mod schedule;
 pub mod spec;
 pub mod status;
 pub mod time;

@@ -96,7 +96,8 @@ pub fn check_owner(rec: &JobRecord, owner: &Owner) -> Result<(), TransitionError
     Ok(())
 }
 
-/// A fresh `queued` record for an accepted submission.
+/// A fresh `queued` record for an accepted submission; a delayed one (its
+/// spec's resolved `run_at`) is due then (`next_run_at`), not before.
 pub fn new_record(
     id: &str,
     kind: &str,
@@ -111,6 +112,7 @@ pub fn new_record(
         status: Status::Queued.as_str().into(),
         created_at: at.clone(),
         updated_at: at,
+        next_run_at: spec.run_at.clone(),
         spec: Some(spec),
         ticket_seq,
         ..Default::default()
@@ -295,6 +297,11 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
         }
         _ => unreachable!("all statuses handled"),
     }
+}
+
+/// Whether a job due at `run_at` (RFC 3339; `None`: at once) may run at `now`.
+pub fn due(run_at: Option<&str>, now: SystemTime) -> bool {
+    until(now, run_at) == Duration::ZERO
 }
 
 /// How long a ticket that met a transient failure (the store did not

@@ -8,9 +8,12 @@
 //! Job id: the `Nats-Msg-Id` header if present, else the spec's `id`, else
 //! `seq-<stream sequence>`.
 
+use std::time::{Duration, SystemTime};
+
 use prost::Message as _;
 use serde_json::Value;
 
+use crate::time::{format_duration, parse_duration, parse_rfc3339, rfc3339};
 use crate::JobSpec;
 
 /// Default size limit of a submission: 1 MiB.
@@ -142,7 +145,20 @@ pub struct Submission<'a> {
     pub content_type: Option<&'a str>,
     /// Stream sequence of the ticket (0 when not stored, e.g. before publishing).
     pub stream_seq: u64,
+    /// When the submission was made: its ticket's stream timestamp once
+    /// stored, else the submitter's clock now. `delay` counts from it and
+    /// `run_at` is judged against it, so a ticket that waited for a worker
+    /// is never refused for that wait.
+    pub received_at: SystemTime,
 }
+
+/// How far in the past a `run_at` may be: a time up to this much earlier
+/// than the submission runs at once; an earlier one is refused (a clock or
+/// a script is wrong).
+pub const RUN_AT_PAST_TOLERANCE: Duration = Duration::from_secs(5 * 60);
+
+/// The longest a job may be delayed (`run_at` or `delay`): 366 days.
+pub const MAX_DELAY: Duration = Duration::from_secs(366 * 86_400);
 
 /// Why a submission was refused. Each message names the field and what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -279,6 +295,16 @@ pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Ac
     if let Err(e) = validate(&spec, kinds.validator(sub.kind).expect("checked")) {
         return Err(reject(id, e));
     }
+    match due_at(&spec, sub.received_at) {
+        Ok(due) => {
+            // The accepted spec names the resolved due time alone, so the
+            // record (and `status`) says when the job runs, whichever field
+            // was given.
+            spec.run_at = due.map(rfc3339);
+            spec.delay = None;
+        }
+        Err(e) => return Err(reject(id, e)),
+    }
     let Some(id) = id else {
         // Only possible before the ticket is stored (stream_seq 0): the
         // caller learns the sequence from the publish ack.
@@ -289,6 +315,59 @@ pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Ac
     };
     spec.id = Some(id.clone());
     Ok(Accepted { id, spec })
+}
+
+/// When a spec's job may run first: its `run_at`, or `delay` after
+/// `received_at`; `None` when it names neither (it runs at once). Refuses a
+/// malformed value, both fields, a `run_at` more than
+/// [`RUN_AT_PAST_TOLERANCE`] before `received_at`, and a due time more than
+/// [`MAX_DELAY`] after it.
+pub fn due_at(spec: &JobSpec, received_at: SystemTime) -> Result<Option<SystemTime>, SubmitError> {
+    let run_at = spec.run_at.as_deref().filter(|s| !s.trim().is_empty());
+    let delay = spec.delay.as_deref().filter(|s| !s.trim().is_empty());
+    let too_late = |path: &str, ahead: Duration| {
+        field(
+            path,
+            format!(
+                "{} ahead is beyond the maximum delay of 366 days",
+                format_duration(Duration::from_secs(ahead.as_secs()))
+            ),
+        )
+    };
+    match (run_at, delay) {
+        (None, None) => Ok(None),
+        (Some(_), Some(_)) => Err(field("run_at", "give either run_at or delay, not both")),
+        (Some(t), None) => {
+            let at = parse_rfc3339(t.trim()).ok_or_else(|| {
+                field(
+                    "run_at",
+                    format!("{t:?} is not an RFC 3339 UTC time like 2026-12-01T16:00:00Z"),
+                )
+            })?;
+            if let Ok(past) = received_at.duration_since(at) {
+                if past > RUN_AT_PAST_TOLERANCE {
+                    return Err(field(
+                        "run_at",
+                        format!(
+                            "{t} is {} in the past (at most 5m is tolerated, and runs at once)",
+                            format_duration(Duration::from_secs(past.as_secs()))
+                        ),
+                    ));
+                }
+            }
+            match at.duration_since(received_at) {
+                Ok(ahead) if ahead > MAX_DELAY => Err(too_late("run_at", ahead)),
+                _ => Ok(Some(at)),
+            }
+        }
+        (None, Some(d)) => {
+            let d = parse_duration(d).map_err(|e| field("delay", e))?;
+            if d > MAX_DELAY {
+                return Err(too_late("delay", d));
+            }
+            Ok(Some(received_at + d))
+        }
+    }
 }
 
 fn seq_opt(seq: u64) -> Option<String> {
@@ -449,7 +528,73 @@ mod tests {
             msg_id: None,
             content_type: None,
             stream_seq: 7,
+            received_at: at(0),
         }
+    }
+
+    fn at(s: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + s)
+    }
+
+    fn due(payload: &str) -> Result<Option<String>, String> {
+        decode(sub("echo", payload.as_bytes()), &Kinds::default(), 4096)
+            .map(|a| {
+                assert_eq!(
+                    a.spec.delay, None,
+                    "the accepted spec names the due time alone"
+                );
+                a.spec.run_at
+            })
+            .map_err(|r| r.error.to_string())
+    }
+
+    #[test]
+    fn a_run_time_is_resolved_from_run_at_or_delay_after_the_submission() {
+        assert_eq!(due(r#"{"input":{}}"#), Ok(None));
+        assert_eq!(
+            due(r#"{"input":{},"delay":"90s"}"#),
+            Ok(Some(rfc3339(at(90))))
+        );
+        assert_eq!(
+            due(r#"{"input":{},"delay":"2h"}"#),
+            Ok(Some(rfc3339(at(7200))))
+        );
+        let t = rfc3339(at(3600));
+        assert_eq!(
+            due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)),
+            Ok(Some(t))
+        );
+        // A slightly past time is tolerated (it runs at once).
+        let t = rfc3339(at(0) - Duration::from_secs(299));
+        assert_eq!(
+            due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)),
+            Ok(Some(t))
+        );
+    }
+
+    #[test]
+    fn bad_run_times_are_refused_with_the_field_and_the_reason() {
+        let e = due(r#"{"input":{},"run_at":"tomorrow"}"#).unwrap_err();
+        assert!(
+            e.starts_with("run_at: \"tomorrow\" is not an RFC 3339"),
+            "{e}"
+        );
+        let e = due(r#"{"input":{},"delay":"soon"}"#).unwrap_err();
+        assert!(e.starts_with("delay: invalid duration"), "{e}");
+        let e = due(r#"{"input":{},"delay":"90"}"#).unwrap_err();
+        assert!(e.contains("no unit"), "{e}");
+        let t = rfc3339(at(600));
+        let e = due(&format!(r#"{{"input":{{}},"run_at":"{t}","delay":"1s"}}"#)).unwrap_err();
+        assert_eq!(e, "run_at: give either run_at or delay, not both");
+        let t = rfc3339(at(0) - Duration::from_secs(301));
+        let e = due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)).unwrap_err();
+        assert!(e.contains("5m 1s in the past"), "{e}");
+        let e = due(r#"{"input":{},"delay":"367d"}"#).unwrap_err();
+        assert!(e.contains("beyond the maximum delay of 366 days"), "{e}");
+        let t = rfc3339(at(367 * 86_400));
+        let e = due(&format!(r#"{{"input":{{}},"run_at":"{t}"}}"#)).unwrap_err();
+        assert!(e.starts_with("run_at: ") && e.contains("366 days"), "{e}");
+        assert!(due(r#"{"input":{},"delay":"366d"}"#).is_ok());
     }
 
     fn err(kind: &str, payload: &[u8]) -> Rejected {

@@ -29,6 +29,7 @@ pub mod config;
 pub mod decide;
 pub mod metrics;
 pub mod retention;
+mod schedules;
 pub mod service;
 
 pub use config::Options;

@@ -23,6 +23,9 @@
 //!    `dead` (class `max_deliveries`).
 //! 5. The metrics responder on `<prefix>.reaper.metrics`.
 //!
+//! After each sweep the reaper fires the recurring schedules' due ticks
+//! (`crate::schedules`): exactly once per tick across replicas.
+//!
 //! Architecture invariant: every action is a revision-conditioned write of
 //! the job record or a deduplicated publish, so any number of replicas may
 //! run at once.
@@ -507,6 +510,17 @@ async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                 inner.prom.sweep_failed();
                 tracing::warn!(error = %e, "sweep failed; trying again at the next interval")
             }
+        }
+        // Recurring schedules: each sweep fires the ticks due.
+        if let Err(e) = crate::schedules::fire_due(
+            &inner.conn,
+            &inner.recovery,
+            &inner.kinds,
+            SystemTime::now(),
+        )
+        .await
+        {
+            tracing::warn!(error = %e, "schedules not checked; trying again at the next interval");
         }
 
         tokio::select! {
@@ -1157,6 +1171,7 @@ impl Inner {
             msg_id: Some(id),
             content_type: ct.as_deref(),
             stream_seq: ticket.seq,
+            received_at: ticket.stored_at,
         };
         let spec = spec::decode(sub, &self.kinds, usize::MAX)
             .map(|a| a.spec)
@@ -1184,6 +1199,7 @@ impl Inner {
             msg_id: None,
             content_type: ct.as_deref(),
             stream_seq: ticket.seq,
+            received_at: ticket.stored_at,
         };
         match spec::decode(sub, &self.kinds, usize::MAX) {
             Ok(a) => Some(a.id),

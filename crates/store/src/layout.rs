@@ -145,6 +145,11 @@ impl Layout {
     pub fn sessions_bucket(&self) -> String {
         format!("{}_sessions", self.prefix.replace('-', "_"))
     }
+    /// KV bucket of recurring schedules: key = schedule name (`leasehold
+    /// schedule add`), fired by the reapers.
+    pub fn schedules_bucket(&self) -> String {
+        format!("{}_schedules", self.prefix.replace('-', "_"))
+    }
     /// Durable consumer (headers only) of the sessions bucket's stream,
     /// shared by every worker and reaper: each ended session is handled by
     /// one of them.

@@ -37,6 +37,7 @@ pub mod layout;
 pub mod liveness;
 pub mod recovery;
 pub mod retention;
+pub mod schedules;
 pub mod sessions;
 pub mod setup;
 pub mod work;

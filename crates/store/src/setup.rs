@@ -82,6 +82,8 @@ pub struct SetupOptions {
     pub sessions_max_bytes: i64,
     pub effects_max_bytes: i64,
     pub artifacts_max_bytes: i64,
+    /// Byte bound of the recurring schedules' bucket (default 64 MiB).
+    pub schedules_max_bytes: i64,
     /// Which byte bounds are defaults rather than asked for: a server whose
     /// JetStream storage limit (`max_file_store`) cannot reserve them gets
     /// them halved until they fit (never below [`FIT_FLOOR`]), and the
@@ -102,6 +104,7 @@ pub struct Fit {
     pub sessions: bool,
     pub effects: bool,
     pub artifacts: bool,
+    pub schedules: bool,
 }
 
 impl Fit {
@@ -116,6 +119,7 @@ impl Fit {
         sessions: false,
         effects: false,
         artifacts: false,
+        schedules: false,
     };
     /// Every bound a default that may be lowered.
     pub const DEFAULTS: Fit = Fit {
@@ -128,6 +132,7 @@ impl Fit {
         sessions: true,
         effects: true,
         artifacts: true,
+        schedules: true,
     };
 }
 
@@ -163,6 +168,7 @@ impl Default for SetupOptions {
             sessions_max_bytes: 64 << 20,
             effects_max_bytes: 1 << 30,
             artifacts_max_bytes: 4 << 30,
+            schedules_max_bytes: 64 << 20,
             fit: Fit::DEFAULTS,
         }
     }
@@ -577,6 +583,17 @@ pub async fn ensure_with(
             max_bytes: bounds.get(Bound::Payloads),
             ..Default::default()
         },
+        // Schedules: a few entries, each rewritten at every tick it fires.
+        kv::Config {
+            bucket: l.schedules_bucket(),
+            description: "leasehold recurring schedules (fired by the reapers)".into(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            limit_markers: Some(Duration::from_secs(60)),
+            max_bytes: bounds.get(Bound::Schedules),
+            ..Default::default()
+        },
         kv::Config {
             max_bytes: bounds.get(Bound::Effects),
             ..effects_config(l.effects_bucket(), o.effects_retention, o.replicas)
@@ -692,7 +709,7 @@ pub async fn ensure_with(
 }
 
 /// The flags of every byte bound, for errors that send the operator there.
-const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes";
+const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes, --schedules-max-bytes";
 
 /// The halvings tried when fitting the default bounds as a whole.
 const MAX_HALVINGS: u32 = 12;
@@ -709,10 +726,11 @@ enum Bound {
     Sessions,
     Effects,
     Artifacts,
+    Schedules,
 }
 
 impl Bound {
-    const ALL: [Bound; 9] = [
+    const ALL: [Bound; 10] = [
         Bound::Work,
         Bound::Events,
         Bound::Dlq,
@@ -722,6 +740,7 @@ impl Bound {
         Bound::Sessions,
         Bound::Effects,
         Bound::Artifacts,
+        Bound::Schedules,
     ];
 
     fn name(self) -> &'static str {
@@ -735,6 +754,7 @@ impl Bound {
             Bound::Sessions => "sessions",
             Bound::Effects => "effects",
             Bound::Artifacts => "artifacts",
+            Bound::Schedules => "schedules",
         }
     }
 
@@ -750,6 +770,7 @@ impl Bound {
             Bound::Sessions => (o.sessions_max_bytes, f.sessions),
             Bound::Effects => (o.effects_max_bytes, f.effects),
             Bound::Artifacts => (o.artifacts_max_bytes, f.artifacts),
+            Bound::Schedules => (o.schedules_max_bytes, f.schedules),
         }
     }
 
@@ -765,6 +786,7 @@ impl Bound {
             Bound::Sessions => format!("KV_{}", l.sessions_bucket()),
             Bound::Effects => format!("KV_{}", l.effects_bucket()),
             Bound::Artifacts => format!("OBJ_{}", l.artifacts_bucket()),
+            Bound::Schedules => format!("KV_{}", l.schedules_bucket()),
         }
     }
 
@@ -776,8 +798,8 @@ impl Bound {
 /// The byte bounds setup applies: as asked, or (defaults only) fitted.
 #[derive(Debug, Clone)]
 struct Bounds {
-    asked: [(i64, bool); 9],
-    fitted: [i64; 9],
+    asked: [(i64, bool); 10],
+    fitted: [i64; 10],
 }
 
 impl Bounds {

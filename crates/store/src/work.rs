@@ -32,6 +32,9 @@ pub struct Ticket {
     pub kind: String,
     pub payload: Bytes,
     pub headers: HeaderMap,
+    /// When the stream stored it (the server's clock): a submission's
+    /// `delay` counts from here.
+    pub stored_at: std::time::SystemTime,
 }
 
 /// The outcome of publishing a ticket.
@@ -128,7 +131,11 @@ impl Work {
         reason: &str,
         nonce: &str,
     ) -> Result<Published, StoreError> {
-        let spec = rec.spec.clone().unwrap_or_default();
+        let mut spec = rec.spec.clone().unwrap_or_default();
+        // The record's `next_run_at` says when the job runs now: a resolved
+        // `run_at` already past would be refused by the ticket's decode.
+        spec.run_at = None;
+        spec.delay = None;
         let payload: Bytes = serde_json::to_vec(&spec).expect("spec serializes").into();
         let mut m = PublishMessage::build()
             .payload(payload)
@@ -182,6 +189,7 @@ impl Work {
                     .to_string(),
                 payload: m.payload,
                 headers: m.headers,
+                stored_at: m.time.into(),
             })),
             Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => {
                 Ok(None)
@@ -328,6 +336,7 @@ impl Work {
             msg_id: hint.as_deref(),
             content_type: ct.as_deref(),
             stream_seq: seq,
+            received_at: ticket.stored_at,
         };
         let accepted = match spec::decode(sub, kinds, max_bytes) {
             Ok(a) => a,

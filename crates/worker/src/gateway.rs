@@ -237,6 +237,7 @@ impl Gateway {
             msg_id: hint.as_deref(),
             content_type: ct.as_deref(),
             stream_seq: 0,
+            received_at: SystemTime::now(),
         };
         let result = spec::decode(sub, kinds, usize::MAX);
         // A ticket leasehold itself published (a re-offer, a retry, a replay)

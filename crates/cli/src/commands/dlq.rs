@@ -324,6 +324,7 @@ fn validate(
         msg_id: id,
         content_type,
         stream_seq: 0,
+        received_at: std::time::SystemTime::now(),
     };
     spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES)
 }

@@ -7,6 +7,7 @@ pub mod list;
 pub mod model;
 pub mod result;
 pub mod review;
+pub mod schedule;
 pub mod setup;
 pub mod stats;
 pub mod status;
@@ -116,6 +117,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Result(a) => result::run(a, &nats).await,
         Command::Dlq(a) => dlq::run(a, &nats).await,
         Command::Review(a) => review::run(a, &nats).await,
+        Command::Schedule(a) => schedule::run(a, &nats).await,
         Command::Transcript(a) => transcript::run(a, &nats).await,
         Command::Model(a) => model::run(a, &nats).await,
         Command::Tool(a) => tool::run(a, &nats).await,

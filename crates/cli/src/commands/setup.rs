@@ -140,6 +140,9 @@ pub struct Args {
     /// Bytes of artifacts (reports; default 4GiB).
     #[arg(long, env = "LH_ARTIFACTS_MAX_BYTES", value_parser = parse_bytes)]
     artifacts_max_bytes: Option<i64>,
+    /// Bytes of recurring schedules (default 64MiB).
+    #[arg(long, env = "LH_SCHEDULES_MAX_BYTES", value_parser = parse_bytes)]
+    schedules_max_bytes: Option<i64>,
 }
 
 /// The kind a fresh server gets when `--kinds` is not given.
@@ -243,6 +246,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         sessions_max_bytes: a.sessions_max_bytes.unwrap_or(d.sessions_max_bytes),
         effects_max_bytes: a.effects_max_bytes.unwrap_or(d.effects_max_bytes),
         artifacts_max_bytes: a.artifacts_max_bytes.unwrap_or(d.artifacts_max_bytes),
+        schedules_max_bytes: a.schedules_max_bytes.unwrap_or(d.schedules_max_bytes),
         fit: Fit {
             work: a.work_max_bytes.is_none(),
             events: a.events_max_bytes.is_none(),
@@ -253,6 +257,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             sessions: a.sessions_max_bytes.is_none(),
             effects: a.effects_max_bytes.is_none(),
             artifacts: a.artifacts_max_bytes.is_none(),
+            schedules: a.schedules_max_bytes.is_none(),
         },
         ..d
     };

@@ -50,10 +50,38 @@ pub struct Args {
     /// worker to claim the job starts a trace.
     #[arg(long, env = "TRACEPARENT", value_parser = parse_traceparent)]
     traceparent: Option<String>,
+    /// Run the job no sooner than this RFC 3339 UTC time (sets the spec's
+    /// `run_at`), e.g. 2026-12-01T16:00:00Z.
+    #[arg(long, conflicts_with = "delay")]
+    run_at: Option<String>,
+    /// Run the job no sooner than this long after it is stored (sets the
+    /// spec's `delay`), e.g. 90s, 15m, 2h.
+    #[arg(long)]
+    delay: Option<String>,
     /// Print `{"id", "kind", "ticket_seq", "duplicate"}` instead of the id
     /// (with --wait: the final record, as always).
     #[arg(long)]
     json: bool,
+}
+
+/// The spec with `--run-at` / `--delay` set in it (the flag wins over the
+/// same field in the spec).
+pub(crate) fn with_run_time(
+    raw: Vec<u8>,
+    run_at: Option<&str>,
+    delay: Option<&str>,
+) -> anyhow::Result<Vec<u8>> {
+    let (field, value) = match (run_at, delay) {
+        (Some(t), _) => ("run_at", t),
+        (None, Some(d)) => ("delay", d),
+        (None, None) => return Ok(raw),
+    };
+    let mut v: serde_json::Value = serde_json::from_slice(&raw).context("the spec is not JSON")?;
+    let obj = v
+        .as_object_mut()
+        .context("the spec is not a JSON object like {\"input\":{...}}")?;
+    obj.insert(field.into(), value.into());
+    Ok(serde_json::to_vec(&v)?)
 }
 
 /// `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`, ids not all zero.
@@ -102,7 +130,9 @@ fn read_spec(a: &Args) -> anyhow::Result<Vec<u8>> {
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     // Unreadable input is bad usage (exit 2), like a spec that is refused.
-    let raw = match read_spec(&a) {
+    let raw = match read_spec(&a)
+        .and_then(|r| with_run_time(r, a.run_at.as_deref(), a.delay.as_deref()))
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e:#} (nothing was submitted)");
@@ -115,6 +145,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         msg_id: a.id.as_deref(),
         content_type: None,
         stream_seq: 0,
+        received_at: std::time::SystemTime::now(),
     };
     let accepted = match spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES) {
         Ok(acc) => Some(acc),

@@ -214,10 +214,16 @@ pub(crate) async fn handle_delivery(
         .kind_of_submit_subject(&msg.subject)
         .unwrap_or_default()
         .to_string();
-    let (seq, deliveries) = msg
+    let (seq, deliveries, stored_at) = msg
         .info()
-        .map(|i| (i.stream_sequence, i.delivered.max(1) as u64))
-        .unwrap_or((0, 1));
+        .map(|i| {
+            (
+                i.stream_sequence,
+                i.delivered.max(1) as u64,
+                SystemTime::from(i.published),
+            )
+        })
+        .unwrap_or((0, 1, SystemTime::now()));
     let hint = header_id(msg);
     if let Some(id) = &hint {
         if attach(&shared, id, seq, &mut slot) {
@@ -232,6 +238,7 @@ pub(crate) async fn handle_delivery(
         msg_id: hint.as_deref(),
         content_type: ct.as_deref(),
         stream_seq: seq,
+        received_at: stored_at,
     };
     let accepted = match spec::decode(sub, &shared.kinds, shared.opts.max_submission_bytes) {
         Ok(a) => a,
@@ -287,6 +294,45 @@ pub(crate) async fn handle_delivery(
             }
         };
         let (write, reclaim) = match &current {
+            // A delayed job not due yet: its queued record (due at
+            // `next_run_at`), as the gateway would write it, and the
+            // ticket back after the whole remaining delay: one delivery
+            // now and one when due, however long the delay.
+            None if !machine::due(accepted.spec.run_at.as_deref(), SystemTime::now()) => {
+                let rec = machine::new_record(
+                    &accepted.id,
+                    &kind,
+                    accepted.spec.clone(),
+                    seq,
+                    SystemTime::now(),
+                );
+                match shared.jobs.create(&rec).await {
+                    Ok(_) => {
+                        if let Some(key) = Key::of(&rec) {
+                            if let Err(e) = shared.active.put(&key, &rec).await {
+                                tracing::debug!(job = %rec.id, error = %e, "delayed record not indexed; its ticket covers it");
+                            }
+                        }
+                        let d = leasehold_core::time::until(
+                            SystemTime::now(),
+                            rec.next_run_at.as_deref(),
+                        );
+                        tracing::debug!(job = %rec.id, delay = ?d, "delayed job recorded; the ticket comes back when it is due");
+                        let _ = msg
+                            .ack_with(AckKind::Nak(Some(d + Duration::from_millis(20))))
+                            .await;
+                        return;
+                    }
+                    // Recorded already (the gateway): its record decides.
+                    Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
+                    Err(e) => {
+                        let d = machine::transient_retry_delay(deliveries);
+                        tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot record the delayed job; the ticket comes back later");
+                        let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
+                        return;
+                    }
+                }
+            }
             None => {
                 let c = shared.claimant(seq, OwnerLiveness::Dead);
                 let mut record = machine::claim_new(
