@@ -1230,6 +1230,8 @@ async fn every_command_takes_json_and_prints_only_json_on_stdout() {
         (&["dlq", "list", "--json"], 0),
         (&["tool", "list", "--json"], 0),
         (&["setup", "--check", "--json"], 0),
+        (&["schedule", "list", "--json"], 0),
+        (&["schedule", "pause", "no-such-schedule", "--json"], 1),
     ];
     for (args, want) in commands {
         let (code, out, err) = cli(&url, args).await;
@@ -1244,7 +1246,8 @@ async fn every_command_takes_json_and_prints_only_json_on_stdout() {
                 .collect()
         };
         // Empty lists (no parked job, no dead letter) are zero lines.
-        let may_be_empty = matches!(args[0], "review" | "dlq") || args[1] == "no-such-job";
+        let may_be_empty =
+            matches!(args[0], "review" | "dlq" | "schedule") || args[1] == "no-such-job";
         if !may_be_empty {
             assert!(!docs.is_empty(), "{args:?} printed nothing: {err}");
         }
