@@ -82,9 +82,25 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
 
     let r = reaper(&env, "2s", &[]).await;
     gone(&env, "ret-1", Duration::from_secs(15)).await;
+    // The record goes before the events (they are the pass's pointer to
+    // the job): the pass is over once it counts the job forgotten.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while r
+        .0
+        .stats
+        .forgotten
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pass never counted the job"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(
         env.events_of("ret-1").await.is_empty(),
-        "events go with (before) the record"
+        "events go with the record"
     );
     assert!(
         store.get("ret-1/report.md").await.is_err(),

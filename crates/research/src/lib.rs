@@ -651,6 +651,12 @@ impl<'a> Job<'a> {
     /// the experts are known and at least one section was written. `None`
     /// otherwise, or when it cannot be stored (the job's end matters more).
     async fn partial_report(&self, e: &ResearchError) -> Option<Box<JobResult>> {
+        // A stop that is not the job's end (ownership lost, a hand-back at
+        // shutdown) keeps nothing: only a cancel someone asked for, of the
+        // job as this attempt still holds it, or the budget.
+        if e.class == ErrorClass::Cancelled && !self.cancel_was_asked().await {
+            return None;
+        }
         let outline = self.state.outline.as_ref()?;
         let experts = self.state.experts.as_deref()?;
         let mut sections: BTreeMap<(usize, usize), SectionCk> = self
@@ -738,6 +744,18 @@ impl<'a> Job<'a> {
             skipped,
             recovery,
         }
+    }
+
+    /// Whether the record asks for this job's cancellation at this
+    /// attempt's epoch (a cancel request, not a lost claim or a shutdown).
+    async fn cancel_was_asked(&self) -> bool {
+        let Ok(jobs) = leasehold_store::Jobs::open(&self.ctx.conn).await else {
+            return false;
+        };
+        matches!(
+            jobs.get(&self.ctx.job_id).await,
+            Ok(Some(v)) if v.value.cancel_requested && v.value.epoch == self.ctx.epoch
+        )
     }
 
     async fn run_phases(&mut self) -> Result<JobResult, Stop> {
