@@ -411,3 +411,34 @@ async fn a_delayed_job_that_fails_once_is_retried_and_completes() {
     assert_eq!((rec.attempts, rec.epoch), (1, 2), "{rec:?}");
     stop.cancel();
 }
+
+// A schedule of a kind that is not set up failed at every tick; it is
+// refused when added, naming the kinds set up.
+#[tokio::test]
+async fn a_schedule_of_a_kind_not_set_up_is_refused() {
+    let env = Env::with(leasehold_store::setup::SetupOptions {
+        kinds: vec!["echo".into()],
+        ..Default::default()
+    })
+    .await;
+    let (code, out, err) = cli(
+        &env.url(),
+        &[
+            "schedule",
+            "add",
+            "naps",
+            "--cron",
+            "* * * * *",
+            "sleep",
+            r#"{"input":{"ms":1}}"#,
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.starts_with("error: kind \"sleep\" is not set up (set up: echo)"),
+        "{err}"
+    );
+    let (code, out, err) = cli(&env.url(), &["schedule", "list", "--json"]).await;
+    assert_eq!((code, out.as_str()), (0, ""), "nothing stored: {err}");
+}

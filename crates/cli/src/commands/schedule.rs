@@ -154,6 +154,21 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         _ => None,
     };
     let conn = nats.connect("leasehold-cli schedule").await?;
+    // A schedule of a kind that is not set up would fail at every tick.
+    if let Some(e) = &entry {
+        if let Ok(Some(set_up)) = leasehold_store::setup::kinds_set_up(&conn).await {
+            if !set_up.contains(&e.kind) {
+                eprintln!(
+                    "error: kind {:?} is not set up (set up: {}); `leasehold setup --kinds {},{}` adds it (nothing was stored)",
+                    e.kind,
+                    set_up.join(", "),
+                    set_up.join(","),
+                    e.kind
+                );
+                return Ok(1);
+            }
+        }
+    }
     let schedules = Schedules::open(&conn).await?;
     let done = |r: Result<(), ScheduleError>| -> anyhow::Result<i32> {
         match r {
