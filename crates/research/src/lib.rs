@@ -89,6 +89,9 @@ pub struct ResearchCtx {
     pub input: Value,
     /// Fires when the attempt must stop; the flusher fires it on lost ownership.
     pub cancel: CancellationToken,
+    /// Set (before `cancel` fires) when the stop is a cancel someone asked
+    /// for, as the runner's stop watcher decided it.
+    pub cancel_asked: Arc<std::sync::atomic::AtomicBool>,
     pub gate: Gate,
     pub fence: Arc<Mutex<Fence>>,
     pub conn: Conn,
@@ -654,7 +657,7 @@ impl<'a> Job<'a> {
         // A stop that is not the job's end (ownership lost, a hand-back at
         // shutdown) keeps nothing: only a cancel someone asked for, of the
         // job as this attempt still holds it, or the budget.
-        if e.class == ErrorClass::Cancelled && !self.cancel_was_asked().await {
+        if e.class == ErrorClass::Cancelled && !self.ctx.cancel_asked.load(Ordering::SeqCst) {
             return None;
         }
         let outline = self.state.outline.as_ref()?;
@@ -744,18 +747,6 @@ impl<'a> Job<'a> {
             skipped,
             recovery,
         }
-    }
-
-    /// Whether the record asks for this job's cancellation at this
-    /// attempt's epoch (a cancel request, not a lost claim or a shutdown).
-    async fn cancel_was_asked(&self) -> bool {
-        let Ok(jobs) = leasehold_store::Jobs::open(&self.ctx.conn).await else {
-            return false;
-        };
-        matches!(
-            jobs.get(&self.ctx.job_id).await,
-            Ok(Some(v)) if v.value.cancel_requested && v.value.epoch == self.ctx.epoch
-        )
     }
 
     async fn run_phases(&mut self) -> Result<JobResult, Stop> {

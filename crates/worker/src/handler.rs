@@ -99,6 +99,10 @@ pub struct JobCtx {
     pub input: Value,
     /// Fires when the attempt must stop (ownership lost, cancel, handoff).
     pub cancel: CancellationToken,
+    /// Set before `cancel` fires when the stop is a cancel someone asked
+    /// for (not a lost claim, a hand-back or the deadline): the attempt's
+    /// stop watcher decides it, once, for every handler.
+    pub cancel_asked: Arc<std::sync::atomic::AtomicBool>,
     /// Owner-checked writes of this claim.
     pub gate: Gate,
     /// This owner's fenced event publisher.

@@ -41,6 +41,7 @@ impl Handler for ResearchHandler {
             record: ctx.record.clone(),
             input: ctx.input.clone(),
             cancel: ctx.cancel.clone(),
+            cancel_asked: ctx.cancel_asked.clone(),
             gate: ctx.gate.clone(),
             fence: ctx.fence.clone(),
             conn: ctx.conn.clone(),

@@ -310,10 +310,12 @@ async fn run_attempt(
         a.hand_back().await;
         return;
     };
+    let cancel_asked = Arc::new(AtomicBool::new(false));
     let ctx = JobCtx {
         record: rec.clone(),
         input,
         cancel: cancel.clone(),
+        cancel_asked: cancel_asked.clone(),
         gate: gate.clone(),
         fence: fence.clone(),
         conn: shared.conn.clone(),
@@ -327,6 +329,9 @@ async fn run_attempt(
     let result = match result {
         Ok(r) => r,
         Err(stop) => {
+            if matches!(stop, Stop::Cancel) {
+                cancel_asked.store(true, Ordering::SeqCst);
+            }
             cancel.cancel();
             // Give the handler a moment to reach a safe point, then abort
             // it; what it produced before it stopped (a partial report)
