@@ -220,13 +220,7 @@ impl Ops {
 
     /// Waits for every flow (they end on their own patience).
     pub async fn finish(&self) {
-        loop {
-            let mut set = std::mem::take(&mut *self.tasks.lock().unwrap());
-            if set.is_empty() {
-                return;
-            }
-            while set.join_next().await.is_some() {}
-        }
+        crate::submit::join_all(&self.tasks).await
     }
 
     fn flow(&self, id: &str, what: &'static str) -> usize {
@@ -341,16 +335,10 @@ impl Ops {
 
     /// Publishes a submission as a user does, retried with the same id.
     async fn submit(&self, kind: &str, payload: Vec<u8>, id: &str) -> bool {
-        for _ in 0..30 {
-            let publish = self
-                .work
-                .submit(kind, payload.clone().into(), Some(id), None);
-            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(10), publish).await {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        false
+        crate::submit::publish_until_acked(&self.work, kind, payload, id, PATIENCE)
+            .await
+            .0
+            .is_some()
     }
 
     async fn park(&self, n: usize, cancel: bool) {

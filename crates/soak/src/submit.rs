@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use leasehold_harness::Proc;
-use leasehold_store::work::Work;
+use leasehold_store::work::{Published, Work};
 use leasehold_store::{Conn, Jobs};
 use serde::Serialize;
 use serde_json::json;
@@ -116,13 +116,7 @@ impl Submitter {
 
     /// Waits for every submission, cancel and canary in flight.
     pub async fn finish(&self) {
-        loop {
-            let mut set = std::mem::take(&mut *self.tasks.lock().unwrap());
-            if set.is_empty() {
-                return;
-            }
-            while set.join_next().await.is_some() {}
-        }
+        join_all(&self.tasks).await
     }
 
     async fn submit(
@@ -134,25 +128,8 @@ impl Submitter {
         canary: bool,
     ) -> bool {
         let at_ms = self.ms();
-        let deadline = Instant::now() + SUBMIT_PATIENCE;
-        let mut tries = 0;
-        let mut last_err = None;
-        let mut result = None;
-        while Instant::now() < deadline {
-            tries += 1;
-            let publish = self
-                .work
-                .submit(kind, payload.clone().into(), Some(id), None);
-            match tokio::time::timeout(Duration::from_secs(10), publish).await {
-                Ok(Ok(p)) => {
-                    result = Some(p);
-                    break;
-                }
-                Ok(Err(e)) => last_err = Some(e.to_string()),
-                Err(_) => last_err = Some("no publish ack in 10s".into()),
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+        let (result, tries, last_err) =
+            publish_until_acked(&self.work, kind, payload.into_bytes(), id, SUBMIT_PATIENCE).await;
         let accepted = result.is_some();
         self.state.lock().unwrap().submissions.push(Submission {
             id: id.to_string(),
@@ -255,5 +232,43 @@ impl Submitter {
 
     pub fn canaries(&self) -> Vec<Canary> {
         self.state.lock().unwrap().canaries.clone()
+    }
+}
+
+/// Publishes a submission as a user does: retried with the same id (the
+/// dedupe window makes a retry of a publish that did land a no-op) until
+/// the stream acks it or `patience` passed. Returns the ack, the tries and
+/// the last error.
+pub async fn publish_until_acked(
+    work: &Work,
+    kind: &str,
+    payload: Vec<u8>,
+    id: &str,
+    patience: Duration,
+) -> (Option<Published>, u32, Option<String>) {
+    let deadline = Instant::now() + patience;
+    let mut tries = 0;
+    let mut last_err = None;
+    while Instant::now() < deadline {
+        tries += 1;
+        let publish = work.submit(kind, payload.clone().into(), Some(id), None);
+        match tokio::time::timeout(Duration::from_secs(10), publish).await {
+            Ok(Ok(p)) => return (Some(p), tries, None),
+            Ok(Err(e)) => last_err = Some(e.to_string()),
+            Err(_) => last_err = Some("no publish ack in 10s".into()),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    (None, tries, last_err)
+}
+
+/// Waits for every task of `tasks`, those spawned meanwhile included.
+pub async fn join_all(tasks: &Mutex<JoinSet<()>>) {
+    loop {
+        let mut set = std::mem::take(&mut *tasks.lock().unwrap());
+        if set.is_empty() {
+            return;
+        }
+        while set.join_next().await.is_some() {}
     }
 }
