@@ -11,6 +11,12 @@
 //! | half-open | probe succeeds | closed, window cleared |
 //! | half-open | probe fails | open again |
 //!
+//! A failure counts once per distinct request in the window
+//! ([`CircuitBreaker::record_failure`] with the request's digest): one
+//! request that always fails (a prompt the provider cannot serve) retried
+//! many times is not a storm and never opens the breaker for every other
+//! request; failures of many distinct requests are.
+//!
 //! Time is tokio's, so tests run it on a paused clock.
 
 use std::collections::VecDeque;
@@ -60,12 +66,17 @@ enum Inner {
     HalfOpen { probe_in_flight: bool },
 }
 
+/// One call in the window: when, whether it succeeded, the request's digest.
+type Outcome = (Instant, bool, Option<u64>);
+
 /// One dependency's breaker. Shared by reference (`Arc`) between attempts.
 #[derive(Debug)]
 pub struct CircuitBreaker {
     name: String,
     cfg: BreakerConfig,
-    state: Mutex<(Inner, VecDeque<(Instant, bool)>)>,
+    state: Mutex<(Inner, VecDeque<Outcome>)>,
+    /// The last failure counted: the cause an open breaker reports.
+    cause: Mutex<String>,
 }
 
 impl CircuitBreaker {
@@ -74,6 +85,7 @@ impl CircuitBreaker {
             name: name.into(),
             cfg,
             state: Mutex::new((Inner::Closed, VecDeque::new())),
+            cause: Mutex::new(String::new()),
         }
     }
 
@@ -116,8 +128,31 @@ impl CircuitBreaker {
         }
     }
 
+    /// The failure that opened the breaker (or the last one counted).
+    pub fn cause(&self) -> String {
+        self.cause.lock().expect("breaker cause").clone()
+    }
+
+    /// Records a failed call of the request with digest `key`: counted
+    /// unless that request already failed within the window.
+    pub fn record_failure(&self, key: u64, cause: &str) {
+        let dup = {
+            let g = self.state.lock().expect("breaker lock");
+            matches!(g.0, Inner::Closed) && g.1.iter().any(|(_, ok, k)| !ok && *k == Some(key))
+        };
+        if dup {
+            return;
+        }
+        *self.cause.lock().expect("breaker cause") = cause.to_string();
+        self.record_entry(false, Some(key));
+    }
+
     /// Records the outcome of a call that `try_acquire` allowed.
     pub fn record(&self, success: bool) {
+        self.record_entry(success, None)
+    }
+
+    fn record_entry(&self, success: bool, key: Option<u64>) {
         let mut g = self.state.lock().expect("breaker lock");
         let now = Instant::now();
         match g.0 {
@@ -133,17 +168,17 @@ impl CircuitBreaker {
             }
             Inner::Open { .. } => {}
             Inner::Closed => {
-                g.1.push_back((now, success));
+                g.1.push_back((now, success, key));
                 let window = self.cfg.window;
                 while g
                     .1
                     .front()
-                    .is_some_and(|(t, _)| now.duration_since(*t) > window)
+                    .is_some_and(|(t, _, _)| now.duration_since(*t) > window)
                 {
                     g.1.pop_front();
                 }
                 let total = g.1.len();
-                let failures = g.1.iter().filter(|(_, ok)| !ok).count();
+                let failures = g.1.iter().filter(|(_, ok, _)| !ok).count();
                 if total >= self.cfg.min_calls
                     && failures as f64 >= self.cfg.failure_rate * total as f64
                 {

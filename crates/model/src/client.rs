@@ -23,6 +23,7 @@ use leasehold_transcript::{Message, ToolCall};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::adapt::{self, Provider, StructuredForm, ToolsForm};
 use crate::config::ModelConfig;
 use crate::error::{classify, http_error, ErrorBody, ModelError};
 use crate::wire::{ChatRequest, Chunk, FullResponse, Usage};
@@ -65,6 +66,8 @@ pub struct AttemptState {
     pub completed: bool,
     /// Time from sending to the first content or tool-call fragment.
     pub first_token: Option<Duration>,
+    /// The forms the request was sent in (see [`crate::adapt`]).
+    pub sent_forms: Option<(StructuredForm, ToolsForm)>,
 }
 
 impl std::fmt::Debug for AttemptState {
@@ -145,13 +148,65 @@ impl ModelClient {
         &self.cfg
     }
 
+    /// What this process knows of the provider serving `model`.
+    pub fn provider(&self, model: &str) -> Arc<Provider> {
+        Provider::shared(
+            &self.cfg.base_url,
+            model,
+            self.cfg.structured,
+            self.cfg.tools,
+        )
+    }
+
+    /// Whether the endpoint answers at all (`GET <base>/models`, bounded by
+    /// `within`): `Err` carries the cause and the setting to check. For a
+    /// warning at start; a job never depends on it.
+    pub async fn reachable(&self, within: Duration) -> Result<(), String> {
+        let url = format!("{}/models", self.cfg.base_url.trim_end_matches('/'));
+        let mut rb = self.http.get(&url);
+        if let Some(key) = &self.cfg.api_key {
+            rb = rb.bearer_auth(key);
+        }
+        match tokio::time::timeout(within, rb.send()).await {
+            Err(_) => Err(format!("no answer from {url} within {within:?}")),
+            Ok(Err(e)) => Err(format!("{url}: {}; check LH_MODEL_BASE_URL", chain(&e))),
+            Ok(Ok(r)) if r.status().as_u16() == 401 || r.status().as_u16() == 403 => {
+                Err(format!("{url} answered {}; check LH_API_KEY", r.status()))
+            }
+            Ok(Ok(r)) if r.status().is_success() => {
+                // A model list is the API answering: this provider is reachable.
+                let listed = r
+                    .json::<serde_json::Value>()
+                    .await
+                    .ok()
+                    .is_some_and(|v| v.get("data").is_some_and(|d| d.is_array()));
+                if listed {
+                    self.provider(&self.cfg.model).mark_answered();
+                }
+                Ok(())
+            }
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    /// The endpoint answered 2xx with something that is not the API.
+    fn not_the_api(&self, what: &str) -> ModelError {
+        ModelError::Config(format!(
+            "the model endpoint {} answered {what}, not an OpenAI-compatible response: check LH_MODEL_BASE_URL (the base up to and including /v1)",
+            leasehold_telemetry::redact_url(&self.cfg.chat_url())
+        ))
+    }
+
     async fn send(
         &self,
         req: &ChatRequest,
         model: &str,
         stream: bool,
+        state: &mut AttemptState,
     ) -> Result<reqwest::Response, ModelError> {
-        let mut body = req.clone();
+        let forms = self.provider(model).forms();
+        state.sent_forms = Some(forms);
+        let mut body = adapt::shape(req, forms);
         if body.model.is_empty() || body.model != model {
             body.model = model.to_string();
         }
@@ -183,6 +238,10 @@ impl ModelClient {
             };
             return Err(http_error(status, &headers, &text));
         }
+        let ct = content_type(&resp);
+        if ct.starts_with("text/html") {
+            return Err(self.not_the_api(&format!("{} {ct}", resp.status().as_u16())));
+        }
         Ok(resp)
     }
 
@@ -192,9 +251,21 @@ impl ModelClient {
         &self,
         req: &ChatRequest,
         model: &str,
+        state: &mut AttemptState,
     ) -> Result<BoxStream<'static, Result<Delta, ModelError>>, ModelError> {
-        let resp = self.send(req, model, true).await?;
-        let (first, idle) = (self.cfg.first_byte_timeout, self.cfg.idle_timeout);
+        let resp = self.send(req, model, true, state).await?;
+        Ok(Self::deltas(
+            resp,
+            self.cfg.first_byte_timeout,
+            self.cfg.idle_timeout,
+        ))
+    }
+
+    fn deltas(
+        resp: reqwest::Response,
+        first: Duration,
+        idle: Duration,
+    ) -> BoxStream<'static, Result<Delta, ModelError>> {
         let bytes = Box::pin(resp.bytes_stream());
         // Per-chunk timeouts: the first chunk may take long (prompt
         // processing), later silences are bounded by the idle timeout.
@@ -223,7 +294,7 @@ impl ModelClient {
                 Err(e) => stream::iter(vec![Err(transport_error(e))]),
             })
             .flatten();
-        Ok(deltas.boxed())
+        deltas.boxed()
     }
 
     /// One generation attempt against `model`, assembled into a
@@ -236,10 +307,54 @@ impl ModelClient {
         state: &mut AttemptState,
     ) -> Result<Completion, ModelError> {
         let started = Instant::now();
-        if !self.cfg.stream {
-            return self.generate_full(req, model, state, started).await;
+        let c = if self.cfg.stream {
+            let resp = self.send(req, model, true, state).await?;
+            if content_type(&resp).starts_with("application/json") {
+                // A server that ignores `stream: true` and answers whole.
+                self.full_response(resp, req, model, state, started).await
+            } else {
+                self.streamed(resp, req, model, state, started).await
+            }
+        } else {
+            let resp = self.send(req, model, false, state).await?;
+            self.full_response(resp, req, model, state, started).await
+        }?;
+        Ok(self.adapted(c, req, state))
+    }
+
+    /// A completion read back into the canonical form: tool calls written
+    /// in the text protocol become tool calls, a structured answer asked
+    /// for in the prompt loses its wrapping.
+    fn adapted(&self, mut c: Completion, req: &ChatRequest, state: &AttemptState) -> Completion {
+        let Some((structured, tools)) = state.sent_forms else {
+            return c;
+        };
+        if tools == ToolsForm::Text && !req.tools.is_empty() && c.tool_calls.is_empty() {
+            let (calls, rest) = adapt::parse_text_tool_calls(&c.content);
+            if !calls.is_empty() {
+                c.tool_calls = calls;
+                c.content = rest;
+                c.finish_reason = "tool_calls".into();
+            }
         }
-        let mut s = self.stream(req, model).await?;
+        if structured != StructuredForm::JsonSchema
+            && req.response_format.is_some()
+            && c.tool_calls.is_empty()
+        {
+            c.content = adapt::extract_json(&c.content);
+        }
+        c
+    }
+
+    async fn streamed(
+        &self,
+        resp: reqwest::Response,
+        req: &ChatRequest,
+        model: &str,
+        state: &mut AttemptState,
+        started: Instant,
+    ) -> Result<Completion, ModelError> {
+        let mut s = Self::deltas(resp, self.cfg.first_byte_timeout, self.cfg.idle_timeout);
         let mut content = String::new();
         let mut refusal = String::new();
         let mut calls: BTreeMap<usize, (String, String, String)> = BTreeMap::new();
@@ -345,14 +460,14 @@ impl ModelClient {
         })
     }
 
-    async fn generate_full(
+    async fn full_response(
         &self,
+        resp: reqwest::Response,
         req: &ChatRequest,
         model: &str,
         state: &mut AttemptState,
         started: Instant,
     ) -> Result<Completion, ModelError> {
-        let resp = self.send(req, model, false).await?;
         let body = match tokio::time::timeout(self.cfg.idle_timeout, resp.bytes()).await {
             Err(_) => return Err(ModelError::ReadTimeout("response body")),
             Ok(Err(e)) => return Err(ModelError::Reset(chain(&e))),
@@ -360,6 +475,9 @@ impl ModelClient {
         };
         if body.iter().all(u8::is_ascii_whitespace) {
             return Err(ModelError::Incomplete("empty response body".into()));
+        }
+        if body.trim_ascii_start().starts_with(b"<") {
+            return Err(self.not_the_api("an HTML or XML document"));
         }
         let full: FullResponse = serde_json::from_slice(&body).map_err(|e| {
             ModelError::Incomplete(format!(
@@ -513,6 +631,14 @@ fn transport_error(e: EventStreamError<Transport>) -> ModelError {
         }
         EventStreamError::Transport(t) => ModelError::Reset(t.to_string()),
     }
+}
+
+fn content_type(resp: &reqwest::Response) -> String {
+    resp.headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase()
 }
 
 /// An error with its sources, since reqwest's top-level message hides the cause.

@@ -10,6 +10,12 @@
 //! | `first_byte_timeout` | 60 s | `LH_MODEL_FIRST_BYTE_TIMEOUT` |
 //! | `idle_timeout` | 30 s | `LH_MODEL_IDLE_TIMEOUT` |
 //! | `stream` | true | `LH_MODEL_STREAM` (`false` for non-streaming) |
+//! | `structured` | auto | `LH_MODEL_STRUCTURED` (`auto`, `json_schema`, `json_object`, `prompt`) |
+//! | `tools` | auto | `LH_MODEL_TOOLS` (`auto`, `native`, `text`, `none`) |
+//!
+//! `auto` adapts to the provider (see [`crate::adapt`]): it starts with the
+//! richest form and moves down, once per process, when the provider refuses
+//! a request's shape.
 //!
 //! The timeouts are per phase rather than one total, because a long answer
 //! that keeps streaming is healthy while a silent connection is not.
@@ -24,6 +30,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::adapt::{StructuredMode, ToolsMode};
 use crate::ModelError;
 
 /// Every variable [`ModelConfig::from_env`] reads, with what it means and
@@ -60,6 +67,14 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "LH_MODEL_STREAM",
         "true for SSE streaming, false for one JSON response [default: true]",
+    ),
+    (
+        "LH_MODEL_STRUCTURED",
+        "structured output form: auto, json_schema, json_object (with a schema), prompt [default: auto]",
+    ),
+    (
+        "LH_MODEL_TOOLS",
+        "tool calling: auto, native, text (a text protocol), none [default: auto]",
     ),
 ];
 
@@ -100,6 +115,20 @@ pub struct ModelConfig {
     /// Streaming (SSE) or one JSON response.
     pub stream: bool,
     pub quirks: Quirks,
+    /// How structured output is asked for.
+    #[serde(default = "auto_structured")]
+    pub structured: StructuredMode,
+    /// How tools are offered.
+    #[serde(default = "auto_tools")]
+    pub tools: ToolsMode,
+}
+
+fn auto_structured() -> StructuredMode {
+    StructuredMode::Auto
+}
+
+fn auto_tools() -> ToolsMode {
+    ToolsMode::Auto
 }
 
 impl std::fmt::Debug for ModelConfig {
@@ -116,6 +145,8 @@ impl std::fmt::Debug for ModelConfig {
             idle_timeout,
             stream,
             quirks,
+            structured,
+            tools,
         } = self;
         f.debug_struct("ModelConfig")
             .field("base_url", base_url)
@@ -127,6 +158,8 @@ impl std::fmt::Debug for ModelConfig {
             .field("idle_timeout", idle_timeout)
             .field("stream", stream)
             .field("quirks", quirks)
+            .field("structured", structured)
+            .field("tools", tools)
             .finish()
     }
 }
@@ -143,6 +176,8 @@ impl Default for ModelConfig {
             idle_timeout: Duration::from_secs(30),
             stream: true,
             quirks: Quirks::default(),
+            structured: StructuredMode::Auto,
+            tools: ToolsMode::Auto,
         }
     }
 }
@@ -196,6 +231,14 @@ impl ModelConfig {
                     )))
                 }
             };
+        }
+        if let Some(v) = var("LH_MODEL_STRUCTURED") {
+            c.structured = StructuredMode::parse(&v)
+                .map_err(|e| ModelError::Config(format!("LH_MODEL_STRUCTURED={e}")))?;
+        }
+        if let Some(v) = var("LH_MODEL_TOOLS") {
+            c.tools = ToolsMode::parse(&v)
+                .map_err(|e| ModelError::Config(format!("LH_MODEL_TOOLS={e}")))?;
         }
         Ok(c)
     }
@@ -260,6 +303,8 @@ mod tests {
             ("LH_MODEL_IDLE_TIMEOUT", "45s"),
             ("LH_MODEL_CONNECT_TIMEOUT", "500ms"),
             ("LH_MODEL_STREAM", "false"),
+            ("LH_MODEL_STRUCTURED", "json_object"),
+            ("LH_MODEL_TOOLS", "text"),
         ]))
         .unwrap();
         assert_eq!(c.base_url, "https://models.example/v1");
@@ -267,6 +312,8 @@ mod tests {
         assert_eq!(c.idle_timeout, Duration::from_secs(45));
         assert_eq!(c.connect_timeout, Duration::from_millis(500));
         assert!(!c.stream);
+        assert_eq!(c.structured, StructuredMode::JsonObject);
+        assert_eq!(c.tools, ToolsMode::Text);
         let d = ModelConfig::from_lookup(&|_| None).unwrap();
         assert_eq!(d.base_url, ModelConfig::default().base_url);
 
@@ -279,6 +326,9 @@ mod tests {
             ("LH_MODEL_FIRST_BYTE_TIMEOUT", "soon"),
             ("LH_MODEL_CONNECT_TIMEOUT", "0s"),
             ("LH_MODEL_STREAM", "flase"),
+            ("LH_MODEL_STRUCTURED", "json"),
+            ("LH_MODEL_STRUCTURED", "json-schema"),
+            ("LH_MODEL_TOOLS", "yes"),
         ] {
             let e = ModelConfig::from_lookup(&lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{k}={v}: {e}");

@@ -126,13 +126,15 @@ impl std::fmt::Display for FailureClass {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
     /// A non-2xx HTTP response, classified from status, code and message.
-    #[error("HTTP {status} ({class}): {message}")]
+    #[error("HTTP {status} ({class}): {message}{}", hint.map(|h| format!("; {h}")).unwrap_or_default())]
     Http {
         status: u16,
         class: FailureClass,
         code: Option<String>,
         message: String,
         retry_after: Option<Duration>,
+        /// What to change when the status says the configuration is wrong.
+        hint: Option<&'static str>,
     },
     /// An explicit error object inside a stream (even on HTTP 200, even when
     /// `[DONE]` follows it).
@@ -166,10 +168,12 @@ pub enum ModelError {
     UncertainEffect { tool: String, message: String },
     #[error("loop: {tool} called with the same arguments a third time ({arguments})")]
     Loop { tool: String, arguments: String },
-    #[error("circuit open for {dependency}; retry in {} ms", retry_after.as_millis())]
+    /// The breaker is open: `cause` is the failure that opened it.
+    #[error("{cause} (circuit open for {dependency}; retry in {} ms)", retry_after.as_millis())]
     CircuitOpen {
         dependency: String,
         retry_after: Duration,
+        cause: String,
     },
     #[error("cancelled")]
     Cancelled,
@@ -282,6 +286,12 @@ pub(crate) fn classify(status: Option<u16>, obj: &ErrorObject) -> FailureClass {
     if has("rate_limit") {
         return FailureClass::RateLimited;
     }
+    // A 5xx that says the request itself is invalid (llama-cpp-python
+    // answers a schema validation error with 500): the same request will
+    // never be accepted.
+    if status.is_some_and(|s| s >= 500) && is_invalid_request(&kind, &msg) {
+        return FailureClass::BadRequest;
+    }
     match status {
         Some(429) => FailureClass::RateLimited,
         Some(401) => FailureClass::Auth,
@@ -304,6 +314,20 @@ pub(crate) fn classify(status: Option<u16>, obj: &ErrorObject) -> FailureClass {
     }
 }
 
+/// An error body that says the request is malformed or unsupported, as
+/// servers word it when they answer it with a 5xx (pydantic validation
+/// errors, `invalid_request_error`).
+fn is_invalid_request(kind: &str, msg: &str) -> bool {
+    kind.contains("invalid_request")
+        || msg.contains("validation error")
+        || msg.contains("input should be")
+        || msg.contains("literal_error")
+        || msg.contains("invalid request")
+        || msg.contains("unprocessable")
+        || msg.contains("extra inputs are not permitted")
+        || msg.contains("field required")
+}
+
 /// vLLM and others report context overflow only in the message text.
 fn is_context_message(msg: &str) -> bool {
     msg.contains("maximum context length")
@@ -311,6 +335,7 @@ fn is_context_message(msg: &str) -> bool {
         || msg.contains("context length")
         || msg.contains("prompt is too long")
         || msg.contains("too many tokens")
+        || (msg.contains("exceed") && msg.contains("context"))
 }
 
 /// The server's requested delay: `retry-after-ms`, then `Retry-After` as
@@ -332,20 +357,55 @@ pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duratio
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+/// The error object of a response body, in the forms servers send it:
+/// `{"error": {...}}` (OpenAI, llama.cpp, Ollama), a top-level object with
+/// a `message` (vLLM), FastAPI's `{"detail": ...}`, or any text.
+pub(crate) fn error_object(body: &str) -> ErrorObject {
+    if let Ok(b) = serde_json::from_str::<ErrorBody>(body) {
+        return b.error;
+    }
+    if let Ok(v) = serde_json::from_str::<serde_json::Value>(body) {
+        if v.get("message").is_some_and(|m| m.is_string()) {
+            if let Ok(o) = serde_json::from_value::<ErrorObject>(v.clone()) {
+                return o;
+            }
+        }
+        if let Some(d) = v.get("detail") {
+            return ErrorObject {
+                message: Some(match d {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                }),
+                ..Default::default()
+            };
+        }
+    }
+    ErrorObject {
+        message: Some(body.chars().take(500).collect()),
+        ..Default::default()
+    }
+}
+
+/// What to change when a status says the endpoint or credential is wrong.
+fn config_hint(status: u16) -> Option<&'static str> {
+    match status {
+        404 | 405 => Some("check LH_MODEL_BASE_URL: it is the base up to and including /v1 (the client posts to <base>/chat/completions), and LH_MODEL"),
+        401 => Some("check LH_API_KEY"),
+        403 => Some("check LH_API_KEY and the account's access to LH_MODEL"),
+        _ => None,
+    }
+}
+
 /// Builds the error for a non-2xx response from its status, headers and body.
 pub(crate) fn http_error(status: u16, headers: &HeaderMap, body: &str) -> ModelError {
-    let obj = serde_json::from_str::<ErrorBody>(body)
-        .map(|b| b.error)
-        .unwrap_or_else(|_| ErrorObject {
-            message: Some(body.chars().take(500).collect()),
-            ..Default::default()
-        });
+    let obj = error_object(body);
     ModelError::Http {
         status,
         class: classify(Some(status), &obj),
         code: obj.code_string().or(obj.kind.clone()),
         message: obj.message.clone().unwrap_or_default(),
         retry_after: parse_retry_after(headers, SystemTime::now()),
+        hint: config_hint(status),
     }
 }
 
@@ -417,6 +477,35 @@ mod tests {
         assert_eq!(
             classify(None, &ErrorObject::default()),
             FailureClass::ServerError
+        );
+    }
+
+    #[test]
+    fn a_5xx_that_says_the_request_is_invalid_is_a_bad_request() {
+        let h = HeaderMap::new();
+        let llama = r#"{"error":{"message":"[{'type': 'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\", 'input': 'json_schema'}]","type":"internal_server_error","param":null,"code":null}}"#;
+        assert_eq!(http_error(500, &h, llama).class(), FailureClass::BadRequest);
+        assert_eq!(
+            http_error(500, &h, r#"{"error":{"message":"boom"}}"#).class(),
+            FailureClass::ServerError
+        );
+        // vLLM's top-level error object, FastAPI's detail.
+        let vllm = r#"{"object":"error","message":"This model's maximum context length is 2048 tokens. However, you requested 9000 tokens","type":"BadRequestError","param":null,"code":400}"#;
+        assert_eq!(
+            http_error(400, &h, vllm).class(),
+            FailureClass::ContextExceeded
+        );
+        let e = http_error(404, &h, r#"{"detail":"Not Found"}"#);
+        assert_eq!(e.class(), FailureClass::BadRequest);
+        assert!(
+            e.to_string().contains("Not Found") && e.to_string().contains("LH_MODEL_BASE_URL"),
+            "{e}"
+        );
+        assert!(http_error(401, &h, "").to_string().contains("LH_API_KEY"));
+        let llama_ctx = r#"{"error":{"message":"Requested tokens (9000) exceed context window of 2048","type":"invalid_request_error"}}"#;
+        assert_eq!(
+            http_error(400, &h, llama_ctx).class(),
+            FailureClass::ContextExceeded
         );
     }
 

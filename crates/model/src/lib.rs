@@ -9,10 +9,13 @@
 //!   breaker, optional fallback model), reporting [`RetryReport`]s.
 //! - [`Budget`]: per-job steps, tokens, wall time and cost.
 //! - [`agent`]: the section runner with warm and cold retries.
+//! - [`adapt`]: what a provider accepts (structured-output and tool-calling
+//!   forms, learned from its refusals or forced) and requests shaped for it.
 //!
 //! Architecture Invariant: nothing below the [`Generator`] retries. reqwest's
 //! retries are off and the client returns every failure as it found it.
 
+pub mod adapt;
 pub mod agent;
 mod breaker;
 mod budget;
@@ -22,6 +25,7 @@ mod error;
 mod retry;
 mod wire;
 
+pub use adapt::{Provider, StructuredForm, StructuredMode, ToolsForm, ToolsMode};
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker};
 pub use budget::{Budget, BudgetKind, BudgetLeft, BudgetLimits, BudgetUsed, Price, PriceTable};
 pub use client::{AttemptState, Completion, Delta, ModelClient, Watcher};

@@ -285,6 +285,8 @@ impl Generator {
                 attempts: total,
                 ineligible,
             };
+        let digest = request_digest(req);
+        let mut downgrades = 0u32;
         loop {
             attempt += 1;
             total += 1;
@@ -311,6 +313,7 @@ impl Generator {
                 Err(retry_after) => Err(ModelError::CircuitOpen {
                     dependency: breaker.name().to_string(),
                     retry_after,
+                    cause: breaker.cause(),
                 }),
                 Ok(()) => {
                     // One model request: its span and its metrics.
@@ -337,14 +340,19 @@ impl Generator {
                             FailureClass::Cancelled | FailureClass::DeadlineExceeded => {
                                 breaker.release()
                             }
-                            c => breaker.record(!c.counts_against_dependency()),
+                            c if c.counts_against_dependency() => {
+                                breaker.record_failure(digest, &format!("{c}: {e}"))
+                            }
+                            _ => breaker.record(true),
                         },
                     }
                     r
                 }
             };
+            let provider = self.client.provider(&model);
             let e = match result {
                 Ok(completion) => {
+                    provider.mark_answered();
                     ctx.budget
                         .lock()
                         .expect("budget lock")
@@ -358,6 +366,45 @@ impl Generator {
                 Err(e) => e,
             };
             let class = e.class();
+            if class == FailureClass::BadRequest && refuses_shape(&e) {
+                let sent = state.sent_forms.unwrap_or(provider.forms());
+                let message = e.to_string();
+                match provider.downgrade(req, sent, &message) {
+                    Some(d) if downgrades < 3 => {
+                        // The provider will never take this shape: the same
+                        // request in the next form, at once, and not an
+                        // attempt of the generation.
+                        downgrades += 1;
+                        attempt -= 1;
+                        tracing::warn!(provider = %provider.key(), "{d}: {message}");
+                        ctx.emit(
+                            RetryReport {
+                                scope: RetryScope::Generation,
+                                reason: format!("{class}: {d}: {message}"),
+                                eligible: true,
+                                retained: retained_input(&req.messages),
+                                attempt: total + 1,
+                                budget_left: ctx.budget_left(),
+                                class: Some(class),
+                                delay_ms: Some(0),
+                                fallback_model: None,
+                            },
+                            reports,
+                        );
+                        continue;
+                    }
+                    Some(_) => {}
+                    None => {
+                        if let Some(hint) = provider.forced_hint(req, sent) {
+                            return Err(fail(
+                                ModelError::Config(format!("{message}; {hint}")),
+                                total,
+                                None,
+                            ));
+                        }
+                    }
+                }
+            }
             if !class.is_retryable() {
                 return Err(fail(e, total, None));
             }
@@ -399,7 +446,11 @@ impl Generator {
                             self.policy.max_attempts
                         );
                         ctx.emit(report, reports);
-                        return Err(fail(e, total, None));
+                        return Err(fail(
+                            unreachable_is_config(e, &provider, self.client.config()),
+                            total,
+                            None,
+                        ));
                     }
                 }
             }
@@ -463,6 +514,47 @@ fn record_request(
             });
         }
     }
+}
+
+/// A bad request that may be about the request's shape (what it asks the
+/// provider to do), not about where it was sent or who sent it: 400 and
+/// 422, a 5xx whose body says the request is invalid, an error in a stream.
+fn refuses_shape(e: &ModelError) -> bool {
+    match e {
+        ModelError::Http { status, .. } => matches!(status, 400 | 422) || *status >= 500,
+        ModelError::StreamError { .. } => true,
+        _ => false,
+    }
+}
+
+/// A provider this process never reached, still unreachable after the
+/// generation's attempts, is a configuration error with its cause, not a
+/// transient one: the job ends within seconds and says what to set,
+/// instead of retrying for minutes. One that answered before keeps the
+/// ordinary retries (an outage, a restart).
+fn unreachable_is_config(
+    e: ModelError,
+    provider: &crate::adapt::Provider,
+    cfg: &crate::config::ModelConfig,
+) -> ModelError {
+    match &e {
+        ModelError::Connect(cause) if !provider.has_answered() => ModelError::Config(format!(
+            "cannot reach the model endpoint {}: {cause}; check LH_MODEL_BASE_URL",
+            leasehold_telemetry::redact_url(&cfg.base_url)
+        )),
+        _ => e,
+    }
+}
+
+/// One digest per distinct request (its messages, tools and format), so
+/// the breaker counts a request that keeps failing once.
+fn request_digest(req: &ChatRequest) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_string(&(&req.messages, &req.tools, &req.response_format))
+        .unwrap_or_default()
+        .hash(&mut h);
+    h.finish()
 }
 
 fn retained_input(messages: &[Message]) -> String {

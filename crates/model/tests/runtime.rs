@@ -294,9 +294,14 @@ async fn open_breaker_fails_fast_with_cool_down() {
         },
     );
     let (ctx, _) = ctx();
-    for _ in 0..2 {
+    // Two distinct requests failing: a storm, not one request that keeps failing.
+    for i in 0..2 {
+        let r = ChatRequest {
+            messages: vec![Message::user(format!("hi {i}"))],
+            ..Default::default()
+        };
         assert_eq!(
-            g.generate(&req(), &ctx, &mut vec![])
+            g.generate(&r, &ctx, &mut vec![])
                 .await
                 .unwrap_err()
                 .error
@@ -307,6 +312,12 @@ async fn open_breaker_fails_fast_with_cool_down() {
     assert_eq!(g.breaker.state(), BreakerState::Open);
     let f = g.generate(&req(), &ctx, &mut vec![]).await.unwrap_err();
     assert_eq!(f.error.class(), FailureClass::CircuitOpen);
+    // The error names the cause that opened the breaker first.
+    assert!(
+        f.error.to_string().starts_with("server_error: HTTP 500"),
+        "{}",
+        f.error
+    );
     assert!(f.error.retry_after().unwrap() > Duration::from_secs(25));
     assert_eq!(s.hits(), 2, "no request while open");
 }
