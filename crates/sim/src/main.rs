@@ -66,6 +66,12 @@ pub struct Args {
     /// JSON file of fault rules (format below, in --help).
     #[arg(long, env = "LH_SIM_FAULTS")]
     pub faults: Option<std::path::PathBuf>,
+    /// Which OpenAI-compatible server to answer as: openai, llama-cpp, vllm or ollama (how they differ is below, in --help).
+    #[arg(long, env = "LH_SIM_PROVIDER", value_enum, default_value = "openai")]
+    pub provider: model::Provider,
+    /// Context window in characters of the request's messages (0 = no limit); a request over it gets the provider's context-length error (ollama truncates instead).
+    #[arg(long, env = "LH_SIM_CONTEXT_CHARS", default_value_t = 0)]
+    pub context_chars: usize,
 }
 
 #[tokio::main]
