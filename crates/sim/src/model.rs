@@ -8,7 +8,8 @@
 //! user message → a `search` call (`{"q": ...}` from the prompt, the SearxNG parameter); after a
 //! `search` result → a `fetch` call whose `url` is the first `url` in the
 //! result JSON (fallback `http://<Host>/page/<slug>`); after a `fetch` result
-//! → the section: a few paragraphs of Markdown citing the fetched URL. With
+//! → the section: a few paragraphs of Markdown citing the fetched URL (the
+//! same plan runs through the text tool protocol, below). With
 //! `response_format` `json_schema` it returns an instance of the schema
 //! (required properties, arrays of `minItems` (3 if unset, bounded by
 //! `maxItems`), strings, numbers, integers, booleans, enums); `json_object`
@@ -16,6 +17,63 @@
 //! chunk, content or tool-call fragments, a chunk with `finish_reason`, a
 //! usage chunk when `stream_options.include_usage` is set, then
 //! `data: [DONE]`.
+//!
+//! `GET /v1/models` lists the one model, `sim-1`. `GET /stats` counts chat
+//! requests, streaming ones, faults by kind, tool calls proposed (by name),
+//! `response_formats` (`json_schema`, `json_object`, `json_object_schema`
+//! for a `json_object` with a `schema`, `none`), `tools_offered` (requests
+//! with native `tools`), `text_tool_calls` (calls made through the text
+//! protocol) and the `provider`.
+//!
+//! # Providers
+//! `--provider` (env `LH_SIM_PROVIDER`) picks the server the sim answers as;
+//! `--context-chars N` (env `LH_SIM_CONTEXT_CHARS`, 0 = no limit) is a context
+//! window in characters of the messages' JSON (tokens are characters / 4).
+//! - `openai` (default): as above; errors
+//!   `{"error":{"message","type","param":null,"code"}}`, a bad request is 400
+//!   (`invalid_json`, `missing_messages`), context overflow 400
+//!   `context_length_exceeded`; unknown paths 404 `Invalid URL (METHOD PATH)`.
+//! - `llama-cpp` (llama-cpp-python's server): `response_format` `json_schema`
+//!   is refused with HTTP 500 `{"error":{"message":"[{'type':
+//!   'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg':
+//!   "Input should be 'text' or 'json_object'", 'input':
+//!   'json_schema'}]","type":"internal_server_error","param":null,"code":null}}`;
+//!   `{"type":"json_object","schema":{...}}` gets an instance of the schema;
+//!   `tools` are ignored (it answers in prose); a bad request is a 500 of the
+//!   same validation shape (`json_invalid`, `missing`); context overflow is
+//!   400 `{"error":{"message":"This model's maximum context length is M
+//!   tokens. However, you requested N tokens (N in the messages, None in the
+//!   completion). Please reduce the length of the messages or
+//!   completion.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}`
+//!   (llama-cpp-python's rewrite of llama.cpp's `Requested tokens (N) exceed
+//!   context window of M`); unknown paths 404 `{"detail":"Not Found"}`.
+//! - `vllm`: structured outputs and native tools; every error is HTTP 400 with
+//!   a top-level `{"object":"error","message","type":"BadRequestError",
+//!   "param":null,"code":400}`, context overflow's message `This model's
+//!   maximum context length is M tokens. However, you requested N tokens (N
+//!   in the messages, 0 in the completion). ...`; unknown paths 404
+//!   `{"detail":"Not Found"}`.
+//! - `ollama` (its OpenAI-compatible endpoint): structured outputs and native
+//!   tools, but a streamed tool call arrives whole in one chunk and there is
+//!   no usage chunk even with `include_usage`; errors
+//!   `{"error":{"message","type":"invalid_request_error","param":null,"code":null}}`
+//!   HTTP 400; context overflow is silent: the oldest messages after the
+//!   system prompt are dropped until the rest fit, and the answer is normal;
+//!   unknown paths 404 `404 page not found` (text/plain).
+//!
+//! The injected faults other than `context_exceeded` keep their own (OpenAI)
+//! shapes under every provider.
+//!
+//! # Text tool protocol
+//! For servers without native tools the runtime describes the tools in the
+//! system prompt instead. When a system message contains `<tool_call>{"name": `
+//! (the protocol's instruction line) the sim, under any provider, plays the
+//! same plan with the tools named in that block (`search`, `fetch`), but
+//! answers with content lines `<tool_call>{"name": "search", "arguments":
+//! {"q": "..."}}</tool_call>` and finish_reason `stop`. Earlier calls are read
+//! from the assistant messages' `<tool_call>` lines, results from user
+//! messages `<tool_result name="TOOL">...</tool_result>` (which are not the
+//! prompt).
 //!
 //! # Faults
 //! Three sources, checked in this order; the first that fires wins:
@@ -31,8 +89,13 @@
 //! `Retry-After`), `quota` (429 `insufficient_quota`), `server_error` (500),
 //! `overloaded` (503), `hang` (never answers), `slow` (tokens paced at
 //! `delay_ms`, default 200), `malformed_args` (tool-call arguments that are
-//! not JSON), `context_exceeded` (400 `context_length_exceeded`), `refusal`
-//! (a refusal delta).
+//! not JSON), `context_exceeded` (the provider's context-length error),
+//! `refusal` (a refusal delta), `html` (HTTP 200 `text/html`, a web server's
+//! welcome page: the wrong URL), `not_found` (404 `{"detail":"Not Found"}`),
+//! `unauthorized` (401 `{"error":{"message":"Incorrect API key
+//! provided","type":"invalid_request_error","code":"invalid_api_key"}}`),
+//! `invalid_request_500` (500 with llama-cpp-python's validation body, under
+//! any provider).
 //!
 //! The fault file is JSON:
 //! ```json
