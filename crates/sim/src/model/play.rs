@@ -504,3 +504,88 @@ pub fn full_response(id: &str, model: &str, turn: &Turn, usage: Value) -> Value 
     json!({"id": id, "object": "chat.completion", "created": 0, "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage})
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn calls() -> Vec<Call> {
+        ["search", "fetch"]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Call {
+                id: format!("call_{i}"),
+                name: n.to_string(),
+                arguments: json!({"q": format!("{n} leases"), "n": [1, 2]}).to_string(),
+            })
+            .collect()
+    }
+
+    fn parsed(chunks: &[String]) -> Vec<Value> {
+        chunks
+            .iter()
+            .map(|c| serde_json::from_str(c).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn several_calls_stream_by_index_fragmented_or_whole() {
+        let turn = Turn::Tools(calls());
+        for whole in [false, true] {
+            let chunks = parsed(&stream_chunks("id", "m", &turn, whole));
+            let mut args = [String::new(), String::new()];
+            let mut heads = 0;
+            for c in &chunks {
+                if let Some(tc) = c.pointer("/choices/0/delta/tool_calls/0") {
+                    let i = tc["index"].as_u64().unwrap() as usize;
+                    heads += usize::from(tc.get("id").is_some());
+                    args[i] += tc["function"]["arguments"].as_str().unwrap();
+                }
+            }
+            assert_eq!(heads, 2);
+            for (i, a) in args.iter().enumerate() {
+                assert_eq!(a, &calls()[i].arguments, "whole: {whole}");
+            }
+            let with_calls = chunks
+                .iter()
+                .filter(|c| c.pointer("/choices/0/delta/tool_calls").is_some())
+                .count();
+            assert_eq!(with_calls, if whole { 2 } else { 8 });
+            assert_eq!(
+                chunks.last().unwrap()["choices"][0]["finish_reason"],
+                "tool_calls"
+            );
+        }
+        let full = full_response("id", "m", &turn, json!({}));
+        assert_eq!(
+            full["choices"][0]["message"]["tool_calls"][1]["function"]["name"],
+            "fetch"
+        );
+    }
+
+    #[test]
+    fn text_calls_render_one_line_each_and_read_back() {
+        let text = text_calls(&calls());
+        assert_eq!(
+            text,
+            "<tool_call>{\"name\": \"search\", \"arguments\": {\"n\": [1, 2], \"q\": \"search leases\"}}</tool_call>\n\
+             <tool_call>{\"name\": \"fetch\", \"arguments\": {\"n\": [1, 2], \"q\": \"fetch leases\"}}</tool_call>"
+        );
+        let back = text_calls_in(&json!({"role": "assistant", "content": text}));
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[1].0, "fetch");
+        assert_eq!(
+            serde_json::from_str::<Value>(&back[1].1).unwrap(),
+            serde_json::from_str::<Value>(&calls()[1].arguments).unwrap()
+        );
+        let res = json!({"role": "user", "content": "<tool_result name=\"search\">{\"url\": \"u\"}</tool_result>"});
+        assert_eq!(
+            text_result(&res),
+            Some(("search".into(), "{\"url\": \"u\"}".into()))
+        );
+        assert_eq!(
+            last_user(&[json!({"role": "user", "content": "the prompt"}), res]),
+            "the prompt"
+        );
+    }
+}
