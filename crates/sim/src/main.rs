@@ -17,13 +17,16 @@ mod web;
 const SIM_HELP: &str = "\
 Endpoints:
   POST /v1/chat/completions   OpenAI-compatible chat (streamed or not, tools, response_format)
+  GET  /v1/models             {\"object\":\"list\",\"data\":[{\"id\":\"sim-1\",...}]}
   GET  /search?q=...&format=json   SearxNG-style search results
   GET  /page/SLUG             the pages the search results link to
-  GET  /stats                 chat requests served so far
+  GET  /stats                 chat requests served so far (also response_formats, tools_offered,
+                              text_tool_calls, provider)
   POST /effects               the effects sink (Idempotency-Key honoured); GET /effects lists,
                               GET /effects/count counts, POST /effects/faults arms a fault
 
-Environment variables (besides the flags' own):
+Environment variables (besides the flags' own: LH_SIM_LISTEN, LH_SIM_SEED, LH_SIM_FAULTS,
+LH_SIM_PROVIDER, LH_SIM_CONTEXT_CHARS):
   LH_SIM_TOKEN_DELAY_MS   pause between streamed tokens, ms [default: 2; 0 for tests]
   LH_SIM_FAULT_RATE       share of chat requests that fault, 0 to 1 [default: 0]
   LH_SIM_FAULT_KINDS      kinds drawn at that rate, comma-separated
@@ -36,8 +39,37 @@ Environment variables (besides the flags' own):
                           [default: true]
   RUST_LOG                log filter [default: info]
 
+Providers (--provider, LH_SIM_PROVIDER; unknown paths get each one's 404):
+  openai     json_schema and json_object, native tools (arguments streamed in fragments),
+             stream_options.include_usage honoured; errors {\"error\":{message,type,param,code}},
+             bad request 400, context overflow 400 code context_length_exceeded.
+  llama-cpp  as llama-cpp-python's server: response_format json_schema is refused with HTTP 500
+             {\"error\":{\"message\":\"[{'type': 'literal_error', 'loc': ('body', 'response_format',
+             'type'), ...}]\",\"type\":\"internal_server_error\",\"param\":null,\"code\":null}};
+             json_object with a \"schema\" gets an instance of it; tools are ignored (prose);
+             a bad request is a 500 of that validation shape; context overflow is 400
+             \"This model's maximum context length is M tokens. However, you requested N tokens
+             ...\" (param messages, code context_length_exceeded).
+  vllm       json_schema, json_object and native tools; errors are a top-level
+             {\"object\":\"error\",\"message\",\"type\":\"BadRequestError\",\"param\":null,\"code\":400}
+             with HTTP 400, context overflow included.
+  ollama     json_schema, json_object and native tools, each streamed tool call whole in one
+             chunk; no usage chunk even when asked; errors {\"error\":{...,\"type\":
+             \"invalid_request_error\",\"param\":null,\"code\":null}} 400; context overflow is
+             silent: the oldest messages after the system prompt are dropped.
+--context-chars N (LH_SIM_CONTEXT_CHARS) is the window, in characters of the messages' JSON
+(tokens in messages = characters / 4); 0 = no limit.
+
+Text tool protocol (any provider): a system message containing `<tool_call>{\"name\": ` offers
+the tools named in it; the sim then plans search, fetch, section as with native tools but
+answers with content lines <tool_call>{\"name\": \"search\", \"arguments\": {\"q\": \"...\"}}</tool_call>
+(finish_reason stop) and reads user messages <tool_result name=\"TOOL\">...</tool_result> as
+the results.
+
 Model fault kinds: cut, empty, error_event, rate_limit, quota, server_error, overloaded,
-hang, slow, malformed_args, context_exceeded, refusal. A request header
+hang, slow, malformed_args, context_exceeded, refusal, html (200 text/html page),
+not_found (404 {\"detail\":\"Not Found\"}), unauthorized (401 invalid_api_key),
+invalid_request_500 (500, llama-cpp's validation body). A request header
 `x-sim-fault: KIND` always fires; then the --faults file's rules; then the rate.
 
 The --faults file: {\"rules\": [{\"kind\": \"cut\", \"nth\": [2, 5]},
@@ -66,6 +98,12 @@ pub struct Args {
     /// JSON file of fault rules (format below, in --help).
     #[arg(long, env = "LH_SIM_FAULTS")]
     pub faults: Option<std::path::PathBuf>,
+    /// Which OpenAI-compatible server to answer as: openai, llama-cpp, vllm or ollama (how they differ is below, in --help).
+    #[arg(long, env = "LH_SIM_PROVIDER", value_enum, default_value = "openai")]
+    pub provider: model::Provider,
+    /// Context window in characters of the request's messages (0 = no limit); a request over it gets the provider's context-length error (ollama truncates instead).
+    #[arg(long, env = "LH_SIM_CONTEXT_CHARS", default_value_t = 0)]
+    pub context_chars: usize,
 }
 
 #[tokio::main]

@@ -8,7 +8,8 @@
 //! user message → a `search` call (`{"q": ...}` from the prompt, the SearxNG parameter); after a
 //! `search` result → a `fetch` call whose `url` is the first `url` in the
 //! result JSON (fallback `http://<Host>/page/<slug>`); after a `fetch` result
-//! → the section: a few paragraphs of Markdown citing the fetched URL. With
+//! → the section: a few paragraphs of Markdown citing the fetched URL (the
+//! same plan runs through the text tool protocol, below). With
 //! `response_format` `json_schema` it returns an instance of the schema
 //! (required properties, arrays of `minItems` (3 if unset, bounded by
 //! `maxItems`), strings, numbers, integers, booleans, enums); `json_object`
@@ -16,6 +17,63 @@
 //! chunk, content or tool-call fragments, a chunk with `finish_reason`, a
 //! usage chunk when `stream_options.include_usage` is set, then
 //! `data: [DONE]`.
+//!
+//! `GET /v1/models` lists the one model, `sim-1`. `GET /stats` counts chat
+//! requests, streaming ones, faults by kind, tool calls proposed (by name),
+//! `response_formats` (`json_schema`, `json_object`, `json_object_schema`
+//! for a `json_object` with a `schema`, `none`), `tools_offered` (requests
+//! with native `tools`), `text_tool_calls` (calls made through the text
+//! protocol) and the `provider`.
+//!
+//! # Providers
+//! `--provider` (env `LH_SIM_PROVIDER`) picks the server the sim answers as;
+//! `--context-chars N` (env `LH_SIM_CONTEXT_CHARS`, 0 = no limit) is a context
+//! window in characters of the messages' JSON (tokens are characters / 4).
+//! - `openai` (default): as above; errors
+//!   `{"error":{"message","type","param":null,"code"}}`, a bad request is 400
+//!   (`invalid_json`, `missing_messages`), context overflow 400
+//!   `context_length_exceeded`; unknown paths 404 `Invalid URL (METHOD PATH)`.
+//! - `llama-cpp` (llama-cpp-python's server): `response_format` `json_schema`
+//!   is refused with HTTP 500 `{"error":{"message":"[{'type':
+//!   'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg':
+//!   "Input should be 'text' or 'json_object'", 'input':
+//!   'json_schema'}]","type":"internal_server_error","param":null,"code":null}}`;
+//!   `{"type":"json_object","schema":{...}}` gets an instance of the schema;
+//!   `tools` are ignored (it answers in prose); a bad request is a 500 of the
+//!   same validation shape (`json_invalid`, `missing`); context overflow is
+//!   400 `{"error":{"message":"This model's maximum context length is M
+//!   tokens. However, you requested N tokens (N in the messages, None in the
+//!   completion). Please reduce the length of the messages or
+//!   completion.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}`
+//!   (llama-cpp-python's rewrite of llama.cpp's `Requested tokens (N) exceed
+//!   context window of M`); unknown paths 404 `{"detail":"Not Found"}`.
+//! - `vllm`: structured outputs and native tools; every error is HTTP 400 with
+//!   a top-level `{"object":"error","message","type":"BadRequestError",
+//!   "param":null,"code":400}`, context overflow's message `This model's
+//!   maximum context length is M tokens. However, you requested N tokens (N
+//!   in the messages, 0 in the completion). ...`; unknown paths 404
+//!   `{"detail":"Not Found"}`.
+//! - `ollama` (its OpenAI-compatible endpoint): structured outputs and native
+//!   tools, but a streamed tool call arrives whole in one chunk and there is
+//!   no usage chunk even with `include_usage`; errors
+//!   `{"error":{"message","type":"invalid_request_error","param":null,"code":null}}`
+//!   HTTP 400; context overflow is silent: the oldest messages after the
+//!   system prompt are dropped until the rest fit, and the answer is normal;
+//!   unknown paths 404 `404 page not found` (text/plain).
+//!
+//! The injected faults other than `context_exceeded` keep their own (OpenAI)
+//! shapes under every provider.
+//!
+//! # Text tool protocol
+//! For servers without native tools the runtime describes the tools in the
+//! system prompt instead. When a system message contains `<tool_call>{"name": `
+//! (the protocol's instruction line) the sim, under any provider, plays the
+//! same plan with the tools named in that block (`search`, `fetch`), but
+//! answers with content lines `<tool_call>{"name": "search", "arguments":
+//! {"q": "..."}}</tool_call>` and finish_reason `stop`. Earlier calls are read
+//! from the assistant messages' `<tool_call>` lines, results from user
+//! messages `<tool_result name="TOOL">...</tool_result>` (which are not the
+//! prompt).
 //!
 //! # Faults
 //! Three sources, checked in this order; the first that fires wins:
@@ -31,8 +89,13 @@
 //! `Retry-After`), `quota` (429 `insufficient_quota`), `server_error` (500),
 //! `overloaded` (503), `hang` (never answers), `slow` (tokens paced at
 //! `delay_ms`, default 200), `malformed_args` (tool-call arguments that are
-//! not JSON), `context_exceeded` (400 `context_length_exceeded`), `refusal`
-//! (a refusal delta).
+//! not JSON), `context_exceeded` (the provider's context-length error),
+//! `refusal` (a refusal delta), `html` (HTTP 200 `text/html`, a web server's
+//! welcome page: the wrong URL), `not_found` (404 `{"detail":"Not Found"}`),
+//! `unauthorized` (401 `{"error":{"message":"Incorrect API key
+//! provided","type":"invalid_request_error","code":"invalid_api_key"}}`),
+//! `invalid_request_500` (500 with llama-cpp-python's validation body, under
+//! any provider).
 //!
 //! The fault file is JSON:
 //! ```json
@@ -58,6 +121,7 @@
 
 mod faults;
 mod play;
+mod provider;
 mod schema;
 
 use std::collections::BTreeMap;
@@ -67,7 +131,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -75,6 +139,8 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 
 use faults::{FaultKind, Faults};
+pub use provider::Provider;
+use provider::{openai_error, Problem};
 
 /// Counts served, for `GET /stats`.
 #[derive(Default)]
@@ -84,10 +150,15 @@ struct Stats {
     faults: BTreeMap<String, u64>,
     tool_calls_proposed: u64,
     by_tool: BTreeMap<String, u64>,
+    response_formats: BTreeMap<&'static str, u64>,
+    tools_offered: u64,
+    text_tool_calls: u64,
 }
 
 struct Sim {
     seed: u64,
+    provider: Provider,
+    context_chars: usize,
     faults: Faults,
     token_delay: Duration,
     counter: AtomicU64,
@@ -102,20 +173,28 @@ pub fn router(args: &crate::Args) -> anyhow::Result<Router> {
         .and_then(|v| v.parse::<u64>().ok())
         .map(Duration::from_millis)
         .unwrap_or(Duration::from_millis(2));
+    let mut stats = Stats::default();
+    for k in ["json_schema", "json_object", "json_object_schema", "none"] {
+        stats.response_formats.insert(k, 0);
+    }
     let sim = Arc::new(Sim {
         seed: args.seed,
+        provider: args.provider,
+        context_chars: args.context_chars,
         faults,
         token_delay,
         counter: AtomicU64::new(0),
-        stats: Mutex::new(Stats::default()),
+        stats: Mutex::new(stats),
     });
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat))
-        .route("/stats", get(stats))
+        .route("/v1/models", get(models))
+        .route("/stats", get(stats_handler))
+        .fallback(unknown_path)
         .with_state(sim))
 }
 
-async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
+async fn stats_handler(State(sim): State<Arc<Sim>>) -> Json<Value> {
     let s = sim.stats.lock().expect("stats lock");
     Json(json!({
         "chat_requests": s.chat_requests,
@@ -124,38 +203,68 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
         "faults_total": s.faults.values().sum::<u64>(),
         "tool_calls_proposed": s.tool_calls_proposed,
         "tool_calls_by_name": s.by_tool,
+        "response_formats": s.response_formats,
+        "tools_offered": s.tools_offered,
+        "text_tool_calls": s.text_tool_calls,
+        "provider": sim.provider.name(),
     }))
 }
 
-fn error_json(status: StatusCode, message: &str, kind: &str, code: &str) -> Response {
-    (
-        status,
-        Json(json!({"error": {"message": message, "type": kind, "param": null, "code": code}})),
-    )
-        .into_response()
+async fn models() -> Json<Value> {
+    Json(json!({"object": "list", "data": [
+        {"id": "sim-1", "object": "model", "owned_by": "leasehold-sim"}
+    ]}))
 }
+
+async fn unknown_path(State(sim): State<Arc<Sim>>, method: Method, uri: Uri) -> Response {
+    sim.provider.not_found(method.as_str(), uri.path())
+}
+
+/// What `GET /stats` files a request's `response_format` under.
+fn format_kind(req: &Value) -> &'static str {
+    let fmt = req.get("response_format");
+    match fmt.and_then(|f| f.get("type")).and_then(Value::as_str) {
+        Some("json_schema") => "json_schema",
+        Some("json_object") if fmt.and_then(|f| f.get("schema")).is_some() => "json_object_schema",
+        Some("json_object") => "json_object",
+        _ => "none",
+    }
+}
+
+fn chars_of(messages: &[Value]) -> usize {
+    messages.iter().map(|m| m.to_string().len()).sum()
+}
+
+/// Ollama's silent overflow: the oldest messages after the system prompt go
+/// until the rest fit (the last message always stays).
+fn truncate_to(messages: &mut Vec<Value>, limit: usize) {
+    while chars_of(messages) > limit {
+        let Some(i) = messages
+            .iter()
+            .position(|m| m["role"] != "system" && m["role"] != "developer")
+        else {
+            break;
+        };
+        if i + 1 >= messages.len() {
+            break;
+        }
+        messages.remove(i);
+    }
+}
+
+const HTML_PAGE: &str = "<!DOCTYPE html>\n<html>\n<head><title>Welcome</title></head>\n<body>\n<h1>Welcome</h1>\n<p>If you see this page, the web server is working. Nothing else is configured here.</p>\n</body>\n</html>\n";
 
 async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
     let n = sim.counter.fetch_add(1, Ordering::SeqCst) + 1;
+    let provider = sim.provider;
     let req: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
-        Err(e) => {
-            return error_json(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid JSON body: {e}"),
-                "invalid_request_error",
-                "invalid_json",
-            )
-        }
+        Err(e) => return provider.bad_request(Problem::InvalidJson, &e.to_string()),
     };
     let Some(messages) = req.get("messages").and_then(Value::as_array) else {
-        return error_json(
-            StatusCode::BAD_REQUEST,
-            "messages is required",
-            "invalid_request_error",
-            "missing_messages",
-        );
+        return provider.bad_request(Problem::MissingMessages, "");
     };
+    let mut messages = messages.clone();
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = req
         .pointer("/stream_options/include_usage")
@@ -171,8 +280,13 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         .and_then(|h| h.to_str().ok())
         .unwrap_or("127.0.0.1:8089")
         .to_string();
-    let prompt_chars: usize = messages.iter().map(|m| m.to_string().len()).sum();
-    let last_user = play::last_user(messages);
+    let mut prompt_chars = chars_of(&messages);
+    let last_user = play::last_user(&messages);
+    let format = format_kind(&req);
+    let tools_offered = req
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
 
     let header_fault = headers
         .get("x-sim-fault")
@@ -190,6 +304,10 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         if let Some((k, _)) = &fault {
             *s.faults.entry(k.name().to_string()).or_default() += 1;
         }
+        *s.response_formats.entry(format).or_default() += 1;
+        if tools_offered {
+            s.tools_offered += 1;
+        }
     }
     let (kind, params) = match fault {
         Some((k, p)) => (Some(k), p),
@@ -198,24 +316,29 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
     tracing::debug!(n, ?kind, stream, "chat request");
     match kind {
         Some(FaultKind::RateLimit) => {
-            let mut r = error_json(StatusCode::TOO_MANY_REQUESTS, "Rate limit reached (simulated)", "requests", "rate_limit_exceeded");
+            let mut r = openai_error(StatusCode::TOO_MANY_REQUESTS, "Rate limit reached (simulated)", "requests", json!("rate_limit_exceeded"));
             let ra = params.retry_after.clone().unwrap_or_else(|| "1".into());
             r.headers_mut().insert("retry-after", ra.parse().unwrap_or_else(|_| "1".parse().expect("valid header")));
             return r;
         }
         Some(FaultKind::Quota) => {
-            return error_json(StatusCode::TOO_MANY_REQUESTS, "You exceeded your current quota (simulated)", "insufficient_quota", "insufficient_quota")
+            return openai_error(StatusCode::TOO_MANY_REQUESTS, "You exceeded your current quota (simulated)", "insufficient_quota", json!("insufficient_quota"))
         }
-        Some(FaultKind::ServerError) => return error_json(StatusCode::INTERNAL_SERVER_ERROR, "Internal server error (simulated)", "server_error", "server_error"),
-        Some(FaultKind::Overloaded) => return error_json(StatusCode::SERVICE_UNAVAILABLE, "The server is overloaded (simulated)", "overloaded_error", "overloaded"),
-        Some(FaultKind::ContextExceeded) => {
-            return error_json(
-                StatusCode::BAD_REQUEST,
-                &format!("This model's maximum context length is exceeded: the request has {prompt_chars} characters (simulated)"),
-                "invalid_request_error",
-                "context_length_exceeded",
+        Some(FaultKind::ServerError) => return openai_error(StatusCode::INTERNAL_SERVER_ERROR, "Internal server error (simulated)", "server_error", json!("server_error")),
+        Some(FaultKind::Overloaded) => return openai_error(StatusCode::SERVICE_UNAVAILABLE, "The server is overloaded (simulated)", "overloaded_error", json!("overloaded")),
+        Some(FaultKind::ContextExceeded) => return provider.context_exceeded(prompt_chars, None),
+        Some(FaultKind::Html) => {
+            return (StatusCode::OK, [("content-type", "text/html; charset=utf-8")], HTML_PAGE).into_response()
+        }
+        Some(FaultKind::NotFound) => return provider::not_found_detail(),
+        Some(FaultKind::Unauthorized) => {
+            return (
+                StatusCode::UNAUTHORIZED,
+                Json(json!({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}})),
             )
+                .into_response()
         }
+        Some(FaultKind::InvalidRequest500) => return provider::llama_json_schema_refusal(),
         Some(FaultKind::Hang) => {
             // Never answer; the client's timeout ends it and drops this future.
             futures::future::pending::<()>().await;
@@ -223,25 +346,48 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         }
         _ => {}
     }
+    if format == "json_schema" && !provider.takes_json_schema() {
+        return provider::llama_json_schema_refusal();
+    }
+    if sim.context_chars > 0 && prompt_chars > sim.context_chars {
+        if provider.refuses_overflow() {
+            return provider.context_exceeded(prompt_chars, Some(sim.context_chars));
+        }
+        truncate_to(&mut messages, sim.context_chars);
+        tracing::debug!(
+            n,
+            before = prompt_chars,
+            after = chars_of(&messages),
+            "prompt truncated"
+        );
+        prompt_chars = chars_of(&messages);
+    }
 
     // What the agent does next.
     let seed = sim.seed ^ play::hash64(&body);
-    let mut turn = play::decide(&req, messages, &host, seed);
+    let mut turn = play::decide(&req, &messages, &host, seed, provider);
     if kind == Some(FaultKind::Refusal) {
         turn = play::Turn::Refusal("I can't help with that request.".into());
     }
     if kind == Some(FaultKind::MalformedArgs) {
-        if let play::Turn::Tool { arguments, .. } = &mut turn {
-            *arguments = arguments
+        if let Some(call) = turn.calls_mut().and_then(|c| c.first_mut()) {
+            call.arguments = call
+                .arguments
                 .trim_end_matches('}')
                 .trim_end_matches('"')
                 .to_string();
         }
     }
-    if let play::Turn::Tool { name, .. } = &turn {
+    let text_protocol = matches!(turn, play::Turn::TextTools(_));
+    if let Some(calls) = turn.calls_mut() {
         let mut s = sim.stats.lock().expect("stats lock");
-        s.tool_calls_proposed += 1;
-        *s.by_tool.entry(name.clone()).or_default() += 1;
+        for c in calls.iter() {
+            s.tool_calls_proposed += 1;
+            *s.by_tool.entry(c.name.clone()).or_default() += 1;
+            if text_protocol {
+                s.text_tool_calls += 1;
+            }
+        }
     }
     let completion_chars = turn.size();
     let usage = json!({
@@ -270,7 +416,8 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         Some(FaultKind::Slow) => Duration::from_millis(params.delay_ms.unwrap_or(200)),
         _ => sim.token_delay,
     };
-    let mut events: Vec<String> = play::stream_chunks(&id, &model, &turn);
+    let mut events: Vec<String> =
+        play::stream_chunks(&id, &model, &turn, provider.whole_tool_calls());
     let finish_at = events.len() - 1; // the last chunk carries finish_reason
     match kind {
         Some(FaultKind::Empty) => events.clear(),
@@ -281,7 +428,7 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
             events.push("[DONE]".into());
         }
         _ => {
-            if include_usage {
+            if include_usage && provider.usage_chunk() {
                 events.push(json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [], "usage": usage}).to_string());
             }
             events.push("[DONE]".into());

@@ -22,6 +22,11 @@ pub enum FaultKind {
     MalformedArgs,
     ContextExceeded,
     Refusal,
+    Html,
+    NotFound,
+    Unauthorized,
+    #[serde(rename = "invalid_request_500")]
+    InvalidRequest500,
 }
 
 impl FaultKind {
@@ -40,6 +45,10 @@ impl FaultKind {
                 "malformed_args" => FaultKind::MalformedArgs,
                 "context_exceeded" | "context" => FaultKind::ContextExceeded,
                 "refusal" => FaultKind::Refusal,
+                "html" => FaultKind::Html,
+                "not_found" | "404" => FaultKind::NotFound,
+                "unauthorized" | "401" => FaultKind::Unauthorized,
+                "invalid_request_500" => FaultKind::InvalidRequest500,
                 _ => return None,
             },
         )
@@ -59,6 +68,10 @@ impl FaultKind {
             FaultKind::MalformedArgs => "malformed_args",
             FaultKind::ContextExceeded => "context_exceeded",
             FaultKind::Refusal => "refusal",
+            FaultKind::Html => "html",
+            FaultKind::NotFound => "not_found",
+            FaultKind::Unauthorized => "unauthorized",
+            FaultKind::InvalidRequest500 => "invalid_request_500",
         }
     }
 }
@@ -230,6 +243,29 @@ mod tests {
             Some(FaultKind::Refusal)
         );
         assert_eq!(kinds(&f, 8, "", 101), Some(FaultKind::ContextExceeded));
+    }
+
+    #[test]
+    fn new_kinds_parse_from_files_and_headers() {
+        let f = faults(serde_json::json!([
+            {"kind": "html", "nth": [1]},
+            {"kind": "not_found", "nth": [2]},
+            {"kind": "unauthorized", "nth": [3]},
+            {"kind": "invalid_request_500", "nth": [4]}
+        ]));
+        let got: Vec<_> = (1..=4).map(|n| kinds(&f, n, "", 0).unwrap()).collect();
+        assert_eq!(
+            got,
+            [
+                FaultKind::Html,
+                FaultKind::NotFound,
+                FaultKind::Unauthorized,
+                FaultKind::InvalidRequest500
+            ]
+        );
+        for k in got {
+            assert_eq!(FaultKind::parse(k.name()), Some(k));
+        }
     }
 
     #[test]
