@@ -207,6 +207,7 @@ impl ModelClient {
         let forms = self.provider(model).forms();
         state.sent_forms = Some(forms);
         let mut body = adapt::shape(req, forms);
+        body.max_tokens = body.max_tokens.or(self.cfg.max_tokens);
         if body.model.is_empty() || body.model != model {
             body.model = model.to_string();
         }

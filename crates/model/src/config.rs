@@ -12,6 +12,7 @@
 //! | `stream` | true | `LH_MODEL_STREAM` (`false` for non-streaming) |
 //! | `structured` | auto | `LH_MODEL_STRUCTURED` (`auto`, `json_schema`, `json_object`, `prompt`) |
 //! | `tools` | auto | `LH_MODEL_TOOLS` (`auto`, `native`, `text`, `none`) |
+//! | `max_tokens` | none | `LH_MODEL_MAX_TOKENS` (a cap on each response, for small local models) |
 //!
 //! `auto` adapts to the provider (see [`crate::adapt`]): it starts with the
 //! richest form and moves down, once per process, when the provider refuses
@@ -73,6 +74,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "structured output form: auto, json_schema, json_object (with a schema), prompt [default: auto]",
     ),
     (
+        "LH_MODEL_MAX_TOKENS",
+        "cap on the tokens of each response (max_tokens), e.g. for a small local model [default: none]",
+    ),
+    (
         "LH_MODEL_TOOLS",
         "tool calling: auto, native, text (a text protocol), none [default: auto]",
     ),
@@ -121,6 +126,9 @@ pub struct ModelConfig {
     /// How tools are offered.
     #[serde(default = "auto_tools")]
     pub tools: ToolsMode,
+    /// `max_tokens` of every request that sets none.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
 }
 
 fn auto_structured() -> StructuredMode {
@@ -147,6 +155,7 @@ impl std::fmt::Debug for ModelConfig {
             quirks,
             structured,
             tools,
+            max_tokens,
         } = self;
         f.debug_struct("ModelConfig")
             .field("base_url", base_url)
@@ -160,6 +169,7 @@ impl std::fmt::Debug for ModelConfig {
             .field("quirks", quirks)
             .field("structured", structured)
             .field("tools", tools)
+            .field("max_tokens", max_tokens)
             .finish()
     }
 }
@@ -178,6 +188,7 @@ impl Default for ModelConfig {
             quirks: Quirks::default(),
             structured: StructuredMode::Auto,
             tools: ToolsMode::Auto,
+            max_tokens: None,
         }
     }
 }
@@ -235,6 +246,13 @@ impl ModelConfig {
         if let Some(v) = var("LH_MODEL_STRUCTURED") {
             c.structured = StructuredMode::parse(&v)
                 .map_err(|e| ModelError::Config(format!("LH_MODEL_STRUCTURED={e}")))?;
+        }
+        if let Some(v) = var("LH_MODEL_MAX_TOKENS") {
+            c.max_tokens = Some(v.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                ModelError::Config(format!(
+                    "LH_MODEL_MAX_TOKENS={v}: expected a whole number of tokens above 0"
+                ))
+            })?);
         }
         if let Some(v) = var("LH_MODEL_TOOLS") {
             c.tools = ToolsMode::parse(&v)
@@ -305,6 +323,7 @@ mod tests {
             ("LH_MODEL_STREAM", "false"),
             ("LH_MODEL_STRUCTURED", "json_object"),
             ("LH_MODEL_TOOLS", "text"),
+            ("LH_MODEL_MAX_TOKENS", "256"),
         ]))
         .unwrap();
         assert_eq!(c.base_url, "https://models.example/v1");
@@ -314,6 +333,7 @@ mod tests {
         assert!(!c.stream);
         assert_eq!(c.structured, StructuredMode::JsonObject);
         assert_eq!(c.tools, ToolsMode::Text);
+        assert_eq!(c.max_tokens, Some(256));
         let d = ModelConfig::from_lookup(&|_| None).unwrap();
         assert_eq!(d.base_url, ModelConfig::default().base_url);
 
@@ -329,6 +349,8 @@ mod tests {
             ("LH_MODEL_STRUCTURED", "json"),
             ("LH_MODEL_STRUCTURED", "json-schema"),
             ("LH_MODEL_TOOLS", "yes"),
+            ("LH_MODEL_MAX_TOKENS", "0"),
+            ("LH_MODEL_MAX_TOKENS", "lots"),
         ] {
             let e = ModelConfig::from_lookup(&lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{k}={v}: {e}");
