@@ -15,6 +15,7 @@ mod otlp;
 mod ownership;
 mod perms;
 mod promise;
+mod providers;
 mod readme;
 mod reaper;
 mod research;

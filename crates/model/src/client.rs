@@ -162,8 +162,9 @@ impl ModelClient {
     /// `within`): `Err` carries the cause and the setting to check. For a
     /// warning at start; a job never depends on it.
     pub async fn reachable(&self, within: Duration) -> Result<(), String> {
-        let url = format!("{}/models", self.cfg.base_url.trim_end_matches('/'));
-        let mut rb = self.http.get(&url);
+        let full = format!("{}/models", self.cfg.base_url.trim_end_matches('/'));
+        let mut rb = self.http.get(&full);
+        let url = leasehold_telemetry::redact_url(&full);
         if let Some(key) = &self.cfg.api_key {
             rb = rb.bearer_auth(key);
         }
@@ -180,12 +181,18 @@ impl ModelClient {
                     .await
                     .ok()
                     .is_some_and(|v| v.get("data").is_some_and(|d| d.is_array()));
-                if listed {
-                    self.provider(&self.cfg.model).mark_answered();
+                if !listed {
+                    return Err(format!(
+                        "{url} answered without a model list (not an OpenAI-compatible API?); check LH_MODEL_BASE_URL"
+                    ));
                 }
+                self.provider(&self.cfg.model).mark_answered();
                 Ok(())
             }
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(r)) => Err(format!(
+                "{url} answered {}; check LH_MODEL_BASE_URL",
+                r.status()
+            )),
         }
     }
 

@@ -75,6 +75,18 @@ async fn main() {
         expert_concurrency = research.expert_concurrency,
         "workload configuration"
     );
+    if opts.kinds.iter().any(|k| k == "research") {
+        // A model endpoint that does not answer is worth saying at start,
+        // not only in each job's error; the worker serves anyway (the
+        // endpoint may come up later).
+        if let Ok(client) = leasehold_model::ModelClient::new(research.model.clone()) {
+            tokio::spawn(async move {
+                if let Err(why) = client.reachable(std::time::Duration::from_secs(5)).await {
+                    tracing::warn!("model endpoint check at start: {why} (research jobs will fail with this cause until it answers)");
+                }
+            });
+        }
+    }
     let fail = |what: String, telemetry: trace::Guard| -> ! {
         eprintln!("error: {}", redact_text(&what));
         telemetry.shutdown();

@@ -1,10 +1,13 @@
 //! `leasehold model check`: one request to the configured provider through
-//! the same client and generation retry layer the workers use, reported as
-//! JSON on stdout.
+//! the same client and generation retry layer the workers use, then probes
+//! of what the research workload needs (streaming with usage, each
+//! structured-output form, native and parallel tool calls, the text tool
+//! protocol, the context-length error), reported as JSON on stdout.
 //!
 //! Reads `LH_MODEL_BASE_URL`, `LH_MODEL`, `LH_API_KEY` and the other
 //! `LH_MODEL_*` variables (see `leasehold_model::ModelConfig`). Exit 0 when
-//! the generation completed, 1 otherwise.
+//! the generation completed and the workload can run on this provider as
+//! configured, 1 otherwise (with a line on stderr saying what to set).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,11 +28,15 @@ pub struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
-    /// Send a short prompt and report how the provider behaved (JSON).
+    /// Send a short prompt, probe what the workload needs, and report how
+    /// the provider behaved (JSON).
     ///
     /// The report has: outcome (complete|incomplete|error), failure class,
-    /// each retry with its report, latency to first token and in all, and
-    /// token usage.
+    /// each retry with its report, latency to first token and in all, token
+    /// usage; `capabilities`: each probe's status (supported, unsupported,
+    /// failed, skipped) and detail; `workload`: whether research runs here
+    /// as configured, in which forms, and what to set if not. Exit 0 when
+    /// the generation completed and the workload runs, 1 otherwise.
     Check(CheckArgs),
 }
 
@@ -56,6 +63,18 @@ struct CheckArgs {
     /// Override LH_MODEL.
     #[arg(long)]
     model: Option<String>,
+    /// Only the one request: no capability probes.
+    #[arg(long)]
+    no_probe: bool,
+    /// Probes to run, comma-separated: streaming_usage, structured, tools,
+    /// context_error [default: all].
+    #[arg(long, value_delimiter = ',', value_parser = ["streaming_usage", "structured", "tools", "context_error"])]
+    probe: Vec<String>,
+    /// Characters of the prompt sent to provoke the context-length error
+    /// (beyond any window the model has: the provider should refuse it
+    /// before generating anything).
+    #[arg(long, default_value_t = 600_000)]
+    context_probe_chars: usize,
     #[command(flatten)]
     json: super::AlwaysJson,
 }
@@ -76,6 +95,7 @@ async fn check(a: CheckArgs) -> anyhow::Result<i32> {
     }
     cfg.stream = cfg.stream && !a.no_stream;
     let (base_url, model, stream) = (cfg.base_url.clone(), cfg.model.clone(), cfg.stream);
+    let probe_cfg = cfg.clone();
     let policy = GenerationPolicy {
         max_attempts: a.attempts.max(1),
         ..Default::default()
@@ -151,6 +171,426 @@ async fn check(a: CheckArgs) -> anyhow::Result<i32> {
     let mut report = report;
     report["provider"] = json!({"base_url": base_url, "model": model, "stream": stream});
     report["retries"] = serde_json::to_value(reporter.take())?;
+    let mut code = code;
+    if !a.no_probe {
+        let want = |p: &str| a.probe.is_empty() || a.probe.iter().any(|x| x == p);
+        let caps = probe::all(&probe_cfg, &want, a.context_probe_chars).await;
+        let verdict = probe::workload(&probe_cfg, &caps, code == 0);
+        if !verdict.runs {
+            eprintln!(
+                "research cannot run on this provider as configured: {}",
+                verdict.why
+            );
+            code = 1;
+        }
+        report["capabilities"] = serde_json::to_value(&caps)?;
+        report["workload"] = serde_json::to_value(&verdict)?;
+    }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(code)
+}
+
+/// The capability probes: each one request in one forced form, judged from
+/// what came back.
+mod probe {
+    use std::time::Duration;
+
+    use leasehold_model::{
+        function_tool, BreakerConfig, Budget, ChatRequest, Completion, FailureClass,
+        GenerationPolicy, Generator, ModelClient, ModelConfig, ModelError, RunContext,
+        StructuredMode, ToolsMode,
+    };
+    use leasehold_transcript::Message;
+    use serde::Serialize;
+    use serde_json::{json, Value};
+
+    /// One probe's answer.
+    #[derive(Debug, Clone, Serialize)]
+    pub struct Probe {
+        /// `supported`, `unsupported` (refused, or answered without it),
+        /// `failed` (no answer to judge: an outage, a timeout), `skipped`.
+        pub status: &'static str,
+        pub detail: String,
+    }
+
+    impl Probe {
+        fn of(status: &'static str, detail: impl Into<String>) -> Probe {
+            Probe {
+                status,
+                detail: detail.into(),
+            }
+        }
+        fn supported(&self) -> bool {
+            self.status == "supported"
+        }
+        fn skipped() -> Probe {
+            Probe::of("skipped", "not asked for (--probe)")
+        }
+        /// A request that failed: refused (the provider will not take it)
+        /// or failed (nothing to judge).
+        fn of_error(e: &ModelError) -> Probe {
+            let m = e.to_string();
+            let refused_form = m.contains("LH_MODEL_STRUCTURED") || m.contains("LH_MODEL_TOOLS");
+            match e.class() {
+                FailureClass::BadRequest => Probe::of("unsupported", format!("refused: {m}")),
+                FailureClass::Config if refused_form => {
+                    Probe::of("unsupported", format!("refused: {m}"))
+                }
+                _ => Probe::of("failed", m),
+            }
+        }
+    }
+
+    #[derive(Debug, Clone, Serialize)]
+    pub struct Structured {
+        pub json_schema: Probe,
+        pub json_object: Probe,
+        pub prompt: Probe,
+    }
+
+    #[derive(Debug, Clone, Serialize)]
+    pub struct Tools {
+        pub native: Probe,
+        pub parallel: Probe,
+        pub text: Probe,
+    }
+
+    #[derive(Debug, Clone, Serialize)]
+    pub struct Capabilities {
+        pub streaming_usage: Probe,
+        pub structured: Structured,
+        pub tools: Tools,
+        pub context_error: Probe,
+    }
+
+    /// Whether research runs here as configured, and how.
+    #[derive(Debug, Clone, Serialize)]
+    pub struct Workload {
+        pub kind: &'static str,
+        pub runs: bool,
+        pub structured_form: Option<&'static str>,
+        pub tools_form: &'static str,
+        /// Settings that would make it run (or run better).
+        pub set: Vec<String>,
+        pub why: String,
+    }
+
+    async fn ask(cfg: &ModelConfig, req: ChatRequest) -> Result<Completion, ModelError> {
+        let client = ModelClient::new(cfg.clone())?;
+        let g = Generator::new(
+            client,
+            GenerationPolicy {
+                max_attempts: 2,
+                ..Default::default()
+            },
+            BreakerConfig::default(),
+        );
+        let mut ctx = RunContext::new(Budget::unlimited());
+        ctx.deadline = Some(tokio::time::Instant::now() + Duration::from_secs(60));
+        g.generate(&req, &ctx, &mut vec![])
+            .await
+            .map(|g| g.completion)
+            .map_err(|f| f.error)
+    }
+
+    fn schema() -> Value {
+        json!({"type": "object",
+            "properties": {"title": {"type": "string"}, "points": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 3}},
+            "required": ["title", "points"], "additionalProperties": false})
+    }
+
+    /// Whether `text` is a JSON object with the schema's required keys.
+    fn matches_schema(text: &str) -> Result<(), String> {
+        let v: Value = serde_json::from_str(text.trim())
+            .map_err(|e| format!("not JSON ({e}): {text:.120}"))?;
+        let o = v.as_object().ok_or("not a JSON object")?;
+        for k in ["title", "points"] {
+            if !o.contains_key(k) {
+                return Err(format!("missing {k:?}: {text:.120}"));
+            }
+        }
+        Ok(())
+    }
+
+    async fn structured(cfg: &ModelConfig, mode: StructuredMode) -> Probe {
+        let cfg = ModelConfig {
+            structured: mode,
+            ..cfg.clone()
+        };
+        let req = ChatRequest {
+            messages: vec![
+                Message::system("You answer with JSON."),
+                Message::user("Give a title and two short points about leases."),
+            ],
+            response_format: Some(
+                json!({"type": "json_schema", "json_schema": {"name": "probe", "strict": true, "schema": schema()}}),
+            ),
+            max_tokens: Some(200),
+            ..Default::default()
+        };
+        match ask(&cfg, req).await {
+            Ok(c) => match matches_schema(&c.content) {
+                Ok(()) => Probe::of("supported", "valid JSON matching the schema"),
+                Err(why) => Probe::of("unsupported", format!("answered, but {why}")),
+            },
+            Err(e) => Probe::of_error(&e),
+        }
+    }
+
+    /// The research workload's own search tool (the one its sections call).
+    fn search_tool() -> Value {
+        function_tool(
+            "search",
+            "Search the web.",
+            json!({"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}),
+        )
+    }
+
+    async fn tools(cfg: &ModelConfig, mode: ToolsMode, prompt: &str, want: usize) -> Probe {
+        let cfg = ModelConfig {
+            tools: mode,
+            ..cfg.clone()
+        };
+        let req = ChatRequest {
+            messages: vec![
+                Message::system("You call tools when asked."),
+                Message::user(prompt),
+            ],
+            tools: vec![search_tool()],
+            max_tokens: Some(200),
+            ..Default::default()
+        };
+        match ask(&cfg, req).await {
+            Ok(c) => {
+                let calls = c
+                    .tool_calls
+                    .iter()
+                    .filter(|t| t.function.name == "search")
+                    .count();
+                if calls >= want {
+                    Probe::of(
+                        "supported",
+                        format!("{calls} search call(s) in one response"),
+                    )
+                } else if calls > 0 {
+                    Probe::of(
+                        "unsupported",
+                        format!("{calls} call(s) where {want} were asked for"),
+                    )
+                } else {
+                    Probe::of(
+                        "unsupported",
+                        format!("answered without calling the tool: {:.120}", c.content),
+                    )
+                }
+            }
+            Err(e) => Probe::of_error(&e),
+        }
+    }
+
+    async fn streaming_usage(cfg: &ModelConfig) -> Probe {
+        if !cfg.stream {
+            return Probe::of("skipped", "LH_MODEL_STREAM=false");
+        }
+        let req = ChatRequest {
+            messages: vec![Message::user("Say ok.")],
+            max_tokens: Some(16),
+            ..Default::default()
+        };
+        match ask(cfg, req).await {
+            Ok(c) if !c.usage.estimated => Probe::of(
+                "supported",
+                format!("{} prompt + {} completion tokens", c.usage.prompt_tokens, c.usage.completion_tokens),
+            ),
+            Ok(_) => Probe::of(
+                "unsupported",
+                "the stream completed without a usage chunk: token budgets use an estimate (4 characters a token)",
+            ),
+            Err(e) => Probe::of_error(&e),
+        }
+    }
+
+    async fn context_error(cfg: &ModelConfig, chars: usize) -> Probe {
+        let filler = "lease ".repeat(chars / 6 + 1);
+        let req = ChatRequest {
+            messages: vec![Message::user(format!("{filler}\nSay ok."))],
+            max_tokens: Some(8),
+            ..Default::default()
+        };
+        match ask(cfg, req).await {
+            Err(e) if e.class() == FailureClass::ContextExceeded => Probe::of(
+                "supported",
+                format!("a {chars}-character prompt is refused as context_exceeded: warm retries compact"),
+            ),
+            Err(e) => Probe::of(
+                "unsupported",
+                format!("a {chars}-character prompt failed as {}, not as a context error ({e}): a section whose context overflows is retried as that failure, not compacted", e.class()),
+            ),
+            Ok(_) => Probe::of(
+                "unsupported",
+                format!("a {chars}-character prompt was answered: the provider truncates silently (or its window is larger)"),
+            ),
+        }
+    }
+
+    pub async fn all(
+        cfg: &ModelConfig,
+        want: &dyn Fn(&str) -> bool,
+        context_chars: usize,
+    ) -> Capabilities {
+        let skip = Probe::skipped;
+        let structured_p = want("structured");
+        let tools_p = want("tools");
+        Capabilities {
+            streaming_usage: if want("streaming_usage") {
+                streaming_usage(cfg).await
+            } else {
+                skip()
+            },
+            structured: Structured {
+                json_schema: if structured_p {
+                    structured(cfg, StructuredMode::JsonSchema).await
+                } else {
+                    skip()
+                },
+                json_object: if structured_p {
+                    structured(cfg, StructuredMode::JsonObject).await
+                } else {
+                    skip()
+                },
+                prompt: if structured_p {
+                    structured(cfg, StructuredMode::Prompt).await
+                } else {
+                    skip()
+                },
+            },
+            tools: Tools {
+                native: if tools_p {
+                    tools(
+                        cfg,
+                        ToolsMode::Native,
+                        "Find sources on commercial leases: call the search tool.",
+                        1,
+                    )
+                    .await
+                } else {
+                    skip()
+                },
+                parallel: if tools_p {
+                    tools(cfg, ToolsMode::Native, "Call the search tool twice in this one reply: once for commercial leases, once for residential leases.", 2).await
+                } else {
+                    skip()
+                },
+                text: if tools_p {
+                    tools(
+                        cfg,
+                        ToolsMode::Text,
+                        "Find sources on commercial leases: call the search tool.",
+                        1,
+                    )
+                    .await
+                } else {
+                    skip()
+                },
+            },
+            context_error: if want("context_error") {
+                context_error(cfg, context_chars).await
+            } else {
+                skip()
+            },
+        }
+    }
+
+    /// The research workload's verdict: it needs a structured-output form
+    /// (outline, perspectives) and the plain generation; tools make its
+    /// sections better but it runs without them (the report says so).
+    pub fn workload(cfg: &ModelConfig, caps: &Capabilities, generation_ok: bool) -> Workload {
+        let s = &caps.structured;
+        let forms = [
+            ("json_schema", &s.json_schema),
+            ("json_object", &s.json_object),
+            ("prompt", &s.prompt),
+        ];
+        let first_ok = forms.iter().find(|(_, p)| p.supported()).map(|(n, _)| *n);
+        let probed = forms.iter().any(|(_, p)| p.status != "skipped");
+        let mut set = Vec::new();
+        let mut why = Vec::new();
+        let structured_form = match cfg.structured {
+            StructuredMode::Auto => first_ok,
+            forced => {
+                let name = match forced {
+                    StructuredMode::JsonSchema => "json_schema",
+                    StructuredMode::JsonObject => "json_object",
+                    _ => "prompt",
+                };
+                let p = forms.iter().find(|(n, _)| *n == name).map(|(_, p)| *p);
+                if p.is_some_and(|p| p.supported()) || !probed {
+                    Some(name)
+                } else {
+                    why.push(format!("LH_MODEL_STRUCTURED={name} is not supported here"));
+                    match first_ok {
+                        Some(ok) => set.push(format!("LH_MODEL_STRUCTURED={ok}")),
+                        None => set.push("LH_MODEL_STRUCTURED=auto".into()),
+                    }
+                    None
+                }
+            }
+        };
+        if probed && first_ok.is_none() {
+            why.push(
+                "no structured-output form gives valid JSON (outline and perspectives need one)"
+                    .into(),
+            );
+        }
+        let t = &caps.tools;
+        let tools_form = match cfg.tools {
+            ToolsMode::None => "none",
+            ToolsMode::Text => "text",
+            ToolsMode::Native => {
+                if t.native.status == "unsupported" {
+                    set.push("LH_MODEL_TOOLS=auto".into());
+                    why.push(
+                        "LH_MODEL_TOOLS=native: the provider does not call tools natively".into(),
+                    );
+                }
+                "native"
+            }
+            ToolsMode::Auto => {
+                if t.native.supported() || t.native.status == "skipped" {
+                    "native"
+                } else if t.text.supported() {
+                    set.push("LH_MODEL_TOOLS=text".into());
+                    "text"
+                } else {
+                    "none (sections are written without search and fetch)"
+                }
+            }
+        };
+        if !generation_ok {
+            why.insert(0, "the plain generation did not complete".into());
+        }
+        let runs = generation_ok
+            && !why.iter().any(|w| !w.starts_with("LH_MODEL_TOOLS"))
+            && !(cfg.tools == ToolsMode::Native && t.native.status == "unsupported");
+        Workload {
+            kind: "research",
+            runs,
+            structured_form,
+            tools_form,
+            why: if why.is_empty() {
+                "runs as configured".into()
+            } else {
+                format!(
+                    "{}{}",
+                    why.join("; "),
+                    if set.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; set {}", set.join(" "))
+                    }
+                )
+            },
+            set,
+        }
+    }
 }
