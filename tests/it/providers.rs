@@ -57,6 +57,20 @@ async fn sim_stats(sim: &str) -> Value {
     serde_json::from_str(buf.split_once("\r\n\r\n").unwrap().1).unwrap()
 }
 
+async fn artifact(env: &Env, rec: &JobRecord) -> String {
+    let name = rec.result.clone().unwrap().artifact.unwrap();
+    let store = env
+        .conn
+        .js
+        .get_object_store(env.conn.layout.artifacts_bucket())
+        .await
+        .unwrap();
+    let mut obj = store.get(&name).await.unwrap();
+    let mut text = String::new();
+    obj.read_to_string(&mut text).await.unwrap();
+    text
+}
+
 fn retry_reasons(events: &[leasehold_proto::JobEvent]) -> Vec<String> {
     events
         .iter()
@@ -73,6 +87,12 @@ async fn research_on_a_server_that_refuses_json_schema_uses_json_object_from_its
     submit_research(&env, "r-llama", "lease-based ownership").await;
     let rec = ended(&env, "r-llama", Duration::from_secs(60)).await;
     assert_eq!(rec.status, "completed", "{rec:?}");
+    // This server ignores native tools: the report says its sections had none.
+    let doc = artifact(&env, &rec).await;
+    assert!(
+        doc.contains("- Sections written without tools (no search or fetch): 4 of 4"),
+        "{doc}"
+    );
     let stats = sim_stats(&sim).await;
     // One refusal for the worker process, then the form it takes.
     assert_eq!(stats["response_formats"]["json_schema"], 1, "{stats}");

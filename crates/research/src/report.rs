@@ -404,6 +404,16 @@ pub fn document(d: &Doc<'_>) -> String {
         "- Retries: {retries} (refused: {})\n",
         r.refused_retries
     ));
+    let done: Vec<&SectionCk> = d.sections.values().filter(|s| s.completed()).collect();
+    let without = done.iter().filter(|s| s.tool_calls == 0).count();
+    if without > 0 {
+        // A provider without tool calling (or LH_MODEL_TOOLS=none) writes
+        // sections from what the model knows: the reader should know.
+        out.push_str(&format!(
+            "- Sections written without tools (no search or fetch): {without} of {}\n",
+            done.len()
+        ));
+    }
     if d.skipped.is_empty() {
         out.push_str("- Skipped sections: none\n");
     } else {
