@@ -246,6 +246,16 @@ impl Reaper {
             reaper_id: reaper_id.clone(),
             ..Default::default()
         });
+        // Users' kinds in the layout are accepted with any input (their
+        // workers validate it), so their schedules fire and their dead
+        // records keep their specs.
+        let kinds = leasehold_store::setup::kinds_set_up(&conn)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+            .iter()
+            .fold(Kinds::default(), |k, name| k.with_open(name));
         let inner = Arc::new(Inner {
             recovery: Arc::new(recovery),
             conn,
@@ -257,7 +267,7 @@ impl Reaper {
                 .clone()
                 .unwrap_or_else(|| ReaperMetrics::new(&reaper_id)),
             readiness: self.readiness.clone(),
-            kinds: Kinds::default(),
+            kinds,
             verify_cursor: std::sync::Mutex::new(String::new()),
             opts,
         });

@@ -113,11 +113,7 @@ pub fn router(_args: &crate::Args) -> anyhow::Result<Router> {
             inner.armed.push_back((f, n));
         }
     }
-    let hang = match std::env::var("LH_SIM_EFFECTS_HANG") {
-        Ok(v) => humantime::parse_duration(v.trim())
-            .map_err(|e| anyhow::anyhow!("LH_SIM_EFFECTS_HANG: {e}"))?,
-        Err(_) => Duration::from_secs(30),
-    };
+    let hang = hang()?;
     let dedupe = match std::env::var("LH_SIM_EFFECTS_DEDUPE") {
         Ok(v) => match v.trim() {
             "1" | "true" | "yes" | "" => true,
@@ -336,4 +332,14 @@ async fn arm_faults(State(sink): State<Sink>, Json(req): Json<ArmRequest>) -> Re
     }
     Json(json!({"armed": inner.armed.iter().map(|(f, n)| json!({"mode": format!("{f:?}"), "times": n})).collect::<Vec<_>>()}))
         .into_response()
+}
+
+/// How long a hanging fault hangs (`LH_SIM_EFFECTS_HANG`, 30s), for the
+/// effects sink and the accounting system alike.
+pub(crate) fn hang() -> anyhow::Result<Duration> {
+    Ok(match std::env::var("LH_SIM_EFFECTS_HANG") {
+        Ok(v) => humantime::parse_duration(v.trim())
+            .map_err(|e| anyhow::anyhow!("LH_SIM_EFFECTS_HANG: {e}"))?,
+        Err(_) => Duration::from_secs(30),
+    })
 }

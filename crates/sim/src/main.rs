@@ -8,6 +8,7 @@
 
 use clap::Parser;
 
+mod accounting;
 mod effects;
 mod model;
 mod web;
@@ -22,6 +23,10 @@ Endpoints:
   GET  /page/SLUG             the pages the search results link to
   GET  /stats                 chat requests served so far (also response_formats, tools_offered,
                               text_tool_calls, provider)
+  POST /accounting/invoices   an accounting system (the invoice example's destination): invoices
+                              unique by supplier + number, GET ?supplier=&number= looks one up,
+                              GET /accounting/suppliers?name=, POST /accounting/faults arms
+                              commit_then_timeout, commit_then_500, rate_limit, lookup_ambiguous
   POST /effects               the effects sink (Idempotency-Key honoured); GET /effects lists,
                               GET /effects/count counts, POST /effects/faults arms a fault
 
@@ -117,7 +122,8 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let app = model::router(&args)?
         .merge(web::router(&args)?)
-        .merge(effects::router(&args)?);
+        .merge(effects::router(&args)?)
+        .merge(accounting::router(&args)?);
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("listening on {}", listener.local_addr()?);
     axum::serve(listener, app).await?;

@@ -326,7 +326,11 @@ fn validate(
         stream_seq: 0,
         received_at: std::time::SystemTime::now(),
     };
-    spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES)
+    spec::decode(
+        sub,
+        &Kinds::default().with_open(kind),
+        spec::DEFAULT_MAX_BYTES,
+    )
 }
 
 /// Requeues the dead job with a fresh budget. The ticket first: it is

@@ -35,9 +35,16 @@ enum Cmd {
         json: bool,
     },
     /// Queue a parked job again (fresh attempt budget; its checkpoints are kept).
+    ///
+    /// With --answer, a person's answer goes back to the step that asked
+    /// (`ctx.park` of the SDK returns it in the resumed attempt).
     Resume {
         /// The job id.
         id: String,
+        /// The answer, as JSON (e.g. '{"approve": true}'); recorded as the
+        /// job's `answer` event before the job is queued again.
+        #[arg(long, value_parser = parse_answer)]
+        answer: Option<Value>,
         #[command(flatten)]
         json: super::AlwaysJson,
     },
@@ -59,7 +66,25 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let events = Events::new(&conn);
     match args.cmd {
         Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
-        Cmd::Resume { id, .. } => {
+        Cmd::Resume { id, answer, .. } => {
+            if let Some(answer) = answer {
+                // The answer first, so the attempt the requeue starts finds
+                // it; a requeue that fails leaves the job parked and the
+                // command can be run again (the last answer is the one).
+                let cur = jobs
+                    .get(&id)
+                    .await?
+                    .ok_or_else(|| anyhow::anyhow!("no job {id}"))?;
+                only_parked(&cur.value, "resume").map_err(|e| explain(e.into(), &id))?;
+                let ev = events::event(
+                    &id,
+                    cur.value.epoch,
+                    "answer",
+                    None,
+                    json!({"answer": answer}),
+                );
+                events.publish(&ev, None).await?;
+            }
             let (v, ticket) = requeue_ticket_first(
                 &conn,
                 &jobs,
@@ -117,6 +142,12 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// `--answer` must be JSON.
+fn parse_answer(s: &str) -> Result<Value, String> {
+    serde_json::from_str(s)
+        .map_err(|e| format!("not JSON ({e}); e.g. --answer '{{\"approve\": true}}'"))
 }
 
 /// Refuses anything but a parked job with a message that says what to do.

@@ -101,8 +101,12 @@ fn validate(name: &str, cron: &str, kind: &str, raw: &[u8]) -> Result<Entry, Str
         stream_seq: 0,
         received_at: now,
     };
-    spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES)
-        .map_err(|r| r.error.to_string())?;
+    spec::decode(
+        sub,
+        &Kinds::default().with_open(kind),
+        spec::DEFAULT_MAX_BYTES,
+    )
+    .map_err(|r| r.error.to_string())?;
     let value: serde_json::Value = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
     if value.get("run_at").is_some_and(|v| !v.is_null()) {
         return Err(

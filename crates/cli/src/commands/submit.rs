@@ -147,7 +147,11 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         stream_seq: 0,
         received_at: std::time::SystemTime::now(),
     };
-    let accepted = match spec::decode(sub, &Kinds::default(), spec::DEFAULT_MAX_BYTES) {
+    let accepted = match spec::decode(
+        sub,
+        &Kinds::default().with_open(&a.kind),
+        spec::DEFAULT_MAX_BYTES,
+    ) {
         Ok(acc) => Some(acc),
         // No id yet: it will come from the stream sequence.
         Err(r) if matches!(&r.error, spec::SubmitError::InvalidId(s) if s.is_empty()) => None,
@@ -212,7 +216,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         }
         eprintln!("duplicate: job {id} was already submitted; this is the same job");
     } else {
-        announce(&conn, &id, published.seq).await;
+        announce(&conn, &id, &a.kind, published.seq).await;
     }
     if a.wait {
         // One JSON document on stdout (the record names the id), so the
@@ -240,7 +244,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
 /// Asks a worker to create the queued record of the ticket at `seq`; what
 /// cannot be done now is done by the ticket's claim, so nothing here fails
 /// the submission.
-async fn announce(conn: &Conn, id: &str, seq: u64) {
+async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) {
     let ask = conn
         .client
         .request(conn.layout.enqueued_subject(seq), "".into());
@@ -265,7 +269,7 @@ async fn announce(conn: &Conn, id: &str, seq: u64) {
                             &jobs,
                             &active,
                             seq,
-                            &Kinds::default(),
+                            &Kinds::default().with_open(kind),
                             spec::DEFAULT_MAX_BYTES,
                             |_, _, _| None,
                         )

@@ -133,8 +133,11 @@ impl Worker {
         w
     }
 
-    /// Adds (or replaces) the handler of a kind.
+    /// Adds (or replaces) the handler of a kind. A kind the built-in
+    /// registry does not know (a user's kind) is accepted with any input
+    /// object: its handler validates it.
     pub fn with_handler(mut self, kind: &str, h: Arc<dyn Handler>) -> Self {
+        self.kinds = std::mem::take(&mut self.kinds).with_open(kind);
         self.handlers.insert(kind.to_string(), h);
         self
     }

@@ -1,0 +1,277 @@
+//! [`Ctx`]: what one attempt of a job may do: read its input, run durable
+//! steps, call tools through the effects ledger, and ask a person.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use leasehold_store::events::Events;
+use leasehold_tools::{CallCtx, CollectEvents, Disposition, OwnerGuard, Toolbox};
+use leasehold_worker::JobCtx;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::journal::{Journal, Next, Recorded};
+use crate::Error;
+
+/// One attempt of one job, as a kind sees it.
+///
+/// Every method takes `&self`, so a step's closure may read the context
+/// (its input, its id) while the step runs.
+///
+/// ```no_run
+/// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+/// let n: u64 = ctx.step("count", || async { Ok(42) }).await?;
+/// # Ok(()) }
+/// ```
+pub struct Ctx {
+    job: JobCtx,
+    version: String,
+    tools: Option<Arc<Toolbox>>,
+    journal: Mutex<Option<Journal>>,
+}
+
+impl Ctx {
+    pub(crate) fn new(job: JobCtx, version: String, tools: Option<Arc<Toolbox>>) -> Ctx {
+        Ctx {
+            job,
+            version,
+            tools,
+            journal: Mutex::new(None),
+        }
+    }
+
+    /// The job's id.
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) { tracing::info!(job = ctx.id(), "starting"); }
+    /// ```
+    pub fn id(&self) -> &str {
+        &self.job.record.id
+    }
+
+    /// The job's kind.
+    pub fn kind(&self) -> &str {
+        &self.job.record.kind
+    }
+
+    /// The attempt's epoch: 1 for the first claim, one more for each claim after it.
+    pub fn epoch(&self) -> u64 {
+        self.job.record.epoch
+    }
+
+    /// Failed attempts before this one (0 on the first).
+    pub fn failed_attempts(&self) -> u32 {
+        self.job.record.attempts
+    }
+
+    /// The submission's `input`, decoded. A bad input is a terminal error
+    /// (retrying cannot fix it).
+    ///
+    /// ```no_run
+    /// #[derive(serde::Deserialize)]
+    /// struct Email { from: String, body: String }
+    /// # fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let email: Email = ctx.input()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn input<T: DeserializeOwned>(&self) -> Result<T, Error> {
+        serde_json::from_value(self.job.input.clone())
+            .map_err(|e| Error::terminal(format!("the job's input: {e}")))
+    }
+
+    /// The submission's `input` as JSON.
+    pub fn input_json(&self) -> &Value {
+        &self.job.input
+    }
+
+    /// Fires when the attempt must stop (cancelled, ownership lost, shutdown).
+    /// Long work should select on it; steps and tool calls already do.
+    pub fn cancelled(&self) -> &CancellationToken {
+        &self.job.cancel
+    }
+
+    async fn journal(&self) -> Result<tokio::sync::MutexGuard<'_, Option<Journal>>, Error> {
+        let mut g = self.journal.lock().await;
+        if g.is_none() {
+            let events = Events::new(&self.job.conn)
+                .read_types(self.id(), &["step"])
+                .await
+                .map_err(|e| Error::retryable(format!("reading the job's steps: {e}")))?;
+            *g = Some(Journal::new(
+                events
+                    .iter()
+                    .filter_map(|(_, ev)| Recorded::of(&ev.data_map())),
+            ));
+        }
+        Ok(g)
+    }
+
+    /// A durable step: `f` runs at most once per attempt boundary. Its
+    /// result is written as a fenced `step` event before the next step
+    /// starts; an attempt that resumes the job gets the recorded result
+    /// without running `f` again.
+    ///
+    /// Step ids are the name and its occurrence (`fetch#0`, `fetch#1`), so
+    /// a loop of steps is stable. A resumed attempt whose code asks for
+    /// steps in another order than recorded, or whose recorded result no
+    /// longer decodes as `T`, parks the job for a person with the reason
+    /// (`journal_mismatch`): it never runs on guessed state.
+    ///
+    /// What runs at most once is the recorded step; `f` itself may run
+    /// again if the process dies after `f` and before its record landed.
+    /// An external effect belongs in a tool call ([`Ctx::call`]), whose
+    /// idempotency key and ledger make it happen once ever.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let total: f64 = ctx
+    ///     .step("total", || async { Ok(12.5 * 3.0) })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn step<T, F, Fut>(&self, name: &str, f: F) -> Result<T, Error>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        self.step_with_id(name, |_| f()).await
+    }
+
+    /// [`Ctx::step`], giving the step's id to `f`.
+    async fn step_with_id<T, F, Fut>(&self, name: &str, f: F) -> Result<T, Error>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let mut g = self.journal().await?;
+        let journal = g.as_mut().expect("journal loaded");
+        let id = journal.id_of(name);
+        let index = match journal.next(&id, &self.version) {
+            Next::Replay(v) => {
+                return serde_json::from_value(v).map_err(|e| {
+                    Error::park(
+                        "journal_mismatch",
+                        format!("step `{id}`'s recorded result no longer decodes: {e}; the kind's code changed while the job ran"),
+                    )
+                })
+            }
+            Next::Mismatch(m) => return Err(Error::park("journal_mismatch", m)),
+            Next::Run { index } => index,
+        };
+        // The journal stays locked while the step runs: steps of one job
+        // are sequential, and their order is what the journal checks.
+        let out = tokio::select! {
+            r = f(id.clone()) => r?,
+            _ = self.job.cancel.cancelled() => return Err(Error::Cancelled),
+        };
+        let result = serde_json::to_value(&out).map_err(|e| {
+            Error::terminal(format!("step `{id}`'s result does not serialize: {e}"))
+        })?;
+        let rec = Recorded {
+            index,
+            id,
+            version: self.version.clone(),
+            result,
+        };
+        self.job
+            .emit("step", rec.data())
+            .await
+            .map_err(|e| Error::stopped(format!("recording step `{}`: {e}", rec.id)))?;
+        journal.recorded(rec);
+        Ok(out)
+    }
+
+    /// Calls a registered tool as a durable step (`tool:<name>#n`). A write
+    /// tool's effect happens at most once ever: its idempotency key is the
+    /// job, its incarnation, the step and the tool; the ledger records it;
+    /// an unknown earlier outcome is reconciled with the tool's
+    /// `find_existing` first; a business key makes a later step asking for
+    /// the same effect get the first one's result; the same step with
+    /// other arguments is refused; and an outcome nobody can know parks
+    /// the job. Ownership is proved by a fenced write right before the
+    /// effect.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let invoice = ctx
+    ///     .call("create_invoice", serde_json::json!({"supplier": "ACME", "number": "F-17", "amount": 120.0}))
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn call(&self, tool: &str, args: Value) -> Result<Value, Error> {
+        let Some(tb) = self.tools.clone() else {
+            return Err(Error::terminal(format!(
+                "no tool `{tool}`: this worker registers no tools (Worker::tool)"
+            )));
+        };
+        let step = format!("tool:{tool}");
+        let job = &self.job;
+        self.step_with_id(&step, |step_id| async move {
+            let call = CallCtx::new(&job.record.id, step_id, job.record.epoch)
+                .of_incarnation(&job.record.created_at)
+                .guarded(OwnerGuard::shared(job.gate.clone()));
+            let events = CollectEvents::new();
+            let r = tb.call_with(&call, tool, &args, &events).await;
+            for ev in events.events() {
+                let _ = job
+                    .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
+                    .await;
+            }
+            match r {
+                Ok(out) => Ok(out.value),
+                Err(e) => Err(match e.disposition() {
+                    Disposition::Park => Error::park(e.class(), e.to_string()),
+                    Disposition::Stop => Error::Cancelled,
+                    Disposition::Retry => Error::retryable(e.to_string()),
+                    _ => Error::terminal(e.to_string()),
+                }),
+            }
+        })
+        .await
+    }
+
+    /// Stops for a person and returns their answer. The first time, the
+    /// job parks with `reason` and `question` (`leasehold review list`
+    /// shows them); `leasehold review resume ID --answer JSON` queues it
+    /// again, and the resumed attempt's `park` returns the answer (then
+    /// recorded as a step: later attempts get it without asking again).
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let answer = ctx
+    ///     .park("approval", "Create an invoice of 12,000 EUR for ACME?")
+    ///     .await?;
+    /// if answer["approve"] != true {
+    ///     return Err(leasehold::Error::terminal("refused by the reviewer"));
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn park(&self, reason: &str, question: &str) -> Result<Value, Error> {
+        let events = Events::new(&self.job.conn);
+        let id = self.id().to_string();
+        self.step("park", || async {
+            let read = |ty: &'static str| {
+                let (events, id) = (&events, id.clone());
+                async move {
+                    events.last_of_type(&id, ty).await.map_err(|e| {
+                        Error::retryable(format!("reading the job's {ty} events: {e}"))
+                    })
+                }
+            };
+            let parked = read("parked").await?;
+            let answer = read("answer").await?;
+            match (parked, answer) {
+                (Some((p, _)), Some((a, ev))) if a > p => {
+                    Ok(ev.data_map().get("answer").cloned().unwrap_or(Value::Null))
+                }
+                _ => Err(Error::park(reason, question)),
+            }
+        })
+        .await
+    }
+}

@@ -1,0 +1,57 @@
+//! [`Error`]: how an attempt of a kind ends when it does not complete.
+
+/// An attempt that did not complete, and what the runtime does about it.
+///
+/// ```
+/// use leasehold::Error;
+/// let e = Error::retryable("the supplier API answered 503");
+/// assert!(e.to_string().contains("503"));
+/// ```
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// Worth another attempt, with the job's backoff, while its attempts last.
+    #[error("{0}")]
+    Retryable(String),
+    /// Never retried: the job fails with this message.
+    #[error("{0}")]
+    Terminal(String),
+    /// Stop for a person: `leasehold review list` shows the job with the
+    /// reason and the message; `review resume` (with `--answer`) or
+    /// `review fail` ends the wait.
+    #[error("parked ({reason}): {message}")]
+    Park { reason: String, message: String },
+    /// The attempt must stop: cancelled, its claim lost, or the worker
+    /// shutting down. Nothing is written for it.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl Error {
+    /// A failure worth another attempt.
+    pub fn retryable(m: impl Into<String>) -> Error {
+        Error::Retryable(m.into())
+    }
+    /// A failure retrying cannot fix.
+    pub fn terminal(m: impl Into<String>) -> Error {
+        Error::Terminal(m.into())
+    }
+    /// A stop for a person.
+    pub fn park(reason: impl Into<String>, message: impl Into<String>) -> Error {
+        Error::Park {
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+    /// This attempt may no longer act (its record or event write was
+    /// refused): it stops, writing nothing.
+    pub(crate) fn stopped(why: impl Into<String>) -> Error {
+        tracing::info!("attempt stops: {}", why.into());
+        Error::Cancelled
+    }
+}
+
+impl From<serde_json::Error> for Error {
+    fn from(e: serde_json::Error) -> Error {
+        Error::terminal(format!("JSON: {e}"))
+    }
+}

@@ -1,0 +1,290 @@
+//! `leasehold`: run your own agent jobs on a leasehold fleet.
+//!
+//! A *kind* is your code for one type of job ([`Kind`]). You build your own
+//! worker binary: register kinds and tools on a [`Worker`], start it, and
+//! every job of those kinds gets what leasehold gives its own workloads:
+//! one owner at a time (a worker that wakes after losing a job can never
+//! advance it), durable steps that a resumed attempt does not run again
+//! ([`Ctx::step`]), tool calls whose side effects happen once ever through
+//! the effects ledger ([`Ctx::call`]), people in the loop
+//! ([`Ctx::park`]), job-level retries with backoff, dead letters, and the
+//! CLI to watch it all (`leasehold watch ID`).
+//!
+//! ```no_run
+//! use leasehold::{Ctx, Error, Kind, Worker};
+//! use serde_json::{json, Value};
+//!
+//! struct Greet;
+//!
+//! #[leasehold::async_trait]
+//! impl Kind for Greet {
+//!     async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+//!         let name: String = ctx.step("name", || async { Ok("world".to_string()) }).await?;
+//!         Ok(json!({"greeting": format!("hello, {name}")}))
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> anyhow::Result<()> {
+//!     // Every flag and LH_* variable of `leasehold-worker` (see --help).
+//!     Worker::from_env().kind("greet", Greet).run().await
+//! }
+//! ```
+//!
+//! The fleet's layout must list the kind: `leasehold setup --kinds greet`
+//! (kinds can be added to a running fleet). Submit with `leasehold submit
+//! greet --input '{}'`.
+//!
+//! What holds where (the guarantees):
+//! - a recorded step never runs again for the job; a step whose attempt
+//!   died before its record landed runs again (at least once, at most once
+//!   recorded);
+//! - a write tool's effect happens at most once ever, across attempts,
+//!   workers and crashes (idempotency key, ledger, reconciliation, owner
+//!   proof before the effect); an outcome nobody can know parks the job;
+//! - a resumed attempt whose code asks for other steps than recorded parks
+//!   the job (`journal_mismatch`) instead of running on guessed state.
+
+mod ctx;
+mod error;
+pub mod journal;
+
+use std::sync::Arc;
+
+use clap::{CommandFactory, FromArgMatches};
+use leasehold_proto::JobResult;
+use leasehold_tools::{EffectsLedger, NoEvents, Toolbox};
+use leasehold_worker::{Handler, HandlerError, JobCtx, Outcome};
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+pub use async_trait::async_trait;
+pub use ctx::Ctx;
+pub use error::Error;
+/// A boxed future, as [`Tool`] methods return.
+pub use futures::future::BoxFuture;
+pub use leasehold_tools::{ExecCtx, Reconcile, Tool, ToolError, ToolKind, ToolSpec};
+pub use leasehold_worker::{Handle, Options};
+
+/// Your code for one kind of job.
+///
+/// `run` is one attempt. It returns the job's output (kept as the record's
+/// `result.output`, JSON) or an [`Error`] saying whether to retry, fail or
+/// park. It must return promptly once [`Ctx::cancelled`] fires; steps and
+/// tool calls do.
+///
+/// ```no_run
+/// use leasehold::{Ctx, Error, Kind};
+/// use serde_json::Value;
+///
+/// struct Echo;
+///
+/// #[leasehold::async_trait]
+/// impl Kind for Echo {
+///     fn version(&self) -> &str { "2" }
+///     async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+///         Ok(ctx.input_json().clone())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Kind: Send + Sync + 'static {
+    /// The version of this kind's code, recorded with every step (and named
+    /// in a journal mismatch). Bump it when steps change.
+    fn version(&self) -> &str {
+        "1"
+    }
+
+    /// One attempt of one job.
+    async fn run(&self, ctx: &Ctx) -> Result<serde_json::Value, Error>;
+}
+
+/// The tools of a worker, one toolbox for all its kinds, opened on first use.
+struct Tools {
+    tools: Vec<Arc<dyn Tool>>,
+    toolbox: OnceCell<Option<Arc<Toolbox>>>,
+}
+
+impl Tools {
+    async fn toolbox(&self, job: &JobCtx) -> Result<Option<Arc<Toolbox>>, HandlerError> {
+        self.toolbox
+            .get_or_try_init(|| async {
+                if self.tools.is_empty() {
+                    return Ok(None);
+                }
+                let ledger = EffectsLedger::open(&job.conn.js, &job.conn.layout.effects_bucket())
+                    .await
+                    .map_err(|e| HandlerError::retryable(format!("effects ledger: {e}")))?;
+                let mut tb = Toolbox::new(Some(ledger), Arc::new(NoEvents));
+                for t in &self.tools {
+                    tb.register(t.clone())
+                        .map_err(|e| HandlerError::terminal(format!("tool: {e}")))?;
+                }
+                Ok(Some(Arc::new(tb)))
+            })
+            .await
+            .cloned()
+    }
+}
+
+/// A [`Kind`] as the worker runs it.
+struct KindHandler {
+    kind: Arc<dyn Kind>,
+    tools: Arc<Tools>,
+}
+
+#[async_trait]
+impl Handler for KindHandler {
+    async fn run(&self, job: JobCtx) -> Result<Outcome, HandlerError> {
+        let tools = self.tools.toolbox(&job).await?;
+        let ctx = Ctx::new(job, self.kind.version().to_string(), tools);
+        match self.kind.run(&ctx).await {
+            Ok(v) => Ok(Outcome::Completed(JobResult {
+                output: v.to_string(),
+                ..Default::default()
+            })),
+            Err(Error::Park { reason, message }) => Ok(Outcome::Parked { reason, message }),
+            Err(Error::Retryable(m)) => Err(HandlerError::retryable(m)),
+            Err(Error::Terminal(m)) => Err(HandlerError::terminal(m)),
+            Err(Error::Cancelled) => Err(HandlerError::cancelled()),
+        }
+    }
+}
+
+/// Your worker: its options, kinds and tools.
+///
+/// ```no_run
+/// # struct Invoice;
+/// # #[leasehold::async_trait]
+/// # impl leasehold::Kind for Invoice {
+/// #     async fn run(&self, _: &leasehold::Ctx) -> Result<serde_json::Value, leasehold::Error> { todo!() }
+/// # }
+/// # async fn f() -> anyhow::Result<()> {
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// let handle = leasehold::Worker::from_env()
+///     .kind("invoice", Invoice)
+///     .start(shutdown.clone())
+///     .await?;
+/// // ... later: shutdown.cancel(); handle.wait().await?;
+/// # Ok(()) }
+/// ```
+pub struct Worker {
+    opts: Options,
+    /// Whether `--kinds` was given; if not, the worker serves what it registers.
+    kinds_given: bool,
+    kinds: Vec<(String, Arc<dyn Kind>)>,
+    tools: Vec<Arc<dyn Tool>>,
+}
+
+impl Worker {
+    /// Options from the command line and the environment, exactly as
+    /// `leasehold-worker` reads them (`--help` prints them and exits; a bad
+    /// value exits with 2). Without `--kinds` (`LH_KINDS`) the worker serves
+    /// the kinds it registers.
+    pub fn from_env() -> Worker {
+        let m = Options::command().get_matches();
+        let opts = Options::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+        let kinds_given = m.value_source("kinds") != Some(clap::parser::ValueSource::DefaultValue);
+        Worker {
+            opts,
+            kinds_given,
+            kinds: Vec::new(),
+            tools: Vec::new(),
+        }
+    }
+
+    /// A worker with these options (their `kinds` are the kinds served).
+    ///
+    /// ```no_run
+    /// let opts = leasehold::Options::local("nats://127.0.0.1:4222", "lh");
+    /// let w = leasehold::Worker::new(opts);
+    /// ```
+    pub fn new(opts: Options) -> Worker {
+        Worker {
+            opts,
+            kinds_given: true,
+            kinds: Vec::new(),
+            tools: Vec::new(),
+        }
+    }
+
+    /// Serves `kind` under `name` (the `<kind>` of `lh.submit.<kind>`).
+    ///
+    /// ```no_run
+    /// # struct Invoice;
+    /// # #[leasehold::async_trait]
+    /// # impl leasehold::Kind for Invoice {
+    /// #     async fn run(&self, _: &leasehold::Ctx) -> Result<serde_json::Value, leasehold::Error> { todo!() }
+    /// # }
+    /// let w = leasehold::Worker::from_env().kind("invoice", Invoice);
+    /// ```
+    pub fn kind(mut self, name: &str, kind: impl Kind) -> Worker {
+        self.kinds.push((name.to_string(), Arc::new(kind)));
+        self
+    }
+
+    /// Registers a tool for [`Ctx::call`]. Its JSON Schema must compile
+    /// (checked at the first job).
+    ///
+    /// ```no_run
+    /// # fn f(my_tool: impl leasehold::Tool + 'static) {
+    /// let w = leasehold::Worker::from_env().tool(my_tool);
+    /// # }
+    /// ```
+    pub fn tool(mut self, tool: impl Tool + 'static) -> Worker {
+        self.tools.push(Arc::new(tool));
+        self
+    }
+
+    /// The options as they will be used.
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// Connects, verifies the layout, opens the worker's session, and
+    /// starts pulling; stops (draining, then handing jobs back) when
+    /// `shutdown` fires.
+    pub async fn start(mut self, shutdown: CancellationToken) -> anyhow::Result<Handle> {
+        if !self.kinds_given {
+            self.opts.kinds = self.kinds.iter().map(|(n, _)| n.clone()).collect();
+        }
+        let tools = Arc::new(Tools {
+            tools: self.tools,
+            toolbox: OnceCell::new(),
+        });
+        let mut w = leasehold_worker::Worker::new(self.opts);
+        for (name, kind) in self.kinds {
+            w = w.with_handler(
+                &name,
+                Arc::new(KindHandler {
+                    kind,
+                    tools: tools.clone(),
+                }),
+            );
+        }
+        w.start(shutdown).await
+    }
+
+    /// Starts, and runs until SIGTERM or SIGINT (then drains: in-flight
+    /// jobs get `--drain-timeout` to finish, then are handed back). Logs go
+    /// to stderr (`RUST_LOG`, `LH_LOG_FORMAT`).
+    pub async fn run(self) -> anyhow::Result<()> {
+        let telemetry = leasehold_telemetry::trace::init("leasehold-worker");
+        let shutdown = CancellationToken::new();
+        let handle = self.start(shutdown.clone()).await?;
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+            }
+            stop.cancel();
+        });
+        let r = handle.wait().await;
+        telemetry.shutdown();
+        r
+    }
+}
