@@ -126,3 +126,128 @@ async fn a_recorded_result_that_no_longer_decodes_parks_the_job() {
     let msg = rec.error.map(|e| e.message).unwrap_or_default();
     assert!(msg.contains("no longer decodes"), "{msg}");
 }
+
+/// `search` and `fetch` of a user's own, for the sim's planner.
+struct Search(String, Arc<AtomicU32>, leasehold::ToolSpec);
+struct Fetch(Arc<AtomicU32>, leasehold::ToolSpec);
+
+fn spec(name: &str) -> leasehold::ToolSpec {
+    leasehold::ToolSpec {
+        name: name.into(),
+        description: format!("{name} the web"),
+        kind: leasehold::ToolKind::Read,
+        schema: json!({"type": "object"}),
+        timeout: Duration::from_secs(5),
+    }
+}
+
+impl leasehold::Tool for Search {
+    fn spec(&self) -> &leasehold::ToolSpec {
+        &self.2
+    }
+    fn execute<'a>(
+        &'a self,
+        _args: &'a Value,
+        _ctx: &'a leasehold::ExecCtx,
+    ) -> leasehold::BoxFuture<'a, Result<Value, leasehold::ToolError>> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        let url = format!("{}/page/leases", self.0);
+        Box::pin(async move { Ok(json!({"results": [{"url": url, "title": "Leases"}]})) })
+    }
+}
+
+impl leasehold::Tool for Fetch {
+    fn spec(&self) -> &leasehold::ToolSpec {
+        &self.1
+    }
+    fn execute<'a>(
+        &'a self,
+        _args: &'a Value,
+        _ctx: &'a leasehold::ExecCtx,
+    ) -> leasehold::BoxFuture<'a, Result<Value, leasehold::ToolError>> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async { Ok(json!("A lease is a right held for a while.")) })
+    }
+}
+
+/// One agent call, then a retryable failure the first time.
+struct Researcher(Arc<AtomicU32>);
+
+#[leasehold::async_trait]
+impl Kind for Researcher {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let out = ctx
+            .agent(
+                "section",
+                &leasehold::Agent::new(
+                    "sim",
+                    "You research and cite.",
+                    "Write one section about leases.",
+                )
+                .tools(["search", "fetch"]),
+            )
+            .await?;
+        if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(Error::retryable("after the agent, once"));
+        }
+        Ok(json!({"text": out.text, "tool_calls": out.tool_calls}))
+    }
+}
+
+#[tokio::test]
+async fn an_agent_call_runs_the_users_tools_and_is_not_repeated_once_recorded() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("researcher".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let (searches, fetches) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let mut opts = env.opts();
+    opts.kinds = vec!["researcher".into()];
+    opts.retry_base = Duration::from_millis(10);
+    opts.retry_cap = Duration::from_millis(20);
+    let model = leasehold::ModelConfig {
+        base_url: format!("{sim}/v1"),
+        ..Default::default()
+    };
+    let stop = CancellationToken::new();
+    let _h = leasehold::Worker::new(opts)
+        .model("sim", model)
+        .tool(Search(sim.clone(), searches.clone(), spec("search")))
+        .tool(Fetch(fetches.clone(), spec("fetch")))
+        .kind("researcher", Researcher(Arc::new(AtomicU32::new(0))))
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("researcher", json!({"input": {}}), "ag-1").await;
+    let rec = env
+        .wait_for("ag-1", Duration::from_secs(30), |r| {
+            matches!(r.status.as_str(), "completed" | "failed" | "parked")
+        })
+        .await;
+    stop.cancel();
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let out: Value = serde_json::from_str(&rec.result.unwrap().output).unwrap();
+    assert!(
+        out["text"].as_str().unwrap().contains("/page/leases"),
+        "{out}"
+    );
+    assert_eq!(out["tool_calls"], 2);
+    // The second attempt got the recorded answer: the tools ran once each.
+    assert_eq!(searches.load(Ordering::SeqCst), 1);
+    assert_eq!(fetches.load(Ordering::SeqCst), 1);
+    let events = env.events_of("ag-1").await;
+    let journal = events.iter().filter(|e| e.r#type == "agent").count();
+    assert!(
+        journal >= 5,
+        "the transcript was journaled: {journal} entries"
+    );
+    let steps: Vec<String> = events
+        .iter()
+        .filter(|e| e.r#type == "step")
+        .map(|e| e.data_map()["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(steps, ["agent:section#0"]);
+}

@@ -30,15 +30,22 @@ pub struct Ctx {
     job: JobCtx,
     version: String,
     tools: Option<Arc<Toolbox>>,
+    models: Arc<crate::Models>,
     journal: Mutex<Option<Journal>>,
 }
 
 impl Ctx {
-    pub(crate) fn new(job: JobCtx, version: String, tools: Option<Arc<Toolbox>>) -> Ctx {
+    pub(crate) fn new(
+        job: JobCtx,
+        version: String,
+        tools: Option<Arc<Toolbox>>,
+        models: Arc<crate::Models>,
+    ) -> Ctx {
         Ctx {
             job,
             version,
             tools,
+            models,
             journal: Mutex::new(None),
         }
     }
@@ -271,6 +278,50 @@ impl Ctx {
                 }
                 _ => Err(Error::park(reason, question)),
             }
+        })
+        .await
+    }
+
+    /// A tool-calling conversation with a registered model and tools, as
+    /// one durable step (`agent:<name>#n`): once it completed, later
+    /// attempts get its answer without a model call. While it runs, its
+    /// transcript is journaled (`agent` events) and each model call waits
+    /// until what came before is durable, so a kill -9 repeats at most the
+    /// call in flight: a resumed attempt continues the conversation (warm),
+    /// with every tool result kept, and write tools keep their keys.
+    /// Generation retries, warm then cold retries, context compaction, the
+    /// breaker, the fallback model, budgets, loop detection and schema
+    /// validation with one repair round are the research sections' own.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// use leasehold::Agent;
+    /// let out = ctx
+    ///     .agent(
+    ///         "book",
+    ///         &Agent::new("main", "You book supplier invoices.", "Book: Invoice F-17 from ACME: 120 EUR")
+    ///             .tools(["lookup_supplier", "create_invoice"]),
+    ///     )
+    ///     .await?;
+    /// println!("{}", out.text);
+    /// # Ok(()) }
+    /// ```
+    pub async fn agent(
+        &self,
+        name: &str,
+        spec: &crate::Agent,
+    ) -> Result<crate::AgentOutput, Error> {
+        let Some(generator) = self.models.get(&spec.model) else {
+            return Err(Error::terminal(format!(
+                "no model `{}`: register it with Worker::model (registered: {:?})",
+                spec.model,
+                self.models.names()
+            )));
+        };
+        let job = &self.job;
+        let tools = self.tools.clone();
+        self.step_with_id(&format!("agent:{name}"), |step| async move {
+            crate::agent::run(job, &step, generator, tools, spec).await
         })
         .await
     }

@@ -45,6 +45,7 @@
 //! - a resumed attempt whose code asks for other steps than recorded parks
 //!   the job (`journal_mismatch`) instead of running on guessed state.
 
+mod agent;
 mod ctx;
 mod error;
 pub mod journal;
@@ -58,6 +59,7 @@ use leasehold_worker::{Handler, HandlerError, JobCtx, Outcome};
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
+pub use agent::{Agent, AgentOutput, ModelConfig};
 pub use async_trait::async_trait;
 pub use ctx::Ctx;
 pub use error::Error;
@@ -127,17 +129,36 @@ impl Tools {
     }
 }
 
+/// The models a worker registered, by name, each with its one breaker.
+#[derive(Default)]
+pub(crate) struct Models(std::collections::BTreeMap<String, Arc<leasehold_model::Generator>>);
+
+impl Models {
+    pub(crate) fn get(&self, name: &str) -> Option<Arc<leasehold_model::Generator>> {
+        self.0.get(name).cloned()
+    }
+    pub(crate) fn names(&self) -> Vec<&str> {
+        self.0.keys().map(String::as_str).collect()
+    }
+}
+
 /// A [`Kind`] as the worker runs it.
 struct KindHandler {
     kind: Arc<dyn Kind>,
     tools: Arc<Tools>,
+    models: Arc<Models>,
 }
 
 #[async_trait]
 impl Handler for KindHandler {
     async fn run(&self, job: JobCtx) -> Result<Outcome, HandlerError> {
         let tools = self.tools.toolbox(&job).await?;
-        let ctx = Ctx::new(job, self.kind.version().to_string(), tools);
+        let ctx = Ctx::new(
+            job,
+            self.kind.version().to_string(),
+            tools,
+            self.models.clone(),
+        );
         match self.kind.run(&ctx).await {
             Ok(v) => Ok(Outcome::Completed(JobResult {
                 output: v.to_string(),
@@ -174,6 +195,7 @@ pub struct Worker {
     kinds_given: bool,
     kinds: Vec<(String, Arc<dyn Kind>)>,
     tools: Vec<Arc<dyn Tool>>,
+    models: Vec<(String, ModelConfig)>,
 }
 
 impl Worker {
@@ -190,6 +212,7 @@ impl Worker {
             kinds_given,
             kinds: Vec::new(),
             tools: Vec::new(),
+            models: Vec::new(),
         }
     }
 
@@ -205,6 +228,7 @@ impl Worker {
             kinds_given: true,
             kinds: Vec::new(),
             tools: Vec::new(),
+            models: Vec::new(),
         }
     }
 
@@ -236,6 +260,24 @@ impl Worker {
         self
     }
 
+    /// Registers a model for [`Ctx::agent`] under `name`. The library reads
+    /// no variable for it: build the configuration yourself (or with
+    /// `ModelConfig::from_env()`, which reads the `LH_MODEL_*` variables).
+    ///
+    /// ```no_run
+    /// let cfg = leasehold::ModelConfig {
+    ///     base_url: "https://api.openai.com/v1".into(),
+    ///     model: "gpt-4o-mini".into(),
+    ///     api_key: std::env::var("OPENAI_API_KEY").ok(),
+    ///     ..Default::default()
+    /// };
+    /// let w = leasehold::Worker::from_env().model("main", cfg);
+    /// ```
+    pub fn model(mut self, name: &str, cfg: ModelConfig) -> Worker {
+        self.models.push((name.to_string(), cfg));
+        self
+    }
+
     /// The options as they will be used.
     pub fn options(&self) -> &Options {
         &self.opts
@@ -252,6 +294,12 @@ impl Worker {
             tools: self.tools,
             toolbox: OnceCell::new(),
         });
+        let mut models = Models::default();
+        for (name, cfg) in self.models {
+            let g = agent::generator(cfg).map_err(|e| anyhow::anyhow!("model `{name}`: {e}"))?;
+            models.0.insert(name, g);
+        }
+        let models = Arc::new(models);
         let mut w = leasehold_worker::Worker::new(self.opts);
         for (name, kind) in self.kinds {
             w = w.with_handler(
@@ -259,6 +307,7 @@ impl Worker {
                 Arc::new(KindHandler {
                     kind,
                     tools: tools.clone(),
+                    models: models.clone(),
                 }),
             );
         }

@@ -1,0 +1,365 @@
+//! [`Ctx::agent`]: a tool-calling conversation as one durable step, with the
+//! runtime the research sections use: the transcript journal (a kill -9
+//! repeats at most the model call in flight), generation retries, warm then
+//! cold section retries, context sanitation and compaction, budgets, the
+//! circuit breaker, the fallback model, retry reports, loop detection, and
+//! structured output validated with one repair round.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex as StdMutex};
+
+use leasehold_model::agent::{
+    SectionInput, SectionOutcome, SectionPolicy, SectionRunner, ToolExecutor, ToolOutcome,
+    TranscriptHook,
+};
+use leasehold_model::{
+    BreakerConfig, Budget, BudgetLimits, GenerationPolicy, Generator, ModelClient, RetryReport,
+    RetryReporter, RunContext,
+};
+use leasehold_store::events::Events;
+use leasehold_tools::{CallCtx, Disposition, OwnerGuard, Toolbox};
+use leasehold_transcript::{Message, Thread};
+use leasehold_worker::JobCtx;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch};
+
+pub use leasehold_model::ModelConfig;
+
+/// What one agent call is asked to do.
+///
+/// ```
+/// let a = leasehold::Agent::new("gpt-4o-mini", "You book invoices.", "Book invoice F-17 of ACME.")
+///     .tools(["lookup_supplier", "create_invoice"]);
+/// assert_eq!(a.model, "gpt-4o-mini");
+/// ```
+#[derive(Debug, Clone)]
+pub struct Agent {
+    /// A model registered with [`crate::Worker::model`].
+    pub model: String,
+    pub system: String,
+    pub prompt: String,
+    /// Registered tools offered to the model (by name).
+    pub tools: Vec<String>,
+    /// A JSON Schema the final answer must follow (validated, one repair
+    /// round; the provider's structured-output form is chosen for you).
+    pub schema: Option<Value>,
+    /// Model responses per attempt before it is stopped as a loop (16).
+    pub max_rounds: u32,
+    /// Warm and cold retries of the conversation (2 and 2).
+    pub max_warm: u32,
+    pub max_cold: u32,
+    /// Limits of this call (steps, tokens, wall time, cost).
+    pub limits: BudgetLimits,
+}
+
+impl Agent {
+    pub fn new(model: &str, system: &str, prompt: &str) -> Agent {
+        let d = SectionPolicy::default();
+        Agent {
+            model: model.into(),
+            system: system.into(),
+            prompt: prompt.into(),
+            tools: Vec::new(),
+            schema: None,
+            max_rounds: d.max_rounds,
+            max_warm: d.max_warm,
+            max_cold: d.max_cold,
+            limits: BudgetLimits::default(),
+        }
+    }
+
+    /// Offers these registered tools.
+    pub fn tools<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Agent {
+        self.tools = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The final answer must be JSON following `schema`.
+    pub fn schema(mut self, schema: Value) -> Agent {
+        self.schema = Some(schema);
+        self
+    }
+}
+
+/// How an agent call ended well.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentOutput {
+    /// The final answer.
+    pub text: String,
+    /// The answer parsed, when a schema was asked for.
+    pub json: Option<Value>,
+    pub model_calls: u32,
+    pub tool_calls: u32,
+}
+
+/// A model of the worker: its client and the one breaker its calls share.
+pub(crate) fn generator(cfg: ModelConfig) -> Result<Arc<Generator>, String> {
+    let client = ModelClient::new(cfg).map_err(|e| e.to_string())?;
+    Ok(Arc::new(Generator::new(
+        client,
+        GenerationPolicy::default(),
+        BreakerConfig::default(),
+    )))
+}
+
+/// Journals the conversation as `agent` events of this step; each model
+/// call waits until what came before it is durable.
+struct Journal {
+    tx: mpsc::UnboundedSender<Value>,
+    queued: StdMutex<u64>,
+    written: watch::Receiver<u64>,
+}
+
+impl Journal {
+    fn start(job: JobCtx, step: String) -> Journal {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+        let (done_tx, written) = watch::channel(0u64);
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while let Some(entry) = rx.recv().await {
+                if job
+                    .emit("agent", json!({"step": step, "entry": entry}))
+                    .await
+                    .is_err()
+                {
+                    // A stale owner: the fence refused it; the attempt stops
+                    // through its cancel token, nothing more is written.
+                    return;
+                }
+                n += 1;
+                let _ = done_tx.send(n);
+            }
+        });
+        Journal {
+            tx,
+            queued: StdMutex::new(0),
+            written,
+        }
+    }
+
+    fn push(&self, entry: Value) {
+        *self.queued.lock().expect("journal") += 1;
+        let _ = self.tx.send(entry);
+    }
+}
+
+impl TranscriptHook for Journal {
+    fn on_message(&self, generation: u32, message: &Message) {
+        self.push(json!({"message": {"generation": generation, "message": message}}));
+    }
+    fn on_thread(&self, thread: &Thread) {
+        self.push(
+            json!({"thread": {"generation": thread.generation, "messages": thread.messages}}),
+        );
+    }
+    fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            let want = *self.queued.lock().expect("journal");
+            let mut w = self.written.clone();
+            let _ = w.wait_for(|n| *n >= want).await;
+        })
+    }
+}
+
+/// The thread an earlier attempt journaled for `step`, if any.
+async fn journaled(job: &JobCtx, step: &str) -> Result<Option<Thread>, String> {
+    let events = Events::new(&job.conn)
+        .read_types(&job.record.id, &["agent"])
+        .await
+        .map_err(|e| format!("reading the agent's journal: {e}"))?;
+    let mut thread: Option<Thread> = None;
+    for (_, ev) in events {
+        let d = ev.data_map();
+        if d.get("step").and_then(Value::as_str) != Some(step) {
+            continue;
+        }
+        let entry = d.get("entry").cloned().unwrap_or(Value::Null);
+        if let Some(t) = entry.get("thread") {
+            if let Ok(messages) = serde_json::from_value::<Vec<Message>>(t["messages"].clone()) {
+                thread = Some(Thread {
+                    generation: t["generation"].as_u64().unwrap_or(0) as u32,
+                    messages,
+                });
+            }
+        } else if let Some(m) = entry.get("message") {
+            let generation = m["generation"].as_u64().unwrap_or(0) as u32;
+            if let (Some(t), Ok(msg)) = (
+                thread.as_mut(),
+                serde_json::from_value::<Message>(m["message"].clone()),
+            ) {
+                if t.generation == generation {
+                    t.messages.push(msg);
+                }
+            }
+        }
+    }
+    Ok(thread)
+}
+
+/// Registered tools offered to the model, called through the ledger.
+struct Tools {
+    toolbox: Option<Arc<Toolbox>>,
+    offered: Vec<String>,
+    job: JobCtx,
+    step: String,
+}
+
+impl ToolExecutor for Tools {
+    fn specs(&self) -> Vec<Value> {
+        let Some(tb) = &self.toolbox else {
+            return Vec::new();
+        };
+        match tb.openai_tools() {
+            Value::Array(all) => all
+                .into_iter()
+                .filter(|t| {
+                    t.pointer("/function/name")
+                        .and_then(Value::as_str)
+                        .is_some_and(|n| self.offered.iter().any(|o| o == n))
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn call<'a>(
+        &'a self,
+        name: &'a str,
+        args: &'a Value,
+        call_id: &'a str,
+    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
+        Box::pin(async move {
+            let Some(tb) = self
+                .toolbox
+                .as_ref()
+                .filter(|_| self.offered.iter().any(|o| o == name))
+            else {
+                return ToolOutcome::Error(format!("tool `{name}` is not available here"));
+            };
+            // The call id is kept by the journal across retries and
+            // resumes, so the tool's step (and its idempotency key) is too.
+            let job = &self.job;
+            let call = CallCtx::new(
+                &job.record.id,
+                format!("{}/{call_id}", self.step),
+                job.record.epoch,
+            )
+            .of_incarnation(&job.record.created_at)
+            .guarded(OwnerGuard::shared(job.gate.clone()));
+            let events = leasehold_tools::CollectEvents::new();
+            let r = tb.call_with(&call, name, args, &events).await;
+            for ev in events.events() {
+                let _ = job
+                    .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
+                    .await;
+            }
+            match r {
+                Ok(out) => ToolOutcome::Ok(match out.value {
+                    Value::String(s) => s,
+                    v => v.to_string(),
+                }),
+                Err(e) => match e.disposition() {
+                    Disposition::ReturnToModel => ToolOutcome::Error(e.to_string()),
+                    Disposition::Park => ToolOutcome::Uncertain(e.to_string()),
+                    _ => ToolOutcome::Failed(e.to_string()),
+                },
+            }
+        })
+    }
+}
+
+/// Retry reports as `retry` events of the step.
+struct Reports {
+    job: JobCtx,
+    step: String,
+}
+
+impl RetryReporter for Reports {
+    fn report(&self, r: RetryReport) {
+        let mut v = serde_json::to_value(&r).unwrap_or_default();
+        v["step"] = json!(self.step);
+        let job = self.job.clone();
+        tokio::spawn(async move {
+            let _ = job.emit("retry", v).await;
+        });
+    }
+}
+
+/// Runs one agent call for step `step` (see [`crate::Ctx::agent`]).
+pub(crate) async fn run(
+    job: &JobCtx,
+    step: &str,
+    generator: Arc<Generator>,
+    toolbox: Option<Arc<Toolbox>>,
+    spec: &Agent,
+) -> Result<AgentOutput, crate::Error> {
+    use crate::Error;
+    let initial = journaled(job, step).await.map_err(Error::retryable)?;
+    let response_format = spec
+        .schema
+        .as_ref()
+        .map(|s| json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": s}}));
+    let runner = SectionRunner {
+        generator,
+        tools: Arc::new(Tools {
+            toolbox,
+            offered: spec.tools.clone(),
+            job: job.clone(),
+            step: step.to_string(),
+        }),
+        hook: Arc::new(Journal::start(job.clone(), step.to_string())),
+        policy: SectionPolicy {
+            max_warm: spec.max_warm,
+            max_cold: spec.max_cold,
+            max_rounds: spec.max_rounds,
+            response_format,
+            ..SectionPolicy::default()
+        },
+    };
+    let mut ctx = RunContext::new(Budget::new(spec.limits.clone(), Default::default()));
+    ctx.cancel = job.cancel.clone();
+    ctx.reporter = Arc::new(Reports {
+        job: job.clone(),
+        step: step.to_string(),
+    });
+    let r = runner
+        .run(
+            SectionInput {
+                system: spec.system.clone(),
+                section_prompt: spec.prompt.clone(),
+                rolling_context: String::new(),
+                initial,
+            },
+            &ctx,
+        )
+        .await;
+    match r.outcome {
+        SectionOutcome::Completed { text } => {
+            let json = match &spec.schema {
+                Some(_) => Some(serde_json::from_str::<Value>(text.trim()).map_err(|e| {
+                    Error::retryable(format!("the agent's answer is not JSON: {e}"))
+                })?),
+                None => None,
+            };
+            Ok(AgentOutput {
+                text,
+                json,
+                model_calls: r.model_calls,
+                tool_calls: r.tool_calls,
+            })
+        }
+        SectionOutcome::Skipped { reason } => {
+            Err(Error::retryable(format!("agent `{step}`: {reason}")))
+        }
+        SectionOutcome::Parked { class, reason } => Err(Error::park(class.to_string(), reason)),
+        SectionOutcome::Failed { reason, .. } => {
+            Err(Error::terminal(format!("agent `{step}`: {reason}")))
+        }
+        SectionOutcome::BudgetExhausted { kind } => Err(Error::terminal(format!(
+            "agent `{step}`: budget exhausted ({kind:?})"
+        ))),
+        SectionOutcome::Cancelled => Err(Error::Cancelled),
+    }
+}
