@@ -47,6 +47,8 @@
 
 mod agent;
 mod ctx;
+#[doc = include_str!("../../../docs/write-your-own-kind.md")]
+pub mod guide {}
 mod error;
 pub mod journal;
 
