@@ -18,6 +18,7 @@
 //! | `queue-full` | refused submission into a full work queue, CLI exit 75, nothing accepted lost | an accepted submission | 10077, 75, 0 lost |
 //! | `busy` | kill -9 on a fleet at 92% of its slots: each bystander running again; a poison job's submit -> dead | the session timeout | p95 <= 11 s; <= (max stale reclaims + 1) x 11 s |
 //! | `reoffers` | false re-offers with ~100 long jobs in flight: `leasehold-soak` rolling (3 nodes) and nats-restart (down 2-3 session timeouts) runs | | 0 |
+//! | `steps` | an empty durable step of the SDK, p50/p99; resume: attempt start -> first new step with 10 / 1,000 / 10,000 recorded steps | one raw JetStream publish ack | step p50 <= 2x; resume linear, <= 100 ms at 1,000 |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 
 mod busy;
@@ -29,6 +30,7 @@ mod queue;
 mod recovery;
 mod reoffers;
 mod research;
+mod steps;
 mod throughput;
 
 use std::path::PathBuf;
@@ -53,6 +55,7 @@ pub const PARTS: &[&str] = &[
     "busy",
     "regression",
     "reoffers",
+    "steps",
 ];
 
 #[derive(Parser, Debug)]
@@ -66,7 +69,7 @@ pub struct Args {
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, plateau, research,
-    /// research-cost, queue-full, busy, reoffers, regression. All by default
+    /// research-cost, queue-full, busy, reoffers, steps, regression. All by default
     /// (regression only with --baseline-bins).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
@@ -148,6 +151,12 @@ pub struct Args {
     /// Seconds of faults in each of the reoffers part's two soak runs.
     #[arg(long, default_value_t = 90)]
     pub reoffer_secs: u64,
+    /// Empty durable steps (and raw publishes) timed in the steps part.
+    #[arg(long, default_value_t = 1000)]
+    pub step_samples: usize,
+    /// Recorded steps of the jobs the steps part resumes.
+    #[arg(long, value_delimiter = ',', default_value = "10,1000,10000")]
+    pub resume_steps: Vec<usize>,
     /// Alternating rounds (baseline, this build) of the regression part.
     #[arg(long, default_value_t = 3)]
     pub baseline_rounds: usize,
@@ -396,6 +405,19 @@ async fn main() -> anyhow::Result<()> {
             );
             research::cost_rows(&mut r, &v);
             r.json.insert("research_read_cost".into(), v);
+        }
+    }
+    if a.runs("steps") {
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "steps",
+            steps::steps(a.step_samples, &a.resume_steps),
+        )
+        .await
+        {
+            steps::rows(&mut r, &v);
+            r.json.insert("steps".into(), v);
         }
     }
     if a.runs("queue-full") {
