@@ -288,7 +288,12 @@ impl Worker {
     /// Connects, verifies the layout, opens the worker's session, and
     /// starts pulling; stops (draining, then handing jobs back) when
     /// `shutdown` fires.
-    pub async fn start(mut self, shutdown: CancellationToken) -> anyhow::Result<Handle> {
+    pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Handle> {
+        self.into_worker()?.start(shutdown).await
+    }
+
+    /// The worker service with this worker's kinds, tools and models.
+    fn into_worker(mut self) -> anyhow::Result<leasehold_worker::Worker> {
         if !self.kinds_given {
             self.opts.kinds = self.kinds.iter().map(|(n, _)| n.clone()).collect();
         }
@@ -313,28 +318,21 @@ impl Worker {
                 }),
             );
         }
-        w.start(shutdown).await
+        Ok(w)
     }
 
     /// Starts, and runs until SIGTERM or SIGINT (then drains: in-flight
     /// jobs get `--drain-timeout` to finish, then are handed back). Logs go
-    /// to stderr (`RUST_LOG`, `LH_LOG_FORMAT`).
+    /// to stderr (`RUST_LOG`, `LH_LOG_FORMAT`); with `--http-listen`
+    /// (`LH_HTTP_LISTEN`) it serves `/healthz`, `/readyz` and `/metrics` as
+    /// `leasehold-worker` does, so the same probes and dashboards work.
     pub async fn run(self) -> anyhow::Result<()> {
         let telemetry = leasehold_telemetry::trace::init("leasehold-worker");
-        let shutdown = CancellationToken::new();
-        let handle = self.start(shutdown.clone()).await?;
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-            }
-            stop.cancel();
-        });
-        let r = handle.wait().await;
+        let http = self.opts.http_listen;
+        let r = match self.into_worker() {
+            Ok(w) => leasehold_worker::process::run(w, http).await,
+            Err(e) => Err(e),
+        };
         telemetry.shutdown();
         r
     }

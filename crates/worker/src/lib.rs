@@ -13,6 +13,7 @@ pub mod config;
 pub mod deliver;
 pub mod gateway;
 pub mod handler;
+pub mod process;
 pub mod research;
 pub mod service;
 

@@ -14,12 +14,9 @@ use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches};
 use leasehold_research::ResearchConfig;
-use leasehold_telemetry::http::{self, HttpState};
-use leasehold_telemetry::metrics::Metrics;
-use leasehold_telemetry::{observe, redact_text, trace, Readiness};
+use leasehold_telemetry::{redact_text, trace};
 use leasehold_worker::research::ResearchHandler;
 use leasehold_worker::{Options, Worker};
-use tokio_util::sync::CancellationToken;
 
 /// Exit code of a configuration error found at start (as clap's usage errors).
 const CONFIG_ERROR: i32 = 2;
@@ -92,40 +89,9 @@ async fn main() {
         telemetry.shutdown();
         std::process::exit(1);
     };
-    let metrics = Metrics::new();
-    // The model, tool and research layers report through the process's observer.
-    observe::install(Arc::new(metrics.clone()));
-    // Not ready until connected and verified; never again once draining.
-    let readiness = Readiness::new();
-    if let Some(addr) = opts.http_listen {
-        let state = HttpState::new(readiness.clone(), metrics.registry());
-        if let Err(e) = http::serve(addr, state).await {
-            fail(format!("--http-listen {addr}: {e}"), telemetry);
-        }
-    }
-    let shutdown = CancellationToken::new();
-    let worker = Worker::new(opts)
-        .with_handler("research", Arc::new(ResearchHandler::with_config(research)))
-        .with_metrics(metrics)
-        .with_readiness(readiness.clone());
-    let handle = match worker.start(shutdown.clone()).await {
-        Ok(h) => h,
-        Err(e) => fail(format!("{e:#}"), telemetry),
-    };
-    // The worker keeps `readiness` true from here while it is connected,
-    // and false for good once it drains.
-    let draining = readiness.clone();
-    tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-        }
-        draining.set_draining();
-        shutdown.cancel();
-    });
-    match handle.wait().await {
+    let worker = Worker::new(opts.clone())
+        .with_handler("research", Arc::new(ResearchHandler::with_config(research)));
+    match leasehold_worker::process::run(worker, opts.http_listen).await {
         Ok(()) => telemetry.shutdown(),
         Err(e) => fail(format!("{e:#}"), telemetry),
     }
