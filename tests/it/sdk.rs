@@ -251,3 +251,84 @@ async fn an_agent_call_runs_the_users_tools_and_is_not_repeated_once_recorded() 
         .collect();
     assert_eq!(steps, ["agent:section#0"]);
 }
+
+async fn sim_chat_requests(sim: &str) -> u64 {
+    let v: Value = reqwest::get(format!("{sim}/stats"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["chat_requests"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn a_kill_9_during_an_agent_call_repeats_at_most_the_model_call_in_flight() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("agent-test".into());
+    let env = Env::with(o).await;
+    // Paced tokens: the section's answer takes a while to stream.
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "15".into())]).await;
+    let worker = |env: &Env| {
+        let mut e = env.proc_env();
+        e.push(("LH_KINDS", "agent-test".into()));
+        e.push(("SIM_URL", sim.clone()));
+        leasehold_harness::Proc::spawn("sdk-agent-worker", &[], &e)
+    };
+    // Journal entries as they are written (a core subscription on the
+    // job's `agent` events).
+    let mut journal = env
+        .conn
+        .client
+        .subscribe(env.conn.layout.event_subject("ag-kill", "agent"))
+        .await
+        .unwrap();
+    let mut a = worker(&env);
+    env.submit("agent-test", json!({"input": {}}), "ag-kill")
+        .await;
+    // The thread, the search call and its result, the fetch call and its
+    // result are durable: the third model call (the section) is in flight.
+    for n in 0..5 {
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            futures::StreamExt::next(&mut journal),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("journal entry {n} never came"));
+    }
+    // The sim gives no signal when a request arrives: poll its counter
+    // until the third call (the section, paced) is being answered.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sim_chat_requests(&sim).await < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the third call never came"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.kill9();
+    assert_eq!(
+        sim_chat_requests(&sim).await,
+        3,
+        "killed during the third call"
+    );
+    let _b = worker(&env);
+    let rec = env
+        .wait_for("ag-kill", Duration::from_secs(60), |r| {
+            matches!(r.status.as_str(), "completed" | "failed" | "parked")
+        })
+        .await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let out: Value = serde_json::from_str(&rec.result.unwrap().output).unwrap();
+    assert!(out["text"].as_str().unwrap().contains("/page/"), "{out}");
+    // The resumed conversation kept both tool results: one call repeated.
+    assert_eq!(
+        sim_chat_requests(&sim).await,
+        4,
+        "3 clean calls + the one in flight"
+    );
+    assert_eq!(out["model_calls"], 1, "the resumed attempt made one call");
+}
