@@ -1,7 +1,7 @@
 //! The adapters between the section runner and the job's checkpoints: the
 //! transcript journal, retry reports and tool events as `journal`, `retry`
-//! and `tool` events (all through the flusher), the tools offered to the
-//! model, and the crash points used by tests.
+//! and `tool` events (all through the flusher), and the crash points used
+//! by tests. The tools offered to the model are `leasehold_tools::AgentTools`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use leasehold_model::agent::{ToolExecutor, ToolOutcome, TranscriptHook};
 use leasehold_model::{RetryReport, RetryReporter};
-use leasehold_tools::{CallCtx, Disposition, EffectGuard, ToolEvent, ToolEvents, Toolbox};
+use leasehold_tools::{ToolEvent, ToolEvents};
 use leasehold_transcript::{Message, Thread};
 use serde_json::{json, Value};
 
@@ -92,74 +92,6 @@ impl ToolEvents for ToolSink {
     fn emit(&self, ev: ToolEvent) {
         self.0
             .event("tool", serde_json::to_value(&ev).unwrap_or_default());
-    }
-}
-
-/// The read tools of one section, offered to the model.
-pub struct SectionTools {
-    pub toolbox: Arc<Toolbox>,
-    pub job_id: String,
-    /// The job's incarnation (part of every write's key).
-    pub incarnation: String,
-    pub epoch: u64,
-    /// Stable section id (`e<expert>.s<index>`), the prefix of step ids.
-    pub section: String,
-    pub offered: Vec<&'static str>,
-    /// Proves ownership before any write effect (reads never ask it).
-    pub guard: Arc<dyn EffectGuard>,
-}
-
-impl ToolExecutor for SectionTools {
-    fn specs(&self) -> Vec<Value> {
-        match self.toolbox.openai_tools() {
-            Value::Array(all) => all
-                .into_iter()
-                .filter(|t| {
-                    t.pointer("/function/name")
-                        .and_then(Value::as_str)
-                        .is_some_and(|n| self.offered.contains(&n))
-                })
-                .collect(),
-            _ => Vec::new(),
-        }
-    }
-
-    fn call<'a>(
-        &'a self,
-        name: &'a str,
-        args: &'a Value,
-        call_id: &'a str,
-    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
-        Box::pin(async move {
-            if !self.offered.contains(&name) {
-                return ToolOutcome::Error(format!("tool `{name}` is not available here"));
-            }
-            // The call id is stable across retries of the same proposal and
-            // across resumes (the journal keeps it), so the step id is too.
-            let ctx = CallCtx::new(
-                &self.job_id,
-                format!("{}/{call_id}", self.section),
-                self.epoch,
-            )
-            .of_incarnation(&self.incarnation)
-            .guarded(self.guard.clone());
-            match self.toolbox.call(&ctx, name, args).await {
-                Ok(out) => ToolOutcome::Ok(match out.value {
-                    Value::String(s) => s,
-                    v => v.to_string(),
-                }),
-                Err(e) => match e.disposition() {
-                    Disposition::ReturnToModel => {
-                        ToolOutcome::Error(e.to_tool_result().to_string())
-                    }
-                    Disposition::Park => ToolOutcome::Uncertain(e.to_string()),
-                    // Ownership lost (`Stop`): the worker cancels the attempt.
-                    Disposition::Retry | Disposition::Fail | Disposition::Stop => {
-                        ToolOutcome::Failed(e.to_string())
-                    }
-                },
-            }
-        })
     }
 }
 

@@ -49,7 +49,7 @@ use leasehold_store::events::{Events, Fence};
 use leasehold_store::{Conn, Gate};
 use leasehold_telemetry::spans;
 use leasehold_tools::{
-    CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, Toolbox, ToolboxConfig,
+    AgentTools, CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, Toolbox, ToolboxConfig,
 };
 use leasehold_transcript::{Message, Thread};
 use serde_json::{json, Value};
@@ -59,7 +59,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::flusher::{Flusher, ProgressSnap};
-use crate::hooks::{Crash, CrashPoint, Journal, NoTools, Reporter, SectionTools, ToolSink};
+use crate::hooks::{Crash, CrashPoint, Journal, NoTools, Reporter, ToolSink};
 use crate::report::{Input, Recovery};
 use crate::state::{
     validate_experts, validate_outline, Expert, FinalCk, Outline, Resume, SectionCk, State,
@@ -929,14 +929,15 @@ impl<'a> Job<'a> {
                 ),
                 None => {
                     let span = spans::section(i, &expert.name);
-                    let tools = Arc::new(SectionTools {
+                    let tools = Arc::new(AgentTools {
                         toolbox: self.toolbox.clone(),
                         job_id: self.ctx.job_id.clone(),
                         incarnation: self.ctx.record.created_at.clone(),
                         epoch: self.ctx.epoch,
-                        section: format!("e{e}.s{i}"),
-                        offered: vec!["search", "fetch"],
+                        conversation: format!("e{e}.s{i}"),
+                        offered: vec!["search".into(), "fetch".into()],
                         guard: self.owner.clone(),
+                        events: Arc::new(ToolSink(self.flusher.clone())),
                     });
                     let hook = Arc::new(Journal {
                         flusher: self.flusher.clone(),

@@ -18,7 +18,7 @@ use leasehold_model::{
     RetryReporter, RunContext,
 };
 use leasehold_store::events::Events;
-use leasehold_tools::{CallCtx, Disposition, OwnerGuard, Toolbox};
+use leasehold_tools::{AgentTools, OwnerGuard, Toolbox};
 use leasehold_transcript::{Message, Thread};
 use leasehold_worker::JobCtx;
 use serde::{Deserialize, Serialize};
@@ -94,6 +94,23 @@ pub struct AgentOutput {
     pub tool_calls: u32,
 }
 
+/// No tools registered: the model is offered none.
+struct NoTools;
+
+impl ToolExecutor for NoTools {
+    fn specs(&self) -> Vec<Value> {
+        Vec::new()
+    }
+    fn call<'a>(
+        &'a self,
+        name: &'a str,
+        _args: &'a Value,
+        _call_id: &'a str,
+    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
+        Box::pin(async move { ToolOutcome::Error(format!("no tool `{name}` in this worker")) })
+    }
+}
+
 /// A model of the worker: its client and the one breaker its calls share.
 pub(crate) fn generator(cfg: ModelConfig) -> Result<Arc<Generator>, String> {
     let client = ModelClient::new(cfg).map_err(|e| e.to_string())?;
@@ -104,26 +121,23 @@ pub(crate) fn generator(cfg: ModelConfig) -> Result<Arc<Generator>, String> {
     )))
 }
 
-/// Journals the conversation as `agent` events of this step; each model
-/// call waits until what came before it is durable.
-struct Journal {
-    tx: mpsc::UnboundedSender<Value>,
+/// The conversation's events (journal entries, tool events, retry reports),
+/// published in order through the job's fence by one task; a model call
+/// waits until everything before it is durable.
+struct Emitter {
+    tx: mpsc::UnboundedSender<(&'static str, Value)>,
     queued: StdMutex<u64>,
     written: watch::Receiver<u64>,
 }
 
-impl Journal {
-    fn start(job: JobCtx, step: String) -> Journal {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+impl Emitter {
+    fn start(job: JobCtx) -> Arc<Emitter> {
+        let (tx, mut rx) = mpsc::unbounded_channel::<(&'static str, Value)>();
         let (done_tx, written) = watch::channel(0u64);
         tokio::spawn(async move {
             let mut n = 0u64;
-            while let Some(entry) = rx.recv().await {
-                if job
-                    .emit("agent", json!({"step": step, "entry": entry}))
-                    .await
-                    .is_err()
-                {
+            while let Some((ty, data)) = rx.recv().await {
+                if job.emit(ty, data).await.is_err() {
                     // A stale owner: the fence refused it; the attempt stops
                     // through its cancel token, nothing more is written.
                     return;
@@ -132,34 +146,47 @@ impl Journal {
                 let _ = done_tx.send(n);
             }
         });
-        Journal {
+        Arc::new(Emitter {
             tx,
             queued: StdMutex::new(0),
             written,
-        }
+        })
     }
 
-    fn push(&self, entry: Value) {
-        *self.queued.lock().expect("journal") += 1;
-        let _ = self.tx.send(entry);
+    fn push(&self, ty: &'static str, data: Value) {
+        *self.queued.lock().expect("emitter") += 1;
+        let _ = self.tx.send((ty, data));
     }
+
+    /// Returns once everything pushed so far is written (or never will be).
+    async fn flushed(&self) {
+        let want = *self.queued.lock().expect("emitter");
+        let mut w = self.written.clone();
+        let _ = w.wait_for(|n| *n >= want).await;
+    }
+}
+
+/// Journals the conversation as `agent` events of its step.
+struct Journal {
+    out: Arc<Emitter>,
+    step: String,
 }
 
 impl TranscriptHook for Journal {
     fn on_message(&self, generation: u32, message: &Message) {
-        self.push(json!({"message": {"generation": generation, "message": message}}));
+        self.out.push(
+            "agent",
+            json!({"step": self.step, "entry": {"message": {"generation": generation, "message": message}}}),
+        );
     }
     fn on_thread(&self, thread: &Thread) {
-        self.push(
-            json!({"thread": {"generation": thread.generation, "messages": thread.messages}}),
+        self.out.push(
+            "agent",
+            json!({"step": self.step, "entry": {"thread": {"generation": thread.generation, "messages": thread.messages}}}),
         );
     }
     fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
-        Box::pin(async move {
-            let want = *self.queued.lock().expect("journal");
-            let mut w = self.written.clone();
-            let _ = w.wait_for(|n| *n >= want).await;
-        })
+        Box::pin(self.out.flushed())
     }
 }
 
@@ -198,81 +225,19 @@ async fn journaled(job: &JobCtx, step: &str) -> Result<Option<Thread>, String> {
     Ok(thread)
 }
 
-/// Registered tools offered to the model, called through the ledger.
-struct Tools {
-    toolbox: Option<Arc<Toolbox>>,
-    offered: Vec<String>,
-    job: JobCtx,
-    step: String,
-}
+/// Tool events of the conversation as `tool` events, in order.
+struct ToolSink(Arc<Emitter>);
 
-impl ToolExecutor for Tools {
-    fn specs(&self) -> Vec<Value> {
-        let Some(tb) = &self.toolbox else {
-            return Vec::new();
-        };
-        match tb.openai_tools() {
-            Value::Array(all) => all
-                .into_iter()
-                .filter(|t| {
-                    t.pointer("/function/name")
-                        .and_then(Value::as_str)
-                        .is_some_and(|n| self.offered.iter().any(|o| o == n))
-                })
-                .collect(),
-            _ => Vec::new(),
-        }
-    }
-
-    fn call<'a>(
-        &'a self,
-        name: &'a str,
-        args: &'a Value,
-        call_id: &'a str,
-    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
-        Box::pin(async move {
-            let Some(tb) = self
-                .toolbox
-                .as_ref()
-                .filter(|_| self.offered.iter().any(|o| o == name))
-            else {
-                return ToolOutcome::Error(format!("tool `{name}` is not available here"));
-            };
-            // The call id is kept by the journal across retries and
-            // resumes, so the tool's step (and its idempotency key) is too.
-            let job = &self.job;
-            let call = CallCtx::new(
-                &job.record.id,
-                format!("{}/{call_id}", self.step),
-                job.record.epoch,
-            )
-            .of_incarnation(&job.record.created_at)
-            .guarded(OwnerGuard::shared(job.gate.clone()));
-            let events = leasehold_tools::CollectEvents::new();
-            let r = tb.call_with(&call, name, args, &events).await;
-            for ev in events.events() {
-                let _ = job
-                    .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
-                    .await;
-            }
-            match r {
-                Ok(out) => ToolOutcome::Ok(match out.value {
-                    Value::String(s) => s,
-                    v => v.to_string(),
-                }),
-                Err(e) => match e.disposition() {
-                    Disposition::ReturnToModel => ToolOutcome::Error(e.to_string()),
-                    Disposition::Park => ToolOutcome::Uncertain(e.to_string()),
-                    _ => ToolOutcome::Failed(e.to_string()),
-                },
-            }
-        })
+impl leasehold_tools::ToolEvents for ToolSink {
+    fn emit(&self, ev: leasehold_tools::ToolEvent) {
+        self.0
+            .push("tool", serde_json::to_value(&ev).unwrap_or_default());
     }
 }
 
 /// Retry reports as `retry` events of the step.
 struct Reports {
-    job: JobCtx,
+    out: Arc<Emitter>,
     step: String,
 }
 
@@ -280,10 +245,7 @@ impl RetryReporter for Reports {
     fn report(&self, r: RetryReport) {
         let mut v = serde_json::to_value(&r).unwrap_or_default();
         v["step"] = json!(self.step);
-        let job = self.job.clone();
-        tokio::spawn(async move {
-            let _ = job.emit("retry", v).await;
-        });
+        self.out.push("retry", v);
     }
 }
 
@@ -301,15 +263,27 @@ pub(crate) async fn run(
         .schema
         .as_ref()
         .map(|s| json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": s}}));
+    let out = Emitter::start(job.clone());
+    let tools: Arc<dyn ToolExecutor> = match toolbox {
+        Some(toolbox) => Arc::new(AgentTools {
+            toolbox,
+            job_id: job.record.id.clone(),
+            incarnation: job.record.created_at.clone(),
+            epoch: job.record.epoch,
+            conversation: step.to_string(),
+            offered: spec.tools.clone(),
+            guard: OwnerGuard::shared(job.gate.clone()),
+            events: Arc::new(ToolSink(out.clone())),
+        }),
+        None => Arc::new(NoTools),
+    };
     let runner = SectionRunner {
         generator,
-        tools: Arc::new(Tools {
-            toolbox,
-            offered: spec.tools.clone(),
-            job: job.clone(),
+        tools,
+        hook: Arc::new(Journal {
+            out: out.clone(),
             step: step.to_string(),
         }),
-        hook: Arc::new(Journal::start(job.clone(), step.to_string())),
         policy: SectionPolicy {
             max_warm: spec.max_warm,
             max_cold: spec.max_cold,
@@ -321,7 +295,7 @@ pub(crate) async fn run(
     let mut ctx = RunContext::new(Budget::new(spec.limits.clone(), Default::default()));
     ctx.cancel = job.cancel.clone();
     ctx.reporter = Arc::new(Reports {
-        job: job.clone(),
+        out: out.clone(),
         step: step.to_string(),
     });
     let r = runner
@@ -335,6 +309,8 @@ pub(crate) async fn run(
             &ctx,
         )
         .await;
+    // The step's record comes after its journal, tool events and reports.
+    out.flushed().await;
     match r.outcome {
         SectionOutcome::Completed { text } => {
             let json = match &spec.schema {
