@@ -761,7 +761,15 @@ impl<'a> Job<'a> {
             let v = in_phase(
                 "outline",
                 self.structured("outline", prompt, report::outline_format(ns), |v| {
-                    validate_outline(v, ns).map(|o| json!(o))
+                    // A small model fills the schema's `title` with "" (a
+                    // real 135M one does): the report is then headed by
+                    // nothing. The topic is the honest stand-in.
+                    validate_outline(v, ns).map(|mut o| {
+                        if o.title.trim().is_empty() {
+                            o.title = self.input.topic.clone();
+                        }
+                        json!(o)
+                    })
                 }),
             )
             .await?;
