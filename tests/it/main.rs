@@ -16,6 +16,7 @@ mod ownership;
 mod perms;
 mod promise;
 mod readme;
+mod real_model;
 mod reaper;
 mod research;
 mod retention;
