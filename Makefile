@@ -97,10 +97,11 @@ demo: setup build
 
 ## bench: whole-system figures as JSON in bench-results/ (BENCH_ARGS='--only recovery' etc.).
 ## The regression part compares with the previous release's worker, built
-## first by bench-baseline.
+## first by bench-baseline; the real-model part runs where `make model-venv`
+## installed the model (LH_MODEL_VENV), and is reported skipped elsewhere.
 bench: setup bench-baseline
 	$(CARGO) build --workspace --bins --release
-	target/release/leasehold-bench --out bench-results \
+	LH_MODEL_VENV=$(LH_MODEL_VENV) target/release/leasehold-bench --out bench-results \
 		--baseline-bins $(BENCH_BASELINE_DIR)/release $(BENCH_ARGS)
 
 ## bench-baseline: the previous release (BENCH_BASELINE_REV, wave 2's last
