@@ -1388,6 +1388,25 @@ fn fetched_urls(t: &Thread) -> Vec<String> {
         .collect()
 }
 
+/// The publish tool's schema bounds a title (`maxLength` 300 characters);
+/// a small model's outline title can be a paragraph (SmolLM2-135M wrote
+/// 330 characters), which failed the finished job at its delivery. Longer
+/// titles are cut at a word where there is one, marked with an ellipsis.
+const PUBLISH_TITLE_MAX: usize = 300;
+
+fn clip_title(title: &str) -> String {
+    let title = title.trim();
+    if title.chars().count() <= PUBLISH_TITLE_MAX {
+        return title.to_string();
+    }
+    let head: String = title.chars().take(PUBLISH_TITLE_MAX - 1).collect();
+    let head = match head.rfind(char::is_whitespace) {
+        Some(i) if i > PUBLISH_TITLE_MAX / 2 => head[..i].trim_end(),
+        _ => head.as_str(),
+    };
+    format!("{head}…")
+}
+
 #[cfg(test)]
 mod config_tests {
     use super::*;
@@ -1448,23 +1467,4 @@ mod config_tests {
         .unwrap_err();
         assert!(e.message.contains("LH_RESEARCH_RETRY_CAP"), "{}", e.message);
     }
-}
-
-/// The publish tool's schema bounds a title (`maxLength` 300 characters);
-/// a small model's outline title can be a paragraph (SmolLM2-135M wrote
-/// 330 characters), which failed the finished job at its delivery. Longer
-/// titles are cut at a word where there is one, marked with an ellipsis.
-const PUBLISH_TITLE_MAX: usize = 300;
-
-fn clip_title(title: &str) -> String {
-    let title = title.trim();
-    if title.chars().count() <= PUBLISH_TITLE_MAX {
-        return title.to_string();
-    }
-    let head: String = title.chars().take(PUBLISH_TITLE_MAX - 1).collect();
-    let head = match head.rfind(char::is_whitespace) {
-        Some(i) if i > PUBLISH_TITLE_MAX / 2 => head[..i].trim_end(),
-        _ => head.as_str(),
-    };
-    format!("{head}…")
 }
