@@ -308,6 +308,13 @@ async fn real_model_kill9_mid_section_repeats_at_most_one_call() {
     }
     a.kill9();
     let before = lab.rec.requests();
+    let done_by_a = lab
+        .env
+        .events_of(id)
+        .await
+        .iter()
+        .filter(|e| e.r#type == "section")
+        .count();
     let b = lab.worker();
     let r = lab.finished(id, &[&b]).await;
     let after: Vec<ChatRequest> = lab.rec.requests()[before.len()..].to_vec();
@@ -337,6 +344,28 @@ async fn real_model_kill9_mid_section_repeats_at_most_one_call() {
         "{} model calls repeated after one crash",
         repeated.len()
     );
+    // B built on A's checkpoints: the outline and perspectives were not
+    // asked for again, and no section was written twice.
+    let phases = |p: &str| {
+        events
+            .iter()
+            .filter(|e| e.r#type == "phase" && e.data_map()["phase"] == p)
+            .count()
+    };
+    assert_eq!((phases("outline"), phases("perspectives")), (1, 1));
+    let mut sections: Vec<(u64, u64)> = events
+        .iter()
+        .filter(|e| e.r#type == "section")
+        .map(|e| {
+            let p = payload(e);
+            (p["expert"].as_u64().unwrap(), p["index"].as_u64().unwrap())
+        })
+        .collect();
+    let n = sections.len();
+    sections.sort();
+    sections.dedup();
+    assert_eq!(sections.len(), n, "a section was written twice");
+    eprintln!("sections checkpointed by A before the kill: {done_by_a}");
 }
 
 fn tail(s: &str, lines: usize) -> String {
