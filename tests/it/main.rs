@@ -18,6 +18,7 @@ mod perms;
 mod promise;
 mod providers;
 mod readme;
+mod real_model;
 mod reaper;
 mod research;
 mod retention;

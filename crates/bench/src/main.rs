@@ -19,6 +19,7 @@
 //! | `busy` | kill -9 on a fleet at 92% of its slots: each bystander running again; a poison job's submit -> dead | the session timeout | p95 <= 11 s; <= (max stale reclaims + 1) x 11 s |
 //! | `reoffers` | false re-offers with ~100 long jobs in flight: `leasehold-soak` rolling (3 nodes) and nats-restart (down 2-3 session timeouts) runs | | 0 |
 //! | `steps` | an empty durable step of the SDK, p50/p99; resume: attempt start -> first new step with 10 / 1,000 / 10,000 recorded steps | one raw JetStream publish ack | step p50 <= 2x; resume linear, <= 100 ms at 1,000 |
+//! | `real-model` | research job (1 expert x 2 sections) wall time and model calls on SmolLM2-135M (llama-cpp-python); the server's tokens/s in the same run; only where `make test-model`'s virtualenv is installed, else skipped | the same job on the simulator with instant answers | |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 
 mod busy;
@@ -27,6 +28,7 @@ mod history;
 mod inflight;
 mod plateau;
 mod queue;
+mod real_model;
 mod recovery;
 mod reoffers;
 mod research;
@@ -56,6 +58,7 @@ pub const PARTS: &[&str] = &[
     "regression",
     "reoffers",
     "steps",
+    "real-model",
 ];
 
 #[derive(Parser, Debug)]
@@ -69,8 +72,10 @@ pub struct Args {
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, plateau, research,
-    /// research-cost, queue-full, busy, reoffers, steps, regression. All by default
-    /// (regression only with --baseline-bins).
+    /// research-cost, queue-full, busy, reoffers, steps, regression,
+    /// real-model. All by default (regression only with --baseline-bins,
+    /// real-model only where the model's virtualenv is installed: `make
+    /// model-venv`).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Echo jobs per throughput run.
@@ -160,6 +165,9 @@ pub struct Args {
     /// Alternating rounds (baseline, this build) of the regression part.
     #[arg(long, default_value_t = 3)]
     pub baseline_rounds: usize,
+    /// Research jobs on each model (real, simulated) in the real-model part.
+    #[arg(long, default_value_t = 2)]
+    pub real_model_jobs: usize,
 }
 
 impl Args {
@@ -445,6 +453,32 @@ async fn main() -> anyhow::Result<()> {
         {
             reoffers::rows(&mut r, &v);
             r.json.insert("false_reoffers".into(), v);
+        }
+    }
+    if a.runs("real-model") {
+        match real_model::venv() {
+            Ok(venv) => {
+                if let Some(v) = part(
+                    &mut r,
+                    &mut failed,
+                    "real-model",
+                    real_model::real_model(&venv, a.real_model_jobs),
+                )
+                .await
+                {
+                    real_model::rows(&mut r, &v);
+                    r.json.insert("real_model".into(), v);
+                }
+            }
+            Err(why) => {
+                eprintln!("== real-model: skipped: {why}");
+                r.row(
+                    "real-model: skipped",
+                    "no model virtualenv (make model-venv)",
+                );
+                r.json
+                    .insert("real_model".into(), json!({"skipped": true, "why": why}));
+            }
         }
     }
     let asked = a.only.iter().any(|p| p == "regression");

@@ -12,10 +12,14 @@
 //!   sent after), cuts connections and refuses reconnects, or freezes both
 //!   directions like a partition. Start a worker with `NATS_URL` set to the
 //!   proxy's URL to control that worker's network alone.
+//! - [`llama`]: a real local model (llama-cpp-python serving SmolLM2 from
+//!   the virtualenv of `make test-model`) and a proxy recording its chat
+//!   requests, for the real-model tier and the bench.
 //!
 //! The `nats-server` binary is taken from `NATS_SERVER_BIN`, else from `PATH`;
 //! when it is missing the harness panics with install instructions.
 
+pub mod llama;
 pub mod proxy;
 
 pub use proxy::{FaultProxy, Hold};

@@ -761,7 +761,15 @@ impl<'a> Job<'a> {
             let v = in_phase(
                 "outline",
                 self.structured("outline", prompt, report::outline_format(ns), |v| {
-                    validate_outline(v, ns).map(|o| json!(o))
+                    // A small model fills the schema's `title` with "" (a
+                    // real 135M one does): the report is then headed by
+                    // nothing. The topic is the honest stand-in.
+                    validate_outline(v, ns).map(|mut o| {
+                        if o.title.trim().is_empty() {
+                            o.title = self.input.topic.clone();
+                        }
+                        json!(o)
+                    })
                 }),
             )
             .await?;
@@ -1292,11 +1300,11 @@ impl<'a> Job<'a> {
         )
         .of_incarnation(&self.ctx.record.created_at)
         .guarded(self.owner.clone());
-        let title = if art.title.is_empty() {
-            self.input.topic.clone()
+        let title = clip_title(if art.title.trim().is_empty() {
+            &self.input.topic
         } else {
-            art.title.clone()
-        };
+            &art.title
+        });
         let args = json!({"title": title, "document": art.doc, "format": "markdown"});
         let out = match self.toolbox.call(&call, "publish", &args).await {
             Ok(o) => o,
@@ -1381,9 +1389,41 @@ fn fetched_urls(t: &Thread) -> Vec<String> {
         .collect()
 }
 
+/// The publish tool's schema bounds a title (`maxLength` 300 characters);
+/// a small model's outline title can be a paragraph (SmolLM2-135M wrote
+/// 330 characters), which failed the finished job at its delivery. Longer
+/// titles are cut at a word where there is one, marked with an ellipsis.
+const PUBLISH_TITLE_MAX: usize = 300;
+
+fn clip_title(title: &str) -> String {
+    let title = title.trim();
+    if title.chars().count() <= PUBLISH_TITLE_MAX {
+        return title.to_string();
+    }
+    let head: String = title.chars().take(PUBLISH_TITLE_MAX - 1).collect();
+    let head = match head.rfind(char::is_whitespace) {
+        Some(i) if i > PUBLISH_TITLE_MAX / 2 => head[..i].trim_end(),
+        _ => head.as_str(),
+    };
+    format!("{head}…")
+}
+
 #[cfg(test)]
 mod config_tests {
     use super::*;
+
+    #[test]
+    fn a_delivery_title_fits_the_publish_schema() {
+        assert_eq!(clip_title("  Leases  "), "Leases");
+        let long = "What is this assignment? ".repeat(14);
+        let t = clip_title(&long);
+        assert!(t.chars().count() <= PUBLISH_TITLE_MAX, "{t}");
+        assert!(t.ends_with("assignment?…") || t.ends_with('…'), "{t}");
+        assert!(!t.contains("  "));
+        // No whitespace to cut at: cut anywhere, on a char boundary.
+        let t = clip_title(&"é".repeat(400));
+        assert_eq!(t.chars().count(), PUBLISH_TITLE_MAX);
+    }
 
     #[test]
     fn every_variable_read_is_listed_for_help() {
