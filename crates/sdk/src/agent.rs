@@ -38,7 +38,9 @@ pub use leasehold_model::ModelConfig;
 pub struct Agent {
     /// A model registered with [`crate::Worker::model`].
     pub model: String,
+    /// The system prompt.
     pub system: String,
+    /// The task: the conversation's first user message.
     pub prompt: String,
     /// Registered tools offered to the model (by name).
     pub tools: Vec<String>,
@@ -47,14 +49,22 @@ pub struct Agent {
     pub schema: Option<Value>,
     /// Model responses per attempt before it is stopped as a loop (16).
     pub max_rounds: u32,
-    /// Warm and cold retries of the conversation (2 and 2).
+    /// Warm retries of the conversation (2): the same thread, repaired.
     pub max_warm: u32,
+    /// Cold retries (2): a new thread from the prompt.
     pub max_cold: u32,
     /// Limits of this call (steps, tokens, wall time, cost).
     pub limits: BudgetLimits,
 }
 
 impl Agent {
+    /// A conversation with the registered model `model`, this system
+    /// prompt and this task; no tools, no schema, default retries.
+    ///
+    /// ```
+    /// let a = leasehold::Agent::new("main", "You summarize.", "Summarize this email: ...");
+    /// assert!(a.tools.is_empty() && a.schema.is_none());
+    /// ```
     pub fn new(model: &str, system: &str, prompt: &str) -> Agent {
         let d = SectionPolicy::default();
         Agent {
@@ -71,12 +81,23 @@ impl Agent {
     }
 
     /// Offers these registered tools.
+    ///
+    /// ```
+    /// let a = leasehold::Agent::new("main", "s", "p").tools(["search"]);
+    /// assert_eq!(a.tools, ["search"]);
+    /// ```
     pub fn tools<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Agent {
         self.tools = names.into_iter().map(Into::into).collect();
         self
     }
 
     /// The final answer must be JSON following `schema`.
+    ///
+    /// ```
+    /// let a = leasehold::Agent::new("main", "s", "p")
+    ///     .schema(serde_json::json!({"type": "object", "required": ["total"]}));
+    /// assert!(a.schema.is_some());
+    /// ```
     pub fn schema(mut self, schema: Value) -> Agent {
         self.schema = Some(schema);
         self
@@ -84,13 +105,22 @@ impl Agent {
 }
 
 /// How an agent call ended well.
+///
+/// ```no_run
+/// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+/// let out = ctx.agent("summary", &leasehold::Agent::new("main", "s", "p")).await?;
+/// tracing::info!(calls = out.model_calls, "{}", out.text);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentOutput {
     /// The final answer.
     pub text: String,
     /// The answer parsed, when a schema was asked for.
     pub json: Option<Value>,
+    /// Model calls this attempt made (0 when the answer was recorded).
     pub model_calls: u32,
+    /// Tool calls this attempt made.
     pub tool_calls: u32,
 }
 

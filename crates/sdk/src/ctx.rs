@@ -60,16 +60,28 @@ impl Ctx {
     }
 
     /// The job's kind.
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) { assert_eq!(ctx.kind(), "invoice"); }
+    /// ```
     pub fn kind(&self) -> &str {
         &self.job.record.kind
     }
 
     /// The attempt's epoch: 1 for the first claim, one more for each claim after it.
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) { if ctx.epoch() > 1 { tracing::info!("a reclaimed job"); } }
+    /// ```
     pub fn epoch(&self) -> u64 {
         self.job.record.epoch
     }
 
     /// Failed attempts before this one (0 on the first).
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) { let first_try = ctx.failed_attempts() == 0; }
+    /// ```
     pub fn failed_attempts(&self) -> u32 {
         self.job.record.attempts
     }
@@ -90,12 +102,25 @@ impl Ctx {
     }
 
     /// The submission's `input` as JSON.
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) { let urgent = ctx.input_json()["urgent"] == true; }
+    /// ```
     pub fn input_json(&self) -> &Value {
         &self.job.input
     }
 
     /// Fires when the attempt must stop (cancelled, ownership lost, shutdown).
     /// Long work should select on it; steps and tool calls already do.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// tokio::select! {
+    ///     _ = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+    ///     _ = ctx.cancelled().cancelled() => return Err(leasehold::Error::Cancelled),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn cancelled(&self) -> &CancellationToken {
         &self.job.cancel
     }

@@ -19,7 +19,12 @@ pub enum Error {
     /// reason and the message; `review resume` (with `--answer`) or
     /// `review fail` ends the wait.
     #[error("parked ({reason}): {message}")]
-    Park { reason: String, message: String },
+    Park {
+        /// A short word (`approval`, `uncertain_effect`): the record's `parked_reason`.
+        reason: String,
+        /// What a person needs to know (and, for `ctx.park`, the question).
+        message: String,
+    },
     /// The attempt must stop: cancelled, its claim lost, or the worker
     /// shutting down. Nothing is written for it.
     #[error("cancelled")]

@@ -79,15 +79,6 @@ impl Journal {
         }
     }
 
-    /// Steps recorded so far (by earlier attempts and this one).
-    pub fn len(&self) -> usize {
-        self.recorded.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.recorded.is_empty()
-    }
-
     /// The id the next step named `name` gets: its name and occurrence.
     pub fn id_of(&mut self, name: &str) -> String {
         let n = self.occurrences.entry(name.to_string()).or_insert(0);
@@ -172,7 +163,7 @@ mod tests {
             rec(0, "a#0", json!(9)),
             rec(1, "b#0", json!(2)),
         ]);
-        assert_eq!(j.len(), 2);
+        assert_eq!(j.recorded.len(), 2);
         assert_eq!(j.recorded[0].result, json!(1));
         let data = j.recorded[1].data();
         assert_eq!(

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! `leasehold`: run your own agent jobs on a leasehold fleet.
 //!
 //! A *kind* is your code for one type of job ([`Kind`]). You build your own
@@ -50,7 +51,7 @@ mod ctx;
 #[doc = include_str!("../../../docs/write-your-own-kind.md")]
 pub mod guide {}
 mod error;
-pub mod journal;
+mod journal;
 
 use std::sync::Arc;
 
@@ -205,6 +206,11 @@ impl Worker {
     /// `leasehold-worker` reads them (`--help` prints them and exits; a bad
     /// value exits with 2). Without `--kinds` (`LH_KINDS`) the worker serves
     /// the kinds it registers.
+    ///
+    /// ```no_run
+    /// let w = leasehold::Worker::from_env();
+    /// println!("concurrency {}", w.options().concurrency);
+    /// ```
     pub fn from_env() -> Worker {
         let m = Options::command().get_matches();
         let opts = Options::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
@@ -281,6 +287,11 @@ impl Worker {
     }
 
     /// The options as they will be used.
+    ///
+    /// ```no_run
+    /// let w = leasehold::Worker::from_env();
+    /// assert!(w.options().concurrency > 0);
+    /// ```
     pub fn options(&self) -> &Options {
         &self.opts
     }
@@ -326,6 +337,17 @@ impl Worker {
     /// to stderr (`RUST_LOG`, `LH_LOG_FORMAT`); with `--http-listen`
     /// (`LH_HTTP_LISTEN`) it serves `/healthz`, `/readyz` and `/metrics` as
     /// `leasehold-worker` does, so the same probes and dashboards work.
+    ///
+    /// ```no_run
+    /// # struct Invoice;
+    /// # #[leasehold::async_trait]
+    /// # impl leasehold::Kind for Invoice {
+    /// #     async fn run(&self, _: &leasehold::Ctx) -> Result<serde_json::Value, leasehold::Error> { todo!() }
+    /// # }
+    /// # async fn f() -> anyhow::Result<()> {
+    /// leasehold::Worker::from_env().kind("invoice", Invoice).run().await
+    /// # }
+    /// ```
     pub async fn run(self) -> anyhow::Result<()> {
         let telemetry = leasehold_telemetry::trace::init("leasehold-worker");
         let http = self.opts.http_listen;
