@@ -381,15 +381,15 @@ async fn run(
                 }
             }
             Ok(Done {
-                message: format!(
-                    "{ok} job(s) cancelled, {} not{}",
-                    not.len(),
-                    if not.is_empty() {
-                        String::new()
-                    } else {
-                        String::new()
-                    }
-                ),
+                message: if not.is_empty() {
+                    format!(
+                        "{ok} job(s) cancelled, {} not: {}",
+                        not.len(),
+                        not.join("; ")
+                    )
+                } else {
+                    format!("{ok} job(s) cancelled")
+                },
                 back: "/jobs".into(),
                 detail: json!({"cancelled": ok, "failed": not}),
             })

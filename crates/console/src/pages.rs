@@ -828,7 +828,6 @@ pub async fn fleet_live(State(app): State<Arc<App>>, _caller: Caller) -> Respons
         while rx.try_recv().is_ok() {}
         let html = fleet_fragment(&app)
             .await
-            .map(|h| h)
             .unwrap_or_else(|f| format!("<p class=\"error\">{}</p>", esc(&f.message)));
         Some((
             Event::default()
