@@ -59,7 +59,7 @@ impl App {
         let sessions = retry_unavailable("sessions", OPEN, || Sessions::open(&conn)).await?;
         let artifacts = retry_unavailable("artifacts", OPEN, || Artifacts::open(&conn)).await?;
         let events = Events::new(&conn);
-        let feed = Feed::start(&jobs, &events).await?;
+        let feed = Feed::start(&jobs, &events, &active).await?;
         let mut secrets: Vec<String> = [
             args.read_token.clone(),
             args.operator_token.clone(),

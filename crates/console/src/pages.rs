@@ -165,21 +165,40 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
         Some("parked") => Filter::Parked,
         _ => Filter::All,
     };
-    let mut entries: Vec<_> = app
-        .active
-        .list(which)
-        .await
-        .map_err(|e| Failure::unavailable(e, false))?
-        .into_iter()
-        .map(|(_, e)| e)
-        .filter(|e| {
-            f.kind.as_ref().is_none_or(|k| *k == e.kind)
-                && f.prefix
-                    .as_ref()
-                    .is_none_or(|p| e.job.starts_with(p.as_str()))
-                && f.status.as_ref().is_none_or(|s| *s == e.status)
-        })
-        .collect();
+    let keep = |e: &leasehold_store::index::Entry| {
+        f.kind.as_ref().is_none_or(|k| *k == e.kind)
+            && f.prefix
+                .as_ref()
+                .is_none_or(|p| e.job.starts_with(p.as_str()))
+            && f.status.as_ref().is_none_or(|s| *s == e.status)
+    };
+    // The index as the console's watch has it (only the page is copied);
+    // the index itself until then, or for a tenant (in the records only).
+    if f.tenant.is_none() {
+        if let Some((page, total)) = app.feed.page(keep, f.offset, f.limit) {
+            let mut out = Vec::new();
+            for e in &page {
+                match app.feed.record(&app.jobs, &e.job).await {
+                    Ok(Some(r)) => out.push((*r).clone()),
+                    Ok(None) => {}
+                    Err(e) => return Err(Failure::unavailable(e, false)),
+                }
+            }
+            return Ok((out, total));
+        }
+    }
+    let all = match app.feed.entries() {
+        Some(v) => v,
+        None => app
+            .active
+            .list(which)
+            .await
+            .map_err(|e| Failure::unavailable(e, false))?
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect(),
+    };
+    let mut entries: Vec<_> = all.into_iter().filter(|e| keep(e)).collect();
     entries.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.job.cmp(&b.job)));
     entries.dedup_by(|a, b| a.job == b.job);
     let mut out = Vec::new();
@@ -187,9 +206,9 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
         // The tenant is in the records only: read those of the matches.
         let mut all = Vec::new();
         for e in &entries {
-            if let Ok(Some(v)) = app.jobs.get(&e.job).await {
-                if f.admits(&v.value) {
-                    all.push(v.value);
+            if let Ok(Some(r)) = app.feed.record(&app.jobs, &e.job).await {
+                if f.admits(&r) {
+                    all.push((*r).clone());
                 }
             }
         }
@@ -201,8 +220,8 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
     }
     let total = entries.len();
     for e in entries.iter().skip(f.offset).take(f.limit) {
-        match app.jobs.get(&e.job).await {
-            Ok(Some(v)) => out.push(v.value),
+        match app.feed.record(&app.jobs, &e.job).await {
+            Ok(Some(r)) => out.push((*r).clone()),
             Ok(None) => {}
             Err(e) => return Err(Failure::unavailable(e, false)),
         }
@@ -212,35 +231,37 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
 
 /// The finished jobs (last hour) matching `f`, newest first, a page.
 async fn finished_jobs(app: &App, f: &JobFilter) -> Vec<JobRecord> {
+    let keep = |x: &crate::feed::Finished| {
+        f.status.as_ref().is_none_or(|s| *s == x.status)
+            && f.kind
+                .as_ref()
+                .is_none_or(|k| x.kind.is_empty() || *k == x.kind)
+            && f.prefix
+                .as_ref()
+                .is_none_or(|p| x.id.starts_with(p.as_str()))
+    };
+    let max = if f.tenant.is_some() {
+        usize::MAX
+    } else {
+        f.offset + f.limit
+    };
     let mut out = Vec::new();
     let mut skipped = 0;
-    let mut seen = std::collections::HashSet::new();
-    for x in app.feed.recent() {
+    for id in app.feed.recent_ids(keep, max) {
         if out.len() >= f.limit {
             break;
         }
-        if !seen.insert(x.id.clone())
-            || f.status.as_ref().is_some_and(|s| *s != x.status)
-            || f.kind
-                .as_ref()
-                .is_some_and(|k| !x.kind.is_empty() && *k != x.kind)
-            || f.prefix
-                .as_ref()
-                .is_some_and(|p| !x.id.starts_with(p.as_str()))
-        {
-            continue;
-        }
-        let Ok(Some(v)) = app.jobs.get(&x.id).await else {
+        let Ok(Some(r)) = app.feed.record(&app.jobs, &id).await else {
             continue;
         };
-        if !f.admits(&v.value) || !TERMINAL.contains(&v.value.status.as_str()) {
+        if !f.admits(&r) || !TERMINAL.contains(&r.status.as_str()) {
             continue;
         }
         if skipped < f.offset {
             skipped += 1;
             continue;
         }
-        out.push(v.value);
+        out.push((*r).clone());
     }
     out
 }
@@ -283,8 +304,13 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
         .as_ref()
         .is_none_or(|s| TERMINAL.contains(&s.as_str()));
     let live = format!("/jobs/live?{}", f.query());
+    let t0 = std::time::Instant::now();
     if want_active {
         let (rows, total) = active_jobs(&app, &f).await?;
+        tracing::debug!(
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "jobs page: active read"
+        );
         let _ = write!(
             b,
             "<h2>Active <small id=\"active-count\">{total} matching</small></h2>"
@@ -327,7 +353,12 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
         }
     }
     if want_finished {
+        let t1 = std::time::Instant::now();
         let rows = finished_jobs(&app, &f).await;
+        tracing::debug!(
+            ms = t1.elapsed().as_secs_f64() * 1e3,
+            "jobs page: finished read"
+        );
         let _ = write!(
             b,
             "<h2>Finished in the last hour</h2><table class=\"jobs\"><thead>{}</thead><tbody id=\"finished\" data-live=\"{}\">",
@@ -667,7 +698,17 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
     let sessions = leasehold_store::fleet::live_sessions(&app.sessions)
         .await
         .map_err(u)?;
-    let entries = app.active.list(Filter::All).await.map_err(u)?;
+    let entries: Vec<leasehold_store::index::Entry> = match app.feed.entries() {
+        Some(v) => v,
+        None => app
+            .active
+            .list(Filter::All)
+            .await
+            .map_err(u)?
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect(),
+    };
     let queue = leasehold_store::fleet::queue(&app.conn).await.map_err(u)?;
     let dead = leasehold_store::fleet::dead_letters_by_kind(&app.conn)
         .await
@@ -677,7 +718,7 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
         .map_err(u)?;
     let mut in_flight: BTreeMap<String, usize> = BTreeMap::new();
     let mut by_kind: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
-    for (_, e) in &entries {
+    for e in &entries {
         if e.status == "running" {
             if let Some(w) = &e.worker_id {
                 *in_flight.entry(w.clone()).or_default() += 1;
