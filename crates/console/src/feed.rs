@@ -148,6 +148,8 @@ impl Feed {
                     }
                     Err(e) => tracing::warn!(error = %e, "record watch failed; again in 1s"),
                 }
+                // Writes missed until the watch is back would leave cached records stale.
+                cache2.write().expect("cache lock").clear();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });
