@@ -853,3 +853,78 @@ async fn console_answers_bad_input_with_clear_errors() {
         "a job that has not ended has no result yet"
     );
 }
+
+#[tokio::test]
+async fn console_fleet_shows_workers_slots_queue_reapers_and_dead_letters_and_updates_live() {
+    let env = Env::new().await;
+    let w = env.worker_proc(
+        &[],
+        &[
+            ("LH_WORKER_ID", "fleet-w".into()),
+            ("LH_CONCURRENCY", "7".into()),
+        ],
+    );
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let mut renv = env.proc_env();
+    renv.push(("LH_REAPER_ID", "fleet-r".into()));
+    renv.push(("LH_INTERVAL", "1s".into()));
+    let reaper = Proc::spawn("leasehold-reaper", &[], &renv);
+    wait_log(&reaper, "reaper starting", Duration::from_secs(20)).await;
+    let rec = JobRecord {
+        id: "fleet-dead".into(),
+        kind: "echo".into(),
+        status: "dead".into(),
+        ..Default::default()
+    };
+    Dlq::new(&env.conn)
+        .dead(&rec, "poison", "test", vec![], None)
+        .await
+        .unwrap();
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "fleet-nap")
+        .await;
+    env.wait_status("fleet-nap", "running", Duration::from_secs(10))
+        .await;
+    let console = spawn_console(&env, &[]).await;
+    let c = http();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let body = c
+            .get(format!("{}/fleet", console.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let ok = body.contains("<td>fleet-w</td>")
+            && body.contains("<td>7</td>")
+            && body.contains("fleet-r")
+            && body.contains("/dlq?kind=echo\">1</a>")
+            && body.contains("completed per minute");
+        if ok {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the fleet page lacks the worker, its slots, the reaper or the letter:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The live part sends the fragment again.
+    let r = c
+        .get(format!("{}/fleet/live", console.base))
+        .send()
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(
+        Duration::from_secs(15),
+        sse_until(r, |(_, e, _)| e == "fleet"),
+    )
+    .await
+    .expect("no fleet update within 15 s");
+    assert!(got.last().unwrap().2["html"]
+        .as_str()
+        .unwrap()
+        .contains("fleet-w"));
+    drop(reaper);
+}

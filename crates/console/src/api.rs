@@ -157,7 +157,13 @@ pub async fn events(
         .follow(&id, after)
         .await
         .map_err(|e| Failure::unavailable(e, true))?;
-    let tracker = crate::render::Supersedes::default();
+    // A resumed stream judges the next claim against the last one before it.
+    let tracker = match app.events.last_of_type(&id, "claimed").await {
+        Ok(Some((seq, claim))) if after > 0 && seq <= after => {
+            crate::render::Supersedes::after_claim(&claim)
+        }
+        _ => crate::render::Supersedes::default(),
+    };
     let s = futures::stream::unfold(
         (follow, app, false, tracker),
         |(mut follow, app, done, mut tracker)| async move {

@@ -361,6 +361,13 @@ pub struct Supersedes {
 }
 
 impl Supersedes {
+    /// Starts from the last claim a resumed reader already saw.
+    pub fn after_claim(claim: &JobEvent) -> Self {
+        let mut s = Supersedes::default();
+        let _ = s.see(claim);
+        s
+    }
+
     pub fn see(&mut self, ev: &JobEvent) -> Option<Value> {
         let d = ev.data_map();
         let num = |k: &str| d.get(k).and_then(Value::as_u64).unwrap_or(0);
