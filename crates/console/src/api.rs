@@ -164,19 +164,48 @@ pub async fn events(
         }
         _ => crate::render::Supersedes::default(),
     };
-    let s = futures::stream::unfold(
-        (follow, app, false, tracker),
-        |(mut follow, app, done, mut tracker)| async move {
-            if done {
+    struct St {
+        follow: futures::stream::BoxStream<
+            'static,
+            Result<(u64, leasehold_proto::JobEvent), leasehold_store::StoreError>,
+        >,
+        app: Arc<App>,
+        id: String,
+        last: u64,
+        done: bool,
+        tracker: crate::render::Supersedes,
+    }
+    let st = St {
+        follow,
+        app,
+        id,
+        last: after,
+        done: false,
+        tracker,
+    };
+    let s = futures::stream::unfold(st, |mut st| async move {
+            if st.done {
                 return None;
             }
-            let (seq, ev) = match follow.next().await? {
-                Ok(x) => x,
-                Err(e) => {
-                    tracing::warn!(error = %e, "client event stream failed");
-                    return None;
+            // An error is noted and the stream goes on (the ordered consumer
+            // recovers by itself); if it ends, it is followed again from the
+            // last sequence sent, so the client misses nothing.
+            let (seq, ev) = loop {
+                match st.follow.next().await {
+                    Some(Ok((seq, _))) if seq <= st.last => continue,
+                    Some(Ok(x)) => break x,
+                    Some(Err(e)) => tracing::warn!(error = %e, "client event stream; going on"),
+                    None => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        match st.app.events.follow(&st.id, st.last).await {
+                            Ok(f) => st.follow = f,
+                            Err(e) => tracing::warn!(error = %e, "client event stream: following again failed"),
+                        }
+                    }
                 }
             };
+            st.last = seq;
+            let (app, tracker) = (&st.app, &mut st.tracker);
             let mut out: Vec<Event> = Vec::new();
             if let Some(mut sup) = tracker.see(&ev) {
                 sup["seq"] = json!(seq);
@@ -197,9 +226,9 @@ pub async fn events(
                         .data(json!({"status": ev.r#type}).to_string()),
                 );
             }
-            Some((futures::stream::iter(out), (follow, app, end, tracker)))
-        },
-    )
+            st.done = end;
+            Some((futures::stream::iter(out), st))
+        })
     .flatten()
     .map(Ok::<_, Infallible>);
     Ok(Sse::new(s)
