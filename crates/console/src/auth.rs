@@ -79,7 +79,7 @@ impl Caller {
 }
 
 /// Equal in constant time (for tokens).
-fn same(a: &str, b: &str) -> bool {
+pub fn same(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
         return false;

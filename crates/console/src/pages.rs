@@ -1009,7 +1009,7 @@ pub async fn login(
     let ok = [&app.args.read_token, &app.args.operator_token]
         .into_iter()
         .flatten()
-        .any(|x| *x == t);
+        .any(|x| crate::auth::same(x, &t));
     if !ok {
         return Failure::page(
             StatusCode::UNAUTHORIZED,
