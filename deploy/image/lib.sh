@@ -13,7 +13,7 @@
 IMAGE="${IMAGE:-localhost/leasehold:dev}"
 BASE_IMAGE="docker.io/library/debian:bookworm-slim"
 LH_IMAGE_STATE="${LH_IMAGE_STATE:-target/image}"
-BINS=(leasehold leasehold-worker leasehold-reaper leasehold-sim)
+BINS=(leasehold leasehold-worker leasehold-reaper leasehold-console leasehold-sim)
 
 log() { echo "image: $*" >&2; }
 

@@ -7,6 +7,7 @@ mod busy;
 mod chaos;
 mod cli;
 mod cluster;
+mod console;
 mod effects;
 mod invoice;
 mod lifecycle;

@@ -24,6 +24,7 @@
 
 mod busy;
 mod common;
+mod console;
 mod history;
 mod inflight;
 mod plateau;
@@ -59,6 +60,7 @@ pub const PARTS: &[&str] = &[
     "reoffers",
     "steps",
     "real-model",
+    "console",
 ];
 
 #[derive(Parser, Debug)]
@@ -168,6 +170,24 @@ pub struct Args {
     /// Research jobs on each model (real, simulated) in the real-model part.
     #[arg(long, default_value_t = 2)]
     pub real_model_jobs: usize,
+    /// Active jobs beside the console's pages in the `console` part.
+    #[arg(long, default_value_t = 2000)]
+    pub console_active: usize,
+    /// Finished jobs (records and terminal events) beside them.
+    #[arg(long, default_value_t = 5000)]
+    pub console_finished: usize,
+    /// Requests timed per page and fleet.
+    #[arg(long, default_value_t = 40)]
+    pub console_samples: usize,
+    /// SSE clients on one job.
+    #[arg(long, default_value_t = 100)]
+    pub console_clients: usize,
+    /// Echo jobs per throughput round beside the SSE clients.
+    #[arg(long, default_value_t = 2000)]
+    pub console_jobs: usize,
+    /// Research jobs whose section checkpoints are timed to an SSE client.
+    #[arg(long, default_value_t = 3)]
+    pub console_live_jobs: usize,
 }
 
 impl Args {
@@ -506,6 +526,95 @@ async fn main() -> anyhow::Result<()> {
             "no --baseline-bins (make bench-baseline builds one)",
         ),
         _ => {}
+    }
+
+    if a.runs("console") {
+        let mut all = serde_json::Map::new();
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "console-pages",
+            console::pages(a.console_active, a.console_finished, a.console_samples),
+        )
+        .await
+        {
+            for (k, label, met) in [
+                ("jobs_page_ttfb_ms", "jobs page", "jobs_page_met"),
+                ("timeline_ttfb_ms", "a job's timeline", "timeline_met"),
+            ] {
+                r.cmp(
+                    format!(
+                        "console: {label} TTFB p50/p95 ms ({} active, {} finished)",
+                        a.console_active, a.console_finished
+                    ),
+                    format!("{}/{}", v["busy"][k]["p50"], v["busy"][k]["p95"]),
+                    format!(
+                        "empty {}/{}; one page's worth {}/{}",
+                        v["empty"][k]["p50"],
+                        v["empty"][k]["p95"],
+                        v["page"][k]["p50"],
+                        v["page"][k]["p95"]
+                    ),
+                    "<= 1.2x, p95 <= 100 ms",
+                    v[met].as_bool(),
+                );
+            }
+            all.insert("pages".into(), v);
+        }
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "console-live",
+            console::live_latency(a.console_live_jobs),
+        )
+        .await
+        {
+            let l = &v["section_to_sse_ms"];
+            r.cmp(
+                "console: section checkpoint -> SSE client p50/p95 ms",
+                format!("{}/{} (n={})", l["p50"], l["p95"], l["n"]),
+                "",
+                "p95 <= 500 ms",
+                v["met"].as_bool(),
+            );
+            all.insert("live".into(), v);
+        }
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "console-clients",
+            console::many_clients(a.console_clients, a.console_jobs),
+        )
+        .await
+        {
+            r.cmp(
+                format!(
+                    "console: echo jobs/s with {} SSE clients on one job",
+                    a.console_clients
+                ),
+                format!("{:.0}", common::f64_of(&v["jobs_per_s_with_clients"])),
+                format!(
+                    "console idle {:.0}",
+                    common::f64_of(&v["jobs_per_s_console_idle"])
+                ),
+                ">= 0.95x",
+                v["met"].as_bool(),
+            );
+            r.row(
+                format!(
+                    "console: RSS MiB idle / with {} clients, CPU %",
+                    a.console_clients
+                ),
+                format!(
+                    "{:.0}/{:.0}, {:.0}%",
+                    common::f64_of(&v["console_rss_mib_idle"]),
+                    common::f64_of(&v["console_rss_mib_with_clients"]),
+                    common::f64_of(&v["console_cpu_percent_with_clients"])
+                ),
+            );
+            all.insert("clients".into(), v);
+        }
+        r.json.insert("console".into(), Value::Object(all));
     }
 
     r.json.insert(

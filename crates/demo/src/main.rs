@@ -61,6 +61,13 @@ struct Args {
     /// Give up waiting for the jobs after this long.
     #[arg(long, default_value = "150s", value_parser = leasehold_core::time::parse_duration)]
     timeout: Duration,
+    /// Where the console serves while the demo runs (loopback: no auth).
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    console_listen: String,
+    /// After the jobs, keep the fleet and the console up this long (to
+    /// look around in the console); 0 ends at once.
+    #[arg(long, default_value = "0s", value_parser = leasehold_core::time::parse_duration)]
+    linger: Duration,
 }
 
 const TOPICS: [&str; 6] = [
@@ -183,6 +190,28 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             Some(logs.join("reaper.log")),
         ));
         say("started leasehold-reaper");
+    }
+    // The console, on loopback (auth off there): its URL is printed.
+    let mut console = None;
+    if bin_dir().join("leasehold-console").is_file() {
+        let p = Proc::spawn_logged(
+            "leasehold-console",
+            &[],
+            &[
+                ("NATS_URL", url.clone()),
+                ("LH_CONSOLE_HTTP_LISTEN", a.console_listen.clone()),
+                ("RUST_LOG", "info".into()),
+            ],
+            Some(logs.join("console.log")),
+        );
+        match p
+            .wait_for_line("console listening on ", Duration::from_secs(20))
+            .await
+        {
+            Ok(addr) => say(format!("console: {addr}/jobs (fleet: {addr}/fleet)")),
+            Err(e) => say(format!("the console did not start: {e}")),
+        }
+        console = Some(p);
     }
     let mut procs = Vec::new();
     for i in 1..=a.workers {
@@ -473,7 +502,20 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         failures.push("no job was reclaimed: the faults did not exercise recovery".into());
     }
 
+    if !a.linger.is_zero() && console.is_some() {
+        say(format!(
+            "the fleet and the console stay up for {:?} (--linger; Ctrl-C ends the demo)",
+            a.linger
+        ));
+        tokio::select! {
+            _ = tokio::time::sleep(a.linger) => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
     // Tear down only what we started.
+    if let Some(c) = console.take() {
+        c.term();
+    }
     for p in procs.iter_mut() {
         p.cont();
         p.term();

@@ -324,6 +324,92 @@ impl Events {
             .await
     }
 
+    /// The job's events after stream sequence `after` (0: all of them), in
+    /// order, then every new one as it lands: an ordered consumer that
+    /// never ends by itself (drop the stream to stop). What a live view or
+    /// a client's stream reads: resumed from the last sequence it saw, it
+    /// misses nothing and repeats nothing.
+    pub async fn follow(
+        &self,
+        job_id: &str,
+        after: u64,
+    ) -> Result<futures::stream::BoxStream<'static, Result<(u64, JobEvent), StoreError>>, StoreError>
+    {
+        self.follow_filtered(
+            vec![self.layout.job_events_filter(job_id)],
+            match after {
+                0 => jetstream::consumer::DeliverPolicy::All,
+                n => jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: n + 1,
+                },
+            },
+        )
+        .await
+    }
+
+    /// Every job's events of these types published since `since`, then
+    /// the new ones as they land (the console's recent outcomes).
+    pub async fn follow_types_since(
+        &self,
+        types: &[&str],
+        since: SystemTime,
+    ) -> Result<futures::stream::BoxStream<'static, Result<(u64, JobEvent), StoreError>>, StoreError>
+    {
+        let filters = types
+            .iter()
+            .map(|t| self.layout.event_subject("*", t))
+            .collect();
+        let start = since
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let start = time::OffsetDateTime::from_unix_timestamp_nanos(start.as_nanos() as i128)
+            .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+        self.follow_filtered(
+            filters,
+            jetstream::consumer::DeliverPolicy::ByStartTime { start_time: start },
+        )
+        .await
+    }
+
+    async fn follow_filtered(
+        &self,
+        filters: Vec<String>,
+        deliver_policy: jetstream::consumer::DeliverPolicy,
+    ) -> Result<futures::stream::BoxStream<'static, Result<(u64, JobEvent), StoreError>>, StoreError>
+    {
+        let stream = self
+            .js
+            .get_stream_no_info(&self.stream)
+            .await
+            .map_err(|e| StoreError::nats("events stream", e))?;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subjects: filters,
+                deliver_policy,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| StoreError::nats("follow events", e))?;
+        let msgs = consumer
+            .messages()
+            .await
+            .map_err(|e| StoreError::nats("follow events", e))?;
+        let me = self.clone();
+        let s = msgs.then(move |m| {
+            let me = me.clone();
+            async move {
+                let m = m.map_err(|e| StoreError::nats("follow events", e))?;
+                let seq = m
+                    .info()
+                    .map_err(|e| StoreError::nats("event info", e))?
+                    .stream_sequence;
+                let ev = serde_json::from_slice::<JobEvent>(&m.payload).unwrap_or_default();
+                Ok((seq, me.resolved(ev).await?))
+            }
+        });
+        Ok(Box::pin(s))
+    }
+
     /// Bytes of events read through this handle: what a resume costs.
     pub fn bytes_read(&self) -> u64 {
         self.read_bytes.load(std::sync::atomic::Ordering::Relaxed)

@@ -412,6 +412,15 @@ impl Jobs {
             .map_err(|e| JobsError::Nats(format!("watch {id}: {e}")))
     }
 
+    /// A watch of every record written from now on (not the bucket's
+    /// current contents): what a live view of many jobs follows.
+    pub async fn watch_new(&self) -> Result<kv::Watch, JobsError> {
+        self.kv
+            .watch(">")
+            .await
+            .map_err(|e| JobsError::Nats(format!("watch jobs: {e}")))
+    }
+
     /// A watch of every change to any record.
     pub async fn watch_all(&self) -> Result<kv::Watch, JobsError> {
         self.kv

@@ -20,6 +20,8 @@
 //! - [`effects`]: the effects ledger's bucket below the KV API: writes that
 //!   never expire, and a job's keys found and purged by subject.
 //! - [`artifacts`]: artifacts created if absent, never overwritten.
+//! - [`operate`]: operators' actions shared by the CLI and the console.
+//! - [`fleet`]: queue, dead letters, sessions and reapers as the console shows them.
 //!
 //! Lookups tell *missing* from *unavailable*: a stream, bucket or consumer
 //! the server says does not exist is [`StoreError::Missing`] (run `leasehold
@@ -31,10 +33,12 @@ pub mod connect;
 pub mod dlq;
 pub mod effects;
 pub mod events;
+pub mod fleet;
 pub mod index;
 pub mod jobs;
 pub mod layout;
 pub mod liveness;
+pub mod operate;
 pub mod recovery;
 pub mod retention;
 pub mod schedules;

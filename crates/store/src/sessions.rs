@@ -53,6 +53,14 @@ pub struct SessionInfo {
     pub version: String,
     /// Session timeout in milliseconds (the TTL of each renewal).
     pub timeout_ms: u64,
+    /// Jobs the process runs at once (`--concurrency`); 0 from a worker of
+    /// an earlier release, which did not say.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub slots: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The current state of one worker id's key.

@@ -10,11 +10,8 @@
 //! submitter's may not, and NATS refuses the write: then nothing was
 //! recorded, and the command says so and exits 1.
 
-use std::time::Duration;
-
-use leasehold_store::events::Events;
 use leasehold_store::index::Filter;
-use leasehold_store::{jobs, NatsArgs};
+use leasehold_store::{operate, NatsArgs};
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]
@@ -93,39 +90,15 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     Ok(if not == 0 { 0 } else { 1 })
 }
 
-/// Asks for the cancellation of `id`; prints the answer as one JSON line
-/// (and, when nothing was recorded, why on stderr). Returns the exit code.
+/// Asks for the cancellation of `id` ([`operate::request_cancel`]);
+/// prints the answer as one JSON line (and, when nothing was recorded, why
+/// on stderr). Returns the exit code.
 async fn cancel_one(conn: &leasehold_store::Conn, id: &str) -> anyhow::Result<i32> {
-    let subject = conn.layout.cancel_subject(id);
-    let ask = conn.client.request(subject.clone(), "".into());
-    let reply: serde_json::Value = match tokio::time::timeout(Duration::from_secs(3), ask).await {
-        Ok(Ok(m)) => serde_json::from_slice(&m.payload)?,
-        unanswered => {
-            let why = match unanswered {
-                Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-                    "no worker is running".to_string()
-                }
-                Ok(Err(e)) => format!("the request failed: {e}"),
-                _ => "no worker answered within 3s".to_string(),
-            };
-            // Record it ourselves through the same transition, unless NATS
-            // refuses this user the write (it only says so on the side: the
-            // write itself would just time out).
-            let jobs = super::open_jobs(conn).await?;
-            let events = Events::new(conn);
-            let records = format!("$KV.{}.", conn.layout.jobs_bucket());
-            tokio::select! {
-                (r, _) = jobs::cancel(&jobs, &events, id) => r,
-                refusal = conn.link.refused(&records) => {
-                    eprintln!(
-                        "error: {why} on {subject}, and this NATS user may not write job records ({refusal}): \
-                         nothing was recorded; cancel again once a worker runs, or as a user with the operator's permissions"
-                    );
-                    json!({"id": id, "recorded": false, "outcome": "refused", "error": refusal})
-                }
-            }
-        }
-    };
+    let answer = operate::request_cancel(conn, id).await?;
+    if let Some(why) = &answer.refused {
+        eprintln!("error: {why}");
+    }
+    let reply = answer.reply;
     println!("{reply}");
     if reply["recorded"].as_bool() == Some(true) {
         return Ok(0);

@@ -15,13 +15,12 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::time::SystemTime;
 
 use anyhow::Context as _;
-use leasehold_core::machine::{self, status_of, TransitionError};
+use leasehold_core::machine::{self, status_of};
 use leasehold_core::spec::{self, Kinds, Submission};
-use leasehold_core::{JobRecord, Status};
+use leasehold_core::Status;
 use leasehold_store::dlq::{DeadJob, Dlq, Letter};
-use leasehold_store::events::{self, Events};
 use leasehold_store::work::{self, Work};
-use leasehold_store::{Conn, Jobs, JobsError, NatsArgs};
+use leasehold_store::{operate, Conn, Jobs, JobsError, NatsArgs};
 use serde_json::{json, Value};
 
 #[derive(clap::Args, Debug)]
@@ -333,106 +332,47 @@ fn validate(
     )
 }
 
-/// Requeues the dead job with a fresh budget. The ticket first: it is
-/// published before the record says `queued`, so a failure at any step
-/// leaves either the dead job (run this again: the same ticket is
-/// recognised) or a queued job with a ticket, never a queued job nobody
-/// will run.
+/// Requeues the dead job with a fresh budget ([`operate::replay_dead`]:
+/// its ticket first), after validating a corrected submission.
 async fn replay_dead(
     conn: &Conn,
     jobs: &Jobs,
     l: &Letter,
     corrected: Option<Vec<u8>>,
 ) -> anyhow::Result<Value> {
-    let body: DeadJob = serde_json::from_slice(&l.payload).with_context(|| {
-        format!(
-            "letter {} is not a dead job's letter (class {:?}); `leasehold dlq show {}` shows it",
-            l.seq, l.class, l.seq
-        )
-    })?;
-    let id = body.record.id.clone();
     let new_spec = match corrected {
-        Some(bytes) => Some(
-            validate(
-                &body.record.kind,
-                &bytes,
-                Some(&id),
-                Some("application/json"),
-            )
-            .map_err(|rej| {
-                anyhow::anyhow!(
-                    "the corrected submission is refused ({}); letter {} kept",
-                    rej.error,
-                    l.seq
+        Some(bytes) => {
+            let body: DeadJob = serde_json::from_slice(&l.payload).with_context(|| {
+                format!(
+                    "letter {} is not a dead job's letter (class {:?}); `leasehold dlq show {}` shows it",
+                    l.seq, l.class, l.seq
                 )
-            })?
-            .spec,
-        ),
+            })?;
+            let id = body.record.id.clone();
+            Some(
+                validate(
+                    &body.record.kind,
+                    &bytes,
+                    Some(&id),
+                    Some("application/json"),
+                )
+                .map_err(|rej| {
+                    anyhow::anyhow!(
+                        "the corrected submission is refused ({}); letter {} kept",
+                        rej.error,
+                        l.seq
+                    )
+                })?
+                .spec,
+            )
+        }
         None => None,
     };
-    let refuse = |rec: &JobRecord| -> Result<(), TransitionError> {
-        match status_of(rec) {
-            Some(Status::Dead | Status::Failed | Status::Rejected | Status::Cancelled) => Ok(()),
-            _ => Err(TransitionError::NotAllowed {
-                status: rec.status.clone(),
-                action: "replay",
-                allowed: "dead, failed, rejected or cancelled",
-            }),
-        }
-    };
-    let (queued, ticket) = if jobs.get(&id).await?.is_some() {
-        requeue_ticket_first(
-            conn,
-            jobs,
-            &id,
-            refuse,
-            "replay",
-            &l.seq.to_string(),
-            new_spec.as_ref(),
-        )
-        .await
-        .with_context(|| format!("letter {} kept", l.seq))?
-    } else {
-        // The record is gone (purged bucket): recreate it from the letter,
-        // its ticket first too.
-        let mut base = body.record.clone();
-        if let Some(spec) = &new_spec {
-            base.spec = Some(spec.clone());
-            base.input_beside = false;
-        }
-        anyhow::ensure!(
-            !(base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty())),
-            "job {id}'s record is gone and its input (over 16 KiB) was kept beside it, not in the letter; nothing changed, letter {} kept: replay it with a corrected submission (`--spec FILE`)",
-            l.seq
-        );
-        let ticket = Work::new(conn)
-            .reissue(&base, "replay", &format!("{}-0", l.seq))
-            .await
-            .with_context(|| format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq))?
-            .seq;
-        let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)?;
-        let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
-        super::open_active(conn).await?.reconcile(&rec).await?;
-        (
-            leasehold_store::Versioned {
-                value: rec,
-                revision,
-            },
-            ticket,
-        )
-    };
-    let ev = events::event(
-        &id,
-        queued.value.epoch,
-        "progress",
-        None,
-        json!({"phase": "replayed", "dlq_seq": l.seq, "ticket_seq": ticket, "corrected": new_spec.is_some()}),
-    );
-    let _ = Events::new(conn)
-        .publish(&ev, Some(&format!("{id}:replayed:{ticket}")))
-        .await;
+    let out = operate::replay_dead(conn, jobs, l, new_spec).await?;
+    let (id, ticket) = (&out["id"], &out["ticket_seq"]);
+    let id = id.as_str().unwrap_or_default();
     eprintln!("job {id} queued again with a fresh attempt budget (ticket {ticket}); follow it with `leasehold watch {id}`");
-    Ok(json!({"id": id, "status": "queued", "ticket_seq": ticket, "replayed_from": l.seq}))
+    Ok(out)
 }
 
 /// Publishes a rejected submission's raw bytes (or a corrected
@@ -584,77 +524,9 @@ async fn accepted_by_a_worker(
     }
 }
 
-/// Queues the existing job `id` again with a fresh budget, its ticket
-/// first: the ticket is published (its id derived from the record's
-/// revision, so a re-run after any failure publishes the same one), then
-/// the record says `queued` naming it, then the index lists it. `allowed`
-/// refuses the states this command does not requeue; `spec` replaces the
-/// job's spec. Shared by `dlq replay` and `review resume`.
-pub(crate) async fn requeue_ticket_first<F>(
-    conn: &Conn,
-    jobs: &Jobs,
-    id: &str,
-    allowed: F,
-    reason: &str,
-    nonce: &str,
-    spec: Option<&leasehold_core::JobSpec>,
-) -> anyhow::Result<(leasehold_store::Versioned<JobRecord>, u64)>
-where
-    F: Fn(&JobRecord) -> Result<(), TransitionError>,
-{
-    let cur = jobs
-        .get(id)
-        .await?
-        .with_context(|| format!("no job {id}"))?;
-    allowed(&cur.value).map_err(|e| explain(JobsError::Transition(e), id))?;
-    let mut base = cur.value.clone();
-    if let Some(s) = spec {
-        base.spec = Some(s.clone());
-        base.input_beside = false;
-    }
-    anyhow::ensure!(
-        !(base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty())),
-        "job {id}'s input (over 16 KiB, kept beside its record) is gone from the payloads bucket; nothing changed: requeue it with a corrected submission (`dlq replay SEQ --spec FILE`)"
-    );
-    let ticket = Work::new(conn)
-        .reissue(&base, reason, &format!("{nonce}-{}", cur.revision))
-        .await
-        .with_context(|| {
-            format!(
-                "the ticket of job {id} could not be published; nothing changed: run this again"
-            )
-        })?
-        .seq;
-    let v = jobs
-        .transition(id, |c| {
-            allowed(c)?;
-            let mut r = machine::requeue_fresh(c, SystemTime::now(), ticket)?;
-            if let Some(s) = spec {
-                r.spec = Some(s.clone());
-            }
-            Ok(Some(r))
-        })
-        .await
-        .map_err(|e| explain(e, id))?;
-    // Waiting again: the index lists it (no longer as parked or dead), so
-    // the sweep replaces a ticket a worker dropped before this write.
-    super::open_active(conn).await?.reconcile(&v.value).await?;
-    Ok((v, ticket))
-}
-
-/// A job-record error with what to do about it.
+/// A job-record error with what to do about it ([`operate::explain`]).
 pub(crate) fn explain(e: JobsError, id: &str) -> anyhow::Error {
-    match e {
-        JobsError::NotFound(_) => anyhow::anyhow!("no job {id}; `leasehold list` shows the jobs"),
-        JobsError::Transition(t) => {
-            anyhow::anyhow!("job {id}: {t}; `leasehold status {id}` shows its record")
-        }
-        JobsError::Conflict(_) => {
-            anyhow::anyhow!("job {id} kept changing while this ran; run the command again")
-        }
-        other => anyhow::Error::new(other)
-            .context(format!("job {id}: check NATS and run the command again")),
-    }
+    operate::explain(e, id).into()
 }
 
 /// Which letters a bulk replay or purge acts on, and how.

@@ -9,16 +9,10 @@
 //! workflow continues from its checkpoints. `fail` ends it as `failed` with
 //! the reviewer's reason (error class `review`).
 
-use std::time::SystemTime;
-
-use leasehold_core::machine;
 use leasehold_core::{JobRecord, Status};
-use leasehold_store::events::{self, Events};
 use leasehold_store::index::{Active, Filter};
-use leasehold_store::{Jobs, NatsArgs};
+use leasehold_store::{operate, Jobs, NatsArgs};
 use serde_json::{json, Value};
-
-use super::dlq::{explain, requeue_ticket_first};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -63,48 +57,10 @@ enum Cmd {
 pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli review").await?;
     let jobs = super::open_jobs(&conn).await?;
-    let events = Events::new(&conn);
     match args.cmd {
         Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
         Cmd::Resume { id, answer, .. } => {
-            if let Some(answer) = answer {
-                // The answer first, so the attempt the requeue starts finds
-                // it; a requeue that fails leaves the job parked and the
-                // command can be run again (the last answer is the one).
-                let cur = jobs
-                    .get(&id)
-                    .await?
-                    .ok_or_else(|| anyhow::anyhow!("no job {id}"))?;
-                only_parked(&cur.value, "resume").map_err(|e| explain(e.into(), &id))?;
-                let ev = events::event(
-                    &id,
-                    cur.value.epoch,
-                    "answer",
-                    None,
-                    json!({"answer": answer}),
-                );
-                events.publish(&ev, None).await?;
-            }
-            let (v, ticket) = requeue_ticket_first(
-                &conn,
-                &jobs,
-                &id,
-                |cur| only_parked(cur, "resume"),
-                "resume",
-                "r",
-                None,
-            )
-            .await?;
-            let ev = events::event(
-                &id,
-                v.value.epoch,
-                "progress",
-                None,
-                json!({"phase": "resumed", "ticket_seq": ticket}),
-            );
-            let _ = events
-                .publish(&ev, Some(&format!("{id}:resumed:{ticket}")))
-                .await;
+            let ticket = operate::review_resume(&conn, &jobs, &id, answer.as_ref()).await?;
             eprintln!(
                 "job {id} queued again (ticket {ticket}); follow it with `leasehold watch {id}`"
             );
@@ -115,30 +71,9 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Fail { id, reason, .. } => {
-            anyhow::ensure!(
-                !reason.trim().is_empty(),
-                "--reason must say why the job is failed"
-            );
-            let v = jobs
-                .transition(&id, |cur| {
-                    only_parked(cur, "fail")?;
-                    machine::fail_parked(cur, SystemTime::now(), &reason).map(Some)
-                })
-                .await
-                .map_err(|e| explain(e, &id))?;
-            super::open_active(&conn).await?.reconcile(&v.value).await?;
-            let ev = events::event(
-                &id,
-                v.value.epoch,
-                "failed",
-                None,
-                json!({"class": "review", "message": reason, "kind": v.value.kind}),
-            );
-            let _ = events
-                .publish(&ev, Some(&format!("{id}:failed:review:{}", v.revision)))
-                .await;
+            let rec = operate::review_fail(&conn, &jobs, &id, &reason).await?;
             eprintln!("job {id} failed: {reason}");
-            println!("{}", json!({"id": id, "status": v.value.status}));
+            println!("{}", json!({"id": id, "status": rec.status}));
             Ok(0)
         }
     }
@@ -148,18 +83,6 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
 fn parse_answer(s: &str) -> Result<Value, String> {
     serde_json::from_str(s)
         .map_err(|e| format!("not JSON ({e}); e.g. --answer '{{\"approve\": true}}'"))
-}
-
-/// Refuses anything but a parked job with a message that says what to do.
-fn only_parked(rec: &JobRecord, action: &'static str) -> Result<(), machine::TransitionError> {
-    if rec.status == Status::Parked.as_str() {
-        return Ok(());
-    }
-    Err(machine::TransitionError::NotAllowed {
-        status: rec.status.clone(),
-        action,
-        allowed: "parked (`leasehold review list` shows the parked jobs)",
-    })
 }
 
 fn summary(r: &JobRecord) -> Value {

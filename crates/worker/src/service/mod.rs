@@ -249,7 +249,8 @@ impl Worker {
                 &served,
                 opts.session_timeout,
                 renew,
-            ),
+            )
+            .with_slots(opts.concurrency),
             running: StdMutex::new(HashMap::new()),
             claiming: StdMutex::new(Default::default()),
             idle: Notify::new(),

@@ -44,6 +44,12 @@ pub(crate) struct SessionState {
 }
 
 impl SessionState {
+    /// Names the process's job slots in its session (the console shows them).
+    pub(crate) fn with_slots(mut self, slots: usize) -> Self {
+        self.info.slots = slots as u32;
+        self
+    }
+
     pub(crate) fn new(
         worker_id: &str,
         session: &str,

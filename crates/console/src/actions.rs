@@ -1,0 +1,436 @@
+//! Actions: each asks for confirmation (`GET /confirm?action=...` renders
+//! what will happen and a form), is done by `POST /actions/{action}` (the
+//! CSRF field, the operator's permission), goes through the same function
+//! as the CLI's command ([`leasehold_store::operate`]) on the operator
+//! connection, and is recorded as an `action` event naming the caller.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::Form;
+use leasehold_store::operate::{self, Action};
+use serde_json::{json, Value};
+
+use crate::app::{App, Failure};
+use crate::auth::{Caller, Via};
+use crate::pages::{active_jobs, JobFilter};
+use crate::render::{self, esc, url};
+
+const ACTIONS: &[(&str, &str)] = &[
+    ("cancel", "Cancel job"),
+    ("review-resume", "Resume parked job"),
+    ("review-fail", "Fail parked job"),
+    ("dlq-replay", "Replay dead letter"),
+    ("dlq-delete", "Delete dead letter"),
+    ("bulk-cancel", "Cancel every active job matching"),
+    ("bulk-replay", "Replay every dead letter matching"),
+    ("bulk-purge", "Delete every dead letter matching"),
+];
+
+fn forbidden(caller: &Caller) -> Failure {
+    Failure {
+        status: StatusCode::FORBIDDEN,
+        message: format!("{} may read but not act", caller.name),
+        json: caller.via == Via::Bearer,
+    }
+}
+
+fn title(action: &str) -> Option<&'static str> {
+    ACTIONS.iter().find(|(a, _)| *a == action).map(|(_, t)| *t)
+}
+
+pub async fn confirm(
+    State(app): State<Arc<App>>,
+    caller: Caller,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Response, Failure> {
+    if !caller.can_act {
+        return Err(forbidden(&caller));
+    }
+    let action = q.get("action").cloned().unwrap_or_default();
+    let Some(t) = title(&action) else {
+        return Err(Failure::page(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "unknown action {action:?}; one of {}",
+                ACTIONS
+                    .iter()
+                    .map(|(a, _)| *a)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    };
+    let mut what = String::new();
+    let mut hidden = String::new();
+    for (k, v) in &q {
+        if k == "action" || v.is_empty() {
+            continue;
+        }
+        let _ = write!(what, "<li>{}: <code>{}</code></li>", esc(k), esc(v));
+        let _ = write!(
+            hidden,
+            "<input type=\"hidden\" name=\"{}\" value=\"{}\">",
+            esc(k),
+            esc(v)
+        );
+    }
+    let extra = match action.as_str() {
+        "review-resume" => "<p><label>answer, as JSON (given to the step that asked, and recorded with the action)<br><textarea name=\"answer\" rows=\"3\" cols=\"60\"></textarea></label></p>",
+        "review-fail" => "<p><label>reason (required)<br><input name=\"reason\" size=\"60\" required></label></p>",
+        _ => "",
+    };
+    let count = match action.as_str() {
+        "bulk-cancel" => {
+            let f = bulk_filter(&app, &q)?;
+            let (_, total) = active_jobs(&app, &f).await?;
+            format!("<p><b>{total}</b> active job(s) match now.</p>")
+        }
+        _ => String::new(),
+    };
+    let body = format!(
+        "<h1>{t}?</h1><ul>{what}</ul>{count}<form method=\"post\" action=\"/actions/{a}\">{hidden}{extra}\
+<input type=\"hidden\" name=\"csrf\" value=\"{csrf}\"><button id=\"confirm\" class=\"danger\">yes, {t_l}</button> \
+<a href=\"javascript:history.back()\">no, go back</a></form>",
+        a = esc(&action),
+        t_l = esc(&t.to_lowercase()),
+        csrf = app.csrf(&caller),
+    );
+    Ok(Html(render::layout("confirm", &body)).into_response())
+}
+
+fn bulk_filter(app: &App, q: &HashMap<String, String>) -> Result<JobFilter, Failure> {
+    let mut f: HashMap<String, String> = q
+        .iter()
+        .filter(|(k, _)| ["kind", "status", "tenant", "prefix"].contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    f.insert("limit".into(), app.args.page_max.to_string());
+    JobFilter::parse(&f, app.args.page_max).map_err(|e| Failure::page(StatusCode::BAD_REQUEST, e))
+}
+
+/// What one action did: a sentence and where to look.
+struct Done {
+    message: String,
+    back: String,
+    detail: Value,
+}
+
+pub async fn act(
+    State(app): State<Arc<App>>,
+    caller: Caller,
+    Path(action): Path<String>,
+    headers: HeaderMap,
+    Form(f): Form<HashMap<String, String>>,
+) -> Result<Response, Failure> {
+    let as_json = caller.via == Via::Bearer;
+    let fail = |status: StatusCode, m: String| Failure {
+        status,
+        message: m,
+        json: as_json,
+    };
+    if !caller.can_act {
+        return Err(forbidden(&caller));
+    }
+    let origin = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok());
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    let csrf = f.get("csrf").map(String::as_str).unwrap_or("");
+    if !app.csrf_ok(&caller, origin, host, csrf) {
+        return Err(fail(
+            StatusCode::FORBIDDEN,
+            "this action did not come from the console's own confirmation form (CSRF check); open the page again".into(),
+        ));
+    }
+    if title(&action).is_none() {
+        return Err(fail(
+            StatusCode::NOT_FOUND,
+            format!("unknown action {action:?}"),
+        ));
+    }
+    let done = run(&app, &caller, &action, &f)
+        .await
+        .map_err(|e| fail(StatusCode::CONFLICT, e))?;
+    if as_json {
+        return Ok((
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            json!({"action": action, "message": done.message, "detail": done.detail}).to_string(),
+        )
+            .into_response());
+    }
+    let body = format!(
+        "<h1>Done</h1><p id=\"done\">{}</p><p><a id=\"back\" href=\"{}\">back</a></p>",
+        esc(&done.message),
+        esc(&done.back)
+    );
+    Ok(Html(render::layout("done", &app.clean(&body))).into_response())
+}
+
+fn field<'a>(f: &'a HashMap<String, String>, k: &str) -> Result<&'a str, String> {
+    f.get(k)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| format!("the form has no {k}"))
+}
+
+fn seq_of(f: &HashMap<String, String>) -> Result<u64, String> {
+    let s = field(f, "seq")?;
+    s.parse()
+        .map_err(|_| format!("seq={s:?} is not a dead letter's sequence"))
+}
+
+async fn record(app: &App, caller: &Caller, id: &str, action: &str, detail: Value) {
+    let epoch = match app.op_jobs.get(id).await {
+        Ok(Some(v)) => v.value.epoch,
+        _ => 0,
+    };
+    let a = Action {
+        action,
+        by: &caller.name,
+        via: "console",
+        detail,
+    };
+    let nonce = uuid::Uuid::new_v4().simple().to_string();
+    if let Err(e) = operate::record_action(&app.op, id, epoch, a, &nonce).await {
+        tracing::warn!(job = id, action, error = %e, "action done, but its event was not recorded");
+    }
+}
+
+async fn cancel(app: &App, caller: &Caller, id: &str) -> Result<Value, String> {
+    let a = operate::request_cancel(&app.op, id)
+        .await
+        .map_err(|e| e.to_string())?;
+    let outcome = a.reply["outcome"].as_str().unwrap_or("").to_string();
+    if let Some(why) = a.refused {
+        return Err(why);
+    }
+    if outcome == "not_found" {
+        return Err(format!("no job {id:?}"));
+    }
+    record(app, caller, id, "cancel", json!({"outcome": outcome})).await;
+    Ok(a.reply)
+}
+
+async fn replay(app: &App, caller: &Caller, seq: u64) -> Result<Value, String> {
+    let l = app
+        .op_dlq
+        .get(seq)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no dead letter {seq}"))?;
+    if l.class == "rejected" {
+        return Err(format!(
+            "letter {seq} is a rejected submission: its bytes are replayed, after their reason is shown, with `leasehold dlq replay {seq}` (or `--spec FILE` with a corrected one)"
+        ));
+    }
+    let out = operate::replay_dead(&app.op, &app.op_jobs, &l, None)
+        .await
+        .map_err(|e| e.to_string())?;
+    let deleted = app.op_dlq.delete(seq).await.unwrap_or(false);
+    let id = out["id"].as_str().unwrap_or_default().to_string();
+    record(
+        app,
+        caller,
+        &id,
+        "dlq_replay",
+        json!({"dlq_seq": seq, "ticket_seq": out["ticket_seq"], "letter_deleted": deleted}),
+    )
+    .await;
+    Ok(out)
+}
+
+async fn delete(app: &App, caller: &Caller, seq: u64) -> Result<bool, String> {
+    let l = app.op_dlq.get(seq).await.map_err(|e| e.to_string())?;
+    let deleted = app.op_dlq.delete(seq).await.map_err(|e| e.to_string())?;
+    if let Some(id) = l.and_then(|l| l.job_id) {
+        record(app, caller, &id, "dlq_delete", json!({"dlq_seq": seq})).await;
+    }
+    Ok(deleted)
+}
+
+/// Every dead letter matching the form's `kind` and `class`.
+async fn letters(
+    app: &App,
+    f: &HashMap<String, String>,
+) -> Result<Vec<leasehold_store::dlq::Letter>, String> {
+    let kind = f.get("kind").filter(|s| !s.is_empty()).map(String::as_str);
+    let class = f.get("class").filter(|s| !s.is_empty()).map(String::as_str);
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let (page, more) = app
+            .op_dlq
+            .page(kind, class, after, 500)
+            .await
+            .map_err(|e| e.to_string())?;
+        after = page.last().map_or(after, |l| l.seq);
+        out.extend(page);
+        if !more {
+            return Ok(out);
+        }
+    }
+}
+
+async fn run(
+    app: &App,
+    caller: &Caller,
+    action: &str,
+    f: &HashMap<String, String>,
+) -> Result<Done, String> {
+    match action {
+        "cancel" => {
+            let id = field(f, "id")?;
+            let reply = cancel(app, caller, id).await?;
+            Ok(Done {
+                message: format!(
+                    "job {id}: cancel {}",
+                    reply["outcome"].as_str().unwrap_or("?")
+                ),
+                back: format!("/jobs/{}", url(id)),
+                detail: reply,
+            })
+        }
+        "review-resume" => {
+            let id = field(f, "id")?;
+            let answer = f.get("answer").map(|s| s.trim()).unwrap_or("");
+            // The answer goes back to the step that asked (an SDK kind's
+            // `ctx.park`), so it must be JSON, as `review resume --answer`.
+            let parsed = match answer {
+                "" => None,
+                a => Some(serde_json::from_str::<Value>(a).map_err(|e| {
+                    format!("the answer must be JSON ({e}), e.g. {{\"approve\": true}}")
+                })?),
+            };
+            let ticket = operate::review_resume(&app.op, &app.op_jobs, id, parsed.as_ref())
+                .await
+                .map_err(|e| e.to_string())?;
+            record(
+                app,
+                caller,
+                id,
+                "review_resume",
+                json!({"answer": answer, "ticket_seq": ticket}),
+            )
+            .await;
+            Ok(Done {
+                message: format!("job {id} queued again (ticket {ticket})"),
+                back: format!("/jobs/{}", url(id)),
+                detail: json!({"id": id, "status": "queued", "ticket_seq": ticket}),
+            })
+        }
+        "review-fail" => {
+            let id = field(f, "id")?;
+            let reason = field(f, "reason")?;
+            let rec = operate::review_fail(&app.op, &app.op_jobs, id, reason)
+                .await
+                .map_err(|e| e.to_string())?;
+            record(app, caller, id, "review_fail", json!({"reason": reason})).await;
+            Ok(Done {
+                message: format!("job {id} failed: {reason}"),
+                back: format!("/jobs/{}", url(id)),
+                detail: json!({"id": id, "status": rec.status}),
+            })
+        }
+        "dlq-replay" => {
+            let seq = seq_of(f)?;
+            let out = replay(app, caller, seq).await?;
+            let id = out["id"].as_str().unwrap_or_default().to_string();
+            Ok(Done {
+                message: format!("letter {seq} replayed: job {id} queued again"),
+                back: format!("/jobs/{}", url(&id)),
+                detail: out,
+            })
+        }
+        "dlq-delete" => {
+            let seq = seq_of(f)?;
+            let deleted = delete(app, caller, seq).await?;
+            Ok(Done {
+                message: format!(
+                    "letter {seq} {}",
+                    if deleted {
+                        "deleted"
+                    } else {
+                        "was gone already"
+                    }
+                ),
+                back: "/dlq".into(),
+                detail: json!({"seq": seq, "deleted": deleted}),
+            })
+        }
+        "bulk-cancel" => {
+            let filter = {
+                let mut q = f.clone();
+                q.remove("csrf");
+                q.insert("limit".into(), app.args.page_max.to_string());
+                q.retain(|k, _| {
+                    ["kind", "status", "tenant", "prefix", "limit"].contains(&k.as_str())
+                });
+                JobFilter::parse(&q, app.args.page_max)?
+            };
+            let mut ids = Vec::new();
+            let mut filter = filter;
+            loop {
+                let (page, total) = active_jobs(app, &filter).await.map_err(|e| e.message)?;
+                ids.extend(page.into_iter().map(|r| r.id));
+                filter.offset += filter.limit;
+                if filter.offset >= total {
+                    break;
+                }
+            }
+            let (mut ok, mut not) = (0, Vec::new());
+            for id in &ids {
+                match cancel(app, caller, id).await {
+                    Ok(_) => ok += 1,
+                    Err(e) => not.push(format!("{id}: {e}")),
+                }
+            }
+            Ok(Done {
+                message: if not.is_empty() {
+                    format!(
+                        "{ok} job(s) cancelled, {} not: {}",
+                        not.len(),
+                        not.join("; ")
+                    )
+                } else {
+                    format!("{ok} job(s) cancelled")
+                },
+                back: "/jobs".into(),
+                detail: json!({"cancelled": ok, "failed": not}),
+            })
+        }
+        "bulk-replay" => {
+            let ls = letters(app, f).await?;
+            let (mut ok, mut not) = (0, Vec::new());
+            for l in &ls {
+                match replay(app, caller, l.seq).await {
+                    Ok(_) => ok += 1,
+                    Err(e) => not.push(format!("{}: {e}", l.seq)),
+                }
+            }
+            Ok(Done {
+                message: format!("{ok} letter(s) replayed, {} not", not.len()),
+                back: "/dlq".into(),
+                detail: json!({"replayed": ok, "failed": not}),
+            })
+        }
+        "bulk-purge" => {
+            let ls = letters(app, f).await?;
+            let mut n = 0;
+            for l in &ls {
+                if delete(app, caller, l.seq).await? {
+                    n += 1;
+                }
+            }
+            Ok(Done {
+                message: format!("{n} letter(s) deleted"),
+                back: "/dlq".into(),
+                detail: json!({"deleted": n}),
+            })
+        }
+        other => Err(format!("unknown action {other:?}")),
+    }
+}

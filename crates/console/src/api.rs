@@ -1,0 +1,237 @@
+//! The clients' API: a job's record, its result, and its events as
+//! Server-Sent Events.
+//!
+//! `GET /v1/jobs/{id}/events`: every event of the job in order, each as
+//! one SSE message whose `id:` is the event's stream sequence and whose
+//! data is the event's JSON (its fields inlined, plus `seq`). A client
+//! reconnecting with `Last-Event-ID: N` (or `?after=N`) gets exactly the
+//! events after N: the stream is read from sequence N + 1 by an ordered
+//! consumer, then follows new ones. Before an event that supersedes work
+//! shown so far (a claim of a later epoch: a reclaim or a retry; a warm,
+//! cold or job retry) comes an `event: superseded` message without an id
+//! saying what to drop. After the job's terminal event comes `event: end`,
+//! and the stream closes.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use crate::app::{App, Failure};
+use crate::auth::Caller;
+use crate::feed::TERMINAL;
+use crate::pages::{number, only};
+
+type Q = Query<HashMap<String, String>>;
+
+fn bad(e: String) -> Failure {
+    Failure::api(StatusCode::BAD_REQUEST, e)
+}
+
+fn missing(id: &str) -> Failure {
+    Failure::api(
+        StatusCode::NOT_FOUND,
+        format!("no job {id:?}: not picked up yet, forgotten after its retention, or a wrong id"),
+    )
+}
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+pub async fn record(
+    State(app): State<Arc<App>>,
+    _caller: Caller,
+    Path(id): Path<String>,
+    q: Q,
+) -> Result<Response, Failure> {
+    only(&q, &[]).map_err(bad)?;
+    let v = app
+        .jobs
+        .get(&id)
+        .await
+        .map_err(|e| Failure::unavailable(e, true))?
+        .ok_or_else(|| missing(&id))?;
+    let body = serde_json::to_string(&v.value).unwrap_or_default();
+    Ok(json_response(StatusCode::OK, app.clean(&body)))
+}
+
+pub async fn result(
+    State(app): State<Arc<App>>,
+    _caller: Caller,
+    Path(id): Path<String>,
+    q: Q,
+) -> Result<Response, Failure> {
+    only(&q, &[]).map_err(bad)?;
+    let r = app
+        .jobs
+        .get(&id)
+        .await
+        .map_err(|e| Failure::unavailable(e, true))?
+        .ok_or_else(|| missing(&id))?
+        .value;
+    if r.status != "completed" {
+        let body = json!({
+            "id": id, "status": r.status, "error": r.error,
+            "partial": r.result.as_ref().map(|x| x.partial),
+            "hint": if TERMINAL.contains(&r.status.as_str()) { "the job ended without a result" } else { "the job has not ended; follow /v1/jobs/{id}/events" },
+        });
+        return Ok(json_response(
+            StatusCode::CONFLICT,
+            app.clean(&body.to_string()),
+        ));
+    }
+    let res = r.result.unwrap_or_default();
+    match res.artifact {
+        Some(name) => match app.artifacts.read(&name).await {
+            Ok(Some((_, data))) => Ok((
+                StatusCode::OK,
+                [
+                    (
+                        header::CONTENT_TYPE,
+                        "text/markdown; charset=utf-8".to_string(),
+                    ),
+                    (
+                        header::HeaderName::from_static("lh-digest"),
+                        res.digest.unwrap_or_default(),
+                    ),
+                ],
+                app.clean(&String::from_utf8_lossy(&data)),
+            )
+                .into_response()),
+            Ok(None) => Err(Failure::api(
+                StatusCode::GONE,
+                format!("job {id}'s artifact {name} is gone"),
+            )),
+            Err(e) => Err(Failure::unavailable(e, true)),
+        },
+        None => {
+            let output: Value =
+                serde_json::from_str(&res.output).unwrap_or(Value::String(res.output));
+            Ok(json_response(
+                StatusCode::OK,
+                app.clean(&json!({"id": id, "status": "completed", "output": output}).to_string()),
+            ))
+        }
+    }
+}
+
+pub async fn events(
+    State(app): State<Arc<App>>,
+    _caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    q: Q,
+) -> Result<Response, Failure> {
+    only(&q, &["after"]).map_err(bad)?;
+    let after = match headers
+        .get("last-event-id")
+        .map(|v| v.to_str().map(str::trim))
+    {
+        Some(Ok(v)) if !v.is_empty() => v.parse::<u64>().map_err(|_| {
+            bad(format!(
+                "Last-Event-ID {v:?} is not an event's sequence (a whole number)"
+            ))
+        })?,
+        Some(Err(_)) => return Err(bad("Last-Event-ID is not text".into())),
+        _ => number(&q, "after", 0).map_err(bad)? as u64,
+    };
+    if app
+        .jobs
+        .get(&id)
+        .await
+        .map_err(|e| Failure::unavailable(e, true))?
+        .is_none()
+    {
+        return Err(missing(&id));
+    }
+    let follow = app
+        .events
+        .follow(&id, after)
+        .await
+        .map_err(|e| Failure::unavailable(e, true))?;
+    // A resumed stream judges the next claim against the last one before it.
+    let tracker = match app.events.last_of_type(&id, "claimed").await {
+        Ok(Some((seq, claim))) if after > 0 && seq <= after => {
+            crate::render::Supersedes::after_claim(&claim)
+        }
+        _ => crate::render::Supersedes::default(),
+    };
+    struct St {
+        follow: futures::stream::BoxStream<
+            'static,
+            Result<(u64, leasehold_proto::JobEvent), leasehold_store::StoreError>,
+        >,
+        app: Arc<App>,
+        id: String,
+        last: u64,
+        done: bool,
+        tracker: crate::render::Supersedes,
+    }
+    let st = St {
+        follow,
+        app,
+        id,
+        last: after,
+        done: false,
+        tracker,
+    };
+    let s = futures::stream::unfold(st, |mut st| async move {
+            if st.done {
+                return None;
+            }
+            // An error is noted and the stream goes on (the ordered consumer
+            // recovers by itself); if it ends, it is followed again from the
+            // last sequence sent, so the client misses nothing.
+            let (seq, ev) = loop {
+                match st.follow.next().await {
+                    Some(Ok((seq, _))) if seq <= st.last => continue,
+                    Some(Ok(x)) => break x,
+                    Some(Err(e)) => tracing::warn!(error = %e, "client event stream; going on"),
+                    None => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        match st.app.events.follow(&st.id, st.last).await {
+                            Ok(f) => st.follow = f,
+                            Err(e) => tracing::warn!(error = %e, "client event stream: following again failed"),
+                        }
+                    }
+                }
+            };
+            st.last = seq;
+            let (app, tracker) = (&st.app, &mut st.tracker);
+            let mut out: Vec<Event> = Vec::new();
+            if let Some(mut sup) = tracker.see(&ev) {
+                sup["seq"] = json!(seq);
+                out.push(Event::default().event("superseded").data(sup.to_string()));
+            }
+            let mut v = serde_json::to_value(&ev).unwrap_or_default();
+            v["seq"] = json!(seq);
+            out.push(
+                Event::default()
+                    .id(seq.to_string())
+                    .data(app.clean(&v.to_string())),
+            );
+            let end = TERMINAL.contains(&ev.r#type.as_str());
+            if end {
+                out.push(
+                    Event::default()
+                        .event("end")
+                        .data(json!({"status": ev.r#type}).to_string()),
+                );
+            }
+            st.done = end;
+            Some((futures::stream::iter(out), st))
+        })
+    .flatten()
+    .map(Ok::<_, Infallible>);
+    Ok(Sse::new(s)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}

@@ -1,0 +1,187 @@
+//! The console's state and routes.
+
+use std::sync::Arc;
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use leasehold_store::artifacts::Artifacts;
+use leasehold_store::dlq::Dlq;
+use leasehold_store::events::Events;
+use leasehold_store::index::Active;
+use leasehold_store::sessions::Sessions;
+use leasehold_store::{retry_unavailable, Conn, Jobs};
+
+use crate::feed::Feed;
+use crate::{actions, api, pages, Args};
+
+/// Everything a request needs.
+pub struct App {
+    pub args: Args,
+    pub conn: Conn,
+    /// Actions' connection (the operator user), or `conn`.
+    pub op: Conn,
+    pub jobs: Jobs,
+    pub op_jobs: Jobs,
+    pub active: Active,
+    pub events: Events,
+    pub sessions: Sessions,
+    pub dlq: Dlq,
+    pub op_dlq: Dlq,
+    pub artifacts: Artifacts,
+    pub feed: Feed,
+    /// Drawn at start: the CSRF fields' key.
+    pub secret: String,
+    /// Values never shown.
+    pub secrets: Vec<String>,
+}
+
+const OPEN: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl App {
+    pub async fn start(args: Args) -> anyhow::Result<App> {
+        let conn = args.nats.connect("leasehold-console").await?;
+        let op = if args.operator_nats_user.is_some() || args.operator_nats_creds.is_some() {
+            let mut n = args.nats.clone();
+            n.user = args.operator_nats_user.clone();
+            n.password = args.operator_nats_password.clone();
+            n.creds = args.operator_nats_creds.clone();
+            n.token = None;
+            n.inbox_prefix = args.operator_inbox_prefix.clone();
+            n.connect("leasehold-console operator").await?
+        } else {
+            conn.clone()
+        };
+        let jobs = retry_unavailable("jobs bucket", OPEN, || Jobs::open(&conn)).await?;
+        let op_jobs = retry_unavailable("jobs bucket", OPEN, || Jobs::open(&op)).await?;
+        let active = retry_unavailable("index", OPEN, || Active::open(&conn)).await?;
+        let sessions = retry_unavailable("sessions", OPEN, || Sessions::open(&conn)).await?;
+        let artifacts = retry_unavailable("artifacts", OPEN, || Artifacts::open(&conn)).await?;
+        let events = Events::new(&conn);
+        let feed = Feed::start(&jobs, &events, &active).await?;
+        let mut secrets: Vec<String> = [
+            args.read_token.clone(),
+            args.operator_token.clone(),
+            args.nats.password.clone(),
+            args.nats.token.clone(),
+            args.operator_nats_password.clone(),
+            std::env::var("LH_API_KEY").ok(),
+        ]
+        .into_iter()
+        .flatten()
+        .chain(args.redact.iter().cloned())
+        .filter(|s| s.len() >= 4)
+        .collect();
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        Ok(App {
+            dlq: Dlq::new(&conn),
+            op_dlq: Dlq::new(&op),
+            secret: uuid::Uuid::new_v4().simple().to_string(),
+            args,
+            jobs,
+            op_jobs,
+            active,
+            events,
+            sessions,
+            artifacts,
+            feed,
+            secrets,
+            conn,
+            op,
+        })
+    }
+
+    /// `s` with every configured secret and every URL's credentials masked.
+    pub fn clean(&self, s: &str) -> String {
+        let mut out = leasehold_telemetry::redact_text(s);
+        for sec in &self.secrets {
+            if out.contains(sec.as_str()) {
+                out = out.replace(sec.as_str(), "[redacted]");
+            }
+        }
+        out
+    }
+}
+
+/// A failed request: its status and a sentence; HTML or JSON by the route.
+pub struct Failure {
+    pub status: StatusCode,
+    pub message: String,
+    pub json: bool,
+}
+
+impl Failure {
+    pub fn page(status: StatusCode, message: impl Into<String>) -> Self {
+        Failure {
+            status,
+            message: message.into(),
+            json: false,
+        }
+    }
+    pub fn api(status: StatusCode, message: impl Into<String>) -> Self {
+        Failure {
+            status,
+            message: message.into(),
+            json: true,
+        }
+    }
+    pub fn unavailable(e: impl std::fmt::Display, json: bool) -> Self {
+        Failure {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!("NATS did not answer ({e}); try again"),
+            json,
+        }
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let message = leasehold_telemetry::redact_text(&self.message);
+        if self.json {
+            (
+                self.status,
+                [(header::CONTENT_TYPE, "application/json")],
+                serde_json::json!({"error": message}).to_string(),
+            )
+                .into_response()
+        } else {
+            let body = crate::render::layout(
+                &format!("{}", self.status),
+                &format!(
+                    "<p class=\"error\">{}</p><p><a href=\"/jobs\">jobs</a></p>",
+                    crate::render::esc(&message)
+                ),
+            );
+            (
+                self.status,
+                [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+                body,
+            )
+                .into_response()
+        }
+    }
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/", get(|| async { axum::response::Redirect::to("/jobs") }))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/login", get(pages::login_form).post(pages::login))
+        .route("/static/console.js", get(pages::script))
+        .route("/static/console.css", get(pages::style))
+        .route("/jobs", get(pages::jobs))
+        .route("/jobs/live", get(pages::jobs_live))
+        .route("/jobs/{id}", get(pages::job))
+        .route("/jobs/{id}/live", get(pages::job_live))
+        .route("/fleet", get(pages::fleet))
+        .route("/fleet/live", get(pages::fleet_live))
+        .route("/dlq", get(pages::dlq))
+        .route("/reviews", get(pages::reviews))
+        .route("/confirm", get(actions::confirm))
+        .route("/actions/{action}", post(actions::act))
+        .route("/v1/jobs/{id}", get(api::record))
+        .route("/v1/jobs/{id}/result", get(api::result))
+        .route("/v1/jobs/{id}/events", get(api::events))
+        .with_state(app)
+}

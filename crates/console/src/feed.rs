@@ -1,0 +1,295 @@
+//! What the console follows for every page at once: each record change (a
+//! KV watch of new writes only, never the bucket's current contents) and
+//! the jobs that finished in the last hour (terminal events, read from one
+//! hour ago and then live), kept in memory for the recent-jobs table and
+//! the fleet's charts.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::StreamExt;
+use leasehold_core::JobRecord;
+use leasehold_store::events::Events;
+use leasehold_store::index::{Active, Entry, Key};
+use leasehold_store::{jobs, Jobs};
+use tokio::sync::broadcast;
+
+/// The outcomes the console counts as a job's end.
+pub const TERMINAL: &[&str] = &["completed", "failed", "cancelled", "dead", "rejected"];
+
+/// How long finished jobs are remembered, and how many at most.
+pub const WINDOW: Duration = Duration::from_secs(3600);
+const KEEP: usize = 20_000;
+
+/// One job's end, as its terminal event says.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub id: String,
+    pub kind: String,
+    pub status: String,
+    pub at: SystemTime,
+    /// Submission to completion, for a sample of completed jobs (each
+    /// needs its record's `created_at`: at most [`LATENCY_READS`] a second).
+    pub latency: Option<Duration>,
+}
+
+/// Record reads a second for the latency sample.
+const LATENCY_READS: u32 = 20;
+
+pub struct Feed {
+    pub records: broadcast::Sender<Arc<JobRecord>>,
+    pub finished: Arc<Mutex<VecDeque<Finished>>>,
+    /// The index of active jobs as its KV watch has it (key -> entry);
+    /// `None` until the watch delivered the current entries.
+    pub index: Arc<std::sync::RwLock<Option<HashMap<String, Entry>>>>,
+    /// Records of the jobs in the index (and of recently finished ones
+    /// read for a page), kept current by the record watch.
+    pub cache: Arc<std::sync::RwLock<HashMap<String, Arc<JobRecord>>>>,
+}
+
+/// Records kept beyond the active ones (recently read finished jobs).
+const CACHE_EXTRA: usize = 5_000;
+
+impl Feed {
+    pub async fn start(jobs: &Jobs, events: &Events, active: &Active) -> anyhow::Result<Feed> {
+        let (tx, _) = broadcast::channel(4096);
+        let finished = Arc::new(Mutex::new(VecDeque::new()));
+        let index: Arc<std::sync::RwLock<Option<HashMap<String, Entry>>>> = Default::default();
+        let cache: Arc<std::sync::RwLock<HashMap<String, Arc<JobRecord>>>> = Default::default();
+        let f = Feed {
+            records: tx.clone(),
+            finished: finished.clone(),
+            index: index.clone(),
+            cache: cache.clone(),
+        };
+        let kv = active.kv().clone();
+        let idx = index.clone();
+        tokio::spawn(async move {
+            loop {
+                // An empty bucket delivers nothing to wait for.
+                let empty = match kv.status().await {
+                    Ok(st) => st.values() == 0,
+                    Err(_) => false,
+                };
+                if empty {
+                    *idx.write().expect("index lock") = Some(HashMap::new());
+                }
+                match kv.watch_with_history(">").await {
+                    Ok(mut w) => {
+                        let mut map: HashMap<String, Entry> = HashMap::new();
+                        let mut live = empty;
+                        while let Some(e) = w.next().await {
+                            let Ok(e) = e else { break };
+                            if Key::parse(&e.key).is_none() {
+                                if !live && e.delta == 0 {
+                                    *idx.write().expect("index lock") =
+                                        Some(std::mem::take(&mut map));
+                                    live = true;
+                                }
+                                continue;
+                            }
+                            let put = e.operation == async_nats::jetstream::kv::Operation::Put;
+                            let entry = put
+                                .then(|| serde_json::from_slice::<Entry>(&e.value).ok())
+                                .flatten();
+                            if live {
+                                let mut g = idx.write().expect("index lock");
+                                let m = g.get_or_insert_with(HashMap::new);
+                                match entry {
+                                    Some(en) => m.insert(e.key.clone(), en),
+                                    None => m.remove(&e.key),
+                                };
+                            } else {
+                                match entry {
+                                    Some(en) => map.insert(e.key.clone(), en),
+                                    None => map.remove(&e.key),
+                                };
+                                if e.delta == 0 {
+                                    *idx.write().expect("index lock") =
+                                        Some(std::mem::take(&mut map));
+                                    live = true;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "index watch failed; again in 1s"),
+                }
+                // Until the watch is back, pages read the index itself.
+                *idx.write().expect("index lock") = None;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        let cache2 = cache.clone();
+        let f_jobs = jobs.clone();
+        let jobs = jobs.clone();
+        tokio::spawn(async move {
+            loop {
+                match jobs.watch_new().await {
+                    Ok(mut w) => {
+                        while let Some(e) = w.next().await {
+                            let Ok(e) = e else { break };
+                            if e.operation != async_nats::jetstream::kv::Operation::Put {
+                                continue;
+                            }
+                            if let Ok(r) = jobs::decode(&e.key, &e.value) {
+                                let r = Arc::new(r);
+                                let mut c = cache2.write().expect("cache lock");
+                                if c.contains_key(&r.id) || !TERMINAL.contains(&r.status.as_str()) {
+                                    if c.len() > 100_000 {
+                                        c.clear();
+                                    }
+                                    c.insert(r.id.clone(), r.clone());
+                                }
+                                drop(c);
+                                let _ = tx.send(r);
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "record watch failed; again in 1s"),
+                }
+                // Writes missed until the watch is back would leave cached records stale.
+                cache2.write().expect("cache lock").clear();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        let events = events.clone();
+        let jobs = f_jobs;
+        tokio::spawn(async move {
+            let mut last_seq = 0u64;
+            let (mut second, mut reads) = (tokio::time::Instant::now(), 0u32);
+            loop {
+                let since = SystemTime::now() - WINDOW;
+                match events.follow_types_since(TERMINAL, since).await {
+                    Ok(mut s) => {
+                        while let Some(x) = s.next().await {
+                            let Ok((seq, ev)) = x else { break };
+                            if seq <= last_seq {
+                                continue;
+                            }
+                            last_seq = seq;
+                            let data = ev.data_map();
+                            let kind = data
+                                .get("kind")
+                                .and_then(|v| v.as_str())
+                                .unwrap_or("")
+                                .to_string();
+                            let at = leasehold_core::time::parse_rfc3339(&ev.at)
+                                .unwrap_or_else(SystemTime::now);
+                            if second.elapsed() >= Duration::from_secs(1) {
+                                (second, reads) = (tokio::time::Instant::now(), 0);
+                            }
+                            let mut latency = None;
+                            if ev.r#type == "completed" && reads < LATENCY_READS {
+                                reads += 1;
+                                if let Ok(Some(v)) = jobs.get(&ev.job_id).await {
+                                    latency =
+                                        leasehold_core::time::parse_rfc3339(&v.value.created_at)
+                                            .and_then(|c| at.duration_since(c).ok());
+                                }
+                            }
+                            let mut q = finished.lock().expect("finished lock");
+                            q.push_back(Finished {
+                                id: ev.job_id.clone(),
+                                kind,
+                                status: ev.r#type.clone(),
+                                at,
+                                latency,
+                            });
+                            let horizon = SystemTime::now() - WINDOW;
+                            while q.len() > KEEP || q.front().is_some_and(|f| f.at < horizon) {
+                                q.pop_front();
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "terminal events feed failed; again in 1s")
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        Ok(f)
+    }
+
+    /// The index's entries (as `Active::list(Filter::All)` returns them),
+    /// when the watch has them.
+    pub fn entries(&self) -> Option<Vec<Entry>> {
+        let g = self.index.read().expect("index lock");
+        g.as_ref().map(|m| m.values().cloned().collect())
+    }
+
+    /// One page of the index's entries that `keep` admits, newest first
+    /// (one per job), and how many there are; only the page is copied.
+    pub fn page(
+        &self,
+        keep: impl Fn(&Entry) -> bool,
+        offset: usize,
+        limit: usize,
+    ) -> Option<(Vec<Entry>, usize)> {
+        let g = self.index.read().expect("index lock");
+        let m = g.as_ref()?;
+        let mut v: Vec<&Entry> = m.values().filter(|e| keep(e)).collect();
+        v.sort_unstable_by(|a, b| b.created_at.cmp(&a.created_at).then(a.job.cmp(&b.job)));
+        v.dedup_by(|a, b| a.job == b.job);
+        let total = v.len();
+        Some((
+            v.into_iter().skip(offset).take(limit).cloned().collect(),
+            total,
+        ))
+    }
+
+    /// The ids of the jobs that finished in the last hour and `keep`
+    /// admits, newest first, at most `max`.
+    pub fn recent_ids(&self, keep: impl Fn(&Finished) -> bool, max: usize) -> Vec<String> {
+        let q = self.finished.lock().expect("finished lock");
+        let horizon = SystemTime::now() - WINDOW;
+        let mut seen = std::collections::HashSet::new();
+        q.iter()
+            .rev()
+            .filter(|f| f.at >= horizon && keep(f))
+            .filter(|f| seen.insert(f.id.as_str()))
+            .take(max)
+            .map(|f| f.id.clone())
+            .collect()
+    }
+
+    /// A record from the cache, or read and cached.
+    pub async fn record(
+        &self,
+        jobs: &Jobs,
+        id: &str,
+    ) -> Result<Option<Arc<JobRecord>>, leasehold_store::JobsError> {
+        if let Some(r) = self.cache.read().expect("cache lock").get(id) {
+            return Ok(Some(r.clone()));
+        }
+        let Some(v) = jobs.get(id).await? else {
+            return Ok(None);
+        };
+        let r = Arc::new(v.value);
+        let mut c = self.cache.write().expect("cache lock");
+        let active = self
+            .index
+            .read()
+            .expect("index lock")
+            .as_ref()
+            .map_or(0, HashMap::len);
+        if c.len() > active + CACHE_EXTRA {
+            // Drop the finished ones; the active ones come back on their next write or read.
+            c.retain(|_, r| !TERMINAL.contains(&r.status.as_str()));
+        }
+        c.insert(id.to_string(), r.clone());
+        Ok(Some(r))
+    }
+
+    /// The jobs that finished in the last hour, newest first.
+    pub fn recent(&self) -> Vec<Finished> {
+        let q = self.finished.lock().expect("finished lock");
+        let horizon = SystemTime::now() - WINDOW;
+        q.iter()
+            .rev()
+            .filter(|f| f.at >= horizon)
+            .cloned()
+            .collect()
+    }
+}

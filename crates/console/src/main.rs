@@ -1,0 +1,169 @@
+//! `leasehold-console`: the operator console (jobs, a job's timeline and
+//! report, the fleet, dead letters, reviews and actions in a browser) and
+//! the clients' stream (`/v1/jobs/{id}`, `/v1/jobs/{id}/events` as
+//! Server-Sent Events, `/v1/jobs/{id}/result`).
+//!
+//! Everything shown comes from the index of active jobs, the records, the
+//! events and the streams' own counts, never a scan of history; live parts
+//! follow KV watches and ordered consumers of the events. Its NATS user
+//! reads; actions go through a second connection under an operator user
+//! when one is configured (`--operator-nats-user`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Parser;
+use leasehold_store::NatsArgs;
+
+mod actions;
+mod api;
+mod app;
+mod auth;
+mod feed;
+mod pages;
+mod render;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "leasehold-console",
+    version,
+    about = "The operator console and the clients' job stream (HTTP, Server-Sent Events)"
+)]
+pub struct Args {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Where the console serves (HTTP). Without any token or trusted header
+    /// it must be a loopback address: auth is off only there.
+    #[arg(long, env = "LH_CONSOLE_HTTP_LISTEN", default_value = "127.0.0.1:8090")]
+    pub http_listen: SocketAddr,
+    /// A bearer token (or the login form's) that may read everything.
+    #[arg(
+        long = "token",
+        id = "read_token",
+        env = "LH_CONSOLE_TOKEN",
+        hide_env_values = true
+    )]
+    pub read_token: Option<String>,
+    /// A bearer token that may read and act (cancel, review, dead letters).
+    #[arg(long, env = "LH_CONSOLE_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<String>,
+    /// A header set by an authenticating proxy in front of the console,
+    /// naming the caller (e.g. `X-Forwarded-User`); trusted as it is, so
+    /// only use it behind such a proxy.
+    #[arg(long, env = "LH_CONSOLE_TRUSTED_HEADER")]
+    pub trusted_header: Option<String>,
+    /// Callers named by the trusted header who may act (comma-separated;
+    /// `*` for everyone the proxy lets through).
+    #[arg(long, env = "LH_CONSOLE_OPERATORS", value_delimiter = ',')]
+    pub operators: Vec<String>,
+    /// NATS user for actions (with --operator-nats-password); without one
+    /// actions use the console's own connection.
+    #[arg(long, env = "LH_CONSOLE_OPERATOR_NATS_USER")]
+    pub operator_nats_user: Option<String>,
+    /// Password of --operator-nats-user.
+    #[arg(
+        long,
+        env = "LH_CONSOLE_OPERATOR_NATS_PASSWORD",
+        hide_env_values = true
+    )]
+    pub operator_nats_password: Option<String>,
+    /// Credentials file for actions (instead of a user and password).
+    #[arg(long, env = "LH_CONSOLE_OPERATOR_NATS_CREDS")]
+    pub operator_nats_creds: Option<PathBuf>,
+    /// Reply-inbox prefix of the operator connection.
+    #[arg(
+        long,
+        env = "LH_CONSOLE_OPERATOR_INBOX_PREFIX",
+        default_value = "_INBOX_operator"
+    )]
+    pub operator_inbox_prefix: String,
+    /// The largest page a request may ask for (`limit`); more is refused.
+    #[arg(long, env = "LH_CONSOLE_PAGE_MAX", default_value_t = 500)]
+    pub page_max: usize,
+    /// Further values never to show (comma-separated), besides the
+    /// console's own tokens and passwords and `LH_API_KEY` when set.
+    #[arg(
+        long,
+        env = "LH_CONSOLE_REDACT",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub redact: Vec<String>,
+}
+
+fn main() {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = auth::check_config(&args) {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let code = rt.block_on(async move {
+        match run(args).await {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                1
+            }
+        }
+    });
+    std::process::exit(code);
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let app = Arc::new(app::App::start(args.clone()).await?);
+    let router = app::router(app);
+    let listener = tokio::net::TcpListener::bind(args.http_listen).await?;
+    let addr = listener.local_addr()?;
+    // Tests and the demo read this line.
+    println!("console listening on http://{addr}");
+    tracing::info!(%addr, "console listening");
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        })
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Args;
+    use clap::{CommandFactory, Parser};
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn auth_is_off_only_on_loopback() {
+        let parse = |a: &[&str]| {
+            Args::try_parse_from(std::iter::once("c").chain(a.iter().copied())).unwrap()
+        };
+        assert!(super::auth::check_config(&parse(&[])).is_ok());
+        assert!(super::auth::check_config(&parse(&["--http-listen", "0.0.0.0:8090"])).is_err());
+        assert!(super::auth::check_config(&parse(&[
+            "--http-listen",
+            "0.0.0.0:8090",
+            "--token",
+            "0123456789abcdef"
+        ]))
+        .is_ok());
+        assert!(super::auth::check_config(&parse(&["--token", "short"])).is_err());
+        assert!(super::auth::check_config(&parse(&["--operators", "ann"])).is_err());
+    }
+}

@@ -1,0 +1,390 @@
+//! Operators' actions, one function each, shared by the CLI and the
+//! console: asking for a cancellation, queueing a parked or dead job again
+//! (its ticket first), ending a parked job, and the `action` event that
+//! records who did what.
+//!
+//! Every error is a sentence saying what to do next ([`OpError`]); callers
+//! print it as it is.
+
+use std::time::{Duration, SystemTime};
+
+use leasehold_core::machine::{self, status_of, TransitionError};
+use leasehold_core::{JobRecord, JobSpec, Status};
+use serde_json::{json, Value};
+
+use crate::dlq::{DeadJob, Letter};
+use crate::events::{self, Events};
+use crate::index::Active;
+use crate::work::Work;
+use crate::{jobs, Conn, Jobs, JobsError, Versioned};
+
+/// A refused or failed action, said so that the operator knows what to do.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct OpError(pub String);
+
+impl OpError {
+    fn context(what: impl std::fmt::Display, cause: impl std::fmt::Display) -> Self {
+        OpError(format!("{what}: {cause}"))
+    }
+}
+
+impl From<crate::StoreError> for OpError {
+    fn from(e: crate::StoreError) -> Self {
+        OpError(e.to_string())
+    }
+}
+
+impl From<JobsError> for OpError {
+    fn from(e: JobsError) -> Self {
+        OpError(e.to_string())
+    }
+}
+
+/// A job-record error with what to do about it.
+pub fn explain(e: JobsError, id: &str) -> OpError {
+    OpError(match e {
+        JobsError::NotFound(_) => format!("no job {id}; `leasehold list` shows the jobs"),
+        JobsError::Transition(t) => {
+            format!("job {id}: {t}; `leasehold status {id}` shows its record")
+        }
+        JobsError::Conflict(_) => {
+            format!("job {id} kept changing while this ran; run the command again")
+        }
+        other => format!("job {id}: check NATS and run the command again: {other}"),
+    })
+}
+
+/// Why a cancellation was not recorded although nobody answered on
+/// `lh.cancel.<id>`, and the JSON answer either way.
+pub struct CancelAnswer {
+    /// `{"id", "recorded", "outcome", "status"?, "error"?}`.
+    pub reply: Value,
+    /// Set when no worker answered and this connection's user may not write
+    /// records: what the server refused.
+    pub refused: Option<String>,
+}
+
+/// Asks for the cancellation of `id` on `lh.cancel.<id>` (a worker records
+/// it and tells the owner). When no worker answers within 3 s, records it
+/// through the same transition itself, unless NATS refuses this user the
+/// write (it only says so on the side: the write itself would time out).
+pub async fn request_cancel(conn: &Conn, id: &str) -> Result<CancelAnswer, OpError> {
+    let subject = conn.layout.cancel_subject(id);
+    let ask = conn.client.request(subject.clone(), "".into());
+    let unanswered = match tokio::time::timeout(Duration::from_secs(3), ask).await {
+        Ok(Ok(m)) => {
+            let reply = serde_json::from_slice(&m.payload)
+                .map_err(|e| OpError::context("the cancel answer is not JSON", e))?;
+            return Ok(CancelAnswer {
+                reply,
+                refused: None,
+            });
+        }
+        unanswered => unanswered,
+    };
+    let why = match unanswered {
+        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            "no worker is running".to_string()
+        }
+        Ok(Err(e)) => format!("the request failed: {e}"),
+        _ => "no worker answered within 3s".to_string(),
+    };
+    let jobs = Jobs::open(conn).await?;
+    let events = Events::new(conn);
+    let records = format!("$KV.{}.", conn.layout.jobs_bucket());
+    tokio::select! {
+        (reply, _) = jobs::cancel(&jobs, &events, id) => Ok(CancelAnswer { reply, refused: None }),
+        refusal = conn.link.refused(&records) => Ok(CancelAnswer {
+            reply: json!({"id": id, "recorded": false, "outcome": "refused", "error": refusal}),
+            refused: Some(format!(
+                "{why} on {subject}, and this NATS user may not write job records ({refusal}): \
+                 nothing was recorded; cancel again once a worker runs, or as a user with the operator's permissions"
+            )),
+        }),
+    }
+}
+
+/// Queues the existing job `id` again with a fresh budget, its ticket
+/// first: the ticket is published (its id derived from the record's
+/// revision, so a re-run after any failure publishes the same one), then
+/// the record says `queued` naming it, then the index lists it. `allowed`
+/// refuses the states this action does not requeue; `spec` replaces the
+/// job's spec. Shared by `dlq replay` and `review resume`.
+pub async fn requeue_ticket_first<F>(
+    conn: &Conn,
+    jobs: &Jobs,
+    id: &str,
+    allowed: F,
+    reason: &str,
+    nonce: &str,
+    spec: Option<&JobSpec>,
+) -> Result<(Versioned<JobRecord>, u64), OpError>
+where
+    F: Fn(&JobRecord) -> Result<(), TransitionError>,
+{
+    let cur = jobs
+        .get(id)
+        .await
+        .map_err(|e| explain(e, id))?
+        .ok_or_else(|| OpError(format!("no job {id}")))?;
+    allowed(&cur.value).map_err(|e| explain(JobsError::Transition(e), id))?;
+    let mut base = cur.value.clone();
+    if let Some(s) = spec {
+        base.spec = Some(s.clone());
+        base.input_beside = false;
+    }
+    if base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
+        return Err(OpError(format!(
+            "job {id}'s input (over 16 KiB, kept beside its record) is gone from the payloads bucket; nothing changed: requeue it with a corrected submission (`dlq replay SEQ --spec FILE`)"
+        )));
+    }
+    let ticket = Work::new(conn)
+        .reissue(&base, reason, &format!("{nonce}-{}", cur.revision))
+        .await
+        .map_err(|e| {
+            OpError::context(
+                format!("the ticket of job {id} could not be published; nothing changed: run this again"),
+                e,
+            )
+        })?
+        .seq;
+    let v = jobs
+        .transition(id, |c| {
+            allowed(c)?;
+            let mut r = machine::requeue_fresh(c, SystemTime::now(), ticket)?;
+            if let Some(s) = spec {
+                r.spec = Some(s.clone());
+            }
+            Ok(Some(r))
+        })
+        .await
+        .map_err(|e| explain(e, id))?;
+    // Waiting again: the index lists it (no longer as parked or dead), so
+    // the sweep replaces a ticket a worker dropped before this write.
+    Active::open(conn).await?.reconcile(&v.value).await?;
+    Ok((v, ticket))
+}
+
+/// Refuses anything but a parked job with a message that says what to do.
+pub fn only_parked(rec: &JobRecord, action: &'static str) -> Result<(), TransitionError> {
+    if rec.status == Status::Parked.as_str() {
+        return Ok(());
+    }
+    Err(TransitionError::NotAllowed {
+        status: rec.status.clone(),
+        action,
+        allowed: "parked (`leasehold review list` shows the parked jobs)",
+    })
+}
+
+/// `review resume`: the parked job queued again (fresh attempt budget, its
+/// checkpoints kept), with a `progress` event `resumed`. Returns the new
+/// ticket's sequence.
+///
+/// With `answer`, a person's answer is first written as the job's `answer`
+/// event, so the attempt the requeue starts finds it (an SDK kind's
+/// `ctx.park` returns it); a requeue that fails leaves the job parked, and
+/// resuming again writes the answer again (the last one is the one).
+pub async fn review_resume(
+    conn: &Conn,
+    jobs: &Jobs,
+    id: &str,
+    answer: Option<&serde_json::Value>,
+) -> Result<u64, OpError> {
+    if let Some(answer) = answer {
+        let cur = jobs
+            .get(id)
+            .await
+            .map_err(|e| explain(e, id))?
+            .ok_or_else(|| OpError(format!("no job {id}")))?;
+        only_parked(&cur.value, "resume").map_err(|e| explain(e.into(), id))?;
+        let ev = events::event(
+            id,
+            cur.value.epoch,
+            "answer",
+            None,
+            json!({"answer": answer}),
+        );
+        Events::new(conn)
+            .publish(&ev, None)
+            .await
+            .map_err(|e| OpError(format!("recording the answer of job {id}: {e}")))?;
+    }
+    let (v, ticket) = requeue_ticket_first(
+        conn,
+        jobs,
+        id,
+        |cur| only_parked(cur, "resume"),
+        "resume",
+        "r",
+        None,
+    )
+    .await?;
+    let ev = events::event(
+        id,
+        v.value.epoch,
+        "progress",
+        None,
+        json!({"phase": "resumed", "ticket_seq": ticket}),
+    );
+    let _ = Events::new(conn)
+        .publish(&ev, Some(&format!("{id}:resumed:{ticket}")))
+        .await;
+    Ok(ticket)
+}
+
+/// `review fail`: the parked job ends `failed` with the reviewer's reason
+/// (error class `review`). Returns the record.
+pub async fn review_fail(
+    conn: &Conn,
+    jobs: &Jobs,
+    id: &str,
+    reason: &str,
+) -> Result<JobRecord, OpError> {
+    if reason.trim().is_empty() {
+        return Err(OpError(
+            "--reason must say why the job is failed".to_string(),
+        ));
+    }
+    let v = jobs
+        .transition(id, |cur| {
+            only_parked(cur, "fail")?;
+            machine::fail_parked(cur, SystemTime::now(), reason).map(Some)
+        })
+        .await
+        .map_err(|e| explain(e, id))?;
+    Active::open(conn).await?.reconcile(&v.value).await?;
+    let ev = events::event(
+        id,
+        v.value.epoch,
+        "failed",
+        None,
+        json!({"class": "review", "message": reason, "kind": v.value.kind}),
+    );
+    let _ = Events::new(conn)
+        .publish(&ev, Some(&format!("{id}:failed:review:{}", v.revision)))
+        .await;
+    Ok(v.value)
+}
+
+/// Requeues a dead job's letter with a fresh budget (`new_spec` replaces
+/// its spec), its ticket first: a failure at any step leaves either the
+/// dead job (run this again: the same ticket is recognised) or a queued
+/// job with a ticket, never a queued job nobody will run. A record that is
+/// gone is recreated from the letter. Publishes the `progress` event
+/// `replayed`; returns `{"id", "status", "ticket_seq", "replayed_from"}`.
+pub async fn replay_dead(
+    conn: &Conn,
+    jobs: &Jobs,
+    l: &Letter,
+    new_spec: Option<JobSpec>,
+) -> Result<Value, OpError> {
+    let body: DeadJob = serde_json::from_slice(&l.payload).map_err(|e| {
+        OpError::context(
+            format!(
+                "letter {} is not a dead job's letter (class {:?}); `leasehold dlq show {}` shows it",
+                l.seq, l.class, l.seq
+            ),
+            e,
+        )
+    })?;
+    let id = body.record.id.clone();
+    let refuse = |rec: &JobRecord| -> Result<(), TransitionError> {
+        match status_of(rec) {
+            Some(Status::Dead | Status::Failed | Status::Rejected | Status::Cancelled) => Ok(()),
+            _ => Err(TransitionError::NotAllowed {
+                status: rec.status.clone(),
+                action: "replay",
+                allowed: "dead, failed, rejected or cancelled",
+            }),
+        }
+    };
+    let kept = |e: OpError| OpError(format!("letter {} kept: {e}", l.seq));
+    let (queued, ticket) = if jobs.get(&id).await.map_err(|e| explain(e, &id))?.is_some() {
+        requeue_ticket_first(
+            conn,
+            jobs,
+            &id,
+            refuse,
+            "replay",
+            &l.seq.to_string(),
+            new_spec.as_ref(),
+        )
+        .await
+        .map_err(kept)?
+    } else {
+        // The record is gone (purged bucket): recreate it from the letter,
+        // its ticket first too.
+        let mut base = body.record.clone();
+        if let Some(spec) = &new_spec {
+            base.spec = Some(spec.clone());
+            base.input_beside = false;
+        }
+        if base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
+            return Err(OpError(format!(
+                "job {id}'s record is gone and its input (over 16 KiB) was kept beside it, not in the letter; nothing changed, letter {} kept: replay it with a corrected submission (`--spec FILE`)",
+                l.seq
+            )));
+        }
+        let ticket = Work::new(conn)
+            .reissue(&base, "replay", &format!("{}-0", l.seq))
+            .await
+            .map_err(|e| OpError::context(format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq), e))?
+            .seq;
+        let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)
+            .map_err(|e| explain(JobsError::Transition(e), &id))?;
+        let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
+        Active::open(conn).await?.reconcile(&rec).await?;
+        (
+            Versioned {
+                value: rec,
+                revision,
+            },
+            ticket,
+        )
+    };
+    let ev = events::event(
+        &id,
+        queued.value.epoch,
+        "progress",
+        None,
+        json!({"phase": "replayed", "dlq_seq": l.seq, "ticket_seq": ticket, "corrected": new_spec.is_some()}),
+    );
+    let _ = Events::new(conn)
+        .publish(&ev, Some(&format!("{id}:replayed:{ticket}")))
+        .await;
+    Ok(json!({"id": id, "status": "queued", "ticket_seq": ticket, "replayed_from": l.seq}))
+}
+
+/// An operator's action on one job, as its `action` event says it.
+pub struct Action<'a> {
+    /// `cancel`, `review_resume`, `review_fail`, `dlq_replay`, `dlq_delete`.
+    pub action: &'a str,
+    /// Who asked: the console's caller, or the CLI's user.
+    pub by: &'a str,
+    /// `console` or `cli`.
+    pub via: &'a str,
+    /// What came of it (an object; its fields are added to the event's).
+    pub detail: Value,
+}
+
+/// Records `a` on job `id` as an `action` event (`action`, `by`, `via` and
+/// the detail's fields). Unfenced, like every event of a non-owner;
+/// `nonce` makes a repeat of the same request one event.
+pub async fn record_action(
+    conn: &Conn,
+    id: &str,
+    epoch: u64,
+    a: Action<'_>,
+    nonce: &str,
+) -> Result<u64, OpError> {
+    let mut data = json!({"action": a.action, "by": a.by, "via": a.via});
+    if let (Some(d), Value::Object(extra)) = (data.as_object_mut(), a.detail) {
+        d.extend(extra);
+    }
+    let ev = events::event(id, epoch, "action", None, data);
+    Ok(Events::new(conn)
+        .publish(&ev, Some(&format!("{id}:action:{}:{nonce}", a.action)))
+        .await?)
+}

@@ -1,0 +1,930 @@
+//! The console against a real fleet: its pages in a real browser
+//! (headless Chromium driven over the DevTools protocol), the clients'
+//! event stream with `Last-Event-ID`, auth, secrets and bad input.
+//!
+//! Chromium is required: these tests fail, not skip, without it (`make
+//! setup` installs Debian's `chromium`; `LH_CHROMIUM` names another).
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use leasehold_core::JobRecord;
+use leasehold_harness::Proc;
+use leasehold_store::dlq::Dlq;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::{spawn_sim, wait_log, Env};
+
+/// A running console and its base URL.
+pub struct Console {
+    pub _proc: Proc,
+    pub base: String,
+}
+
+pub async fn spawn_console(env: &Env, extra: &[(&'static str, String)]) -> Console {
+    let mut e: Vec<(&'static str, String)> = vec![
+        ("NATS_URL", env.url()),
+        ("LH_PREFIX", env.prefix.clone()),
+        ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".into()),
+        ("RUST_LOG", "info".into()),
+    ];
+    e.extend(extra.iter().cloned());
+    let proc = Proc::spawn("leasehold-console", &[], &e);
+    wait_log(&proc, "console listening on ", Duration::from_secs(20)).await;
+    let base = proc
+        .output()
+        .lines()
+        .find_map(|l| l.split("console listening on ").nth(1))
+        .expect("console address")
+        .trim()
+        .to_string();
+    Console { _proc: proc, base }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+}
+
+/// The research worker's environment against the sim at `sim`.
+fn research_env(sim: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("LH_KINDS", "research,echo,sleep".into()),
+        ("LH_MODEL_BASE_URL", format!("{sim}/v1")),
+        ("LH_SEARCH_URL", sim.to_string()),
+        ("LH_PUBLISH_URL", format!("{sim}/effects")),
+        ("LH_FETCH_ALLOW", "127.0.0.1".into()),
+        ("LH_RESEARCH_RETRY_BASE", "20ms".into()),
+        ("LH_RESEARCH_RETRY_CAP", "200ms".into()),
+    ]
+}
+
+/// A sim whose model streams slowly (`ms` a token), so a research job
+/// runs for seconds; its fault file is removed with the returned guard.
+async fn slow_sim(tag: &str, ms: u64) -> (Proc, String, tempfile::TempPath) {
+    let mut f = tempfile::Builder::new()
+        .prefix(&format!("lh-console-{tag}-"))
+        .suffix(".json")
+        .tempfile()
+        .unwrap();
+    std::io::Write::write_all(
+        &mut f,
+        format!(r#"{{"rules": [{{"kind": "slow", "delay_ms": {ms}}}]}}"#).as_bytes(),
+    )
+    .unwrap();
+    let path = f.into_temp_path();
+    let (p, url) = spawn_sim(&[("LH_SIM_FAULTS", path.display().to_string())]).await;
+    (p, url, path)
+}
+
+fn research_spec() -> Value {
+    json!({"input": {"topic": "lease-based ownership in distributed systems", "experts": 2, "sections": 3}})
+}
+
+// ---------------------------------------------------------------------------
+// A minimal DevTools-protocol client: one WebSocket to the browser target,
+// one page attached in flat mode.
+
+struct Browser {
+    _proc: Proc,
+    _dir: tempfile::TempDir,
+    ws: tokio::net::TcpStream,
+    next: u64,
+    session: String,
+}
+
+fn chromium() -> String {
+    if let Ok(p) = std::env::var("LH_CHROMIUM") {
+        return p;
+    }
+    for c in ["chromium", "chromium-browser", "google-chrome"] {
+        if let Some(p) = std::env::var_os("PATH").and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|d| d.join(c))
+                .find(|p| p.is_file())
+        }) {
+            return p.display().to_string();
+        }
+    }
+    panic!("chromium is missing: `make setup` installs it (apt-get install -y chromium), or set LH_CHROMIUM");
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let dir = tempfile::tempdir().unwrap();
+        let profile = format!("--user-data-dir={}", dir.path().display());
+        let proc = Proc::spawn_path(
+            std::path::Path::new(&chromium()),
+            &[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--remote-debugging-port=0",
+                "--remote-debugging-address=127.0.0.1",
+                &profile,
+                "about:blank",
+            ],
+            &[],
+            None,
+        );
+        wait_log(
+            &proc,
+            "DevTools listening on ws://",
+            Duration::from_secs(30),
+        )
+        .await;
+        let ws_url = proc
+            .output()
+            .lines()
+            .find_map(|l| l.split("DevTools listening on ").nth(1))
+            .unwrap()
+            .trim()
+            .to_string();
+        let rest = ws_url.strip_prefix("ws://").unwrap();
+        let (hostport, path) = rest.split_once('/').unwrap();
+        let mut ws = tokio::net::TcpStream::connect(hostport).await.unwrap();
+        let req = format!(
+            "GET /{path} HTTP/1.1\r\nHost: {hostport}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        );
+        ws.write_all(req.as_bytes()).await.unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut b = [0u8; 1];
+            ws.read_exact(&mut b).await.unwrap();
+            head.push(b[0]);
+        }
+        assert!(
+            String::from_utf8_lossy(&head).starts_with("HTTP/1.1 101"),
+            "DevTools handshake: {}",
+            String::from_utf8_lossy(&head)
+        );
+        let mut b = Browser {
+            _proc: proc,
+            _dir: dir,
+            ws,
+            next: 0,
+            session: String::new(),
+        };
+        let t = b
+            .call("Target.createTarget", json!({"url": "about:blank"}))
+            .await;
+        let target = t["targetId"].as_str().unwrap().to_string();
+        let a = b
+            .call(
+                "Target.attachToTarget",
+                json!({"targetId": target, "flatten": true}),
+            )
+            .await;
+        b.session = a["sessionId"].as_str().unwrap().to_string();
+        b
+    }
+
+    async fn send(&mut self, text: &str) {
+        let p = text.as_bytes();
+        let mut frame = vec![0x81u8];
+        match p.len() {
+            n if n < 126 => frame.push(0x80 | n as u8),
+            n if n < 65536 => {
+                frame.push(0x80 | 126);
+                frame.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                frame.push(0x80 | 127);
+                frame.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        let mask = [0x5au8, 0x1e, 0x77, 0x03];
+        frame.extend_from_slice(&mask);
+        frame.extend(p.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        self.ws.write_all(&frame).await.unwrap();
+    }
+
+    async fn recv(&mut self) -> Value {
+        let mut msg = Vec::new();
+        loop {
+            let mut h = [0u8; 2];
+            self.ws.read_exact(&mut h).await.unwrap();
+            let fin = h[0] & 0x80 != 0;
+            let op = h[0] & 0x0f;
+            let mut len = (h[1] & 0x7f) as u64;
+            if len == 126 {
+                let mut l = [0u8; 2];
+                self.ws.read_exact(&mut l).await.unwrap();
+                len = u16::from_be_bytes(l) as u64;
+            } else if len == 127 {
+                let mut l = [0u8; 8];
+                self.ws.read_exact(&mut l).await.unwrap();
+                len = u64::from_be_bytes(l);
+            }
+            let mut data = vec![0u8; len as usize];
+            self.ws.read_exact(&mut data).await.unwrap();
+            if op == 0x9 || op == 0xA {
+                continue; // ping/pong
+            }
+            msg.extend_from_slice(&data);
+            if fin {
+                return serde_json::from_slice(&msg).unwrap();
+            }
+        }
+    }
+
+    async fn call(&mut self, method: &str, params: Value) -> Value {
+        self.next += 1;
+        let id = self.next;
+        let mut m = json!({"id": id, "method": method, "params": params});
+        if !self.session.is_empty() {
+            m["sessionId"] = json!(self.session);
+        }
+        self.send(&m.to_string()).await;
+        loop {
+            let r = tokio::time::timeout(Duration::from_secs(30), self.recv())
+                .await
+                .unwrap_or_else(|_| panic!("DevTools did not answer {method}"));
+            if r["id"].as_u64() == Some(id) {
+                assert!(r.get("error").is_none(), "{method}: {r}");
+                return r["result"].clone();
+            }
+        }
+    }
+
+    /// Evaluates `js` in the page; its value.
+    async fn eval(&mut self, js: &str) -> Value {
+        let r = self
+            .call(
+                "Runtime.evaluate",
+                json!({"expression": js, "returnByValue": true, "awaitPromise": true}),
+            )
+            .await;
+        r["result"]["value"].clone()
+    }
+
+    async fn goto(&mut self, url: &str) {
+        self.call("Page.navigate", json!({"url": url})).await;
+        self.wait(
+            "document.readyState === 'complete' && location.href !== 'about:blank'",
+            Duration::from_secs(20),
+            "the page to load",
+        )
+        .await;
+    }
+
+    /// Waits until `js` is true in the page.
+    async fn wait(&mut self, js: &str, timeout: Duration, what: &str) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if self.eval(&format!("!!({js})")).await == json!(true) {
+                return;
+            }
+            if tokio::time::Instant::now() > deadline {
+                let dom = self
+                    .eval("document.body ? document.body.innerText : ''")
+                    .await;
+                panic!(
+                    "waited {timeout:?} for {what} ({js}); the page says:\n{}",
+                    dom.as_str().unwrap_or("")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn click(&mut self, selector: &str) {
+        let ok = self
+            .eval(&format!(
+                "(() => {{ const e = document.querySelector({s}); if (!e) return false; e.click(); return true; }})()",
+                s = json!(selector)
+            ))
+            .await;
+        assert_eq!(ok, json!(true), "no element {selector} to click");
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn console_in_a_browser_shows_a_research_job_progress_live_and_its_reclaim_after_a_kill9() {
+    let env = Env::new().await;
+    let (_sim, sim, _rules) = slow_sim("reclaim", 4).await;
+    let renv = research_env(&sim);
+    let mut w1 = env.worker_proc(&[], &renv);
+    wait_log(&w1, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    let mut b = Browser::start().await;
+
+    // The jobs page, open before the job exists.
+    b.goto(&format!("{}/jobs", console.base)).await;
+    b.eval("window.__noReload = 42").await;
+    env.submit("research", research_spec(), "r-live").await;
+    // The row appears and its sections progress, without a reload.
+    b.wait(
+        "document.querySelector('tr[data-id=\"r-live\"] .progress') && +document.querySelector('tr[data-id=\"r-live\"] .progress').dataset.done >= 1",
+        Duration::from_secs(60),
+        "r-live's first section on the jobs page",
+    )
+    .await;
+    assert_eq!(
+        b.eval("window.__noReload").await,
+        json!(42),
+        "the jobs page reloaded"
+    );
+
+    // Its timeline; then the worker is killed and another takes the job.
+    b.goto(&format!("{}/jobs/r-live", console.base)).await;
+    b.eval("window.__noReload = 43").await;
+    b.wait(
+        "document.querySelector('tr.ev-section')",
+        Duration::from_secs(30),
+        "a section in the timeline",
+    )
+    .await;
+    w1.kill9();
+    let w2 = env.worker_proc(&[], &renv);
+    b.wait(
+        "Array.from(document.querySelectorAll('tr.superseded')).some(r => r.innerText.includes('reclaim'))",
+        Duration::from_secs(60),
+        "the reclaim in the timeline",
+    )
+    .await;
+    b.wait(
+        "document.querySelectorAll('tr.ev-claimed').length >= 2",
+        Duration::from_secs(10),
+        "the second claim",
+    )
+    .await;
+    b.wait(
+        "document.querySelector('#summary .status') && document.querySelector('#summary .status').innerText === 'completed'",
+        Duration::from_secs(120),
+        "the job's completion in its summary",
+    )
+    .await;
+    assert_eq!(
+        b.eval("window.__noReload").await,
+        json!(43),
+        "the job page reloaded"
+    );
+    // Reload: the report is rendered from its artifact.
+    b.goto(&format!("{}/jobs/r-live", console.base)).await;
+    b.wait(
+        "document.querySelector('article.report h1, article.report h2')",
+        Duration::from_secs(10),
+        "the report",
+    )
+    .await;
+    let text = b
+        .eval("document.querySelector('article.report').innerText")
+        .await;
+    assert!(
+        text.as_str().unwrap().contains("Recovery"),
+        "the report has its recovery appendix: {text}"
+    );
+    drop(w2);
+}
+
+#[tokio::test]
+async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_letter() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    let mut b = Browser::start().await;
+
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "nap-ui")
+        .await;
+    env.wait_status("nap-ui", "running", Duration::from_secs(10))
+        .await;
+    b.goto(&format!("{}/jobs/nap-ui", console.base)).await;
+    b.click("#cancel").await;
+    b.wait(
+        "document.querySelector('#confirm')",
+        Duration::from_secs(10),
+        "the confirmation",
+    )
+    .await;
+    b.click("#confirm").await;
+    b.wait(
+        "document.querySelector('#done')",
+        Duration::from_secs(15),
+        "the action's answer",
+    )
+    .await;
+    let r = env
+        .wait_status("nap-ui", "cancelled", Duration::from_secs(10))
+        .await;
+    assert_eq!(r.status, "cancelled");
+    b.goto(&format!("{}/jobs/nap-ui", console.base)).await;
+    b.wait(
+        "document.querySelector('#summary .status').innerText === 'cancelled' && Array.from(document.querySelectorAll('tr.ev-action')).some(r => r.innerText.includes('cancel') && r.innerText.includes('local'))",
+        Duration::from_secs(10),
+        "the cancelled job with its action event naming who",
+    )
+    .await;
+
+    // A dead job's letter (as a reaper leaves it), replayed from the DLQ page.
+    let mut rec = JobRecord {
+        id: "dead-ui".into(),
+        kind: "echo".into(),
+        status: "dead".into(),
+        epoch: 4,
+        stale_reclaims: 4,
+        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    rec.spec = Some(leasehold_core::JobSpec {
+        input: json!({"back": true}).to_string(),
+        ..Default::default()
+    });
+    env.jobs.create(&rec).await.unwrap();
+    let seq = Dlq::new(&env.conn)
+        .dead(
+            &rec,
+            "poison",
+            "test: its workers stopped too often",
+            vec![],
+            None,
+        )
+        .await
+        .unwrap();
+    b.goto(&format!("{}/dlq", console.base)).await;
+    b.click(&format!("tr[data-seq=\"{seq}\"] a.replay")).await;
+    b.wait(
+        "document.querySelector('#confirm')",
+        Duration::from_secs(10),
+        "the confirmation",
+    )
+    .await;
+    b.click("#confirm").await;
+    b.wait(
+        "document.querySelector('#done')",
+        Duration::from_secs(15),
+        "the replay's answer",
+    )
+    .await;
+    let done = env
+        .wait_status("dead-ui", "completed", Duration::from_secs(20))
+        .await;
+    assert_eq!(done.status, "completed");
+    assert!(
+        Dlq::new(&env.conn).get(seq).await.unwrap().is_none(),
+        "the replayed letter is gone"
+    );
+}
+
+/// Reads SSE messages from `resp` until `stop` says so: (id, event, data).
+async fn sse_until(
+    resp: reqwest::Response,
+    mut stop: impl FnMut(&(Option<u64>, String, Value)) -> bool,
+) -> Vec<(Option<u64>, String, Value)> {
+    let mut body = resp.bytes_stream();
+    let mut buf = String::new();
+    let mut out = Vec::new();
+    loop {
+        while let Some(i) = buf.find("\n\n") {
+            let block: String = buf.drain(..i + 2).collect();
+            let (mut id, mut ev, mut data) = (None, "message".to_string(), String::new());
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("id:") {
+                    id = v.trim().parse().ok();
+                } else if let Some(v) = line.strip_prefix("event:") {
+                    ev = v.trim().to_string();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push_str(v.trim_start());
+                }
+            }
+            if data.is_empty() {
+                continue; // a keep-alive comment
+            }
+            let m = (id, ev, serde_json::from_str(&data).unwrap());
+            let end = stop(&m);
+            out.push(m);
+            if end {
+                return out;
+            }
+        }
+        let chunk = tokio::time::timeout(Duration::from_secs(60), body.next())
+            .await
+            .expect("the stream went quiet")
+            .expect("the stream ended")
+            .unwrap();
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+    }
+}
+
+#[tokio::test]
+async fn console_client_stream_resumed_with_last_event_id_gets_exactly_the_events_after_it() {
+    let env = Env::new().await;
+    let (_sim, sim, _rules) = slow_sim("resume", 2).await;
+    let w = env.worker_proc(&[], &research_env(&sim));
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("research", research_spec(), "r-sse").await;
+    env.wait_status("r-sse", "running", Duration::from_secs(20))
+        .await;
+    let c = http();
+    let url = format!("{}/v1/jobs/r-sse/events", console.base);
+    // Read until the first section checkpoint (the middle of the job), then drop.
+    let first = sse_until(c.get(&url).send().await.unwrap(), |(_, _, d)| {
+        d["type"] == "section"
+    })
+    .await;
+    let last_id = first.iter().rev().find_map(|m| m.0).unwrap();
+    let resumed = sse_until(
+        c.get(&url)
+            .header("Last-Event-ID", last_id.to_string())
+            .send()
+            .await
+            .unwrap(),
+        |(_, e, _)| e == "end",
+    )
+    .await;
+    let ids: Vec<u64> = resumed.iter().filter_map(|m| m.0).collect();
+    // Everything the stream holds now, for comparison.
+    let all: Vec<u64> = env
+        .events
+        .read("r-sse")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    let after: Vec<u64> = all.iter().copied().filter(|s| *s > last_id).collect();
+    assert_eq!(
+        ids, after,
+        "the resumed stream is exactly the events after {last_id}"
+    );
+    assert!(!ids.is_empty() && ids.windows(2).all(|w| w[0] < w[1]));
+    let first_ids: Vec<u64> = first.iter().filter_map(|m| m.0).collect();
+    assert_eq!(
+        first_ids,
+        all.iter()
+            .copied()
+            .filter(|s| *s <= last_id)
+            .collect::<Vec<_>>()
+    );
+    // Each message's data is the event with its sequence.
+    for (id, _, d) in resumed.iter().filter(|m| m.0.is_some()) {
+        assert_eq!(d["seq"].as_u64(), *id);
+        assert_eq!(d["job_id"], "r-sse");
+    }
+    assert_eq!(resumed.last().unwrap().2["status"], "completed");
+    // The record and the report.
+    let rec: Value = c
+        .get(format!("{}/v1/jobs/r-sse", console.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rec["status"], "completed");
+    let report = c
+        .get(format!("{}/v1/jobs/r-sse/result", console.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(report.status(), 200);
+    assert!(report.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/markdown"));
+    assert!(report.text().await.unwrap().starts_with('#'));
+}
+
+#[tokio::test]
+async fn console_client_stream_says_when_a_reclaim_supersedes_progress() {
+    let env = Env::new().await;
+    let (_sim, sim, _rules) = slow_sim("supersede", 3).await;
+    let renv = research_env(&sim);
+    let mut w1 = env.worker_proc(&[], &renv);
+    wait_log(&w1, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("research", research_spec(), "r-sup").await;
+    let c = http();
+    let url = format!("{}/v1/jobs/r-sup/events", console.base);
+    let resp = c.get(&url).send().await.unwrap();
+    let mut killed = false;
+    let mut w2 = None;
+    let msgs = sse_until(resp, |(_, e, d)| {
+        if !killed && d["type"] == "section" {
+            w1.kill9();
+            w2 = Some(env.worker_proc(&[], &renv));
+            killed = true;
+        }
+        e == "end"
+    })
+    .await;
+    let sup: Vec<&Value> = msgs
+        .iter()
+        .filter(|m| m.1 == "superseded")
+        .map(|m| &m.2)
+        .collect();
+    assert!(
+        sup.iter()
+            .any(|s| s["reason"] == "reclaim" && s["epoch"].as_u64() >= Some(2)),
+        "a superseded message for the reclaim: {sup:?}"
+    );
+    // It comes right before the claim of the new epoch.
+    let i = msgs.iter().position(|m| m.1 == "superseded").unwrap();
+    assert_eq!(msgs[i + 1].2["type"], "claimed");
+    assert_eq!(msgs.last().unwrap().2["status"], "completed");
+}
+
+const OP: &str = "operator-token-0123456789";
+const READ: &str = "reader-token-0123456789";
+const KEY: &str = "sk-console-secret-4242424242";
+
+#[tokio::test]
+async fn console_auth_refuses_every_action_without_the_token_and_renders_no_secret() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[("LH_API_KEY", KEY.into())]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(
+        &env,
+        &[
+            ("LH_CONSOLE_TOKEN", READ.into()),
+            ("LH_CONSOLE_OPERATOR_TOKEN", OP.into()),
+            ("LH_API_KEY", KEY.into()),
+        ],
+    )
+    .await;
+    // A job whose input carries the key and a URL with credentials.
+    env.submit(
+        "sleep",
+        json!({"input": {"ms": 60000, "note": KEY, "hook": format!("https://user:{KEY}@example.com/x")}}),
+        "nap-auth",
+    )
+    .await;
+    env.wait_status("nap-auth", "running", Duration::from_secs(10))
+        .await;
+    let c = http();
+    let b = &console.base;
+    // Without a token: nothing is served but the login form.
+    for path in ["/jobs", "/jobs/nap-auth", "/fleet", "/dlq", "/reviews"] {
+        let r = c.get(format!("{b}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 303, "{path} without a token");
+        assert_eq!(r.headers()["location"], "/login");
+    }
+    for path in [
+        "/v1/jobs/nap-auth",
+        "/v1/jobs/nap-auth/events",
+        "/v1/jobs/nap-auth/result",
+    ] {
+        let r = c.get(format!("{b}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path} without a token");
+    }
+    let actions = [
+        ("cancel", vec![("id", "nap-auth")]),
+        ("review-resume", vec![("id", "nap-auth")]),
+        ("review-fail", vec![("id", "nap-auth"), ("reason", "x")]),
+        ("dlq-replay", vec![("seq", "1")]),
+        ("dlq-delete", vec![("seq", "1")]),
+        ("bulk-cancel", vec![("kind", "sleep")]),
+        ("bulk-replay", vec![]),
+        ("bulk-purge", vec![]),
+    ];
+    for (a, form) in &actions {
+        let url = format!("{b}/actions/{a}");
+        let none = c.post(&url).form(form).send().await.unwrap();
+        assert_eq!(none.status(), 303, "{a} without a token: to the login form");
+        let read = c
+            .post(&url)
+            .bearer_auth(READ)
+            .form(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(read.status(), 403, "{a} with the read-only token");
+        let bad = c
+            .post(&url)
+            .bearer_auth("not-the-token-at-all")
+            .form(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(bad.status(), 303, "{a} with a wrong token");
+        let confirm = c
+            .get(format!("{b}/confirm?action={a}"))
+            .bearer_auth(READ)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            confirm.status(),
+            403,
+            "{a}'s confirmation with the read-only token"
+        );
+    }
+    // A browser's cookie without the page's CSRF field is refused.
+    let cookie = format!("lh_console={OP}");
+    let r = c
+        .post(format!("{b}/actions/cancel"))
+        .header("cookie", &cookie)
+        .form(&[("id", "nap-auth")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "a cookie's action without the CSRF field");
+    assert_eq!(
+        env.jobs
+            .get("nap-auth")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .status,
+        "running"
+    );
+    // No secret in any page, read-only or operator.
+    for tok in [READ, OP] {
+        for path in [
+            "/jobs",
+            "/jobs/nap-auth",
+            "/fleet",
+            "/dlq",
+            "/reviews",
+            "/v1/jobs/nap-auth",
+            "/confirm?action=cancel&id=nap-auth",
+        ] {
+            if tok == READ && path.starts_with("/confirm") {
+                continue; // refused above
+            }
+            let r = c
+                .get(format!("{b}{path}"))
+                .bearer_auth(tok)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{path}");
+            let body = r.text().await.unwrap();
+            assert!(!body.contains(KEY), "{path} shows the API key:\n{body}");
+            assert!(
+                !body.contains(OP) && !body.contains(READ),
+                "{path} shows a console token"
+            );
+        }
+    }
+    // The operator token acts, and the action names who.
+    let r = c
+        .post(format!("{b}/actions/cancel"))
+        .bearer_auth(OP)
+        .form(&[("id", "nap-auth")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    env.wait_status("nap-auth", "cancelled", Duration::from_secs(10))
+        .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let evs = env.events_of("nap-auth").await;
+        if let Some(a) = evs.iter().find(|e| e.r#type == "action") {
+            let d = a.data_map();
+            assert_eq!(d["action"], "cancel");
+            assert_eq!(d["by"], "operator-token");
+            assert_eq!(d["via"], "console");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no action event");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn console_answers_bad_input_with_clear_errors() {
+    let env = Env::new().await;
+    let console = spawn_console(&env, &[("LH_CONSOLE_PAGE_MAX", "100".into())]).await;
+    let c = http();
+    let b = &console.base;
+    let get = |p: &str| c.get(format!("{b}{p}")).send();
+    let cases: &[(&str, u16, &str)] = &[
+        ("/jobs/no-such-job", 404, "no job"),
+        ("/v1/jobs/no-such-job", 404, "no job"),
+        ("/v1/jobs/no-such-job/events", 404, "no job"),
+        ("/v1/jobs/no-such-job/result", 404, "no job"),
+        ("/jobs?status=bogus", 400, "is not a status"),
+        ("/jobs?limit=abc", 400, "not a whole number"),
+        ("/jobs?limit=100000", 400, "largest page"),
+        ("/jobs?limit=0", 400, "outside"),
+        ("/jobs?offset=-3", 400, "not a whole number"),
+        ("/jobs?colour=red", 400, "unknown parameter"),
+        ("/dlq?class=nope", 400, "is not a class"),
+        ("/dlq?limit=1000", 400, "largest page"),
+        ("/confirm?action=explode", 400, "unknown action"),
+    ];
+    for (p, status, says) in cases {
+        let r = get(p).await.unwrap();
+        assert_eq!(r.status().as_u16(), *status, "{p}");
+        let body = r.text().await.unwrap();
+        assert!(body.contains(says), "{p}: {body}");
+    }
+    // A bad Last-Event-ID on a job that exists.
+    env.submit("echo", json!({"input": {}}), "e-bad").await;
+    let mut rec = JobRecord {
+        id: "e-bad".into(),
+        kind: "echo".into(),
+        status: "queued".into(),
+        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    rec.updated_at = rec.created_at.clone();
+    let _ = env.jobs.create(&rec).await;
+    let r = c
+        .get(format!("{b}/v1/jobs/e-bad/events"))
+        .header("Last-Event-ID", "yesterday")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("Last-Event-ID"));
+    let r = c
+        .get(format!("{b}/v1/jobs/e-bad/result"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        409,
+        "a job that has not ended has no result yet"
+    );
+}
+
+#[tokio::test]
+async fn console_fleet_shows_workers_slots_queue_reapers_and_dead_letters_and_updates_live() {
+    let env = Env::new().await;
+    let w = env.worker_proc(
+        &[],
+        &[
+            ("LH_WORKER_ID", "fleet-w".into()),
+            ("LH_CONCURRENCY", "7".into()),
+        ],
+    );
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let mut renv = env.proc_env();
+    renv.push(("LH_REAPER_ID", "fleet-r".into()));
+    renv.push(("LH_INTERVAL", "1s".into()));
+    let reaper = Proc::spawn("leasehold-reaper", &[], &renv);
+    wait_log(&reaper, "reaper starting", Duration::from_secs(20)).await;
+    let rec = JobRecord {
+        id: "fleet-dead".into(),
+        kind: "echo".into(),
+        status: "dead".into(),
+        ..Default::default()
+    };
+    Dlq::new(&env.conn)
+        .dead(&rec, "poison", "test", vec![], None)
+        .await
+        .unwrap();
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "fleet-nap")
+        .await;
+    env.wait_status("fleet-nap", "running", Duration::from_secs(10))
+        .await;
+    let console = spawn_console(&env, &[]).await;
+    let c = http();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let body = c
+            .get(format!("{}/fleet", console.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let ok = body.contains("<td>fleet-w</td>")
+            && body.contains("<td>7</td>")
+            && body.contains("fleet-r")
+            && body.contains("/dlq?kind=echo\">1</a>")
+            && body.contains("completed per minute");
+        if ok {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the fleet page lacks the worker, its slots, the reaper or the letter:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The live part sends the fragment again.
+    let r = c
+        .get(format!("{}/fleet/live", console.base))
+        .send()
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(
+        Duration::from_secs(15),
+        sse_until(r, |(_, e, _)| e == "fleet"),
+    )
+    .await
+    .expect("no fleet update within 15 s");
+    assert!(got.last().unwrap().2["html"]
+        .as_str()
+        .unwrap()
+        .contains("fleet-w"));
+    drop(reaper);
+}
