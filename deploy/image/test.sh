@@ -89,7 +89,9 @@ podman run -d --name "$run_id-reaper" "${hardened[@]}" -e "NATS_URL=$url" \
     -e LH_INTERVAL=1s "$IMAGE" leasehold-reaper >/dev/null
 wait_log() { # container, needle
     for _ in $(seq 100); do
-        podman logs "$1" 2>&1 | grep -q "$2" && return 0
+        # Read whole, then grep: `podman logs | grep -q` under pipefail
+        # fails when grep quits early and podman gets SIGPIPE.
+        grep -q "$2" <<<"$(podman logs "$1" 2>&1)" && return 0
         sleep 0.1
     done
     podman logs "$1" 2>&1 | tail -n 20
@@ -111,7 +113,7 @@ if [ "$code" = 0 ] && grep -q '"completed"' <<<"$out" && [ "$result" = '{"hello"
 else
     bad "a submitted echo job completes (exit $code: $out; result: $result)"
 fi
-if podman logs "$run_id-worker" 2>&1 | grep -q "image-worker"; then
+if grep -q "image-worker" <<<"$(podman logs "$run_id-worker" 2>&1)"; then
     ok "the job ran on the image's worker"
 else
     bad "the job ran on the image's worker"
@@ -120,7 +122,7 @@ fi
 # 6. SIGTERM drains and exits 0 (what Kubernetes sends at scale-in).
 podman stop -t 20 "$run_id-worker" >/dev/null 2>&1
 code="$(podman inspect --format '{{.State.ExitCode}}' "$run_id-worker")"
-if [ "$code" = 0 ] && podman logs "$run_id-worker" 2>&1 | grep -q "SIGTERM"; then
+if [ "$code" = 0 ] && grep -q "SIGTERM" <<<"$(podman logs "$run_id-worker" 2>&1)"; then
     ok "the worker stops on SIGTERM with exit 0"
 else
     podman logs "$run_id-worker" 2>&1 | tail -n 10
