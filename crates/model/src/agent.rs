@@ -77,6 +77,26 @@ impl TranscriptHook for NoHook {
     fn on_message(&self, _generation: u32, _message: &Message) {}
 }
 
+/// Offers no tools: a conversation that must answer from its prompt
+/// (research's outline, perspectives and final synthesis; an SDK agent of a
+/// worker with no tools). A call anyway is returned to the model as an error.
+pub struct NoTools;
+
+impl ToolExecutor for NoTools {
+    fn specs(&self) -> Vec<serde_json::Value> {
+        Vec::new()
+    }
+
+    fn call<'a>(
+        &'a self,
+        name: &'a str,
+        _args: &'a serde_json::Value,
+        _call_id: &'a str,
+    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
+        Box::pin(async move { ToolOutcome::Error(format!("no tools here (asked for `{name}`)")) })
+    }
+}
+
 /// How section-level retries work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_model::agent::{ToolExecutor, ToolOutcome, TranscriptHook};
+use leasehold_model::agent::TranscriptHook;
 use leasehold_model::{RetryReport, RetryReporter};
 use leasehold_tools::{ToolEvent, ToolEvents};
 use leasehold_transcript::{Message, Thread};
@@ -92,24 +92,6 @@ impl ToolEvents for ToolSink {
     fn emit(&self, ev: ToolEvent) {
         self.0
             .event("tool", serde_json::to_value(&ev).unwrap_or_default());
-    }
-}
-
-/// No tools (outline, perspectives, final synthesis).
-pub struct NoTools;
-
-impl ToolExecutor for NoTools {
-    fn specs(&self) -> Vec<Value> {
-        Vec::new()
-    }
-
-    fn call<'a>(
-        &'a self,
-        name: &'a str,
-        _args: &'a Value,
-        _call_id: &'a str,
-    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
-        Box::pin(async move { ToolOutcome::Error(format!("no tools here (asked for `{name}`)")) })
     }
 }
 

@@ -36,7 +36,7 @@ use futures::StreamExt;
 use leasehold_core::machine::check_owner;
 use leasehold_core::JobRecord;
 use leasehold_model::agent::{
-    NoHook, SectionInput, SectionOutcome, SectionPolicy, SectionResult, SectionRunner,
+    NoHook, NoTools, SectionInput, SectionOutcome, SectionPolicy, SectionResult, SectionRunner,
     ToolExecutor, TranscriptHook,
 };
 use leasehold_model::{
@@ -59,7 +59,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::flusher::{Flusher, ProgressSnap};
-use crate::hooks::{Crash, CrashPoint, Journal, NoTools, Reporter, ToolSink};
+use crate::hooks::{Crash, CrashPoint, Journal, Reporter, ToolSink};
 use crate::report::{Input, Recovery};
 use crate::state::{
     validate_experts, validate_outline, Expert, FinalCk, Outline, Resume, SectionCk, State,

@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex as StdMutex};
 
 use leasehold_model::agent::{
-    SectionInput, SectionOutcome, SectionPolicy, SectionRunner, ToolExecutor, ToolOutcome,
+    NoTools, SectionInput, SectionOutcome, SectionPolicy, SectionRunner, ToolExecutor,
     TranscriptHook,
 };
 use leasehold_model::{
@@ -122,23 +122,6 @@ pub struct AgentOutput {
     pub model_calls: u32,
     /// Tool calls this attempt made.
     pub tool_calls: u32,
-}
-
-/// No tools registered: the model is offered none.
-struct NoTools;
-
-impl ToolExecutor for NoTools {
-    fn specs(&self) -> Vec<Value> {
-        Vec::new()
-    }
-    fn call<'a>(
-        &'a self,
-        name: &'a str,
-        _args: &'a Value,
-        _call_id: &'a str,
-    ) -> Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>> {
-        Box::pin(async move { ToolOutcome::Error(format!("no tool `{name}` in this worker")) })
-    }
 }
 
 /// A model of the worker: its client and the one breaker its calls share.
