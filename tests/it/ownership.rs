@@ -486,3 +486,113 @@ async fn an_event_larger_than_a_nats_message_is_kept_beside_and_read_back_whole(
     let mut s = env.conn.js.get_stream("LH_EVENTS").await.unwrap();
     assert!(s.info().await.unwrap().state.bytes < 64 * 1024);
 }
+
+/// The exact moment between a worker's two looks at a ticket's owner: B
+/// finds A alive and indexes A's job to settle its ticket; A's session ends
+/// before that index entry lands, so the session's end (handled by another
+/// worker, C; no reaper runs) finds nothing to recover. B must not then ack
+/// the ticket on its first look: it looks again after its index write and,
+/// the owner gone, reclaims the job. (Acking on the first look stranded the
+/// job with no ticket and no session end left to recover it.)
+#[tokio::test]
+async fn an_owner_whose_session_ends_while_its_ticket_is_settled_is_still_recovered() {
+    let env = Env::new().await;
+    let bucket = env.conn.layout.active_bucket();
+    let id = "settling";
+    let index_key = format!("$KV.{bucket}.run.worker-a.{id}");
+    // A's index writes are lost, so its ticket comes back while it runs;
+    // its one slot busy, A does not pull it.
+    let proxy_a = leasehold_harness::FaultProxy::start(&env.url()).await;
+    proxy_a.drop_matching(&index_key);
+    let mut a = env.worker_proc(
+        &["--worker-id", "worker-a", "--concurrency", "1"],
+        // A short session: its end comes well within B's write timeout,
+        // so B's held index write lands rather than failing.
+        &[
+            ("NATS_URL", proxy_a.url()),
+            ("LH_SESSION_TIMEOUT", "1s".into()),
+        ],
+    );
+    // C handles ended sessions (it serves another kind: the ticket is not its).
+    let mut oc = env.opts();
+    oc.kinds = vec!["echo".into()];
+    let (c, stop_c) = env.worker_with(oc).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), id)
+        .await;
+    env.wait_for(id, Duration::from_secs(15), |r| {
+        r.status == "running" && r.worker_id.as_deref() == Some("worker-a")
+    })
+    .await;
+    // B gets the ticket back, finds A alive and indexes the job: held (its
+    // connection stalls, so its session is long enough to outlast that).
+    let proxy_b = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let hold_b = proxy_b.hold(&index_key);
+    let mut ob = env.opts();
+    ob.nats.url = proxy_b.url();
+    ob.session_timeout = Duration::from_secs(20);
+    let (b, stop_b) = env.worker_with(ob).await;
+    tokio::time::timeout(Duration::from_secs(20), hold_b.triggered())
+        .await
+        .unwrap_or_else(|_| panic!("B never settled A's ticket:\n{}", a.output()));
+    // A dies; its session ends and C handles that end (nothing indexed).
+    a.kill9();
+    // The server's marker of the session's end (its TTL ran out): the end
+    // the watchers handle.
+    let sessions = env.conn.layout.sessions_bucket();
+    let s = env
+        .conn
+        .js
+        .get_stream(format!("KV_{sessions}"))
+        .await
+        .unwrap();
+    let subject = format!("$KV.{sessions}.worker-a");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let ended_at = loop {
+        if let Ok(m) = s.get_last_raw_message_by_subject(&subject).await {
+            if m.headers.get("Nats-Marker-Reason").is_some()
+                || m.headers
+                    .get("KV-Operation")
+                    .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"))
+            {
+                break m.sequence;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "A's session never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut watch: async_nats::jetstream::consumer::PullConsumer = s
+        .get_consumer(&env.conn.layout.session_watch_consumer())
+        .await
+        .unwrap();
+    loop {
+        let i = watch.info().await.unwrap();
+        if i.ack_floor.stream_sequence >= ended_at && i.num_ack_pending == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the end of A's session was never handled: {i:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        env.jobs.get(id).await.unwrap().unwrap().value.epoch,
+        1,
+        "nobody recovered the job from the session's end: the moment is the one meant"
+    );
+    // Now B's index write lands: B looks again and takes the job.
+    hold_b.release();
+    let rec = env
+        .wait_for(id, Duration::from_secs(15), |r| {
+            r.status == "running" && r.worker_id.as_deref() == Some(b.worker_id.as_str())
+        })
+        .await;
+    assert_eq!((rec.epoch, rec.stale_reclaims), (2, 1), "{rec:?}");
+    stop_b.cancel();
+    stop_c.cancel();
+    b.wait().await.unwrap();
+    c.wait().await.unwrap();
+}

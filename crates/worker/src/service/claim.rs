@@ -414,8 +414,12 @@ pub(crate) async fn handle_delivery(
                         return;
                     }
                     ClaimDecision::Settle(why) => {
-                        settle_live(&shared, value, &msg, &why).await;
-                        return;
+                        if settle_live(&shared, value, &msg, &why).await {
+                            return;
+                        }
+                        // The owner's session ended while the job was
+                        // being indexed: decide again, as for a gone owner.
+                        continue;
                     }
                     ClaimDecision::Cancel(record) => {
                         match shared.jobs.update(&record, *revision).await {
@@ -511,18 +515,41 @@ pub(crate) async fn handle_delivery(
 
 /// A ticket of a job a live owner holds: make sure the job is indexed
 /// under its owner (its liveness no longer needs the ticket), then ack.
-async fn settle_live(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message, why: &str) {
+/// Whether it did: `false` when the owner's session ended meanwhile.
+///
+/// The index entry is written *before* the owner is looked at again: the
+/// end of that session is handled by listing the owner's index entries
+/// after the end, so either that listing sees this entry (and recovers the
+/// job), or this look sees the session gone (and the ticket is not acked:
+/// the caller decides again). Acking on the first look alone could drop
+/// the ticket of a job whose session ended in between, leaving it to a
+/// reaper's sweep, or to nobody without a reaper.
+async fn settle_live(
+    shared: &Shared,
+    rec: &JobRecord,
+    msg: &jetstream::Message,
+    why: &str,
+) -> bool {
     let key = Key::of(rec).expect("a running or parked record has a key");
     match shared.active.put(&key, rec).await {
+        Ok(())
+            if rec.status == "running"
+                && shared.owner_liveness(rec).await != OwnerLiveness::Live =>
+        {
+            tracing::info!(job = %rec.id, owner = ?rec.worker_id, "the owner's session ended while its job was indexed; deciding again");
+            false
+        }
         Ok(()) => {
             shared.stats.settled.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(job = %rec.id, owner = ?rec.worker_id, why, "ticket settled: the job is indexed and needs no ticket");
             let _ = msg.ack().await;
+            true
         }
         Err(e) => {
             let d = machine::transient_retry_delay(delivered(msg));
             tracing::warn!(job = %rec.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot index the job; the ticket comes back later");
             let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
+            true
         }
     }
 }
