@@ -13,7 +13,7 @@ FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked \
-        -p leasehold-cli -p leasehold-worker -p leasehold-reaper -p leasehold-console -p leasehold-sim
+        -p leasehold-cli -p leasehold-worker-bin -p leasehold-reaper -p leasehold-console -p leasehold-sim
 
 FROM debian:bookworm-slim
 # CA certificates for TLS to NATS and to model, search and webhook servers.

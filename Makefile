@@ -52,7 +52,7 @@ test-cluster: setup build
 LH_MODEL_VENV ?= $(HOME)/.cache/leasehold/model-venv
 TEST_MODEL ?= real_model::
 test-model: setup model-venv
-	$(CARGO) build -p leasehold-cli -p leasehold-worker -p leasehold-sim
+	$(CARGO) build -p leasehold-cli -p leasehold-worker-bin -p leasehold-sim
 	LH_MODEL_VENV=$(LH_MODEL_VENV) $(CARGO) test -p leasehold-tests --test it -- \
 		--ignored --test-threads=1 $(TEST_MODEL)
 

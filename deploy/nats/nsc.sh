@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# leasehold's four NATS users (submitter, worker, reaper, operator) for a
+# leasehold's five NATS users (submitter, worker, reaper, operator, console) for a
 # server in operator (JWT) mode, made with `nsc` from permissions.conf.
 #
 # permissions.conf is the one list of what each role may publish and
@@ -10,12 +10,12 @@
 #   - the operator (with a system account) unless it exists;
 #   - the account, with JetStream enabled (no limits: set them with
 #     `nsc edit account ... --js-disk-storage ...` to taste);
-#   - the users lh-submitter, lh-worker, lh-reaper and lh-operator with
-#     the permissions of their role;
+#   - the users lh-submitter, lh-worker, lh-reaper, lh-operator and
+#     lh-console with the permissions of their role;
 #   - a creds file per user in the creds folder: point the role's binaries
 #     at it with NATS_CREDS, and set LH_INBOX_PREFIX to the role's inbox
 #     prefix (_INBOX_submitter, _INBOX_worker, _INBOX_reaper,
-#     _INBOX_operator).
+#     _INBOX_operator, _INBOX_console).
 #
 # Run it once per nsc store (`nsc add user` refuses a user that exists; to
 # change a role's permissions later, `nsc delete user` it and run again).
@@ -53,7 +53,7 @@ done
 [ -r "$conf" ] || { echo "nsc.sh: cannot read $conf" >&2; exit 2; }
 
 # The subjects of one list of permissions.conf, comma-separated: ROLE is
-# submitter|worker|reaper|operator, DIR publish|subscribe, KIND allow|deny.
+# submitter|worker|reaper|operator|console, DIR publish|subscribe, KIND allow|deny.
 # The file's layout: a block `LH_<ROLE>_PERMISSIONS = {` holding
 # `publish = {` and `subscribe = {`, each with `allow = [` / `deny = [`
 # lists of double-quoted subjects (several may share a line), closed by `]`.
@@ -109,7 +109,7 @@ if [ "$dry" = 1 ] || ! nsc describe account --name "$account" >/dev/null 2>&1; t
 fi
 run edit account --name "$account" --js-mem-storage -1 --js-disk-storage -1 --js-streams -1 --js-consumer -1
 
-for role in submitter worker reaper operator; do
+for role in submitter worker reaper operator console; do
     args=(add user --account "$account" --name "lh-$role")
     for dir in publish subscribe; do
         for kind in allow deny; do

@@ -23,13 +23,21 @@ pub struct Console {
 }
 
 pub async fn spawn_console(env: &Env, extra: &[(&'static str, String)]) -> Console {
-    let mut e: Vec<(&'static str, String)> = vec![
-        ("NATS_URL", env.url()),
-        ("LH_PREFIX", env.prefix.clone()),
-        ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".into()),
-        ("RUST_LOG", "info".into()),
-    ];
+    let mut e: Vec<(&'static str, String)> =
+        vec![("NATS_URL", env.url()), ("LH_PREFIX", env.prefix.clone())];
     e.extend(extra.iter().cloned());
+    let (proc, base) = start_console(&e).await;
+    Console { _proc: proc, base }
+}
+
+/// Starts `leasehold-console` with this environment (plus a free port and
+/// logs); the process and its base URL once it listens.
+pub async fn start_console(env: &[(&'static str, String)]) -> (Proc, String) {
+    let mut e = env.to_vec();
+    e.extend([
+        ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".to_string()),
+        ("RUST_LOG", "info".into()),
+    ]);
     let proc = Proc::spawn("leasehold-console", &[], &e);
     wait_log(&proc, "console listening on ", Duration::from_secs(20)).await;
     let base = proc
@@ -39,7 +47,12 @@ pub async fn spawn_console(env: &Env, extra: &[(&'static str, String)]) -> Conso
         .expect("console address")
         .trim()
         .to_string();
-    Console { _proc: proc, base }
+    (proc, base)
+}
+
+/// The research worker's environment against the sim at `sim`.
+fn research_env(sim: &str) -> Vec<(&'static str, String)> {
+    crate::support::research_env(sim, &format!("{sim}/v1"), "research,echo,sleep")
 }
 
 fn http() -> reqwest::Client {
@@ -47,19 +60,6 @@ fn http() -> reqwest::Client {
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap()
-}
-
-/// The research worker's environment against the sim at `sim`.
-fn research_env(sim: &str) -> Vec<(&'static str, String)> {
-    vec![
-        ("LH_KINDS", "research,echo,sleep".into()),
-        ("LH_MODEL_BASE_URL", format!("{sim}/v1")),
-        ("LH_SEARCH_URL", sim.to_string()),
-        ("LH_PUBLISH_URL", format!("{sim}/effects")),
-        ("LH_FETCH_ALLOW", "127.0.0.1".into()),
-        ("LH_RESEARCH_RETRY_BASE", "20ms".into()),
-        ("LH_RESEARCH_RETRY_CAP", "200ms".into()),
-    ]
 }
 
 /// A sim whose model streams slowly (`ms` a token), so a research job
@@ -605,6 +605,10 @@ async fn console_client_stream_says_when_a_reclaim_supersedes_progress() {
     wait_log(&w1, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
     env.submit("research", research_spec(), "r-sup").await;
+    // The stream is for a job that exists (an unknown id is a 404): wait for
+    // its record, then read its events from the first.
+    env.wait_status("r-sup", "running", Duration::from_secs(20))
+        .await;
     let c = http();
     let url = format!("{}/v1/jobs/r-sup/events", console.base);
     let resp = c.get(&url).send().await.unwrap();
@@ -927,4 +931,174 @@ async fn console_fleet_shows_workers_slots_queue_reapers_and_dead_letters_and_up
         .unwrap()
         .contains("fleet-w"));
     drop(reaper);
+}
+
+#[tokio::test]
+async fn console_timeline_shows_each_model_call_of_a_research_job_with_its_tokens_and_duration() {
+    let env = Env::new().await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let w = env.worker_proc(&[], &research_env(&sim));
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("research", research_spec(), "r-model").await;
+    env.wait_status("r-model", "completed", Duration::from_secs(60))
+        .await;
+
+    // One `model` event per model call, of every phase, each with what the
+    // provider reported and how long it took.
+    let models: Vec<_> = env
+        .events_of("r-model")
+        .await
+        .into_iter()
+        .filter(|e| e.r#type == "model")
+        .collect();
+    assert!(!models.is_empty(), "no model events");
+    for m in &models {
+        let d = m.data_map();
+        assert!(d["tokens_in"].as_u64().unwrap() > 0, "{d:?}");
+        assert!(d["tokens_out"].as_u64().unwrap() > 0, "{d:?}");
+        assert!(d["duration_ms"].is_u64(), "{d:?}");
+        assert!(!d["model"].as_str().unwrap().is_empty(), "{d:?}");
+        assert!(
+            ["ok", "tool_calls"].contains(&d["outcome"].as_str().unwrap()),
+            "{d:?}"
+        );
+        assert!(
+            (d.get("expert").is_some_and(Value::is_u64)
+                && d.get("index").is_some_and(Value::is_u64))
+                || ["outline", "perspectives", "final"]
+                    .contains(&d.get("phase").and_then(Value::as_str).unwrap_or("")),
+            "{d:?}"
+        );
+        assert_eq!(m.epoch, 1);
+    }
+    for phase in ["outline", "perspectives", "final"] {
+        assert!(
+            models
+                .iter()
+                .any(|m| m.data_map().get("phase").and_then(Value::as_str) == Some(phase)),
+            "no model event of the {phase} phase"
+        );
+    }
+    // Sections that searched asked for tools first: both outcomes occur.
+    let outcome = |o: &str| {
+        models
+            .iter()
+            .filter(|m| m.data_map()["outcome"] == o)
+            .count()
+    };
+    assert!(outcome("ok") > 0 && outcome("tool_calls") > 0, "{models:?}");
+
+    // The timeline shows each of them with its tokens and duration.
+    let first = models[0].data_map();
+    let mut b = Browser::start().await;
+    b.goto(&format!("{}/jobs/r-model?limit=500", console.base))
+        .await;
+    let rows = b
+        .eval("Array.from(document.querySelectorAll('tr.ev-model')).map(r => r.innerText)")
+        .await;
+    let rows: Vec<String> = serde_json::from_value(rows).unwrap();
+    assert_eq!(rows.len(), models.len(), "{rows:?}");
+    let want = format!(
+        "{} in / {} out tokens",
+        first["tokens_in"], first["tokens_out"]
+    );
+    assert!(
+        rows[0].contains(&want)
+            && rows[0].contains(&format!("{} ms", first["duration_ms"]))
+            && rows[0].contains(first["model"].as_str().unwrap()),
+        "{want}: {rows:?}"
+    );
+}
+
+#[tokio::test]
+async fn console_in_a_browser_replays_a_rejected_submission_corrected_and_refuses_it_unchanged() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.work
+        .submit("echo", "{\"input\":[1,2".into(), Some("bad-ui"), None)
+        .await
+        .unwrap();
+    env.wait_status("bad-ui", "rejected", Duration::from_secs(10))
+        .await;
+    let dlq = Dlq::new(&env.conn);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let seq = loop {
+        let l = dlq.list().await.unwrap();
+        if let Some(l) = l.iter().find(|l| l.job_id.as_deref() == Some("bad-ui")) {
+            break l.seq;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no letter: {l:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    // Unchanged: refused with the validation error, nothing sent.
+    let mut b = Browser::start().await;
+    b.goto(&format!("{}/dlq", console.base)).await;
+    b.click(&format!("tr[data-seq=\"{seq}\"] a.replay")).await;
+    b.wait(
+        "document.querySelector('#confirm') && document.querySelector('#spec')",
+        Duration::from_secs(10),
+        "the confirmation with the submission",
+    )
+    .await;
+    let shown = b
+        .eval("document.querySelector('#spec').value + ' | ' + document.querySelector('#reason').innerText")
+        .await;
+    let shown = shown.as_str().unwrap().to_string();
+    assert!(shown.starts_with("{\"input\":[1,2 | "), "{shown}");
+    assert!(
+        shown.len() > "{\"input\":[1,2 | ".len(),
+        "no reason shown: {shown}"
+    );
+    b.click("#confirm").await;
+    b.wait(
+        "document.querySelector('p.error') && document.querySelector('p.error').innerText.includes('still refused by the built-in validation')",
+        Duration::from_secs(15),
+        "the refusal with the validation error",
+    )
+    .await;
+    assert!(dlq.get(seq).await.unwrap().is_some(), "the letter stays");
+    assert_eq!(
+        env.jobs.get("bad-ui").await.unwrap().unwrap().value.status,
+        "rejected"
+    );
+
+    // Corrected in the textarea: replayed, run under the same id, the
+    // letter gone, the action recorded.
+    b.goto(&format!(
+        "{}/confirm?action=dlq-replay&seq={seq}",
+        console.base
+    ))
+    .await;
+    b.eval(r#"document.querySelector('#spec').value = '{"input":{"fixed":true}}'"#)
+        .await;
+    b.click("#confirm").await;
+    b.wait(
+        "document.querySelector('#done') && document.querySelector('#done').innerText.includes('accepted by a worker')",
+        Duration::from_secs(20),
+        "the replay's answer",
+    )
+    .await;
+    let done = env
+        .wait_status("bad-ui", "completed", Duration::from_secs(20))
+        .await;
+    assert_eq!(done.result.unwrap().output, r#"{"fixed":true}"#);
+    assert!(dlq.get(seq).await.unwrap().is_none(), "the letter is gone");
+    let actions: Vec<_> = env
+        .events_of("bad-ui")
+        .await
+        .into_iter()
+        .filter(|e| e.r#type == "action")
+        .map(|e| e.data_map())
+        .collect();
+    assert!(
+        actions.iter().any(|a| a["action"] == "dlq_replay"
+            && a["corrected"] == true
+            && a["by"] == "local"
+            && a["dlq_seq"] == seq),
+        "{actions:?}"
+    );
 }

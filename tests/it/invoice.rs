@@ -9,7 +9,6 @@ use leasehold_core::JobRecord;
 use leasehold_harness::Proc;
 use leasehold_store::setup::SetupOptions;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::*;
 
@@ -30,27 +29,8 @@ fn worker(env: &Env, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
     Proc::spawn("invoice-worker", &[], &e)
 }
 
-/// One HTTP/1.0 request to the sim; the JSON body of its answer.
-async fn http(sim: &str, method: &str, path: &str, body: Option<Value>) -> Value {
-    let addr = sim.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    s.write_all(
-        format!(
-            "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    serde_json::from_str(buf.split_once("\r\n\r\n").unwrap().1).unwrap_or(Value::Null)
-}
-
 async fn invoices(sim: &str) -> Vec<Value> {
-    http(sim, "GET", "/accounting/invoices", None)
+    sim_json(sim, "GET", "/accounting/invoices", None)
         .await
         .as_array()
         .cloned()
@@ -58,7 +38,7 @@ async fn invoices(sim: &str) -> Vec<Value> {
 }
 
 async fn arm(sim: &str, mode: &str, times: u32) {
-    http(
+    sim_json(
         sim,
         "POST",
         "/accounting/faults",

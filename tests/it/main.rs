@@ -11,6 +11,7 @@ mod console;
 mod effects;
 mod invoice;
 mod lifecycle;
+mod limits;
 mod liveness;
 mod observe;
 mod otlp;

@@ -15,7 +15,7 @@ use leasehold_store::{jobs, Conn, Jobs, NatsArgs};
 
 use crate::support::wait_log;
 
-const ROLES: [&str; 4] = ["submitter", "worker", "reaper", "operator"];
+const ROLES: [&str; 5] = ["submitter", "worker", "reaper", "operator", "console"];
 
 fn deploy_nats() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats")
@@ -37,6 +37,7 @@ impl Secured {
             ("LH_WORKER_PASSWORD", password("worker")),
             ("LH_REAPER_PASSWORD", password("reaper")),
             ("LH_OPERATOR_PASSWORD", password("operator")),
+            ("LH_CONSOLE_PASSWORD", password("console")),
         ];
         let server = NatsServer::start_including(&deploy_nats().join("permissions.conf"), &env);
         Secured { server }
@@ -115,6 +116,13 @@ impl Secured {
             })
             .collect()
     }
+}
+
+/// A console under `lh-console`, with `extra` settings; its base URL.
+async fn console(s: &Secured, extra: &[(&'static str, String)]) -> (Proc, String) {
+    let mut env = s.env("console");
+    env.extend(extra.iter().cloned());
+    crate::console::start_console(&env).await
 }
 
 /// Runs `op` as `conn`'s user and returns the server's refusal of a subject
@@ -447,31 +455,7 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     jobs.create(&rec).await.unwrap();
     // A finished job with an artifact (over one chunk), for `result`.
     let doc: String = (0..40_000).map(|i| format!("line {i}\n")).collect();
-    leasehold_store::artifacts::Artifacts::open(&op)
-        .await
-        .unwrap()
-        .create(
-            leasehold_store::artifacts::NewArtifact {
-                name: "x-3/report.md".into(),
-                ..Default::default()
-            },
-            doc.as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut done = leasehold_core::machine::new_record(
-        "x-3",
-        "echo",
-        Default::default(),
-        0,
-        std::time::SystemTime::now(),
-    );
-    done.status = "completed".into();
-    done.result = Some(leasehold_proto::JobResult {
-        artifact: Some("x-3/report.md".into()),
-        ..Default::default()
-    });
-    jobs.create(&done).await.unwrap();
+    finished_with_report(&op, &jobs, "x-3", &doc).await;
     let events = leasehold_store::events::Events::new(&op);
     let ev = leasehold_store::events::event("x-1", 0, "claimed", None, serde_json::json!({}));
     events.publish(&ev, None).await.unwrap();
@@ -735,4 +719,261 @@ fn the_nsc_recipe_grants_what_the_server_config_grants() {
         printed.contains("'generate' 'creds'") && printed.contains("'--js-disk-storage'"),
         "{printed}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_reads_as_lh_console_and_acts_only_through_an_operator_connection() {
+    let s = Secured::start();
+    let op = s.connect("operator").await;
+    let (code, _, err) = s.cli("operator", &["setup", "--kinds", "echo,sleep"]).await;
+    assert_eq!(code, 0, "{err}");
+    let jobs = Jobs::open(&op).await.unwrap();
+    let _worker = s.worker();
+    wait_gateway(&op).await;
+    let (code, out, err) = s
+        .cli(
+            "submitter",
+            &[
+                "submit",
+                "echo",
+                r#"{"input":{"hi":1}}"#,
+                "--id",
+                "c-done",
+                "--wait",
+                "--timeout",
+                "20s",
+            ],
+        )
+        .await;
+    assert_eq!(
+        (code, status_of(&out).as_str()),
+        (0, "completed"),
+        "{out}{err}"
+    );
+    let (code, _, err) = s
+        .cli(
+            "submitter",
+            &[
+                "submit",
+                "sleep",
+                r#"{"input":{"ms":60000}}"#,
+                "--id",
+                "c-nap",
+            ],
+        )
+        .await;
+    assert_eq!(code, 0, "{err}");
+    wait_record(&jobs, "c-nap", "running", |r| r.status == "running").await;
+
+    // Read-only: the jobs page, a job's page and its SSE stream to the end.
+    let (ro, base) = console(&s, &[]).await;
+    let http = reqwest::Client::new();
+    // The running job is listed once it is indexed (after --index-after),
+    // and the console's watch of the index follows within moments.
+    let index = leasehold_store::index::Active::open(&op).await.unwrap();
+    let mut w = index.kv().watch_with_history(">").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(e) = w.next().await {
+            if e.unwrap().key.ends_with(".c-nap") {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("c-nap indexed");
+    let mut page = String::new();
+    for _ in 0..50 {
+        let p = http.get(format!("{base}/jobs")).send().await.unwrap();
+        assert_eq!(p.status(), 200);
+        page = p.text().await.unwrap();
+        if page.contains("/jobs/c-nap") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        page.contains("/jobs/c-done") && page.contains("/jobs/c-nap"),
+        "{page}\n{}\n{:?}",
+        ro.output(),
+        s.violations()
+    );
+    let job = http.get(format!("{base}/jobs/c-nap")).send().await.unwrap();
+    assert_eq!(job.status(), 200);
+    let job = job.text().await.unwrap();
+    assert!(
+        job.contains("id=\"actions-off\""),
+        "no note that actions are off: {job}"
+    );
+    assert!(
+        job.contains("class=\"disabled button danger\" id=\"cancel\"")
+            && !job.contains("href=\"/confirm?"),
+        "the cancel button is not disabled: {job}"
+    );
+    let sse = http
+        .get(format!("{base}/v1/jobs/c-done/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(sse.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(20), sse.text())
+        .await
+        .expect("the stream of a finished job ends")
+        .unwrap();
+    assert!(
+        body.contains("\"type\":\"claimed\"")
+            && body.contains("\"type\":\"completed\"")
+            && body.contains("event: end"),
+        "{body}"
+    );
+
+    // ... and the other pages: the fleet, dead letters, reviews, and a
+    // report read from its artifact.
+    let doc = "# A report\n\nread by the console as lh-console\n";
+    finished_with_report(&op, &jobs, "c-art", doc).await;
+    for path in ["/fleet", "/dlq", "/reviews", "/jobs/c-art"] {
+        let r = http.get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
+    }
+    let r = http
+        .get(format!("{base}/v1/jobs/c-art/result"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), doc);
+
+    // An action is refused, saying why, and nothing is changed.
+    let c = http
+        .get(format!("{base}/confirm?action=cancel&id=c-nap"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(c.status(), 503);
+    let why = c.text().await.unwrap();
+    assert!(
+        why.contains("actions are off")
+            && why.contains("lh-console")
+            && why.contains("--operator-nats-user"),
+        "{why}"
+    );
+    let a = http
+        .post(format!("{base}/actions/cancel"))
+        .form(&[("id", "c-nap")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(a.status(), 503);
+    assert!(a.text().await.unwrap().contains("actions are off"));
+    assert_eq!(
+        jobs.get("c-nap").await.unwrap().unwrap().value.status,
+        "running"
+    );
+    assert!(
+        !jobs
+            .get("c-nap")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .cancel_requested
+    );
+    drop(ro);
+
+    // With an operator connection the same console cancels it.
+    let token = "operator-token-0123456789".to_string();
+    let (_rw, base) = console(
+        &s,
+        &[
+            ("LH_CONSOLE_OPERATOR_NATS_USER", "lh-operator".into()),
+            ("LH_CONSOLE_OPERATOR_NATS_PASSWORD", password("operator")),
+            ("LH_CONSOLE_OPERATOR_TOKEN", token.clone()),
+        ],
+    )
+    .await;
+    let a = http
+        .post(format!("{base}/actions/cancel"))
+        .bearer_auth(&token)
+        .form(&[("id", "c-nap")])
+        .send()
+        .await
+        .unwrap();
+    let status = a.status();
+    let answer = a.text().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("c-nap: cancel"), "{answer}");
+    wait_record(&jobs, "c-nap", "cancelled", |r| r.status == "cancelled").await;
+
+    // lh-console itself may not submit nor write a record.
+    let con = s.connect("console").await;
+    refused(&con, "lh.submit.echo", async {
+        con.js
+            .publish("lh.submit.echo", "{}".into())
+            .await
+            .unwrap()
+            .await
+    })
+    .await;
+    let kv = con.js.get_key_value("lh_jobs").await.unwrap();
+    let why = refused(&con, "$KV.lh_jobs.c-done", kv.put("c-done", "{}".into())).await;
+    assert!(why.contains("Permissions Violation for Publish"), "{why}");
+    refused(
+        &con,
+        "lh.cancel.c-done",
+        con.client.request("lh.cancel.c-done", "".into()),
+    )
+    .await;
+    assert_eq!(
+        jobs.get("c-done").await.unwrap().unwrap().value.status,
+        "completed"
+    );
+
+    // The consoles' reads needed nothing the user lacks: the only refusals
+    // of lh-console are the three above.
+    let denied: Vec<_> = s
+        .violations()
+        .into_iter()
+        .filter(|(u, _)| u == "lh-console")
+        .map(|(_, subj)| subj)
+        .collect();
+    assert_eq!(
+        denied,
+        ["lh.submit.echo", "$KV.lh_jobs.c-done", "lh.cancel.c-done"],
+        "{denied:?}"
+    );
+}
+
+/// A completed job `id` whose result is the document `doc`, stored as
+/// `<id>/report.md` (written by the operator's connection `op`).
+async fn finished_with_report(
+    op: &leasehold_store::Conn,
+    jobs: &leasehold_store::Jobs,
+    id: &str,
+    doc: &str,
+) {
+    let name = format!("{id}/report.md");
+    leasehold_store::artifacts::Artifacts::open(op)
+        .await
+        .unwrap()
+        .create(
+            leasehold_store::artifacts::NewArtifact {
+                name: name.clone(),
+                ..Default::default()
+            },
+            doc.as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut done = leasehold_core::machine::new_record(
+        id,
+        "echo",
+        Default::default(),
+        0,
+        std::time::SystemTime::now(),
+    );
+    done.status = "completed".into();
+    done.result = Some(leasehold_proto::JobResult {
+        artifact: Some(name),
+        ..Default::default()
+    });
+    jobs.create(&done).await.unwrap();
 }

@@ -5,26 +5,13 @@
 use std::time::{Duration, Instant};
 
 use leasehold_core::JobRecord;
-use leasehold_harness::Proc;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 
 use crate::support::*;
 
-/// A worker process serving `research` against `model_base` (the sim
-/// serves the web and the effects sink either way).
-fn research_worker(env: &Env, sim: &str, model_base: &str, extra: &[(&'static str, &str)]) -> Proc {
-    let mut e: Vec<(&'static str, String)> = vec![
-        ("LH_KINDS", "research".into()),
-        ("LH_MODEL_BASE_URL", model_base.to_string()),
-        ("LH_SEARCH_URL", sim.to_string()),
-        ("LH_PUBLISH_URL", format!("{sim}/effects")),
-        ("LH_FETCH_ALLOW", "127.0.0.1".into()),
-        ("LH_RESEARCH_RETRY_BASE", "20ms".into()),
-        ("LH_RESEARCH_RETRY_CAP", "200ms".into()),
-    ];
-    e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
-    env.worker_proc(&[], &e)
+async fn sim_json_stats(sim: &str) -> Value {
+    sim_json(sim, "GET", "/stats", None).await
 }
 
 async fn submit_research(env: &Env, id: &str, topic: &str) {
@@ -44,17 +31,6 @@ async fn ended(env: &Env, id: &str, within: Duration) -> JobRecord {
         )
     })
     .await
-}
-
-async fn sim_stats(sim: &str) -> Value {
-    let addr = sim.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET /stats HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    serde_json::from_str(buf.split_once("\r\n\r\n").unwrap().1).unwrap()
 }
 
 async fn artifact(env: &Env, rec: &JobRecord) -> String {
@@ -93,7 +69,7 @@ async fn research_on_a_server_that_refuses_json_schema_uses_json_object_from_its
         doc.contains("- Sections written without tools (no search or fetch): 4 of 4"),
         "{doc}"
     );
-    let stats = sim_stats(&sim).await;
+    let stats = sim_json_stats(&sim).await;
     // One refusal for the worker process, then the form it takes.
     assert_eq!(stats["response_formats"]["json_schema"], 1, "{stats}");
     assert!(
@@ -140,7 +116,7 @@ async fn research_on_a_server_without_tool_calling_runs_its_tools_through_the_te
     submit_research(&env, "r-text", "lease-based ownership").await;
     let rec = ended(&env, "r-text", Duration::from_secs(60)).await;
     assert_eq!(rec.status, "completed", "{rec:?}");
-    let stats = sim_stats(&sim).await;
+    let stats = sim_json_stats(&sim).await;
     assert_eq!(stats["tools_offered"], 0, "no native tools sent: {stats}");
     // Each of the 4 expert sections searched and fetched through the protocol.
     assert!(stats["text_tool_calls"].as_u64().unwrap() >= 8, "{stats}");
@@ -192,7 +168,7 @@ async fn a_forced_form_and_bad_mode_values_are_clear_errors() {
         .unwrap_or_default();
     assert!(error.contains("LH_MODEL_STRUCTURED"), "{error}");
     assert_eq!(
-        sim_stats(&sim).await["response_formats"]["json_schema"],
+        sim_json_stats(&sim).await["response_formats"]["json_schema"],
         1,
         "never retried"
     );

@@ -566,7 +566,7 @@ async fn research_kill_after_journaled_model_responses() {
 #[tokio::test]
 async fn the_checkpoint_flusher_never_outlives_its_attempt() {
     use leasehold_core::machine::Owner;
-    use leasehold_research::flusher::Flusher;
+    use leasehold_worker::checkpoint::Flusher;
     use std::sync::Arc;
     let env = crate::support::Env::new().await;
     let owner = Owner {

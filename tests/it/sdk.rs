@@ -244,6 +244,19 @@ async fn an_agent_call_runs_the_users_tools_and_is_not_repeated_once_recorded() 
         journal >= 5,
         "the transcript was journaled: {journal} entries"
     );
+    // Each model call of the agent is a `model` event of its step, with
+    // the tokens the provider reported and its duration.
+    let models: Vec<_> = events
+        .iter()
+        .filter(|e| e.r#type == "model")
+        .map(|e| e.data_map())
+        .collect();
+    assert!(!models.is_empty(), "no model events: {events:?}");
+    for m in &models {
+        assert!(m["tokens_in"].as_u64().unwrap() > 0, "{m:?}");
+        assert!(m["duration_ms"].is_u64(), "{m:?}");
+        assert!(m["step"].as_str().is_some_and(|s| !s.is_empty()), "{m:?}");
+    }
     let steps: Vec<String> = events
         .iter()
         .filter(|e| e.r#type == "step")
@@ -331,4 +344,143 @@ async fn a_kill_9_during_an_agent_call_repeats_at_most_the_model_call_in_flight(
         "3 clean calls + the one in flight"
     );
     assert_eq!(out["model_calls"], 1, "the resumed attempt made one call");
+}
+
+/// A kind that checkpoints itself (as the research kind does): chapters as
+/// its own fenced events, read back by the next attempt to resume after
+/// the last durable one; its document in the artifact store, named by the
+/// result; a checkpoint of a type the runtime owns refused.
+struct Chapters {
+    written: Arc<std::sync::Mutex<Vec<u64>>>,
+}
+
+#[leasehold::async_trait]
+impl Kind for Chapters {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let done: Vec<u64> = ctx
+            .events()
+            .read(&["chapter"])
+            .await?
+            .iter()
+            .filter_map(|(_, ev)| ev.data_map().get("n").and_then(Value::as_u64))
+            .collect();
+        let cp = ctx.checkpoints();
+        // Refused: `completed` is the runtime's.
+        cp.event("completed", json!({"forged": true}));
+        let next = done.iter().max().map_or(0, |n| n + 1);
+        for n in next..4 {
+            cp.event("chapter", json!({"n": n}));
+            cp.progress(leasehold::runtime::ProgressUpdate {
+                phase: "chapters".into(),
+                sections_done: n as u32 + 1,
+                sections_total: 4,
+                ..Default::default()
+            });
+            self.written.lock().unwrap().push(n);
+            if n == 1 && ctx.failed_attempts() == 0 {
+                cp.barrier().await.map_err(|_| Error::Cancelled)?;
+                return Err(Error::retryable("the first attempt stops after chapter 1"));
+            }
+        }
+        let store = ctx.artifacts().await?;
+        let name = format!("{}/book.md", ctx.id());
+        ctx.prove_owner().await?;
+        let doc = b"# Book\n\nfour chapters";
+        let fresh = store
+            .create(
+                leasehold::NewDocument {
+                    name: name.clone(),
+                    description: None,
+                    metadata: [("made-by".to_string(), "chapters".to_string())].into(),
+                },
+                doc,
+            )
+            .await?;
+        let back = store.get(&name).await?.expect("stored");
+        ctx.set_report(leasehold::Report {
+            artifact: name,
+            digest: "d1".into(),
+            partial: false,
+            skipped_sections: vec![],
+        });
+        Ok(
+            json!({"fresh": fresh, "text": back.text(), "made_by": back.metadata["made-by"], "resumed_at": next}),
+        )
+    }
+}
+
+#[tokio::test]
+async fn a_kind_checkpoints_itself_resumes_from_its_events_and_names_its_document() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("chapters".into());
+    let env = Env::with(o).await;
+    let mut opts = env.opts();
+    opts.kinds = vec!["chapters".into()];
+    opts.retry_base = Duration::from_millis(10);
+    opts.retry_cap = Duration::from_millis(20);
+    let written = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = CancellationToken::new();
+    let _h = leasehold::Worker::new(opts)
+        .kind(
+            "chapters",
+            Chapters {
+                written: written.clone(),
+            },
+        )
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("chapters", json!({"input": {}}), "ch-1").await;
+    let rec = env
+        .wait_for("ch-1", Duration::from_secs(20), |r| {
+            matches!(r.status.as_str(), "completed" | "failed" | "parked")
+        })
+        .await;
+    stop.cancel();
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert_eq!(rec.attempts, 1, "one failed attempt before");
+    // Chapters 0 and 1 were durable before the first attempt ended: the
+    // second wrote only 2 and 3.
+    assert_eq!(*written.lock().unwrap(), vec![0, 1, 2, 3]);
+    let result = rec.result.clone().unwrap();
+    let out: Value = serde_json::from_str(&result.output).unwrap();
+    assert_eq!(out["resumed_at"], 2, "{out}");
+    assert_eq!(out["fresh"], true);
+    assert_eq!(out["made_by"], "chapters");
+    assert_eq!(out["text"], "# Book\n\nfour chapters");
+    assert_eq!(result.artifact.as_deref(), Some("ch-1/book.md"));
+    assert_eq!(result.digest.as_deref(), Some("d1"));
+    let p = rec.progress.clone().expect("progress on the record");
+    assert_eq!(
+        (p.phase.as_str(), p.sections_done, p.sections_total),
+        ("chapters", 4, 4)
+    );
+    let events = env.events.read("ch-1").await.unwrap();
+    let chapters: Vec<(u64, u64)> = events
+        .iter()
+        .filter(|(_, e)| e.r#type == "chapter")
+        .map(|(_, e)| (e.epoch, e.data_map()["n"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        chapters,
+        vec![(1, 0), (1, 1), (2, 2), (2, 3)],
+        "each chapter once, in order, by its attempt"
+    );
+    let completed = events
+        .iter()
+        .filter(|(_, e)| e.r#type == "completed")
+        .count();
+    assert_eq!(
+        completed, 1,
+        "the forged `completed` was refused; only the runtime's landed"
+    );
+    assert!(
+        events
+            .iter()
+            .all(|(_, e)| !e.data_map().contains_key("forged")),
+        "no forged event"
+    );
 }

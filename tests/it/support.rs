@@ -253,3 +253,57 @@ pub async fn cli(url: &str, args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// The environment of a worker process serving `kinds` (research among
+/// them) against the sim at `sim` (web and effects), its model at
+/// `model_base`, with short generation retries.
+pub fn research_env(sim: &str, model_base: &str, kinds: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("LH_KINDS", kinds.into()),
+        ("LH_MODEL_BASE_URL", model_base.to_string()),
+        ("LH_SEARCH_URL", sim.to_string()),
+        ("LH_PUBLISH_URL", format!("{sim}/effects")),
+        ("LH_FETCH_ALLOW", "127.0.0.1".into()),
+        ("LH_RESEARCH_RETRY_BASE", "20ms".into()),
+        ("LH_RESEARCH_RETRY_CAP", "200ms".into()),
+    ]
+}
+
+/// A worker process serving `research` against `model_base` (the sim
+/// serves the web and the effects sink either way), with `extra` variables.
+pub fn research_worker(
+    env: &Env,
+    sim: &str,
+    model_base: &str,
+    extra: &[(&'static str, &str)],
+) -> Proc {
+    let mut e = research_env(sim, model_base, "research");
+    e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    env.worker_proc(&[], &e)
+}
+
+/// One HTTP/1.0 request to the sim; the JSON body of its answer (null
+/// when it has none).
+pub async fn sim_json(
+    sim: &str,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> serde_json::Value {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = sim.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    s.write_all(
+        format!(
+            "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    serde_json::from_str(buf.split_once("\r\n\r\n").unwrap().1).unwrap_or(serde_json::Value::Null)
+}

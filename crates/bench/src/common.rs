@@ -111,6 +111,16 @@ pub async fn server(o: SetupOptions) -> anyhow::Result<(Server, Conn)> {
     Ok((s, conn))
 }
 
+/// GET over plain HTTP/1.0: the whole answer, headers and body.
+pub async fn http_get_text(addr: &str, path: &str) -> anyhow::Result<String> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
 /// GET over plain HTTP/1.0, the body parsed as JSON.
 pub async fn http_get_json(addr: &str, path: &str) -> anyhow::Result<Value> {
     let mut s = tokio::net::TcpStream::connect(addr).await?;

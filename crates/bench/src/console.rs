@@ -70,36 +70,29 @@ async fn sample(addr: &str, path: &str, n: usize) -> anyhow::Result<Vec<f64>> {
     Ok(v)
 }
 
-/// `active` running jobs in the index and records, `finished` completed
-/// records with their terminal events, and one job `measured` with 60
-/// events of a research-like timeline.
+/// `active` running jobs in the index and records (a create and an index
+/// write each, 256 at a time), `finished` completed records with their
+/// terminal events (written directly, in batches of asynchronous
+/// publishes: a million in a few minutes), and one job `measured` with 60
+/// events of a research-like timeline, written last (so its completion is
+/// the newest terminal event).
 async fn seed(conn: &Conn, active: usize, finished: usize) -> anyhow::Result<()> {
     let jobs = Jobs::open(conn).await?;
     let index = Active::open(conn).await?;
     let ev = Events::new(conn);
     let now = SystemTime::now();
     let mut pending = futures::stream::FuturesUnordered::new();
-    for i in 0..active + finished {
-        let (jobs, index, ev) = (jobs.clone(), index.clone(), ev.clone());
+    for i in 0..active {
+        let (jobs, index) = (jobs.clone(), index.clone());
         pending.push(async move {
             let id = format!("seed-{i}");
             let mut r = new_record(&id, "echo", Default::default(), 0, now);
-            if i < active {
-                r.status = "running".into();
-                r.worker_id = Some(format!("w-{}", i % 8));
-                r.epoch = 1;
-                jobs.create(&r).await?;
-                let key = Key::of(&r).expect("a running record has an index key");
-                index.put(&key, &r).await?;
-            } else {
-                r.status = "completed".into();
-                jobs.create(&r).await?;
-                ev.publish(
-                    &events::event(&id, 1, "completed", None, json!({"kind": "echo"})),
-                    None,
-                )
-                .await?;
-            }
+            r.status = "running".into();
+            r.worker_id = Some(format!("w-{}", i % 8));
+            r.epoch = 1;
+            jobs.create(&r).await?;
+            let key = Key::of(&r).expect("a running record has an index key");
+            index.put(&key, &r).await?;
             anyhow::Ok(())
         });
         while pending.len() >= 256 {
@@ -108,6 +101,34 @@ async fn seed(conn: &Conn, active: usize, finished: usize) -> anyhow::Result<()>
     }
     while let Some(x) = pending.next().await {
         x?;
+    }
+    const BATCH: usize = 5000;
+    let t0 = Instant::now();
+    let mut i = active;
+    while i < active + finished {
+        let end = (i + BATCH).min(active + finished);
+        let recs: Vec<_> = (i..end)
+            .map(|i| {
+                let mut r = new_record(&format!("seed-{i}"), "echo", Default::default(), 0, now);
+                r.status = "completed".into();
+                r.epoch = 1;
+                r
+            })
+            .collect();
+        let evs: Vec<_> = recs
+            .iter()
+            .map(|r| events::event(&r.id, 1, "completed", None, json!({"kind": "echo"})))
+            .collect();
+        jobs.seed(&conn.js, &recs).await?;
+        ev.seed(&evs).await?;
+        i = end;
+        if (i - active) % 100_000 < BATCH {
+            eprintln!(
+                "console bench: {} finished jobs written ({:.0}/s)",
+                i - active,
+                (i - active) as f64 / t0.elapsed().as_secs_f64()
+            );
+        }
     }
     timeline(conn, "measured").await
 }
@@ -162,11 +183,26 @@ pub async fn pages(active: usize, finished: usize, samples: usize) -> anyhow::Re
         let (s, conn) = server(SetupOptions::default()).await?;
         seed(&conn, a, f).await?;
         let (c, addr) = console(&s.url()).await?;
-        // Let the console's feed read the index and the last hour's terminal events.
-        wait_log(&c, "index of active jobs followed", Duration::from_secs(30))
-            .await
-            .ok();
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Let the console's feed read the index and the last hour's
+        // terminal events: `measured` finished last.
+        let t0 = Instant::now();
+        loop {
+            let page = common::http_get_text(&addr, "/jobs").await?;
+            if page.contains("/jobs/measured")
+                && (a == 0 || page.contains(&format!("{a} matching")))
+            {
+                break;
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(900),
+                "the console did not show the seeded jobs within 900s"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        eprintln!(
+            "console bench: {name}: the console caught up in {:.1}s",
+            t0.elapsed().as_secs_f64()
+        );
         sample(&addr, "/jobs", 3).await?;
         let jobs = sample(&addr, "/jobs", samples).await?;
         let tl = sample(&addr, "/jobs/measured", samples).await?;

@@ -25,6 +25,7 @@
 mod busy;
 mod common;
 mod console;
+mod flow;
 mod history;
 mod inflight;
 mod plateau;
@@ -59,8 +60,13 @@ pub const PARTS: &[&str] = &[
     "regression",
     "reoffers",
     "steps",
+    "flow",
+    "flow-research",
     "real-model",
     "console",
+    "console-pages",
+    "console-live",
+    "console-clients",
 ];
 
 #[derive(Parser, Debug)]
@@ -74,8 +80,9 @@ pub struct Args {
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, plateau, research,
-    /// research-cost, queue-full, busy, reoffers, steps, regression,
-    /// real-model. All by default (regression only with --baseline-bins,
+    /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
+    /// real-model, console (or one of its parts: console-pages,
+    /// console-live, console-clients). All by default (regression only with --baseline-bins,
     /// real-model only where the model's virtualenv is installed: `make
     /// model-venv`).
     #[arg(long, value_delimiter = ',')]
@@ -171,10 +178,10 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     pub real_model_jobs: usize,
     /// Active jobs beside the console's pages in the `console` part.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 10_000)]
     pub console_active: usize,
     /// Finished jobs (records and terminal events) beside them.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 1_000_000)]
     pub console_finished: usize,
     /// Requests timed per page and fleet.
     #[arg(long, default_value_t = 40)]
@@ -193,6 +200,12 @@ pub struct Args {
 impl Args {
     fn runs(&self, part: &str) -> bool {
         self.only.is_empty() || self.only.iter().any(|p| p == part)
+    }
+
+    /// One of the console part's three (`console-pages`, `console-live`,
+    /// `console-clients`): run by `console` or by its own name.
+    fn runs_console(&self, part: &str) -> bool {
+        self.runs("console") || self.only.iter().any(|p| p == part)
     }
 }
 
@@ -435,6 +448,18 @@ async fn main() -> anyhow::Result<()> {
             r.json.insert("research_read_cost".into(), v);
         }
     }
+    if a.runs("flow") {
+        if let Some(v) = part(&mut r, &mut failed, "flow", flow::flow()).await {
+            flow::rows(&mut r, &v);
+            r.json.insert("flow".into(), v);
+        }
+    }
+    if a.runs("flow-research") {
+        if let Some(v) = part(&mut r, &mut failed, "flow-research", flow::research()).await {
+            flow::research_rows(&mut r, &v);
+            r.json.insert("flow_research".into(), v);
+        }
+    }
     if a.runs("steps") {
         if let Some(v) = part(
             &mut r,
@@ -528,9 +553,13 @@ async fn main() -> anyhow::Result<()> {
         _ => {}
     }
 
-    if a.runs("console") {
+    if a.runs_console("console-pages")
+        || a.runs_console("console-live")
+        || a.runs_console("console-clients")
+    {
         let mut all = serde_json::Map::new();
-        if let Some(v) = part(
+        if !a.runs_console("console-pages") {
+        } else if let Some(v) = part(
             &mut r,
             &mut failed,
             "console-pages",
@@ -561,7 +590,8 @@ async fn main() -> anyhow::Result<()> {
             }
             all.insert("pages".into(), v);
         }
-        if let Some(v) = part(
+        if !a.runs_console("console-live") {
+        } else if let Some(v) = part(
             &mut r,
             &mut failed,
             "console-live",
@@ -579,7 +609,8 @@ async fn main() -> anyhow::Result<()> {
             );
             all.insert("live".into(), v);
         }
-        if let Some(v) = part(
+        if !a.runs_console("console-clients") {
+        } else if let Some(v) = part(
             &mut r,
             &mut failed,
             "console-clients",

@@ -26,17 +26,24 @@ pub const EXPERTS: u64 = 3;
 pub const SECTIONS: u64 = 4;
 
 /// `leasehold-sim` (model, search, pages, effects sink on one address).
-struct Sim {
+pub(crate) struct Sim {
     _proc: Proc,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl Sim {
     /// `token_ms` 0 is an instant model: the figures are then leasehold's.
-    async fn start(token_ms: u64) -> anyhow::Result<Sim> {
+    pub(crate) async fn start(token_ms: u64) -> anyhow::Result<Sim> {
+        Self::start_with(token_ms, &[]).await
+    }
+
+    /// [`Sim::start`] with more of the sim's flags.
+    pub(crate) async fn start_with(token_ms: u64, args: &[&str]) -> anyhow::Result<Sim> {
+        let mut a = vec!["--listen", "127.0.0.1:0"];
+        a.extend_from_slice(args);
         let p = Proc::spawn(
             "leasehold-sim",
-            &["--listen", "127.0.0.1:0"],
+            &a,
             &[("LH_SIM_TOKEN_DELAY_MS", token_ms.to_string())],
         );
         // The bound port is only printed: poll the log (start-up, no other signal).
@@ -59,7 +66,7 @@ impl Sim {
         Ok(Sim { _proc: p, addr })
     }
 
-    async fn get(&self, path: &str) -> anyhow::Result<Value> {
+    pub(crate) async fn get(&self, path: &str) -> anyhow::Result<Value> {
         http_get_json(&self.addr, path).await
     }
 
@@ -71,7 +78,7 @@ impl Sim {
     }
 
     /// A research worker against this simulator.
-    fn worker(&self, nats: &str, extra: &[(&'static str, String)]) -> Proc {
+    pub(crate) fn worker(&self, nats: &str, extra: &[(&'static str, String)]) -> Proc {
         let mut e = vec![
             ("LH_KINDS", "research".to_string()),
             ("LH_MODEL_BASE_URL", format!("http://{}/v1", self.addr)),
@@ -96,7 +103,7 @@ async fn submit_research(work: &Work, id: &str) -> anyhow::Result<()> {
 }
 
 /// Waits for the job's terminal record; anything but `completed` is an error.
-async fn completed(jobs: &Jobs, id: &str) -> anyhow::Result<JobRecord> {
+pub(crate) async fn completed(jobs: &Jobs, id: &str) -> anyhow::Result<JobRecord> {
     let (_, r) = wait_rec(jobs, id, |r| terminal(&r.status)).await?;
     anyhow::ensure!(r.status == "completed", "research job {id} ended {r:?}");
     Ok(r)

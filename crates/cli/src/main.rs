@@ -59,6 +59,8 @@ pub enum Command {
     Review(commands::review::Args),
     /// Recurring schedules (cron, UTC), fired by the reapers: add, list, pause, resume, remove.
     Schedule(commands::schedule::Args),
+    /// Provider limits shared by the fleet (RPM, TPM, concurrency per provider key): list, set, clear.
+    Limits(commands::limits::Args),
     /// Repair a tool-calling transcript for a warm retry (OpenAI message format).
     Transcript(commands::transcript::Args),
     /// Talk to the configured model provider through the workers' client.

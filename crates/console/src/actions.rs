@@ -51,6 +51,7 @@ pub async fn confirm(
     if !caller.can_act {
         return Err(forbidden(&caller));
     }
+    app.may_act(caller.via == Via::Bearer)?;
     let action = q.get("action").cloned().unwrap_or_default();
     let Some(t) = title(&action) else {
         return Err(Failure::page(
@@ -80,9 +81,10 @@ pub async fn confirm(
         );
     }
     let extra = match action.as_str() {
-        "review-resume" => "<p><label>answer, as JSON (given to the step that asked, and recorded with the action)<br><textarea name=\"answer\" rows=\"3\" cols=\"60\"></textarea></label></p>",
-        "review-fail" => "<p><label>reason (required)<br><input name=\"reason\" size=\"60\" required></label></p>",
-        _ => "",
+        "review-resume" => "<p><label>answer, as JSON (given to the step that asked, and recorded with the action)<br><textarea name=\"answer\" rows=\"3\" cols=\"60\"></textarea></label></p>".to_string(),
+        "review-fail" => "<p><label>reason (required)<br><input name=\"reason\" size=\"60\" required></label></p>".to_string(),
+        "dlq-replay" => rejected_form(&app, &q).await?,
+        _ => String::new(),
     };
     let count = match action.as_str() {
         "bulk-cancel" => {
@@ -113,6 +115,102 @@ fn bulk_filter(app: &App, q: &HashMap<String, String>) -> Result<JobFilter, Fail
     JobFilter::parse(&f, app.args.page_max).map_err(|e| Failure::page(StatusCode::BAD_REQUEST, e))
 }
 
+/// For the replay of a rejected submission: why it was rejected and its
+/// bytes in a textarea, to replay as they are or corrected. Empty for any
+/// other letter.
+async fn rejected_form(app: &App, q: &HashMap<String, String>) -> Result<String, Failure> {
+    let Ok(seq) = seq_of(q) else {
+        return Ok(String::new());
+    };
+    let l = app
+        .dlq
+        .get(seq)
+        .await
+        .map_err(|e| Failure::unavailable(e, false))?
+        .ok_or_else(|| Failure::page(StatusCode::NOT_FOUND, format!("no dead letter {seq}")))?;
+    if l.class != "rejected" {
+        return Ok(String::new());
+    }
+    Ok(format!(
+        "<p>A rejected submission of kind <code>{}</code> (job <code>{}</code>), refused because: <span id=\"reason\" class=\"error\">{}</span></p>\
+<p><label>the submission to replay: as it came, or corrected (JSON, validated as a worker would before anything is sent)<br>\
+<textarea id=\"spec\" name=\"spec\" rows=\"8\" cols=\"80\">{}</textarea></label></p>",
+        esc(&l.kind),
+        esc(l.job_id.as_deref().unwrap_or("-")),
+        esc(&app.clean(&l.reason)),
+        esc(&app.clean(&String::from_utf8_lossy(&l.payload))),
+    ))
+}
+
+/// How long a replayed submission may take to be accepted by a worker
+/// before its letter is kept (and the answer says so).
+const ACCEPT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Replays a rejected submission ([`operate::replay_rejected`], as `leasehold
+/// dlq replay SEQ [--spec FILE]`): its bytes, or `spec` when it differs
+/// from them (a corrected submission); refused, nothing sent, when the
+/// validation still refuses it. The letter goes once a worker took the job.
+async fn replay_submission(
+    app: &App,
+    caller: &Caller,
+    l: &leasehold_store::dlq::Letter,
+    spec: Option<&str>,
+) -> Result<Done, String> {
+    let norm = |t: &str| t.replace("\r\n", "\n").trim().to_string();
+    let original = norm(&String::from_utf8_lossy(&l.payload));
+    let corrected = spec
+        .map(norm)
+        .filter(|t| !t.is_empty() && *t != original)
+        .map(String::into_bytes);
+    let is_corrected = corrected.is_some();
+    let p = operate::replay_rejected(&app.op, &app.op_jobs, l, corrected, false)
+        .await
+        .map_err(|e| e.to_string())?;
+    let Some(id) = p.id.clone() else {
+        return Ok(Done {
+            message: format!(
+                "letter {} replayed (ticket {}); it names no job id, so whether a worker accepts it cannot be told: the letter is kept",
+                l.seq, p.ticket_seq
+            ),
+            back: "/dlq".into(),
+            detail: json!({"dlq_seq": l.seq, "ticket_seq": p.ticket_seq, "accepted": false}),
+        });
+    };
+    let (accepted, why) =
+        match operate::accepted_by_a_worker(&app.op_jobs, &id, p.sent_at, ACCEPT_WAIT).await {
+            Ok(a) => (a, None),
+            Err(e) => (false, Some(e.to_string())),
+        };
+    let deleted = accepted && app.op_dlq.delete(l.seq).await.unwrap_or(false);
+    let detail = json!({"id": id, "dlq_seq": l.seq, "ticket_seq": p.ticket_seq, "corrected": is_corrected, "accepted": accepted, "letter_deleted": deleted});
+    record(app, caller, &id, "dlq_replay", detail.clone()).await;
+    let what = if is_corrected {
+        "the corrected submission"
+    } else {
+        "its bytes as they came"
+    };
+    let message = match (accepted, why) {
+        (true, _) => format!(
+            "letter {} replayed ({what}): job {id} accepted by a worker; letter deleted",
+            l.seq
+        ),
+        (false, Some(why)) => format!(
+            "letter {} replayed ({what}), but job {id} was {why}; the letter is kept",
+            l.seq
+        ),
+        (false, None) => format!(
+            "letter {} replayed ({what}); no worker took job {id} within {}s: the letter is kept",
+            l.seq,
+            ACCEPT_WAIT.as_secs()
+        ),
+    };
+    Ok(Done {
+        message,
+        back: format!("/jobs/{}", url(&id)),
+        detail,
+    })
+}
+
 /// What one action did: a sentence and where to look.
 struct Done {
     message: String,
@@ -136,6 +234,7 @@ pub async fn act(
     if !caller.can_act {
         return Err(forbidden(&caller));
     }
+    app.may_act(as_json)?;
     let origin = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok());
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
     let csrf = f.get("csrf").map(String::as_str).unwrap_or("");
@@ -215,16 +314,20 @@ async fn cancel(app: &App, caller: &Caller, id: &str) -> Result<Value, String> {
     Ok(a.reply)
 }
 
-async fn replay(app: &App, caller: &Caller, seq: u64) -> Result<Value, String> {
-    let l = app
-        .op_dlq
+/// The dead letter `seq`, or why there is none.
+async fn letter(app: &App, seq: u64) -> Result<leasehold_store::dlq::Letter, String> {
+    app.op_dlq
         .get(seq)
         .await
         .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no dead letter {seq}"))?;
+        .ok_or_else(|| format!("no dead letter {seq}"))
+}
+
+async fn replay(app: &App, caller: &Caller, seq: u64) -> Result<Value, String> {
+    let l = letter(app, seq).await?;
     if l.class == "rejected" {
         return Err(format!(
-            "letter {seq} is a rejected submission: its bytes are replayed, after their reason is shown, with `leasehold dlq replay {seq}` (or `--spec FILE` with a corrected one)"
+            "letter {seq} is a rejected submission: replay it on its own (its replay button), as it came or corrected"
         ));
     }
     let out = operate::replay_dead(&app.op, &app.op_jobs, &l, None)
@@ -337,6 +440,10 @@ async fn run(
         }
         "dlq-replay" => {
             let seq = seq_of(f)?;
+            let l = letter(app, seq).await?;
+            if l.class == "rejected" {
+                return replay_submission(app, caller, &l, f.get("spec").map(String::as_str)).await;
+            }
             let out = replay(app, caller, seq).await?;
             let id = out["id"].as_str().unwrap_or_default().to_string();
             Ok(Done {
@@ -375,7 +482,7 @@ async fn run(
             let mut filter = filter;
             loop {
                 let (page, total) = active_jobs(app, &filter).await.map_err(|e| e.message)?;
-                ids.extend(page.into_iter().map(|r| r.id));
+                ids.extend(page.into_iter().map(|r| r.id.clone()));
                 filter.offset += filter.limit;
                 if filter.offset >= total {
                     break;

@@ -20,8 +20,12 @@ use crate::{actions, api, pages, Args};
 pub struct App {
     pub args: Args,
     pub conn: Conn,
-    /// Actions' connection (the operator user), or `conn`.
+    /// Actions' connection (the operator user), or `conn` (see
+    /// [`App::actions_off`]).
     pub op: Conn,
+    /// Why actions are refused, when they are: the console reads as a NATS
+    /// user and has no operator connection. `None`: actions run on `op`.
+    pub actions_off: Option<String>,
     pub jobs: Jobs,
     pub op_jobs: Jobs,
     pub active: Active,
@@ -42,7 +46,12 @@ const OPEN: std::time::Duration = std::time::Duration::from_secs(120);
 impl App {
     pub async fn start(args: Args) -> anyhow::Result<App> {
         let conn = args.nats.connect("leasehold-console").await?;
-        let op = if args.operator_nats_user.is_some() || args.operator_nats_creds.is_some() {
+        let has_op = args.operator_nats_user.is_some() || args.operator_nats_creds.is_some();
+        let actions_off = actions_off(&args.nats, has_op);
+        if let Some(why) = &actions_off {
+            tracing::warn!("{why}");
+        }
+        let op = if has_op {
             let mut n = args.nats.clone();
             n.user = args.operator_nats_user.clone();
             n.password = args.operator_nats_password.clone();
@@ -75,6 +84,7 @@ impl App {
         .collect();
         secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
         Ok(App {
+            actions_off,
             dlq: Dlq::new(&conn),
             op_dlq: Dlq::new(&op),
             secret: uuid::Uuid::new_v4().simple().to_string(),
@@ -92,6 +102,38 @@ impl App {
         })
     }
 
+    /// `body` as it may be shown: when actions are off, every action
+    /// button (a link to `/confirm`) is disabled, saying why, and a note
+    /// above says it once.
+    pub fn gate(&self, body: String) -> String {
+        let Some(why) = &self.actions_off else {
+            return body;
+        };
+        if !body.contains("href=\"/confirm?") {
+            return body;
+        }
+        let why = crate::render::esc(why);
+        let off = body
+            .replace(
+                "<a class=\"button",
+                &format!("<a aria-disabled=\"true\" title=\"{why}\" class=\"disabled button"),
+            )
+            .replace("href=\"/confirm?", "data-action=\"/confirm?");
+        format!("<p class=\"error\" id=\"actions-off\">Actions are off: {why}</p>{off}")
+    }
+
+    /// Refuses an action when actions are off, with the reason.
+    pub fn may_act(&self, json: bool) -> Result<(), Failure> {
+        match &self.actions_off {
+            None => Ok(()),
+            Some(why) => Err(Failure {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: format!("actions are off: {why}"),
+                json,
+            }),
+        }
+    }
+
     /// `s` with every configured secret and every URL's credentials masked.
     pub fn clean(&self, s: &str) -> String {
         let mut out = leasehold_telemetry::redact_text(s);
@@ -102,6 +144,28 @@ impl App {
         }
         out
     }
+}
+
+/// Why actions are off, or `None` when they may run: with an operator
+/// connection they run there; on a console connected without credentials
+/// (a server without auth, where any client may do anything) they run on
+/// its own connection; a console reading as a NATS user (`lh-console`,
+/// read-only) has no connection that may act.
+pub fn actions_off(nats: &leasehold_store::NatsArgs, has_operator: bool) -> Option<String> {
+    if has_operator || (nats.user.is_none() && nats.creds.is_none() && nats.token.is_none()) {
+        return None;
+    }
+    let who = match (&nats.user, &nats.creds) {
+        (Some(u), _) => format!("NATS user {u}"),
+        (None, Some(c)) => format!("the NATS credentials {}", c.display()),
+        _ => "a NATS token".to_string(),
+    };
+    Some(format!(
+        "the console reads as {who} and has no operator connection; \
+start it with --operator-nats-user and --operator-nats-password \
+(LH_CONSOLE_OPERATOR_NATS_USER, LH_CONSOLE_OPERATOR_NATS_PASSWORD) or \
+--operator-nats-creds (LH_CONSOLE_OPERATOR_NATS_CREDS), e.g. as lh-operator"
+    ))
 }
 
 /// A failed request: its status and a sentence; HTML or JSON by the route.

@@ -4,7 +4,8 @@
 //! hour ago and then live), kept in memory for the recent-jobs table and
 //! the fleet's charts.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -37,12 +38,59 @@ pub struct Finished {
 /// Record reads a second for the latency sample.
 const LATENCY_READS: u32 = 20;
 
+/// The index of active jobs as the watch has it, kept in the order pages
+/// show it (newest job first), so a page reads only the entries it shows:
+/// no copy, filter or sort of the whole index per request.
+#[derive(Debug, Default)]
+pub struct IndexView {
+    /// Key -> its place in `order`.
+    places: HashMap<String, (Reverse<String>, String, String)>,
+    /// (created_at newest first, job, key) -> entry.
+    order: BTreeMap<(Reverse<String>, String, String), Entry>,
+    /// Distinct jobs -> how many keys each has (a job may have two while
+    /// it moves from waiting to running).
+    jobs: HashMap<String, u32>,
+}
+
+impl IndexView {
+    pub fn insert(&mut self, key: String, e: Entry) {
+        self.remove(&key);
+        let place = (Reverse(e.created_at.clone()), e.job.clone(), key.clone());
+        *self.jobs.entry(e.job.clone()).or_insert(0) += 1;
+        self.order.insert(place.clone(), e);
+        self.places.insert(key, place);
+    }
+
+    pub fn remove(&mut self, key: &str) {
+        let Some(place) = self.places.remove(key) else {
+            return;
+        };
+        self.order.remove(&place);
+        if let Some(n) = self.jobs.get_mut(&place.1) {
+            *n -= 1;
+            if *n == 0 {
+                self.jobs.remove(&place.1);
+            }
+        }
+    }
+
+    /// How many keys.
+    pub fn keys(&self) -> usize {
+        self.places.len()
+    }
+
+    /// Every entry, newest job first.
+    pub fn values(&self) -> impl Iterator<Item = &Entry> {
+        self.order.values()
+    }
+}
+
 pub struct Feed {
     pub records: broadcast::Sender<Arc<JobRecord>>,
     pub finished: Arc<Mutex<VecDeque<Finished>>>,
     /// The index of active jobs as its KV watch has it (key -> entry);
     /// `None` until the watch delivered the current entries.
-    pub index: Arc<std::sync::RwLock<Option<HashMap<String, Entry>>>>,
+    pub index: Arc<std::sync::RwLock<Option<IndexView>>>,
     /// Records of the jobs in the index (and of recently finished ones
     /// read for a page), kept current by the record watch.
     pub cache: Arc<std::sync::RwLock<HashMap<String, Arc<JobRecord>>>>,
@@ -55,7 +103,7 @@ impl Feed {
     pub async fn start(jobs: &Jobs, events: &Events, active: &Active) -> anyhow::Result<Feed> {
         let (tx, _) = broadcast::channel(4096);
         let finished = Arc::new(Mutex::new(VecDeque::new()));
-        let index: Arc<std::sync::RwLock<Option<HashMap<String, Entry>>>> = Default::default();
+        let index: Arc<std::sync::RwLock<Option<IndexView>>> = Default::default();
         let cache: Arc<std::sync::RwLock<HashMap<String, Arc<JobRecord>>>> = Default::default();
         let f = Feed {
             records: tx.clone(),
@@ -73,11 +121,11 @@ impl Feed {
                     Err(_) => false,
                 };
                 if empty {
-                    *idx.write().expect("index lock") = Some(HashMap::new());
+                    *idx.write().expect("index lock") = Some(IndexView::default());
                 }
                 match kv.watch_with_history(">").await {
                     Ok(mut w) => {
-                        let mut map: HashMap<String, Entry> = HashMap::new();
+                        let mut map = IndexView::default();
                         let mut live = empty;
                         while let Some(e) = w.next().await {
                             let Ok(e) = e else { break };
@@ -95,7 +143,7 @@ impl Feed {
                                 .flatten();
                             if live {
                                 let mut g = idx.write().expect("index lock");
-                                let m = g.get_or_insert_with(HashMap::new);
+                                let m = g.get_or_insert_with(IndexView::default);
                                 match entry {
                                     Some(en) => m.insert(e.key.clone(), en),
                                     None => m.remove(&e.key),
@@ -221,22 +269,34 @@ impl Feed {
 
     /// One page of the index's entries that `keep` admits, newest first
     /// (one per job), and how many there are; only the page is copied.
+    /// `unfiltered` (`keep` admits every entry) stops at the page's end: the
+    /// count is the index's own.
     pub fn page(
         &self,
         keep: impl Fn(&Entry) -> bool,
+        unfiltered: bool,
         offset: usize,
         limit: usize,
     ) -> Option<(Vec<Entry>, usize)> {
         let g = self.index.read().expect("index lock");
         let m = g.as_ref()?;
-        let mut v: Vec<&Entry> = m.values().filter(|e| keep(e)).collect();
-        v.sort_unstable_by(|a, b| b.created_at.cmp(&a.created_at).then(a.job.cmp(&b.job)));
-        v.dedup_by(|a, b| a.job == b.job);
-        let total = v.len();
-        Some((
-            v.into_iter().skip(offset).take(limit).cloned().collect(),
-            total,
-        ))
+        let mut out = Vec::with_capacity(limit.min(m.keys()));
+        let (mut n, mut last): (usize, Option<&str>) = (0, None);
+        for ((_, job, _), e) in &m.order {
+            // A job's keys are next to each other (same created_at and job).
+            if last == Some(job.as_str()) || !keep(e) {
+                continue;
+            }
+            last = Some(job.as_str());
+            if n >= offset && out.len() < limit {
+                out.push(e.clone());
+            }
+            n += 1;
+            if unfiltered && out.len() == limit {
+                return Some((out, m.jobs.len()));
+            }
+        }
+        Some((out, n))
     }
 
     /// The ids of the jobs that finished in the last hour and `keep`
@@ -273,7 +333,7 @@ impl Feed {
             .read()
             .expect("index lock")
             .as_ref()
-            .map_or(0, HashMap::len);
+            .map_or(0, IndexView::keys);
         if c.len() > active + CACHE_EXTRA {
             // Drop the finished ones; the active ones come back on their next write or read.
             c.retain(|_, r| !TERMINAL.contains(&r.status.as_str()));

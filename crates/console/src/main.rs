@@ -57,8 +57,10 @@ pub struct Args {
     /// `*` for everyone the proxy lets through).
     #[arg(long, env = "LH_CONSOLE_OPERATORS", value_delimiter = ',')]
     pub operators: Vec<String>,
-    /// NATS user for actions (with --operator-nats-password); without one
-    /// actions use the console's own connection.
+    /// NATS user for actions (with --operator-nats-password), e.g.
+    /// lh-operator. Without an operator connection, a console that reads as
+    /// a NATS user (lh-console) refuses every action, saying why; one
+    /// connected without credentials acts on its own connection.
     #[arg(long, env = "LH_CONSOLE_OPERATOR_NATS_USER")]
     pub operator_nats_user: Option<String>,
     /// Password of --operator-nats-user.

@@ -158,7 +158,10 @@ fn html(body: String) -> Response {
 
 /// The active jobs matching `f` (index entries, then their records),
 /// newest first: the page asked for and how many matched.
-pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, usize), Failure> {
+pub async fn active_jobs(
+    app: &App,
+    f: &JobFilter,
+) -> Result<(Vec<Arc<JobRecord>>, usize), Failure> {
     let which = match f.status.as_deref() {
         Some("running") => Filter::Running,
         Some("queued") => Filter::Waiting,
@@ -175,11 +178,12 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
     // The index as the console's watch has it (only the page is copied);
     // the index itself until then, or for a tenant (in the records only).
     if f.tenant.is_none() {
-        if let Some((page, total)) = app.feed.page(keep, f.offset, f.limit) {
+        let unfiltered = f.kind.is_none() && f.prefix.is_none() && f.status.is_none();
+        if let Some((page, total)) = app.feed.page(keep, unfiltered, f.offset, f.limit) {
             let mut out = Vec::new();
             for e in &page {
                 match app.feed.record(&app.jobs, &e.job).await {
-                    Ok(Some(r)) => out.push((*r).clone()),
+                    Ok(Some(r)) => out.push(r),
                     Ok(None) => {}
                     Err(e) => return Err(Failure::unavailable(e, false)),
                 }
@@ -208,7 +212,7 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
         for e in &entries {
             if let Ok(Some(r)) = app.feed.record(&app.jobs, &e.job).await {
                 if f.admits(&r) {
-                    all.push((*r).clone());
+                    all.push(r);
                 }
             }
         }
@@ -221,7 +225,7 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
     let total = entries.len();
     for e in entries.iter().skip(f.offset).take(f.limit) {
         match app.feed.record(&app.jobs, &e.job).await {
-            Ok(Some(r)) => out.push((*r).clone()),
+            Ok(Some(r)) => out.push(r),
             Ok(None) => {}
             Err(e) => return Err(Failure::unavailable(e, false)),
         }
@@ -230,7 +234,7 @@ pub async fn active_jobs(app: &App, f: &JobFilter) -> Result<(Vec<JobRecord>, us
 }
 
 /// The finished jobs (last hour) matching `f`, newest first, a page.
-async fn finished_jobs(app: &App, f: &JobFilter) -> Vec<JobRecord> {
+async fn finished_jobs(app: &App, f: &JobFilter) -> Vec<Arc<JobRecord>> {
     let keep = |x: &crate::feed::Finished| {
         f.status.as_ref().is_none_or(|s| *s == x.status)
             && f.kind
@@ -261,7 +265,7 @@ async fn finished_jobs(app: &App, f: &JobFilter) -> Vec<JobRecord> {
             skipped += 1;
             continue;
         }
-        out.push((*r).clone());
+        out.push(r);
     }
     out
 }
@@ -370,7 +374,7 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
         }
         b.push_str("</tbody></table>");
     }
-    Ok(html(render::layout("jobs", &b)))
+    Ok(html(render::layout("jobs", &app.gate(b))))
 }
 
 fn sse<S>(s: S) -> Sse<impl Stream<Item = Result<Event, Infallible>>>
@@ -495,7 +499,7 @@ pub fn summary(app: &App, r: &JobRecord, caller: &Caller) -> String {
         }
         b.push_str("</p>");
     }
-    app.clean(&b)
+    app.gate(app.clean(&b))
 }
 
 pub async fn job(
@@ -956,7 +960,10 @@ pub async fn dlq(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<Re
             );
         }
     }
-    Ok(html(render::layout("dead letters", &app.clean(&b))))
+    Ok(html(render::layout(
+        "dead letters",
+        &app.gate(app.clean(&b)),
+    )))
 }
 
 pub async fn reviews(
@@ -991,7 +998,7 @@ pub async fn reviews(
         );
     }
     b.push_str("</tbody></table>");
-    Ok(html(render::layout("reviews", &app.clean(&b))))
+    Ok(html(render::layout("reviews", &app.gate(app.clean(&b)))))
 }
 
 pub async fn login_form() -> Response {

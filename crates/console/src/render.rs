@@ -257,6 +257,45 @@ pub fn describe(ev: &JobEvent) -> String {
                 esc(&n(&d, "index"))
             )
         }
+        "model" => {
+            let at = if d.contains_key("step") {
+                format!("step {}", esc(s(&d, "step")))
+            } else if d.contains_key("phase") {
+                match d.get("index").and_then(Value::as_u64) {
+                    Some(i) => format!("{} #{i}", esc(s(&d, "phase"))),
+                    None => esc(s(&d, "phase")),
+                }
+            } else {
+                format!("expert {} #{}", esc(&n(&d, "expert")), esc(&n(&d, "index")))
+            };
+            let outcome = s(&d, "outcome");
+            format!(
+                "model <b>{}</b> {at}: <span class=\"tokens\">{} in / {} out tokens{}</span>, <span class=\"duration\">{} ms</span>{}{}{}",
+                esc(s(&d, "model")),
+                esc(&n(&d, "tokens_in")),
+                esc(&n(&d, "tokens_out")),
+                if d.get("estimated").and_then(Value::as_bool) == Some(true) {
+                    " (estimated)"
+                } else {
+                    ""
+                },
+                esc(&n(&d, "duration_ms")),
+                match outcome {
+                    "ok" => String::new(),
+                    "tool_calls" => format!(", asked for {} tool call(s)", esc(&n(&d, "tool_calls"))),
+                    o => format!(", <b class=\"bad\">{}</b>", esc(o)),
+                },
+                match d.get("attempts").and_then(Value::as_u64) {
+                    Some(a) if a > 1 => format!(" after {a} attempts"),
+                    _ => String::new(),
+                },
+                if s(&d, "fallback").is_empty() {
+                    String::new()
+                } else {
+                    format!(" (fallback {})", esc(s(&d, "fallback")))
+                }
+            )
+        }
         "tool" => format!(
             "tool <b>{}</b> {} step {} key {}{}{}",
             esc(s(&d, "tool")),

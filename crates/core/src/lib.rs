@@ -8,10 +8,12 @@
 //! - [`spec`]: decoding and validating submissions (JSON or protobuf).
 //! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
 //! - [`schedule`]: recurring schedules: cron expressions and which tick fires.
+//! - [`flow`]: provider limits, the lease record splitting them between workers, cooldowns.
 //! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`).
 //!
 //! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing.
 
+pub mod flow;
 pub mod machine;
 pub mod retry;
 pub mod schedule;

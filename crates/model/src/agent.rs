@@ -68,6 +68,59 @@ pub trait TranscriptHook: Send + Sync {
     fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(async {})
     }
+    /// Called once per model call of the section (one generation, its
+    /// retries of the same request included), when it ended: a workflow
+    /// records it as a `model` event.
+    fn on_model_call(&self, _call: &ModelCall) {}
+}
+
+/// One model call as the section runner saw it: what the provider
+/// reported it used and how long the call took, retries included.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelCall {
+    /// The model that answered (the provider's name for it), or the one
+    /// asked when the call failed.
+    pub model: String,
+    /// Prompt tokens, as the provider reported them (or estimated).
+    pub tokens_in: u64,
+    /// Completion tokens.
+    pub tokens_out: u64,
+    /// Whether the provider reported no usage and the counts are estimates.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estimated: bool,
+    /// From the request to the last token (or the failure), in ms.
+    pub duration_ms: u64,
+    /// Time to the first token, in ms, when one came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_token_ms: Option<u64>,
+    /// HTTP attempts made (generation retries included).
+    pub attempts: u32,
+    /// `ok`, `tool_calls` (the model asked for tools) or the failure class.
+    pub outcome: String,
+    /// Tool calls the model asked for.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tool_calls: usize,
+    /// The thread generation the call belonged to.
+    pub generation: u32,
+    /// The fallback model used, if the primary was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+impl ModelCall {
+    /// The call as an event's data, with `tags` (the section or step it
+    /// belongs to) merged in.
+    pub fn tagged(&self, tags: serde_json::Value) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let (Some(o), serde_json::Value::Object(t)) = (v.as_object_mut(), tags) {
+            o.extend(t);
+        }
+        v
+    }
 }
 
 /// A hook that does nothing.
@@ -441,23 +494,53 @@ impl SectionRunner {
             };
             self.hook.before_generation().await;
             run.model_calls += 1;
-            let generated = self
-                .generator
-                .generate(&req, ctx, &mut run.reports)
-                .await
-                .map_err(|f| match f.ineligible {
-                    // A refused generation retry ends the section attempt for
-                    // good: regenerating would repeat what was already shown or
-                    // done.
-                    Some(why) if why != crate::retry::Ineligible::Cancelled => {
-                        ModelError::RetryRefused {
-                            why,
-                            cause: f.error.to_string(),
-                        }
+            let started = std::time::Instant::now();
+            let generated = self.generator.generate(&req, ctx, &mut run.reports).await;
+            self.hook.on_model_call(&match &generated {
+                Ok(g) => ModelCall {
+                    model: g.completion.model.clone(),
+                    tokens_in: g.completion.usage.prompt_tokens,
+                    tokens_out: g.completion.usage.completion_tokens,
+                    estimated: g.completion.usage.estimated,
+                    duration_ms: started.elapsed().as_millis() as u64,
+                    first_token_ms: g.completion.first_token.map(|d| d.as_millis() as u64),
+                    attempts: g.attempts,
+                    outcome: if g.completion.tool_calls.is_empty() {
+                        "ok".into()
+                    } else {
+                        "tool_calls".into()
+                    },
+                    tool_calls: g.completion.tool_calls.len(),
+                    generation: run.thread.generation,
+                    fallback: g.fallback_used.clone(),
+                },
+                Err(f) => ModelCall {
+                    model: self.generator.client.config().model.clone(),
+                    tokens_in: 0,
+                    tokens_out: 0,
+                    estimated: false,
+                    duration_ms: started.elapsed().as_millis() as u64,
+                    first_token_ms: None,
+                    attempts: f.attempts,
+                    outcome: f.error.class().to_string(),
+                    tool_calls: 0,
+                    generation: run.thread.generation,
+                    fallback: None,
+                },
+            });
+            let generated = generated.map_err(|f| match f.ineligible {
+                // A refused generation retry ends the section attempt for
+                // good: regenerating would repeat what was already shown or
+                // done.
+                Some(why) if why != crate::retry::Ineligible::Cancelled => {
+                    ModelError::RetryRefused {
+                        why,
+                        cause: f.error.to_string(),
                     }
-                    Some(_) => ModelError::Cancelled,
-                    None => f.error,
-                })?;
+                }
+                Some(_) => ModelError::Cancelled,
+                None => f.error,
+            })?;
             if generated.fallback_used.is_some() {
                 run.fallback_used = generated.fallback_used.clone();
             }

@@ -93,6 +93,11 @@ impl CircuitBreaker {
         &self.name
     }
 
+    /// How long it stays open once opened.
+    pub fn cool_down(&self) -> Duration {
+        self.cfg.cool_down
+    }
+
     pub fn state(&self) -> BreakerState {
         match self.state.lock().expect("breaker lock").0 {
             Inner::Closed => BreakerState::Closed,

@@ -9,6 +9,8 @@
 //!   breaker, optional fallback model), reporting [`RetryReport`]s.
 //! - [`Budget`]: per-job steps, tokens, wall time and cost.
 //! - [`agent`]: the section runner with warm and cold retries.
+//! - [`flow`]: admission of every model request against the fleet's
+//!   provider limits and pauses (cooldowns, open breakers).
 //! - [`adapt`]: what a provider accepts (structured-output and tool-calling
 //!   forms, learned from its refusals or forced) and requests shaped for it.
 //!
@@ -22,6 +24,7 @@ mod budget;
 mod client;
 mod config;
 mod error;
+pub mod flow;
 mod retry;
 mod wire;
 

@@ -23,6 +23,7 @@ use crate::breaker::CircuitBreaker;
 use crate::budget::{Budget, BudgetLeft};
 use crate::client::{AttemptState, Completion, ModelClient, Watcher};
 use crate::error::{FailureClass, ModelError};
+use crate::flow::{Flow, ProviderKey, Wait};
 use crate::wire::ChatRequest;
 
 /// Which unit a retry repeats.
@@ -287,6 +288,11 @@ impl Generator {
             };
         let digest = request_digest(req);
         let mut downgrades = 0u32;
+        let flow = Flow::global();
+        let estimate = estimate_tokens(req);
+        // 429s answered by a pause rather than an attempt (bounded, so a
+        // provider that never stops refusing still ends the generation).
+        let mut pauses = 0u32;
         loop {
             attempt += 1;
             total += 1;
@@ -305,10 +311,20 @@ impl Generator {
             } else {
                 &self.breaker
             };
+            let cfg = self.client.config();
+            let pkey = ProviderKey::new(&cfg.base_url, &model, cfg.api_key.as_deref());
+            // Admission first: waiting for the fleet's pause or limits is
+            // not an attempt.
+            let mut permit =
+                match admit(&flow, &pkey, estimate, ctx, deadline, total, reports).await {
+                    Ok(p) => p,
+                    Err(stop) => return Err(fail(stop, total, None)),
+                };
             let mut state = AttemptState {
                 watcher: ctx.watcher.clone(),
                 ..Default::default()
             };
+            let was_open = breaker.state() == crate::breaker::BreakerState::Open;
             let result = match breaker.try_acquire() {
                 Err(retry_after) => Err(ModelError::CircuitOpen {
                     dependency: breaker.name().to_string(),
@@ -341,7 +357,17 @@ impl Generator {
                                 breaker.release()
                             }
                             c if c.counts_against_dependency() => {
-                                breaker.record_failure(digest, &format!("{c}: {e}"))
+                                let cause = format!("{c}: {e}");
+                                breaker.record_failure(digest, &cause);
+                                if !was_open
+                                    && breaker.state() == crate::breaker::BreakerState::Open
+                                {
+                                    flow.breaker_opened(
+                                        &pkey,
+                                        std::time::SystemTime::now() + breaker.cool_down(),
+                                        &cause,
+                                    );
+                                }
                             }
                             _ => breaker.record(true),
                         },
@@ -350,6 +376,10 @@ impl Generator {
                 }
             };
             let provider = self.client.provider(&model);
+            if let Ok(c) = &result {
+                permit.reconcile(c.usage.prompt_tokens + c.usage.completion_tokens);
+            }
+            drop(permit);
             let e = match result {
                 Ok(completion) => {
                     provider.mark_answered();
@@ -402,6 +432,35 @@ impl Generator {
                                 None,
                             ));
                         }
+                    }
+                }
+            }
+            if class == FailureClass::QuotaExhausted {
+                // Every worker of the fleet stops asking for a while.
+                let pause = e.retry_after().unwrap_or(QUOTA_PAUSE);
+                flow.cooldown(
+                    &pkey,
+                    std::time::SystemTime::now() + pause,
+                    &format!("{class}: {e}"),
+                );
+            }
+            if class == FailureClass::RateLimited && pauses < MAX_PAUSES {
+                if let Some(ra) = e
+                    .retry_after()
+                    .filter(|ra| !ra.is_zero() && *ra <= self.policy.max_server_delay)
+                {
+                    if eligibility(&state, ctx.cancel.is_cancelled()).is_ok() {
+                        // The provider said when: the fleet waits for it, and
+                        // this call is not an attempt.
+                        pauses += 1;
+                        attempt -= 1;
+                        flow.cooldown(
+                            &pkey,
+                            std::time::SystemTime::now() + ra,
+                            &format!("{class}: {e}"),
+                        );
+                        observe::model_retry(&class.as_str());
+                        continue;
                     }
                 }
             }
@@ -477,6 +536,112 @@ impl Generator {
             if let Err(stop) = ctx.wait(delay).await {
                 return Err(fail(stop, total, None));
             }
+        }
+    }
+}
+
+/// How long a quota error (`insufficient_quota`) pauses its provider key
+/// for the fleet when the provider says nothing.
+const QUOTA_PAUSE: Duration = Duration::from_secs(60);
+
+/// 429s with `Retry-After` one generation waits out as pauses before they
+/// count as attempts again.
+const MAX_PAUSES: u32 = 50;
+
+/// A request's tokens before it is sent: its JSON's characters / 4 (the
+/// sim's and a usual English ratio) plus its `max_tokens` (or 256).
+fn estimate_tokens(req: &ChatRequest) -> u64 {
+    let chars = serde_json::to_string(&(&req.messages, &req.tools))
+        .map(|s| s.len())
+        .unwrap_or(0);
+    (chars as u64).div_ceil(4) + u64::from(req.max_tokens.unwrap_or(256))
+}
+
+/// Waits until `flow` admits a request of `key`: a pause (reported once
+/// per pause, as a `retry` report saying "waiting for provider X until
+/// T") or the limits. Cancellation and the deadline end the wait.
+async fn admit(
+    flow: &Arc<Flow>,
+    key: &ProviderKey,
+    estimate: u64,
+    ctx: &RunContext,
+    deadline: Option<Instant>,
+    total: u32,
+    reports: &mut Vec<RetryReport>,
+) -> Result<crate::flow::Permit, ModelError> {
+    let mut waited = false;
+    let mut reported: Option<std::time::SystemTime> = None;
+    loop {
+        let wake = match flow.try_admit(key, estimate) {
+            Ok(p) => {
+                if waited {
+                    flow.count(&key.id, true, false);
+                    observe::flow_admission(&key.info.model, "waited");
+                }
+                observe::flow_admission(&key.info.model, "admitted");
+                return Ok(p);
+            }
+            Err(Wait::Paused {
+                until,
+                at,
+                reason,
+                breaker,
+            }) => {
+                if reported != Some(until) {
+                    reported = Some(until);
+                    let what = if breaker {
+                        "open circuit breaker"
+                    } else {
+                        "cooldown"
+                    };
+                    let reason = format!(
+                        "waiting for provider {} until {} ({what}: {reason})",
+                        key.label(),
+                        leasehold_core::time::rfc3339(until)
+                    );
+                    tracing::info!(provider = %key.label(), "{reason}");
+                    ctx.emit(
+                        RetryReport {
+                            scope: RetryScope::Generation,
+                            reason,
+                            eligible: true,
+                            retained: "the request waits; not an attempt".into(),
+                            attempt: total,
+                            budget_left: ctx.budget_left(),
+                            class: Some(FailureClass::RateLimited),
+                            delay_ms: Some(
+                                at.saturating_duration_since(Instant::now())
+                                    .as_micros()
+                                    .div_ceil(1000) as u64,
+                            ),
+                            fallback_model: None,
+                        },
+                        reports,
+                    );
+                }
+                // The fleet's waiters do not all start again at once: each
+                // at a random point of a tenth of the pause after its end
+                // (at most 250 ms).
+                let pause = at.saturating_duration_since(Instant::now());
+                let spread = (pause / 10).min(Duration::from_millis(250));
+                at + spread.mul_f64(rand::random::<f64>())
+            }
+            Err(Wait::Limited { retry, .. }) => retry,
+        };
+        waited = true;
+        if deadline.is_some_and(|d| wake > d) {
+            flow.count(&key.id, false, true);
+            observe::flow_admission(&key.info.model, "refused");
+            return Err(ModelError::Deadline);
+        }
+        tokio::select! {
+            biased;
+            _ = ctx.cancel.cancelled() => {
+                flow.count(&key.id, false, true);
+                return Err(ModelError::Cancelled);
+            }
+            _ = tokio::time::sleep_until(wake) => {}
+            _ = flow.changed() => {}
         }
     }
 }

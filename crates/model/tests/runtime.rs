@@ -432,6 +432,42 @@ async fn section_completes_with_tool_loop_and_hook() {
 }
 
 #[tokio::test]
+async fn each_model_call_is_reported_once_with_its_usage_and_duration() {
+    struct Calls(Mutex<Vec<leasehold_model::agent::ModelCall>>);
+    impl TranscriptHook for Calls {
+        fn on_message(&self, _: u32, _: &Message) {}
+        fn on_model_call(&self, c: &leasehold_model::agent::ModelCall) {
+            self.0.lock().unwrap().push(c.clone());
+        }
+    }
+    let s = serve(agent_server(|_, _| false)).await;
+    let hook = Arc::new(Calls(Mutex::new(vec![])));
+    let mut r = runner(
+        s.client(),
+        Arc::new(Tools::default()),
+        RetryMode::WarmThenCold,
+    );
+    r.hook = hook.clone();
+    let (ctx, _) = ctx();
+    let res = r.run(input(), &ctx).await;
+    assert!(matches!(res.outcome, SectionOutcome::Completed { .. }));
+    let calls = hook.0.lock().unwrap().clone();
+    // Two proposals of a tool, then the answer: three calls, one report each.
+    assert_eq!(calls.len() as u32, res.model_calls);
+    let outcomes: Vec<&str> = calls.iter().map(|c| c.outcome.as_str()).collect();
+    assert_eq!(outcomes, ["tool_calls", "tool_calls", "ok"]);
+    for c in &calls {
+        assert!(c.tokens_in > 0 && c.tokens_out > 0, "{c:?}");
+        assert_eq!(c.attempts, 1);
+        assert!(!c.model.is_empty());
+    }
+    let tagged = calls[2].tagged(json!({"step": "s#0"}));
+    assert_eq!(tagged["step"], "s#0");
+    assert_eq!(tagged["outcome"], "ok");
+    assert!(tagged["duration_ms"].is_u64());
+}
+
+#[tokio::test]
 async fn warm_retry_avoids_the_tool_calls_a_naive_retry_repeats() {
     // The stream is cut the first time the model writes the section after
     // both tools ran.
@@ -874,4 +910,45 @@ async fn partial_tool_call_proposal_never_executes() {
     assert!(matches!(res.outcome, SectionOutcome::Completed { .. }));
     assert_eq!(tools.count(), 0);
     assert_eq!(s.hits(), 2);
+}
+
+/// A 429 with `Retry-After` pauses the provider key (for every request of
+/// the process, and through a coordinator for the fleet) instead of
+/// spending an attempt: with one attempt allowed, three 429s in a row
+/// still end in an answer, and the wait is reported as "waiting for
+/// provider X until T".
+#[tokio::test]
+async fn rate_limits_with_retry_after_pause_instead_of_spending_attempts() {
+    let s = serve(|i, _| {
+        if i < 3 {
+            status(
+                429,
+                &[("retry-after-ms", "40")],
+                json!({"error":{"message":"slow down","code":"rate_limit_exceeded"}}),
+            )
+        } else {
+            answer("ok")
+        }
+    })
+    .await;
+    let g = generator(s.client(), 1);
+    let (ctx, rep) = ctx();
+    let t = std::time::Instant::now();
+    let out = g.generate(&req(), &ctx, &mut vec![]).await.unwrap();
+    assert_eq!(out.completion.content, "ok");
+    assert!(
+        t.elapsed() >= Duration::from_millis(120),
+        "each pause waited"
+    );
+    let reports = rep.take();
+    let waits: Vec<_> = reports
+        .iter()
+        .filter(|r| r.reason.starts_with("waiting for provider "))
+        .collect();
+    assert_eq!(waits.len(), 3, "{reports:?}");
+    assert!(waits[0].reason.contains(" until 20"), "{}", waits[0].reason);
+    assert!(
+        reports.iter().all(|r| r.eligible),
+        "no attempt was spent: {reports:?}"
+    );
 }

@@ -1,7 +1,7 @@
 //! The adapters between the section runner and the job's checkpoints: the
 //! transcript journal, retry reports and tool events as `journal`, `retry`
 //! and `tool` events (all through the flusher), and the crash points used
-//! by tests. The tools offered to the model are `leasehold_tools::AgentTools`.
+//! by tests. The tools offered to the model are `leasehold::runtime::AgentTools`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -9,13 +9,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_model::agent::TranscriptHook;
-use leasehold_model::{RetryReport, RetryReporter};
-use leasehold_tools::{ToolEvent, ToolEvents};
-use leasehold_transcript::{Message, Thread};
+use leasehold::runtime::{
+    Message, ModelCall, RetryReport, RetryReporter, Thread, ToolEvent, ToolEvents, TranscriptHook,
+};
+use leasehold::Checkpoints as Flusher;
 use serde_json::{json, Value};
 
-use crate::flusher::Flusher;
 use crate::state::JournalOp;
 
 /// Journals one expert section's transcript as `journal` events.
@@ -64,6 +63,27 @@ impl TranscriptHook for Journal {
         Box::pin(async move {
             let _ = self.flusher.barrier().await;
         })
+    }
+
+    fn on_model_call(&self, call: &ModelCall) {
+        let tags = json!({"v": self.fp, "expert": self.expert, "index": self.index});
+        self.flusher.event("model", call.tagged(tags));
+    }
+}
+
+/// The model calls of a phase without a journal (outline, perspectives, a
+/// final section) as `model` events; its messages are not journaled (a
+/// kill repeats the phase's one call).
+pub struct PhaseCalls {
+    pub flusher: Flusher,
+    pub tags: Value,
+}
+
+impl TranscriptHook for PhaseCalls {
+    fn on_message(&self, _generation: u32, _message: &Message) {}
+
+    fn on_model_call(&self, call: &ModelCall) {
+        self.flusher.event("model", call.tagged(self.tags.clone()));
     }
 }
 
@@ -152,7 +172,7 @@ impl Crash {
 
     fn die(&self, what: &str) -> ! {
         tracing::error!(point = what, "LH_RESEARCH_CRASH_AT reached: aborting");
-        leasehold_telemetry::observe::flush_before_abort();
+        leasehold::telemetry::flush_before_abort();
         std::process::abort();
     }
 

@@ -22,7 +22,6 @@
 //! Architecture invariant: this crate never writes a job's status; the
 //! worker's runner does, through the gate, from the returned outcome.
 
-pub mod flusher;
 pub mod hooks;
 pub mod report;
 pub mod state;
@@ -33,33 +32,21 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use leasehold_core::machine::check_owner;
-use leasehold_core::JobRecord;
-use leasehold_model::agent::{
-    NoHook, NoTools, SectionInput, SectionOutcome, SectionPolicy, SectionResult, SectionRunner,
-    ToolExecutor, TranscriptHook,
+use leasehold::runtime::{
+    format_duration, step_id, AgentTools, BreakerConfig, Budget, BudgetLimits, CallCtx,
+    Disposition, GenerationPolicy, Generator, Message, ModelClient, ModelConfig, NoTools,
+    OwnerGuard, PriceTable, ProgressUpdate, RunContext, SectionInput, SectionOutcome,
+    SectionPolicy, SectionResult, SectionRunner, Thread, ToolError, ToolExecutor, Toolbox,
+    ToolboxConfig, TranscriptHook,
 };
-use leasehold_model::{
-    BreakerConfig, Budget, BudgetLimits, BudgetUsed, GenerationPolicy, Generator, ModelClient,
-    ModelConfig, PriceTable, RunContext,
-};
-use leasehold_proto::{JobResult, Versions};
-use leasehold_store::artifacts::{Artifacts, NewArtifact, Written};
-use leasehold_store::events::{Events, Fence};
-use leasehold_store::{Conn, Gate};
-use leasehold_telemetry::spans;
-use leasehold_tools::{
-    AgentTools, CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, Toolbox, ToolboxConfig,
-};
-use leasehold_transcript::{Message, Thread};
+use leasehold::telemetry::spans;
+use leasehold::{BudgetUsed, Checkpoints, Ctx, JobResult, NewDocument, Report, Versions};
 use serde_json::{json, Value};
-use tokio::io::AsyncReadExt;
-use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::flusher::{Flusher, ProgressSnap};
-use crate::hooks::{Crash, CrashPoint, Journal, Reporter, ToolSink};
+type Flusher = Checkpoints;
+use crate::hooks::{Crash, CrashPoint, Journal, PhaseCalls, Reporter, ToolSink};
 use crate::report::{Input, Recovery};
 use crate::state::{
     validate_experts, validate_outline, Expert, FinalCk, Outline, Resume, SectionCk, State,
@@ -77,25 +64,6 @@ const META_SKIPPED: &str = "lh-skipped";
 /// `created_at`): an id reused after retention starts a new incarnation,
 /// and never adopts an earlier one's document.
 const META_INCARNATION: &str = "lh-incarnation";
-
-/// Everything one attempt of a research job may use.
-#[derive(Clone)]
-pub struct ResearchCtx {
-    pub job_id: String,
-    pub epoch: u64,
-    pub worker_id: String,
-    /// The record as claimed.
-    pub record: JobRecord,
-    pub input: Value,
-    /// Fires when the attempt must stop; the flusher fires it on lost ownership.
-    pub cancel: CancellationToken,
-    /// Set (before `cancel` fires) when the stop is a cancel someone asked
-    /// for, as the runner's stop watcher decided it.
-    pub cancel_asked: Arc<std::sync::atomic::AtomicBool>,
-    pub gate: Gate,
-    pub fence: Arc<Mutex<Fence>>,
-    pub conn: Conn,
-}
 
 /// How an attempt ended, when it did not fail.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,8 +120,8 @@ impl ResearchError {
 }
 
 /// Every variable of the workload itself that [`ResearchConfig::from_env`]
-/// reads (the model's and the tools' are in `leasehold_model::MODEL_ENV_VARS`
-/// and `leasehold_tools::TOOL_ENV_VARS`), with what it means and its default.
+/// reads (the model's and the tools' are in `leasehold::runtime::MODEL_ENV_VARS`
+/// and `leasehold::runtime::TOOL_ENV_VARS`), with what it means and its default.
 pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "LH_RESEARCH_EXPERT_CONCURRENCY",
@@ -219,7 +187,7 @@ impl ResearchConfig {
             ResearchError::terminal(format!("{k}={v}: {e}"))
         };
         let dur =
-            |k: &str| leasehold_core::time::env_duration(get, k).map_err(ResearchError::terminal);
+            |k: &str| leasehold::runtime::env_duration(get, k).map_err(ResearchError::terminal);
         let mut generation = GenerationPolicy::default();
         if let Some(d) = dur("LH_RESEARCH_RETRY_BASE")? {
             generation.base = d;
@@ -230,8 +198,8 @@ impl ResearchConfig {
         if generation.cap < generation.base {
             return Err(ResearchError::terminal(format!(
                 "LH_RESEARCH_RETRY_CAP ({}) is below LH_RESEARCH_RETRY_BASE ({})",
-                leasehold_core::time::format_duration(generation.cap),
-                leasehold_core::time::format_duration(generation.base)
+                format_duration(generation.cap),
+                format_duration(generation.base)
             )));
         }
         let mut breaker = BreakerConfig::default();
@@ -286,12 +254,6 @@ enum Stop {
     Err(ResearchError),
 }
 
-impl From<ResearchError> for Stop {
-    fn from(e: ResearchError) -> Self {
-        Stop::Err(e)
-    }
-}
-
 impl Stop {
     /// A low-cardinality name for spans (`error.type`).
     fn class(&self) -> &'static str {
@@ -343,10 +305,10 @@ fn stop_of(outcome: SectionOutcome, what: &str) -> Stop {
 }
 
 /// Runs one attempt of a research job.
-pub async fn run(ctx: ResearchCtx, cfg: &ResearchConfig) -> Result<ResearchOutcome, ResearchError> {
-    let input = Input::parse(&ctx.input).map_err(ResearchError::terminal)?;
-    let (flusher, task) = Flusher::start(ctx.fence.clone(), ctx.gate.clone(), ctx.cancel.clone());
-    let res = Job::prepare(&ctx, cfg, input, flusher.clone()).await;
+pub async fn run(ctx: &Ctx, cfg: &ResearchConfig) -> Result<ResearchOutcome, ResearchError> {
+    let input = Input::parse(ctx.input_json()).map_err(ResearchError::terminal)?;
+    let flusher = ctx.checkpoints().clone();
+    let res = Job::prepare(ctx, cfg, input, flusher.clone()).await;
     let res = match res {
         Ok(job) => job.run().await,
         Err(e) => Err(Stop::Err(e)),
@@ -354,12 +316,11 @@ pub async fn run(ctx: ResearchCtx, cfg: &ResearchConfig) -> Result<ResearchOutco
     // Whatever happened, persist what is queued (retry reports above all)
     // before the runner writes the outcome; bounded, the outcome matters more.
     let flushed = tokio::time::timeout(Duration::from_secs(5), flusher.barrier()).await;
-    task.abort();
     let st = &flusher.stats;
     let summary = st.summary();
     let lat = &summary["flush_latency_us"];
     tracing::info!(
-        job = %ctx.job_id,
+        job = %ctx.id(),
         events = st.events.load(Ordering::Relaxed),
         batches = st.batches.load(Ordering::Relaxed),
         progress_updates = st.progress_updates.load(Ordering::Relaxed),
@@ -396,7 +357,7 @@ pub async fn run(ctx: ResearchCtx, cfg: &ResearchConfig) -> Result<ResearchOutco
 
 /// One attempt's working set.
 struct Job<'a> {
-    ctx: &'a ResearchCtx,
+    ctx: &'a Ctx,
     cfg: &'a ResearchConfig,
     input: Input,
     fp: String,
@@ -429,19 +390,17 @@ fn digest12(v: &str) -> String {
 
 impl<'a> Job<'a> {
     async fn prepare(
-        ctx: &'a ResearchCtx,
+        ctx: &'a Ctx,
         cfg: &'a ResearchConfig,
         input: Input,
         flusher: Flusher,
     ) -> Result<Job<'a>, ResearchError> {
-        let spec = ctx.record.spec.clone().unwrap_or_default();
+        let spec = ctx.record().spec.clone().unwrap_or_default();
         let mut model = cfg.model.clone();
         if let Some(m) = spec.model.as_ref().and_then(|m| m.model.clone()) {
             model.model = m;
         }
-        let ledger = EffectsLedger::open(&ctx.conn.js, &ctx.conn.layout.effects_bucket())
-            .await
-            .map_err(|e| ResearchError::retryable(e.to_string()))?;
+        let ledger = ctx.effects_ledger().await.map_err(ResearchError::from)?;
         let toolbox = Toolbox::builtin(
             &cfg.toolbox,
             Some(ledger),
@@ -471,11 +430,11 @@ impl<'a> Job<'a> {
             max_wall: b.max_wall_s.map(Duration::from_secs_f64),
             max_cost_usd: b.max_cost_usd,
         };
-        let carried = ctx.record.budget_used.unwrap_or_default();
+        let carried = ctx.record().budget_used.unwrap_or_default();
         let budget = Budget::resume(
             limits,
             PriceTable::default(),
-            BudgetUsed {
+            leasehold::runtime::Spent {
                 steps: carried.steps,
                 tokens: carried.tokens,
                 wall_s: carried.wall_s,
@@ -483,25 +442,12 @@ impl<'a> Job<'a> {
             },
         );
         // The versions this attempt runs under, on the record before any work.
-        let v2 = versions.clone();
-        ctx.gate
-            .write(|rec, owner, _| {
-                check_owner(rec, owner)?;
-                let mut r = rec.clone();
-                r.versions = Some(v2.clone());
-                Ok(r)
-            })
+        ctx.set_versions(versions.clone())
             .await
-            .map_err(|e| {
-                if e.is_ownership_lost() {
-                    ResearchError::cancelled()
-                } else {
-                    ResearchError::retryable(e.to_string())
-                }
-            })?;
-        if let Some(old) = ctx.record.versions.as_ref().filter(|o| **o != versions) {
+            .map_err(ResearchError::from)?;
+        if let Some(old) = ctx.record().versions.as_ref().filter(|o| **o != versions) {
             tracing::info!(
-                job = %ctx.job_id,
+                job = %ctx.id(),
                 old = %format_args!("workflow={} prompt={} model={} tools={}", old.workflow, old.prompt, old.model, old.tools),
                 new = %format_args!("workflow={} prompt={} model={} tools={}", versions.workflow, versions.prompt, versions.model, versions.tools),
                 "versions changed: incompatible checkpoints are not reused"
@@ -510,18 +456,17 @@ impl<'a> Job<'a> {
         // The checkpoints first, without the journal; then the journal only
         // from where the sections still in flight began: a resume reads what
         // it needs, not every transcript entry of the job's history.
-        let reader = Events::new(&ctx.conn);
-        let retryable = |e: leasehold_store::StoreError| ResearchError::retryable(e.to_string());
+        let reader = ctx.events();
         let mut events = reader
-            .read_types(&ctx.job_id, &["claimed", "phase", "section", "retry"])
+            .read(&["claimed", "phase", "section", "retry"])
             .await
-            .map_err(retryable)?;
+            .map_err(ResearchError::from)?;
         let draft = State::rebuild(&events, &fp, input.experts, input.sections);
         if let Some(from) = draft.journal_from(input.experts, input.sections) {
             let mut journal = reader
-                .read_type_from(&ctx.job_id, "journal", from)
+                .read_from("journal", from)
                 .await
-                .map_err(retryable)?;
+                .map_err(ResearchError::from)?;
             events.append(&mut journal);
             events.sort_by_key(|(seq, _)| *seq);
         }
@@ -533,7 +478,7 @@ impl<'a> Job<'a> {
         let state = State::rebuild(&events, &fp, input.experts, input.sections);
         let point = state.resume_point(input.experts, input.sections);
         let mut notes = state.notes.clone();
-        if let Some(adv) = ctx.record.resume_from.as_deref().and_then(Resume::parse) {
+        if let Some(adv) = ctx.record().resume_from.as_deref().and_then(Resume::parse) {
             if adv > point {
                 notes.push(format!(
                     "resume_from said `{}` but the checkpoints support only `{}`: walked back",
@@ -542,18 +487,21 @@ impl<'a> Job<'a> {
                 ));
             }
         }
-        if ctx.record.epoch > 1 {
+        if ctx.epoch() > 1 {
             notes.push(format!(
                 "attempt at epoch {} resumed at `{}` with {} expert sections, {} final sections and {} journaled transcripts reused",
-                ctx.record.epoch,
+                ctx.epoch(),
                 point.as_str(),
                 state.sections.len(),
                 state.finals.len(),
                 state.journals.len()
             ));
         }
-        tracing::info!(job = %ctx.job_id, epoch = ctx.epoch, resume = point.as_str(), sections = state.sections.len(), journals = state.journals.len(), "research: resuming");
-        let crash = Arc::new(Crash::new(cfg.crash_at.clone(), ctx.record.stale_reclaims));
+        tracing::info!(job = %ctx.id(), epoch = ctx.epoch(), resume = point.as_str(), sections = state.sections.len(), journals = state.journals.len(), "research: resuming");
+        let crash = Arc::new(Crash::new(
+            cfg.crash_at.clone(),
+            ctx.record().stale_reclaims,
+        ));
         let done = state.sections.len() + state.finals.len();
         let skipped = state.sections.values().filter(|s| !s.completed()).count();
         Ok(Job {
@@ -563,11 +511,11 @@ impl<'a> Job<'a> {
             fp,
             flusher,
             toolbox: Arc::new(toolbox),
-            owner: Arc::new(OwnerGuard::new(ctx.gate.clone())),
+            owner: ctx.owner_guard(),
             generator,
             budget: Arc::new(StdMutex::new(budget)),
             crash,
-            work: ctx.cancel.child_token(),
+            work: ctx.cancelled().child_token(),
             state,
             notes,
             history,
@@ -583,13 +531,13 @@ impl<'a> Job<'a> {
 
     fn progress(&self, phase: Resume) {
         let used = self.budget.lock().expect("budget lock").used();
-        self.flusher.progress(ProgressSnap {
+        self.flusher.progress(ProgressUpdate {
             phase: phase.as_str().into(),
             sections_done: self.done.load(Ordering::SeqCst),
             sections_total: self.total(),
             skipped: self.skipped.load(Ordering::SeqCst),
             resume_from: phase.as_str().into(),
-            budget: leasehold_proto::BudgetUsed {
+            budget: BudgetUsed {
                 steps: used.steps,
                 tokens: used.tokens,
                 wall_s: used.wall_s,
@@ -657,7 +605,7 @@ impl<'a> Job<'a> {
         // A stop that is not the job's end (ownership lost, a hand-back at
         // shutdown) keeps nothing: only a cancel someone asked for, of the
         // job as this attempt still holds it, or the budget.
-        if e.class == ErrorClass::Cancelled && !self.ctx.cancel_asked.load(Ordering::SeqCst) {
+        if e.class == ErrorClass::Cancelled && !self.ctx.cancel_requested() {
             return None;
         }
         let outline = self.state.outline.as_ref()?;
@@ -696,20 +644,17 @@ impl<'a> Job<'a> {
             &self.report_doc(outline, experts, &sections, &skipped, &recovery),
             &why,
         );
-        let name = format!("{}/partial.md", self.ctx.job_id);
-        let store = Artifacts::open(&self.ctx.conn).await.ok()?;
-        let _ = store.store().delete(&name).await;
-        let new = NewArtifact {
+        let name = format!("{}/partial.md", self.ctx.id());
+        let store = self.ctx.artifacts().await.ok()?;
+        let _ = store.delete(&name).await;
+        let new = NewDocument {
             name: name.clone(),
-            description: Some(format!(
-                "partial research report of job {}",
-                self.ctx.job_id
-            )),
+            description: Some(format!("partial research report of job {}", self.ctx.id())),
             metadata: [
                 (META_VERSION.to_string(), self.fp.clone()),
                 (
                     META_INCARNATION.to_string(),
-                    self.ctx.record.created_at.clone(),
+                    self.ctx.record().created_at.clone(),
                 ),
             ]
             .into(),
@@ -723,7 +668,7 @@ impl<'a> Job<'a> {
                 ..Default::default()
             })),
             Err(err) => {
-                tracing::warn!(job = %self.ctx.job_id, error = %err, "the partial report could not be stored");
+                tracing::warn!(job = %self.ctx.id(), error = %err, "the partial report could not be stored");
                 None
             }
         }
@@ -752,7 +697,7 @@ impl<'a> Job<'a> {
     async fn run_phases(&mut self) -> Result<JobResult, Stop> {
         let (ne, ns) = (self.input.experts, self.input.sections);
         if let Some(art) = self.stored_artifact().await? {
-            tracing::info!(job = %self.ctx.job_id, "research: artifact already stored; delivering it");
+            tracing::info!(job = %self.ctx.id(), "research: artifact already stored; delivering it");
             return in_phase("deliver", self.deliver(art)).await;
         }
         if self.state.outline.is_none() {
@@ -836,7 +781,10 @@ impl<'a> Job<'a> {
             let r = self
                 .section(
                     Arc::new(NoTools),
-                    Arc::new(NoHook),
+                    Arc::new(PhaseCalls {
+                        flusher: self.flusher.clone(),
+                        tags: json!({"v": self.fp, "phase": what}),
+                    }),
                     policy,
                     SectionInput {
                         system: report::SYSTEM.into(),
@@ -939,9 +887,9 @@ impl<'a> Job<'a> {
                     let span = spans::section(i, &expert.name);
                     let tools = Arc::new(AgentTools {
                         toolbox: self.toolbox.clone(),
-                        job_id: self.ctx.job_id.clone(),
-                        incarnation: self.ctx.record.created_at.clone(),
-                        epoch: self.ctx.epoch,
+                        job_id: self.ctx.id().to_string(),
+                        incarnation: self.ctx.record().created_at.clone(),
+                        epoch: self.ctx.epoch(),
                         conversation: format!("e{e}.s{i}"),
                         offered: vec!["search".into(), "fetch".into()],
                         guard: self.owner.clone(),
@@ -1058,7 +1006,10 @@ impl<'a> Job<'a> {
                 let r = self
                     .section(
                         Arc::new(NoTools),
-                        Arc::new(NoHook),
+                        Arc::new(PhaseCalls {
+                            flusher: self.flusher.clone(),
+                            tags: json!({"v": self.fp, "phase": "final", "index": i}),
+                        }),
                         self.cfg.section_policy.clone(),
                         SectionInput {
                             system: report::SYSTEM.into(),
@@ -1124,8 +1075,8 @@ impl<'a> Job<'a> {
     /// second read of the job's log.
     async fn recovery(&self) -> Recovery {
         let mut r = Recovery {
-            stale_reclaims: self.ctx.record.stale_reclaims,
-            attempts: self.ctx.record.attempts,
+            stale_reclaims: self.ctx.record().stale_reclaims,
+            attempts: self.ctx.record().attempts,
             notes: self.notes.clone(),
             claims: self.history.claims,
             retries: self.history.retries.clone(),
@@ -1140,7 +1091,7 @@ impl<'a> Job<'a> {
     }
 
     fn artifact_name(&self) -> String {
-        format!("{}/report.md", self.ctx.job_id)
+        format!("{}/report.md", self.ctx.id())
     }
 
     /// The job's stored artifact, if any. Once it exists it *is* the job's
@@ -1151,35 +1102,24 @@ impl<'a> Job<'a> {
     /// (documents stored before the stamp existed count as this job's).
     fn ours(&self, meta: &std::collections::HashMap<String, String>) -> bool {
         meta.get(META_INCARNATION)
-            .is_none_or(|c| *c == self.ctx.record.created_at)
+            .is_none_or(|c| *c == self.ctx.record().created_at)
     }
 
     async fn stored_artifact(&self) -> Result<Option<Artifact>, Stop> {
-        let retryable =
-            |e: &dyn std::fmt::Display| Stop::Err(ResearchError::retryable(e.to_string()));
-        let artifacts = Artifacts::open(&self.ctx.conn)
-            .await
-            .map_err(|e| retryable(&e))?;
+        let artifacts = self.ctx.artifacts().await.map_err(ResearchError::from)?;
         let name = self.artifact_name();
-        match artifacts.store().get(&name).await {
-            Ok(obj) if !self.ours(&obj.info.metadata) => {
+        match artifacts.get(&name).await.map_err(ResearchError::from)? {
+            Some(obj) if !self.ours(&obj.metadata) => {
                 // An earlier job of this id left it (its retention did not
                 // remove it): not this job's document. It goes, so this
                 // job stores its own.
-                tracing::warn!(job = %self.ctx.job_id, "a stored report of an earlier job with this id is removed, not adopted");
-                artifacts
-                    .store()
-                    .delete(&name)
-                    .await
-                    .map_err(|e| retryable(&e))?;
+                tracing::warn!(job = %self.ctx.id(), "a stored report of an earlier job with this id is removed, not adopted");
+                artifacts.delete(&name).await.map_err(ResearchError::from)?;
                 Ok(None)
             }
-            Ok(mut obj) => {
-                let mut doc = String::new();
-                obj.read_to_string(&mut doc)
-                    .await
-                    .map_err(|e| retryable(&e))?;
-                let meta = &obj.info.metadata;
+            Some(obj) => {
+                let doc = obj.text();
+                let meta = &obj.metadata;
                 Ok(Some(Artifact {
                     title: meta.get(META_TITLE).cloned().unwrap_or_default(),
                     skipped: meta
@@ -1191,10 +1131,7 @@ impl<'a> Job<'a> {
                     doc,
                 }))
             }
-            Err(e) if e.kind() == async_nats::jetstream::object_store::GetErrorKind::NotFound => {
-                Ok(None)
-            }
-            Err(e) => Err(retryable(&e)),
+            None => Ok(None),
         }
     }
 
@@ -1226,16 +1163,16 @@ impl<'a> Job<'a> {
         };
         // The result's facts travel with the document, so a later attempt
         // can deliver and complete from the artifact alone.
-        let new = NewArtifact {
+        let new = NewDocument {
             name: art.name.clone(),
-            description: Some(format!("research report of job {}", self.ctx.job_id)),
+            description: Some(format!("research report of job {}", self.ctx.id())),
             metadata: [
                 (META_VERSION.to_string(), art.version.clone()),
                 (META_TITLE.to_string(), art.title.clone()),
                 (META_SKIPPED.to_string(), json!(art.skipped).to_string()),
                 (
                     META_INCARNATION.to_string(),
-                    self.ctx.record.created_at.clone(),
+                    self.ctx.record().created_at.clone(),
                 ),
             ]
             .into(),
@@ -1244,30 +1181,28 @@ impl<'a> Job<'a> {
         // conditional anyway: an owner that pauses after this proof can
         // still never overwrite another attempt's document.
         self.prove_owner().await?;
-        let retryable =
-            |e: &dyn std::fmt::Display| Stop::Err(ResearchError::retryable(e.to_string()));
-        let written = Artifacts::open(&self.ctx.conn)
+        let created = self
+            .ctx
+            .artifacts()
             .await
-            .map_err(|e| retryable(&e))?
+            .map_err(ResearchError::from)?
             .create(new, art.doc.as_bytes())
             .await
-            .map_err(|e| retryable(&e))?;
-        match written {
-            Written::Created(_) => {
-                self.crash.at(CrashPoint::AfterArtifact);
-                Ok(art)
-            }
-            Written::Existing(info) => {
-                // Another attempt stored the job's document first: it is the
-                // job's document, and this one is dropped (one of an earlier
-                // job with this id is removed instead, and this attempt's
-                // retry stores its own).
-                tracing::warn!(job = %self.ctx.job_id, nuid = %info.nuid, "artifact already stored by another attempt: not overwritten, adopting the stored one");
-                self.stored_artifact().await?.ok_or_else(|| {
-                    retryable(&"the stored artifact was an earlier job's (removed) or could not be read back")
-                })
-            }
+            .map_err(ResearchError::from)?;
+        if created {
+            self.crash.at(CrashPoint::AfterArtifact);
+            return Ok(art);
         }
+        // Another attempt stored the job's document first: it is the
+        // job's document, and this one is dropped (one of an earlier
+        // job with this id is removed instead, and this attempt's
+        // retry stores its own).
+        tracing::warn!(job = %self.ctx.id(), "artifact already stored by another attempt: not overwritten, adopting the stored one");
+        self.stored_artifact().await?.ok_or_else(|| {
+            Stop::Err(ResearchError::retryable(
+                "the stored artifact was an earlier job's (removed) or could not be read back",
+            ))
+        })
     }
 
     /// Proves ownership with a fenced write of the record, right before a
@@ -1275,7 +1210,7 @@ impl<'a> Job<'a> {
     async fn prove_owner(&self) -> Result<(), Stop> {
         self.owner.prove_now().await.map_err(|e| match e {
             ToolError::OwnershipLost(_) => {
-                tracing::warn!(job = %self.ctx.job_id, error = %e, "ownership lost before a write effect; stopping");
+                tracing::warn!(job = %self.ctx.id(), error = %e, "ownership lost before a write effect; stopping");
                 Stop::Err(ResearchError::cancelled())
             }
             e => Stop::Err(ResearchError::retryable(e.to_string())),
@@ -1293,13 +1228,9 @@ impl<'a> Job<'a> {
         self.cancelled()?;
         // The delivery's identity is the job's publish step: an attempt with
         // another document is refused (and parks), never sent.
-        let call = CallCtx::new(
-            &self.ctx.job_id,
-            leasehold_tools::step_id("publish", 0),
-            self.ctx.epoch,
-        )
-        .of_incarnation(&self.ctx.record.created_at)
-        .guarded(self.owner.clone());
+        let call = CallCtx::new(self.ctx.id(), step_id("publish", 0), self.ctx.epoch())
+            .of_incarnation(&self.ctx.record().created_at)
+            .guarded(self.owner.clone());
         let title = clip_title(if art.title.trim().is_empty() {
             &self.input.topic
         } else {
@@ -1312,7 +1243,7 @@ impl<'a> Job<'a> {
                 return Err(match e.disposition() {
                     Disposition::Retry => Stop::Err(ResearchError::retryable(e.to_string())),
                     Disposition::Stop => {
-                        tracing::warn!(job = %self.ctx.job_id, error = %e, "delivery refused: ownership lost");
+                        tracing::warn!(job = %self.ctx.id(), error = %e, "delivery refused: ownership lost");
                         Stop::Err(ResearchError::cancelled())
                     }
                     Disposition::Park => Stop::Park {
@@ -1344,6 +1275,102 @@ impl<'a> Job<'a> {
             })
             .to_string(),
         })
+    }
+}
+
+impl From<leasehold::Error> for ResearchError {
+    fn from(e: leasehold::Error) -> Self {
+        match e {
+            leasehold::Error::Retryable(m) => ResearchError::retryable(m),
+            leasehold::Error::Terminal(m) => ResearchError::terminal(m),
+            leasehold::Error::BudgetExhausted(m) => ResearchError::budget_exhausted(m),
+            leasehold::Error::Park { reason, message } => {
+                ResearchError::terminal(format!("parked ({reason}): {message}"))
+            }
+            leasehold::Error::Cancelled => ResearchError::cancelled(),
+        }
+    }
+}
+
+impl From<ResearchError> for Stop {
+    fn from(e: ResearchError) -> Self {
+        Stop::Err(e)
+    }
+}
+
+/// The `research` kind, as the `leasehold-worker` binary registers it on
+/// its [`leasehold::Worker`]: a kind like any user's, built on the SDK's
+/// public API only (its checkpoints, event log, artifact store, owner
+/// proof and the agent runtime's building blocks).
+///
+/// ```no_run
+/// # async fn f() -> anyhow::Result<()> {
+/// let cfg = leasehold_research::ResearchConfig::from_env().map_err(|e| anyhow::anyhow!(e.message))?;
+/// leasehold::Worker::from_env()
+///     .kind("research", leasehold_research::Research::with_config(cfg))
+///     .run()
+///     .await
+/// # }
+/// ```
+#[derive(Default)]
+pub struct Research {
+    config: Option<ResearchConfig>,
+}
+
+impl Research {
+    /// Runs every attempt with this configuration (read and validated once,
+    /// at start). A [`Default`] one reads the environment at each attempt.
+    pub fn with_config(config: ResearchConfig) -> Self {
+        Research {
+            config: Some(config),
+        }
+    }
+}
+
+fn report_of(r: &JobResult) -> Option<Report> {
+    Some(Report {
+        artifact: r.artifact.clone()?,
+        digest: r.digest.clone().unwrap_or_default(),
+        partial: r.partial,
+        skipped_sections: r.skipped_sections.clone(),
+    })
+}
+
+#[leasehold::async_trait]
+impl leasehold::Kind for Research {
+    fn version(&self) -> &str {
+        WORKFLOW_VERSION
+    }
+
+    async fn run(&self, ctx: &Ctx) -> Result<Value, leasehold::Error> {
+        let cfg = match &self.config {
+            Some(c) => c.clone(),
+            None => {
+                ResearchConfig::from_env().map_err(|e| leasehold::Error::terminal(e.message))?
+            }
+        };
+        match run(ctx, &cfg).await {
+            Ok(ResearchOutcome::Completed(r)) => {
+                if let Some(rep) = report_of(&r) {
+                    ctx.set_report(rep);
+                }
+                Ok(serde_json::from_str(&r.output)?)
+            }
+            Ok(ResearchOutcome::Parked { reason, message }) => {
+                Err(leasehold::Error::park(reason, message))
+            }
+            Err(e) => {
+                if let Some(rep) = e.partial.as_deref().and_then(report_of) {
+                    ctx.set_report(rep);
+                }
+                Err(match e.class {
+                    ErrorClass::Retryable => leasehold::Error::Retryable(e.message),
+                    ErrorClass::Terminal => leasehold::Error::Terminal(e.message),
+                    ErrorClass::BudgetExhausted => leasehold::Error::BudgetExhausted(e.message),
+                    ErrorClass::Cancelled => leasehold::Error::Cancelled,
+                })
+            }
+        }
     }
 }
 
@@ -1435,8 +1462,8 @@ mod config_tests {
         .unwrap();
         let listed: Vec<&str> = ENV_VARS
             .iter()
-            .chain(leasehold_model::MODEL_ENV_VARS)
-            .chain(leasehold_tools::TOOL_ENV_VARS)
+            .chain(leasehold::runtime::MODEL_ENV_VARS)
+            .chain(leasehold::runtime::TOOL_ENV_VARS)
             .map(|(k, _)| *k)
             .collect();
         let read = read.into_inner().unwrap();

@@ -253,7 +253,7 @@ pub struct Recovery {
 
 impl Recovery {
     /// Claims and retries counted from a job's events (every epoch).
-    pub fn counted(events: &[(u64, leasehold_proto::JobEvent)]) -> Recovery {
+    pub fn counted(events: &[(u64, leasehold::JobEvent)]) -> Recovery {
         let mut r = Recovery::default();
         for (_, ev) in events {
             match ev.r#type.as_str() {

@@ -3,7 +3,7 @@
 //! Checkpoints are events (`phase`, `section`, `journal`) carrying the run's
 //! version fingerprint `v`. The rebuild trusts only what it can validate:
 //! events from fenced-off epochs are dropped first (as
-//! `leasehold_store::events::coherent` does), events
+//! the store's `events::coherent` does), events
 //! under another fingerprint are ignored (a different prompt, model or tool
 //! set produced them), and every payload is checked against the job's input
 //! (section and expert counts) before it is used. Downstream state belongs to
@@ -13,8 +13,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use leasehold_proto::JobEvent;
-use leasehold_transcript::{Message, Thread};
+use leasehold::runtime::{Message, Thread};
+use leasehold::JobEvent;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -204,7 +204,7 @@ impl State {
     pub fn rebuild(events: &[(u64, JobEvent)], fp: &str, experts: usize, sections: usize) -> State {
         let mut st = State::default();
         let mut foreign = 0usize;
-        // The coherent events (see `leasehold_store::events::coherent`),
+        // The coherent events (see the store's `events::coherent`),
         // with their sequences.
         let mut current = 0;
         for (seq, ev) in events {
@@ -422,7 +422,14 @@ mod tests {
     fn ev(seq: u64, epoch: u64, ty: &str, data: Value) -> (u64, JobEvent) {
         (
             seq,
-            leasehold_store::events::event("j", epoch, ty, Some("w"), data),
+            JobEvent {
+                job_id: "j".into(),
+                epoch,
+                at: "2026-12-01T00:00:00Z".into(),
+                r#type: ty.into(),
+                worker_id: Some("w".into()),
+                data: data.to_string(),
+            },
         )
     }
 

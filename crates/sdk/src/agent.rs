@@ -201,6 +201,10 @@ impl TranscriptHook for Journal {
     fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(self.out.flushed())
     }
+    fn on_model_call(&self, call: &leasehold_model::agent::ModelCall) {
+        self.out
+            .push("model", call.tagged(json!({"step": self.step})));
+    }
 }
 
 /// The thread an earlier attempt journaled for `step`, if any.

@@ -2,19 +2,53 @@
 //! steps, call tools through the effects ledger, and ask a person.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex as StdMutex, OnceLock};
+use std::time::Duration;
 
+use leasehold_core::machine::check_owner;
+use leasehold_core::JobRecord;
+use leasehold_proto::Versions;
+use leasehold_store::artifacts::Artifacts;
 use leasehold_store::events::Events;
+use leasehold_tools::EffectsLedger;
 use leasehold_tools::{CallCtx, CollectEvents, Disposition, OwnerGuard, Toolbox};
+use leasehold_worker::checkpoint::Flusher;
 use leasehold_worker::JobCtx;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::journal::{Journal, Next, Recorded};
+use crate::records::{ArtifactStore, EventLog, Report};
 use crate::Error;
+
+/// The checkpoint flusher of an attempt: queue fenced events and progress
+/// without waiting, wait for durability when it matters
+/// ([`Checkpoints::barrier`]). See [`Ctx::checkpoints`].
+pub use leasehold_worker::checkpoint::Flusher as Checkpoints;
+
+/// Event types the runtime writes; a kind's own checkpoints use other names.
+const RESERVED: &[&str] = &[
+    "submitted",
+    "claimed",
+    "released",
+    "completed",
+    "failed",
+    "parked",
+    "cancelled",
+    "progress",
+    "step",
+    "answer",
+    "action",
+    "agent",
+    "superseded",
+    "end",
+    "reclaimed",
+];
 
 /// One attempt of one job, as a kind sees it.
 ///
@@ -32,6 +66,8 @@ pub struct Ctx {
     tools: Option<Arc<Toolbox>>,
     models: Arc<crate::Models>,
     journal: Mutex<Option<Journal>>,
+    checkpoints: OnceLock<(Flusher, AbortOnDropHandle<()>)>,
+    report: StdMutex<Option<Report>>,
 }
 
 impl Ctx {
@@ -47,6 +83,225 @@ impl Ctx {
             tools,
             models,
             journal: Mutex::new(None),
+            checkpoints: OnceLock::new(),
+            report: StdMutex::new(None),
+        }
+    }
+
+    /// Ends the attempt's checkpoints: what was queued is made durable
+    /// (bounded: the outcome matters more). A checkpoint refused by a newer
+    /// owner makes the attempt a stop; one refused by the stream (full) a
+    /// retry from the last checkpoint.
+    pub(crate) async fn finish(
+        &self,
+        r: Result<Value, Error>,
+    ) -> (Result<Value, Error>, Option<Report>) {
+        let report = self.report.lock().ok().and_then(|mut g| g.take());
+        let Some((flusher, _task)) = self.checkpoints.get() else {
+            return (r, report);
+        };
+        let flushed = tokio::time::timeout(Duration::from_secs(5), flusher.barrier()).await;
+        if flusher.is_lost() {
+            return (Err(Error::Cancelled), report);
+        }
+        if let Some(why) = flusher.refused() {
+            return (
+                Err(Error::retryable(format!(
+                    "a checkpoint was refused by the event stream ({why}); the job is retried from its last checkpoint"
+                ))),
+                report,
+            );
+        }
+        match (r, flushed) {
+            (Ok(v), Ok(Ok(()))) => (Ok(v), report),
+            (Ok(_), _) => (
+                Err(Error::retryable("checkpoints could not be flushed")),
+                report,
+            ),
+            (e, _) => (e, report),
+        }
+    }
+
+    /// The job's record as this attempt claimed it: its spec (model,
+    /// budget), `budget_used`, `versions`, `resume_from`, `attempts`,
+    /// `stale_reclaims`, `created_at` (the incarnation of a reused id).
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) {
+    /// let reclaimed = ctx.record().stale_reclaims > 0;
+    /// # }
+    /// ```
+    pub fn record(&self) -> &JobRecord {
+        &self.job.record
+    }
+
+    /// Whether the stop that fired [`Ctx::cancelled`] is a cancel someone
+    /// asked for (`leasehold cancel`), not a lost claim or a hand-back:
+    /// only then is a partial result worth keeping.
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) {
+    /// if ctx.cancelled().is_cancelled() && ctx.cancel_requested() {
+    ///     tracing::info!("cancelled by a person");
+    /// }
+    /// # }
+    /// ```
+    pub fn cancel_requested(&self) -> bool {
+        self.job.cancel_asked.load(Ordering::SeqCst)
+    }
+
+    /// The attempt's checkpoints (started on first use): events of the
+    /// kind's own types, written in order under the owner's fence in
+    /// batches by one background task, and progress snapshots coalesced
+    /// into one record write per batch. `event` and `progress` never wait;
+    /// [`Checkpoints::barrier`] waits until everything queued before it is
+    /// durable. A checkpoint refused because a newer owner exists fires
+    /// [`Ctx::cancelled`] and nothing more of this attempt lands. What the
+    /// attempt queued is flushed when `run` returns.
+    ///
+    /// Types the runtime writes (`claimed`, `step`, `progress`, ...) are not
+    /// for kinds: `event` drops them with an error log.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let cp = ctx.checkpoints();
+    /// cp.event("chapter", serde_json::json!({"n": 3, "text": "..."}));
+    /// cp.barrier().await.map_err(|_| leasehold::Error::Cancelled)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn checkpoints(&self) -> &Checkpoints {
+        &self
+            .checkpoints
+            .get_or_init(|| {
+                Flusher::start_checked(
+                    self.job.fence.clone(),
+                    self.job.gate.clone(),
+                    self.job.cancel.clone(),
+                    RESERVED,
+                )
+            })
+            .0
+    }
+
+    /// The job's own events, every epoch's (see [`EventLog`]).
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let chapters = ctx.events().read(&["chapter"]).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn events(&self) -> EventLog {
+        EventLog {
+            events: Events::new(&self.job.conn),
+            job: self.id().to_string(),
+        }
+    }
+
+    /// The fleet's artifact store.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let doc = ctx.artifacts().await?.get(&format!("{}/report.md", ctx.id())).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn artifacts(&self) -> Result<ArtifactStore, Error> {
+        Artifacts::open(&self.job.conn)
+            .await
+            .map(ArtifactStore)
+            .map_err(|e| Error::retryable(format!("artifact store: {e}")))
+    }
+
+    /// The fleet's effects ledger, for a [`crate::runtime::Toolbox`] a kind
+    /// builds itself (the built-in tools, its own events sink).
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let ledger = ctx.effects_ledger().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn effects_ledger(&self) -> Result<EffectsLedger, Error> {
+        EffectsLedger::open(&self.job.conn.js, &self.job.conn.layout.effects_bucket())
+            .await
+            .map_err(|e| Error::retryable(format!("effects ledger: {e}")))
+    }
+
+    /// The proof of ownership write tools run behind (a fenced write of the
+    /// record right before each effect), to hand to tool calls a kind makes
+    /// itself ([`crate::runtime::CallCtx::guarded`]).
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) {
+    /// let guard = ctx.owner_guard();
+    /// # }
+    /// ```
+    pub fn owner_guard(&self) -> Arc<OwnerGuard> {
+        Arc::new(OwnerGuard::new(self.job.gate.clone()))
+    }
+
+    /// Proves this attempt still owns the job, with a fenced write, right
+    /// before an effect (storing the result's document, say). Lost
+    /// ownership is [`Error::Cancelled`]: stop, write nothing.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// ctx.prove_owner().await?;
+    /// // ... the effect
+    /// # Ok(()) }
+    /// ```
+    pub async fn prove_owner(&self) -> Result<(), Error> {
+        OwnerGuard::new(self.job.gate.clone())
+            .prove_now()
+            .await
+            .map_err(|e| match e {
+                leasehold_tools::ToolError::OwnershipLost(_) => {
+                    Error::stopped(format!("ownership lost before an effect: {e}"))
+                }
+                e => Error::retryable(e.to_string()),
+            })
+    }
+
+    /// Writes the versions this attempt runs under on the record (its
+    /// `versions`, compared by later attempts: checkpoints of other
+    /// versions are not reused). An owner-checked write.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// ctx.set_versions(leasehold::Versions { workflow: "mine/2".into(), ..Default::default() }).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn set_versions(&self, versions: Versions) -> Result<(), Error> {
+        self.job
+            .gate
+            .write(|rec, owner, _| {
+                check_owner(rec, owner)?;
+                let mut r = rec.clone();
+                r.versions = Some(versions.clone());
+                Ok(r)
+            })
+            .await
+            .map(|_| ())
+            .map_err(|e| {
+                if e.is_ownership_lost() {
+                    Error::stopped(format!("recording versions: {e}"))
+                } else {
+                    Error::retryable(e.to_string())
+                }
+            })
+    }
+
+    /// The document this attempt's result points to ([`Report`]): kept on
+    /// the record with the output when `run` returns it, and as the
+    /// partial result when the attempt ends cancelled (by a person) or out
+    /// of budget.
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &leasehold::Ctx) {
+    /// ctx.set_report(leasehold::Report { artifact: format!("{}/report.md", ctx.id()), digest: "...".into(), ..Default::default() });
+    /// # }
+    /// ```
+    pub fn set_report(&self, report: Report) {
+        if let Ok(mut g) = self.report.lock() {
+            *g = Some(report);
         }
     }
 

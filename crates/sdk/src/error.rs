@@ -25,6 +25,10 @@ pub enum Error {
         /// What a person needs to know (and, for `ctx.park`, the question).
         message: String,
     },
+    /// A budget of the job (steps, tokens, wall time, cost) ran out: never
+    /// retried; a [`crate::Report`] set by the attempt is kept as partial.
+    #[error("{0}")]
+    BudgetExhausted(String),
     /// The attempt must stop: cancelled, its claim lost, or the worker
     /// shutting down. Nothing is written for it.
     #[error("cancelled")]
@@ -39,6 +43,10 @@ impl Error {
     /// A failure retrying cannot fix.
     pub fn terminal(m: impl Into<String>) -> Error {
         Error::Terminal(m.into())
+    }
+    /// A budget ran out.
+    pub fn budget_exhausted(m: impl Into<String>) -> Error {
+        Error::BudgetExhausted(m.into())
     }
     /// A stop for a person.
     pub fn park(reason: impl Into<String>, message: impl Into<String>) -> Error {

@@ -52,11 +52,31 @@ mod ctx;
 pub mod guide {}
 mod error;
 mod journal;
+mod records;
+pub mod runtime;
+
+/// Logs, traces and metrics as `leasehold-worker` sets them up, for a
+/// worker binary that logs before it serves ([`Worker::serve`]).
+///
+/// ```no_run
+/// # async fn f() -> anyhow::Result<()> {
+/// let telemetry = leasehold::telemetry::init("my-worker");
+/// tracing::info!(url = %leasehold::telemetry::redact_url("https://user:pw@host/"), "starting");
+/// let r = leasehold::Worker::from_env().serve().await;
+/// telemetry.shutdown();
+/// r
+/// # }
+/// ```
+pub mod telemetry {
+    pub use leasehold_telemetry::observe::flush_before_abort;
+    pub use leasehold_telemetry::spans;
+    pub use leasehold_telemetry::trace::{init, Guard};
+    pub use leasehold_telemetry::{env_help, redact_text, redact_url};
+}
 
 use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches};
-use leasehold_proto::JobResult;
 use leasehold_tools::{EffectsLedger, NoEvents, Toolbox};
 use leasehold_worker::{Handler, HandlerError, JobCtx, Outcome};
 use tokio::sync::OnceCell;
@@ -64,12 +84,15 @@ use tokio_util::sync::CancellationToken;
 
 pub use agent::{Agent, AgentOutput, ModelConfig};
 pub use async_trait::async_trait;
-pub use ctx::Ctx;
+pub use ctx::{Checkpoints, Ctx};
 pub use error::Error;
 /// A boxed future, as [`Tool`] methods return.
 pub use futures::future::BoxFuture;
+pub use leasehold_core::JobRecord;
+pub use leasehold_proto::{BudgetUsed, JobEvent, JobResult, Versions};
 pub use leasehold_tools::{ExecCtx, Reconcile, Tool, ToolError, ToolKind, ToolSpec};
 pub use leasehold_worker::{Handle, Options};
+pub use records::{ArtifactStore, EventLog, NewDocument, Report, StoredArtifact};
 
 /// Your code for one kind of job.
 ///
@@ -162,15 +185,34 @@ impl Handler for KindHandler {
             tools,
             self.models.clone(),
         );
-        match self.kind.run(&ctx).await {
-            Ok(v) => Ok(Outcome::Completed(JobResult {
-                output: v.to_string(),
-                ..Default::default()
+        let r = self.kind.run(&ctx).await;
+        let (r, report) = ctx.finish(r).await;
+        let partial = |report: Option<Report>| {
+            report.map(|r| {
+                Box::new(JobResult {
+                    partial: true,
+                    ..r.into_result(String::new())
+                })
+            })
+        };
+        match r {
+            Ok(v) => Ok(Outcome::Completed(match report {
+                Some(rep) => rep.into_result(v.to_string()),
+                None => JobResult {
+                    output: v.to_string(),
+                    ..Default::default()
+                },
             })),
             Err(Error::Park { reason, message }) => Ok(Outcome::Parked { reason, message }),
             Err(Error::Retryable(m)) => Err(HandlerError::retryable(m)),
             Err(Error::Terminal(m)) => Err(HandlerError::terminal(m)),
-            Err(Error::Cancelled) => Err(HandlerError::cancelled()),
+            Err(Error::BudgetExhausted(m)) => {
+                Err(HandlerError::budget_exhausted(m).with_partial(partial(report)))
+            }
+            Err(Error::Cancelled) => {
+                let keep = ctx.cancel_requested();
+                Err(HandlerError::cancelled().with_partial(partial(report.filter(|_| keep))))
+            }
         }
     }
 }
@@ -212,8 +254,26 @@ impl Worker {
     /// println!("concurrency {}", w.options().concurrency);
     /// ```
     pub fn from_env() -> Worker {
-        let m = Options::command().get_matches();
+        Self::from_env_with_help("")
+    }
+
+    /// [`Worker::from_env`], with `help` printed after the options by
+    /// `--help` (say which variables your kinds read).
+    ///
+    /// ```no_run
+    /// let w = leasehold::Worker::from_env_with_help("Invoice variables:\n  INVOICE_ACCOUNTING_URL  the accounting API\n");
+    /// ```
+    pub fn from_env_with_help(help: &str) -> Worker {
+        let mut cmd = Options::command();
+        if !help.is_empty() {
+            cmd = cmd.after_help(help.to_string());
+        }
+        let m = cmd.get_matches();
         let opts = Options::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+        if let Err(e) = opts.validate() {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
         let kinds_given = m.value_source("kinds") != Some(clap::parser::ValueSource::DefaultValue);
         Worker {
             opts,
@@ -350,12 +410,25 @@ impl Worker {
     /// ```
     pub async fn run(self) -> anyhow::Result<()> {
         let telemetry = leasehold_telemetry::trace::init("leasehold-worker");
-        let http = self.opts.http_listen;
-        let r = match self.into_worker() {
-            Ok(w) => leasehold_worker::process::run(w, http).await,
-            Err(e) => Err(e),
-        };
+        let r = self.serve().await;
         telemetry.shutdown();
         r
+    }
+
+    /// [`Worker::run`] without setting up logs and traces: for a binary
+    /// that did ([`telemetry::init`]) to log before it serves.
+    ///
+    /// ```no_run
+    /// # async fn f() -> anyhow::Result<()> {
+    /// let t = leasehold::telemetry::init("my-worker");
+    /// let r = leasehold::Worker::from_env().serve().await;
+    /// t.shutdown();
+    /// r
+    /// # }
+    /// ```
+    pub async fn serve(self) -> anyhow::Result<()> {
+        let http = self.opts.http_listen;
+        let w = self.into_worker()?;
+        leasehold_worker::process::run(w, http).await
     }
 }

@@ -22,7 +22,10 @@ Endpoints:
   GET  /search?q=...&format=json   SearxNG-style search results
   GET  /page/SLUG             the pages the search results link to
   GET  /stats                 chat requests served so far (also response_formats, tools_offered,
-                              text_tool_calls, provider)
+                              text_tool_calls, rate_limited by limit, rate_limited_total, provider)
+  GET  /limits                the rate limits per model and their use; POST /limits
+                              {\"model\":\"sim-1\",\"rpm\":N,\"tpm\":N,\"concurrency\":N,\"burst\":SECS,
+                              \"retry_after_form\":\"seconds\"|\"http_date\"} sets one (none of the three: removes)
   POST /accounting/invoices   an accounting system (the invoice example's destination): invoices
                               unique by supplier + number, GET ?supplier=&number= looks one up,
                               GET /accounting/suppliers?name=, POST /accounting/faults arms
@@ -109,6 +112,17 @@ pub struct Args {
     /// Context window in characters of the request's messages (0 = no limit); a request over it gets the provider's context-length error (ollama truncates instead).
     #[arg(long, env = "LH_SIM_CONTEXT_CHARS", default_value_t = 0)]
     pub context_chars: usize,
+    /// A provider rate limit, `[MODEL:]rpm=N,tpm=N,concurrency=N[,burst=SECS]` (repeatable; no model: every model not named; `burst` = seconds of refill a bucket holds, default 60). A request over it gets 429 with `Retry-After`; `POST /limits` changes them at run time.
+    #[arg(long, env = "LH_SIM_LIMIT", value_delimiter = ';', value_parser = model::limits::LimitSpec::parse)]
+    pub limit: Vec<model::limits::LimitSpec>,
+    /// How a limit's 429 writes `Retry-After`: seconds (rounded up) or http-date.
+    #[arg(
+        long,
+        env = "LH_SIM_RETRY_AFTER_FORM",
+        value_enum,
+        default_value = "seconds"
+    )]
+    pub retry_after_form: model::limits::RetryAfterForm,
 }
 
 #[tokio::main]

@@ -120,6 +120,7 @@
 //! `LH_SIM_TOKEN_DELAY_MS` (default 2) between streamed tokens; 0 for tests.
 
 mod faults;
+pub mod limits;
 mod play;
 mod provider;
 mod schema;
@@ -153,6 +154,8 @@ struct Stats {
     response_formats: BTreeMap<&'static str, u64>,
     tools_offered: u64,
     text_tool_calls: u64,
+    /// 429s for a limit (`--limit`), by which limit.
+    rate_limited: BTreeMap<&'static str, u64>,
 }
 
 struct Sim {
@@ -163,6 +166,7 @@ struct Sim {
     token_delay: Duration,
     counter: AtomicU64,
     stats: Mutex<Stats>,
+    limits: Arc<limits::Limits>,
 }
 
 /// The model routes.
@@ -185,11 +189,13 @@ pub fn router(args: &crate::Args) -> anyhow::Result<Router> {
         token_delay,
         counter: AtomicU64::new(0),
         stats: Mutex::new(stats),
+        limits: Arc::new(limits::Limits::new(&args.limit, args.retry_after_form)),
     });
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/stats", get(stats_handler))
+        .route("/limits", get(limits_list).post(limits_set))
         .fallback(unknown_path)
         .with_state(sim))
 }
@@ -206,8 +212,28 @@ async fn stats_handler(State(sim): State<Arc<Sim>>) -> Json<Value> {
         "response_formats": s.response_formats,
         "tools_offered": s.tools_offered,
         "text_tool_calls": s.text_tool_calls,
+        "rate_limited": s.rate_limited,
+        "rate_limited_total": s.rate_limited.values().sum::<u64>(),
+        "requests_during_retry_after": sim.limits.early(),
         "provider": sim.provider.name(),
     }))
+}
+
+async fn limits_list(State(sim): State<Arc<Sim>>) -> Json<Value> {
+    Json(sim.limits.list())
+}
+
+/// `POST /limits`: sets one model's limits (all absent: removes them).
+async fn limits_set(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let spec: limits::LimitSpec = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("bad limits: {e}\n")).into_response(),
+    };
+    if let Err(e) = spec.check() {
+        return (StatusCode::BAD_REQUEST, format!("bad limits: {e}\n")).into_response();
+    }
+    sim.limits.set(spec);
+    Json(sim.limits.list()).into_response()
 }
 
 async fn models() -> Json<Value> {
@@ -395,6 +421,34 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         "completion_tokens": completion_chars.div_ceil(4),
         "total_tokens": prompt_chars.div_ceil(4) + completion_chars.div_ceil(4),
     });
+    let admitted = match sim.limits.admit(
+        &model,
+        prompt_chars.div_ceil(4) as u64,
+        completion_chars.div_ceil(4) as u64,
+    ) {
+        Ok(a) => a,
+        Err(refusal) => {
+            *sim.stats
+                .lock()
+                .expect("stats lock")
+                .rate_limited
+                .entry(refusal.exceeded.name())
+                .or_default() += 1;
+            let mut r = openai_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!(
+                    "Rate limit reached for {model} on {} (simulated limit)",
+                    refusal.exceeded.name()
+                ),
+                "requests",
+                json!("rate_limit_exceeded"),
+            );
+            if let Ok(v) = refusal.retry_after.parse() {
+                r.headers_mut().insert("retry-after", v);
+            }
+            return r;
+        }
+    };
     let id = format!("chatcmpl-sim{}", &hex::encode(seed.to_be_bytes())[..12]);
     if !stream {
         if kind == Some(FaultKind::Empty) || kind == Some(FaultKind::Cut) {
@@ -434,16 +488,21 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
             events.push("[DONE]".into());
         }
     }
+    // The concurrency slot is held until the stream ends or is dropped.
     let body = futures::stream::unfold(
-        (events.into_iter(), true),
-        move |(mut it, first)| async move {
+        (events.into_iter(), true, Some(admitted)),
+        move |(mut it, first, mut admitted)| async move {
             let ev = it.next()?;
+            if it.len() == 0 {
+                // The last event: the slot is free before the client sees the end.
+                admitted = None;
+            }
             if !first && !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
             Some((
                 Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {ev}\n\n"))),
-                (it, false),
+                (it, false, admitted),
             ))
         },
     );

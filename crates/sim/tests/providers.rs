@@ -548,3 +548,56 @@ fn unknown_provider_is_an_error_at_start() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("'tgi'"));
 }
+
+/// A limit set at run time (`POST /limits`) is enforced: the request over
+/// it gets 429 with `Retry-After` in the form asked for, and `/stats`
+/// counts it by limit.
+#[tokio::test]
+async fn limits_answer_429_with_retry_after_in_either_form() {
+    let sim = Sim::start("openai", 0);
+    let set = |body: Value| {
+        let http = sim.http.clone();
+        let url = format!("http://{}/limits", sim.addr);
+        async move { http.post(url).json(&body).send().await.unwrap() }
+    };
+    let bad = set(json!({"model": "sim-1", "rpm": 0})).await;
+    assert_eq!(bad.status().as_u16(), 400);
+    assert!(bad.text().await.unwrap().contains("rpm"));
+    let ok =
+        set(json!({"model": "sim-1", "rpm": 60, "burst": 2, "retry_after_form": "seconds"})).await;
+    assert_eq!(ok.status().as_u16(), 200);
+    let req = || json!({"model": "sim-1", "messages": [{"role": "user", "content": "hello"}]});
+    let send = || {
+        sim.http
+            .post(format!("http://{}/v1/chat/completions", sim.addr))
+            .json(&req())
+            .send()
+    };
+    for _ in 0..2 {
+        assert_eq!(send().await.unwrap().status().as_u16(), 200);
+    }
+    let refused = send().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    let ra = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(ra, "1", "seconds form, rounded up");
+
+    set(json!({"model": "sim-1", "rpm": 60, "burst": 1, "retry_after_form": "http_date"})).await;
+    let _ = send().await.unwrap();
+    let refused = send().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    let ra = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(ra.ends_with(" GMT"), "HTTP-date form: {ra}");
+
+    let stats = sim.stats().await;
+    assert_eq!(stats["rate_limited"]["requests"], 2);
+    assert_eq!(stats["rate_limited_total"], 2);
+    // Removing the limits lets everything through again.
+    set(json!({"model": "sim-1"})).await;
+    assert_eq!(send().await.unwrap().status().as_u16(), 200);
+}

@@ -249,6 +249,34 @@ impl Jobs {
         }
     }
 
+    /// Writes `recs` without any revision check, as asynchronous publishes
+    /// whose acks are awaited together: only for seeding a bench's bucket
+    /// with many records fast, never for a live job's record.
+    pub async fn seed(
+        &self,
+        js: &async_nats::jetstream::Context,
+        recs: &[JobRecord],
+    ) -> Result<(), JobsError> {
+        let prefix = self
+            .kv
+            .put_prefix
+            .clone()
+            .unwrap_or_else(|| self.kv.prefix.clone());
+        let nats = |e: &dyn std::fmt::Display| JobsError::Nats(format!("seed records: {e}"));
+        let mut acks = Vec::with_capacity(recs.len());
+        for r in recs {
+            acks.push(
+                js.publish(format!("{prefix}{}", r.id), encode(r)?)
+                    .await
+                    .map_err(|e| nats(&e))?,
+            );
+        }
+        for a in acks {
+            a.await.map_err(|e| nats(&e))?;
+        }
+        Ok(())
+    }
+
     /// Writes `rec` only if the record is still at `expected` revision.
     pub async fn update(&self, rec: &JobRecord, expected: u64) -> Result<u64, JobsError> {
         match self

@@ -145,6 +145,16 @@ impl Layout {
     pub fn sessions_bucket(&self) -> String {
         format!("{}_sessions", self.prefix.replace('-', "_"))
     }
+    /// KV bucket of provider limits: key = provider key id (`leasehold
+    /// limits set`), watched by every worker.
+    pub fn limits_bucket(&self) -> String {
+        format!("{}_limits", self.prefix.replace('-', "_"))
+    }
+    /// KV bucket of flow control's coordination: `lease.<id>` (the leases
+    /// of a provider key's limits), `cool.<id>` and `breaker.<id>` (pauses).
+    pub fn flow_bucket(&self) -> String {
+        format!("{}_flow", self.prefix.replace('-', "_"))
+    }
     /// KV bucket of recurring schedules: key = schedule name (`leasehold
     /// schedule add`), fired by the reapers.
     pub fn schedules_bucket(&self) -> String {

@@ -34,6 +34,7 @@ pub mod dlq;
 pub mod effects;
 pub mod events;
 pub mod fleet;
+pub mod flow;
 pub mod index;
 pub mod jobs;
 pub mod layout;

@@ -1,7 +1,8 @@
 //! Operators' actions, one function each, shared by the CLI and the
 //! console: asking for a cancellation, queueing a parked or dead job again
-//! (its ticket first), ending a parked job, and the `action` event that
-//! records who did what.
+//! (its ticket first), replaying a rejected submission (its bytes or a
+//! corrected one, validated first), ending a parked job, and the `action`
+//! event that records who did what.
 //!
 //! Every error is a sentence saying what to do next ([`OpError`]); callers
 //! print it as it is.
@@ -355,6 +356,185 @@ pub async fn replay_dead(
         .publish(&ev, Some(&format!("{id}:replayed:{ticket}")))
         .await;
     Ok(json!({"id": id, "status": "queued", "ticket_seq": ticket, "replayed_from": l.seq}))
+}
+
+/// The built-in validation of `payload` as a submission of `kind` under
+/// `id`, as a worker's gateway would judge it (any kind is taken as known).
+pub fn validate_submission(
+    kind: &str,
+    payload: &[u8],
+    id: Option<&str>,
+    content_type: Option<&str>,
+) -> Result<leasehold_core::spec::Accepted, leasehold_core::spec::Rejected> {
+    use leasehold_core::spec::{self, Kinds, Submission};
+    let sub = Submission {
+        kind,
+        payload,
+        msg_id: id,
+        content_type,
+        stream_seq: 0,
+        received_at: SystemTime::now(),
+    };
+    spec::decode(
+        sub,
+        &Kinds::default().with_open(kind),
+        spec::DEFAULT_MAX_BYTES,
+    )
+}
+
+/// What [`replay_rejected`] sent.
+#[derive(Debug, Clone)]
+pub struct RejectedReplay {
+    /// The job id the letter names, if any.
+    pub id: Option<String>,
+    /// The work stream's sequence of the resubmission.
+    pub ticket_seq: u64,
+    /// The stream recognised the resubmission (replayed recently already).
+    pub duplicate: bool,
+    /// The validation refused the bytes and they were sent anyway (`force`).
+    pub forced: Option<String>,
+    /// A `rejected` record of the id was queued again first.
+    pub requeued_record: bool,
+    /// When the resubmission was published (for [`accepted_by_a_worker`]).
+    pub sent_at: SystemTime,
+}
+
+/// Publishes a rejected submission's raw bytes (`corrected`: a corrected
+/// submission, JSON, instead) again. Bytes the built-in validation refuses
+/// are not sent unless `force`: the error says why, and nothing changes. A
+/// `rejected` record of the same id is queued again first (and indexed),
+/// so the worker runs it instead of dropping it. The letter is left alone:
+/// delete it once [`accepted_by_a_worker`] says so.
+pub async fn replay_rejected(
+    conn: &Conn,
+    jobs: &Jobs,
+    l: &Letter,
+    corrected: Option<Vec<u8>>,
+    force: bool,
+) -> Result<RejectedReplay, OpError> {
+    let is_corrected = corrected.is_some();
+    let (payload, ct) = match corrected {
+        Some(b) => (bytes::Bytes::from(b), Some("application/json".to_string())),
+        None => (
+            l.payload.clone(),
+            crate::work::content_type(Some(&l.headers)),
+        ),
+    };
+    let verdict = validate_submission(&l.kind, &payload, l.job_id.as_deref(), ct.as_deref());
+    let forced = match &verdict {
+        Ok(_) => None,
+        Err(rej) if !force => {
+            return Err(OpError(format!(
+                "letter {} kept, nothing sent: {} still refused by the built-in validation ({}); replay a corrected submission",
+                l.seq,
+                if is_corrected {
+                    "the corrected submission is"
+                } else {
+                    "its bytes are"
+                },
+                rej.error
+            )))
+        }
+        Err(rej) => Some(rej.error.to_string()),
+    };
+    let sent_at = SystemTime::now();
+    let mut requeued_record = false;
+    if let Ok(accepted) = &verdict {
+        if jobs
+            .get(&accepted.id)
+            .await
+            .map_err(|e| explain(e, &accepted.id))?
+            .is_some_and(|v| v.value.status == Status::Rejected.as_str())
+        {
+            let v = jobs
+                .transition(&accepted.id, |cur| {
+                    if cur.status != Status::Rejected.as_str() {
+                        return Ok(None);
+                    }
+                    let mut r = machine::requeue_fresh(cur, SystemTime::now(), 0)?;
+                    r.spec = Some(accepted.spec.clone());
+                    r.error = None;
+                    Ok(Some(r))
+                })
+                .await
+                .map_err(|e| explain(e, &accepted.id))?;
+            Active::open(conn).await?.reconcile(&v.value).await?;
+            requeued_record = true;
+        }
+    }
+    let digest = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        payload.hash(&mut h);
+        h.finish()
+    };
+    let msg_id = l
+        .job_id
+        .as_ref()
+        .map(|id| format!("{id}:replay:{}:{digest:016x}", l.seq));
+    let p = Work::new(conn)
+        .resubmit_raw(
+            &l.kind,
+            payload,
+            Some(&l.headers),
+            l.job_id.as_deref(),
+            msg_id.as_deref(),
+        )
+        .await
+        .map_err(|e| {
+            OpError::context(
+                format!(
+                    "the replay could not be published; letter {} kept: run this again",
+                    l.seq
+                ),
+                e,
+            )
+        })?;
+    Ok(RejectedReplay {
+        id: l.job_id.clone(),
+        ticket_seq: p.seq,
+        duplicate: p.duplicate,
+        forced,
+        requeued_record,
+        sent_at,
+    })
+}
+
+/// Whether a worker took the replayed submission `id` within `wait`: its
+/// record claimed or settled by a worker (anything but queued), `Ok(true)`;
+/// rejected again after `since`, `Err` with the reason; neither in time,
+/// `Ok(false)`.
+pub async fn accepted_by_a_worker(
+    jobs: &Jobs,
+    id: &str,
+    since: SystemTime,
+    wait: Duration,
+) -> Result<bool, OpError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if let Some(v) = jobs.get(id).await.map_err(|e| explain(e, id))? {
+            let r = &v.value;
+            let after =
+                leasehold_core::time::parse_rfc3339(&r.updated_at).is_some_and(|t| t >= since);
+            match status_of(r) {
+                Some(Status::Queued) | None => {}
+                Some(Status::Rejected) if !after => {}
+                Some(Status::Rejected) => {
+                    return Err(OpError(format!(
+                        "rejected again: {}",
+                        r.error
+                            .as_ref()
+                            .map_or("no reason recorded", |e| e.message.as_str())
+                    )))
+                }
+                Some(_) => return Ok(true),
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// An operator's action on one job, as its `action` event says it.

@@ -594,6 +594,29 @@ pub async fn ensure_with(
             max_bytes: bounds.get(Bound::Schedules),
             ..Default::default()
         },
+        // Flow control: limits (a few entries, set by operators) and the
+        // workers' leases and pauses (one write per worker per second at
+        // most); small and fixed.
+        kv::Config {
+            bucket: l.limits_bucket(),
+            description: "leasehold provider limits (leasehold limits set)".into(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            limit_markers: Some(Duration::from_secs(60)),
+            max_bytes: FLOW_MAX_BYTES,
+            ..Default::default()
+        },
+        kv::Config {
+            bucket: l.flow_bucket(),
+            description: "leasehold flow control: quota leases and fleet-wide pauses".into(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: o.replicas,
+            limit_markers: Some(Duration::from_secs(60)),
+            max_bytes: FLOW_MAX_BYTES,
+            ..Default::default()
+        },
         kv::Config {
             max_bytes: bounds.get(Bound::Effects),
             ..effects_config(l.effects_bucket(), o.effects_retention, o.replicas)
@@ -707,6 +730,10 @@ pub async fn ensure_with(
 
     Ok(report)
 }
+
+/// Bytes of each flow-control bucket (fixed: a few small entries per
+/// provider key).
+const FLOW_MAX_BYTES: i64 = 1 << 20;
 
 /// The flags of every byte bound, for errors that send the operator there.
 const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes, --schedules-max-bytes";

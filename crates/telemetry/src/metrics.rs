@@ -70,6 +70,18 @@ struct ModelLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FlowLimitLabels {
+    model: String,
+    limit: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FlowPauseLabels {
+    model: String,
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassLabel {
     class: String,
 }
@@ -196,6 +208,10 @@ struct WorkerInner {
     effects: Family<ToolOutcomeLabels, Counter>,
     flush_duration: Histogram,
     flushed_events: Counter,
+    flow_admissions: Family<ModelOutcomeLabels, Counter>,
+    flow_pauses: Family<FlowPauseLabels, Counter>,
+    flow_limit: Family<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    flow_slice: Family<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -314,6 +330,32 @@ impl Metrics {
             "Generation retry decisions by failure class",
             model_retries.clone(),
         );
+        let flow_admissions = Family::<ModelOutcomeLabels, Counter>::default();
+        r.register(
+            "leasehold_flow_requests",
+            "Model requests by flow control's admission: admitted, waited (admitted after waiting), refused (gave up waiting)",
+            flow_admissions.clone(),
+        );
+        let flow_pauses = Family::<FlowPauseLabels, Counter>::default();
+        r.register(
+            "leasehold_flow_pauses",
+            "Provider keys paused for the fleet, by kind: cooldown (429 or quota) or breaker",
+            flow_pauses.clone(),
+        );
+        let flow_limit =
+            Family::<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        r.register(
+            "leasehold_flow_limit",
+            "A provider key's fleet-wide limit (rpm, tpm per minute; concurrency)",
+            flow_limit.clone(),
+        );
+        let flow_slice =
+            Family::<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        r.register(
+            "leasehold_flow_slice",
+            "This worker's leased slice of a provider key's limit (rpm, tpm per minute; concurrency)",
+            flow_slice.clone(),
+        );
         let model_duration = HistogramFamily::<ModelLabel>::new_with_constructor(model_buckets);
         r.register_with_unit(
             "leasehold_model_request_duration",
@@ -371,6 +413,10 @@ impl Metrics {
                 effects,
                 flush_duration,
                 flushed_events,
+                flow_admissions,
+                flow_pauses,
+                flow_limit,
+                flow_slice,
             }),
         }
     }
@@ -481,6 +527,35 @@ impl Observer for Metrics {
                 model: r.model.to_string(),
             })
             .observe(r.elapsed.as_secs_f64());
+    }
+
+    fn flow_admission(&self, model: &str, outcome: &str) {
+        self.inner
+            .flow_admissions
+            .get_or_create(&ModelOutcomeLabels {
+                model: model.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    fn flow_pause(&self, model: &str, kind: &str) {
+        self.inner
+            .flow_pauses
+            .get_or_create(&FlowPauseLabels {
+                model: model.to_string(),
+                kind: kind.to_string(),
+            })
+            .inc();
+    }
+
+    fn flow_limit(&self, model: &str, limit: &str, fleet: f64, slice: f64) {
+        let l = FlowLimitLabels {
+            model: model.to_string(),
+            limit: limit.to_string(),
+        };
+        self.inner.flow_limit.get_or_create(&l).set(fleet);
+        self.inner.flow_slice.get_or_create(&l).set(slice);
     }
 
     fn model_retry(&self, class: &str) {
@@ -945,6 +1020,11 @@ mod tests {
         o.tool_call("fetch", ToolOutcome::Refused);
         o.effect("publish", EffectOutcome::Replayed);
         o.checkpoint_flush(Duration::from_millis(3), 4);
+        o.flow_admission("sim-1", "admitted");
+        o.flow_admission("sim-1", "admitted");
+        o.flow_admission("sim-1", "waited");
+        o.flow_pause("sim-1", "cooldown");
+        o.flow_limit("sim-1", "rpm", 600.0, 150.0);
         let text = m.encode();
         for (prefix, v) in [
             (
@@ -982,6 +1062,20 @@ mod tests {
             ),
             ("leasehold_checkpoint_flush_duration_seconds_count", 1.0),
             ("leasehold_checkpoint_events_total", 4.0),
+            (
+                "leasehold_flow_requests_total{model=\"sim-1\",outcome=\"admitted\"}",
+                2.0,
+            ),
+            (
+                "leasehold_flow_requests_total{model=\"sim-1\",outcome=\"waited\"}",
+                1.0,
+            ),
+            (
+                "leasehold_flow_pauses_total{model=\"sim-1\",kind=\"cooldown\"}",
+                1.0,
+            ),
+            ("leasehold_flow_limit{model=\"sim-1\",limit=\"rpm\"}", 600.0),
+            ("leasehold_flow_slice{model=\"sim-1\",limit=\"rpm\"}", 150.0),
         ] {
             assert_eq!(sample(&text, prefix), Some(v), "{prefix}\n{text}");
         }

@@ -87,6 +87,14 @@ pub trait Observer: Send + Sync {
     fn effect(&self, _tool: &str, _outcome: EffectOutcome) {}
     /// One flusher batch made durable (events published, progress written).
     fn checkpoint_flush(&self, _elapsed: Duration, _events: usize) {}
+    /// A model request's admission by flow control: `admitted`, `waited`
+    /// (admitted after waiting) or `refused` (gave up waiting).
+    fn flow_admission(&self, _model: &str, _outcome: &str) {}
+    /// A provider key was paused (`cooldown` or `breaker`), here or by the fleet.
+    fn flow_pause(&self, _model: &str, _kind: &str) {}
+    /// A provider key's limit and this process's slice of it
+    /// (`limit` = `rpm`, `tpm` or `concurrency`; per minute for the rates).
+    fn flow_limit(&self, _model: &str, _limit: &str, _fleet: f64, _slice: f64) {}
 }
 
 /// Drops everything (the default before [`install`]).
@@ -131,6 +139,21 @@ pub fn tool_call(tool: &str, outcome: ToolOutcome) {
 /// See [`Observer::effect`].
 pub fn effect(tool: &str, outcome: EffectOutcome) {
     global().effect(tool, outcome)
+}
+
+/// See [`Observer::flow_admission`].
+pub fn flow_admission(model: &str, outcome: &str) {
+    global().flow_admission(model, outcome)
+}
+
+/// See [`Observer::flow_pause`].
+pub fn flow_pause(model: &str, kind: &str) {
+    global().flow_pause(model, kind)
+}
+
+/// See [`Observer::flow_limit`].
+pub fn flow_limit(model: &str, limit: &str, fleet: f64, slice: f64) {
+    global().flow_limit(model, limit, fleet, slice)
 }
 
 /// See [`Observer::checkpoint_flush`].

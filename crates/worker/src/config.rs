@@ -99,6 +99,11 @@ pub struct Options {
     /// Submissions larger than this many bytes are rejected.
     #[arg(long, env = "LH_MAX_SUBMISSION_BYTES", default_value_t = leasehold_core::spec::DEFAULT_MAX_BYTES)]
     pub max_submission_bytes: usize,
+    /// The share of each provider limit this worker uses alone when its
+    /// quota lease could not be renewed (NATS away), 0 < F <= 1. Default:
+    /// the limit divided by the workers it last knew of.
+    #[arg(long, env = "LH_FLOW_LOCAL_SHARE", value_parser = parse_share)]
+    pub flow_local_share: Option<f64>,
     /// A job whose workers already stopped this many times while running it
     /// is dead-lettered as poison instead of being re-offered again.
     #[arg(long, env = "LH_MAX_STALE_RECLAIMS", default_value_t = 3)]
@@ -116,6 +121,15 @@ pub struct Options {
     /// `0.0.0.0:9090`). No HTTP server when unset.
     #[arg(long, env = "LH_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
+}
+
+fn parse_share(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!(
+            "{v:?}: expected a fraction above 0 and at most 1, e.g. 0.25"
+        )),
+    }
 }
 
 impl Options {

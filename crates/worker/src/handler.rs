@@ -225,10 +225,6 @@ pub fn builtins() -> Vec<(String, Arc<dyn Handler>)> {
         ("fail".into(), Arc::new(Fail)),
         ("crash".into(), Arc::new(Crash)),
         (
-            "research".into(),
-            Arc::new(crate::research::ResearchHandler::default()),
-        ),
-        (
             "deliver".into(),
             Arc::new(crate::deliver::Deliver::default()),
         ),

@@ -9,12 +9,13 @@
 //! - [`gateway`]: answers what no stream holds: submissions of unknown
 //!   kinds, error replies to request/reply submitters, and `lh.cancel.<id>`.
 
+pub mod checkpoint;
 pub mod config;
 pub mod deliver;
+pub mod flow;
 pub mod gateway;
 pub mod handler;
 pub mod process;
-pub mod research;
 pub mod service;
 
 pub use config::Options;

@@ -12,15 +12,11 @@
 //! `--keep`): the raw submission is never lost.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::time::SystemTime;
 
 use anyhow::Context as _;
-use leasehold_core::machine::{self, status_of};
-use leasehold_core::spec::{self, Kinds, Submission};
-use leasehold_core::Status;
+use leasehold_core::spec;
 use leasehold_store::dlq::{DeadJob, Dlq, Letter};
-use leasehold_store::work::{self, Work};
-use leasehold_store::{operate, Conn, Jobs, JobsError, NatsArgs};
+use leasehold_store::{operate, Conn, Jobs, NatsArgs};
 use serde_json::{json, Value};
 
 #[derive(clap::Args, Debug)]
@@ -317,19 +313,7 @@ fn validate(
     id: Option<&str>,
     content_type: Option<&str>,
 ) -> Result<spec::Accepted, spec::Rejected> {
-    let sub = Submission {
-        kind,
-        payload,
-        msg_id: id,
-        content_type,
-        stream_seq: 0,
-        received_at: std::time::SystemTime::now(),
-    };
-    spec::decode(
-        sub,
-        &Kinds::default().with_open(kind),
-        spec::DEFAULT_MAX_BYTES,
-    )
+    operate::validate_submission(kind, payload, id, content_type)
 }
 
 /// Requeues the dead job with a fresh budget ([`operate::replay_dead`]:
@@ -376,11 +360,11 @@ async fn replay_dead(
 }
 
 /// Publishes a rejected submission's raw bytes (or a corrected
-/// submission) again, after saying why they were rejected. Bytes the
-/// built-in validation still refuses are not sent unless forced. A
-/// `rejected` record of the same id is queued again first (and indexed),
-/// so the worker runs it instead of dropping it. Returns whether a worker
-/// accepted the replay within `--wait`: only then may the letter go.
+/// submission) again, after saying why they were rejected
+/// ([`operate::replay_rejected`]: bytes the built-in validation still
+/// refuses are not sent unless forced; a `rejected` record of the same id
+/// is queued again first). Returns whether a worker accepted the replay
+/// within `--wait`: only then may the letter go.
 async fn replay_rejected(
     conn: &Conn,
     jobs: &Jobs,
@@ -393,85 +377,47 @@ async fn replay_rejected(
         l.seq, l.kind, l.reason
     );
     let is_corrected = corrected.is_some();
-    let (payload, ct) = match corrected {
-        Some(b) => (bytes::Bytes::from(b), Some("application/json".to_string())),
-        None => (l.payload.clone(), work::content_type(Some(&l.headers))),
-    };
-    let verdict = validate(&l.kind, &payload, l.job_id.as_deref(), ct.as_deref());
-    let refused = match &verdict {
-        Ok(_) => false,
-        Err(rej) if !o.force => anyhow::bail!(
-            "letter {} kept, nothing sent: {} still refused by the built-in validation ({}); replay a corrected submission with `--spec FILE`, or send them anyway with `--force`",
-            l.seq,
-            if is_corrected { "the corrected submission is" } else { "its bytes are" },
-            rej.error
-        ),
-        Err(rej) => {
-            eprintln!("warning: sending bytes the built-in validation refuses ({}), as --force asks; the letter is kept", rej.error);
-            true
-        }
-    };
-    let started = SystemTime::now();
-    if let Ok(accepted) = &verdict {
-        if jobs
-            .get(&accepted.id)
-            .await?
-            .is_some_and(|v| v.value.status == Status::Rejected.as_str())
-        {
-            let v = jobs
-                .transition(&accepted.id, |cur| {
-                    if cur.status != Status::Rejected.as_str() {
-                        return Ok(None);
-                    }
-                    let mut r = machine::requeue_fresh(cur, SystemTime::now(), 0)?;
-                    r.spec = Some(accepted.spec.clone());
-                    r.error = None;
-                    Ok(Some(r))
-                })
-                .await
-                .map_err(|e| explain(e, &accepted.id))?;
-            super::open_active(conn).await?.reconcile(&v.value).await?;
-        }
+    let size = corrected.as_ref().map_or(l.payload.len(), Vec::len);
+    let p = operate::replay_rejected(conn, jobs, l, corrected, o.force)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(if o.force {
+                e.to_string()
+            } else {
+                format!("{e} with `--spec FILE`, or send them anyway with `--force`")
+            })
+        })?;
+    if let Some(why) = &p.forced {
+        eprintln!("warning: sent bytes the built-in validation refuses ({why}), as --force asks; the letter is kept");
     }
     eprintln!(
-        "replaying {} ({} bytes)",
+        "replayed {} ({size} bytes)",
         if is_corrected {
             "the corrected submission"
         } else {
             "its raw bytes as they came"
         },
-        payload.len()
     );
-    let digest = {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        payload.hash(&mut h);
-        h.finish()
-    };
-    let msg_id = l
-        .job_id
-        .as_ref()
-        .map(|id| format!("{id}:replay:{}:{digest:016x}", l.seq));
-    let p = Work::new(conn)
-        .resubmit_raw(
-            &l.kind,
-            payload,
-            Some(&l.headers),
-            l.job_id.as_deref(),
-            msg_id.as_deref(),
-        )
-        .await
-        .with_context(|| {
-            format!(
-                "the replay could not be published; letter {} kept: run this again",
-                l.seq
-            )
-        })?;
     if p.duplicate {
         eprintln!("note: this letter was already replayed recently (the stream recognised the resubmission)");
     }
-    let accepted = match (&l.job_id, refused) {
-        (Some(id), false) => accepted_by_a_worker(jobs, id, started, o.wait).await?,
+    let accepted = match (&l.job_id, p.forced.is_some()) {
+        (Some(id), false) => {
+            match operate::accepted_by_a_worker(jobs, id, p.sent_at, o.wait).await {
+                Ok(true) => true,
+                Ok(false) => {
+                    eprintln!(
+                        "no worker took job {id} within {:?}; `leasehold status {id}` follows it",
+                        o.wait
+                    );
+                    false
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    false
+                }
+            }
+        }
         (None, _) => {
             eprintln!("the letter names no job id: whether a worker accepts it cannot be told");
             false
@@ -479,54 +425,9 @@ async fn replay_rejected(
         (_, true) => false,
     };
     Ok((
-        json!({"id": l.job_id, "kind": l.kind, "ticket_seq": p.seq, "replayed_from": l.seq, "duplicate": p.duplicate, "accepted": accepted}),
+        json!({"id": l.job_id, "kind": l.kind, "ticket_seq": p.ticket_seq, "replayed_from": l.seq, "duplicate": p.duplicate, "accepted": accepted}),
         accepted,
     ))
-}
-
-/// Waits up to `wait` for a worker to take the replayed submission `id`:
-/// its record claimed or settled by a worker (anything but queued), or
-/// rejected again after `since` (the reason is shown).
-async fn accepted_by_a_worker(
-    jobs: &Jobs,
-    id: &str,
-    since: SystemTime,
-    wait: std::time::Duration,
-) -> anyhow::Result<bool> {
-    let deadline = tokio::time::Instant::now() + wait;
-    loop {
-        if let Some(v) = jobs.get(id).await? {
-            let r = &v.value;
-            let after =
-                leasehold_core::time::parse_rfc3339(&r.updated_at).is_some_and(|t| t >= since);
-            match status_of(r) {
-                Some(Status::Queued) | None => {}
-                Some(Status::Rejected) if !after => {}
-                Some(Status::Rejected) => {
-                    eprintln!(
-                        "rejected again: {}",
-                        r.error
-                            .as_ref()
-                            .map_or("no reason recorded", |e| e.message.as_str())
-                    );
-                    return Ok(false);
-                }
-                Some(_) => return Ok(true),
-            }
-        }
-        if tokio::time::Instant::now() >= deadline {
-            eprintln!(
-                "no worker took job {id} within {wait:?}; `leasehold status {id}` follows it"
-            );
-            return Ok(false);
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-}
-
-/// A job-record error with what to do about it ([`operate::explain`]).
-pub(crate) fn explain(e: JobsError, id: &str) -> anyhow::Error {
-    operate::explain(e, id).into()
 }
 
 /// Which letters a bulk replay or purge acts on, and how.

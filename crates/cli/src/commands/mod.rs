@@ -3,6 +3,7 @@
 pub mod cancel;
 pub mod dlq;
 pub mod events;
+pub mod limits;
 pub mod list;
 pub mod model;
 pub mod result;
@@ -118,6 +119,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Dlq(a) => dlq::run(a, &nats).await,
         Command::Review(a) => review::run(a, &nats).await,
         Command::Schedule(a) => schedule::run(a, &nats).await,
+        Command::Limits(a) => limits::run(a, &nats).await,
         Command::Transcript(a) => transcript::run(a, &nats).await,
         Command::Model(a) => model::run(a, &nats).await,
         Command::Tool(a) => tool::run(a, &nats).await,

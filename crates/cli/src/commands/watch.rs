@@ -380,6 +380,10 @@ impl ModelRetry {
         } else {
             format!("{class}: {}", self.reason)
         };
+        if self.reason.starts_with("waiting for provider ") {
+            // Flow control's pause: the fleet's cooldown or open breaker.
+            return self.reason.clone();
+        }
         match (class, self.delay_ms) {
             ("circuit_open", _) => format!("model breaker open ({})", self.reason),
             ("rate_limited" | "quota_exhausted" | "overloaded", Some(ms)) => format!(
@@ -781,5 +785,16 @@ mod tests {
             dup.describe(),
             "provider cooldown 1s (rate_limited: HTTP 429)"
         );
+        // Flow control's pause says which provider and until when.
+        let fleet = ModelRetry::of(
+            r#"{"scope":"generation","reason":"waiting for provider http://127.0.0.1:8089/v1 sim-1 until 2026-12-01T10:00:03.000Z (cooldown: rate_limited: HTTP 429)","class":"rate_limited","attempt":1,"delay_ms":3000}"#,
+            at,
+        )
+        .unwrap();
+        assert_eq!(
+            fleet.describe(),
+            "waiting for provider http://127.0.0.1:8089/v1 sim-1 until 2026-12-01T10:00:03.000Z (cooldown: rate_limited: HTTP 429)"
+        );
+        assert!(fleet.is_current(t0 + Duration::from_secs(4)));
     }
 }

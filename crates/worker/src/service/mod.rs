@@ -397,6 +397,15 @@ async fn run(
         let s = shared.clone();
         tokio::spawn(claim::restart_reclaim_all(s));
     }
+    // Flow control outlives the drain (the jobs still call models) and
+    // gives its quota leases back after it.
+    let flow_stop = CancellationToken::new();
+    let flow = crate::flow::start(
+        shared.conn.clone(),
+        shared.worker_id.clone(),
+        shared.opts.flow_local_share,
+        flow_stop.clone(),
+    );
 
     let link = {
         let (s, stop) = (shared.clone(), shutdown.clone());
@@ -435,6 +444,8 @@ async fn run(
     while loops.join_next().await.is_some() {}
     let _ = gw.await;
     let _ = ends.await;
+    flow_stop.cancel();
+    let _ = flow.await;
     session_stop.cancel();
     let _ = renewals.await;
     let _ = answers.await;

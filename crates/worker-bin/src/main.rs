@@ -1,4 +1,9 @@
-//! `leasehold-worker`: the stateless worker binary. See `leasehold-worker --help`.
+//! `leasehold-worker`: the stock worker binary. See `leasehold-worker --help`.
+//!
+//! It is built like any user's worker, on the public `leasehold` SDK: the
+//! `research` kind registered on a [`leasehold::Worker`] beside the
+//! engine's built-in kinds (`deliver` and, with `--dev-kinds`, the test
+//! kinds).
 //!
 //! Everything the process will ever read from its environment is read and
 //! validated here, before it connects: the flags (each with its `LH_<FLAG>`
@@ -10,13 +15,9 @@
 //! OTLP/gRPC collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; with
 //! `--http-listen` (`LH_HTTP_LISTEN`), `/healthz`, `/readyz` and `/metrics`.
 
-use std::sync::Arc;
-
-use clap::{CommandFactory, FromArgMatches};
-use leasehold_research::ResearchConfig;
-use leasehold_telemetry::{redact_text, trace};
-use leasehold_worker::research::ResearchHandler;
-use leasehold_worker::{Options, Worker};
+use leasehold::runtime::{ModelClient, MODEL_ENV_VARS, TOOL_ENV_VARS};
+use leasehold::telemetry::{self, redact_text, redact_url};
+use leasehold_research::{Research, ResearchConfig};
 
 /// Exit code of a configuration error found at start (as clap's usage errors).
 const CONFIG_ERROR: i32 = 2;
@@ -28,8 +29,8 @@ fn env_help() -> String {
          Durations need a unit: 500ms, 3s, 2m.\n",
     );
     let sections: [(&str, &[(&str, &str)]); 3] = [
-        ("Model (research)", leasehold_model::MODEL_ENV_VARS),
-        ("Tools (research, deliver)", leasehold_tools::TOOL_ENV_VARS),
+        ("Model (research)", MODEL_ENV_VARS),
+        ("Tools (research, deliver)", TOOL_ENV_VARS),
         ("Research", leasehold_research::ENV_VARS),
     ];
     for (title, vars) in sections {
@@ -39,7 +40,7 @@ fn env_help() -> String {
         }
     }
     s.push('\n');
-    s.push_str(&leasehold_telemetry::env_help());
+    s.push_str(&telemetry::env_help());
     s
 }
 
@@ -50,12 +51,10 @@ fn fail_config(msg: impl std::fmt::Display) -> ! {
 
 #[tokio::main]
 async fn main() {
-    let matches = Options::command().after_help(env_help()).get_matches();
-    let opts = Options::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let telemetry = trace::init("leasehold-worker");
-    if let Err(e) = opts.validate() {
-        fail_config(e);
-    }
+    // Flags and LH_* variables, validated (exit 2 on a bad one).
+    let worker = leasehold::Worker::from_env_with_help(&env_help());
+    let opts = worker.options().clone();
+    let guard = telemetry::init("leasehold-worker");
     let research = ResearchConfig::from_env().unwrap_or_else(|e| fail_config(e.message));
     if research.crash_at.is_some() && !opts.dev_kinds {
         fail_config(
@@ -63,11 +62,11 @@ async fn main() {
         );
     }
     tracing::info!(
-        model_base_url = %leasehold_telemetry::redact_url(&research.model.base_url),
+        model_base_url = %redact_url(&research.model.base_url),
         model = %research.model.model,
         api_key = if research.model.api_key.is_some() { "set" } else { "unset" },
-        search_url = %leasehold_telemetry::redact_url(&research.toolbox.search.url),
-        publish_url = %leasehold_telemetry::redact_url(&research.toolbox.publish.url),
+        search_url = %redact_url(&research.toolbox.search.url),
+        publish_url = %redact_url(&research.toolbox.publish.url),
         fetch_allow = %research.toolbox.fetch.allow,
         expert_concurrency = research.expert_concurrency,
         "workload configuration"
@@ -76,7 +75,7 @@ async fn main() {
         // A model endpoint that does not answer is worth saying at start,
         // not only in each job's error; the worker serves anyway (the
         // endpoint may come up later).
-        if let Ok(client) = leasehold_model::ModelClient::new(research.model.clone()) {
+        if let Ok(client) = ModelClient::new(research.model.clone()) {
             tokio::spawn(async move {
                 if let Err(why) = client.reachable(std::time::Duration::from_secs(5)).await {
                     tracing::warn!("model endpoint check at start: {why} (research jobs will fail with this cause until it answers)");
@@ -84,15 +83,16 @@ async fn main() {
             });
         }
     }
-    let fail = |what: String, telemetry: trace::Guard| -> ! {
-        eprintln!("error: {}", redact_text(&what));
-        telemetry.shutdown();
-        std::process::exit(1);
-    };
-    let worker = Worker::new(opts.clone())
-        .with_handler("research", Arc::new(ResearchHandler::with_config(research)));
-    match leasehold_worker::process::run(worker, opts.http_listen).await {
-        Ok(()) => telemetry.shutdown(),
-        Err(e) => fail(format!("{e:#}"), telemetry),
+    let r = worker
+        .kind("research", Research::with_config(research))
+        .serve()
+        .await;
+    match r {
+        Ok(()) => guard.shutdown(),
+        Err(e) => {
+            eprintln!("error: {}", redact_text(&format!("{e:#}")));
+            guard.shutdown();
+            std::process::exit(1);
+        }
     }
 }

@@ -1,11 +1,13 @@
-//! The per-job flusher: the single background path of every checkpoint.
+//! The per-attempt checkpoint flusher: the single background path of a
+//! kind's checkpoints (the research workload's sections, journal entries,
+//! retry reports and progress; any SDK kind's through `Ctx::checkpoints`).
 //!
-//! Sections, hooks and reporters hand items to an unbounded channel and go
-//! on: a section completion never waits on persistence. The flusher task
-//! takes everything queued at once, publishes the events in order through the
-//! owner's fence, coalesces all progress updates of the batch into one
-//! `progress` event and one gate write of the record (`progress`,
-//! `resume_from`, `budget_used`), and only then answers barriers.
+//! Callers hand items to an unbounded channel and go on: a section
+//! completion never waits on persistence. The flusher task takes everything
+//! queued at once, publishes the events in order through the owner's fence,
+//! coalesces all progress updates of the batch into one `progress` event and
+//! one gate write of the record (`progress`, `resume_from`, `budget_used`),
+//! and only then answers barriers.
 //!
 //! Transient failures (NATS did not answer, a KV conflict) are retried with
 //! capped exponential backoff and jitter until the job's token fires. A fence
@@ -14,9 +16,8 @@
 //! everything still queued, so a stale owner's checkpoints never land.
 //!
 //! What a crash can lose: the items queued and not yet published, i.e. at
-//! most what completed since the last flush (typically milliseconds of work:
-//! the last journal entries of in-flight sections and the last section
-//! checkpoints). Recovery redoes exactly those.
+//! most what completed since the last flush (typically milliseconds of work).
+//! Recovery redoes exactly those.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,29 +32,50 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_util::sync::CancellationToken;
 
-/// A progress snapshot; the latest in a batch wins.
+/// A progress snapshot (the record's `progress`, `resume_from` and
+/// `budget_used`, and a `progress` event); the latest in a batch wins.
+///
+/// ```
+/// let p = leasehold_worker::checkpoint::ProgressUpdate {
+///     phase: "experts".into(),
+///     sections_done: 3,
+///     sections_total: 12,
+///     ..Default::default()
+/// };
+/// assert_eq!(p.skipped, 0);
+/// ```
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct ProgressSnap {
+pub struct ProgressUpdate {
+    /// What the job is doing (`outline`, `experts`, ...).
     pub phase: String,
+    /// Units of work done (sections, steps).
     pub sections_done: u32,
+    /// Units of work in all.
     pub sections_total: u32,
+    /// Units given up (written as skipped).
     pub skipped: u32,
+    /// Where a later attempt would resume (the record's `resume_from`).
     pub resume_from: String,
+    /// The budget used so far (the record's `budget_used`).
     pub budget: BudgetUsed,
 }
 
 enum Item {
     Event { ty: &'static str, data: Value },
-    Progress(ProgressSnap),
+    Progress(ProgressUpdate),
     Barrier(oneshot::Sender<bool>),
 }
 
 /// Counters of the flusher (for the bench and logs).
 #[derive(Debug, Default)]
 pub struct FlushStats {
+    /// Events made durable.
     pub events: AtomicU64,
+    /// Progress snapshots queued.
     pub progress_updates: AtomicU64,
+    /// Progress snapshots written (after coalescing).
     pub progress_writes: AtomicU64,
+    /// Flush rounds.
     pub batches: AtomicU64,
     /// Per published event, microseconds from queued to durable (the
     /// server's ack): how long a completion stays losable. One entry per
@@ -68,7 +90,9 @@ pub struct FlushStats {
 /// The retries an attempt reported, by scope.
 #[derive(Debug, Default, Clone)]
 pub struct Retries {
+    /// Retries by their `scope` (`generation`, `warm`, `cold`, ...).
     pub by_scope: std::collections::BTreeMap<String, u32>,
+    /// Retries the policy refused (`eligible: false`).
     pub refused: u32,
 }
 
@@ -123,6 +147,9 @@ pub struct Flusher {
     published: Arc<AtomicU64>,
     lost: Arc<AtomicBool>,
     refused: Arc<std::sync::Mutex<Option<String>>>,
+    /// Event types `event` refuses (the runtime's own).
+    reserved: &'static [&'static str],
+    /// Its counters.
     pub stats: Arc<FlushStats>,
 }
 
@@ -163,6 +190,16 @@ impl Flusher {
         gate: Gate,
         cancel: CancellationToken,
     ) -> (Flusher, tokio_util::task::AbortOnDropHandle<()>) {
+        Self::start_checked(fence, gate, cancel, &[])
+    }
+
+    /// [`Flusher::start`], refusing events of the `reserved` types.
+    pub fn start_checked(
+        fence: Arc<Mutex<Fence>>,
+        gate: Gate,
+        cancel: CancellationToken,
+        reserved: &'static [&'static str],
+    ) -> (Flusher, tokio_util::task::AbortOnDropHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let f = Flusher {
             tx,
@@ -170,6 +207,7 @@ impl Flusher {
             published: Arc::new(AtomicU64::new(0)),
             lost: Arc::new(AtomicBool::new(false)),
             refused: Arc::default(),
+            reserved,
             stats: Arc::new(FlushStats::default()),
         };
         let shared = Shared {
@@ -190,7 +228,21 @@ impl Flusher {
     }
 
     /// Queues an event; returns its ticket (see [`Flusher::published`]).
+    /// An event of a reserved type is dropped with an error log.
+    ///
+    /// ```no_run
+    /// # fn f(cp: &leasehold_worker::checkpoint::Flusher) {
+    /// let ticket = cp.event("chapter", serde_json::json!({"n": 1}));
+    /// # }
+    /// ```
     pub fn event(&self, ty: &'static str, data: Value) -> u64 {
+        if self.reserved.contains(&ty) {
+            tracing::error!(
+                ty,
+                "checkpoint of a type the runtime writes itself: dropped (use a name of your own)"
+            );
+            return self.queued.load(Ordering::SeqCst);
+        }
         if ty == "retry" {
             self.stats.count_retry(&data);
         }
@@ -198,7 +250,15 @@ impl Flusher {
     }
 
     /// Queues a progress snapshot (coalesced with the others of its batch).
-    pub fn progress(&self, p: ProgressSnap) {
+    ///
+    /// ```no_run
+    /// # fn f(cp: &leasehold_worker::checkpoint::Flusher) {
+    /// cp.progress(leasehold_worker::checkpoint::ProgressUpdate {
+    ///     phase: "chapters".into(), sections_done: 1, sections_total: 4, ..Default::default()
+    /// });
+    /// # }
+    /// ```
+    pub fn progress(&self, p: ProgressUpdate) {
         self.stats.progress_updates.fetch_add(1, Ordering::Relaxed);
         self.push(Item::Progress(p));
     }
@@ -213,11 +273,20 @@ impl Flusher {
         self.published.load(Ordering::SeqCst)
     }
 
+    /// Whether a newer owner refused a checkpoint (the job's token fired).
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
     }
 
-    /// Waits until everything queued before it is durable.
+    /// Waits until everything queued before it is durable; `Err(Lost)` when
+    /// a newer owner refused a checkpoint (stop: nothing more lands).
+    ///
+    /// ```no_run
+    /// # async fn f(cp: &leasehold_worker::checkpoint::Flusher) -> Result<(), leasehold_worker::checkpoint::Lost> {
+    /// cp.event("chapter", serde_json::json!({"n": 1}));
+    /// cp.barrier().await?; // chapter 1 is durable
+    /// # Ok(()) }
+    /// ```
     pub async fn barrier(&self) -> Result<(), Lost> {
         let (tx, rx) = oneshot::channel();
         self.push(Item::Barrier(tx));
@@ -263,7 +332,7 @@ async fn run(
     gate: Gate,
     cancel: CancellationToken,
 ) {
-    let mut last_written: Option<ProgressSnap> = None;
+    let mut last_written: Option<ProgressUpdate> = None;
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
         while let Ok(more) = rx.try_recv() {
@@ -274,7 +343,7 @@ async fn run(
         let mut durable = 0usize;
         let mut wrote = false;
         let top = batch.last().map_or(0, |(n, _, _)| *n);
-        let mut progress: Option<ProgressSnap> = None;
+        let mut progress: Option<ProgressUpdate> = None;
         let mut barriers = Vec::new();
         for (n, queued, item) in batch {
             match item {
@@ -368,7 +437,7 @@ async fn write_progress(
     fence: &Mutex<Fence>,
     gate: &Gate,
     cancel: &CancellationToken,
-    p: &ProgressSnap,
+    p: &ProgressUpdate,
 ) {
     publish(
         f,

@@ -1,0 +1,340 @@
+//! `flow`: what fleet-wide flow control costs, and whether it keeps a
+//! fleet at its limit: 4 "workers" (each its own NATS connection, flow
+//! control and coordinator, as in 4 processes) × 16 concurrent model
+//! requests of 20 ms each against one provider key.
+//!
+//! - Under the limit: coordination writes per second (the `lh_flow`
+//!   stream's sequence over the window, per worker per limit: all three
+//!   limits are in one lease write) and the added latency of an admitted
+//!   request (`try_admit`), p50/p99.
+//! - Over it (an RPM limit the requests could exceed 16×): the requests
+//!   admitted per minute, against the limit.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use leasehold_core::flow::Limits;
+use leasehold_model::flow::{Flow, ProviderKey, Wait};
+use leasehold_store::flow::{FlowStore, LimitEntry};
+use leasehold_store::setup::SetupOptions;
+use leasehold_store::NatsArgs;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{pct, server, Report};
+
+const WORKERS: usize = 4;
+const CONCURRENT: usize = 16;
+const REQUEST: Duration = Duration::from_millis(20);
+
+async fn flow_seq(conn: &leasehold_store::Conn) -> anyhow::Result<u64> {
+    let mut s = conn
+        .js
+        .get_stream(format!("KV_{}", conn.layout.flow_bucket()))
+        .await?;
+    Ok(s.info().await?.state.last_sequence)
+}
+
+/// One run: `limits` on the key, `window` measured after `warm`.
+async fn run(limits: Limits, warm: Duration, window: Duration) -> anyhow::Result<Value> {
+    let (srv, conn) = server(SetupOptions::default()).await?;
+    let key = ProviderKey::new("http://bench.invalid/v1", "bench-1", None);
+    FlowStore::open(&conn)
+        .await?
+        .set_limits(
+            &key.id,
+            &LimitEntry {
+                limits,
+                provider: Some(key.info.clone()),
+                updated_at: String::new(),
+            },
+        )
+        .await?;
+    let stop = CancellationToken::new();
+    let measuring = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lat = Arc::new(Mutex::new(Vec::<f64>::new()));
+    let admitted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let c = NatsArgs::local(srv.url(), "lh")
+            .connect(&format!("bench flow {w}"))
+            .await?;
+        let flow = Arc::new(Flow::new());
+        tasks.push(leasehold_worker::flow::start_with(
+            flow.clone(),
+            c,
+            format!("bench-w{w}"),
+            stop.clone(),
+        ));
+        for _ in 0..CONCURRENT {
+            let (flow, key, stop) = (flow.clone(), key.clone(), stop.clone());
+            let (lat, admitted, measuring) = (lat.clone(), admitted.clone(), measuring.clone());
+            tasks.push(tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    let t = Instant::now();
+                    let mut waited = false;
+                    let mut permit = loop {
+                        match flow.try_admit(&key, 500) {
+                            Ok(p) => break p,
+                            Err(w) => {
+                                waited = true;
+                                let wake = match w {
+                                    Wait::Paused { at, .. } => at,
+                                    Wait::Limited { retry, .. } => retry,
+                                };
+                                tokio::select! {
+                                    _ = stop.cancelled() => return,
+                                    _ = tokio::time::sleep_until(wake) => {}
+                                    _ = flow.changed() => {}
+                                }
+                            }
+                        }
+                    };
+                    let took = t.elapsed();
+                    if measuring.load(std::sync::atomic::Ordering::Relaxed) {
+                        admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if !waited {
+                            lat.lock().unwrap().push(took.as_secs_f64() * 1000.0);
+                        }
+                    }
+                    tokio::time::sleep(REQUEST).await;
+                    permit.reconcile(450);
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(warm).await;
+    let seq0 = flow_seq(&conn).await?;
+    admitted.store(0, std::sync::atomic::Ordering::Relaxed);
+    measuring.store(true, std::sync::atomic::Ordering::Relaxed);
+    let t0 = Instant::now();
+    tokio::time::sleep(window).await;
+    measuring.store(false, std::sync::atomic::Ordering::Relaxed);
+    let secs = t0.elapsed().as_secs_f64();
+    let writes = flow_seq(&conn).await? - seq0;
+    stop.cancel();
+    for t in tasks {
+        let _ = t.await;
+    }
+    let lat = lat.lock().unwrap().clone();
+    let writes_per_s = writes as f64 / secs;
+    Ok(json!({
+        "workers": WORKERS,
+        "concurrent_per_worker": CONCURRENT,
+        "request_ms": REQUEST.as_millis() as u64,
+        "window_s": secs,
+        "coordination_writes": writes,
+        "writes_per_s": writes_per_s,
+        "writes_per_worker_per_limit_per_s": writes_per_s / WORKERS as f64,
+        "admitted_per_min": admitted.load(std::sync::atomic::Ordering::Relaxed) as f64 / secs * 60.0,
+        "admission_ms_p50": pct(&lat, 0.5),
+        "admission_ms_p99": pct(&lat, 0.99),
+        "admitted_without_waiting": lat.len(),
+    }))
+}
+
+/// The part.
+pub async fn flow() -> anyhow::Result<Value> {
+    let under = run(
+        Limits {
+            rpm: Some(10_000_000),
+            tpm: Some(10_000_000_000),
+            concurrency: Some(100_000),
+        },
+        Duration::from_secs(3),
+        Duration::from_secs(10),
+    )
+    .await?;
+    // 64 requests of 20 ms could do 3,200/s = 192,000/min: the limit is 16x less.
+    let rpm = 12_000u64;
+    let over = run(
+        Limits {
+            rpm: Some(rpm),
+            tpm: None,
+            concurrency: None,
+        },
+        Duration::from_secs(3),
+        Duration::from_secs(10),
+    )
+    .await?;
+    let achieved = over["admitted_per_min"].as_f64().unwrap_or(0.0) / rpm as f64;
+    Ok(json!({
+        "under_limit": under,
+        "over_limit": over,
+        "rpm_limit": rpm,
+        "achieved_share_of_limit": achieved,
+        "writes_met": under["writes_per_worker_per_limit_per_s"].as_f64().is_some_and(|w| w <= 1.05)
+            && over["writes_per_worker_per_limit_per_s"].as_f64().is_some_and(|w| w <= 1.05),
+        "latency_met": under["admission_ms_p50"].as_f64().is_some_and(|p| p <= 1.0),
+        "achieved_met": (0.9..=1.05).contains(&achieved),
+    }))
+}
+
+pub fn rows(r: &mut Report, v: &Value) {
+    let u = &v["under_limit"];
+    let o = &v["over_limit"];
+    r.cmp(
+        "flow control: coordination writes per worker per limit per s (4 workers x 16 requests)",
+        format!(
+            "{:.2} under the limit, {:.2} at it",
+            u["writes_per_worker_per_limit_per_s"]
+                .as_f64()
+                .unwrap_or(f64::NAN),
+            o["writes_per_worker_per_limit_per_s"]
+                .as_f64()
+                .unwrap_or(f64::NAN)
+        ),
+        "one KV write per request would be ~800/s per worker".to_string(),
+        "<= 1",
+        v["writes_met"].as_bool(),
+    );
+    r.cmp(
+        "flow control: added latency per admitted request p50/p99 ms (under the limit)",
+        format!(
+            "{:.4}/{:.4}",
+            u["admission_ms_p50"].as_f64().unwrap_or(f64::NAN),
+            u["admission_ms_p99"].as_f64().unwrap_or(f64::NAN)
+        ),
+        format!("request {} ms", u["request_ms"]),
+        "p50 <= 1 ms",
+        v["latency_met"].as_bool(),
+    );
+    r.cmp(
+        "flow control: requests admitted per min at an RPM limit 16x below demand",
+        format!(
+            "{:.0} ({:.1}% of the limit)",
+            o["admitted_per_min"].as_f64().unwrap_or(f64::NAN),
+            v["achieved_share_of_limit"].as_f64().unwrap_or(f64::NAN) * 100.0
+        ),
+        format!("limit {}", v["rpm_limit"]),
+        ">= 90% and never above",
+        v["achieved_met"].as_bool(),
+    );
+}
+
+/// Research jobs per run of [`research`], and the sim's RPM limit (the
+/// fleet's unthrottled demand is several times more).
+const RESEARCH_JOBS: usize = 16;
+const SIM_RPM: u64 = 1200;
+
+/// One run: 4 research workers, [`RESEARCH_JOBS`] jobs, the sim limited to
+/// [`SIM_RPM`]; with `limits`, the fleet's limit set to the sim's.
+async fn research_run(limits: bool) -> anyhow::Result<Value> {
+    use crate::research::{completed, Sim};
+    let (srv, conn) = server(SetupOptions::default()).await?;
+    let spec = format!("sim-1:rpm={SIM_RPM},burst=1");
+    let sim = Sim::start_with(0, &["--limit", &spec]).await?;
+    let base = format!("http://{}/v1", sim.addr);
+    if limits {
+        let key = ProviderKey::new(&base, "sim-1", None);
+        FlowStore::open(&conn)
+            .await?
+            .set_limits(
+                &key.id,
+                &LimitEntry {
+                    limits: Limits {
+                        rpm: Some(SIM_RPM),
+                        tpm: None,
+                        concurrency: None,
+                    },
+                    provider: Some(key.info.clone()),
+                    updated_at: String::new(),
+                },
+            )
+            .await?;
+    }
+    let workers: Vec<_> = (0..4).map(|_| sim.worker(&srv.url(), &[])).collect();
+    let jobs = leasehold_store::Jobs::open(&conn).await?;
+    let work = leasehold_store::work::Work::new(&conn);
+    let t = Instant::now();
+    for i in 0..RESEARCH_JOBS {
+        let spec =
+            json!({"input": {"topic": format!("flow control {i}"), "experts": 2, "sections": 2}});
+        work.submit(
+            "research",
+            spec.to_string().into(),
+            Some(&format!("fr-{i}")),
+            None,
+        )
+        .await?;
+    }
+    let mut attempts = 0;
+    for i in 0..RESEARCH_JOBS {
+        attempts += completed(&jobs, &format!("fr-{i}")).await?.attempts;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let stats = sim.get("/stats").await?;
+    drop(workers);
+    let requests = stats["chat_requests"].as_u64().unwrap_or(0);
+    let refused = stats["rate_limited_total"].as_u64().unwrap_or(0);
+    Ok(json!({
+        "fleet_limits": limits,
+        "jobs": RESEARCH_JOBS,
+        "seconds": secs,
+        "requests": requests,
+        "refused_429": refused,
+        "share_429": refused as f64 / requests.max(1) as f64,
+        "answered_per_min": (requests - refused) as f64 / secs * 60.0,
+        "failed_attempts": attempts,
+    }))
+}
+
+/// The part `flow-research`: the same jobs with the shared cooldown only,
+/// then with the fleet's limit set to the provider's.
+pub async fn research() -> anyhow::Result<Value> {
+    let baseline = research_run(false).await?;
+    let limited = research_run(true).await?;
+    let share = limited["share_429"].as_f64().unwrap_or(1.0);
+    let achieved = limited["answered_per_min"].as_f64().unwrap_or(0.0) / SIM_RPM as f64;
+    Ok(json!({
+        "sim_rpm": SIM_RPM,
+        "cooldown_only": baseline,
+        "limited": limited,
+        "achieved_share_of_limit": achieved,
+        "share_429_met": share <= 0.01,
+        "achieved_met": achieved >= 0.9,
+        "no_attempts_met": limited["failed_attempts"] == 0 && baseline["failed_attempts"] == 0,
+    }))
+}
+
+pub fn research_rows(r: &mut Report, v: &Value) {
+    let (b, l) = (&v["cooldown_only"], &v["limited"]);
+    r.cmp(
+        format!("flow control: 429s of requests, 4 workers, {RESEARCH_JOBS} research jobs, sim at {SIM_RPM} rpm"),
+        format!(
+            "{:.2}% ({} of {})",
+            l["share_429"].as_f64().unwrap_or(f64::NAN) * 100.0,
+            l["refused_429"],
+            l["requests"]
+        ),
+        format!(
+            "cooldown only {:.1}% ({} of {})",
+            b["share_429"].as_f64().unwrap_or(f64::NAN) * 100.0,
+            b["refused_429"],
+            b["requests"]
+        ),
+        "<= 1%",
+        v["share_429_met"].as_bool(),
+    );
+    r.cmp(
+        "flow control: requests answered per min against the provider's RPM",
+        format!(
+            "{:.0} ({:.0}%)",
+            l["answered_per_min"].as_f64().unwrap_or(f64::NAN),
+            v["achieved_share_of_limit"].as_f64().unwrap_or(f64::NAN) * 100.0
+        ),
+        format!(
+            "cooldown only {:.0}",
+            b["answered_per_min"].as_f64().unwrap_or(f64::NAN)
+        ),
+        ">= 90% of the limit",
+        v["achieved_met"].as_bool(),
+    );
+    r.cmp(
+        "flow control: failed attempts of research jobs under the limit",
+        format!("{}", l["failed_attempts"]),
+        format!("cooldown only {}", b["failed_attempts"]),
+        "0",
+        v["no_attempts_met"].as_bool(),
+    );
+}

@@ -1,0 +1,617 @@
+//! Flow control: every model request of the process is admitted here first.
+//!
+//! One [`Flow`] per process ([`Flow::global`]) knows, per provider key
+//! (base URL + model + a hash of the credential: [`ProviderKey`]):
+//! - a **pause** (a cooldown after a 429 with `Retry-After` or a quota
+//!   error, or an open circuit breaker), seen here or by any worker of the
+//!   fleet: no request starts before it ends;
+//! - its **limits** (RPM, TPM, concurrency) and this process's **slice** of
+//!   them (a lease the coordinator renews), enforced locally with two
+//!   continuously refilling buckets and a slot count; tokens are reserved
+//!   from an estimate and reconciled from the response's `usage`.
+//!
+//! Nothing here does I/O. The fleet's coordination (the worker's, over
+//! NATS) is injected: it feeds limits, slices and remote pauses in
+//! ([`Flow::set_limits`], [`Flow::set_slice`], [`Flow::pause`]), takes the
+//! demand out ([`Flow::demand`]) and publishes what [`Flow::outbound`]
+//! yields. Without a coordinator a process enforces the limits alone and
+//! its pauses are its own. When a slice's lease ends unrenewed (NATS away)
+//! the process falls back to a safe local share: the limit divided by the
+//! workers it last knew of, or [`Flow::set_local_fraction`] of it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use leasehold_core::flow::{Limits, ProviderInfo, Slice};
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+
+/// A provider key: who is limited. The id hashes the credential.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProviderKey {
+    pub id: String,
+    pub info: ProviderInfo,
+}
+
+impl ProviderKey {
+    pub fn new(base_url: &str, model: &str, credential: Option<&str>) -> ProviderKey {
+        let (id, info) = leasehold_core::flow::provider_key(base_url, model, credential);
+        ProviderKey { id, info }
+    }
+
+    /// What logs, events and the CLI call it (never the credential).
+    pub fn label(&self) -> String {
+        format!(
+            "{} {}",
+            leasehold_telemetry::redact_url(&self.info.base_url),
+            self.info.model
+        )
+    }
+}
+
+/// Something the coordinator publishes for the fleet.
+#[derive(Debug, Clone)]
+pub enum Outbound {
+    /// A 429 or quota error: the key is paused until then.
+    Cooldown {
+        key: ProviderKey,
+        until: SystemTime,
+        reason: String,
+    },
+    /// This process's circuit breaker for the key opened until then.
+    BreakerOpen {
+        key: ProviderKey,
+        until: SystemTime,
+        cause: String,
+    },
+}
+
+/// Why a request must wait, and until when.
+#[derive(Debug, Clone)]
+pub enum Wait {
+    /// The key is paused (cooldown or open breaker) until `until`.
+    Paused {
+        until: SystemTime,
+        at: Instant,
+        reason: String,
+        breaker: bool,
+    },
+    /// Over the limit (or this worker's slice of it): try again at `retry`.
+    Limited { retry: Instant, limit: &'static str },
+}
+
+/// What this process asked for since the coordinator last looked.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Demand {
+    /// Its wish for the next lease period.
+    pub want: Slice,
+    /// Whether anything is held or asked (no: the lease may be given back).
+    pub active: bool,
+}
+
+/// Counters for `/metrics` and `leasehold limits list`.
+#[derive(Debug, Clone, Default)]
+pub struct KeyStats {
+    pub admitted: u64,
+    pub admitted_tokens: u64,
+    pub waited: u64,
+    pub refused: u64,
+    pub cooldowns: u64,
+    pub in_flight: u64,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn refill(&mut self, per_sec: f64, cap: f64, now: Instant) {
+        if per_sec.is_finite() {
+            self.level =
+                (self.level + now.duration_since(self.at).as_secs_f64() * per_sec).min(cap);
+        }
+        self.at = now;
+    }
+}
+
+#[derive(Debug)]
+struct KeyState {
+    key: ProviderKey,
+    /// The slice granted and until when (`None`: never granted).
+    slice: Option<(Slice, Instant)>,
+    /// Workers known at the last grant (the local share's divisor).
+    workers: u64,
+    requests: Bucket,
+    tokens: Bucket,
+    in_flight: u64,
+    /// The buckets were filled once (a new key starts with a full second).
+    primed: bool,
+    pause: Option<(Instant, SystemTime, String, bool)>,
+    // Demand since the coordinator last looked.
+    asked_requests: u64,
+    asked_tokens: u64,
+    waiting: u64,
+    peak: u64,
+    since: Instant,
+    created: Instant,
+    stats: KeyStats,
+}
+
+/// The process's admission of model requests (module docs).
+pub struct Flow {
+    keys: Mutex<HashMap<String, KeyState>>,
+    limits: Mutex<HashMap<String, Limits>>,
+    local_fraction: Mutex<Option<f64>>,
+    outbound: Mutex<Option<mpsc::UnboundedSender<Outbound>>>,
+    changed: Notify,
+}
+
+/// An admitted request: holds its slot until dropped; [`Permit::reconcile`]
+/// corrects the token reservation from the response's usage.
+pub struct Permit {
+    flow: Arc<Flow>,
+    id: String,
+    reserved: u64,
+    /// Tokens were reserved against a limit (so they are reconciled).
+    limited: bool,
+}
+
+impl Permit {
+    /// The response used `tokens` (input + output): the reservation is
+    /// corrected by the difference.
+    pub fn reconcile(&mut self, tokens: u64) {
+        if !self.limited {
+            return;
+        }
+        let diff = tokens as f64 - self.reserved as f64;
+        self.reserved = tokens;
+        if let Some(s) = self.flow.keys.lock().expect("flow lock").get_mut(&self.id) {
+            s.tokens.level -= diff;
+            s.asked_tokens = s.asked_tokens.saturating_add_signed(diff as i64);
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(s) = self.flow.keys.lock().expect("flow lock").get_mut(&self.id) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+            s.stats.in_flight = s.in_flight;
+        }
+        self.flow.changed.notify_waiters();
+    }
+}
+
+/// The refill a bucket holds at most: one second of its rate (so a
+/// worker's burst never exceeds its slice of the fleet's second).
+const BURST: f64 = 1.0;
+
+/// How long a coordinated process waits for its first lease of a key
+/// before it uses the local share instead.
+const FIRST_LEASE_GRACE: Duration = Duration::from_secs(2);
+
+impl Flow {
+    pub fn new() -> Flow {
+        Flow {
+            keys: Mutex::new(HashMap::new()),
+            limits: Mutex::new(HashMap::new()),
+            local_fraction: Mutex::new(None),
+            outbound: Mutex::new(None),
+            changed: Notify::new(),
+        }
+    }
+
+    /// The process's one flow control.
+    pub fn global() -> Arc<Flow> {
+        static FLOW: OnceLock<Arc<Flow>> = OnceLock::new();
+        FLOW.get_or_init(|| Arc::new(Flow::new())).clone()
+    }
+
+    /// Starts handing fleet-wide pauses to a coordinator (the previous one
+    /// stops receiving).
+    pub fn outbound(&self) -> mpsc::UnboundedReceiver<Outbound> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *self.outbound.lock().expect("flow outbound") = Some(tx);
+        rx
+    }
+
+    /// A coordinator is installed: slices come from leases.
+    fn coordinated(&self) -> bool {
+        self.outbound
+            .lock()
+            .expect("flow outbound")
+            .as_ref()
+            .is_some_and(|t| !t.is_closed())
+    }
+
+    /// The local share when a lease ended unrenewed: this fraction of each
+    /// limit instead of limit / known workers.
+    pub fn set_local_fraction(&self, f: Option<f64>) {
+        *self.local_fraction.lock().expect("flow fraction") = f;
+    }
+
+    /// Sets (or with `None` clears) a key's limits, by id.
+    pub fn set_limits(&self, id: &str, limits: Option<Limits>) {
+        {
+            let mut l = self.limits.lock().expect("flow limits");
+            match limits.filter(|l| !l.is_empty()) {
+                Some(v) => l.insert(id.to_string(), v),
+                None => l.remove(id),
+            };
+        }
+        self.changed.notify_waiters();
+    }
+
+    pub fn limits(&self, id: &str) -> Option<Limits> {
+        self.limits.lock().expect("flow limits").get(id).copied()
+    }
+
+    /// Every key seen, with its counters.
+    pub fn keys(&self) -> Vec<(ProviderKey, KeyStats)> {
+        let g = self.keys.lock().expect("flow lock");
+        g.values()
+            .map(|s| (s.key.clone(), s.stats.clone()))
+            .collect()
+    }
+
+    /// The coordinator's grant: this process's slice until `until`, out of
+    /// `workers` live ones.
+    pub fn set_slice(&self, id: &str, slice: Slice, until: Instant, workers: u64) {
+        if let Some(s) = self.keys.lock().expect("flow lock").get_mut(id) {
+            s.slice = Some((slice, until));
+            s.workers = workers.max(1);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Pauses the key until `until` (a cooldown seen by another worker, or
+    /// its open breaker). A pause never shortens a later one.
+    pub fn pause(&self, id: &str, until: SystemTime, reason: &str, breaker: bool) {
+        let left = until
+            .duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO);
+        if left.is_zero() {
+            return;
+        }
+        self.ensure(&ProviderKey {
+            id: id.to_string(),
+            info: ProviderInfo::default(),
+        });
+        let mut g = self.keys.lock().expect("flow lock");
+        if let Some(s) = g.get_mut(id) {
+            if s.pause.as_ref().is_none_or(|p| p.1 < until) {
+                s.pause = Some((Instant::now() + left, until, reason.to_string(), breaker));
+                s.stats.cooldowns += 1;
+                leasehold_telemetry::observe::flow_pause(
+                    &s.key.info.model,
+                    if breaker { "breaker" } else { "cooldown" },
+                );
+            }
+        }
+    }
+
+    /// A 429 (or quota error) seen here: pauses the key here at once and
+    /// for the fleet through the coordinator.
+    pub fn cooldown(&self, key: &ProviderKey, until: SystemTime, reason: &str) {
+        self.ensure(key);
+        self.pause(&key.id, until, reason, false);
+        self.send(Outbound::Cooldown {
+            key: key.clone(),
+            until,
+            reason: reason.to_string(),
+        });
+    }
+
+    /// This process's breaker for the key opened: the fleet's opens too.
+    pub fn breaker_opened(&self, key: &ProviderKey, until: SystemTime, cause: &str) {
+        self.send(Outbound::BreakerOpen {
+            key: key.clone(),
+            until,
+            cause: cause.to_string(),
+        });
+    }
+
+    /// The pause in force for a key, if any: (until, reason, breaker).
+    pub fn paused(&self, id: &str) -> Option<(Instant, SystemTime, String, bool)> {
+        let g = self.keys.lock().expect("flow lock");
+        g.get(id)
+            .and_then(|s| s.pause.clone())
+            .filter(|p| p.0 > Instant::now())
+    }
+
+    fn send(&self, o: Outbound) {
+        if let Some(tx) = self.outbound.lock().expect("flow outbound").as_ref() {
+            let _ = tx.send(o);
+        }
+    }
+
+    fn ensure(&self, key: &ProviderKey) {
+        let mut g = self.keys.lock().expect("flow lock");
+        if let Some(s) = g.get_mut(&key.id) {
+            // A key first seen in a fleet's pause learns who it is.
+            if s.key.info.base_url.is_empty() && !key.info.base_url.is_empty() {
+                s.key.info = key.info.clone();
+            }
+        } else {
+            let now = Instant::now();
+            g.insert(
+                key.id.clone(),
+                KeyState {
+                    key: key.clone(),
+                    slice: None,
+                    workers: 1,
+                    requests: Bucket {
+                        level: 0.0,
+                        at: now,
+                    },
+                    tokens: Bucket {
+                        level: 0.0,
+                        at: now,
+                    },
+                    in_flight: 0,
+                    primed: false,
+                    pause: None,
+                    asked_requests: 0,
+                    asked_tokens: 0,
+                    waiting: 0,
+                    peak: 0,
+                    since: now,
+                    created: now,
+                    stats: KeyStats::default(),
+                },
+            );
+        }
+    }
+
+    /// What this process may use of `limits` now: its lease's slice while
+    /// it lasts; otherwise (never granted, or NATS away) a local share;
+    /// without a coordinator, everything.
+    fn allowance(&self, s: &KeyState, limits: &Limits, now: Instant) -> Slice {
+        let total = limits.as_slice();
+        match s.slice {
+            Some((slice, until)) if until > now => Slice {
+                requests_per_sec: slice.requests_per_sec.min(total.requests_per_sec),
+                tokens_per_sec: slice.tokens_per_sec.min(total.tokens_per_sec),
+                concurrency: slice.concurrency.min(total.concurrency),
+            },
+            _ if !self.coordinated() => total,
+            // Not granted yet: wait for the first lease a moment, not longer.
+            None if now.duration_since(s.created) < FIRST_LEASE_GRACE => Slice::default(),
+            _ => match *self.local_fraction.lock().expect("flow fraction") {
+                Some(f) => total.fraction(f),
+                None => total.share(s.workers),
+            },
+        }
+    }
+
+    /// Admits one request of `key` estimated at `tokens`, or says why and
+    /// how long it must wait. Never blocks.
+    pub fn try_admit(self: &Arc<Self>, key: &ProviderKey, tokens: u64) -> Result<Permit, Wait> {
+        self.ensure(key);
+        let limits = self.limits(&key.id);
+        let mut g = self.keys.lock().expect("flow lock");
+        let s = g.get_mut(&key.id).expect("key ensured");
+        let now = Instant::now();
+        if let Some((at, until, reason, breaker)) = s.pause.clone() {
+            if at > now {
+                return Err(Wait::Paused {
+                    until,
+                    at,
+                    reason,
+                    breaker,
+                });
+            }
+            s.pause = None;
+        }
+        let Some(limits) = limits else {
+            s.in_flight += 1;
+            s.stats.in_flight = s.in_flight;
+            s.stats.admitted += 1;
+            s.stats.admitted_tokens += tokens;
+            return Ok(Permit {
+                flow: self.clone(),
+                id: key.id.clone(),
+                reserved: 0,
+                limited: false,
+            });
+        };
+        let a = self.allowance(s, &limits, now);
+        if !s.primed && a.concurrency > 0 {
+            s.primed = true;
+            s.requests.level = (a.requests_per_sec * BURST).max(1.0);
+            s.tokens.level = a.tokens_per_sec * BURST;
+        }
+        s.requests.refill(
+            a.requests_per_sec,
+            (a.requests_per_sec * BURST).max(1.0),
+            now,
+        );
+        s.tokens
+            .refill(a.tokens_per_sec, a.tokens_per_sec * BURST, now);
+        let refusal = if s.in_flight >= a.concurrency {
+            Some(("concurrency", now + Duration::from_millis(200)))
+        } else if a.requests_per_sec.is_finite() && s.requests.level < 1.0 {
+            let need = 1.0 - s.requests.level;
+            Some(("rpm", now + wait_for(need, a.requests_per_sec)))
+        } else if a.tokens_per_sec.is_finite()
+            && s.tokens.level < (tokens as f64).min(a.tokens_per_sec * BURST)
+        {
+            let need = (tokens as f64).min(a.tokens_per_sec * BURST) - s.tokens.level;
+            Some(("tpm", now + wait_for(need, a.tokens_per_sec)))
+        } else {
+            None
+        };
+        if let Some((limit, retry)) = refusal {
+            s.waiting += 1;
+            return Err(Wait::Limited { retry, limit });
+        }
+        if a.requests_per_sec.is_finite() {
+            s.requests.level -= 1.0;
+        }
+        if a.tokens_per_sec.is_finite() {
+            s.tokens.level -= tokens as f64;
+        }
+        s.in_flight += 1;
+        s.peak = s.peak.max(s.in_flight);
+        s.asked_requests += 1;
+        s.asked_tokens += tokens;
+        s.stats.in_flight = s.in_flight;
+        s.stats.admitted += 1;
+        s.stats.admitted_tokens += tokens;
+        Ok(Permit {
+            flow: self.clone(),
+            id: key.id.clone(),
+            reserved: tokens,
+            limited: a.tokens_per_sec.is_finite(),
+        })
+    }
+
+    /// A request that waited (once per request), or gave up waiting.
+    pub fn count(&self, id: &str, waited: bool, refused: bool) {
+        if let Some(s) = self.keys.lock().expect("flow lock").get_mut(id) {
+            s.stats.waited += u64::from(waited);
+            s.stats.refused += u64::from(refused);
+        }
+    }
+
+    /// Resolves when a slot, a slice or a limit changed.
+    pub async fn changed(&self) {
+        self.changed.notified().await
+    }
+
+    /// What the key's users asked for since the last call (the
+    /// coordinator's want for the next lease): the measured rates with
+    /// headroom, and when requests waited, the whole limit.
+    pub fn demand(&self, id: &str) -> Demand {
+        let limits = self.limits(id).unwrap_or_default();
+        let mut g = self.keys.lock().expect("flow lock");
+        let Some(s) = g.get_mut(id) else {
+            return Demand::default();
+        };
+        let now = Instant::now();
+        let secs = now.duration_since(s.since).as_secs_f64().max(0.25);
+        let held = s.slice.map(|x| x.0).unwrap_or_default();
+        let total = limits.as_slice();
+        let grow = s.waiting > 0;
+        // Requests waited: ask for the whole limit (the lease record's
+        // water filling splits it between those who want it), so a fleet
+        // short of its limit reaches it at the next renewal.
+        let pick = |measured: f64, _held: f64, limit: f64| {
+            if grow {
+                limit
+            } else {
+                (measured * 1.25).min(limit)
+            }
+        };
+        let want = Slice {
+            requests_per_sec: pick(
+                s.asked_requests as f64 / secs,
+                held.requests_per_sec,
+                total.requests_per_sec,
+            ),
+            tokens_per_sec: pick(
+                s.asked_tokens as f64 / secs,
+                held.tokens_per_sec,
+                total.tokens_per_sec,
+            ),
+            concurrency: (s.peak.max(s.in_flight) + s.waiting.min(64) + u64::from(grow))
+                .min(total.concurrency),
+        };
+        let active = s.in_flight > 0 || s.asked_requests > 0 || s.waiting > 0;
+        s.asked_requests = 0;
+        s.asked_tokens = 0;
+        s.waiting = 0;
+        s.peak = s.in_flight;
+        s.since = now;
+        Demand { want, active }
+    }
+}
+
+impl Default for Flow {
+    fn default() -> Self {
+        Flow::new()
+    }
+}
+
+fn wait_for(need: f64, per_sec: f64) -> Duration {
+    if per_sec <= 0.0 {
+        Duration::from_millis(250)
+    } else {
+        Duration::from_secs_f64((need / per_sec).clamp(0.001, 5.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn limits_pauses_and_slots() {
+        let f = Arc::new(Flow::new());
+        let k = ProviderKey::new("http://x/v1/", "m", Some("sk-secret"));
+        assert!(!format!("{k:?}").contains("sk-secret"));
+        assert_eq!(k, ProviderKey::new("http://x/v1", "m", Some("sk-secret")));
+        assert_ne!(k.id, ProviderKey::new("http://x/v1", "m", Some("other")).id);
+        // No limits: everything goes.
+        let p = (0..50)
+            .map(|_| f.try_admit(&k, 100).ok().unwrap())
+            .collect::<Vec<_>>();
+        drop(p);
+        f.set_limits(
+            &k.id,
+            Some(Limits {
+                rpm: None,
+                tpm: None,
+                concurrency: Some(2),
+            }),
+        );
+        let a = f.try_admit(&k, 1).ok().unwrap();
+        let _b = f.try_admit(&k, 1).ok().unwrap();
+        assert!(matches!(
+            f.try_admit(&k, 1),
+            Err(Wait::Limited {
+                limit: "concurrency",
+                ..
+            })
+        ));
+        drop(a);
+        assert!(f.try_admit(&k, 1).is_ok());
+        // A cooldown pauses everything until it ends.
+        f.cooldown(&k, SystemTime::now() + Duration::from_secs(30), "429");
+        assert!(matches!(f.try_admit(&k, 1), Err(Wait::Paused { .. })));
+        f.set_limits(&k.id, None);
+    }
+
+    #[tokio::test]
+    async fn a_lapsed_lease_falls_back_to_a_local_share() {
+        let f = Arc::new(Flow::new());
+        let _rx = f.outbound();
+        let k = ProviderKey::new("http://y/v1", "m", None);
+        f.set_limits(
+            &k.id,
+            Some(Limits {
+                rpm: None,
+                tpm: None,
+                concurrency: Some(8),
+            }),
+        );
+        f.ensure(&k);
+        let full = Slice {
+            requests_per_sec: f64::INFINITY,
+            tokens_per_sec: f64::INFINITY,
+            concurrency: 8,
+        };
+        // Granted all 8, then the lease lapses with 4 workers known: 2.
+        f.set_slice(&k.id, full, Instant::now() - Duration::from_millis(1), 4);
+        let p: Vec<_> = (0..2).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
+        assert!(f.try_admit(&k, 1).is_err(), "not unlimited without NATS");
+        drop(p);
+        f.set_local_fraction(Some(0.5));
+        let p: Vec<_> = (0..4).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
+        assert!(f.try_admit(&k, 1).is_err());
+        drop(p);
+    }
+}

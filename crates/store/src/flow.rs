@@ -1,0 +1,327 @@
+//! Fleet-wide flow control's buckets.
+//!
+//! - `lh_limits`: one entry per provider key id (`leasehold limits set`),
+//!   its [`LimitEntry`]; every worker watches it, so a change applies
+//!   fleet-wide within a second.
+//! - `lh_flow`: `lease.<id>` (the [`LeaseRecord`] splitting the key's limits
+//!   between workers, each write conditioned on the revision read),
+//!   `cool.<id>` (a cooldown after a 429 or a quota error) and
+//!   `breaker.<id>` (an open circuit breaker), each a [`Pause`] that is
+//!   only ever extended; every worker watches the pauses.
+
+use std::time::SystemTime;
+
+use async_nats::jetstream::kv;
+use futures::{Stream, StreamExt};
+use leasehold_core::flow::{LeaseRecord, Limits, Pause, ProviderInfo};
+use serde::{Deserialize, Serialize};
+
+use crate::{Conn, StoreError};
+
+/// A provider key's limits as stored in `lh_limits`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LimitEntry {
+    pub limits: Limits,
+    /// Who the key is, when known (set by `--base-url`/`--model`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<ProviderInfo>,
+    pub updated_at: String,
+}
+
+/// What kind of pause an entry of `lh_flow` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseKind {
+    Cooldown,
+    Breaker,
+}
+
+impl PauseKind {
+    fn prefix(self) -> &'static str {
+        match self {
+            PauseKind::Cooldown => "cool",
+            PauseKind::Breaker => "breaker",
+        }
+    }
+}
+
+/// A change seen by a watch.
+#[derive(Debug, Clone)]
+pub enum FlowChange {
+    /// A key's limits, or `None` when cleared.
+    Limits(String, Option<LimitEntry>),
+    Pause(PauseKind, String, Pause),
+}
+
+/// A lease write that did not land.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error("the lease record changed meanwhile")]
+    Conflict,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The two buckets.
+#[derive(Clone)]
+pub struct FlowStore {
+    limits: kv::Store,
+    flow: kv::Store,
+}
+
+fn ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Milliseconds since the Unix epoch (this host's clock).
+pub fn now_ms() -> u64 {
+    ms(SystemTime::now())
+}
+
+/// `t` as milliseconds since the Unix epoch.
+pub fn to_ms(t: SystemTime) -> u64 {
+    ms(t)
+}
+
+impl FlowStore {
+    /// Opens both buckets (`StoreError::Missing` on a layout set up before
+    /// they existed: run `leasehold setup`).
+    pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
+        Ok(FlowStore {
+            limits: crate::open_kv(conn, &conn.layout.limits_bucket()).await?,
+            flow: crate::open_kv(conn, &conn.layout.flow_bucket()).await?,
+        })
+    }
+
+    /// Every key's limits, by id.
+    pub async fn list_limits(&self) -> Result<Vec<(String, LimitEntry)>, StoreError> {
+        let mut out = Vec::new();
+        for id in keys(&self.limits, "list limits").await? {
+            if let Some(e) = self.get_limits(&id).await? {
+                out.push((id, e));
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn get_limits(&self, id: &str) -> Result<Option<LimitEntry>, StoreError> {
+        match self.limits.entry(id).await {
+            Ok(Some(e)) if e.operation == kv::Operation::Put => serde_json::from_slice(&e.value)
+                .map(Some)
+                .map_err(|err| StoreError::Nats(format!("limits {id} are unreadable: {err}"))),
+            Ok(_) => Ok(None),
+            Err(e) => Err(StoreError::nats("read limits", e)),
+        }
+    }
+
+    pub async fn set_limits(&self, id: &str, e: &LimitEntry) -> Result<(), StoreError> {
+        let v = serde_json::to_vec(e).expect("limits serialize");
+        self.limits
+            .put(id, v.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| StoreError::nats("write limits", e))
+    }
+
+    /// Removes a key's limits; `false` when it had none.
+    pub async fn clear_limits(&self, id: &str) -> Result<bool, StoreError> {
+        if self.get_limits(id).await?.is_none() {
+            return Ok(false);
+        }
+        self.limits
+            .delete(id)
+            .await
+            .map(|_| true)
+            .map_err(|e| StoreError::nats("clear limits", e))
+    }
+
+    /// The key's lease record and its revision (0: none yet).
+    pub async fn lease(&self, id: &str) -> Result<(LeaseRecord, u64), StoreError> {
+        let key = format!("lease.{id}");
+        match self.flow.entry(&key).await {
+            Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                let rec = serde_json::from_slice(&e.value).unwrap_or_default();
+                Ok((rec, e.revision))
+            }
+            Ok(Some(e)) => Ok((LeaseRecord::default(), e.revision)),
+            Ok(None) => Ok((LeaseRecord::default(), 0)),
+            Err(e) => Err(StoreError::nats("read lease", e)),
+        }
+    }
+
+    /// Writes the record only if it is still at `revision` (0: absent).
+    pub async fn write_lease(
+        &self,
+        id: &str,
+        rec: &LeaseRecord,
+        revision: u64,
+    ) -> Result<u64, LeaseError> {
+        let key = format!("lease.{id}");
+        let v: bytes::Bytes = serde_json::to_vec(rec).expect("lease serializes").into();
+        let r = if revision == 0 {
+            self.flow.create(&key, v).await.map_err(|err| {
+                if err.kind() == kv::CreateErrorKind::AlreadyExists {
+                    LeaseError::Conflict
+                } else {
+                    LeaseError::Store(StoreError::nats("write lease", err))
+                }
+            })
+        } else {
+            self.flow.update(&key, v, revision).await.map_err(|err| {
+                if err.kind() == kv::UpdateErrorKind::WrongLastRevision
+                    || crate::server_error_code(&err)
+                        == Some(crate::WRONG_LAST_SEQUENCE | crate::WRONG_LAST_SEQUENCE_CONSTANT)
+                {
+                    LeaseError::Conflict
+                } else {
+                    LeaseError::Store(StoreError::nats("write lease", err))
+                }
+            })
+        };
+        r
+    }
+
+    /// The pause of a key, if any (expired ones included).
+    pub async fn get_pause(
+        &self,
+        kind: PauseKind,
+        id: &str,
+    ) -> Result<Option<(Pause, u64)>, StoreError> {
+        let key = format!("{}.{id}", kind.prefix());
+        match self.flow.entry(&key).await {
+            Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                Ok(serde_json::from_slice(&e.value)
+                    .ok()
+                    .map(|p| (p, e.revision)))
+            }
+            Ok(_) => Ok(None),
+            Err(e) => Err(StoreError::nats("read pause", e)),
+        }
+    }
+
+    /// Pauses a key for the fleet: written unless a pause as long or
+    /// longer is already there (conditioned on the revision read, so two
+    /// workers' pauses keep the later one). `false`: nothing written.
+    pub async fn extend_pause(
+        &self,
+        kind: PauseKind,
+        id: &str,
+        p: &Pause,
+    ) -> Result<bool, StoreError> {
+        let key = format!("{}.{id}", kind.prefix());
+        for _ in 0..5 {
+            let current = self.get_pause(kind, id).await?;
+            if current
+                .as_ref()
+                .is_some_and(|(c, _)| c.until_ms >= p.until_ms)
+            {
+                return Ok(false);
+            }
+            let v: bytes::Bytes = serde_json::to_vec(p).expect("pause serializes").into();
+            let r = match current {
+                Some((_, rev)) => self
+                    .flow
+                    .update(&key, v, rev)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                None => self
+                    .flow
+                    .create(&key, v)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+            };
+            match r {
+                Ok(()) => return Ok(true),
+                Err(e) if e.contains("wrong last sequence") || e.contains("exists") => continue,
+                Err(e) => return Err(StoreError::Nats(format!("write pause: {e}"))),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Every limit and pause as it is now, then each change.
+    pub async fn watch(
+        &self,
+    ) -> Result<impl Stream<Item = FlowChange> + Send + 'static, StoreError> {
+        let limits = self
+            .limits
+            .watch_with_history(">")
+            .await
+            .map_err(|e| StoreError::nats("watch limits", e))?;
+        let cool = self
+            .flow
+            .watch_many_with_history(["cool.*", "breaker.*"])
+            .await
+            .map_err(|e| StoreError::nats("watch pauses", e))?;
+        let limits = limits.filter_map(|e| async move {
+            let e = e.ok()?;
+            Some(match e.operation {
+                kv::Operation::Put => {
+                    FlowChange::Limits(e.key.clone(), serde_json::from_slice(&e.value).ok())
+                }
+                _ => FlowChange::Limits(e.key.clone(), None),
+            })
+        });
+        let cool = cool.filter_map(|e| async move {
+            let e = e.ok()?;
+            if e.operation != kv::Operation::Put {
+                return None;
+            }
+            let (prefix, id) = e.key.split_once('.')?;
+            let kind = if prefix == "cool" {
+                PauseKind::Cooldown
+            } else {
+                PauseKind::Breaker
+            };
+            Some(FlowChange::Pause(
+                kind,
+                id.to_string(),
+                serde_json::from_slice(&e.value).ok()?,
+            ))
+        });
+        Ok(futures::stream::select(limits, cool))
+    }
+
+    /// Every lease record, by id (for `leasehold limits list`).
+    pub async fn leases(&self) -> Result<Vec<(String, LeaseRecord)>, StoreError> {
+        let mut out = Vec::new();
+        for k in keys(&self.flow, "list leases").await? {
+            if let Some(id) = k.strip_prefix("lease.") {
+                out.push((id.to_string(), self.lease(id).await?.0));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every pause, by id.
+    pub async fn pauses(&self) -> Result<Vec<(PauseKind, String, Pause)>, StoreError> {
+        let mut out = Vec::new();
+        for k in keys(&self.flow, "list pauses").await? {
+            let (kind, id) = match k.split_once('.') {
+                Some(("cool", id)) => (PauseKind::Cooldown, id),
+                Some(("breaker", id)) => (PauseKind::Breaker, id),
+                _ => continue,
+            };
+            if let Some((p, _)) = self.get_pause(kind, id).await? {
+                out.push((kind, id.to_string(), p));
+            }
+        }
+        Ok(out)
+    }
+}
+
+async fn keys(kv: &kv::Store, what: &str) -> Result<Vec<String>, StoreError> {
+    let mut keys = match kv.keys().await {
+        Ok(k) => k,
+        Err(e) => return Err(StoreError::nats(what, e)),
+    };
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        out.push(k.map_err(|e| StoreError::nats(what, e))?);
+    }
+    out.sort();
+    Ok(out)
+}

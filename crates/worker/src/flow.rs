@@ -1,0 +1,270 @@
+//! The fleet's side of flow control: connects the process's
+//! [`leasehold_model::flow::Flow`] (which admits every model request) to
+//! the `lh_limits` and `lh_flow` buckets.
+//!
+//! - A watch of the limits and of the pauses feeds `Flow` (a limit set by
+//!   `leasehold limits set` applies within a second, a cooldown another
+//!   worker saw at once).
+//! - Pauses this process sees (429s, quota errors, an opened breaker) are
+//!   written for the fleet, only ever extending the stored one.
+//! - For each provider key with limits and demand, the process's lease is
+//!   renewed every [`RENEW`] by one revision-conditioned write of the key's
+//!   lease record (one write per worker per key per second for all three
+//!   limits), valid for [`LEASE`]. A lease that is not renewed (the worker
+//!   died, NATS is away) ends by itself: the others take its share at their
+//!   next renewal, and this process falls back to a local share.
+//! - At shutdown the leases are given back.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures::StreamExt;
+use leasehold_core::flow::{Pause, Slice};
+use leasehold_model::flow::{Flow, Outbound};
+use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
+use leasehold_store::{Conn, StoreError};
+use leasehold_telemetry::observe;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// How long a lease is valid: the longest a dead worker's share stays taken.
+pub const LEASE: Duration = Duration::from_secs(3);
+/// How often a lease in use is renewed.
+pub const RENEW: Duration = Duration::from_secs(1);
+/// How often the coordinator looks for new demand.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Starts the coordination; it stops when `shutdown` fires (after giving
+/// the leases back). A layout without the flow buckets runs with local
+/// limits only, and says so.
+pub fn start(
+    conn: Conn,
+    worker_id: String,
+    local_fraction: Option<f64>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let flow = Flow::global();
+    flow.set_local_fraction(local_fraction);
+    start_with(flow, conn, worker_id, shutdown)
+}
+
+/// [`start`] for a flow control of its own (benchmarks: several
+/// "workers" in one process).
+pub fn start_with(
+    flow: Arc<Flow>,
+    conn: Conn,
+    worker_id: String,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let store = match FlowStore::open(&conn).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "flow control is local to this worker (run `leasehold setup` for fleet-wide limits and cooldowns)");
+                return;
+            }
+        };
+        let outbound = flow.outbound();
+        let watch = tokio::spawn(follow(store.clone(), flow.clone(), shutdown.clone()));
+        coordinate(store, flow, worker_id, outbound, shutdown).await;
+        let _ = watch.await;
+    })
+}
+
+/// Applies every limit and pause as it is and as it changes, re-watching
+/// after a lost connection.
+async fn follow(store: FlowStore, flow: Arc<Flow>, shutdown: CancellationToken) {
+    loop {
+        match store.watch().await {
+            Ok(changes) => {
+                tokio::pin!(changes);
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        c = changes.next() => match c {
+                            Some(c) => apply(&flow, c),
+                            None => break,
+                        },
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "flow watch"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+fn apply(flow: &Flow, c: FlowChange) {
+    match c {
+        FlowChange::Limits(id, entry) => {
+            tracing::info!(provider = %id, limits = ?entry.as_ref().map(|e| e.limits), "provider limits");
+            flow.set_limits(&id, entry.map(|e| e.limits));
+        }
+        FlowChange::Pause(kind, id, p) => {
+            let until = SystemTime::UNIX_EPOCH + Duration::from_millis(p.until_ms);
+            flow.pause(&id, until, &p.reason, kind == PauseKind::Breaker);
+        }
+    }
+}
+
+struct Held {
+    last: Instant,
+    granted: bool,
+}
+
+async fn coordinate(
+    store: FlowStore,
+    flow: Arc<Flow>,
+    me: String,
+    mut outbound: tokio::sync::mpsc::UnboundedReceiver<Outbound>,
+    shutdown: CancellationToken,
+) {
+    let mut held: HashMap<String, Held> = HashMap::new();
+    let mut paused: HashMap<String, (Instant, u64)> = HashMap::new();
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            o = outbound.recv() => match o {
+                Some(o) => publish(&store, &me, o, &mut paused).await,
+                None => break,
+            },
+            _ = tick.tick() => {
+                for (key, _) in flow.keys() {
+                    let Some(limits) = flow.limits(&key.id) else {
+                        held.remove(&key.id);
+                        continue;
+                    };
+                    let h = held.entry(key.id.clone()).or_insert(Held { last: Instant::now() - RENEW, granted: false });
+                    // At most one write per key per second; new demand after
+                    // a quiet second is served at once.
+                    if h.last.elapsed() < RENEW {
+                        continue;
+                    }
+                    let d = flow.demand(&key.id);
+                    if !d.active && !h.granted {
+                        continue;
+                    }
+                    h.last = Instant::now();
+                    let want = if d.active { d.want } else { Slice::default() };
+                    match renew(&store, &flow, &me, &key, &limits, want).await {
+                        Ok(got) => h.granted = d.active && got,
+                        Err(e) => tracing::debug!(provider = %key.label(), error = %e, "lease not renewed"),
+                    }
+                }
+            }
+        }
+    }
+    // Give the leases back (bounded: a NATS that is away does not hold up
+    // the shutdown; the leases then end by themselves).
+    let give_back = async {
+        for (key, _) in flow.keys() {
+            if held.get(&key.id).is_some_and(|h| h.granted) {
+                if let Some(limits) = flow.limits(&key.id) {
+                    let _ = renew(&store, &flow, &me, &key, &limits, Slice::default()).await;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), give_back).await;
+}
+
+/// One revision-conditioned write of `me`'s lease (retried on a
+/// conflict): `Ok(true)` when something is held.
+async fn renew(
+    store: &FlowStore,
+    flow: &Flow,
+    me: &str,
+    key: &leasehold_model::flow::ProviderKey,
+    limits: &leasehold_core::flow::Limits,
+    want: Slice,
+) -> Result<bool, StoreError> {
+    for _ in 0..4 {
+        let (mut rec, rev) = store.lease(&key.id).await?;
+        let now = now_ms();
+        rec.provider = key.info.clone();
+        let got = rec.grant(me, limits, want, now, now + LEASE.as_millis() as u64);
+        let workers = rec.workers(me);
+        match store.write_lease(&key.id, &rec, rev).await {
+            Ok(_) => {
+                // The local view ends a little before the record's.
+                flow.set_slice(
+                    &key.id,
+                    got,
+                    Instant::now() + LEASE - Duration::from_millis(200),
+                    workers,
+                );
+                let total = limits.as_slice();
+                for (name, fleet, slice) in [
+                    (
+                        "rpm",
+                        total.requests_per_sec * 60.0,
+                        got.requests_per_sec * 60.0,
+                    ),
+                    (
+                        "tpm",
+                        total.tokens_per_sec * 60.0,
+                        got.tokens_per_sec * 60.0,
+                    ),
+                    (
+                        "concurrency",
+                        total.concurrency as f64,
+                        got.concurrency as f64,
+                    ),
+                ] {
+                    if fleet.is_finite() && fleet < u64::MAX as f64 {
+                        observe::flow_limit(&key.info.model, name, fleet, slice);
+                    }
+                }
+                return Ok(got != Slice::default());
+            }
+            Err(LeaseError::Conflict) => continue,
+            Err(LeaseError::Store(e)) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
+/// Writes a pause for the fleet; a storm of 429s is one write per key per
+/// second (a pause written less than a second ago and ending at most a
+/// second before the new one stands for it).
+async fn publish(
+    store: &FlowStore,
+    me: &str,
+    o: Outbound,
+    written: &mut HashMap<String, (Instant, u64)>,
+) {
+    let (kind, key, until, reason) = match o {
+        Outbound::Cooldown { key, until, reason } => (PauseKind::Cooldown, key, until, reason),
+        Outbound::BreakerOpen { key, until, cause } => (PauseKind::Breaker, key, until, cause),
+    };
+    let until_ms = to_ms(until);
+    let slot = format!("{kind:?}.{}", key.id);
+    if written
+        .get(&slot)
+        .is_some_and(|(at, w)| at.elapsed() < RENEW && until_ms <= w + 1000)
+    {
+        return;
+    }
+    written.insert(slot, (Instant::now(), until_ms));
+    let p = Pause {
+        until_ms: to_ms(until),
+        reason,
+        by: me.to_string(),
+        provider: key.info.clone(),
+    };
+    match store.extend_pause(kind, &key.id, &p).await {
+        Ok(true) => {
+            tracing::info!(provider = %key.label(), until = %leasehold_core::time::rfc3339(until), kind = ?kind, "provider paused for the fleet")
+        }
+        Ok(false) => {}
+        Err(e) => {
+            tracing::warn!(provider = %key.label(), error = %e, "could not pause the provider for the fleet; this worker waits alone")
+        }
+    }
+}

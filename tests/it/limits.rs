@@ -1,0 +1,474 @@
+//! Fleet-wide flow control against the sim's enforced limits: a 429 storm
+//! answered by one shared cooldown, limits set and lowered at run time,
+//! a killed worker's quota lease coming back, and malformed limits refused.
+
+use std::time::{Duration, Instant};
+
+use leasehold_core::flow::provider_key;
+use leasehold_harness::Proc;
+use leasehold_store::flow::{FlowStore, PauseKind};
+use serde_json::{json, Value};
+
+use crate::support::*;
+
+async fn submit_research(env: &Env, id: &str) {
+    env.submit(
+        "research",
+        json!({"input": {"topic": format!("flow control {id}"), "experts": 2, "sections": 2}}),
+        id,
+    )
+    .await;
+}
+
+async fn completed(env: &Env, id: &str, within: Duration) {
+    let rec = env
+        .wait_for(id, within, |r| {
+            matches!(
+                r.status.as_str(),
+                "completed" | "failed" | "parked" | "dead"
+            )
+        })
+        .await;
+    assert_eq!(rec.status, "completed", "{id}: {rec:?}");
+    assert_eq!(
+        rec.attempts, 0,
+        "{id}: no attempt was spent on rate limits: {rec:?}"
+    );
+}
+
+fn key_of(sim: &str) -> String {
+    provider_key(&format!("{sim}/v1"), "sim-1", None).0
+}
+
+/// Four workers against a sim that allows 5 requests a second: the sim
+/// answers 429 with `Retry-After`, every worker waits for the one cooldown
+/// the first 429 published (the record in `lh_flow` says so), and no job
+/// spends an attempt or fails for it.
+#[tokio::test]
+async fn a_429_storm_is_one_fleet_wide_cooldown_and_spends_no_attempts() {
+    let env = Env::new().await;
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_LIMIT", "sim-1:rpm=300,burst=1".into())]).await;
+    let _w: Vec<Proc> = (0..4)
+        .map(|_| research_worker(&env, &sim, &format!("{sim}/v1"), &[]))
+        .collect();
+    let ids: Vec<String> = (0..8).map(|i| format!("storm-{i}")).collect();
+    for id in &ids {
+        submit_research(&env, id).await;
+    }
+    for id in &ids {
+        completed(&env, id, Duration::from_secs(120)).await;
+    }
+    let stats = sim_json(&sim, "GET", "/stats", None).await;
+    let refused = stats["rate_limited_total"].as_u64().unwrap();
+    let requests = stats["chat_requests"].as_u64().unwrap();
+    assert!(refused > 0, "the sim's limit was reached: {stats}");
+    // Every worker waits for the shared cooldown: the requests that reach
+    // the sim while a Retry-After it gave runs are only the few already
+    // under way when the first 429 was seen, not a storm.
+    let early = stats["requests_during_retry_after"].as_u64().unwrap();
+    eprintln!("storm: {requests} requests, {refused} refused, {early} during a cooldown");
+    assert!(refused < requests, "{stats}");
+    assert!(
+        early * 4 < requests,
+        "{early} of {requests} sent during a cooldown: {stats}"
+    );
+    let store = FlowStore::open(&env.conn).await.unwrap();
+    let pause = store
+        .get_pause(PauseKind::Cooldown, &key_of(&sim))
+        .await
+        .unwrap()
+        .expect("the cooldown was published for the fleet");
+    assert!(pause.0.reason.contains("rate_limited"), "{pause:?}");
+    assert!(
+        !pause.0.reason.contains("sk-"),
+        "no credential in the record"
+    );
+    let mut waited = 0;
+    for id in &ids {
+        let events = env.events_of(id).await;
+        waited += events
+            .iter()
+            .filter(|e| e.r#type == "retry")
+            .filter(|e| {
+                e.data_map()["reason"].as_str().is_some_and(|r| {
+                    r.starts_with("waiting for provider ") && r.contains(" until ")
+                })
+            })
+            .count();
+    }
+    assert!(waited > 0, "jobs say they wait for the provider");
+}
+
+/// Limits set with `leasehold limits set` are enforced by every worker
+/// (the sim, limited the same, refuses nothing), and a lowered limit
+/// applies without a restart; `limits list` shows it with its leases.
+#[tokio::test]
+async fn limits_set_and_lowered_at_run_time_keep_the_fleet_under_them() {
+    let env = Env::new().await;
+    let (_sim, sim) = spawn_sim(&[
+        ("LH_SIM_LIMIT", "sim-1:concurrency=2".into()),
+        ("LH_SIM_TOKEN_DELAY_MS", "2".into()),
+    ])
+    .await;
+    let base = format!("{sim}/v1");
+    let (code, out, err) = cli(
+        &env.url(),
+        &[
+            "limits",
+            "set",
+            "--base-url",
+            &base,
+            "--model",
+            "sim-1",
+            "--concurrency",
+            "2",
+            "--rpm",
+            "6000",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(&key_of(&sim)), "{out}");
+    let _w: Vec<Proc> = (0..2)
+        .map(|_| research_worker(&env, &sim, &format!("{sim}/v1"), &[]))
+        .collect();
+    for i in 0..3 {
+        submit_research(&env, &format!("lim-a{i}")).await;
+    }
+    for i in 0..3 {
+        completed(&env, &format!("lim-a{i}"), Duration::from_secs(120)).await;
+    }
+    let stats = sim_json(&sim, "GET", "/stats", None).await;
+    assert_eq!(
+        stats["rate_limited_total"], 0,
+        "the fleet stayed under 2 concurrent: {stats}"
+    );
+
+    // Lower it to 1, for the fleet and the sim alike: from now on never 2.
+    let (code, out, err) = cli(
+        &env.url(),
+        &["limits", "set", &key_of(&sim), "--concurrency", "1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    sim_json(
+        &sim,
+        "POST",
+        "/limits",
+        Some(json!({"model": "sim-1", "concurrency": 1})),
+    )
+    .await;
+    // Within a second, without a restart.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for i in 0..3 {
+        submit_research(&env, &format!("lim-b{i}")).await;
+    }
+    for i in 0..3 {
+        completed(&env, &format!("lim-b{i}"), Duration::from_secs(120)).await;
+    }
+    let stats = sim_json(&sim, "GET", "/stats", None).await;
+    assert_eq!(
+        stats["rate_limited_total"], 0,
+        "the fleet stayed under 1 concurrent: {stats}"
+    );
+    let (code, out, _) = cli(&env.url(), &["limits", "list", "--json"]).await;
+    assert_eq!(code, 0);
+    let row: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(row["limits"]["concurrency"], 1, "{row}");
+    assert_eq!(row["limits"]["rpm"], 6000, "{row}");
+    assert_eq!(row["provider"]["model"], "sim-1", "{row}");
+    assert_eq!(row["provider"]["credential"], "none", "{row}");
+    let (code, _, _) = cli(&env.url(), &["limits", "clear", &key_of(&sim)]).await;
+    assert_eq!(code, 0);
+    let (code, _, err) = cli(&env.url(), &["limits", "clear", &key_of(&sim)]).await;
+    assert_eq!(code, 1, "nothing left to clear: {err}");
+}
+
+/// A worker killed (kill -9) while it holds the whole concurrency of a key
+/// gives it back within the lease period: another worker that was waiting
+/// for it is granted it by then.
+#[tokio::test]
+async fn a_killed_workers_quota_lease_comes_back_within_the_lease_period() {
+    let env = Env::new().await;
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "40".into())]).await;
+    let id = key_of(&sim);
+    let (code, out, err) = cli(&env.url(), &["limits", "set", &id, "--concurrency", "1"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let store = FlowStore::open(&env.conn).await.unwrap();
+    let holder = |who: &'static str| {
+        let store = store.clone();
+        let id = id.clone();
+        async move {
+            let (rec, _) = store.lease(&id).await.unwrap();
+            rec.leases.get(who).is_some_and(|l| {
+                l.held.concurrency == 1 && l.until_ms > leasehold_store::flow::now_ms()
+            })
+        }
+    };
+    let mut a = research_worker(&env, &sim, &format!("{sim}/v1"), &[("LH_WORKER_ID", "wa")]);
+    submit_research(&env, "lease-1").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !holder("wa").await {
+        assert!(
+            Instant::now() < deadline,
+            "wa never held the lease:\n{}",
+            a.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b = research_worker(&env, &sim, &format!("{sim}/v1"), &[("LH_WORKER_ID", "wb")]);
+    submit_research(&env, "lease-2").await;
+    wait_log(&b, "worker starting", Duration::from_secs(20)).await;
+    a.kill9();
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(10);
+    while !holder("wb").await {
+        assert!(
+            Instant::now() < deadline,
+            "wb never got the lease:\n{}",
+            b.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back = killed.elapsed();
+    // The lease period (3 s) plus one renewal (1 s) and the test's polling.
+    assert!(
+        back <= Duration::from_millis(4500),
+        "quota came back after {back:?}"
+    );
+    completed(&env, "lease-2", Duration::from_secs(120)).await;
+}
+
+/// Malformed limits are refused with what is wrong, before anything is
+/// written.
+#[tokio::test]
+async fn malformed_limits_are_refused_clearly() {
+    let env = Env::new().await;
+    for (args, needle) in [
+        (
+            vec![
+                "limits",
+                "set",
+                "--base-url",
+                "http://x/v1",
+                "--model",
+                "m",
+                "--rpm",
+                "0",
+            ],
+            "clear the limit",
+        ),
+        (
+            vec![
+                "limits",
+                "set",
+                "--base-url",
+                "http://x/v1",
+                "--model",
+                "m",
+                "--tpm",
+                "-5",
+            ],
+            "whole number",
+        ),
+        (
+            vec![
+                "limits",
+                "set",
+                "--base-url",
+                "http://x/v1",
+                "--model",
+                "m",
+                "--concurrency",
+                "two",
+            ],
+            "whole number",
+        ),
+        (
+            vec![
+                "limits",
+                "set",
+                "--base-url",
+                "ftp://x",
+                "--model",
+                "m",
+                "--rpm",
+                "5",
+            ],
+            "http://",
+        ),
+        (
+            vec!["limits", "set", "--base-url", "http://x/v1", "--model", "m"],
+            "nothing to set",
+        ),
+        (
+            vec!["limits", "set", "not-an-id", "--rpm", "5"],
+            "not a provider key id",
+        ),
+    ] {
+        let (code, out, err) = cli(&env.url(), &args).await;
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    let (code, out, _) = cli(&env.url(), &["limits", "list", "--json"]).await;
+    assert_eq!(code, 0);
+    assert!(out.trim().is_empty(), "nothing was written: {out}");
+}
+
+/// In-flight requests of one flow control, and the most seen at once
+/// since the last reset.
+#[derive(Default)]
+struct InFlight {
+    now: std::sync::atomic::AtomicU64,
+    max: std::sync::atomic::AtomicU64,
+}
+
+/// `n` tasks asking `flow` for `key` over and over, each request 20 ms.
+fn demand(
+    flow: std::sync::Arc<leasehold_model::flow::Flow>,
+    key: leasehold_model::flow::ProviderKey,
+    n: usize,
+    seen: std::sync::Arc<InFlight>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use std::sync::atomic::Ordering::SeqCst;
+    for _ in 0..n {
+        let (flow, key, seen, stop) = (flow.clone(), key.clone(), seen.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let permit = match flow.try_admit(&key, 10) {
+                    Ok(p) => p,
+                    Err(w) => {
+                        let wake = match w {
+                            leasehold_model::flow::Wait::Paused { at, .. } => at,
+                            leasehold_model::flow::Wait::Limited { retry, .. } => retry,
+                        };
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tokio::time::sleep_until(wake) => {}
+                            _ = flow.changed() => {}
+                        }
+                        continue;
+                    }
+                };
+                let n = seen.now.fetch_add(1, SeqCst) + 1;
+                seen.max.fetch_max(n, SeqCst);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                seen.now.fetch_sub(1, SeqCst);
+                drop(permit);
+            }
+        });
+    }
+}
+
+/// NATS away from a worker during its lease: once the lease ended it keeps
+/// serving with a safe local share (the limit divided by the workers it
+/// knew), never unlimited; the other worker takes the freed share; after
+/// the partition heals, the two are back under the limit together.
+#[tokio::test]
+async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::sync::Arc;
+    let env = Env::new().await;
+    let key = leasehold_model::flow::ProviderKey::new("http://partitioned.invalid/v1", "m", None);
+    FlowStore::open(&env.conn)
+        .await
+        .unwrap()
+        .set_limits(
+            &key.id,
+            &leasehold_store::flow::LimitEntry {
+                limits: leasehold_core::flow::Limits {
+                    rpm: None,
+                    tpm: None,
+                    concurrency: Some(8),
+                },
+                provider: None,
+                updated_at: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut seen = Vec::new();
+    let mut flows = Vec::new();
+    for (name, url) in [("pa", proxy.url()), ("pb", env.url())] {
+        let conn = leasehold_store::NatsArgs::local(url, "lh")
+            .connect(name)
+            .await
+            .unwrap();
+        let flow = Arc::new(leasehold_model::flow::Flow::new());
+        leasehold_worker::flow::start_with(flow.clone(), conn, name.to_string(), stop.clone());
+        let s = Arc::new(InFlight::default());
+        demand(flow.clone(), key.clone(), 16, s.clone(), stop.clone());
+        seen.push(s);
+        flows.push(flow);
+    }
+    let store = FlowStore::open(&env.conn).await.unwrap();
+    let both_hold = || async {
+        let (rec, _) = store.lease(&key.id).await.unwrap();
+        let now = leasehold_store::flow::now_ms();
+        ["pa", "pb"].iter().all(|w| {
+            rec.leases
+                .get(*w)
+                .is_some_and(|l| l.until_ms > now && l.held.concurrency > 0)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !both_hold().await {
+        assert!(Instant::now() < deadline, "both never held a lease");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Two renewals with both there: their sum stays at the limit.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    seen.iter()
+        .for_each(|s| s.max.store(s.now.load(SeqCst), SeqCst));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let together = seen[0].max.load(SeqCst) + seen[1].max.load(SeqCst);
+    assert!(
+        together <= 8,
+        "{together} in flight together under a limit of 8"
+    );
+
+    proxy.freeze();
+    // pa's lease ends (3 s) unrenewed; then it is on its local share.
+    let frozen = Instant::now();
+    let deadline = frozen + Duration::from_secs(10);
+    loop {
+        let (rec, _) = store.lease(&key.id).await.unwrap();
+        if rec
+            .leases
+            .get("pa")
+            .is_none_or(|l| l.until_ms <= leasehold_store::flow::now_ms())
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "pa's lease never ended");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    seen.iter()
+        .for_each(|s| s.max.store(s.now.load(SeqCst), SeqCst));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let alone = seen[0].max.load(SeqCst);
+    assert!(alone >= 1, "pa still serves without NATS");
+    assert!(
+        alone <= 4,
+        "pa used {alone} slots alone: not its local share of 8 / 2 workers"
+    );
+    let other = seen[1].max.load(SeqCst);
+    assert!(other <= 8, "pb used {other} of 8");
+
+    proxy.thaw();
+    // Healed: within a few renewals the two are under the limit together again.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    seen.iter()
+        .for_each(|s| s.max.store(s.now.load(SeqCst), SeqCst));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let together = seen[0].max.load(SeqCst) + seen[1].max.load(SeqCst);
+    assert!(
+        together <= 8,
+        "{together} in flight together after the partition"
+    );
+    stop.cancel();
+}
