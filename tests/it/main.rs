@@ -28,4 +28,5 @@ mod schedule;
 mod sdk;
 mod submission;
 mod support;
+mod tenants;
 mod watch;

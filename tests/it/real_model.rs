@@ -304,7 +304,8 @@ async fn real_model_kill9_mid_section_repeats_at_most_one_call() {
             "no section started within {JOB_WITHIN:?}:\n{}",
             a.output()
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Each read is a consumer on the server for 30 s: not too often.
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     a.kill9();
     let before = lab.rec.requests();

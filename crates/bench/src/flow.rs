@@ -46,6 +46,7 @@ async fn run(limits: Limits, warm: Duration, window: Duration) -> anyhow::Result
             &LimitEntry {
                 limits,
                 provider: Some(key.info.clone()),
+                weight: None,
                 updated_at: String::new(),
             },
         )
@@ -238,6 +239,7 @@ async fn research_run(limits: bool) -> anyhow::Result<Value> {
                         concurrency: None,
                     },
                     provider: Some(key.info.clone()),
+                    weight: None,
                     updated_at: String::new(),
                 },
             )

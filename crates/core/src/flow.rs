@@ -272,6 +272,27 @@ pub struct Pause {
     pub provider: ProviderInfo,
 }
 
+/// The id of a tenant's running-jobs limit in `lh_limits` (its
+/// `concurrency` is how many of the tenant's jobs the fleet runs at once;
+/// its entry's `weight` is the tenant's share under contention).
+pub fn tenant_jobs_key(tenant: &str) -> String {
+    format!("tenant.{tenant}.jobs")
+}
+
+/// The id of a tenant's model-request limits in `lh_limits` (concurrent
+/// requests, requests and tokens per minute of all the tenant's jobs,
+/// across every provider).
+pub fn tenant_model_key(tenant: &str) -> String {
+    format!("tenant.{tenant}.model")
+}
+
+/// The tenant and what (`jobs` or `model`) a tenant key names.
+pub fn tenant_of_key(id: &str) -> Option<(&str, &str)> {
+    let rest = id.strip_prefix("tenant.")?;
+    let (t, what) = rest.rsplit_once('.')?;
+    matches!(what, "jobs" | "model").then_some((t, what))
+}
+
 /// A provider key's id and what it names: SHA-256 of the base URL (without
 /// a trailing `/`), the model and a SHA-256 of the credential; the id is the
 /// first 16 hex digits, safe as a KV key. The credential is never stored.

@@ -6,6 +6,7 @@
 //!   as a pure function on a [`JobRecord`], owner-checked where the contract
 //!   says so.
 //! - [`spec`]: decoding and validating submissions (JSON or protobuf).
+//! - [`lane`]: tenants and priorities: the lane a job waits in, and which lane goes next.
 //! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
 //! - [`schedule`]: recurring schedules: cron expressions and which tick fires.
 //! - [`flow`]: provider limits, the lease record splitting them between workers, cooldowns.
@@ -14,6 +15,7 @@
 //! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing.
 
 pub mod flow;
+pub mod lane;
 pub mod machine;
 pub mod retry;
 pub mod schedule;

@@ -193,6 +193,14 @@ pub enum SubmitError {
     InvalidId(String),
     #[error("invalid protobuf JobSpec: {0}")]
     Protobuf(String),
+    #[error("the spec names tenant {spec_tenant:?} at priority {spec_priority} but was published on the subject of tenant {subject_tenant:?} at priority {subject_priority}: publish on {subject_hint} (`leasehold submit` picks it)")]
+    WrongLane {
+        spec_tenant: String,
+        spec_priority: i32,
+        subject_tenant: String,
+        subject_priority: i32,
+        subject_hint: String,
+    },
 }
 
 impl SubmitError {
@@ -209,6 +217,7 @@ impl SubmitError {
             SubmitError::InvalidInput(_) => "invalid_input",
             SubmitError::InvalidId(_) => "invalid_id",
             SubmitError::Protobuf(_) => "protobuf",
+            SubmitError::WrongLane { .. } => "wrong_lane",
         }
     }
 }
@@ -325,6 +334,76 @@ pub fn decode(sub: Submission<'_>, kinds: &Kinds, max_bytes: usize) -> Result<Ac
     };
     spec.id = Some(id.clone());
     Ok(Accepted { id, spec })
+}
+
+/// The lane a submission's bytes name, as far as they can be read: its
+/// tenant and priority when they are valid, else the default lane (a
+/// submission that cannot be read is rejected by the worker that takes it,
+/// wherever it waits).
+pub fn lane_hint(payload: &[u8], content_type: Option<&str>) -> crate::lane::Lane {
+    let protobuf = content_type.is_some_and(|c| {
+        c.eq_ignore_ascii_case("application/protobuf")
+            || c.eq_ignore_ascii_case("application/x-protobuf")
+    });
+    let (tenant, priority) = if protobuf {
+        match JobSpec::decode(payload) {
+            Ok(s) => (s.tenant, s.priority),
+            Err(_) => (None, None),
+        }
+    } else {
+        #[derive(serde::Deserialize)]
+        struct Named {
+            tenant: Option<Value>,
+            priority: Option<Value>,
+        }
+        match serde_json::from_slice::<Named>(payload) {
+            Ok(n) => (
+                n.tenant.and_then(|v| v.as_str().map(str::to_string)),
+                n.priority
+                    .and_then(|v| v.as_i64())
+                    .and_then(|p| i32::try_from(p).ok()),
+            ),
+            Err(_) => (None, None),
+        }
+    };
+    let lane = crate::lane::Lane {
+        tenant: tenant.unwrap_or_else(|| crate::lane::DEFAULT_TENANT.to_string()),
+        priority: priority.unwrap_or(crate::lane::DEFAULT_PRIORITY),
+    };
+    if crate::lane::check_tenant(&lane.tenant).is_ok()
+        && crate::lane::check_priority(lane.priority).is_ok()
+    {
+        lane
+    } else {
+        crate::lane::Lane::default()
+    }
+}
+
+/// Checks an accepted spec against the lane of the subject it was published
+/// on (the subject decides where it waits, so the two must agree) and
+/// names that lane in the spec when it is not the default one, so the
+/// record says who the job is for. `subject_hint` is the subject the spec
+/// belongs on, for the error.
+pub fn check_lane(
+    spec: &mut JobSpec,
+    subject: &crate::lane::Lane,
+    subject_hint: impl FnOnce(&crate::lane::Lane) -> String,
+) -> Result<(), SubmitError> {
+    let named = crate::lane::Lane::of(spec);
+    if &named != subject {
+        return Err(SubmitError::WrongLane {
+            subject_hint: subject_hint(&named),
+            spec_tenant: named.tenant,
+            spec_priority: named.priority,
+            subject_tenant: subject.tenant.clone(),
+            subject_priority: subject.priority,
+        });
+    }
+    if !subject.is_default() {
+        spec.tenant = Some(subject.tenant.clone());
+        spec.priority = Some(subject.priority);
+    }
+    Ok(())
 }
 
 /// When a spec's job may run first: its `run_at`, or `delay` after
@@ -457,6 +536,12 @@ fn validate(spec: &JobSpec, kind_check: InputCheck) -> Result<(), SubmitError> {
         ));
     };
     kind_check(map).map_err(SubmitError::InvalidInput)?;
+    if let Some(t) = spec.tenant.as_deref() {
+        crate::lane::check_tenant(t).map_err(|m| field("tenant", m))?;
+    }
+    if let Some(p) = spec.priority {
+        crate::lane::check_priority(p).map_err(|m| field("priority", m))?;
+    }
     if !spec.metadata.is_empty() {
         let m: Value =
             serde_json::from_str(&spec.metadata).map_err(|e| field("metadata", e.to_string()))?;
@@ -556,6 +641,45 @@ mod tests {
                 a.spec.run_at
             })
             .map_err(|r| r.error.to_string())
+    }
+
+    #[test]
+    fn tenant_and_priority_are_checked_and_must_match_the_subject() {
+        use crate::lane::Lane;
+        let k = Kinds::default();
+        let bad = |p: &str| {
+            decode(sub("echo", p.as_bytes()), &k, 4096)
+                .unwrap_err()
+                .error
+                .to_string()
+        };
+        assert!(bad(r#"{"input":{},"tenant":"a b"}"#).starts_with("tenant:"));
+        assert!(bad(r#"{"input":{},"tenant":""}"#).starts_with("tenant:"));
+        assert!(bad(r#"{"input":{},"tenant":7}"#).contains("tenant"));
+        assert!(bad(r#"{"input":{},"priority":0}"#).contains("1..=5"));
+        assert!(bad(r#"{"input":{},"priority":"high"}"#).contains("priority"));
+        let mut a = decode(
+            sub("echo", br#"{"input":{},"tenant":"acme","priority":2}"#),
+            &k,
+            4096,
+        )
+        .unwrap()
+        .spec;
+        let hint = |l: &Lane| format!("lh.submit.echo.{}.{}", l.tenant, l.priority);
+        let e = check_lane(&mut a.clone(), &Lane::default(), hint).unwrap_err();
+        assert_eq!(e.code(), "wrong_lane");
+        assert!(e.to_string().contains("lh.submit.echo.acme.2"), "{e}");
+        let acme = Lane::from_tokens("acme", "2").unwrap();
+        check_lane(&mut a, &acme, hint).unwrap();
+        // A spec that names nothing takes its subject's lane.
+        let mut plain = decode(sub("echo", br#"{"input":{}}"#), &k, 4096)
+            .unwrap()
+            .spec;
+        check_lane(&mut plain, &acme, hint).unwrap();
+        assert_eq!(
+            (plain.tenant.as_deref(), plain.priority),
+            (Some("acme"), Some(2))
+        );
     }
 
     #[test]

@@ -18,6 +18,13 @@
 //! its pauses are its own. When a slice's lease ends unrenewed (NATS away)
 //! the process falls back to a safe local share: the limit divided by the
 //! workers it last knew of, or [`Flow::set_local_fraction`] of it.
+//!
+//! Tenants are limited the same way: a key `tenant.<name>.jobs` whose
+//! concurrency is the tenant's running jobs (admitted by the worker before
+//! it takes a job of the tenant), and `tenant.<name>.model` for the model
+//! requests of the tenant's jobs ([`with_tenant`] says whose job a request
+//! is for). Each tenant's weight (its share under contention) is kept here
+//! too ([`Flow::set_weight`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -140,8 +147,26 @@ struct KeyState {
     stats: KeyStats,
 }
 
+tokio::task_local! {
+    static TENANT: String;
+}
+
+/// Runs `f` as work for `tenant`: the model requests it makes (on its own
+/// task) are admitted against the tenant's model limits as well.
+pub async fn with_tenant<F: std::future::Future>(tenant: String, f: F) -> F::Output {
+    TENANT.scope(tenant, f).await
+}
+
+/// The tenant the current task works for, if one was set.
+pub fn current_tenant() -> Option<String> {
+    TENANT.try_with(|t| t.clone()).ok()
+}
+
 /// The process's admission of model requests (module docs).
 pub struct Flow {
+    /// The fleet's limits were read once (or there are none to read).
+    loaded: tokio::sync::watch::Sender<bool>,
+    weights: Mutex<HashMap<String, u32>>,
     keys: Mutex<HashMap<String, KeyState>>,
     limits: Mutex<HashMap<String, Limits>>,
     local_fraction: Mutex<Option<f64>>,
@@ -157,12 +182,17 @@ pub struct Permit {
     reserved: u64,
     /// Tokens were reserved against a limit (so they are reconciled).
     limited: bool,
+    /// The permit of the tenant's model limits, held with this one.
+    tenant: Option<Box<Permit>>,
 }
 
 impl Permit {
     /// The response used `tokens` (input + output): the reservation is
     /// corrected by the difference.
     pub fn reconcile(&mut self, tokens: u64) {
+        if let Some(t) = self.tenant.as_mut() {
+            t.reconcile(tokens);
+        }
         if !self.limited {
             return;
         }
@@ -196,6 +226,8 @@ const FIRST_LEASE_GRACE: Duration = Duration::from_secs(2);
 impl Flow {
     pub fn new() -> Flow {
         Flow {
+            loaded: tokio::sync::watch::channel(false).0,
+            weights: Mutex::new(HashMap::new()),
             keys: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
             local_fraction: Mutex::new(None),
@@ -243,6 +275,38 @@ impl Flow {
             };
         }
         self.changed.notify_waiters();
+    }
+
+    /// The fleet's limits are known (read once by the coordinator, or there
+    /// is no coordination to wait for).
+    pub fn mark_loaded(&self) {
+        self.loaded.send_replace(true);
+    }
+
+    /// Waits until [`Flow::mark_loaded`], at most `patience`: a worker takes
+    /// no job before it knows its tenant's limits.
+    pub async fn wait_loaded(&self, patience: Duration) {
+        let mut rx = self.loaded.subscribe();
+        let _ = tokio::time::timeout(patience, rx.wait_for(|l| *l)).await;
+    }
+
+    /// Sets (or with `None` clears) a tenant's weight.
+    pub fn set_weight(&self, tenant: &str, weight: Option<u32>) {
+        let mut w = self.weights.lock().expect("flow weights");
+        match weight {
+            Some(v) => w.insert(tenant.to_string(), v.max(1)),
+            None => w.remove(tenant),
+        };
+    }
+
+    /// A tenant's weight: 1 unless set.
+    pub fn weight(&self, tenant: &str) -> u32 {
+        self.weights
+            .lock()
+            .expect("flow weights")
+            .get(tenant)
+            .copied()
+            .unwrap_or(1)
     }
 
     pub fn limits(&self, id: &str) -> Option<Limits> {
@@ -416,6 +480,7 @@ impl Flow {
                 id: key.id.clone(),
                 reserved: 0,
                 limited: false,
+                tenant: None,
             });
         };
         let a = self.allowance(s, &limits, now);
@@ -466,7 +531,43 @@ impl Flow {
             id: key.id.clone(),
             reserved: tokens,
             limited: a.tokens_per_sec.is_finite(),
+            tenant: None,
         })
+    }
+
+    /// Admits one request of `key` for `tenant` (when the tenant has model
+    /// limits, against those first, then the provider's): one permit
+    /// holding both, or why it must wait. Never blocks.
+    pub fn try_admit_for(
+        self: &Arc<Self>,
+        key: &ProviderKey,
+        tenant: Option<&str>,
+        tokens: u64,
+    ) -> Result<Permit, Wait> {
+        let tkey = tenant
+            .map(leasehold_core::flow::tenant_model_key)
+            .filter(|id| self.limits(id).is_some())
+            .map(|id| ProviderKey {
+                id,
+                info: ProviderInfo::default(),
+            });
+        let held = match &tkey {
+            Some(k) => Some(self.try_admit(k, tokens)?),
+            None => None,
+        };
+        match self.try_admit(key, tokens) {
+            Ok(mut p) => {
+                p.tenant = held.map(Box::new);
+                Ok(p)
+            }
+            Err(w) => {
+                // The tenant's reservation goes back: nothing was sent.
+                if let Some(mut h) = held {
+                    h.reconcile(0);
+                }
+                Err(w)
+            }
+        }
     }
 
     /// A request that waited (once per request), or gave up waiting.

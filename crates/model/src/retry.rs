@@ -571,8 +571,9 @@ async fn admit(
 ) -> Result<crate::flow::Permit, ModelError> {
     let mut waited = false;
     let mut reported: Option<std::time::SystemTime> = None;
+    let tenant = crate::flow::current_tenant();
     loop {
-        let wake = match flow.try_admit(key, estimate) {
+        let wake = match flow.try_admit_for(key, tenant.as_deref(), estimate) {
             Ok(p) => {
                 if waited {
                     flow.count(&key.id, true, false);

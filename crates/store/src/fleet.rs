@@ -47,7 +47,8 @@ pub async fn queue(conn: &Conn) -> Result<Queue, StoreError> {
     while let Some(x) = subjects.next().await {
         let (subject, n) = x.map_err(|e| StoreError::nats("work stream", e))?;
         if let Some(kind) = l.kind_of_submit_subject(&subject) {
-            q.tickets_by_kind.insert(kind.to_string(), n as u64);
+            // Every lane of the kind counts.
+            *q.tickets_by_kind.entry(kind.to_string()).or_default() += n as u64;
         }
     }
     Ok(q)

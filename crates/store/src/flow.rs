@@ -1,7 +1,8 @@
 //! Fleet-wide flow control's buckets.
 //!
 //! - `lh_limits`: one entry per provider key id (`leasehold limits set`),
-//!   its [`LimitEntry`]; every worker watches it, so a change applies
+//!   its [`LimitEntry`], and per limited tenant (`tenant.<name>.jobs`,
+//!   `tenant.<name>.model`); every worker watches it, so a change applies
 //!   fleet-wide within a second.
 //! - `lh_flow`: `lease.<id>` (the [`LeaseRecord`] splitting the key's limits
 //!   between workers, each write conditioned on the revision read),
@@ -25,6 +26,9 @@ pub struct LimitEntry {
     /// Who the key is, when known (set by `--base-url`/`--model`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<ProviderInfo>,
+    /// A tenant's weight, on its `tenant.<name>.jobs` entry (1 when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
     pub updated_at: String,
 }
 

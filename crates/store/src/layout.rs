@@ -1,6 +1,8 @@
 //! Names of every subject, stream, bucket and consumer, derived from the
 //! namespace prefix. Architecture invariant: no other crate spells a NATS name.
 
+use leasehold_core::lane::Lane;
+
 use crate::StoreError;
 
 /// The NATS names of one leasehold namespace (`lh` by default).
@@ -40,16 +42,56 @@ impl Layout {
     pub fn submit_subject(&self, kind: &str) -> String {
         format!("{}.submit.{kind}", self.prefix)
     }
+    /// Where a job of `kind` waits: `lh.submit.<kind>` for the default lane,
+    /// else `lh.submit.<kind>.<tenant>.<priority>`.
+    pub fn lane_subject(&self, kind: &str, lane: &Lane) -> String {
+        if lane.is_default() {
+            self.submit_subject(kind)
+        } else {
+            format!(
+                "{}.submit.{kind}.{}.{}",
+                self.prefix, lane.tenant, lane.priority
+            )
+        }
+    }
+    /// `lh.submit.<kind>.*.*`: every lane of `kind` but the default one.
+    pub fn lanes_filter(&self, kind: &str) -> String {
+        format!("{}.submit.{kind}.*.*", self.prefix)
+    }
+    /// The kind and lane of a ticket's subject (`None`: not a submission
+    /// subject, or a malformed lane).
+    pub fn lane_of_submit_subject<'a>(&self, subject: &'a str) -> Option<(&'a str, Lane)> {
+        let rest = subject
+            .strip_prefix(&self.prefix)?
+            .strip_prefix(".submit.")?;
+        let mut t = rest.split('.');
+        let kind = t.next().filter(|k| !k.is_empty())?;
+        match (t.next(), t.next(), t.next()) {
+            (None, _, _) => Some((kind, Lane::default())),
+            (Some(tenant), Some(p), None) => Some((kind, Lane::from_tokens(tenant, p).ok()?)),
+            _ => None,
+        }
+    }
+    /// Durable pull consumer of one lane of one kind (not the default
+    /// lane's, which is [`Layout::work_consumer`]). Workers create it when
+    /// the lane first has a job; it goes away after an idle hour.
+    pub fn lane_consumer(&self, kind: &str, lane: &Lane) -> String {
+        format!(
+            "{}_lane_{}_{}_p{}",
+            self.prefix,
+            kind.replace(['.', '*', '>'], "_"),
+            lane.tenant,
+            lane.priority
+        )
+    }
     /// `lh.submit.>`.
     pub fn submit_wildcard(&self) -> String {
         format!("{}.submit.>", self.prefix)
     }
-    /// The kind named by a submission subject, if it is one.
+    /// The kind named by a submission subject (of any lane), if it is one;
+    /// `None` for the lanes' wildcard (`lh.submit.<kind>.*.*`).
     pub fn kind_of_submit_subject<'a>(&self, subject: &'a str) -> Option<&'a str> {
-        subject
-            .strip_prefix(&self.prefix)?
-            .strip_prefix(".submit.")
-            .filter(|k| !k.is_empty())
+        self.lane_of_submit_subject(subject).map(|(k, _)| k)
     }
     /// Durable pull consumer of one kind's tickets.
     pub fn work_consumer(&self, kind: &str) -> String {
@@ -230,6 +272,22 @@ mod tests {
         assert_eq!(l.seq_of_enqueued_subject("lh.enqueued.7"), Some(7));
         assert_eq!(l.seq_of_enqueued_subject("lh.enqueued.x"), None);
         assert_eq!(l.kind_of_submit_subject("lh.submit.echo"), Some("echo"));
+        let acme = Lane::from_tokens("acme", "2").unwrap();
+        assert_eq!(l.lane_subject("echo", &acme), "lh.submit.echo.acme.2");
+        assert_eq!(l.lane_subject("echo", &Lane::default()), "lh.submit.echo");
+        assert_eq!(
+            l.lane_of_submit_subject("lh.submit.echo.acme.2"),
+            Some(("echo", acme.clone()))
+        );
+        assert_eq!(l.kind_of_submit_subject("lh.submit.echo.*.*"), None);
+        assert_eq!(l.kind_of_submit_subject("lh.submit.echo.acme.9"), None);
+        assert_eq!(l.kind_of_submit_subject("lh.submit.echo.acme"), None);
+        assert_eq!(l.lanes_filter("echo"), "lh.submit.echo.*.*");
+        assert_eq!(l.lane_consumer("echo", &acme), "lh_lane_4_echo_acme_p2");
+        assert_ne!(
+            l.lane_consumer("a_b", &Lane::from_tokens("c", "3").unwrap()),
+            l.lane_consumer("a", &Lane::from_tokens("b_c", "3").unwrap())
+        );
         assert_eq!(Layout::new("acme").unwrap().jobs_bucket(), "acme_jobs");
         assert!(Layout::new("a.b").is_err());
         assert_eq!(l.sessions_bucket(), "lh_sessions");

@@ -436,7 +436,11 @@ pub async fn ensure_with(
     let work = stream::Config {
         name: l.work_stream(),
         description: Some("leasehold work tickets (one per job until it is terminal)".into()),
-        subjects: o.kinds.iter().map(|k| l.submit_subject(k)).collect(),
+        subjects: o
+            .kinds
+            .iter()
+            .flat_map(|k| [l.submit_subject(k), l.lanes_filter(k)])
+            .collect(),
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
         num_replicas: o.replicas,
@@ -1300,7 +1304,8 @@ pub async fn settings_set_up(conn: &Conn) -> Result<SetUp, StoreError> {
     Ok(s)
 }
 
-/// Tickets of `kind` in the work stream now (waiting or held by a worker).
+/// Tickets of `kind` in the work stream now, in every lane (waiting or
+/// held by a worker).
 pub async fn tickets_of_kind(conn: &Conn, kind: &str) -> Result<u64, StoreError> {
     let l = &conn.layout;
     let s = conn
@@ -1308,22 +1313,24 @@ pub async fn tickets_of_kind(conn: &Conn, kind: &str) -> Result<u64, StoreError>
         .get_stream_no_info(l.work_stream())
         .await
         .map_err(|e| StoreError::nats("work stream", e))?;
-    let subject = l.submit_subject(kind);
-    let mut info = s
-        .info_with_subjects(subject.clone())
-        .await
-        .map_err(|e| StoreError::nats("work stream subjects", e))?;
     let mut n = 0;
-    while let Some(x) = futures::StreamExt::next(&mut info).await {
-        let (subj, count) = x.map_err(|e| StoreError::nats("work stream subjects", e))?;
-        if subj == subject {
-            n += count as u64;
+    for filter in [l.submit_subject(kind), l.lanes_filter(kind)] {
+        let mut info = s
+            .info_with_subjects(filter)
+            .await
+            .map_err(|e| StoreError::nats("work stream subjects", e))?;
+        while let Some(x) = futures::StreamExt::next(&mut info).await {
+            let (subj, count) = x.map_err(|e| StoreError::nats("work stream subjects", e))?;
+            if l.kind_of_submit_subject(&subj) == Some(kind) {
+                n += count as u64;
+            }
         }
     }
     Ok(n)
 }
 
-/// Removes `kind`'s work consumer (after its subject left the work stream).
+/// Removes `kind`'s work consumer and its lanes' (after its subjects left
+/// the work stream).
 pub async fn remove_kind_consumer(conn: &Conn, kind: &str) -> Result<bool, StoreError> {
     let l = &conn.layout;
     let s = conn
@@ -1331,6 +1338,22 @@ pub async fn remove_kind_consumer(conn: &Conn, kind: &str) -> Result<bool, Store
         .get_stream_no_info(l.work_stream())
         .await
         .map_err(|e| StoreError::nats("work stream", e))?;
+    let lanes = format!("{}_lane_{}_{}_", l.prefix, kind.len(), kind);
+    let mut names = s.consumer_names();
+    let mut lane_consumers = Vec::new();
+    while let Some(n) = futures::StreamExt::next(&mut names).await {
+        let n = n.map_err(|e| StoreError::nats("list consumers", e))?;
+        if n.starts_with(&lanes) {
+            lane_consumers.push(n);
+        }
+    }
+    for n in lane_consumers {
+        match s.delete_consumer(&n).await {
+            Ok(_) => {}
+            Err(e) if crate::is_not_found(&e) => {}
+            Err(e) => return Err(StoreError::nats("delete consumer", e)),
+        }
+    }
     match s.delete_consumer(&l.work_consumer(kind)).await {
         Ok(_) => Ok(true),
         Err(e) if crate::is_not_found(&e) => Ok(false),
@@ -1370,12 +1393,13 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
                 .map(|i| i.config.subjects.clone())
                 .map_err(|e| StoreError::Unavailable(format!("stream {}: {e}", l.work_stream())))?;
             for kind in kinds {
-                let subj = l.submit_subject(kind);
-                if !subjects.contains(&subj) {
-                    note(Err(StoreError::Missing(vec![format!(
-                        "subject {subj} on stream {}",
-                        l.work_stream()
-                    )])))?;
+                for subj in [l.submit_subject(kind), l.lanes_filter(kind)] {
+                    if !subjects.contains(&subj) {
+                        note(Err(StoreError::Missing(vec![format!(
+                            "subject {subj} on stream {}",
+                            l.work_stream()
+                        )])))?;
+                    }
                 }
                 let name = l.work_consumer(kind);
                 note(

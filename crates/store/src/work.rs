@@ -8,12 +8,19 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::{self, consumer::PullConsumer, message::PublishMessage};
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use leasehold_core::JobRecord;
+use leasehold_core::lane::Lane;
+use leasehold_core::{spec, JobRecord};
 
 use crate::{Conn, Layout, StoreError};
+
+/// How long a lane's consumer stays without a pull before the server
+/// removes it (its tickets stay in the stream; the next worker to see
+/// them makes the consumer again).
+pub const LANE_IDLE: Duration = Duration::from_secs(3600);
 
 /// Header naming the job of a ticket published by leasehold itself.
 pub const JOB_ID_HEADER: &str = "Lh-Job-Id";
@@ -72,6 +79,72 @@ impl Work {
             .map_err(|e| crate::lookup_error(what, &*e))
     }
 
+    /// The durable pull consumer of one lane of one kind, created when it is
+    /// not there yet with the settings of the kind's own consumer (so a
+    /// lane's tickets are acked, redelivered and dead-lettered alike) and
+    /// removed by the server after [`LANE_IDLE`] without a pull.
+    pub async fn lane_consumer(&self, kind: &str, lane: &Lane) -> Result<PullConsumer, StoreError> {
+        if lane.is_default() {
+            return self.consumer(kind).await;
+        }
+        let name = self.layout.lane_consumer(kind, lane);
+        let stream = self.stream().await?;
+        match stream.get_consumer::<pull::Config>(&name).await {
+            Ok(c) => return Ok(c),
+            Err(e) if !crate::is_not_found(&*e) => {
+                return Err(crate::lookup_error(format!("consumer {name}"), &*e))
+            }
+            Err(_) => {}
+        }
+        let base = stream
+            .consumer_info(self.layout.work_consumer(kind))
+            .await
+            .map_err(|e| {
+                crate::lookup_error(format!("consumer {}", self.layout.work_consumer(kind)), &e)
+            })?
+            .config;
+        let cfg = pull::Config {
+            durable_name: Some(name.clone()),
+            description: Some(format!(
+                "leasehold workers of kind {kind}, tenant {} at priority {}",
+                lane.tenant, lane.priority
+            )),
+            filter_subject: self.layout.lane_subject(kind, lane),
+            ack_policy: base.ack_policy,
+            ack_wait: base.ack_wait,
+            max_deliver: base.max_deliver,
+            backoff: base.backoff,
+            max_ack_pending: base.max_ack_pending,
+            max_waiting: base.max_waiting,
+            inactive_threshold: LANE_IDLE,
+            ..Default::default()
+        };
+        stream
+            .get_or_create_consumer(&name, cfg)
+            .await
+            .map_err(|e| StoreError::nats(&format!("create consumer {name}"), e))
+    }
+
+    /// The lanes of `kind` other than the default one that hold tickets
+    /// now (waiting or held by a worker), with how many: one stream info.
+    pub async fn lanes(&self, kind: &str) -> Result<Vec<(Lane, u64)>, StoreError> {
+        let stream = self.stream().await?;
+        let mut info = stream
+            .info_with_subjects(self.layout.lanes_filter(kind))
+            .await
+            .map_err(|e| StoreError::nats("work stream subjects", e))?;
+        let mut out = Vec::new();
+        while let Some(x) = futures::StreamExt::next(&mut info).await {
+            let (subj, count) = x.map_err(|e| StoreError::nats("work stream subjects", e))?;
+            if let Some((k, lane)) = self.layout.lane_of_submit_subject(&subj) {
+                if k == kind && count > 0 {
+                    out.push((lane, count as u64));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The ack wait of one kind's consumer (the server's backoff[0] when set).
     pub async fn ack_wait(&self, kind: &str) -> Result<Duration, StoreError> {
         let mut c = self.consumer(kind).await?;
@@ -109,6 +182,22 @@ impl Work {
         content_type: Option<&str>,
         traceparent: Option<&str>,
     ) -> Result<Published, StoreError> {
+        let lane = spec::lane_hint(&payload, content_type);
+        self.submit_in_lane(kind, &lane, payload, msg_id, content_type, traceparent)
+            .await
+    }
+
+    /// [`Work::submit_traced`] on the subject of `lane` (the spec's tenant
+    /// and priority; see [`leasehold_core::lane`]).
+    pub async fn submit_in_lane(
+        &self,
+        kind: &str,
+        lane: &Lane,
+        payload: Bytes,
+        msg_id: Option<&str>,
+        content_type: Option<&str>,
+        traceparent: Option<&str>,
+    ) -> Result<Published, StoreError> {
         let mut m = PublishMessage::build().payload(payload);
         if let Some(id) = msg_id {
             m = m.message_id(id);
@@ -119,7 +208,7 @@ impl Work {
         if let Some(tp) = traceparent {
             m = m.header("traceparent", tp);
         }
-        self.publish(self.layout.submit_subject(kind), m).await
+        self.publish(self.layout.lane_subject(kind, lane), m).await
     }
 
     /// Publishes a fresh ticket for an existing record (re-enqueue, replay,
@@ -145,7 +234,9 @@ impl Work {
             // A record rebuilt from this ticket (a replay) keeps the trace.
             m = m.header("traceparent", tp);
         }
-        self.publish(self.layout.submit_subject(&rec.kind), m).await
+        let lane = Lane::of(&spec);
+        self.publish(self.layout.lane_subject(&rec.kind, &lane), m)
+            .await
     }
 
     async fn publish(&self, subject: String, m: PublishMessage) -> Result<Published, StoreError> {
@@ -237,6 +328,34 @@ pub fn ticket_job_id(headers: Option<&HeaderMap>) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// Decodes and validates a submission published on `subject`: the spec
+/// (see [`spec::decode`]), then its tenant and priority against the lane
+/// the subject names (see [`spec::check_lane`]). Every path that judges a
+/// submission (a worker's claim, the gateway's answer to a submitter)
+/// calls this one.
+pub fn decode_ticket(
+    layout: &Layout,
+    subject: &str,
+    sub: spec::Submission<'_>,
+    kinds: &spec::Kinds,
+    max_bytes: usize,
+) -> Result<spec::Accepted, spec::Rejected> {
+    let mut a = spec::decode(sub, kinds, max_bytes)?;
+    let lane = layout
+        .lane_of_submit_subject(subject)
+        .map(|(_, l)| l)
+        .unwrap_or_default();
+    match spec::check_lane(&mut a.spec, &lane, |named| {
+        layout.lane_subject(sub.kind, named)
+    }) {
+        Ok(()) => Ok(a),
+        Err(error) => Err(spec::Rejected {
+            id: Some(a.id),
+            error,
+        }),
+    }
+}
+
 /// The `Content-Type` of a ticket, if set.
 pub fn content_type(headers: Option<&HeaderMap>) -> Option<String> {
     headers?.get("Content-Type").map(|v| v.as_str().to_string())
@@ -257,6 +376,7 @@ impl Work {
         job_id: Option<&str>,
         msg_id: Option<&str>,
     ) -> Result<Published, StoreError> {
+        let payload_copy = payload.clone();
         let mut m = PublishMessage::build().payload(payload);
         if let Some(id) = msg_id {
             m = m.message_id(id);
@@ -278,7 +398,8 @@ impl Work {
         if let Some(id) = job_id {
             m = m.header(JOB_ID_HEADER, id);
         }
-        self.publish(self.layout.submit_subject(kind), m).await
+        let lane = spec::lane_hint(&payload_copy, content_type(original).as_deref());
+        self.publish(self.layout.lane_subject(kind, &lane), m).await
     }
 }
 

@@ -70,6 +70,17 @@ struct ModelLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabel {
+    tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantKindLabels {
+    kind: String,
+    tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FlowLimitLabels {
     model: String,
     limit: String,
@@ -212,6 +223,8 @@ struct WorkerInner {
     flow_pauses: Family<FlowPauseLabels, Counter>,
     flow_limit: Family<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     flow_slice: Family<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    tenant_running: Family<TenantLabel, Gauge>,
+    tenant_tickets: Family<TenantKindLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -356,6 +369,18 @@ impl Metrics {
             "This worker's leased slice of a provider key's limit (rpm, tpm per minute; concurrency)",
             flow_slice.clone(),
         );
+        let tenant_running = Family::<TenantLabel, Gauge>::default();
+        r.register(
+            "leasehold_tenant_jobs_running",
+            "Jobs of a tenant running an attempt on this worker",
+            tenant_running.clone(),
+        );
+        let tenant_tickets = Family::<TenantKindLabels, Gauge>::default();
+        r.register(
+            "leasehold_tenant_tickets",
+            "Tickets of a tenant in a kind's lanes (queued or running), as this worker last counted them; the default tenant at the default priority is the kind's consumer's queue",
+            tenant_tickets.clone(),
+        );
         let model_duration = HistogramFamily::<ModelLabel>::new_with_constructor(model_buckets);
         r.register_with_unit(
             "leasehold_model_request_duration",
@@ -417,6 +442,8 @@ impl Metrics {
                 flow_pauses,
                 flow_limit,
                 flow_slice,
+                tenant_running,
+                tenant_tickets,
             }),
         }
     }
@@ -556,6 +583,25 @@ impl Observer for Metrics {
         };
         self.inner.flow_limit.get_or_create(&l).set(fleet);
         self.inner.flow_slice.get_or_create(&l).set(slice);
+    }
+
+    fn tenant_running(&self, tenant: &str, delta: i64) {
+        self.inner
+            .tenant_running
+            .get_or_create(&TenantLabel {
+                tenant: tenant.to_string(),
+            })
+            .inc_by(delta);
+    }
+
+    fn tenant_tickets(&self, kind: &str, tenant: &str, n: u64) {
+        self.inner
+            .tenant_tickets
+            .get_or_create(&TenantKindLabels {
+                kind: kind.to_string(),
+                tenant: tenant.to_string(),
+            })
+            .set(n as i64);
     }
 
     fn model_retry(&self, class: &str) {

@@ -95,6 +95,11 @@ pub trait Observer: Send + Sync {
     /// A provider key's limit and this process's slice of it
     /// (`limit` = `rpm`, `tpm` or `concurrency`; per minute for the rates).
     fn flow_limit(&self, _model: &str, _limit: &str, _fleet: f64, _slice: f64) {}
+    /// A job of `tenant` started (`+1`) or ended (`-1`) an attempt here.
+    fn tenant_running(&self, _tenant: &str, _delta: i64) {}
+    /// Tickets of `tenant` in `kind`'s lanes (waiting or running), as this
+    /// worker last counted them.
+    fn tenant_tickets(&self, _kind: &str, _tenant: &str, _n: u64) {}
 }
 
 /// Drops everything (the default before [`install`]).
@@ -154,6 +159,16 @@ pub fn flow_pause(model: &str, kind: &str) {
 /// See [`Observer::flow_limit`].
 pub fn flow_limit(model: &str, limit: &str, fleet: f64, slice: f64) {
     global().flow_limit(model, limit, fleet, slice)
+}
+
+/// See [`Observer::tenant_running`].
+pub fn tenant_running(tenant: &str, delta: i64) {
+    global().tenant_running(tenant, delta)
+}
+
+/// See [`Observer::tenant_tickets`].
+pub fn tenant_tickets(kind: &str, tenant: &str, n: u64) {
+    global().tenant_tickets(kind, tenant, n)
 }
 
 /// See [`Observer::checkpoint_flush`].

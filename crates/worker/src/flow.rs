@@ -62,9 +62,24 @@ pub fn start_with(
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "flow control is local to this worker (run `leasehold setup` for fleet-wide limits and cooldowns)");
+                flow.mark_loaded();
                 return;
             }
         };
+        // The limits as they are, before any job is taken (a tenant's
+        // running-jobs limit applies from the first job); the watch below
+        // follows their changes.
+        match store.list_limits().await {
+            Ok(all) => {
+                for (id, e) in all {
+                    apply(&flow, FlowChange::Limits(id, Some(e)));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the fleet's limits yet; the watch applies them when it can")
+            }
+        }
+        flow.mark_loaded();
         let outbound = flow.outbound();
         let watch = tokio::spawn(follow(store.clone(), flow.clone(), shutdown.clone()));
         coordinate(store, flow, worker_id, outbound, shutdown).await;
@@ -102,6 +117,9 @@ fn apply(flow: &Flow, c: FlowChange) {
     match c {
         FlowChange::Limits(id, entry) => {
             tracing::info!(provider = %id, limits = ?entry.as_ref().map(|e| e.limits), "provider limits");
+            if let Some((tenant, "jobs")) = leasehold_core::flow::tenant_of_key(&id) {
+                flow.set_weight(tenant, entry.as_ref().and_then(|e| e.weight));
+            }
             flow.set_limits(&id, entry.map(|e| e.limits));
         }
         FlowChange::Pause(kind, id, p) => {

@@ -239,7 +239,7 @@ impl Gateway {
             stream_seq: 0,
             received_at: SystemTime::now(),
         };
-        let result = spec::decode(sub, kinds, usize::MAX);
+        let result = work::decode_ticket(&conn.layout, &m.subject, sub, kinds, usize::MAX);
         // A ticket leasehold itself published (a re-offer, a retry, a replay)
         // names its job in Lh-Job-Id; its publisher waits for the stream's
         // ack on that inbox, and an answer from here would race it.

@@ -8,8 +8,16 @@
 //! `--base-url`/`--model` (and the credential from `--api-key-env`, by
 //! default `LH_API_KEY`, hashed here and never stored), which name the key
 //! exactly as the workers compute it.
+//!
+//! `--tenant NAME` names a tenant instead: `--jobs` is how many of its
+//! jobs the fleet runs at once, `--weight` its share of the fleet under
+//! contention (1 by default), and `--rpm`/`--tpm`/`--concurrency` limit the
+//! model requests of its jobs (entries `tenant.<name>.jobs` and
+//! `tenant.<name>.model`).
 
-use leasehold_core::flow::{provider_key, Limits};
+use leasehold_core::flow::{
+    provider_key, tenant_jobs_key, tenant_model_key, tenant_of_key, Limits,
+};
 use leasehold_core::time::rfc3339;
 use leasehold_store::flow::{now_ms, FlowStore, PauseKind};
 use leasehold_store::NatsArgs;
@@ -21,12 +29,15 @@ pub struct Args {
     cmd: Cmd,
 }
 
-/// Which provider key.
+/// Which provider key, or which tenant.
 #[derive(clap::Args, Debug, Clone)]
 struct Key {
     /// The provider key's id (from `leasehold limits list`).
-    #[arg(conflicts_with_all = ["base_url", "model"], required_unless_present_all = ["base_url", "model"])]
+    #[arg(conflicts_with_all = ["base_url", "model", "tenant"], required_unless_present_any = ["base_url", "tenant"])]
     id: Option<String>,
+    /// A tenant (as submitted in the spec's `tenant`) instead of a provider key.
+    #[arg(long, conflicts_with_all = ["base_url", "model"])]
+    tenant: Option<String>,
     /// The provider's base URL, as the workers' LH_MODEL_BASE_URL.
     #[arg(long, requires = "model")]
     base_url: Option<String>,
@@ -59,6 +70,12 @@ enum Cmd {
         /// Concurrent requests.
         #[arg(long, allow_negative_numbers = true, value_parser = |v: &str| Limits::parse_value("--concurrency", v))]
         concurrency: Option<u64>,
+        /// With --tenant: how many of the tenant's jobs run at once, fleet-wide.
+        #[arg(long, requires = "tenant", allow_negative_numbers = true, value_parser = |v: &str| Limits::parse_value("--jobs", v))]
+        jobs: Option<u64>,
+        /// With --tenant: its share of the fleet under contention (1-1000; 1 by default).
+        #[arg(long, requires = "tenant", allow_negative_numbers = true, value_parser = parse_weight)]
+        weight: Option<u32>,
         #[command(flatten)]
         json: super::AlwaysJson,
     },
@@ -75,12 +92,43 @@ enum Cmd {
         /// Clear only the concurrency limit.
         #[arg(long)]
         concurrency: bool,
+        /// With --tenant: clear only its running-jobs limit.
+        #[arg(long, requires = "tenant")]
+        jobs: bool,
+        /// With --tenant: clear only its weight (back to 1).
+        #[arg(long, requires = "tenant")]
+        weight: bool,
         #[command(flatten)]
         json: super::AlwaysJson,
     },
 }
 
-fn resolve(k: &Key) -> anyhow::Result<(String, Option<leasehold_core::flow::ProviderInfo>)> {
+fn parse_weight(v: &str) -> Result<u32, String> {
+    let w: u32 = v
+        .trim()
+        .parse()
+        .map_err(|_| format!("--weight: {v:?} is not a whole number in 1..=1000"))?;
+    leasehold_core::lane::check_weight(w).map_err(|e| format!("--weight: {e}"))?;
+    Ok(w)
+}
+
+/// What `set` and `clear` change.
+enum Target {
+    Provider(String, Option<leasehold_core::flow::ProviderInfo>),
+    Tenant(String),
+}
+
+fn resolve(k: &Key) -> anyhow::Result<Target> {
+    if let Some(t) = &k.tenant {
+        leasehold_core::lane::check_tenant(t).map_err(|e| anyhow::anyhow!("--tenant: {e}"))?;
+        return Ok(Target::Tenant(t.clone()));
+    }
+    resolve_provider(k).map(|(id, info)| Target::Provider(id, info))
+}
+
+fn resolve_provider(
+    k: &Key,
+) -> anyhow::Result<(String, Option<leasehold_core::flow::ProviderInfo>)> {
     if let Some(id) = &k.id {
         if id.len() != 16 || !id.chars().all(|c| c.is_ascii_hexdigit()) {
             anyhow::bail!(
@@ -120,68 +168,135 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         rpm: None,
         tpm: None,
         concurrency: None,
+        jobs: None,
+        weight: None,
         ..
     } = &args.cmd
     {
-        eprintln!("error: nothing to set: give --rpm, --tpm or --concurrency");
+        eprintln!("error: nothing to set: give --rpm, --tpm or --concurrency (and with --tenant, --jobs or --weight)");
         return Ok(2);
     }
     let conn = nats.connect("leasehold-cli limits").await?;
     let store = FlowStore::open(&conn).await?;
+    let now = || rfc3339(std::time::SystemTime::now());
     match args.cmd {
         Cmd::List { json } => list(&store, json).await,
         Cmd::Set {
             rpm,
             tpm,
             concurrency,
+            jobs,
+            weight,
             ..
         } => {
-            let (id, info) = key.expect("resolved");
-            let old = store.get_limits(&id).await?;
-            let mut e = old.clone().unwrap_or_default();
-            e.limits.rpm = rpm.or(e.limits.rpm);
-            e.limits.tpm = tpm.or(e.limits.tpm);
-            e.limits.concurrency = concurrency.or(e.limits.concurrency);
-            e.provider = info.or(e.provider);
-            e.updated_at = rfc3339(std::time::SystemTime::now());
-            store.set_limits(&id, &e).await?;
-            println!(
-                "{}",
-                json!({"id": id, "limits": e.limits, "provider": e.provider, "set": true})
-            );
+            let (model_id, info, tenant) = match key.expect("resolved") {
+                Target::Provider(id, info) => (id, info, None),
+                Target::Tenant(t) => (tenant_model_key(&t), None, Some(t)),
+            };
+            let mut out = json!({"set": true});
+            if rpm.is_some() || tpm.is_some() || concurrency.is_some() {
+                let mut e = store.get_limits(&model_id).await?.unwrap_or_default();
+                e.limits.rpm = rpm.or(e.limits.rpm);
+                e.limits.tpm = tpm.or(e.limits.tpm);
+                e.limits.concurrency = concurrency.or(e.limits.concurrency);
+                e.provider = info.or(e.provider);
+                e.updated_at = now();
+                store.set_limits(&model_id, &e).await?;
+                out["id"] = json!(model_id);
+                out["limits"] = json!(e.limits);
+                if tenant.is_none() {
+                    out["provider"] = json!(e.provider);
+                }
+            }
+            if let Some(t) = &tenant {
+                out["tenant"] = json!(t);
+                if jobs.is_some() || weight.is_some() {
+                    let id = tenant_jobs_key(t);
+                    let mut e = store.get_limits(&id).await?.unwrap_or_default();
+                    e.limits.concurrency = jobs.or(e.limits.concurrency);
+                    e.weight = weight.or(e.weight);
+                    e.updated_at = now();
+                    store.set_limits(&id, &e).await?;
+                    out["jobs"] = json!(e.limits.concurrency);
+                    out["weight"] = json!(e.weight.unwrap_or(1));
+                }
+            }
+            println!("{out}");
             Ok(0)
         }
         Cmd::Clear {
             rpm,
             tpm,
             concurrency,
+            jobs,
+            weight,
             ..
         } => {
-            let (id, _) = key.expect("resolved");
-            let Some(mut e) = store.get_limits(&id).await? else {
-                eprintln!("error: provider key {id} has no limits (see `leasehold limits list`)");
-                return Ok(1);
+            let (model_id, tenant) = match key.expect("resolved") {
+                Target::Provider(id, _) => (id, None),
+                Target::Tenant(t) => (tenant_model_key(&t), Some(t)),
             };
-            if rpm || tpm || concurrency {
-                if rpm {
-                    e.limits.rpm = None;
+            let some_model = rpm || tpm || concurrency;
+            let some_jobs = jobs || weight;
+            let everything = !some_model && !some_jobs;
+            let mut found = false;
+            let mut out = json!({"cleared": true});
+            if some_model || everything {
+                if let Some(mut e) = store.get_limits(&model_id).await? {
+                    found = true;
+                    if everything {
+                        e.limits = Limits::default();
+                    }
+                    if rpm {
+                        e.limits.rpm = None;
+                    }
+                    if tpm {
+                        e.limits.tpm = None;
+                    }
+                    if concurrency {
+                        e.limits.concurrency = None;
+                    }
+                    if e.limits.is_empty() {
+                        store.clear_limits(&model_id).await?;
+                    } else {
+                        e.updated_at = now();
+                        store.set_limits(&model_id, &e).await?;
+                    }
+                    out["id"] = json!(model_id);
+                    out["limits"] = json!(e.limits);
                 }
-                if tpm {
-                    e.limits.tpm = None;
-                }
-                if concurrency {
-                    e.limits.concurrency = None;
-                }
-            } else {
-                e.limits = Limits::default();
             }
-            if e.limits.is_empty() {
-                store.clear_limits(&id).await?;
-            } else {
-                e.updated_at = rfc3339(std::time::SystemTime::now());
-                store.set_limits(&id, &e).await?;
+            if let Some(t) = &tenant {
+                out["tenant"] = json!(t);
+                let id = tenant_jobs_key(t);
+                if some_jobs || everything {
+                    if let Some(mut e) = store.get_limits(&id).await? {
+                        found = true;
+                        if jobs || everything {
+                            e.limits.concurrency = None;
+                        }
+                        if weight || everything {
+                            e.weight = None;
+                        }
+                        if e.limits.is_empty() && e.weight.is_none() {
+                            store.clear_limits(&id).await?;
+                        } else {
+                            e.updated_at = now();
+                            store.set_limits(&id, &e).await?;
+                        }
+                        out["jobs"] = json!(e.limits.concurrency);
+                        out["weight"] = json!(e.weight.unwrap_or(1));
+                    }
+                }
             }
-            println!("{}", json!({"id": id, "limits": e.limits, "cleared": true}));
+            if !found {
+                match &tenant {
+                    Some(t) => eprintln!("error: tenant {t} has no limits or weight (see `leasehold limits list`)"),
+                    None => eprintln!("error: provider key {model_id} has no limits (see `leasehold limits list`)"),
+                }
+                return Ok(1);
+            }
+            println!("{out}");
             Ok(0)
         }
     }
@@ -196,6 +311,12 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
         r["limits"] = json!(e.limits);
         if let Some(p) = e.provider {
             r["provider"] = json!(p);
+        }
+        if let Some((t, _)) = tenant_of_key(&id) {
+            r["tenant"] = json!(t);
+            if let Some(w) = e.weight {
+                r["weight"] = json!(w);
+            }
         }
     }
     for (id, mut rec) in store.leases().await? {
@@ -243,21 +364,32 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
         return Ok(0);
     }
     println!(
-        "{:<17} {:<40} {:>8} {:>10} {:>5} {:>7} PAUSED UNTIL",
+        "{:<22} {:<40} {:>8} {:>10} {:>5} {:>7} PAUSED UNTIL",
         "ID", "PROVIDER", "RPM", "TPM", "CONC", "WORKERS"
     );
     let show = |v: &serde_json::Value| v.as_u64().map_or("-".to_string(), |n| n.to_string());
     for r in rows.values() {
-        let provider = r.get("provider").map_or("?".to_string(), |p| {
-            format!(
-                "{} {}",
-                p["base_url"].as_str().unwrap_or(""),
-                p["model"].as_str().unwrap_or("")
-            )
+        let tenant = r["id"].as_str().and_then(tenant_of_key).map(|(t, what)| {
+            let w = r
+                .get("weight")
+                .map_or(String::new(), |w| format!(", weight {w}"));
+            match what {
+                "jobs" => format!("tenant {t}: running jobs{w}"),
+                _ => format!("tenant {t}: model requests"),
+            }
+        });
+        let provider = tenant.unwrap_or_else(|| {
+            r.get("provider").map_or("?".to_string(), |p| {
+                format!(
+                    "{} {}",
+                    p["base_url"].as_str().unwrap_or(""),
+                    p["model"].as_str().unwrap_or("")
+                )
+            })
         });
         let l = r.get("limits").cloned().unwrap_or(json!({}));
         println!(
-            "{:<17} {:<40} {:>8} {:>10} {:>5} {:>7} {}",
+            "{:<22} {:<40} {:>8} {:>10} {:>5} {:>7} {}",
             r["id"].as_str().unwrap_or(""),
             provider,
             show(&l["rpm"]),

@@ -43,14 +43,15 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         .await
         .map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
     let mut subjects = stream
-        .info_with_subjects(format!("{}.submit.*", l.prefix))
+        .info_with_subjects(l.submit_wildcard())
         .await
         .map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
     let mut tickets: BTreeMap<String, u64> = BTreeMap::new();
     while let Some(x) = futures::StreamExt::next(&mut subjects).await {
         let (subject, n) = x.map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
         if let Some(kind) = l.kind_of_submit_subject(&subject) {
-            tickets.insert(kind.to_string(), n as u64);
+            // Every lane of the kind counts.
+            *tickets.entry(kind.to_string()).or_default() += n as u64;
         }
     }
     if a.json {

@@ -58,6 +58,14 @@ pub struct Args {
     /// spec's `delay`), e.g. 90s, 15m, 2h.
     #[arg(long)]
     delay: Option<String>,
+    /// Who the job is for (sets the spec's `tenant`): tenants share the
+    /// fleet by weight (`leasehold limits set --tenant`).
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Which of its tenant's jobs runs first: 1 (first) to 5 (last), 3 by
+    /// default (sets the spec's `priority`).
+    #[arg(long, allow_negative_numbers = true)]
+    priority: Option<i32>,
     /// Print `{"id", "kind", "ticket_seq", "duplicate"}` instead of the id
     /// (with --wait: the final record, as always).
     #[arg(long)]
@@ -81,6 +89,24 @@ pub(crate) fn with_run_time(
         .as_object_mut()
         .context("the spec is not a JSON object like {\"input\":{...}}")?;
     obj.insert(field.into(), value.into());
+    Ok(serde_json::to_vec(&v)?)
+}
+
+/// The spec with `--tenant` / `--priority` set in it (the flag wins).
+fn with_lane(raw: Vec<u8>, tenant: Option<&str>, priority: Option<i32>) -> anyhow::Result<Vec<u8>> {
+    if tenant.is_none() && priority.is_none() {
+        return Ok(raw);
+    }
+    let mut v: serde_json::Value = serde_json::from_slice(&raw).context("the spec is not JSON")?;
+    let obj = v
+        .as_object_mut()
+        .context("the spec is not a JSON object like {\"input\":{...}}")?;
+    if let Some(t) = tenant {
+        obj.insert("tenant".into(), t.into());
+    }
+    if let Some(p) = priority {
+        obj.insert("priority".into(), p.into());
+    }
     Ok(serde_json::to_vec(&v)?)
 }
 
@@ -132,6 +158,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     // Unreadable input is bad usage (exit 2), like a spec that is refused.
     let raw = match read_spec(&a)
         .and_then(|r| with_run_time(r, a.run_at.as_deref(), a.delay.as_deref()))
+        .and_then(|r| with_lane(r, a.tenant.as_deref(), a.priority))
     {
         Ok(r) => r,
         Err(e) => {
@@ -192,7 +219,15 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         Err(e) => {
             return Err(anyhow::Error::new(e).context(format!(
                 "publishing on {} (is the kind set up? run `leasehold setup --kinds ...`)",
-                conn.layout.submit_subject(&a.kind)
+                conn.layout.lane_subject(
+                    &a.kind,
+                    &leasehold_core::lane::Lane::of(
+                        &accepted
+                            .as_ref()
+                            .map(|x| x.spec.clone())
+                            .unwrap_or_default()
+                    )
+                )
             )))
         }
     };

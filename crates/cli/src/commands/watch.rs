@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use leasehold_core::time::{human_duration, parse_rfc3339, rfc3339};
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::events::Events;
-use leasehold_store::{Conn, Jobs, NatsArgs, StoreError};
+use leasehold_store::{Conn, Jobs, NatsArgs};
 use serde_json::Value;
 
 #[derive(clap::Args, Debug)]
@@ -271,7 +271,12 @@ async fn live(
                 .as_ref()
                 .filter(|r| queue_readable && waits_its_turn(r))
             {
-                match tokio::time::timeout(QUEUE_PATIENCE, tickets_of_kind(conn, &rec.kind)).await {
+                match tokio::time::timeout(
+                    QUEUE_PATIENCE,
+                    leasehold_store::setup::tickets_of_kind(conn, &rec.kind),
+                )
+                .await
+                {
                     Ok(Ok(n)) => seen.queue = Some(n),
                     _ => queue_readable = false,
                 }
@@ -284,30 +289,6 @@ async fn live(
             screen.show(rec, &describe(&seen));
         }
     }
-}
-
-/// Tickets of `kind` in the work queue: waiting ones and those of running
-/// jobs (the work stream's message count on `lh.submit.<kind>`).
-async fn tickets_of_kind(conn: &Conn, kind: &str) -> Result<u64, StoreError> {
-    let l = &conn.layout;
-    let stream = conn
-        .js
-        .get_stream_no_info(l.work_stream())
-        .await
-        .map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
-    let subject = l.submit_subject(kind);
-    let mut subjects = stream
-        .info_with_subjects(subject.clone())
-        .await
-        .map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
-    let mut n = 0;
-    while let Some(x) = futures::StreamExt::next(&mut subjects).await {
-        let (s, count) = x.map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
-        if s == subject {
-            n = count as u64;
-        }
-    }
-    Ok(n)
 }
 
 /// What the watch knows of the job besides its record.

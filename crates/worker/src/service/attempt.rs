@@ -192,6 +192,22 @@ struct Attempt {
     span: tracing::Span,
 }
 
+/// One attempt of a tenant's job in `leasehold_tenant_jobs_running`.
+struct TenantRunning(String);
+
+impl TenantRunning {
+    fn start(tenant: String) -> TenantRunning {
+        leasehold_telemetry::observe::tenant_running(&tenant, 1);
+        TenantRunning(tenant)
+    }
+}
+
+impl Drop for TenantRunning {
+    fn drop(&mut self) {
+        leasehold_telemetry::observe::tenant_running(&self.0, -1);
+    }
+}
+
 async fn run_attempt(
     shared: Arc<Shared>,
     claimed: Versioned<JobRecord>,
@@ -320,8 +336,14 @@ async fn run_attempt(
         fence: fence.clone(),
         conn: shared.conn.clone(),
     };
-    let mut task =
-        tokio::spawn(async move { handler.run(ctx).await }.instrument(tracing::Span::current()));
+    // The job's model requests count against its tenant's limits too.
+    let tenant =
+        leasehold_core::lane::Lane::of(rec.spec.as_ref().unwrap_or(&Default::default())).tenant;
+    let _running = TenantRunning::start(tenant.clone());
+    let mut task = tokio::spawn(
+        leasehold_model::flow::with_tenant(tenant, async move { handler.run(ctx).await })
+            .instrument(tracing::Span::current()),
+    );
     let result = tokio::select! {
         r = &mut task => Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
         s = stop_rx.recv() => Err(s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into()))),

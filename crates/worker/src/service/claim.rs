@@ -240,7 +240,13 @@ pub(crate) async fn handle_delivery(
         stream_seq: seq,
         received_at: stored_at,
     };
-    let accepted = match spec::decode(sub, &shared.kinds, shared.opts.max_submission_bytes) {
+    let accepted = match work::decode_ticket(
+        &shared.conn.layout,
+        &msg.subject,
+        sub,
+        &shared.kinds,
+        shared.opts.max_submission_bytes,
+    ) {
         Ok(a) => a,
         Err(rej) => {
             reject(&shared, &kind, seq, &msg, rej).await;

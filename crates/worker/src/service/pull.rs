@@ -1,129 +1,399 @@
-//! Pulling tickets: never more than free slots.
+//! Pulling tickets: never more than free slots, each from the lane that is
+//! due.
+//!
+//! A kind's tickets wait in lanes (see [`leasehold_core::lane`]): the
+//! kind's own subject for the default tenant at the default priority, and
+//! one subject per other tenant and priority. The loop reserves the free
+//! slots first, then hands each to the lane the [`Scheduler`] names among
+//! those with tickets waiting (tenants by weight, priorities within a
+//! tenant), skipping a tenant at its running-jobs limit, and fetches from
+//! each lane what it was given. With nothing waiting anywhere it long-polls
+//! the kind's own consumer with one slot, so each idle kind holds at most
+//! one slot. The lanes with tickets are counted from the stream at most
+//! once per [`LANE_SCAN`]; what each fetch leaves pending says whether its
+//! lane has more; and a subscription to the lanes' subjects says at once
+//! that a ticket arrived in one (an idle poll of the kind's own consumer
+//! is then given up: the server drops a pull whose requester is gone).
+//!
+//! No pull waits for ever: a pull whose request or answer is lost (with a
+//! connection, or a consumer leader moving) gives its slots back after its
+//! expiry plus [`LOST_PULL_GRACE`], and the loop asks again.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
+use leasehold_core::flow::tenant_jobs_key;
+use leasehold_core::lane::{Lane, Scheduler};
+use leasehold_model::flow::{Flow, Permit, ProviderKey};
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{claim, Shared};
 
-/// Pulls tickets of one kind, never more than free slots.
-///
-/// An idle kind keeps one slot reserved for one long poll (expiring after
-/// `--pull-expires`); once a ticket arrives, the loop tops up with
-/// immediate fetches sized to the slots that are free at that moment, until
-/// the queue is drained or the slots are full. So a busy kind fills the
-/// worker and each idle kind holds at most one slot.
-///
-/// No pull waits for ever: a pull whose request or answer is lost (with a
-/// connection, or a consumer leader moving) gives its slots back after its
-/// expiry plus [`LOST_PULL_GRACE`], and the loop asks again.
 /// How long past a pull's expiry (a top-up fetch expects its answer at
 /// once) the loop waits for the pull to end before it counts it lost.
 const LOST_PULL_GRACE: Duration = Duration::from_secs(5);
 
+/// How often the lanes holding tickets are counted from the stream.
+const LANE_SCAN: Duration = Duration::from_secs(1);
+
+const MAX_BATCH: usize = 64;
+
+/// What the loop knows of its kind's lanes.
+struct Lanes {
+    /// Consumers of the lanes other than the default one.
+    consumers: HashMap<Lane, PullConsumer>,
+    /// Lanes that may have tickets waiting (the default lane included).
+    waiting: HashSet<Lane>,
+    scanned: Option<Instant>,
+    /// Whether the stream had tickets in other lanes at the last count.
+    any: bool,
+    sched: Scheduler,
+}
+
+impl Lanes {
+    fn new() -> Lanes {
+        Lanes {
+            consumers: HashMap::new(),
+            waiting: HashSet::from([Lane::default()]),
+            scanned: None,
+            any: false,
+            sched: Scheduler::new(),
+        }
+    }
+
+    /// Counts the lanes with tickets, at most once per [`LANE_SCAN`]; every
+    /// lane counted (and the default one) may have tickets waiting again.
+    async fn scan(&mut self, shared: &Shared, kind: &str) {
+        if self.scanned.is_some_and(|t| t.elapsed() < LANE_SCAN) {
+            return;
+        }
+        self.scanned = Some(Instant::now());
+        self.waiting.insert(Lane::default());
+        match shared.work.lanes(kind).await {
+            Ok(lanes) => {
+                self.any = !lanes.is_empty();
+                let mut per_tenant: BTreeMap<&str, u64> = BTreeMap::new();
+                for (lane, n) in &lanes {
+                    *per_tenant.entry(lane.tenant.as_str()).or_default() += n;
+                    self.waiting.insert(lane.clone());
+                }
+                for (t, n) in per_tenant {
+                    leasehold_telemetry::observe::tenant_tickets(kind, t, n);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(kind, error = %e, "cannot count the lanes; the next scan tries again")
+            }
+        }
+    }
+
+    /// Hands `n` slots to the lanes due, with the tenants' running-jobs
+    /// permits: per lane, one entry per slot (`None` where the tenant has
+    /// no limit).
+    fn plan(&mut self, flow: &Arc<Flow>, n: usize) -> Vec<(Lane, Vec<Option<Permit>>)> {
+        let mut out: Vec<(Lane, Vec<Option<Permit>>)> = Vec::new();
+        if self.waiting.len() == 1 && self.waiting.contains(&Lane::default()) {
+            // The common case, no tenants or priorities: no admission.
+            if flow
+                .limits(&tenant_jobs_key(&Lane::default().tenant))
+                .is_none()
+            {
+                return vec![(Lane::default(), (0..n).map(|_| None).collect())];
+            }
+        }
+        let mut blocked: HashSet<String> = HashSet::new();
+        for _ in 0..n {
+            let waiting = self.waiting.iter().collect::<Vec<_>>();
+            let Some(lane) = self
+                .sched
+                .next(waiting, |t| flow.weight(t), |t| blocked.contains(t))
+            else {
+                break;
+            };
+            let id = tenant_jobs_key(&lane.tenant);
+            let permit = if flow.limits(&id).is_some() {
+                let key = ProviderKey {
+                    id,
+                    info: Default::default(),
+                };
+                match flow.try_admit(&key, 0) {
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        self.sched.refund(&lane.tenant);
+                        blocked.insert(lane.tenant.clone());
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            match out.iter_mut().find(|(l, _)| *l == lane) {
+                Some((_, ps)) => ps.push(permit),
+                None => out.push((lane, vec![permit])),
+            }
+        }
+        out
+    }
+
+    /// A ticket was published on `subject` (one of the lanes').
+    fn arrived(&mut self, shared: &Shared, kind: &str, subject: &str) {
+        if let Some((k, lane)) = shared.conn.layout.lane_of_submit_subject(subject) {
+            if k == kind {
+                self.any = true;
+                self.waiting.insert(lane);
+            }
+        }
+    }
+
+    /// Takes in what the subscription saw since the last look.
+    fn note_arrivals(
+        &mut self,
+        shared: &Shared,
+        kind: &str,
+        sub: &mut Option<async_nats::Subscriber>,
+    ) {
+        let Some(s) = sub.as_mut() else { return };
+        let waker = futures::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        while let std::task::Poll::Ready(m) = s.poll_next_unpin(&mut cx) {
+            match m {
+                Some(m) => self.arrived(shared, kind, &m.subject),
+                None => {
+                    *sub = None;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A fetch from `lane` asked for `asked` and got `got`, the last one
+    /// saying `pending` more wait.
+    fn fetched(&mut self, lane: &Lane, asked: usize, got: usize, pending: u64) {
+        if got < asked || pending == 0 {
+            self.waiting.remove(lane);
+        }
+    }
+
+    async fn consumer(
+        &mut self,
+        shared: &Shared,
+        kind: &str,
+        lane: &Lane,
+    ) -> Result<PullConsumer, leasehold_store::StoreError> {
+        if let Some(c) = self.consumers.get(lane) {
+            return Ok(c.clone());
+        }
+        let c = shared.work.lane_consumer(kind, lane).await?;
+        self.consumers.insert(lane.clone(), c.clone());
+        Ok(c)
+    }
+}
+
+/// Lanes named by new tickets, as the subscription to their subjects sees
+/// them (no tickets are taken from it: it only wakes the loop).
+async fn arrivals(shared: &Shared, kind: &str) -> Option<async_nats::Subscriber> {
+    match shared
+        .conn
+        .client
+        .subscribe(shared.conn.layout.lanes_filter(kind))
+        .await
+    {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::debug!(kind, error = %e, "no subscription to the lanes; counting them each second instead");
+            None
+        }
+    }
+}
+
 pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToken) {
-    const MAX_BATCH: usize = 64;
-    let mut consumer = None;
+    let flow = Flow::global();
+    let mut arrived = arrivals(&shared, &kind).await;
+    // Tenants' limits apply from the first job.
+    flow.wait_loaded(Duration::from_secs(5)).await;
+    let mut lanes = Lanes::new();
     let mut backoff = Duration::from_millis(50);
     while !shutdown.is_cancelled() {
-        if consumer.is_none() {
+        if let std::collections::hash_map::Entry::Vacant(v) = lanes.consumers.entry(Lane::default())
+        {
             match shared.work.consumer(&kind).await {
-                Ok(c) => consumer = Some(c),
+                Ok(c) => {
+                    v.insert(c);
+                }
                 Err(e) => {
                     tracing::warn!(kind, error = %e, "consumer unavailable; retrying");
                     tokio::select! { _ = tokio::time::sleep(Duration::from_secs(1)) => continue, _ = shutdown.cancelled() => break }
                 }
             }
         }
-        let c = consumer.as_ref().expect("set above");
-        // Reserve the slot before asking: backpressure is explicit.
+        // Reserve the slots before asking: backpressure is explicit.
         let first = tokio::select! {
             p = shared.slots.clone().acquire_owned() => p.expect("semaphore open"),
             _ = shutdown.cancelled() => break,
         };
         let mut permits = vec![first];
-        let got = match c
-            .batch()
-            .max_messages(1)
-            .expires(shared.opts.pull_expires)
-            .messages()
-            .await
-        {
-            Ok(batch) => {
-                let idle = shared.opts.pull_expires + LOST_PULL_GRACE;
-                let (got, failed) =
-                    take(&shared, &kind, batch, &mut permits, &shutdown, idle).await;
-                if failed && got == 0 {
-                    // A refused pull (409: the consumer's max waiting pulls
-                    // reached, a leader moving): back off instead of asking
-                    // again at once, doubling up to 2 s.
-                    tracing::debug!(kind, ?backoff, "pull refused; backing off");
-                    tokio::select! { _ = tokio::time::sleep(backoff) => {}, _ = shutdown.cancelled() => break }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    continue;
+        while permits.len() < MAX_BATCH {
+            match shared.slots.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        lanes.scan(&shared, &kind).await;
+        lanes.note_arrivals(&shared, &kind, &mut arrived);
+        let plan = lanes.plan(&flow, permits.len());
+        if plan.is_empty() {
+            // Nothing waits (or only tenants at their limit): one long
+            // poll of the kind's own consumer, with one slot.
+            permits.truncate(1);
+            let mut tenants = Vec::new();
+            let id = tenant_jobs_key(&Lane::default().tenant);
+            if flow.limits(&id).is_some() {
+                let key = ProviderKey {
+                    id,
+                    info: Default::default(),
+                };
+                match flow.try_admit(&key, 0) {
+                    Ok(p) => tenants.push(Some(p)),
+                    Err(_) => {
+                        // Every tenant with tickets is at its limit: wait
+                        // for a job to end (or a limit to change).
+                        drop(permits);
+                        tokio::select! {
+                            _ = flow.changed() => {}
+                            _ = tokio::time::sleep(LANE_SCAN) => {}
+                            _ = shutdown.cancelled() => break,
+                        }
+                        continue;
+                    }
                 }
-                backoff = Duration::from_millis(50);
-                got
             }
-            Err(e) => {
-                tracing::warn!(kind, error = %e, "pull failed; retrying");
-                consumer = None;
-                drop(permits);
-                tokio::select! { _ = tokio::time::sleep(Duration::from_millis(500)) => continue, _ = shutdown.cancelled() => break }
+            let c = lanes.consumers[&Lane::default()].clone();
+            // While other lanes have tickets, the poll is short, so the
+            // next count comes soon.
+            let expires = if lanes.any {
+                shared.opts.pull_expires.min(LANE_SCAN)
+            } else {
+                shared.opts.pull_expires
+            };
+            let poll = c.batch().max_messages(1).expires(expires).messages();
+            let poll = match arrived.as_mut() {
+                Some(sub) => {
+                    let first = tokio::select! {
+                        p = poll => Some(p),
+                        m = sub.next() => {
+                            // A ticket arrived in a lane: give the poll up
+                            // and take it.
+                            if let Some(m) = m {
+                                lanes.arrived(&shared, &kind, &m.subject);
+                            }
+                            None
+                        }
+                    };
+                    match first {
+                        Some(p) => p,
+                        None => continue,
+                    }
+                }
+                None => poll.await,
+            };
+            match poll {
+                Ok(batch) => {
+                    let idle = expires + LOST_PULL_GRACE;
+                    let (got, failed, _) = take(
+                        &shared,
+                        &kind,
+                        batch,
+                        &mut permits,
+                        &mut tenants,
+                        &shutdown,
+                        idle,
+                    )
+                    .await;
+                    if failed && got == 0 {
+                        // A refused pull (409: the consumer's max waiting
+                        // pulls reached, a leader moving): back off instead
+                        // of asking again at once, doubling up to 2 s.
+                        tracing::debug!(kind, ?backoff, "pull refused; backing off");
+                        tokio::select! { _ = tokio::time::sleep(backoff) => {}, _ = shutdown.cancelled() => break }
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        continue;
+                    }
+                    backoff = Duration::from_millis(50);
+                    if got > 0 {
+                        lanes.waiting.insert(Lane::default());
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(kind, error = %e, "pull failed; retrying");
+                    lanes.consumers.remove(&Lane::default());
+                    drop(permits);
+                    tokio::select! { _ = tokio::time::sleep(Duration::from_millis(500)) => continue, _ = shutdown.cancelled() => break }
+                }
             }
-        };
-        if got == 0 {
             continue;
         }
-        // Busy: fetch what is queued, as much as free slots allow.
-        while !shutdown.is_cancelled() {
-            let mut permits = Vec::new();
-            while permits.len() < MAX_BATCH {
-                match shared.slots.clone().try_acquire_owned() {
-                    Ok(p) => permits.push(p),
-                    Err(_) => break,
+        // Busy: fetch from each lane what it was given.
+        tracing::debug!(kind, plan = ?plan.iter().map(|(l, t)| (l.tenant.as_str(), l.priority, t.len())).collect::<Vec<_>>(), "pull plan");
+        for (lane, mut tenants) in plan {
+            let want = tenants.len();
+            let mut mine: Vec<OwnedSemaphorePermit> = permits.drain(..want).collect();
+            let c = match lanes.consumer(&shared, &kind, &lane).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(kind, tenant = %lane.tenant, priority = lane.priority, error = %e, "lane consumer unavailable; the next count tries again");
+                    lanes.waiting.remove(&lane);
+                    lanes.consumers.remove(&lane);
+                    continue;
                 }
-            }
-            let want = permits.len();
-            if want == 0 {
-                break;
-            }
-            let Ok(batch) = c.fetch().max_messages(want).messages().await else {
-                break;
             };
-            let (got, failed) = take(
+            let Ok(batch) = c.fetch().max_messages(want).messages().await else {
+                lanes.waiting.remove(&lane);
+                lanes.consumers.remove(&lane);
+                continue;
+            };
+            let (got, failed, pending) = take(
                 &shared,
                 &kind,
                 batch,
-                &mut permits,
+                &mut mine,
+                &mut tenants,
                 &shutdown,
                 LOST_PULL_GRACE,
             )
             .await;
-            if failed || got < want {
-                break;
+            tracing::debug!(kind, tenant = %lane.tenant, want, got, pending, failed, "lane fetched");
+            if failed {
+                lanes.waiting.remove(&lane);
+            } else {
+                lanes.fetched(&lane, want, got, pending);
             }
         }
     }
 }
 
-/// Dispatches the messages of one pull, one reserved slot each; returns how
-/// many arrived and whether the pull ended in an error, or went `idle` with
-/// neither a message nor its end (its request or answer was lost). After
-/// shutdown began, tickets are handed back at once.
+/// Dispatches the messages of one pull, one reserved slot (and tenant
+/// permit, when its tenant is limited) each; returns how many arrived,
+/// whether the pull ended in an error, or went `idle` with neither a
+/// message nor its end (its request or answer was lost), and how many the
+/// last message said were still pending. After shutdown began, tickets are
+/// handed back at once.
 async fn take(
     shared: &Arc<Shared>,
     kind: &str,
     mut batch: async_nats::jetstream::consumer::pull::Batch,
     permits: &mut Vec<OwnedSemaphorePermit>,
+    tenants: &mut Vec<Option<Permit>>,
     shutdown: &CancellationToken,
     idle: Duration,
-) -> (usize, bool) {
+) -> (usize, bool, u64) {
     let mut n = 0;
+    let mut pending = 0;
     loop {
         let m = match tokio::time::timeout(idle, batch.next()).await {
             Ok(Some(m)) => m,
@@ -134,11 +404,14 @@ async fn take(
                     ?idle,
                     "a pull got neither tickets nor its end (lost with a connection?); pulling again"
                 );
-                return (n, true);
+                return (n, true, pending);
             }
         };
-        let Ok(msg) = m else { return (n, true) };
+        let Ok(msg) = m else {
+            return (n, true, pending);
+        };
         n += 1;
+        pending = msg.info().map(|i| i.pending).unwrap_or(0);
         if shutdown.is_cancelled() {
             let _ = msg.ack_with(AckKind::Nak(None)).await;
             continue;
@@ -146,7 +419,14 @@ async fn take(
         let permit = permits
             .pop()
             .expect("never more messages than reserved slots");
-        tokio::spawn(claim::handle_delivery(shared.clone(), msg, permit));
+        let tenant = tenants.pop().flatten();
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            // The tenant's running-jobs permit is held for the whole claim
+            // and attempt.
+            let _tenant = tenant;
+            claim::handle_delivery(shared, msg, permit).await
+        });
     }
-    (n, false)
+    (n, false, pending)
 }

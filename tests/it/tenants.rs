@@ -1,0 +1,263 @@
+//! Tenants and priorities against real worker processes: a quiet tenant is
+//! served within its share whatever a noisy one queued, priorities order a
+//! tenant's own jobs, a tenant at its running-jobs limit waits while another
+//! runs, and malformed tenants, priorities and weights are refused.
+
+use std::time::Duration;
+
+use leasehold_core::time::parse_rfc3339;
+use leasehold_harness::Proc;
+use serde_json::json;
+
+use crate::support::*;
+
+fn sleep_job(tenant: &str, priority: Option<i32>, ms: u64) -> serde_json::Value {
+    let mut s = json!({"input": {"ms": ms}, "tenant": tenant});
+    if let Some(p) = priority {
+        s["priority"] = json!(p);
+    }
+    s
+}
+
+/// When a completed job's record was last written: its completion.
+async fn finished_at(env: &Env, id: &str) -> std::time::SystemTime {
+    let r = env
+        .wait_status(id, "completed", Duration::from_secs(60))
+        .await;
+    parse_rfc3339(&r.updated_at).unwrap()
+}
+
+/// The time of a job's first event of type `ty`.
+async fn first_at(env: &Env, id: &str, ty: &str) -> std::time::SystemTime {
+    // A read right after the record's write may not see the events yet.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let evs = env.events_of(id).await;
+        if let Some(e) = evs.iter().find(|e| e.r#type == ty) {
+            return parse_rfc3339(&e.at).unwrap();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{id} has no {ty} event: {evs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn workers(env: &Env, n: usize, slots: usize) -> Vec<Proc> {
+    (0..n)
+        .map(|_| env.worker_proc(&[], &[("LH_CONCURRENCY", slots.to_string())]))
+        .collect()
+}
+
+/// Tenant `noisy` queues 120 jobs, then tenant `quiet` 10: with equal
+/// weights the workers alternate between them, so every quiet job is done
+/// while most of the noisy backlog still waits (first come, first served
+/// would finish all 120 first).
+#[tokio::test]
+async fn a_quiet_tenant_is_served_within_its_share_whatever_a_noisy_one_queued() {
+    let env = Env::new().await;
+    for i in 0..120 {
+        env.submit(
+            "sleep",
+            sleep_job("noisy", None, 200),
+            &format!("noisy-{i}"),
+        )
+        .await;
+    }
+    // Four slots for the sleep kind (each idle kind's poll holds one).
+    let _w = workers(&env, 1, 7);
+    env.wait_status("noisy-0", "completed", Duration::from_secs(30))
+        .await;
+    for i in 0..10 {
+        env.submit(
+            "sleep",
+            sleep_job("quiet", None, 200),
+            &format!("quiet-{i}"),
+        )
+        .await;
+    }
+    let mut last_quiet = std::time::UNIX_EPOCH;
+    for i in 0..10 {
+        let r = env
+            .wait_status(&format!("quiet-{i}"), "completed", Duration::from_secs(60))
+            .await;
+        assert_eq!(r.spec.as_ref().unwrap().tenant.as_deref(), Some("quiet"));
+        last_quiet = last_quiet.max(finished_at(&env, &format!("quiet-{i}")).await);
+    }
+    let mut noisy_before = 0;
+    for i in 0..120 {
+        let id = format!("noisy-{i}");
+        if finished_at(&env, &id).await <= last_quiet {
+            noisy_before += 1;
+        }
+    }
+    assert!(
+        noisy_before < 80,
+        "the quiet tenant's 10 jobs waited for {noisy_before} of the noisy one's 120"
+    );
+}
+
+/// With the worker stopped, a tenant queues five jobs at priority 5, then
+/// one at priority 1: the worker, started with one slot, runs the
+/// priority-1 job first.
+#[tokio::test]
+async fn priority_orders_a_tenants_own_jobs() {
+    let env = Env::new().await;
+    for i in 0..5 {
+        env.submit(
+            "sleep",
+            sleep_job("acme", Some(5), 50),
+            &format!("late-{i}"),
+        )
+        .await;
+    }
+    env.submit("sleep", sleep_job("acme", Some(1), 50), "urgent")
+        .await;
+    // One slot for the sleep kind (each idle kind's poll holds one).
+    let _w = workers(&env, 1, 4);
+    env.wait_status("urgent", "completed", Duration::from_secs(30))
+        .await;
+    let urgent = first_at(&env, "urgent", "claimed").await;
+    for i in 0..5 {
+        let id = format!("late-{i}");
+        env.wait_status(&id, "completed", Duration::from_secs(30))
+            .await;
+        assert!(
+            first_at(&env, &id, "claimed").await > urgent,
+            "{id} (priority 5) ran before the priority-1 job"
+        );
+    }
+}
+
+/// `leasehold limits set --tenant capped --jobs 1`: two workers run one of the capped tenant's jobs at a time, while the
+/// other tenant's jobs run beside it.
+#[tokio::test]
+async fn a_tenant_at_its_running_jobs_limit_waits_while_another_runs() {
+    let env = Env::new().await;
+    let (code, out, err) = cli(
+        &env.url(),
+        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    // Each idle kind of the four holds a slot for its poll: 16 leave the
+    // sleep kind plenty.
+    let _w = workers(&env, 2, 16);
+    for i in 0..4 {
+        env.submit(
+            "sleep",
+            sleep_job("capped", None, 400),
+            &format!("capped-{i}"),
+        )
+        .await;
+    }
+    for i in 0..4 {
+        env.submit("sleep", sleep_job("free", None, 400), &format!("free-{i}"))
+            .await;
+    }
+    let mut capped = Vec::new();
+    let mut free = Vec::new();
+    for (list, t) in [(&mut capped, "capped"), (&mut free, "free")] {
+        for i in 0..4 {
+            let id = format!("{t}-{i}");
+            list.push((
+                first_at(&env, &id, "claimed").await,
+                finished_at(&env, &id).await,
+            ));
+        }
+    }
+    capped.sort();
+    for w in capped.windows(2) {
+        assert!(
+            w[1].0 >= w[0].1,
+            "two of the capped tenant's jobs ran at once: {w:?}"
+        );
+    }
+    // The free tenant was not held back by the capped one: its four jobs
+    // ran side by side, all within the capped tenant's run.
+    let free_end = free.iter().map(|x| x.1).max().unwrap();
+    let capped_end = capped.iter().map(|x| x.1).max().unwrap();
+    assert!(free_end < capped_end, "free: {free:?}, capped: {capped:?}");
+    let (code, out, _) = cli(&env.url(), &["limits", "list", "--json"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.lines()
+            .any(|l| l.contains("\"tenant.capped.jobs\"") && l.contains("\"tenant\":\"capped\"")),
+        "{out}"
+    );
+}
+
+/// Malformed tenants, priorities and weights are refused with what is
+/// allowed, before anything is sent; a raw submission whose spec names
+/// another tenant than its subject is a rejected record that says where it
+/// belongs.
+#[tokio::test]
+async fn malformed_tenants_priorities_and_weights_are_refused() {
+    let env = Env::new().await;
+    let url = env.url();
+    let input = r#"{"ms":1}"#;
+    for (args, needle) in [
+        (
+            vec!["submit", "sleep", "--input", input, "--tenant", "a b"],
+            "tenant",
+        ),
+        (
+            vec!["submit", "sleep", "--input", input, "--tenant", ""],
+            "tenant",
+        ),
+        (
+            vec!["submit", "sleep", "--input", input, "--priority", "9"],
+            "1..=5",
+        ),
+        (
+            vec!["submit", "sleep", "--input", input, "--priority", "0"],
+            "1..=5",
+        ),
+        (
+            vec!["submit", "sleep", r#"{"input":{},"priority":"high"}"#],
+            "priority",
+        ),
+        (
+            vec!["limits", "set", "--tenant", "acme", "--weight", "0"],
+            "1..=1000",
+        ),
+        (
+            vec!["limits", "set", "--tenant", "acme", "--jobs", "-1"],
+            "--jobs",
+        ),
+        (
+            vec!["limits", "set", "--tenant", "a.b", "--jobs", "2"],
+            "--tenant",
+        ),
+        (vec!["limits", "set", "--jobs", "2"], "--tenant"),
+    ] {
+        let (code, out, err) = cli(&url, &args).await;
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    let (code, _, err) = cli(&url, &["list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    // A spec naming tenant x, published raw on the default subject.
+    let _w = workers(&env, 1, 2);
+    env.conn
+        .js
+        .publish(
+            env.conn.layout.submit_subject("sleep"),
+            json!({"id": "misplaced", "input": {"ms": 1}, "tenant": "x"})
+                .to_string()
+                .into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let r = env
+        .wait_status("misplaced", "rejected", Duration::from_secs(20))
+        .await;
+    let e = r.error.unwrap();
+    assert!(
+        e.message.contains("lh.submit.sleep.x.3"),
+        "the rejection names the subject: {e:?}"
+    );
+}
