@@ -88,6 +88,12 @@ impl Ctx {
         }
     }
 
+    /// The attempt as the worker gave it (for [`crate::RemoteKind`], which
+    /// records steps itself).
+    pub(crate) fn job(&self) -> &JobCtx {
+        &self.job
+    }
+
     /// Ends the attempt's checkpoints: what was queued is made durable
     /// (bounded: the outcome matters more). A checkpoint refused by a newer
     /// owner makes the attempt a stop; one refused by the stream (full) a
