@@ -38,6 +38,10 @@ pub const SIGNATURE_HEADER: &str = "X-Leasehold-Signature";
 /// row before the attempt gives up: a service asking for pages forever.
 const MAX_IDLE_CALLS: usize = 64;
 
+/// Connection refusals are retried in the call at 200 ms, 400 ms, ... up
+/// to this delay (3 s in all) before the attempt ends.
+const CONNECT_RETRY_CAP: Duration = Duration::from_millis(1600);
+
 /// How a worker reaches a remote kind's service.
 ///
 /// ```
@@ -214,7 +218,23 @@ impl Client {
                 .unwrap_or(0);
             req = req.header(SIGNATURE_HEADER, signature(s, t, &body));
         }
-        let mut resp = req.body(body).send().await.map_err(|e| {
+        // A connection refused never reached the service: safe to try again
+        // at once (a service restarting), a few times, before the attempt
+        // ends.
+        let mut backoff = Duration::from_millis(200);
+        let mut resp = loop {
+            let Some(r) = req.try_clone() else {
+                break req.body(body).send().await;
+            };
+            match r.body(body.clone()).send().await {
+                Err(e) if e.is_connect() && backoff <= CONNECT_RETRY_CAP => {
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+                r => break r,
+            }
+        }
+        .map_err(|e| {
             if e.is_timeout() {
                 CallError::Transport(format!("the service did not answer within {timeout:?}"))
             } else {
