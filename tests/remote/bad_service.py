@@ -7,13 +7,22 @@ bad-answer tests (tests/it/remote.rs). Stdlib only; the job's input
 - ``unknown_op``: ``{"op": "teleport"}``;
 - ``step_conflict``: records ``a#0`` = 1, then answers ``a#0`` = 2;
 - ``too_large``: an answer over the worker's body limit;
-- ``v2_only``: refuses protocol 1 (``unsupported_protocol``).
+- ``v2_only``: refuses protocol 1 (``unsupported_protocol``);
+- ``record``: a correct run (a step, an effect whose first tool call
+  times out so the worker asks ``find_existing``, the end) that prints
+  every request as ``REQ <path> <json>`` and every answer as ``ANS <path>
+  <json>``, for the schema test.
 
 Prints ``listening on http://ADDR``; serves on ``LEASEHOLD_PORT`` (0: any).
 """
 
 import json
 import os
+import threading
+import time
+
+TOOL_CALLS = [0]
+LOCK = threading.Lock()
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -30,8 +39,33 @@ class H(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def answer(self, out):
+        data = json.dumps(out)
+        print(f"ANS {self.path} {data}", flush=True)
+        return self.send(200, data.encode())
+
+    def record(self, body):
+        print(f"REQ {self.path} {json.dumps(body)}", flush=True)
+        if self.path == "/tools/t":
+            with LOCK:
+                TOOL_CALLS[0] += 1
+                first = TOOL_CALLS[0] == 1
+            if first:
+                time.sleep(1.5)  # past the effect's timeout: outcome unknown
+            return self.answer({"protocol": 1, "result": {"ok": True}})
+        if self.path == "/tools/t/find_existing":
+            return self.answer({"protocol": 1, "status": "not_found"})
+        n = body["journal"]["total"]
+        if n == 0:
+            return self.answer({"protocol": 1, "op": "step", "index": 0, "id": "a#0", "result": {"n": 1}, "version": "1"})
+        if n == 1:
+            return self.answer({"protocol": 1, "op": "effect", "index": 1, "id": "effect:t#0", "tool": "t", "args": {"x": 1}, "business_key": "k-1", "timeout_ms": 500, "dedupes_by_key": True})
+        return self.answer({"protocol": 1, "op": "complete", "output": {"ok": True}})
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        if self.path.startswith("/tools/") or (body["job"].get("input") or {}).get("bad") == "record":
+            return self.record(body)
         bad = (body["job"].get("input") or {}).get("bad")
         entries = body["journal"]["entries"]
         if bad == "not_json":

@@ -308,7 +308,8 @@ impl Client {
 pub struct RemoteKind {
     client: Arc<Client>,
     ledger: OnceCell<EffectsLedger>,
-    /// One toolbox per tool the service named, each with its one tool.
+    /// One toolbox per tool the service named (and its settings), each
+    /// with its one tool.
     toolboxes: Mutex<BTreeMap<String, Arc<Toolbox>>>,
 }
 
@@ -330,6 +331,7 @@ impl RemoteKind {
         ctx: &Ctx,
         tool: &str,
         timeout: Duration,
+        dedupes: bool,
     ) -> Result<Arc<Toolbox>, Error> {
         let ledger = self
             .ledger
@@ -337,7 +339,8 @@ impl RemoteKind {
             .await?
             .clone();
         let mut g = self.toolboxes.lock().await;
-        if let Some(tb) = g.get(tool) {
+        let name = format!("{tool}/{dedupes}/{}", timeout.as_millis());
+        if let Some(tb) = g.get(&name) {
             return Ok(tb.clone());
         }
         let mut tb = Toolbox::new(Some(ledger), Arc::new(NoEvents));
@@ -350,10 +353,11 @@ impl RemoteKind {
                 timeout,
             },
             client: self.client.clone(),
+            dedupes,
         }))
         .map_err(|e| Error::terminal(format!("tool `{tool}`: {e}")))?;
         let tb = Arc::new(tb);
-        g.insert(tool.to_string(), tb.clone());
+        g.insert(name, tb.clone());
         Ok(tb)
     }
 
@@ -457,7 +461,8 @@ impl RemoteKind {
             .map(Duration::from_millis)
             .unwrap_or(Duration::from_secs(10))
             .min(self.client.cfg.timeout);
-        let tb = self.toolbox(ctx, tool, timeout).await?;
+        let dedupes = op["dedupes_by_key"].as_bool().unwrap_or(false);
+        let tb = self.toolbox(ctx, tool, timeout, dedupes).await?;
         let job = ctx.job();
         let call = CallCtx::new(&job.record.id, id, job.record.epoch)
             .of_incarnation(&job.record.created_at)
@@ -672,6 +677,9 @@ impl Kind for RemoteKind {
 struct RemoteTool {
     spec: ToolSpec,
     client: Arc<Client>,
+    /// The effect op said its destination deduplicates by the idempotency
+    /// key: after `not_found`, calling again cannot repeat the effect.
+    dedupes: bool,
 }
 
 fn tool_error(e: CallError) -> ToolError {
@@ -724,6 +732,9 @@ impl Tool for RemoteTool {
                 .cloned()
                 .ok_or_else(|| ToolError::BadResponse("a tool answer needs `result`".into()))
         })
+    }
+    fn dedupes_by_key(&self) -> bool {
+        self.dedupes
     }
     fn business_key(&self, _job: &str, args: &Value) -> Option<String> {
         args["business_key"]

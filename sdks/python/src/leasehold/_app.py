@@ -164,12 +164,18 @@ class Ctx:
         args: JSON,
         business_key: Optional[str] = None,
         timeout_ms: Optional[int] = None,
+        dedupes_by_key: bool = False,
     ) -> JSON:
         """A write through the worker's effects ledger, at most once ever:
         the worker calls this service's tool ``tool`` with a stable
         idempotency key, reconciles an unknown outcome with its
         ``find_existing``, and answers a later effect with the same
-        ``business_key`` with the first one's result. Returns the result."""
+        ``business_key`` with the first one's result. Returns the result.
+
+        ``dedupes_by_key``: the destination deduplicates by the idempotency
+        key, so after ``find_existing`` answers ``NOT_FOUND`` the worker may
+        call the tool again; otherwise such an outcome parks the job
+        (``uncertain_effect``) for a person."""
         sid = self._id(f"effect:{tool}")
         hit, value, i = self._replay(sid)
         if hit:
@@ -182,6 +188,8 @@ class Ctx:
             "args": args,
             "business_key": business_key,
         }
+        if dedupes_by_key:
+            op["dedupes_by_key"] = True
         if timeout_ms is not None:
             op["timeout_ms"] = timeout_ms
         raise _Answer(op)
