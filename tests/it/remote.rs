@@ -43,13 +43,19 @@ async fn service(port: u16, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
     let root = repo();
     let mut e: Vec<(&str, String)> = vec![
         ("LEASEHOLD_PORT", port.to_string()),
+        // The installed SDK with LH_PYTHON (make python-sdk), else the
+        // checkout's.
         (
             "PYTHONPATH",
-            format!(
-                "{}:{}",
-                root.join("sdks/python/src").display(),
-                root.join("examples/invoice-python").display()
-            ),
+            if std::env::var_os("LH_PYTHON").is_some() {
+                root.join("examples/invoice-python").display().to_string()
+            } else {
+                format!(
+                    "{}:{}",
+                    root.join("sdks/python/src").display(),
+                    root.join("examples/invoice-python").display()
+                )
+            },
         ),
         ("INVOICE_ACCOUNTING_URL", sim.to_string()),
         ("PYTHONUNBUFFERED", "1".into()),
@@ -663,4 +669,162 @@ async fn remote_conformance_an_oversized_journal_is_paged() {
     assert!(rec.epoch >= 2, "{rec:?}");
     let st = steps(&env.events_of("conf-big").await);
     assert_eq!(st.len(), 40, "each step recorded once");
+}
+
+// ---- the protocol's schemas -----------------------------------------------
+
+fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
+    let dir = repo().join("proto/worker-protocol/v1");
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "json") {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            let name = p.file_stem().unwrap().to_string_lossy().to_string();
+            let validator = jsonschema::validator_for(&v)
+                .unwrap_or_else(|e| panic!("{} does not compile: {e}", p.display()));
+            out.insert(name, validator);
+        }
+    }
+    out
+}
+
+fn check(
+    schemas: &std::collections::BTreeMap<String, jsonschema::Validator>,
+    schema: &str,
+    v: &Value,
+) {
+    let errors: Vec<String> = schemas[schema]
+        .iter_errors(v)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect();
+    assert!(errors.is_empty(), "{schema}: {errors:?} in {v}");
+}
+
+#[tokio::test]
+async fn remote_protocol_examples_and_the_workers_real_messages_match_the_schemas() {
+    let s = schemas();
+    assert!(s.len() >= 7, "{:?}", s.keys());
+    // Every example matches the schema its name starts with.
+    let dir = repo().join("proto/worker-protocol/v1/examples");
+    let mut examples = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        let schema = name.split('.').next().unwrap();
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        check(&s, schema, &v);
+        examples += 1;
+    }
+    assert!(examples >= 10);
+    // A wrong message does not.
+    assert!(!s["invoke-answer"].is_valid(
+        &json!({"protocol": 1, "op": "step", "index": "zero", "id": "a#0", "result": 1})
+    ));
+    assert!(!s["invoke-answer"].is_valid(&json!({"protocol": 1, "op": "teleport"})));
+
+    // The worker's real requests, and a service's answers, in one run
+    // through a step, an effect reconciled after a timeout, and the end.
+    let env = env().await;
+    let (b, base) = bad_service().await;
+    let _w = worker(&env, &format!("bad={base}/"), &[]);
+    env.submit("bad", json!({"input": {"bad": "record"}}), "schema-1")
+        .await;
+    let rec = ended(&env, "schema-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let mut seen = std::collections::BTreeSet::new();
+    for line in b.output().lines() {
+        let Some((dir, rest)) = line.split_once(' ') else {
+            continue;
+        };
+        if dir != "REQ" && dir != "ANS" {
+            continue;
+        }
+        let Some((path, body)) = rest.split_once(' ') else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(body).unwrap();
+        let schema = match (dir, path) {
+            ("REQ", "/invoke") => "invoke-request",
+            ("ANS", "/invoke") => "invoke-answer",
+            ("REQ", p) if p.ends_with("/find_existing") => "find-existing-request",
+            ("ANS", p) if p.ends_with("/find_existing") => "find-existing-answer",
+            ("REQ", _) => "tool-request",
+            ("ANS", _) => "tool-answer",
+            _ => continue,
+        };
+        check(&s, schema, &v);
+        seen.insert(schema);
+    }
+    assert_eq!(
+        seen.len(),
+        6,
+        "every message type seen: {seen:?}\n{}",
+        b.output()
+    );
+
+    // The Python SDK's answers too.
+    let port = free_port();
+    let _py = service(port, "http://127.0.0.1:9", &[]).await;
+    let http = reqwest::Client::new();
+    for name in ["invoke-request.first", "invoke-request.paged"] {
+        let mut req: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        req["job"]["kind"] = json!("conformance");
+        let v: Value = http
+            .post(format!("http://127.0.0.1:{port}/invoke"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        check(&s, "invoke-answer", &v);
+    }
+}
+
+#[tokio::test]
+async fn remote_a_signed_service_serves_a_signed_worker_and_refuses_another() {
+    let env = env().await;
+    let port = free_port();
+    let _s = service(
+        port,
+        "http://127.0.0.1:9",
+        &[
+            ("LEASEHOLD_TOKEN", "tok-1"),
+            ("LEASEHOLD_HMAC_SECRET", "sec-1"),
+        ],
+    )
+    .await;
+    let remote = format!("conformance={}", url(port));
+    let mut good = worker(
+        &env,
+        &remote,
+        &[
+            ("LH_REMOTE_TOKEN", "tok-1"),
+            ("LH_REMOTE_HMAC_SECRET", "sec-1"),
+        ],
+    );
+    submit_conf(&env, "conf-signed", json!({"steps": 2})).await;
+    let rec = ended(&env, "conf-signed").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    good.kill9();
+    // A worker signing with another secret is refused: a clear, terminal error.
+    let _bad = worker(
+        &env,
+        &remote,
+        &[
+            ("LH_REMOTE_TOKEN", "tok-1"),
+            ("LH_REMOTE_HMAC_SECRET", "wrong"),
+        ],
+    );
+    submit_conf(&env, "conf-unsigned", json!({"steps": 2})).await;
+    let rec = ended(&env, "conf-unsigned").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let m = error_of(&rec);
+    assert!(m.contains("unauthorized") && m.contains("signature"), "{m}");
+    assert!(steps(&env.events_of("conf-unsigned").await).is_empty());
 }
