@@ -590,7 +590,7 @@ async fn remote_conformance_a_journal_mismatch_after_a_code_change_parks_with_bo
 }
 
 #[tokio::test]
-async fn remote_conformance_a_slow_service_past_the_attempt_deadline_is_retried() {
+async fn remote_conformance_a_slow_service_past_the_call_deadline_is_retried() {
     let (env, _s, _port, remote) = conformance_env().await;
     let _w = worker(&env, &remote, &[("LH_REMOTE_TIMEOUT", "1500ms")]);
     submit_conf(
@@ -827,4 +827,36 @@ async fn remote_a_signed_service_serves_a_signed_worker_and_refuses_another() {
     let m = error_of(&rec);
     assert!(m.contains("unauthorized") && m.contains("signature"), "{m}");
     assert!(steps(&env.events_of("conf-unsigned").await).is_empty());
+}
+
+#[tokio::test]
+async fn remote_conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried() {
+    let (env, s, _port, remote) = conformance_env().await;
+    // The call may take 30 s; the attempt may not take more than 2.
+    let _w = worker(&env, &remote, &[("LH_ATTEMPT_TIMEOUT", "2s")]);
+    submit_conf(
+        &env,
+        "conf-deadline",
+        json!({"steps": 2, "slow_step": 1, "slow_s": 6, "slow_epoch": 1}),
+    )
+    .await;
+    wait_log(
+        &s,
+        "step 1 of conf-deadline epoch 1",
+        Duration::from_secs(20),
+    )
+    .await;
+    let rec = ended(&env, "conf-deadline").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "a later attempt finished it: {rec:?}");
+    let events = env.events_of("conf-deadline").await;
+    let st = steps(&events);
+    assert_eq!(st, ["count#0", "count#1"], "{st:?}");
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.r#type == "step" && e.data_map()["id"] == "count#1")
+            .all(|e| e.epoch >= 2),
+        "the stopped attempt's late answer was not recorded"
+    );
 }
