@@ -154,6 +154,13 @@ def find_invoice(args: Any, call: ToolCall) -> Any:
     return Found(v)
 
 
+@app.kind("echo")
+@app.kind("echo-remote")
+def echo(ctx: Ctx) -> Any:
+    """The input as the output (the bench's remote echo)."""
+    return ctx.input
+
+
 @app.kind("conformance")
 def conformance(ctx: Ctx) -> Any:
     """The conformance suite's kind. Input: ``steps`` (n, default 2),

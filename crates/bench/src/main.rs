@@ -32,6 +32,7 @@ mod plateau;
 mod queue;
 mod real_model;
 mod recovery;
+mod remote;
 mod reoffers;
 mod research;
 mod steps;
@@ -60,6 +61,7 @@ pub const PARTS: &[&str] = &[
     "regression",
     "reoffers",
     "steps",
+    "remote",
     "flow",
     "flow-research",
     "real-model",
@@ -471,6 +473,20 @@ async fn main() -> anyhow::Result<()> {
         {
             steps::rows(&mut r, &v);
             r.json.insert("steps".into(), v);
+        }
+    }
+    if a.runs("remote") {
+        let jobs = a.jobs.min(1000);
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "remote",
+            remote::remote(a.step_samples.min(500), jobs),
+        )
+        .await
+        {
+            remote::rows(&mut r, &v);
+            r.json.insert("remote".into(), v);
         }
     }
     if a.runs("queue-full") {
