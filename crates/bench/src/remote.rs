@@ -35,9 +35,10 @@ fn repo() -> PathBuf {
         .unwrap_or_else(|_| PathBuf::from("."))
 }
 
-/// The Python SDK serving `examples/invoice-python` on `port`
+/// The Python SDK serving `examples/invoice-python` on `port` with
+/// `processes` processes
 /// (`LH_PYTHON`, else `python3` with the checkout's SDK).
-async fn python_service(port: u16) -> anyhow::Result<Proc> {
+async fn python_service(port: u16, processes: usize) -> anyhow::Result<Proc> {
     let root = repo();
     let (python, path) = match std::env::var("LH_PYTHON") {
         Ok(p) => (
@@ -63,7 +64,11 @@ async fn python_service(port: u16) -> anyhow::Result<Proc> {
             "--port",
             &port.to_string(),
         ],
-        &[("PYTHONPATH", path), ("PYTHONUNBUFFERED", "1".into())],
+        &[
+            ("PYTHONPATH", path),
+            ("PYTHONUNBUFFERED", "1".into()),
+            ("LEASEHOLD_PROCESSES", processes.to_string()),
+        ],
         None,
     );
     wait_log(&p, "listening on ", Duration::from_secs(15)).await?;
@@ -166,7 +171,7 @@ pub async fn remote(steps: usize, jobs: usize) -> anyhow::Result<Value> {
     );
     let (srv, conn) = server(setup).await?;
     let port = free_port();
-    let _py = python_service(port).await?;
+    let _py = python_service(port, 2).await?;
     let url = format!("http://127.0.0.1:{port}/");
 
     // The raw round trip: an invoke the service answers at once.

@@ -6,7 +6,9 @@ import hashlib
 import hmac
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional, Tuple
@@ -115,9 +117,12 @@ def serve(
     token: Optional[str] = None,
     hmac_secret: Optional[str] = None,
     max_body: int = 1 << 20,
+    processes: int = 1,
 ) -> None:
     """Serves ``app`` until interrupted. Prints ``listening on http://ADDR``
-    once it accepts calls."""
+    once it accepts calls. ``processes`` > 1 forks that many processes
+    accepting on the one socket (the GIL bounds one process); each keeps
+    its own journal cache, which is only a cache."""
     handler = type(
         "Handler",
         (_Handler,),
@@ -126,10 +131,32 @@ def serve(
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
     addr = f"{httpd.server_address[0]}:{httpd.server_address[1]}"
+    parent = os.getpid()
+    children = []
+    for _ in range(max(1, processes) - 1):
+        pid = os.fork()
+        if pid == 0:
+            # A child ends with its parent (even a parent killed with -9).
+            def watch() -> None:
+                while os.getppid() == parent:
+                    time.sleep(0.2)
+                os._exit(0)
+
+            threading.Thread(target=watch, daemon=True).start()
+            try:
+                httpd.serve_forever()
+            finally:
+                os._exit(0)
+        children.append(pid)
     print(f"listening on http://{addr}", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
         httpd.server_close()
