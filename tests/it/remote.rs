@@ -860,3 +860,18 @@ async fn remote_conformance_a_slow_service_past_the_attempt_deadline_is_stopped_
         "the stopped attempt's late answer was not recorded"
     );
 }
+
+#[tokio::test]
+async fn remote_python_sdk_unit_tests_pass() {
+    let root = repo();
+    let mut cmd = tokio::process::Command::new(python());
+    cmd.args(["-m", "unittest", "discover", "-s"])
+        .arg(root.join("sdks/python/tests"));
+    if std::env::var_os("LH_PYTHON").is_none() {
+        cmd.env("PYTHONPATH", root.join("sdks/python/src"));
+    }
+    let out = cmd.output().await.expect("run python");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("OK"), "{err}");
+}
