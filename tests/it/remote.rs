@@ -638,22 +638,11 @@ async fn remote_conformance_an_oversized_journal_is_paged() {
     let (env, s, _port, remote) = conformance_env().await;
     // 40 steps of 2 KB each, pages of 8 entries and 16 KB bodies: the
     // journal never fits one call.
-    let _w = worker(
-        &env,
-        &remote,
-        &[
-            ("LH_REMOTE_JOURNAL_PAGE", "8"),
-            ("LH_REMOTE_MAX_BODY", "16384"),
-        ],
-    );
-    let mut a = worker(
-        &env,
-        &remote,
-        &[
-            ("LH_REMOTE_JOURNAL_PAGE", "8"),
-            ("LH_REMOTE_MAX_BODY", "16384"),
-        ],
-    );
+    let small: &[(&'static str, &str)] = &[
+        ("LH_REMOTE_JOURNAL_PAGE", "8"),
+        ("LH_REMOTE_MAX_BODY", "16384"),
+    ];
+    let mut a = worker(&env, &remote, small);
     submit_conf(
         &env,
         "conf-big",
@@ -663,12 +652,19 @@ async fn remote_conformance_an_oversized_journal_is_paged() {
     wait_log(&s, "step 39 of conf-big epoch 1", Duration::from_secs(40)).await;
     // The next owner replays 39 recorded steps of 2 KB through pages.
     a.kill9();
+    let b = worker(&env, &remote, small);
     let rec = ended(&env, "conf-big").await;
     assert_eq!(rec.status, "completed", "{rec:?}");
     assert_eq!(output(&rec)["sum"], (0..40).sum::<u64>());
     assert!(rec.epoch >= 2, "{rec:?}");
     let st = steps(&env.events_of("conf-big").await);
     assert_eq!(st.len(), 40, "each step recorded once");
+    // The new owner sent the 39 recorded steps in pages the service asked for.
+    let pages = b
+        .output()
+        .matches("the service asked for the journal from")
+        .count();
+    assert!(pages >= 4, "paged: {pages} pages asked for\n{}", b.output());
 }
 
 // ---- the protocol's schemas -----------------------------------------------

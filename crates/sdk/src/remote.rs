@@ -594,6 +594,12 @@ impl Kind for RemoteKind {
                             entries.len()
                         )));
                     }
+                    tracing::info!(
+                        job = %ctx.id(),
+                        from,
+                        total = entries.len(),
+                        "remote kind: the service asked for the journal from {from}"
+                    );
                     sent = from;
                 }
                 "step" => {
