@@ -161,6 +161,13 @@ def echo(ctx: Ctx) -> Any:
     return ctx.input
 
 
+@app.kind("writer")
+def writer(ctx: Ctx) -> Any:
+    """One model call through the worker's agent runtime (``ctx.generate``)."""
+    out = ctx.generate(ctx.input.get("prompt", "Write one sentence about leases."), system="You write short answers.")
+    return {"text": out["text"], "model_calls": out["model_calls"]}
+
+
 @app.kind("conformance")
 def conformance(ctx: Ctx) -> Any:
     """The conformance suite's kind. Input: ``steps`` (n, default 2),

@@ -871,3 +871,34 @@ async fn remote_python_sdk_unit_tests_pass() {
     assert!(out.status.success(), "{err}");
     assert!(err.contains("OK"), "{err}");
 }
+
+#[tokio::test]
+async fn remote_generate_runs_the_model_in_the_worker_and_is_recorded_once() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("writer".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let model = format!("{sim}/v1");
+    let _w = worker(
+        &env,
+        &format!("writer={}", url(port)),
+        &[("LH_MODEL_BASE_URL", &model)],
+    );
+    env.submit("writer", json!({"input": {}}), "gen-1").await;
+    let rec = ended(&env, "gen-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let out = output(&rec);
+    assert!(!out["text"].as_str().unwrap_or("").is_empty(), "{out}");
+    assert!(out["model_calls"].as_u64().unwrap_or(0) >= 1, "{out}");
+    let events = env.events_of("gen-1").await;
+    assert_eq!(steps(&events), ["generate:generate#0"]);
+    assert!(
+        events.iter().any(|e| e.r#type == "agent"),
+        "the conversation's transcript is journaled"
+    );
+}

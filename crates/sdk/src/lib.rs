@@ -370,6 +370,15 @@ impl Worker {
         // Kinds served by an HTTP service (--remote-kind NAME=URL), beside
         // the registered ones.
         let remote = RemoteConfig::from_options(&self.opts).map_err(|e| anyhow::anyhow!(e))?;
+        // A remote kind's `generate` runs on the model `main`: the
+        // LH_MODEL_* variables' unless the binary registered one.
+        if !remote.is_empty()
+            && !self.models.iter().any(|(n, _)| n == "main")
+            && std::env::var_os("LH_MODEL_BASE_URL").is_some()
+        {
+            let cfg = ModelConfig::from_env().map_err(|e| anyhow::anyhow!("LH_MODEL_*: {e}"))?;
+            self.models.push(("main".to_string(), cfg));
+        }
         for (name, cfg) in remote {
             tracing::info!(kind = %name, url = %leasehold_telemetry::redact_url(&cfg.url), "remote kind");
             if self.kinds_given && !self.opts.kinds.contains(&name) {

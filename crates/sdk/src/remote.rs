@@ -455,6 +455,25 @@ impl RemoteKind {
         })
     }
 
+    /// Runs a `generate` op: one model conversation (no tools) with the
+    /// worker's agent runtime, its transcript journaled under the step.
+    async fn generate(&self, ctx: &Ctx, id: &str, op: &Value) -> Result<Value, Error> {
+        let prompt = op["prompt"]
+            .as_str()
+            .ok_or_else(|| protocol("bad_answer: a `generate` op needs `prompt` (string)"))?;
+        let model = op["model"].as_str().unwrap_or("main");
+        let generator = ctx.generator(model)?;
+        let mut spec = crate::Agent::new(model, op["system"].as_str().unwrap_or(""), prompt);
+        if let Some(schema) = op.get("schema").filter(|s| s.is_object()) {
+            spec = spec.schema(schema.clone());
+        }
+        let out = tokio::select! {
+            r = crate::agent::run(ctx.job(), id, generator, None, &spec) => r?,
+            _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
+        };
+        Ok(json!({"text": out.text, "json": out.json, "model_calls": out.model_calls}))
+    }
+
     /// Runs an `effect` op's tool call through the ledger.
     async fn effect(&self, ctx: &Ctx, id: &str, op: &Value) -> Result<Value, Error> {
         let tool = op["tool"]
@@ -630,6 +649,19 @@ impl Kind for RemoteKind {
                         self.record(ctx, &mut entries, rec).await?;
                     }
                 }
+                "generate" => {
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let result = self.generate(ctx, &id, &op).await?;
+                        let rec = Recorded {
+                            index,
+                            id,
+                            version,
+                            result,
+                        };
+                        self.record(ctx, &mut entries, rec).await?;
+                    }
+                }
                 "park" => {
                     idle = 0;
                     if let Some((index, id)) = position(&op, &entries)? {
@@ -674,7 +706,7 @@ impl Kind for RemoteKind {
                 "" => return Err(protocol("bad_answer: the answer has no `op`")),
                 other => {
                     return Err(protocol(format!(
-                        "unknown_op: `{other}` (this worker knows step, effect, park, journal, complete, fail, retry, journal_mismatch)"
+                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, journal, complete, fail, retry, journal_mismatch)"
                     )))
                 }
             }

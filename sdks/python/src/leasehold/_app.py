@@ -194,6 +194,28 @@ class Ctx:
             op["timeout_ms"] = timeout_ms
         raise _Answer(op)
 
+    def generate(
+        self,
+        prompt: str,
+        system: str = "",
+        model: str = "main",
+        schema: Optional[Dict[str, JSON]] = None,
+        name: str = "generate",
+    ) -> Dict[str, JSON]:
+        """A model call run by the worker with its agent runtime
+        (generation retries, the breaker, the fallback model, budgets, the
+        transcript journal: a kill -9 repeats at most the call in flight),
+        recorded as a step ``generate:<name>#n``. Returns ``{"text",
+        "json" (with ``schema``: the validated answer), "model_calls"}``."""
+        sid = self._id(f"generate:{name}")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value
+        op: Dict[str, JSON] = {"op": "generate", "index": i, "id": sid, "prompt": prompt, "system": system, "model": model}
+        if schema is not None:
+            op["schema"] = schema
+        raise _Answer(op)
+
     def park(self, reason: str, question: str) -> JSON:
         """Stops for a person; returns their answer once the job is resumed
         (``leasehold review resume ID --answer JSON``)."""
