@@ -17,6 +17,8 @@
 //! | `--max-submission-bytes` | 1048576 | larger submissions are rejected |
 //! | `--max-stale-reclaims` | 3 | beyond this, a job is left to the reaper as poison |
 //! | `--max-attempts`, `--retry-base`, `--retry-cap` | 5, 1s, 5m | job-level retry defaults |
+//! | `--remote-kind` | none | `NAME=URL`: a kind served by an HTTP service through the worker protocol (docs/protocol.md) |
+//! | `--remote-timeout`, `--remote-journal-page`, `--remote-max-body` | 30s, 256, 1 MiB | bounds of one call to a remote kind's service |
 
 use std::time::Duration;
 
