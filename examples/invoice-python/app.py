@@ -164,7 +164,8 @@ def echo(ctx: Ctx) -> Any:
 @app.kind("writer")
 def writer(ctx: Ctx) -> Any:
     """One model call through the worker's agent runtime (``ctx.generate``)."""
-    out = ctx.generate(ctx.input.get("prompt", "Write one sentence about leases."), system="You write short answers.")
+    topic = ctx.step("topic", lambda: ctx.input.get("topic", "leases"))
+    out = ctx.generate(f"Write one sentence about {topic}.", system="You write short answers.")
     return {"text": out["text"], "model_calls": out["model_calls"]}
 
 

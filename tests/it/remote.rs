@@ -896,9 +896,68 @@ async fn remote_generate_runs_the_model_in_the_worker_and_is_recorded_once() {
     assert!(!out["text"].as_str().unwrap_or("").is_empty(), "{out}");
     assert!(out["model_calls"].as_u64().unwrap_or(0) >= 1, "{out}");
     let events = env.events_of("gen-1").await;
-    assert_eq!(steps(&events), ["generate:generate#0"]);
+    assert_eq!(steps(&events), ["topic#0", "generate:generate#0"]);
     assert!(
         events.iter().any(|e| e.r#type == "agent"),
         "the conversation's transcript is journaled"
     );
+}
+
+async fn sim_chat_requests(sim: &str) -> u64 {
+    let v: Value = reqwest::get(format!("{sim}/stats"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["chat_requests"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("writer".into());
+    let env = Env::with(o).await;
+    // Paced tokens: the answer takes a while to stream.
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "40".into())]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let model = format!("{sim}/v1");
+    let remote = format!("writer={}", url(port));
+    let extra: &[(&'static str, &str)] = &[("LH_MODEL_BASE_URL", &model)];
+    let mut journal = env
+        .conn
+        .client
+        .subscribe(env.conn.layout.event_subject("gen-kill", "agent"))
+        .await
+        .unwrap();
+    let mut a = worker(&env, &remote, extra);
+    env.submit("writer", json!({"input": {}}), "gen-kill").await;
+    // The conversation's thread is durable, then the model call starts.
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        futures::StreamExt::next(&mut journal),
+    )
+    .await
+    .expect("the transcript's first entry");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sim_chat_requests(&sim).await < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "no model call");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.kill9();
+    let _b = worker(&env, &remote, extra);
+    let rec = ended(&env, "gen-kill").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "{rec:?}");
+    assert_eq!(
+        sim_chat_requests(&sim).await,
+        2,
+        "the call in flight, and its one repetition"
+    );
+    let st = steps(&env.events_of("gen-kill").await);
+    assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
 }
