@@ -6,7 +6,7 @@ export PATH := $(HOME)/.local/bin:$(PATH)
 
 .PHONY: setup build test test-cluster soak soak-ci demo bench verify fmt clippy clean-demo \
 	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline \
-	test-model model-venv
+	test-model model-venv python-sdk test-remote
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11, chromium for
 ## the console's browser tests); idempotent.
@@ -35,9 +35,23 @@ build:
 
 ## test: unit and integration tests against real nats-server processes (the
 ## 3-node cluster tier included), then a short seeded chaos soak.
-test: setup build
-	$(CARGO) test --workspace --no-fail-fast -- --test-threads=4
+test: setup build python-sdk
+	LH_PYTHON="$(LH_PY_VENV)/bin/python" $(CARGO) test --workspace --no-fail-fast -- --test-threads=4
 	$(MAKE) --no-print-directory soak-ci
+
+## python-sdk: the Python SDK (sdks/python) installed with pip into
+## LH_PY_VENV, a virtualenv made when missing; the remote tests use it.
+LH_PY_VENV ?= $(HOME)/.cache/leasehold/python-sdk-venv
+python-sdk:
+	@[ -x "$(LH_PY_VENV)/bin/python" ] || python3 -m venv "$(LH_PY_VENV)"
+	"$(LH_PY_VENV)/bin/pip" install --quiet --upgrade ./sdks/python
+
+## test-remote: remote kinds and the worker protocol's conformance suite
+## against the installed Python SDK (LH_REMOTE_SERVICE: another SDK's
+## service command, see docs/protocol.md).
+test-remote: setup python-sdk
+	$(CARGO) build -p leasehold-cli -p leasehold-worker-bin -p leasehold-sim
+	LH_PYTHON="$(LH_PY_VENV)/bin/python" $(CARGO) test -p leasehold-tests --test it -- remote_
 
 ## test-cluster: only the 3-node cluster tier (also part of `make test`).
 test-cluster: setup build

@@ -22,6 +22,7 @@ mod providers;
 mod readme;
 mod real_model;
 mod reaper;
+mod remote;
 mod research;
 mod retention;
 mod schedule;

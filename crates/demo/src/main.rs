@@ -133,6 +133,12 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         &conn,
         &SetupOptions {
             ack_wait: Duration::from_secs(2),
+            // The Python invoice agent (examples/invoice-python) runs beside research.
+            kinds: SetupOptions::default()
+                .kinds
+                .into_iter()
+                .chain(["invoice".to_string()])
+                .collect(),
             ..SetupOptions::default()
         },
     )
@@ -160,6 +166,13 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         a.fault_rate * 100.0
     ));
 
+    // The Python kind's service (the Python SDK serving the invoice agent,
+    // the sim as its accounting system), when python3 is here.
+    let python = python_service(&sim_url, &logs).await;
+    let remote = python
+        .as_ref()
+        .map(|(_, u)| format!("invoice={u}"))
+        .unwrap_or_default();
     let session_ms = a.session_timeout.as_millis();
     let env = |id: &str| -> Vec<(&'static str, String)> {
         vec![
@@ -174,6 +187,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             ("LH_SEARCH_URL", sim_url.clone()),
             ("LH_PUBLISH_URL", format!("{sim_url}/effects")),
             ("LH_FETCH_ALLOW", "127.0.0.1".into()),
+            ("LH_REMOTE_KINDS", remote.clone()),
             ("RUST_LOG", "info".into()),
         ]
     };
@@ -266,6 +280,15 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         "submitted {} research jobs (3 experts x 3 sections each)",
         ids.len()
     ));
+    let invoice_id = format!("invoice-{run_id}");
+    if python.is_some() {
+        let spec = json!({"input": {"email": {"from": "billing@acme.example", "body": format!("Invoice F-{run_id} from ACME: 1,200.00 EUR")}}});
+        work.submit("invoice", spec.to_string().into(), Some(&invoice_id), None)
+            .await?;
+        say(format!(
+            "submitted {invoice_id} to the Python kind `invoice` (served by the Python SDK, every write by the workers)"
+        ));
+    }
 
     let multi = MultiProgress::new();
     let style = ProgressStyle::with_template("{prefix:<26} [{bar:24}] {pos:>2}/{len:<2} {msg}")?
@@ -495,6 +518,38 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             ids[0]
         );
     }
+    if python.is_some() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let rec = loop {
+            let r = jobs.get(&invoice_id).await?.map(|e| e.value);
+            match r {
+                Some(r) if terminal(&r) || Instant::now() > deadline => break Some(r),
+                None if Instant::now() > deadline => break None,
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        let booked: Value = reqwest::get(format!("{sim_url}/accounting/invoices/count"))
+            .await?
+            .json()
+            .await
+            .unwrap_or_default();
+        let status = rec
+            .as_ref()
+            .map_or("missing".to_string(), |r| r.status.clone());
+        println!(
+            "python kind: {invoice_id} {status}; invoices booked in the accounting system: {}",
+            booked["count"]
+        );
+        if status != "completed" {
+            failures.push(format!("{invoice_id} (the Python kind) ended {status}"));
+        }
+        if booked["count"] != 1 {
+            failures.push(format!(
+                "{} invoices booked for {invoice_id} (must be exactly 1)",
+                booked["count"]
+            ));
+        }
+    }
     if killed.is_none() {
         failures.push("the kill fault never fired (no job ran mid-expert on demo-w1)".into());
     }
@@ -529,6 +584,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         r.term();
         let _ = r.wait_timeout(Duration::from_secs(5));
     }
+    drop(python);
     drop(sim);
     drop(server);
     if failures.is_empty() {
@@ -540,6 +596,63 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             println!("  - {f}");
         }
         Ok(false)
+    }
+}
+
+/// The Python SDK serving `examples/invoice-python` (run from the
+/// checkout, as `make demo` does), with the sim as its accounting system;
+/// `None` (the demo goes on without it) when python3 or the example is
+/// missing.
+async fn python_service(sim_url: &str, logs: &std::path::Path) -> Option<(Proc, String)> {
+    let root = std::env::current_dir().ok()?;
+    let app = root.join("examples/invoice-python");
+    if !app.join("app.py").is_file() {
+        say("no examples/invoice-python here: the demo runs without the Python kind");
+        return None;
+    }
+    let python = std::env::var("LH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let port = leasehold_harness::free_port();
+    let p = Proc::spawn_path(
+        std::path::Path::new(&python),
+        &[
+            "-m",
+            "leasehold",
+            "serve",
+            "app:app",
+            "--port",
+            &port.to_string(),
+        ],
+        &[
+            (
+                "PYTHONPATH",
+                format!(
+                    "{}:{}",
+                    root.join("sdks/python/src").display(),
+                    app.display()
+                ),
+            ),
+            ("INVOICE_ACCOUNTING_URL", sim_url.to_string()),
+            ("PYTHONUNBUFFERED", "1".into()),
+        ],
+        Some(logs.join("python-invoice.log")),
+    );
+    match p
+        .wait_for_line("listening on ", Duration::from_secs(15))
+        .await
+    {
+        Ok(_) => {
+            let url = format!("http://127.0.0.1:{port}/");
+            say(format!(
+                "started the Python kind `invoice` at {url} (sdks/python, examples/invoice-python)"
+            ));
+            Some((p, url))
+        }
+        Err(e) => {
+            say(format!(
+                "the Python kind did not start ({e}): the demo runs without it"
+            ));
+            None
+        }
     }
 }
 

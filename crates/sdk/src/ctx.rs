@@ -88,6 +88,23 @@ impl Ctx {
         }
     }
 
+    /// The attempt as the worker gave it (for [`crate::RemoteKind`], which
+    /// records steps itself).
+    pub(crate) fn job(&self) -> &JobCtx {
+        &self.job
+    }
+
+    /// The generator of the registered model `name` (for
+    /// [`crate::RemoteKind`]'s `generate` op).
+    pub(crate) fn generator(&self, name: &str) -> Result<Arc<leasehold_model::Generator>, Error> {
+        self.models.get(name).ok_or_else(|| {
+            Error::terminal(format!(
+                "no model `{name}`: register it with Worker::model, or set LH_MODEL_BASE_URL for a worker serving remote kinds (registered: {:?})",
+                self.models.names()
+            ))
+        })
+    }
+
     /// Ends the attempt's checkpoints: what was queued is made durable
     /// (bounded: the outcome matters more). A checkpoint refused by a newer
     /// owner makes the attempt a stop; one refused by the stream (full) a

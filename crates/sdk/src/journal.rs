@@ -79,6 +79,11 @@ impl Journal {
         }
     }
 
+    /// The recorded steps, in order (index `i` at position `i`).
+    pub fn into_recorded(self) -> Vec<Recorded> {
+        self.recorded
+    }
+
     /// The id the next step named `name` gets: its name and occurrence.
     pub fn id_of(&mut self, name: &str) -> String {
         let n = self.occurrences.entry(name.to_string()).or_insert(0);

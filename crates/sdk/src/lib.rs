@@ -53,6 +53,7 @@ pub mod guide {}
 mod error;
 mod journal;
 mod records;
+mod remote;
 pub mod runtime;
 
 /// Logs, traces and metrics as `leasehold-worker` sets them up, for a
@@ -93,6 +94,7 @@ pub use leasehold_proto::{BudgetUsed, JobEvent, JobResult, Versions};
 pub use leasehold_tools::{ExecCtx, Reconcile, Tool, ToolError, ToolKind, ToolSpec};
 pub use leasehold_worker::{Handle, Options};
 pub use records::{ArtifactStore, EventLog, NewDocument, Report, StoredArtifact};
+pub use remote::{hmac_sha256, signature, RemoteConfig, RemoteKind, PROTOCOL, SIGNATURE_HEADER};
 
 /// Your code for one kind of job.
 ///
@@ -365,6 +367,26 @@ impl Worker {
 
     /// The worker service with this worker's kinds, tools and models.
     fn into_worker(mut self) -> anyhow::Result<leasehold_worker::Worker> {
+        // Kinds served by an HTTP service (--remote-kind NAME=URL), beside
+        // the registered ones.
+        let remote = RemoteConfig::from_options(&self.opts).map_err(|e| anyhow::anyhow!(e))?;
+        // A remote kind's `generate` runs on the model `main`: the
+        // LH_MODEL_* variables' unless the binary registered one.
+        if !remote.is_empty()
+            && !self.models.iter().any(|(n, _)| n == "main")
+            && std::env::var_os("LH_MODEL_BASE_URL").is_some()
+        {
+            let cfg = ModelConfig::from_env().map_err(|e| anyhow::anyhow!("LH_MODEL_*: {e}"))?;
+            self.models.push(("main".to_string(), cfg));
+        }
+        for (name, cfg) in remote {
+            tracing::info!(kind = %name, url = %leasehold_telemetry::redact_url(&cfg.url), "remote kind");
+            if self.kinds_given && !self.opts.kinds.contains(&name) {
+                self.opts.kinds.push(name.clone());
+            }
+            self.kinds.retain(|(n, _)| *n != name);
+            self.kinds.push((name, Arc::new(RemoteKind::new(cfg))));
+        }
         if !self.kinds_given {
             self.opts.kinds = self.kinds.iter().map(|(n, _)| n.clone()).collect();
         }

@@ -17,6 +17,8 @@
 //! | `--max-submission-bytes` | 1048576 | larger submissions are rejected |
 //! | `--max-stale-reclaims` | 3 | beyond this, a job is left to the reaper as poison |
 //! | `--max-attempts`, `--retry-base`, `--retry-cap` | 5, 1s, 5m | job-level retry defaults |
+//! | `--remote-kind` | none | `NAME=URL`: a kind served by an HTTP service through the worker protocol (docs/protocol.md) |
+//! | `--remote-timeout`, `--remote-journal-page`, `--remote-max-body` | 30s, 256, 1 MiB | bounds of one call to a remote kind's service |
 
 use std::time::Duration;
 
@@ -121,6 +123,23 @@ pub struct Options {
     /// `0.0.0.0:9090`). No HTTP server when unset.
     #[arg(long, env = "LH_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
+    /// Kinds served by an HTTP service through the worker protocol
+    /// (docs/protocol.md): `NAME=URL`, repeated or comma-separated
+    /// (`--remote-kind invoice=http://127.0.0.1:9000/`). They are served
+    /// beside `--kinds`. The service's bearer token and signing secret are
+    /// read from `LH_REMOTE_TOKEN` and `LH_REMOTE_HMAC_SECRET` only.
+    #[arg(long = "remote-kind", env = "LH_REMOTE_KINDS", value_delimiter = ',')]
+    pub remote_kinds: Vec<String>,
+    /// The longest one call to a remote kind's service may take.
+    #[arg(long, env = "LH_REMOTE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub remote_timeout: Duration,
+    /// Journal entries sent to a remote kind's service in one call at most
+    /// (more are paged).
+    #[arg(long, env = "LH_REMOTE_JOURNAL_PAGE", default_value_t = 256)]
+    pub remote_journal_page: usize,
+    /// The largest request or answer body of the worker protocol, in bytes.
+    #[arg(long, env = "LH_REMOTE_MAX_BODY", default_value_t = 1 << 20)]
+    pub remote_max_body: usize,
 }
 
 fn parse_share(v: &str) -> Result<f64, String> {

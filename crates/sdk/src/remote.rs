@@ -1,0 +1,877 @@
+//! [`RemoteKind`]: a kind served by an HTTP service in any language,
+//! through the worker protocol (`docs/protocol.md`, schemas under
+//! `proto/worker-protocol/v1/`).
+//!
+//! The worker holds the job and does every write; the service only says
+//! what to record next. Each call sends the job and the part of its step
+//! journal the service has not seen yet; the service replays its function
+//! against the journal and answers with one op: a `step` to record, an
+//! `effect` the worker runs through the effects ledger (calling the
+//! service's tool endpoint with the idempotency key, reconciling with its
+//! `find_existing` endpoint), a `park` for a person, `journal` (send me
+//! entries from here), or an end (`complete`, `fail`, `retry`,
+//! `journal_mismatch`). Every record is a fenced event of this attempt, so a
+//! service answering for a stale attempt changes nothing.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use leasehold_store::events::Events;
+use leasehold_tools::{
+    CallCtx, CollectEvents, Disposition, EffectsLedger, NoEvents, OwnerGuard, Toolbox,
+};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::{Mutex, OnceCell};
+
+use crate::journal::{Journal, Recorded};
+use crate::{BoxFuture, Ctx, Error, ExecCtx, Kind, Reconcile, Tool, ToolError, ToolKind, ToolSpec};
+
+/// The protocol version this worker speaks.
+pub const PROTOCOL: u64 = 1;
+
+/// The header carrying the HMAC-SHA256 signature of a request body.
+pub const SIGNATURE_HEADER: &str = "X-Leasehold-Signature";
+
+/// Calls to the service that record nothing (journal pages) allowed in a
+/// row before the attempt gives up: a service asking for pages forever.
+const MAX_IDLE_CALLS: usize = 64;
+
+/// Connection refusals are retried in the call at 200 ms, 400 ms, ... up
+/// to this delay (3 s in all) before the attempt ends.
+const CONNECT_RETRY_CAP: Duration = Duration::from_millis(1600);
+
+/// How a worker reaches a remote kind's service.
+///
+/// ```
+/// let cfg = leasehold::RemoteConfig::new("http://127.0.0.1:9000/").bearer("s3cret");
+/// assert_eq!(cfg.url, "http://127.0.0.1:9000");
+/// ```
+#[derive(Clone)]
+pub struct RemoteConfig {
+    /// The service's base URL (no trailing slash): `POST {url}/invoke`,
+    /// `POST {url}/tools/{name}`, `POST {url}/tools/{name}/find_existing`.
+    pub url: String,
+    /// Sent as `Authorization: Bearer <token>` with every request.
+    pub token: Option<String>,
+    /// Signs every request body (`X-Leasehold-Signature: t=<unix>,v1=<hex>`,
+    /// HMAC-SHA256 of `<t>.<body>`).
+    pub hmac_secret: Option<String>,
+    /// The longest one call may take.
+    pub timeout: Duration,
+    /// Journal entries per call at most.
+    pub page: usize,
+    /// The largest request or answer body, in bytes.
+    pub max_body: usize,
+}
+
+impl std::fmt::Debug for RemoteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteConfig")
+            .field("url", &self.url)
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("hmac_secret", &self.hmac_secret.as_ref().map(|_| "<set>"))
+            .field("timeout", &self.timeout)
+            .field("page", &self.page)
+            .field("max_body", &self.max_body)
+            .finish()
+    }
+}
+
+impl RemoteConfig {
+    /// A service at `url`, with the defaults (30 s per call, 256 journal
+    /// entries per page, 1 MiB bodies) and no authentication.
+    pub fn new(url: &str) -> RemoteConfig {
+        RemoteConfig {
+            url: url.trim_end_matches('/').to_string(),
+            token: None,
+            hmac_secret: None,
+            timeout: Duration::from_secs(30),
+            page: 256,
+            max_body: 1 << 20,
+        }
+    }
+
+    /// With a bearer token.
+    pub fn bearer(mut self, token: &str) -> RemoteConfig {
+        self.token = Some(token.to_string());
+        self
+    }
+
+    /// With an HMAC-SHA256 signing secret.
+    pub fn hmac(mut self, secret: &str) -> RemoteConfig {
+        self.hmac_secret = Some(secret.to_string());
+        self
+    }
+
+    /// The remote kinds of a worker's options (`--remote-kind NAME=URL`),
+    /// with `LH_REMOTE_TOKEN` and `LH_REMOTE_HMAC_SECRET` from the
+    /// environment.
+    pub fn from_options(opts: &crate::Options) -> Result<Vec<(String, RemoteConfig)>, String> {
+        let token = std::env::var("LH_REMOTE_TOKEN")
+            .ok()
+            .filter(|s| !s.is_empty());
+        let secret = std::env::var("LH_REMOTE_HMAC_SECRET")
+            .ok()
+            .filter(|s| !s.is_empty());
+        let mut out = Vec::new();
+        for spec in opts.remote_kinds.iter().filter(|s| !s.trim().is_empty()) {
+            let (name, url) = spec.split_once('=').ok_or_else(|| {
+                format!("--remote-kind {spec:?}: expected NAME=URL, e.g. invoice=http://127.0.0.1:9000/")
+            })?;
+            let (name, url) = (name.trim(), url.trim());
+            if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!(
+                    "--remote-kind {spec:?}: expected NAME=URL with an http(s) URL"
+                ));
+            }
+            if opts.remote_journal_page == 0 {
+                return Err("--remote-journal-page must be at least 1".into());
+            }
+            let mut cfg = RemoteConfig::new(url);
+            cfg.token = token.clone();
+            cfg.hmac_secret = secret.clone();
+            cfg.timeout = opts.remote_timeout;
+            cfg.page = opts.remote_journal_page;
+            cfg.max_body = opts.remote_max_body;
+            out.push((name.to_string(), cfg));
+        }
+        Ok(out)
+    }
+}
+
+/// HMAC-SHA256 (RFC 2104) of `msg` under `key`.
+pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
+    let mut k = [0u8; 64];
+    if key.len() > 64 {
+        k[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let (mut ipad, mut opad) = ([0x36u8; 64], [0x5cu8; 64]);
+    for i in 0..64 {
+        ipad[i] ^= k[i];
+        opad[i] ^= k[i];
+    }
+    let inner = Sha256::new()
+        .chain_update(ipad)
+        .chain_update(msg)
+        .finalize();
+    Sha256::new()
+        .chain_update(opad)
+        .chain_update(inner)
+        .finalize()
+        .into()
+}
+
+/// The signature header's value for `body` at unix time `t`.
+pub fn signature(secret: &str, t: u64, body: &[u8]) -> String {
+    let mut msg = format!("{t}.").into_bytes();
+    msg.extend_from_slice(body);
+    format!(
+        "t={t},v1={}",
+        hex::encode(hmac_sha256(secret.as_bytes(), &msg))
+    )
+}
+
+/// Why a call to the service gave no usable answer.
+#[derive(Debug)]
+enum CallError {
+    /// Not reached, timed out, or a broken body: worth another attempt.
+    Transport(String),
+    /// An answer that breaks the protocol (not JSON, wrong schema, too large).
+    Protocol(String),
+    /// The service's own error object (`{"error": {"code", "message"}}`).
+    Service { code: String, message: String },
+}
+
+/// The HTTP side of the protocol: signed, bounded calls.
+struct Client {
+    cfg: RemoteConfig,
+    http: reqwest::Client,
+}
+
+impl Client {
+    async fn post(&self, path: &str, body: &Value, timeout: Duration) -> Result<Value, CallError> {
+        let body = serde_json::to_vec(body).map_err(|e| CallError::Protocol(e.to_string()))?;
+        if body.len() > self.cfg.max_body {
+            return Err(CallError::Protocol(format!(
+                "request_too_large: the request is {} bytes, the limit {} (LH_REMOTE_MAX_BODY)",
+                body.len(),
+                self.cfg.max_body
+            )));
+        }
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.cfg.url))
+            .timeout(timeout)
+            .header("content-type", "application/json")
+            .header("x-leasehold-protocol", PROTOCOL.to_string());
+        if let Some(t) = &self.cfg.token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(s) = &self.cfg.hmac_secret {
+            let t = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            req = req.header(SIGNATURE_HEADER, signature(s, t, &body));
+        }
+        // A connection refused never reached the service: safe to try again
+        // at once (a service restarting), a few times, before the attempt
+        // ends.
+        let mut backoff = Duration::from_millis(200);
+        let mut resp = loop {
+            let Some(r) = req.try_clone() else {
+                break req.body(body).send().await;
+            };
+            match r.body(body.clone()).send().await {
+                Err(e) if e.is_connect() && backoff <= CONNECT_RETRY_CAP => {
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+                r => break r,
+            }
+        }
+        .map_err(|e| {
+            if e.is_timeout() {
+                CallError::Transport(format!("the service did not answer within {timeout:?}"))
+            } else {
+                CallError::Transport(format!("the service: {e}"))
+            }
+        })?;
+        let status = resp.status().as_u16();
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            match resp.chunk().await {
+                Ok(Some(c)) => {
+                    buf.extend_from_slice(&c);
+                    if buf.len() > self.cfg.max_body {
+                        return Err(CallError::Protocol(format!(
+                            "answer_too_large: the answer is over the limit of {} bytes (LH_REMOTE_MAX_BODY)",
+                            self.cfg.max_body
+                        )));
+                    }
+                }
+                Ok(None) => break,
+                Err(e) if e.is_timeout() => {
+                    return Err(CallError::Transport(format!(
+                        "the service did not finish its answer within {timeout:?}"
+                    )))
+                }
+                Err(e) => return Err(CallError::Transport(format!("the answer's body: {e}"))),
+            }
+        }
+        let v: Value = serde_json::from_slice(&buf).map_err(|e| {
+            let head = String::from_utf8_lossy(&buf[..buf.len().min(120)]).to_string();
+            CallError::Protocol(format!(
+                "not_json: the answer (HTTP {status}) is not JSON ({e}): {head:?}"
+            ))
+        })?;
+        if let Some(err) = v.get("error").filter(|e| e.is_object()) {
+            return Err(CallError::Service {
+                code: err["code"].as_str().unwrap_or("unknown").to_string(),
+                message: err["message"].as_str().unwrap_or("").to_string(),
+            });
+        }
+        if !(200..300).contains(&status) {
+            return Err(CallError::Transport(format!(
+                "the service answered HTTP {status} without an error object"
+            )));
+        }
+        match v.get("protocol").and_then(Value::as_u64) {
+            Some(PROTOCOL) => Ok(v),
+            Some(p) => Err(CallError::Protocol(format!(
+                "unsupported_protocol: the service answered with protocol {p}, this worker speaks {PROTOCOL}"
+            ))),
+            None => Err(CallError::Protocol(
+                "bad_answer: the answer has no `protocol` field".into(),
+            )),
+        }
+    }
+}
+
+/// A kind served by an HTTP service through the worker protocol. The
+/// worker runs it with the same step journal, effects ledger, fencing and
+/// park/answer machinery as a Rust kind.
+///
+/// ```no_run
+/// # async fn f() -> anyhow::Result<()> {
+/// use leasehold::{RemoteConfig, RemoteKind, Worker};
+/// Worker::from_env()
+///     .kind("invoice", RemoteKind::new(RemoteConfig::new("http://127.0.0.1:9000/")))
+///     .run()
+///     .await
+/// # }
+/// ```
+pub struct RemoteKind {
+    client: Arc<Client>,
+    ledger: OnceCell<EffectsLedger>,
+    /// One toolbox per tool the service named (and its settings), each
+    /// with its one tool.
+    toolboxes: Mutex<BTreeMap<String, Arc<Toolbox>>>,
+}
+
+impl RemoteKind {
+    /// The kind served at `cfg.url`.
+    pub fn new(cfg: RemoteConfig) -> RemoteKind {
+        RemoteKind {
+            client: Arc::new(Client {
+                cfg,
+                http: reqwest::Client::new(),
+            }),
+            ledger: OnceCell::new(),
+            toolboxes: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    async fn toolbox(
+        &self,
+        ctx: &Ctx,
+        tool: &str,
+        timeout: Duration,
+        dedupes: bool,
+    ) -> Result<Arc<Toolbox>, Error> {
+        let ledger = self
+            .ledger
+            .get_or_try_init(|| ctx.effects_ledger())
+            .await?
+            .clone();
+        let mut g = self.toolboxes.lock().await;
+        let name = format!("{tool}/{dedupes}/{}", timeout.as_millis());
+        if let Some(tb) = g.get(&name) {
+            return Ok(tb.clone());
+        }
+        let mut tb = Toolbox::new(Some(ledger), Arc::new(NoEvents));
+        tb.register(Arc::new(RemoteTool {
+            spec: ToolSpec {
+                name: tool.to_string(),
+                description: format!("`{tool}` of the remote kind's service"),
+                kind: ToolKind::Write,
+                schema: json!({"type": "object", "required": ["args"]}),
+                timeout,
+            },
+            client: self.client.clone(),
+            dedupes,
+        }))
+        .map_err(|e| Error::terminal(format!("tool `{tool}`: {e}")))?;
+        let tb = Arc::new(tb);
+        g.insert(name, tb.clone());
+        Ok(tb)
+    }
+
+    /// The job's recorded steps.
+    async fn load(&self, ctx: &Ctx) -> Result<Vec<Recorded>, Error> {
+        // The first claim (epoch 1): nobody else can have recorded a step
+        // (every record is fenced by its claim), so nothing to read.
+        if ctx.epoch() <= 1 {
+            return Ok(Vec::new());
+        }
+        let events = Events::new(&ctx.job().conn)
+            .read_types(ctx.id(), &["step"])
+            .await
+            .map_err(|e| Error::retryable(format!("reading the job's steps: {e}")))?;
+        Ok(Journal::new(
+            events
+                .iter()
+                .filter_map(|(_, ev)| Recorded::of(&ev.data_map())),
+        )
+        .into_recorded())
+    }
+
+    /// The invoke request with the journal from `from` (one page, bounded
+    /// by entries and by bytes).
+    fn request(&self, ctx: &Ctx, entries: &[Recorded], from: usize) -> (Value, usize) {
+        let rec = ctx.record();
+        let job = json!({
+            "id": rec.id,
+            "kind": rec.kind,
+            "input": ctx.input_json(),
+            "epoch": rec.epoch,
+            "attempt": rec.attempts + 1,
+            "deadline": rec.lease_expires_at,
+        });
+        let budget = self.client.cfg.max_body / 2;
+        let mut bytes = job.to_string().len();
+        let mut page = Vec::new();
+        let mut end = from.min(entries.len());
+        while end < entries.len() && page.len() < self.client.cfg.page {
+            let e = &entries[end];
+            let v = json!({"index": e.index, "id": e.id, "result": e.result});
+            let n = v.to_string().len();
+            if !page.is_empty() && bytes + n > budget {
+                break;
+            }
+            bytes += n;
+            page.push(v);
+            end += 1;
+        }
+        let next = (end < entries.len()).then_some(end);
+        (
+            json!({
+                "protocol": PROTOCOL,
+                "type": "invoke",
+                "job": job,
+                "journal": {"from": from, "total": entries.len(), "entries": page, "next_cursor": next},
+            }),
+            end,
+        )
+    }
+
+    async fn record(
+        &self,
+        ctx: &Ctx,
+        entries: &mut Vec<Recorded>,
+        rec: Recorded,
+    ) -> Result<(), Error> {
+        ctx.job()
+            .emit("step", rec.data())
+            .await
+            .map_err(|e| Error::stopped(format!("recording step `{}`: {e}", rec.id)))?;
+        entries.push(rec);
+        Ok(())
+    }
+
+    /// The answer of a resumed park, if a person gave one after the last park.
+    async fn park_answer(&self, ctx: &Ctx) -> Result<Option<Value>, Error> {
+        let events = Events::new(&ctx.job().conn);
+        let read = |ty: &'static str| {
+            let events = &events;
+            async move {
+                events
+                    .last_of_type(ctx.id(), ty)
+                    .await
+                    .map_err(|e| Error::retryable(format!("reading the job's {ty} events: {e}")))
+            }
+        };
+        let parked = read("parked").await?;
+        let answer = read("answer").await?;
+        Ok(match (parked, answer) {
+            (Some((p, _)), Some((a, ev))) if a > p => {
+                Some(ev.data_map().get("answer").cloned().unwrap_or(Value::Null))
+            }
+            _ => None,
+        })
+    }
+
+    /// Runs a `generate` op: one model conversation (no tools) with the
+    /// worker's agent runtime, its transcript journaled under the step.
+    async fn generate(&self, ctx: &Ctx, id: &str, op: &Value) -> Result<Value, Error> {
+        let prompt = op["prompt"]
+            .as_str()
+            .ok_or_else(|| protocol("bad_answer: a `generate` op needs `prompt` (string)"))?;
+        let model = op["model"].as_str().unwrap_or("main");
+        let generator = ctx.generator(model)?;
+        let mut spec = crate::Agent::new(model, op["system"].as_str().unwrap_or(""), prompt);
+        if let Some(schema) = op.get("schema").filter(|s| s.is_object()) {
+            spec = spec.schema(schema.clone());
+        }
+        let out = tokio::select! {
+            r = crate::agent::run(ctx.job(), id, generator, None, &spec) => r?,
+            _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
+        };
+        Ok(json!({"text": out.text, "json": out.json, "model_calls": out.model_calls}))
+    }
+
+    /// Runs an `effect` op's tool call through the ledger.
+    async fn effect(&self, ctx: &Ctx, id: &str, op: &Value) -> Result<Value, Error> {
+        let tool = op["tool"]
+            .as_str()
+            .filter(|t| !t.is_empty() && !t.contains('/'))
+            .ok_or_else(|| protocol("bad_answer: an effect needs a `tool` name (no `/`)"))?;
+        let timeout = op["timeout_ms"]
+            .as_u64()
+            .map(Duration::from_millis)
+            .unwrap_or(Duration::from_secs(10))
+            .min(self.client.cfg.timeout);
+        let dedupes = op["dedupes_by_key"].as_bool().unwrap_or(false);
+        let tb = self.toolbox(ctx, tool, timeout, dedupes).await?;
+        let job = ctx.job();
+        let call = CallCtx::new(&job.record.id, id, job.record.epoch)
+            .of_incarnation(&job.record.created_at)
+            .guarded(OwnerGuard::shared(job.gate.clone()));
+        let args = json!({"args": op["args"], "business_key": op["business_key"]});
+        let events = CollectEvents::new();
+        let r = tokio::select! {
+            r = tb.call_with(&call, tool, &args, &events) => r,
+            _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
+        };
+        for ev in events.events() {
+            let _ = job
+                .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
+                .await;
+        }
+        match r {
+            Ok(out) => Ok(out.value),
+            Err(e) => Err(match e.disposition() {
+                Disposition::Park => Error::park(e.class(), e.to_string()),
+                Disposition::Stop => Error::Cancelled,
+                Disposition::Retry => Error::retryable(e.to_string()),
+                _ => Error::terminal(e.to_string()),
+            }),
+        }
+    }
+}
+
+fn protocol(m: impl Into<String>) -> Error {
+    Error::retryable(format!("protocol_error: {}", m.into()))
+}
+
+/// The `index` and `id` of a recording op, checked against the journal.
+/// `Ok(None)`: the same step recorded again with the same result (a
+/// duplicate answer), nothing to write.
+fn position(op: &Value, entries: &[Recorded]) -> Result<Option<(usize, String)>, Error> {
+    let kind = op["op"].as_str().unwrap_or("");
+    let (Some(index), Some(id)) = (op["index"].as_u64(), op["id"].as_str()) else {
+        return Err(protocol(format!(
+            "bad_answer: a `{kind}` op needs `index` (integer) and `id` (string)"
+        )));
+    };
+    let index = index as usize;
+    if id.is_empty() || !id.contains('#') {
+        return Err(protocol(format!(
+            "bad_answer: step id {id:?} is not `<name>#<occurrence>`"
+        )));
+    }
+    if let Some(r) = entries.get(index) {
+        if r.id != id {
+            return Err(Error::park(
+                "journal_mismatch",
+                format!("journal mismatch at step {index}: the recorded run has `{}`, the service now asks for `{id}`: the service's code changed while the job ran; restore the code and `leasehold review resume` the job, or end it with `leasehold review fail`", r.id),
+            ));
+        }
+        if kind == "step" && r.result != op["result"] {
+            return Err(Error::park(
+                "protocol_error",
+                format!("step_conflict: the service recorded step `{id}` again with another result (recorded {}, now {}); a step is recorded once: the service must replay it from the journal", r.result, op["result"]),
+            ));
+        }
+        return Ok(None);
+    }
+    if index != entries.len() {
+        return Err(protocol(format!(
+            "bad_answer: step `{id}` at index {index}, but the journal has {} entries",
+            entries.len()
+        )));
+    }
+    if entries.iter().any(|r| r.id == id) {
+        return Err(Error::park(
+            "protocol_error",
+            format!("step_conflict: step id `{id}` is already recorded at another index"),
+        ));
+    }
+    Ok(Some((index, id.to_string())))
+}
+
+#[crate::async_trait]
+impl Kind for RemoteKind {
+    fn version(&self) -> &str {
+        "remote"
+    }
+
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let mut entries = self.load(ctx).await?;
+        // What the service has of the journal (assumed after each answer).
+        let mut sent = 0usize;
+        let mut idle = 0usize;
+        loop {
+            let (req, end) = self.request(ctx, &entries, sent);
+            let answer = tokio::select! {
+                r = self.client.post("/invoke", &req, self.client.cfg.timeout) => r,
+                _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
+            };
+            let op = match answer {
+                Ok(v) => v,
+                Err(CallError::Transport(m)) => return Err(Error::retryable(m)),
+                Err(CallError::Protocol(m)) => return Err(protocol(m)),
+                Err(CallError::Service { code, message }) => {
+                    return Err(match code.as_str() {
+                        "unsupported_protocol" => Error::terminal(format!(
+                            "unsupported_protocol: the service does not speak protocol {PROTOCOL}: {message}"
+                        )),
+                        "unauthorized" => Error::terminal(format!("unauthorized: {message}")),
+                        "unknown_kind" => Error::terminal(format!("unknown_kind: {message}")),
+                        _ => Error::retryable(format!("service error `{code}`: {message}")),
+                    })
+                }
+            };
+            sent = end;
+            let version = op["version"].as_str().unwrap_or("remote").to_string();
+            match op["op"].as_str().unwrap_or("") {
+                "journal" => {
+                    idle += 1;
+                    if idle > MAX_IDLE_CALLS {
+                        return Err(protocol("the service asked for journal pages without end"));
+                    }
+                    let from = op["from"].as_u64().ok_or_else(|| {
+                        protocol("bad_answer: a `journal` op needs `from` (integer)")
+                    })? as usize;
+                    if from > entries.len() {
+                        return Err(protocol(format!(
+                            "bad_answer: journal from {from}, but it has {} entries",
+                            entries.len()
+                        )));
+                    }
+                    tracing::info!(
+                        job = %ctx.id(),
+                        from,
+                        total = entries.len(),
+                        "remote kind: the service asked for the journal from {from}"
+                    );
+                    sent = from;
+                }
+                "step" => {
+                    if op.get("result").is_none() {
+                        return Err(protocol("bad_answer: a `step` op needs `result`"));
+                    }
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let rec = Recorded {
+                            index,
+                            id,
+                            version,
+                            result: op["result"].clone(),
+                        };
+                        self.record(ctx, &mut entries, rec).await?;
+                    }
+                }
+                "effect" => {
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let result = self.effect(ctx, &id, &op).await?;
+                        let rec = Recorded {
+                            index,
+                            id,
+                            version,
+                            result,
+                        };
+                        self.record(ctx, &mut entries, rec).await?;
+                    }
+                }
+                "generate" => {
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let result = self.generate(ctx, &id, &op).await?;
+                        let rec = Recorded {
+                            index,
+                            id,
+                            version,
+                            result,
+                        };
+                        self.record(ctx, &mut entries, rec).await?;
+                    }
+                }
+                "park" => {
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let reason = op["reason"].as_str().unwrap_or("approval");
+                        let question = op["question"].as_str().unwrap_or("");
+                        match self.park_answer(ctx).await? {
+                            Some(answer) => {
+                                let rec = Recorded {
+                                    index,
+                                    id,
+                                    version,
+                                    result: answer,
+                                };
+                                self.record(ctx, &mut entries, rec).await?;
+                            }
+                            None => return Err(Error::park(reason, question)),
+                        }
+                    }
+                }
+                "complete" => return Ok(op.get("output").cloned().unwrap_or(Value::Null)),
+                "fail" => {
+                    return Err(Error::terminal(
+                        op["message"].as_str().unwrap_or("failed by the service"),
+                    ))
+                }
+                "retry" => {
+                    let delay = op["delay_ms"].as_u64().unwrap_or(0).min(30_000);
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(delay)) => {}
+                        _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
+                    }
+                    return Err(Error::retryable(
+                        op["message"].as_str().unwrap_or("retry asked by the service"),
+                    ));
+                }
+                "journal_mismatch" => {
+                    return Err(Error::park(
+                        "journal_mismatch",
+                        op["message"].as_str().unwrap_or("the service's code changed while the job ran"),
+                    ))
+                }
+                "" => return Err(protocol("bad_answer: the answer has no `op`")),
+                other => {
+                    return Err(protocol(format!(
+                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, journal, complete, fail, retry, journal_mismatch)"
+                    )))
+                }
+            }
+        }
+    }
+}
+
+/// A write tool of the service, run through the ledger: `POST
+/// {url}/tools/{name}` with the idempotency key; `find_existing` at `POST
+/// {url}/tools/{name}/find_existing`.
+struct RemoteTool {
+    spec: ToolSpec,
+    client: Arc<Client>,
+    /// The effect op said its destination deduplicates by the idempotency
+    /// key: after `not_found`, calling again cannot repeat the effect.
+    dedupes: bool,
+}
+
+fn tool_error(e: CallError) -> ToolError {
+    match e {
+        CallError::Transport(m) if m.contains("did not answer") => ToolError::Transport(m),
+        CallError::Transport(m) if m.contains("error sending request") => ToolError::Unreachable(m),
+        CallError::Transport(m) => ToolError::Transport(m),
+        CallError::Protocol(m) => ToolError::BadResponse(m),
+        CallError::Service { code, message } => ToolError::Upstream {
+            status: match code.as_str() {
+                "terminal" => 400,
+                "conflict" => 409,
+                _ => 503,
+            },
+            message: format!("{code}: {message}"),
+        },
+    }
+}
+
+impl Tool for RemoteTool {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+    fn endpoint(&self) -> String {
+        format!("{}/tools/{}", self.client.cfg.url, self.spec.name)
+    }
+    fn execute<'a>(
+        &'a self,
+        args: &'a Value,
+        ctx: &'a ExecCtx,
+    ) -> BoxFuture<'a, Result<Value, ToolError>> {
+        Box::pin(async move {
+            let body = json!({
+                "protocol": PROTOCOL,
+                "type": "tool",
+                "tool": self.spec.name,
+                "job": {"id": ctx.job_id, "epoch": ctx.epoch},
+                "step": ctx.step_id,
+                "args": args["args"],
+                "business_key": args["business_key"],
+                "idempotency_key": ctx.idempotency_key,
+            });
+            let path = format!("/tools/{}", self.spec.name);
+            let v = self
+                .client
+                .post(&path, &body, ctx.timeout)
+                .await
+                .map_err(tool_error)?;
+            v.get("result")
+                .cloned()
+                .ok_or_else(|| ToolError::BadResponse("a tool answer needs `result`".into()))
+        })
+    }
+    fn dedupes_by_key(&self) -> bool {
+        self.dedupes
+    }
+    fn business_key(&self, _job: &str, args: &Value) -> Option<String> {
+        args["business_key"]
+            .as_str()
+            .filter(|k| !k.is_empty())
+            .map(|k| format!("{}:{k}", self.spec.name))
+    }
+    fn find_existing<'a>(&'a self, key: &'a str, args: &'a Value) -> BoxFuture<'a, Reconcile> {
+        Box::pin(async move {
+            let body = json!({
+                "protocol": PROTOCOL,
+                "type": "find_existing",
+                "tool": self.spec.name,
+                "args": args["args"],
+                "business_key": args["business_key"],
+                "idempotency_key": key,
+            });
+            let path = format!("/tools/{}/find_existing", self.spec.name);
+            match self.client.post(&path, &body, self.spec.timeout).await {
+                Ok(v) => match v["status"].as_str() {
+                    Some("found") => Reconcile::Found(v.get("result").cloned().unwrap_or(Value::Null)),
+                    Some("not_found") => Reconcile::NotFound,
+                    Some("unknowable") => {
+                        Reconcile::Unknowable(v["message"].as_str().unwrap_or("").to_string())
+                    }
+                    Some("unavailable") => {
+                        Reconcile::Unavailable(v["message"].as_str().unwrap_or("").to_string())
+                    }
+                    other => Reconcile::Unavailable(format!(
+                        "find_existing answered status {other:?} (found, not_found, unavailable, unknowable)"
+                    )),
+                },
+                Err(e) => Reconcile::Unavailable(tool_error(e).to_string()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        assert_eq!(
+            hex::encode(hmac_sha256(b"Jefe", b"what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        let long = [0xaau8; 131];
+        assert_eq!(
+            hex::encode(hmac_sha256(
+                &long,
+                b"Test Using Larger Than Block-Size Key - Hash Key First"
+            )),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+
+    fn rec(i: usize, id: &str, v: Value) -> Recorded {
+        Recorded {
+            index: i,
+            id: id.into(),
+            version: "1".into(),
+            result: v,
+        }
+    }
+
+    #[test]
+    fn a_recording_op_is_checked_against_the_journal() {
+        let j = vec![rec(0, "a#0", json!(1))];
+        let op =
+            |i: u64, id: &str, r: Value| json!({"op": "step", "index": i, "id": id, "result": r});
+        assert_eq!(
+            position(&op(1, "b#0", json!(2)), &j).unwrap(),
+            Some((1, "b#0".into()))
+        );
+        assert_eq!(position(&op(0, "a#0", json!(1)), &j).unwrap(), None);
+        let e = position(&op(0, "a#0", json!(9)), &j).unwrap_err();
+        assert!(
+            matches!(&e, Error::Park { reason, message } if reason == "protocol_error" && message.contains("step_conflict")),
+            "{e:?}"
+        );
+        let e = position(&op(0, "x#0", json!(1)), &j).unwrap_err();
+        assert!(
+            matches!(&e, Error::Park { reason, .. } if reason == "journal_mismatch"),
+            "{e:?}"
+        );
+        assert!(matches!(
+            position(&op(5, "b#0", json!(1)), &j),
+            Err(Error::Retryable(_))
+        ));
+        assert!(matches!(
+            position(&op(1, "nohash", json!(1)), &j),
+            Err(Error::Retryable(_))
+        ));
+    }
+}

@@ -1,0 +1,386 @@
+"""The protocol's logic, without HTTP: kinds, tools, the replay of a journal."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+PROTOCOL = 1
+
+JSON = Any
+
+
+class Fail(Exception):
+    """Ends the job as failed (terminal: never retried)."""
+
+
+class Retry(Exception):
+    """Ends this attempt; the worker retries the job (after ``delay_ms``
+    at least, then with the job's backoff)."""
+
+    def __init__(self, message: str, delay_ms: int = 0) -> None:
+        super().__init__(message)
+        self.delay_ms = delay_ms
+
+
+class ToolError(Exception):
+    """A tool's failure: ``code`` is ``retryable`` (the default: the
+    worker reconciles with ``find_existing`` and tries again), ``terminal``
+    (the effect did not and will not happen) or ``conflict``."""
+
+    def __init__(self, message: str, code: str = "retryable") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Found:
+    """``find_existing``: the effect happened; this is its result."""
+
+    result: JSON
+
+
+class NotFound:
+    """``find_existing``: the destination has no such effect."""
+
+
+NOT_FOUND = NotFound()
+
+
+@dataclass
+class Unavailable:
+    """``find_existing``: the destination cannot be asked now (ask later)."""
+
+    message: str
+
+
+@dataclass
+class Unknowable:
+    """``find_existing``: nobody can tell; the job parks for a person."""
+
+    message: str
+
+
+Reconcile = Union[Found, NotFound, Unavailable, Unknowable]
+
+
+@dataclass
+class Job:
+    """The job of one call, as the worker sent it."""
+
+    id: str
+    kind: str
+    input: JSON
+    epoch: int
+    attempt: int
+    deadline: Optional[str]
+
+
+@dataclass
+class ToolCall:
+    """What a tool execution knows of its call."""
+
+    job_id: str
+    epoch: int
+    step: str
+    idempotency_key: str
+    business_key: Optional[str]
+
+
+class _Answer(Exception):
+    """Unwinds the function with the one op this call answers."""
+
+    def __init__(self, op: Dict[str, JSON]) -> None:
+        super().__init__(op.get("op"))
+        self.op = op
+
+
+class Ctx:
+    """One replay of one job: its input, and the durable operations.
+
+    The function runs again on every call; ``step``, ``effect`` and ``park``
+    return what the journal recorded, and the first one that is not
+    recorded ends the call with it.
+    """
+
+    def __init__(self, job: Job, entries: List[Dict[str, JSON]], version: str) -> None:
+        self.job = job
+        self._entries = entries
+        self._pos = 0
+        self._occurrences: Dict[str, int] = {}
+        self._version = version
+
+    @property
+    def input(self) -> JSON:
+        """The submission's input."""
+        return self.job.input
+
+    def _id(self, name: str) -> str:
+        n = self._occurrences.get(name, 0)
+        self._occurrences[name] = n + 1
+        return f"{name}#{n}"
+
+    def _replay(self, sid: str) -> Tuple[bool, JSON, int]:
+        i = self._pos
+        if i < len(self._entries):
+            e = self._entries[i]
+            if e.get("id") != sid:
+                raise _Answer(
+                    {
+                        "op": "journal_mismatch",
+                        "index": i,
+                        "recorded": e.get("id"),
+                        "requested": sid,
+                        "message": (
+                            f"journal mismatch at step {i}: the recorded run has `{e.get('id')}`, "
+                            f"the code now asks for `{sid}` (kind version {self._version!r}): the "
+                            "service's code changed while the job ran; restore the code and "
+                            "`leasehold review resume` the job, or end it with `leasehold review fail`"
+                        ),
+                    }
+                )
+            self._pos += 1
+            return True, e.get("result"), i
+        return False, None, i
+
+    def step(self, name: str, fn: Callable[[], JSON]) -> JSON:
+        """A durable step: ``fn()`` runs until its result is recorded, then
+        never again for this job (the recorded result is returned). Its id
+        is ``name#occurrence``. ``fn`` may run more than once if a process
+        dies before the record lands: keep external writes in ``effect``."""
+        sid = self._id(name)
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value
+        result = fn()
+        raise _Answer({"op": "step", "index": i, "id": sid, "result": result})
+
+    def effect(
+        self,
+        tool: str,
+        args: JSON,
+        business_key: Optional[str] = None,
+        timeout_ms: Optional[int] = None,
+        dedupes_by_key: bool = False,
+    ) -> JSON:
+        """A write through the worker's effects ledger, at most once ever:
+        the worker calls this service's tool ``tool`` with a stable
+        idempotency key, reconciles an unknown outcome with its
+        ``find_existing``, and answers a later effect with the same
+        ``business_key`` with the first one's result. Returns the result.
+
+        ``dedupes_by_key``: the destination deduplicates by the idempotency
+        key, so after ``find_existing`` answers ``NOT_FOUND`` the worker may
+        call the tool again; otherwise such an outcome parks the job
+        (``uncertain_effect``) for a person."""
+        sid = self._id(f"effect:{tool}")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value
+        op: Dict[str, JSON] = {
+            "op": "effect",
+            "index": i,
+            "id": sid,
+            "tool": tool,
+            "args": args,
+            "business_key": business_key,
+        }
+        if dedupes_by_key:
+            op["dedupes_by_key"] = True
+        if timeout_ms is not None:
+            op["timeout_ms"] = timeout_ms
+        raise _Answer(op)
+
+    def generate(
+        self,
+        prompt: str,
+        system: str = "",
+        model: str = "main",
+        schema: Optional[Dict[str, JSON]] = None,
+        name: str = "generate",
+    ) -> Dict[str, JSON]:
+        """A model call run by the worker with its agent runtime
+        (generation retries, the breaker, the fallback model, budgets, the
+        transcript journal: a kill -9 repeats at most the call in flight),
+        recorded as a step ``generate:<name>#n``. Returns ``{"text",
+        "json" (with ``schema``: the validated answer), "model_calls"}``."""
+        sid = self._id(f"generate:{name}")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value
+        op: Dict[str, JSON] = {"op": "generate", "index": i, "id": sid, "prompt": prompt, "system": system, "model": model}
+        if schema is not None:
+            op["schema"] = schema
+        raise _Answer(op)
+
+    def park(self, reason: str, question: str) -> JSON:
+        """Stops for a person; returns their answer once the job is resumed
+        (``leasehold review resume ID --answer JSON``)."""
+        sid = self._id("park")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value
+        raise _Answer({"op": "park", "index": i, "id": sid, "reason": reason, "question": question})
+
+
+KindFn = Callable[[Ctx], JSON]
+ToolFn = Callable[[JSON, ToolCall], JSON]
+FindFn = Callable[[JSON, ToolCall], Reconcile]
+
+
+@dataclass
+class Tool:
+    """A write tool the worker calls through its ledger."""
+
+    name: str
+    fn: ToolFn
+    find: Optional[FindFn] = None
+
+    def find_existing(self, fn: FindFn) -> FindFn:
+        """Registers the lookup asked before any retry of an effect whose
+        outcome is unknown: ``Found(result)``, ``NOT_FOUND``,
+        ``Unavailable(msg)`` or ``Unknowable(msg)``."""
+        self.find = fn
+        return fn
+
+
+def error(code: str, message: str) -> Dict[str, JSON]:
+    return {"protocol": PROTOCOL, "error": {"code": code, "message": message}}
+
+
+@dataclass
+class App:
+    """The kinds and tools one service serves."""
+
+    version: str = "1"
+    kinds: Dict[str, KindFn] = field(default_factory=dict)
+    tools: Dict[str, Tool] = field(default_factory=dict)
+    _cache: "OrderedDict[Tuple[str, int], List[Dict[str, JSON]]]" = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    cache_jobs: int = 1024
+
+    def kind(self, name: str) -> Callable[[KindFn], KindFn]:
+        """Registers a kind: ``@app.kind("invoice")``."""
+
+        def register(fn: KindFn) -> KindFn:
+            self.kinds[name] = fn
+            return fn
+
+        return register
+
+    def tool(self, name: str) -> Callable[[ToolFn], Tool]:
+        """Registers a write tool: ``@app.tool("create_invoice")``; the
+        function gets the arguments and a :class:`ToolCall` (send its
+        ``idempotency_key`` to the destination)."""
+
+        def register(fn: ToolFn) -> Tool:
+            t = Tool(name, fn)
+            self.tools[name] = t
+            return t
+
+        return register
+
+    # -- the protocol -----------------------------------------------------
+
+    def _journal(self, job: Job, journal: Dict[str, JSON]) -> Tuple[List[Dict[str, JSON]], Optional[int]]:
+        """The whole journal, from this call's page and the cache, or the
+        cursor to ask for."""
+        key = (job.id, job.epoch)
+        start = int(journal.get("from", 0))
+        page = list(journal.get("entries") or [])
+        total = int(journal.get("total", start + len(page)))
+        with self._lock:
+            have = self._cache.get(key, [])
+            if start > len(have):
+                return have, len(have)
+            entries = have[:start] + page
+            self._cache[key] = entries
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_jobs:
+                self._cache.popitem(last=False)
+        if len(entries) < total:
+            return entries, len(entries)
+        return entries, None
+
+    def invoke(self, body: Dict[str, JSON]) -> Tuple[int, Dict[str, JSON]]:
+        """One `invoke` call: the HTTP status and the answer."""
+        try:
+            j = body["job"]
+            job = Job(
+                id=str(j["id"]),
+                kind=str(j["kind"]),
+                input=j.get("input"),
+                epoch=int(j["epoch"]),
+                attempt=int(j.get("attempt", 1)),
+                deadline=j.get("deadline"),
+            )
+            journal = body.get("journal") or {}
+        except (KeyError, TypeError, ValueError) as e:
+            return 400, error("bad_request", f"not an invoke request: {e!r}")
+        fn = self.kinds.get(job.kind)
+        if fn is None:
+            return 404, error("unknown_kind", f"this service has no kind `{job.kind}` (it has {sorted(self.kinds)})")
+        entries, cursor = self._journal(job, journal)
+        if cursor is not None:
+            return 200, {"protocol": PROTOCOL, "op": "journal", "from": cursor}
+        ctx = Ctx(job, entries, self.version)
+        try:
+            output = fn(ctx)
+            op: Dict[str, JSON] = {"op": "complete", "output": output}
+        except _Answer as a:
+            op = a.op
+        except Fail as e:
+            op = {"op": "fail", "message": str(e)}
+        except Retry as e:
+            op = {"op": "retry", "message": str(e), "delay_ms": e.delay_ms}
+        except Exception as e:  # a bug in the kind: retried, with its trace
+            tb = traceback.format_exc(limit=5)
+            op = {"op": "retry", "message": f"{type(e).__name__}: {e}\n{tb}", "delay_ms": 0}
+        op["protocol"] = PROTOCOL
+        op["version"] = self.version
+        return 200, op
+
+    def _call(self, body: Dict[str, JSON]) -> ToolCall:
+        j = body.get("job") or {}
+        return ToolCall(
+            job_id=str(j.get("id", "")),
+            epoch=int(j.get("epoch", 0)),
+            step=str(body.get("step", "")),
+            idempotency_key=str(body.get("idempotency_key", "")),
+            business_key=body.get("business_key"),
+        )
+
+    def run_tool(self, name: str, body: Dict[str, JSON]) -> Tuple[int, Dict[str, JSON]]:
+        """One `tool` call."""
+        t = self.tools.get(name)
+        if t is None:
+            return 404, error("terminal", f"this service has no tool `{name}`")
+        try:
+            result = t.fn(body.get("args"), self._call(body))
+        except ToolError as e:
+            return 200, error(e.code, str(e))
+        except Exception as e:
+            return 200, error("retryable", f"{type(e).__name__}: {e}")
+        return 200, {"protocol": PROTOCOL, "result": result}
+
+    def find_existing(self, name: str, body: Dict[str, JSON]) -> Tuple[int, Dict[str, JSON]]:
+        """One `find_existing` call."""
+        t = self.tools.get(name)
+        if t is None:
+            return 404, error("terminal", f"this service has no tool `{name}`")
+        if t.find is None:
+            return 200, {"protocol": PROTOCOL, "status": "unknowable", "message": f"`{name}` has no find_existing"}
+        try:
+            r = t.find(body.get("args"), self._call(body))
+        except Exception as e:
+            return 200, {"protocol": PROTOCOL, "status": "unavailable", "message": f"{type(e).__name__}: {e}"}
+        if isinstance(r, Found):
+            return 200, {"protocol": PROTOCOL, "status": "found", "result": r.result}
+        if isinstance(r, Unavailable):
+            return 200, {"protocol": PROTOCOL, "status": "unavailable", "message": r.message}
+        if isinstance(r, Unknowable):
+            return 200, {"protocol": PROTOCOL, "status": "unknowable", "message": r.message}
+        return 200, {"protocol": PROTOCOL, "status": "not_found"}

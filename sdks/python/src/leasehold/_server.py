@@ -1,0 +1,162 @@
+"""The HTTP side: a stdlib threading server speaking the worker protocol."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Optional, Tuple
+
+from ._app import PROTOCOL, App, error
+
+#: Requests older or newer than this (by their signature's time) are refused.
+SIGNATURE_TOLERANCE_S = 300
+
+
+def check_signature(secret: str, header: Optional[str], body: bytes, now: Optional[float] = None) -> Optional[str]:
+    """Why the ``X-Leasehold-Signature`` header does not sign ``body``, or
+    None when it does (HMAC-SHA256 of ``<t>.<body>``, ``t`` within 5 min)."""
+    if not header:
+        return "no X-Leasehold-Signature header"
+    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
+    try:
+        t = int(parts.get("t", ""))
+    except ValueError:
+        return "the signature has no time"
+    if abs((now if now is not None else time.time()) - t) > SIGNATURE_TOLERANCE_S:
+        return "the signature is too old or too new"
+    want = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, parts.get("v1", "")):
+        return "the signature does not match the body"
+    return None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "leasehold-python/1"
+    protocol_version = "HTTP/1.1"
+    # Small answers on a kept-alive connection: Nagle's algorithm with the
+    # peer's delayed ACK would add ~40 ms to every call.
+    disable_nagle_algorithm = True
+    app: App
+    token: Optional[str]
+    secret: Optional[str]
+    max_body: int
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet by default
+        if os.environ.get("LEASEHOLD_LOG_REQUESTS"):
+            sys.stderr.write("%s - %s\n" % (self.address_string(), format % args))
+
+    def _send(self, status: int, body: Dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        # Headers and body in one write (one segment for small answers).
+        self._headers_buffer.append(b"\r\n")
+        self._headers_buffer.append(data)
+        self.flush_headers()
+
+    def do_GET(self) -> None:
+        if self.path == "/healthz":
+            self._send(200, {"protocol": PROTOCOL, "kinds": sorted(self.app.kinds), "tools": sorted(self.app.tools)})
+        else:
+            self._send(404, error("not_found", self.path))
+
+    def do_POST(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > self.max_body:
+            self.close_connection = True
+            self._send(413, error("request_too_large", f"{n} bytes, the limit is {self.max_body}"))
+            return
+        raw = self.rfile.read(n)
+        if self.token is not None and self.headers.get("Authorization") != f"Bearer {self.token}":
+            self._send(401, error("unauthorized", "a bearer token is required"))
+            return
+        if self.secret is not None:
+            why = check_signature(self.secret, self.headers.get("X-Leasehold-Signature"), raw)
+            if why is not None:
+                self._send(401, error("unauthorized", why))
+                return
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            self._send(400, error("bad_request", f"not JSON: {e}"))
+            return
+        if body.get("protocol") != PROTOCOL:
+            out = error("unsupported_protocol", f"this service speaks protocol {PROTOCOL}, the request {body.get('protocol')!r}")
+            out["error"]["supported"] = [PROTOCOL]
+            self._send(400, out)
+            return
+        status, out = self._route(body)
+        self._send(status, out)
+
+    def _route(self, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+        path = self.path.rstrip("/")
+        if path == "/invoke":
+            return self.app.invoke(body)
+        if path.startswith("/tools/"):
+            rest = path[len("/tools/"):]
+            if rest.endswith("/find_existing"):
+                return self.app.find_existing(rest[: -len("/find_existing")], body)
+            return self.app.run_tool(rest, body)
+        return 404, error("not_found", self.path)
+
+
+def serve(
+    app: App,
+    host: str = "127.0.0.1",
+    port: int = 9000,
+    token: Optional[str] = None,
+    hmac_secret: Optional[str] = None,
+    max_body: int = 1 << 20,
+    processes: int = 1,
+) -> None:
+    """Serves ``app`` until interrupted. Prints ``listening on http://ADDR``
+    once it accepts calls. ``processes`` > 1 forks that many processes
+    accepting on the one socket (the GIL bounds one process); each keeps
+    its own journal cache, which is only a cache."""
+    handler = type(
+        "Handler",
+        (_Handler,),
+        {"app": app, "token": token, "secret": hmac_secret, "max_body": max_body},
+    )
+    httpd = ThreadingHTTPServer((host, port), handler)
+    httpd.daemon_threads = True
+    addr = f"{httpd.server_address[0]}:{httpd.server_address[1]}"
+    parent = os.getpid()
+    children = []
+    for _ in range(max(1, processes) - 1):
+        pid = os.fork()
+        if pid == 0:
+            # A child ends with its parent (even a parent killed with -9).
+            def watch() -> None:
+                while os.getppid() == parent:
+                    time.sleep(0.2)
+                os._exit(0)
+
+            threading.Thread(target=watch, daemon=True).start()
+            try:
+                httpd.serve_forever()
+            finally:
+                os._exit(0)
+        children.append(pid)
+    print(f"listening on http://{addr}", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        httpd.server_close()

@@ -1,0 +1,963 @@
+//! Remote kinds: kinds served by an HTTP service through the worker
+//! protocol (docs/protocol.md), against real processes: `leasehold-worker`
+//! with `--remote-kind`, the Python SDK serving the Python invoice agent
+//! (`examples/invoice-python`), the accounting system of `leasehold-sim`,
+//! and a service that breaks the protocol on purpose
+//! (`tests/remote/bad_service.py`).
+//!
+//! The conformance suite (`conformance_*`) is parameterised by the service
+//! command: `LH_REMOTE_SERVICE` (a shell command serving the `conformance`
+//! kind on `$LEASEHOLD_PORT` and printing `listening on http://ADDR`; by
+//! default the Python SDK's). Any SDK passes it to claim conformance.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use leasehold_core::JobRecord;
+use leasehold_harness::{free_port, Proc};
+use leasehold_proto::JobEvent;
+use leasehold_store::setup::SetupOptions;
+use serde_json::{json, Value};
+
+use crate::support::*;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn python() -> String {
+    std::env::var("LH_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// The service command of the conformance suite.
+fn service_command() -> String {
+    std::env::var("LH_REMOTE_SERVICE")
+        .unwrap_or_else(|_| format!("exec {} -m leasehold serve app:app", python()))
+}
+
+/// A service (the Python SDK's unless `LH_REMOTE_SERVICE` says) on `port`.
+async fn service(port: u16, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
+    let root = repo();
+    let mut e: Vec<(&str, String)> = vec![
+        ("LEASEHOLD_PORT", port.to_string()),
+        // The installed SDK with LH_PYTHON (make python-sdk), else the
+        // checkout's.
+        (
+            "PYTHONPATH",
+            if std::env::var_os("LH_PYTHON").is_some() {
+                root.join("examples/invoice-python").display().to_string()
+            } else {
+                format!(
+                    "{}:{}",
+                    root.join("sdks/python/src").display(),
+                    root.join("examples/invoice-python").display()
+                )
+            },
+        ),
+        ("INVOICE_ACCOUNTING_URL", sim.to_string()),
+        ("PYTHONUNBUFFERED", "1".into()),
+    ];
+    e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    let cmd = service_command();
+    let p = Proc::spawn_path(std::path::Path::new("/bin/sh"), &["-c", &cmd], &e, None);
+    wait_log(&p, "listening on ", Duration::from_secs(15)).await;
+    p
+}
+
+/// The protocol-breaking service.
+async fn bad_service() -> (Proc, String) {
+    let port = free_port();
+    let script = repo().join("tests/remote/bad_service.py");
+    let p = Proc::spawn_path(
+        std::path::Path::new(&python()),
+        &[script.to_str().unwrap()],
+        &[("LEASEHOLD_PORT", port.to_string())],
+        None,
+    );
+    wait_log(&p, "listening on ", Duration::from_secs(15)).await;
+    (p, format!("http://127.0.0.1:{port}"))
+}
+
+async fn env() -> Env {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds
+        .extend(["invoice", "conformance", "bad"].map(String::from));
+    Env::with(o).await
+}
+
+/// A `leasehold-worker` serving `echo` and the remote kinds `remote`
+/// (`NAME=URL,...`).
+fn worker(env: &Env, remote: &str, extra: &[(&'static str, &str)]) -> Proc {
+    let mut e: Vec<(&'static str, String)> = vec![
+        ("LH_KINDS", "echo".into()),
+        ("LH_REMOTE_KINDS", remote.to_string()),
+        ("LH_RETRY_BASE", "100ms".into()),
+        ("LH_RETRY_CAP", "400ms".into()),
+    ];
+    e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    env.worker_proc(&[], &e)
+}
+
+fn url(port: u16) -> String {
+    format!("http://127.0.0.1:{port}/")
+}
+
+async fn invoices(sim: &str) -> Vec<Value> {
+    sim_json(sim, "GET", "/accounting/invoices", None)
+        .await
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+async fn arm(sim: &str, mode: &str, times: u32) {
+    sim_json(
+        sim,
+        "POST",
+        "/accounting/faults",
+        Some(json!({"mode": mode, "times": times})),
+    )
+    .await;
+}
+
+async fn booked(sim: &str, n: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while invoices(sim).await.len() < n {
+        assert!(tokio::time::Instant::now() < deadline, "never booked {n}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn submit_invoice(env: &Env, id: &str, extra: Value) {
+    let mut input = json!({"email": {"from": "billing@acme.example", "body": "Hello,\nInvoice F-17 from ACME: 1,200.00 EUR, due in 30 days."}});
+    if let (Some(i), Some(e)) = (input.as_object_mut(), extra.as_object()) {
+        i.extend(e.clone());
+    }
+    env.submit("invoice", json!({"input": input}), id).await;
+}
+
+async fn ended(env: &Env, id: &str) -> JobRecord {
+    env.wait_for(id, Duration::from_secs(45), |r| {
+        matches!(
+            r.status.as_str(),
+            "completed" | "failed" | "parked" | "dead"
+        )
+    })
+    .await
+}
+
+fn steps(events: &[JobEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e.r#type == "step")
+        .map(|e| e.data_map()["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn count(s: &[String], id: &str) -> usize {
+    s.iter().filter(|x| *x == id).count()
+}
+
+fn output(rec: &JobRecord) -> Value {
+    serde_json::from_str(&rec.result.as_ref().expect("a result").output).unwrap()
+}
+
+// ---- the invoice agent in Python ------------------------------------------
+
+#[tokio::test]
+async fn remote_invoice_books_one_invoice_through_durable_steps() {
+    let env = env().await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
+    submit_invoice(&env, "rinv-1", json!({})).await;
+    let rec = ended(&env, "rinv-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let out = output(&rec);
+    assert_eq!(out["invoice"]["number"], "F-17");
+    assert_eq!(out["invoice"]["supplier_id"], "sup-acme");
+    assert_eq!(invoices(&sim).await.len(), 1);
+    assert_eq!(
+        steps(&env.events_of("rinv-1").await),
+        [
+            "parse#0",
+            "lookup_supplier#0",
+            "effect:create_invoice#0",
+            "note#0"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn remote_worker_killed_right_after_the_commit_leaves_one_invoice() {
+    let env = env().await;
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_EFFECTS_HANG", "30s".into())]).await;
+    arm(&sim, "commit_then_timeout", 1).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let remote = format!("invoice={}", url(port));
+    let mut a = worker(&env, &remote, &[]);
+    submit_invoice(&env, "rinv-kill", json!({})).await;
+    booked(&sim, 1).await;
+    a.kill9();
+    let _b = worker(&env, &remote, &[]);
+    let rec = ended(&env, "rinv-kill").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "reclaimed after the kill");
+    assert_eq!(invoices(&sim).await.len(), 1, "exactly one invoice");
+    let events = env.events_of("rinv-kill").await;
+    let s = steps(&events);
+    assert_eq!(count(&s, "parse#0"), 1, "{s:?}");
+    assert_eq!(count(&s, "effect:create_invoice#0"), 1, "{s:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| e.r#type == "tool" && e.data.contains("reconcil")),
+        "the second worker asked the service's find_existing first"
+    );
+}
+
+#[tokio::test]
+async fn remote_service_killed_mid_step_is_called_again_and_books_one_invoice() {
+    let env = env().await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let port = free_port();
+    let mut s = service(port, &sim, &[]).await;
+    let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
+    // The first parse is slow; the service dies in it.
+    submit_invoice(&env, "rinv-svc", json!({"slow_parse_s": 30})).await;
+    wait_log(&s, "parsing rinv-svc", Duration::from_secs(20)).await;
+    s.kill9();
+    // The next attempt (epoch 2: the hook is slow in epoch 1 only) runs
+    // the parse again, since its record never landed.
+    let _s2 = service(port, &sim, &[]).await;
+    let rec = ended(&env, "rinv-svc").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert_eq!(invoices(&sim).await.len(), 1);
+    let s = steps(&env.events_of("rinv-svc").await);
+    assert_eq!(count(&s, "parse#0"), 1, "recorded once: {s:?}");
+}
+
+#[tokio::test]
+async fn remote_timeout_after_the_commit_is_reconciled_not_repeated() {
+    let env = env().await;
+    // The effect's timeout is 3 s; the accounting system answers after 5.
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_EFFECTS_HANG", "5s".into())]).await;
+    arm(&sim, "commit_then_timeout", 1).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
+    submit_invoice(&env, "rinv-timeout", json!({})).await;
+    let rec = ended(&env, "rinv-timeout").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert_eq!(invoices(&sim).await.len(), 1, "exactly one invoice");
+}
+
+#[tokio::test]
+async fn remote_the_same_invoice_asked_for_again_is_the_first_one() {
+    let env = env().await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
+    submit_invoice(&env, "rinv-again", json!({"ask_again": true})).await;
+    let rec = ended(&env, "rinv-again").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let out = output(&rec);
+    assert_eq!(
+        out["again"], out["invoice"],
+        "the business key's first result"
+    );
+    // A second job for the same invoice (a duplicate request): nothing booked.
+    submit_invoice(&env, "rinv-again-2", json!({})).await;
+    let rec = ended(&env, "rinv-again-2").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert_eq!(invoices(&sim).await.len(), 1, "exactly one invoice");
+}
+
+#[tokio::test]
+async fn remote_a_persons_answer_comes_back_to_the_park_that_asked() {
+    let env = env().await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
+    submit_invoice(&env, "rinv-approve", json!({"approval_over": 1000})).await;
+    let rec = ended(&env, "rinv-approve").await;
+    assert_eq!(rec.status, "parked", "{rec:?}");
+    assert_eq!(rec.parked_reason.as_deref(), Some("approval"));
+    assert!(invoices(&sim).await.is_empty(), "nothing before the answer");
+    let (code, _, err) = cli(
+        &env.url(),
+        &[
+            "review",
+            "resume",
+            "rinv-approve",
+            "--answer",
+            r#"{"approve": true}"#,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let rec = env
+        .wait_for("rinv-approve", Duration::from_secs(30), |r| {
+            r.status == "completed"
+        })
+        .await;
+    assert_eq!(rec.status, "completed");
+    assert_eq!(invoices(&sim).await.len(), 1);
+    let s = steps(&env.events_of("rinv-approve").await);
+    assert_eq!(count(&s, "park#0"), 1, "the answer is recorded once: {s:?}");
+}
+
+// ---- bad answers ----------------------------------------------------------
+
+/// A `bad` job against the protocol-breaking service: how it ends. Two
+/// attempts at most; the worker serves an echo job afterwards.
+async fn bad(mode: &str) -> (JobRecord, Vec<JobEvent>) {
+    let env = env().await;
+    let (_b, base) = bad_service().await;
+    let _w = worker(
+        &env,
+        &format!("bad={base}/"),
+        &[("LH_MAX_ATTEMPTS", "2"), ("LH_REMOTE_MAX_BODY", "65536")],
+    );
+    let id = format!("bad-{}", mode.replace('_', "-"));
+    env.submit("bad", json!({"input": {"bad": mode}}), &id)
+        .await;
+    let rec = ended(&env, &id).await;
+    // The worker is unaffected: it runs the next job.
+    env.submit("echo", json!({"input": {"after": mode}}), "echo-after")
+        .await;
+    let echo = env
+        .wait_status("echo-after", "completed", Duration::from_secs(20))
+        .await;
+    assert_eq!(echo.status, "completed");
+    let events = env.events_of(&id).await;
+    (rec, events)
+}
+
+fn error_of(rec: &JobRecord) -> String {
+    rec.error
+        .as_ref()
+        .map(|e| e.message.clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn remote_bad_answer_not_json_is_retried_then_fails_with_a_clear_error() {
+    let (rec, _) = bad("not_json").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let m = error_of(&rec);
+    assert!(
+        m.contains("protocol_error") && m.contains("not_json"),
+        "{m}"
+    );
+    assert_eq!(rec.attempts, 2, "retried before failing: {rec:?}");
+}
+
+#[tokio::test]
+async fn remote_bad_answer_wrong_schema_fails_with_a_clear_error() {
+    let (rec, events) = bad("wrong_schema").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let m = error_of(&rec);
+    assert!(m.contains("bad_answer") && m.contains("index"), "{m}");
+    assert!(steps(&events).is_empty(), "nothing recorded: {events:?}");
+}
+
+#[tokio::test]
+async fn remote_bad_answer_unknown_op_fails_with_a_clear_error() {
+    let (rec, _) = bad("unknown_op").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let m = error_of(&rec);
+    assert!(m.contains("unknown_op") && m.contains("teleport"), "{m}");
+}
+
+#[tokio::test]
+async fn remote_bad_answer_a_step_recorded_twice_with_another_result_parks() {
+    let (rec, events) = bad("step_conflict").await;
+    assert_eq!(rec.status, "parked", "{rec:?}");
+    assert_eq!(rec.parked_reason.as_deref(), Some("protocol_error"));
+    let s = steps(&events);
+    assert_eq!(s, ["a#0"], "the first record stands, alone: {s:?}");
+    let first = events.iter().find(|e| e.r#type == "step").unwrap();
+    assert_eq!(first.data_map()["result"], json!(1));
+}
+
+#[tokio::test]
+async fn remote_bad_answer_over_the_body_limit_fails_with_a_clear_error() {
+    let (rec, _) = bad("too_large").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let m = error_of(&rec);
+    assert!(m.contains("answer_too_large"), "{m}");
+}
+
+#[tokio::test]
+async fn remote_an_unknown_protocol_version_fails_at_once_with_a_clear_error() {
+    let (rec, _) = bad("v2_only").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    assert_eq!(rec.attempts, 1, "not retried: {rec:?}");
+    let m = error_of(&rec);
+    assert!(m.contains("unsupported_protocol"), "{m}");
+}
+
+// ---- the conformance suite ------------------------------------------------
+
+async fn conformance_env() -> (Env, Proc, u16, String) {
+    let env = env().await;
+    let port = free_port();
+    let s = service(port, "http://127.0.0.1:9", &[]).await;
+    let remote = format!("conformance={}", url(port));
+    (env, s, port, remote)
+}
+
+async fn submit_conf(env: &Env, id: &str, input: Value) {
+    env.submit("conformance", json!({"input": input}), id).await;
+}
+
+#[tokio::test]
+async fn remote_conformance_kill_9_of_the_worker_mid_step_resumes_from_the_journal() {
+    let (env, s, _port, remote) = conformance_env().await;
+    let mut a = worker(&env, &remote, &[]);
+    submit_conf(
+        &env,
+        "conf-wkill",
+        json!({"steps": 3, "slow_step": 1, "slow_s": 30, "slow_epoch": 1}),
+    )
+    .await;
+    wait_log(&s, "step 1 of conf-wkill epoch 1", Duration::from_secs(20)).await;
+    a.kill9();
+    let _b = worker(&env, &remote, &[]);
+    let rec = ended(&env, "conf-wkill").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert_eq!(output(&rec)["sum"], 3);
+    let st = steps(&env.events_of("conf-wkill").await);
+    assert_eq!(st, ["count#0", "count#1", "count#2"], "each once: {st:?}");
+}
+
+#[tokio::test]
+async fn remote_conformance_kill_9_of_the_service_mid_step_and_after_its_answer() {
+    let (env, mut s, port, remote) = conformance_env().await;
+    let _w = worker(&env, &remote, &[]);
+    submit_conf(
+        &env,
+        "conf-skill",
+        json!({"steps": 3, "slow_step": 1, "slow_s": 30, "slow_epoch": 1}),
+    )
+    .await;
+    // Step 0 was answered (and recorded); the service dies in step 1.
+    wait_log(&s, "step 1 of conf-skill epoch 1", Duration::from_secs(20)).await;
+    s.kill9();
+    let _s2 = service(port, "http://127.0.0.1:9", &[]).await;
+    let rec = ended(&env, "conf-skill").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let st = steps(&env.events_of("conf-skill").await);
+    assert_eq!(st, ["count#0", "count#1", "count#2"], "each once: {st:?}");
+}
+
+#[tokio::test]
+async fn remote_conformance_a_duplicate_call_gets_the_same_answer_and_records_nothing() {
+    let (env, _s, port, remote) = conformance_env().await;
+    let _w = worker(&env, &remote, &[]);
+    submit_conf(&env, "conf-dup", json!({"steps": 2})).await;
+    let rec = ended(&env, "conf-dup").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    // The same call delivered twice (a retry of a lost answer): the same
+    // answer both times, and the worker's journal is unchanged.
+    let call = json!({
+        "protocol": 1, "type": "invoke",
+        "job": {"id": "conf-dup", "kind": "conformance", "input": {"steps": 2}, "epoch": rec.epoch, "attempt": 1, "deadline": null},
+        "journal": {"from": 0, "total": 1, "entries": [{"index": 0, "id": "count#0", "result": {"i": 0}}], "next_cursor": null}
+    });
+    let http = reqwest::Client::new();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let v: Value = http
+            .post(format!("http://127.0.0.1:{port}/invoke"))
+            .json(&call)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        answers.push(v);
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert_eq!(answers[0]["op"], "step");
+    assert_eq!(answers[0]["id"], "count#1");
+    let st = steps(&env.events_of("conf-dup").await);
+    assert_eq!(st, ["count#0", "count#1"], "{st:?}");
+}
+
+#[tokio::test]
+async fn remote_conformance_a_stale_epochs_late_answer_writes_nothing() {
+    let (env, s, _port, remote) = conformance_env().await;
+    let a = worker(&env, &remote, &[]);
+    submit_conf(
+        &env,
+        "conf-stale",
+        json!({"steps": 3, "slow_step": 1, "slow_s": 4, "slow_epoch": 1}),
+    )
+    .await;
+    wait_log(&s, "step 1 of conf-stale epoch 1", Duration::from_secs(20)).await;
+    // The owner pauses past its session while the service works for it.
+    a.stop();
+    let _b = worker(&env, &remote, &[]);
+    let rec = env
+        .wait_for("conf-stale", Duration::from_secs(40), |r| {
+            r.status == "completed"
+        })
+        .await;
+    assert!(rec.epoch >= 2);
+    // The stale owner wakes with the service's answer for epoch 1.
+    a.cont();
+    wait_log(
+        &a,
+        "re-offered while this process was away",
+        Duration::from_secs(20),
+    )
+    .await;
+    let events = env.events_of("conf-stale").await;
+    let st = steps(&events);
+    assert_eq!(
+        count(&st, "count#1"),
+        1,
+        "the late answer was not recorded: {st:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.r#type == "step" && e.data_map()["id"] == "count#1")
+            .all(|e| e.epoch >= 2),
+        "step 1 is of the new owner"
+    );
+    let after = env.jobs.get("conf-stale").await.unwrap().unwrap();
+    assert_eq!(after.value.status, "completed");
+    assert_eq!(after.value.epoch, rec.epoch, "no stale write");
+}
+
+#[tokio::test]
+async fn remote_conformance_a_journal_mismatch_after_a_code_change_parks_with_both_steps() {
+    let (env, mut s, port, remote) = conformance_env().await;
+    let mut a = worker(&env, &remote, &[]);
+    submit_conf(
+        &env,
+        "conf-mismatch",
+        json!({"steps": 3, "slow_step": 2, "slow_s": 30, "slow_epoch": 1}),
+    )
+    .await;
+    wait_log(
+        &s,
+        "step 2 of conf-mismatch epoch 1",
+        Duration::from_secs(20),
+    )
+    .await;
+    a.kill9();
+    s.kill9();
+    // New code: step 1 is now named `tally`.
+    let _s2 = service(
+        port,
+        "http://127.0.0.1:9",
+        &[("CONFORMANCE_CODE_VERSION", "2")],
+    )
+    .await;
+    let _b = worker(&env, &remote, &[]);
+    let rec = ended(&env, "conf-mismatch").await;
+    assert_eq!(rec.status, "parked", "{rec:?}");
+    assert_eq!(rec.parked_reason.as_deref(), Some("journal_mismatch"));
+    let m = error_of(&rec);
+    let events = env.events_of("conf-mismatch").await;
+    let parked = events
+        .iter()
+        .rev()
+        .find(|e| e.r#type == "parked")
+        .map(|e| e.data.clone())
+        .unwrap_or_default();
+    let text = format!("{m} {parked}");
+    assert!(
+        text.contains("count#1") && text.contains("tally#0"),
+        "both steps named: {text}"
+    );
+    assert_eq!(steps(&events), ["count#0", "count#1"], "nothing guessed");
+}
+
+#[tokio::test]
+async fn remote_conformance_a_slow_service_past_the_call_deadline_is_retried() {
+    let (env, _s, _port, remote) = conformance_env().await;
+    let _w = worker(&env, &remote, &[("LH_REMOTE_TIMEOUT", "1500ms")]);
+    submit_conf(
+        &env,
+        "conf-slow",
+        json!({"steps": 2, "slow_step": 0, "slow_s": 5, "slow_epoch": 1}),
+    )
+    .await;
+    let rec = ended(&env, "conf-slow").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "a later attempt finished it: {rec:?}");
+    let st = steps(&env.events_of("conf-slow").await);
+    assert_eq!(st, ["count#0", "count#1"], "{st:?}");
+}
+
+#[tokio::test]
+async fn remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives() {
+    let (_env, mut s, port, _remote) = conformance_env().await;
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let r = http
+        .post(format!("{base}/invoke"))
+        .header("content-type", "application/json")
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "bad_request", "{v}");
+    let r = http
+        .post(format!("{base}/invoke"))
+        .json(&json!({"protocol": 99, "type": "invoke"}))
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "unsupported_protocol", "{v}");
+    assert_eq!(v["error"]["supported"], json!([1]), "{v}");
+    assert!(s.alive(), "the service lives");
+}
+
+#[tokio::test]
+async fn remote_conformance_an_oversized_journal_is_paged() {
+    let (env, s, _port, remote) = conformance_env().await;
+    // 40 steps of 2 KB each, pages of 8 entries and 16 KB bodies: the
+    // journal never fits one call.
+    let small: &[(&'static str, &str)] = &[
+        ("LH_REMOTE_JOURNAL_PAGE", "8"),
+        ("LH_REMOTE_MAX_BODY", "16384"),
+    ];
+    let mut a = worker(&env, &remote, small);
+    submit_conf(
+        &env,
+        "conf-big",
+        json!({"steps": 40, "pad": 2000, "slow_step": 39, "slow_s": 30, "slow_epoch": 1}),
+    )
+    .await;
+    wait_log(&s, "step 39 of conf-big epoch 1", Duration::from_secs(40)).await;
+    // The next owner replays 39 recorded steps of 2 KB through pages.
+    a.kill9();
+    let b = worker(&env, &remote, small);
+    let rec = ended(&env, "conf-big").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert_eq!(output(&rec)["sum"], (0..40).sum::<u64>());
+    assert!(rec.epoch >= 2, "{rec:?}");
+    let st = steps(&env.events_of("conf-big").await);
+    assert_eq!(st.len(), 40, "each step recorded once");
+    // The new owner sent the 39 recorded steps in pages the service asked for.
+    let pages = b
+        .output()
+        .matches("the service asked for the journal from")
+        .count();
+    assert!(pages >= 4, "paged: {pages} pages asked for\n{}", b.output());
+}
+
+// ---- the protocol's schemas -----------------------------------------------
+
+fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
+    let dir = repo().join("proto/worker-protocol/v1");
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "json") {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            let name = p.file_stem().unwrap().to_string_lossy().to_string();
+            let validator = jsonschema::validator_for(&v)
+                .unwrap_or_else(|e| panic!("{} does not compile: {e}", p.display()));
+            out.insert(name, validator);
+        }
+    }
+    out
+}
+
+fn check(
+    schemas: &std::collections::BTreeMap<String, jsonschema::Validator>,
+    schema: &str,
+    v: &Value,
+) {
+    let errors: Vec<String> = schemas[schema]
+        .iter_errors(v)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect();
+    assert!(errors.is_empty(), "{schema}: {errors:?} in {v}");
+}
+
+#[tokio::test]
+async fn remote_protocol_examples_and_the_workers_real_messages_match_the_schemas() {
+    let s = schemas();
+    assert!(s.len() >= 7, "{:?}", s.keys());
+    // Every example matches the schema its name starts with.
+    let dir = repo().join("proto/worker-protocol/v1/examples");
+    let mut examples = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        let schema = name.split('.').next().unwrap();
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        check(&s, schema, &v);
+        examples += 1;
+    }
+    assert!(examples >= 10);
+    // A wrong message does not.
+    assert!(!s["invoke-answer"].is_valid(
+        &json!({"protocol": 1, "op": "step", "index": "zero", "id": "a#0", "result": 1})
+    ));
+    assert!(!s["invoke-answer"].is_valid(&json!({"protocol": 1, "op": "teleport"})));
+
+    // The worker's real requests, and a service's answers, in one run
+    // through a step, an effect reconciled after a timeout, and the end.
+    let env = env().await;
+    let (b, base) = bad_service().await;
+    let _w = worker(&env, &format!("bad={base}/"), &[]);
+    env.submit("bad", json!({"input": {"bad": "record"}}), "schema-1")
+        .await;
+    let rec = ended(&env, "schema-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let mut seen = std::collections::BTreeSet::new();
+    for line in b.output().lines() {
+        let Some((dir, rest)) = line.split_once(' ') else {
+            continue;
+        };
+        if dir != "REQ" && dir != "ANS" {
+            continue;
+        }
+        let Some((path, body)) = rest.split_once(' ') else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(body).unwrap();
+        let schema = match (dir, path) {
+            ("REQ", "/invoke") => "invoke-request",
+            ("ANS", "/invoke") => "invoke-answer",
+            ("REQ", p) if p.ends_with("/find_existing") => "find-existing-request",
+            ("ANS", p) if p.ends_with("/find_existing") => "find-existing-answer",
+            ("REQ", _) => "tool-request",
+            ("ANS", _) => "tool-answer",
+            _ => continue,
+        };
+        check(&s, schema, &v);
+        seen.insert(schema);
+    }
+    assert_eq!(
+        seen.len(),
+        6,
+        "every message type seen: {seen:?}\n{}",
+        b.output()
+    );
+
+    // The Python SDK's answers too.
+    let port = free_port();
+    let _py = service(port, "http://127.0.0.1:9", &[]).await;
+    let http = reqwest::Client::new();
+    for name in ["invoke-request.first", "invoke-request.paged"] {
+        let mut req: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        req["job"]["kind"] = json!("conformance");
+        let v: Value = http
+            .post(format!("http://127.0.0.1:{port}/invoke"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        check(&s, "invoke-answer", &v);
+    }
+}
+
+#[tokio::test]
+async fn remote_a_signed_service_serves_a_signed_worker_and_refuses_another() {
+    let env = env().await;
+    let port = free_port();
+    let _s = service(
+        port,
+        "http://127.0.0.1:9",
+        &[
+            ("LEASEHOLD_TOKEN", "tok-1"),
+            ("LEASEHOLD_HMAC_SECRET", "sec-1"),
+        ],
+    )
+    .await;
+    let remote = format!("conformance={}", url(port));
+    let mut good = worker(
+        &env,
+        &remote,
+        &[
+            ("LH_REMOTE_TOKEN", "tok-1"),
+            ("LH_REMOTE_HMAC_SECRET", "sec-1"),
+        ],
+    );
+    submit_conf(&env, "conf-signed", json!({"steps": 2})).await;
+    let rec = ended(&env, "conf-signed").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    good.kill9();
+    // A worker signing with another secret is refused: a clear, terminal error.
+    let _bad = worker(
+        &env,
+        &remote,
+        &[
+            ("LH_REMOTE_TOKEN", "tok-1"),
+            ("LH_REMOTE_HMAC_SECRET", "wrong"),
+        ],
+    );
+    submit_conf(&env, "conf-unsigned", json!({"steps": 2})).await;
+    let rec = ended(&env, "conf-unsigned").await;
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let m = error_of(&rec);
+    assert!(m.contains("unauthorized") && m.contains("signature"), "{m}");
+    assert!(steps(&env.events_of("conf-unsigned").await).is_empty());
+}
+
+#[tokio::test]
+async fn remote_conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried() {
+    let (env, s, _port, remote) = conformance_env().await;
+    // The call may take 30 s; the attempt may not take more than 2.
+    let _w = worker(&env, &remote, &[("LH_ATTEMPT_TIMEOUT", "2s")]);
+    submit_conf(
+        &env,
+        "conf-deadline",
+        json!({"steps": 2, "slow_step": 1, "slow_s": 6, "slow_epoch": 1}),
+    )
+    .await;
+    wait_log(
+        &s,
+        "step 1 of conf-deadline epoch 1",
+        Duration::from_secs(20),
+    )
+    .await;
+    let rec = ended(&env, "conf-deadline").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "a later attempt finished it: {rec:?}");
+    let events = env.events_of("conf-deadline").await;
+    let st = steps(&events);
+    assert_eq!(st, ["count#0", "count#1"], "{st:?}");
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.r#type == "step" && e.data_map()["id"] == "count#1")
+            .all(|e| e.epoch >= 2),
+        "the stopped attempt's late answer was not recorded"
+    );
+}
+
+#[tokio::test]
+async fn remote_python_sdk_unit_tests_pass() {
+    let root = repo();
+    let mut cmd = tokio::process::Command::new(python());
+    cmd.args(["-m", "unittest", "discover", "-s"])
+        .arg(root.join("sdks/python/tests"));
+    if std::env::var_os("LH_PYTHON").is_none() {
+        cmd.env("PYTHONPATH", root.join("sdks/python/src"));
+    }
+    let out = cmd.output().await.expect("run python");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("OK"), "{err}");
+}
+
+#[tokio::test]
+async fn remote_generate_runs_the_model_in_the_worker_and_is_recorded_once() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("writer".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let model = format!("{sim}/v1");
+    let _w = worker(
+        &env,
+        &format!("writer={}", url(port)),
+        &[("LH_MODEL_BASE_URL", &model)],
+    );
+    env.submit("writer", json!({"input": {}}), "gen-1").await;
+    let rec = ended(&env, "gen-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let out = output(&rec);
+    assert!(!out["text"].as_str().unwrap_or("").is_empty(), "{out}");
+    assert!(out["model_calls"].as_u64().unwrap_or(0) >= 1, "{out}");
+    let events = env.events_of("gen-1").await;
+    assert_eq!(steps(&events), ["topic#0", "generate:generate#0"]);
+    assert!(
+        events.iter().any(|e| e.r#type == "agent"),
+        "the conversation's transcript is journaled"
+    );
+}
+
+async fn sim_chat_requests(sim: &str) -> u64 {
+    let v: Value = reqwest::get(format!("{sim}/stats"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["chat_requests"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("writer".into());
+    let env = Env::with(o).await;
+    // Paced tokens: the answer takes a while to stream.
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "40".into())]).await;
+    let port = free_port();
+    let _s = service(port, &sim, &[]).await;
+    let model = format!("{sim}/v1");
+    let remote = format!("writer={}", url(port));
+    let extra: &[(&'static str, &str)] = &[("LH_MODEL_BASE_URL", &model)];
+    let mut journal = env
+        .conn
+        .client
+        .subscribe(env.conn.layout.event_subject("gen-kill", "agent"))
+        .await
+        .unwrap();
+    let mut a = worker(&env, &remote, extra);
+    env.submit("writer", json!({"input": {}}), "gen-kill").await;
+    // The conversation's thread is durable, then the model call starts.
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        futures::StreamExt::next(&mut journal),
+    )
+    .await
+    .expect("the transcript's first entry");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sim_chat_requests(&sim).await < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "no model call");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.kill9();
+    let _b = worker(&env, &remote, extra);
+    let rec = ended(&env, "gen-kill").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "{rec:?}");
+    assert_eq!(
+        sim_chat_requests(&sim).await,
+        2,
+        "the call in flight, and its one repetition"
+    );
+    let st = steps(&env.events_of("gen-kill").await);
+    assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
+}
