@@ -673,9 +673,22 @@ async fn setup_never_removes_a_kind_silently_and_prunes_only_an_empty_one() {
     let (code, _, err) = cli(&url, &["setup", "--kinds", "research,echo,sleep"]).await;
     assert_eq!(code, 0, "{err}");
     let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    // The kinds' subjects; each comes with its lanes' (`.*.*`), checked here.
     let subjects = |js: async_nats::jetstream::Context| async move {
         let mut st = js.get_stream("LH_WORK").await.unwrap();
-        let mut v = st.info().await.unwrap().config.subjects.clone();
+        let all = st.info().await.unwrap().config.subjects.clone();
+        let mut v: Vec<String> = all
+            .iter()
+            .filter(|s| !s.ends_with(".*.*"))
+            .cloned()
+            .collect();
+        for k in &v {
+            assert!(
+                all.contains(&format!("{k}.*.*")),
+                "{k} without its lanes: {all:?}"
+            );
+        }
+        assert_eq!(all.len(), 2 * v.len(), "{all:?}");
         v.sort();
         v
     };

@@ -19,6 +19,7 @@
 //! | `busy` | kill -9 on a fleet at 92% of its slots: each bystander running again; a poison job's submit -> dead | the session timeout | p95 <= 11 s; <= (max stale reclaims + 1) x 11 s |
 //! | `reoffers` | false re-offers with ~100 long jobs in flight: `leasehold-soak` rolling (3 nodes) and nats-restart (down 2-3 session timeouts) runs | | 0 |
 //! | `steps` | an empty durable step of the SDK, p50/p99; resume: attempt start -> first new step with 10 / 1,000 / 10,000 recorded steps | one raw JetStream publish ack | step p50 <= 2x; resume linear, <= 100 ms at 1,000 |
+//! | `fairness` | tenant B's 20 jobs queued behind tenant A's 2,000 (equal weights, 4 workers): B's wait from submission to claim p50/p95 | B alone at half the fleet; the same submissions without tenants (first come, first served) | p95 <= 2x alone |
 //! | `remote` | a remote kind's step through the Python SDK, p50/p99; remote echo jobs/s, 4 workers | the same empty step of a Rust kind and a raw HTTP round trip to the same service; the Rust echo | p50 <= raw + 2 ms; >= 50% |
 //! | `real-model` | research job (1 expert x 2 sections) wall time and model calls on SmolLM2-135M (llama-cpp-python); the server's tokens/s in the same run; only where `make test-model`'s virtualenv is installed, else skipped | the same job on the simulator with instant answers | |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
@@ -26,6 +27,7 @@
 mod busy;
 mod common;
 mod console;
+mod fairness;
 mod flow;
 mod history;
 mod inflight;
@@ -65,6 +67,7 @@ pub const PARTS: &[&str] = &[
     "remote",
     "flow",
     "flow-research",
+    "fairness",
     "real-model",
     "console",
     "console-pages",
@@ -461,6 +464,12 @@ async fn main() -> anyhow::Result<()> {
         if let Some(v) = part(&mut r, &mut failed, "flow-research", flow::research()).await {
             flow::research_rows(&mut r, &v);
             r.json.insert("flow_research".into(), v);
+        }
+    }
+    if a.runs("fairness") {
+        if let Some(v) = part(&mut r, &mut failed, "fairness", fairness::fairness()).await {
+            fairness::rows(&mut r, &v);
+            r.json.insert("fairness".into(), v);
         }
     }
     if a.runs("steps") {

@@ -86,8 +86,12 @@ pub fn progress(r: &JobRecord) -> String {
     }
 }
 
-/// The tenant of a job: its spec's `metadata.tenant`, when set.
+/// The tenant of a job: its spec's `tenant` (the lane it waits in), else
+/// its `metadata.tenant` (what clients set before tenants were a field).
 pub fn tenant(r: &JobRecord) -> Option<String> {
+    if let Some(t) = r.spec.as_ref()?.tenant.clone().filter(|t| !t.is_empty()) {
+        return Some(t);
+    }
     let m = r.spec.as_ref()?.metadata.as_str();
     let v: Value = serde_json::from_str(m).ok()?;
     v.get("tenant")?.as_str().map(str::to_string)

@@ -389,7 +389,14 @@ pub fn check_lane(
     subject: &crate::lane::Lane,
     subject_hint: impl FnOnce(&crate::lane::Lane) -> String,
 ) -> Result<(), SubmitError> {
-    let named = crate::lane::Lane::of(spec);
+    // What the spec names must agree; what it leaves out is the subject's.
+    let named = crate::lane::Lane {
+        tenant: spec
+            .tenant
+            .clone()
+            .unwrap_or_else(|| subject.tenant.clone()),
+        priority: spec.priority.unwrap_or(subject.priority),
+    };
     if &named != subject {
         return Err(SubmitError::WrongLane {
             subject_hint: subject_hint(&named),

@@ -156,6 +156,8 @@ struct Stats {
     text_tool_calls: u64,
     /// 429s for a limit (`--limit`), by which limit.
     rate_limited: BTreeMap<&'static str, u64>,
+    /// Prompt + completion tokens of the requests admitted (not refused).
+    tokens_admitted: u64,
 }
 
 struct Sim {
@@ -214,6 +216,7 @@ async fn stats_handler(State(sim): State<Arc<Sim>>) -> Json<Value> {
         "text_tool_calls": s.text_tool_calls,
         "rate_limited": s.rate_limited,
         "rate_limited_total": s.rate_limited.values().sum::<u64>(),
+        "tokens_admitted": s.tokens_admitted,
         "requests_during_retry_after": sim.limits.early(),
         "provider": sim.provider.name(),
     }))
@@ -426,7 +429,11 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         prompt_chars.div_ceil(4) as u64,
         completion_chars.div_ceil(4) as u64,
     ) {
-        Ok(a) => a,
+        Ok(a) => {
+            sim.stats.lock().expect("stats lock").tokens_admitted +=
+                (prompt_chars.div_ceil(4) + completion_chars.div_ceil(4)) as u64;
+            a
+        }
         Err(refusal) => {
             *sim.stats
                 .lock()

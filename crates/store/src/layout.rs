@@ -74,14 +74,23 @@ impl Layout {
     }
     /// Durable pull consumer of one lane of one kind (not the default
     /// lane's, which is [`Layout::work_consumer`]). Workers create it when
-    /// the lane first has a job; it goes away after an idle hour.
+    /// the lane first has a job; it goes away after an idle hour. The kind's
+    /// length keeps names apart (kind `a_b` tenant `c`, kind `a` tenant `b_c`).
     pub fn lane_consumer(&self, kind: &str, lane: &Lane) -> String {
         format!(
-            "{}_lane_{}_{}_p{}",
-            self.prefix,
-            kind.replace(['.', '*', '>'], "_"),
+            "{}{}_p{}",
+            self.lane_consumers_prefix(kind),
             lane.tenant,
             lane.priority
+        )
+    }
+    /// What the names of `kind`'s lane consumers start with.
+    pub fn lane_consumers_prefix(&self, kind: &str) -> String {
+        format!(
+            "{}_lane_{}_{}_",
+            self.prefix,
+            kind.len(),
+            kind.replace(['.', '*', '>'], "_")
         )
     }
     /// `lh.submit.>`.

@@ -1338,7 +1338,7 @@ pub async fn remove_kind_consumer(conn: &Conn, kind: &str) -> Result<bool, Store
         .get_stream_no_info(l.work_stream())
         .await
         .map_err(|e| StoreError::nats("work stream", e))?;
-    let lanes = format!("{}_lane_{}_{}_", l.prefix, kind.len(), kind);
+    let lanes = l.lane_consumers_prefix(kind);
     let mut names = s.consumer_names();
     let mut lane_consumers = Vec::new();
     while let Some(n) = futures::StreamExt::next(&mut names).await {
