@@ -218,7 +218,7 @@ pub fn rows(r: &mut Report, v: &Value) {
 /// without fleet limits says how much).
 const RESEARCH_JOBS: usize = 64;
 const SIM_RPM: u64 = 1200;
-const SIM_TPM: u64 = 600_000;
+const SIM_TPM: u64 = 400_000;
 
 /// One run: 4 research workers, [`RESEARCH_JOBS`] jobs, the sim limited to
 /// [`SIM_RPM`]; with `limits`, the fleet's limit set to the sim's.
