@@ -516,25 +516,7 @@ impl Ctx {
         let step = format!("tool:{tool}");
         let job = &self.job;
         self.step_with_id(&step, |step_id| async move {
-            let call = CallCtx::new(&job.record.id, step_id, job.record.epoch)
-                .of_incarnation(&job.record.created_at)
-                .guarded(OwnerGuard::shared(job.gate.clone()));
-            let events = CollectEvents::new();
-            let r = tb.call_with(&call, tool, &args, &events).await;
-            for ev in events.events() {
-                let _ = job
-                    .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
-                    .await;
-            }
-            match r {
-                Ok(out) => Ok(out.value),
-                Err(e) => Err(match e.disposition() {
-                    Disposition::Park => Error::park(e.class(), e.to_string()),
-                    Disposition::Stop => Error::Cancelled,
-                    Disposition::Retry => Error::retryable(e.to_string()),
-                    _ => Error::terminal(e.to_string()),
-                }),
-            }
+            call_tool(job, &tb, &step_id, tool, &args).await
         })
         .await
     }
@@ -621,5 +603,37 @@ impl Ctx {
             crate::agent::run(job, &step, generator, tools, spec).await
         })
         .await
+    }
+}
+
+/// One tool call of step `step_id` through the toolbox (the ledger, the
+/// owner's proof before a write effect): its `tool` events are emitted for
+/// the job, and a failure becomes the error its disposition says. Rust
+/// kinds' `Ctx::call` and remote kinds' `effect` ops both call it.
+pub(crate) async fn call_tool(
+    job: &JobCtx,
+    tb: &Toolbox,
+    step_id: &str,
+    tool: &str,
+    args: &Value,
+) -> Result<Value, Error> {
+    let call = CallCtx::new(&job.record.id, step_id, job.record.epoch)
+        .of_incarnation(&job.record.created_at)
+        .guarded(OwnerGuard::shared(job.gate.clone()));
+    let events = CollectEvents::new();
+    let r = tb.call_with(&call, tool, args, &events).await;
+    for ev in events.events() {
+        let _ = job
+            .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
+            .await;
+    }
+    match r {
+        Ok(out) => Ok(out.value),
+        Err(e) => Err(match e.disposition() {
+            Disposition::Park => Error::park(e.class(), e.to_string()),
+            Disposition::Stop => Error::Cancelled,
+            Disposition::Retry => Error::retryable(e.to_string()),
+            _ => Error::terminal(e.to_string()),
+        }),
     }
 }

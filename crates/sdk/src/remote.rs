@@ -18,9 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use leasehold_store::events::Events;
-use leasehold_tools::{
-    CallCtx, CollectEvents, Disposition, EffectsLedger, NoEvents, OwnerGuard, Toolbox,
-};
+use leasehold_tools::{EffectsLedger, NoEvents, Toolbox};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Mutex, OnceCell};
@@ -487,29 +485,10 @@ impl RemoteKind {
             .min(self.client.cfg.timeout);
         let dedupes = op["dedupes_by_key"].as_bool().unwrap_or(false);
         let tb = self.toolbox(ctx, tool, timeout, dedupes).await?;
-        let job = ctx.job();
-        let call = CallCtx::new(&job.record.id, id, job.record.epoch)
-            .of_incarnation(&job.record.created_at)
-            .guarded(OwnerGuard::shared(job.gate.clone()));
         let args = json!({"args": op["args"], "business_key": op["business_key"]});
-        let events = CollectEvents::new();
-        let r = tokio::select! {
-            r = tb.call_with(&call, tool, &args, &events) => r,
-            _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
-        };
-        for ev in events.events() {
-            let _ = job
-                .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
-                .await;
-        }
-        match r {
-            Ok(out) => Ok(out.value),
-            Err(e) => Err(match e.disposition() {
-                Disposition::Park => Error::park(e.class(), e.to_string()),
-                Disposition::Stop => Error::Cancelled,
-                Disposition::Retry => Error::retryable(e.to_string()),
-                _ => Error::terminal(e.to_string()),
-            }),
+        tokio::select! {
+            r = crate::ctx::call_tool(ctx.job(), &tb, id, tool, &args) => r,
+            _ = ctx.cancelled().cancelled() => Err(Error::Cancelled),
         }
     }
 }
