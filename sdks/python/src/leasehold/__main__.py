@@ -28,6 +28,12 @@ def main(argv: "list[str] | None" = None) -> None:
     s.add_argument("--host", default=os.environ.get("LEASEHOLD_HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=int(os.environ.get("LEASEHOLD_PORT", "9000")))
     s.add_argument("--processes", type=int, default=int(os.environ.get("LEASEHOLD_PROCESSES", "1")), help="processes accepting on the socket (default 1)")
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(os.environ.get("LEASEHOLD_DRAIN_TIMEOUT", "30")),
+        help="seconds the requests in flight may finish in at SIGTERM/SIGINT (default 30)",
+    )
     s.add_argument("--max-body", type=int, default=int(os.environ.get("LEASEHOLD_MAX_BODY", str(1 << 20))))
     a = p.parse_args(argv)
     sys.path.insert(0, os.getcwd())
@@ -40,6 +46,7 @@ def main(argv: "list[str] | None" = None) -> None:
         hmac_secret=os.environ.get("LEASEHOLD_HMAC_SECRET") or None,
         max_body=a.max_body,
         processes=a.processes,
+        drain_timeout=a.drain_timeout,
     )
 
 

@@ -57,10 +57,33 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.server.stopping.is_set():  # type: ignore[attr-defined]
+            # Stopping: this connection takes no further request.
+            self.close_connection = True
+            self.send_header("Connection", "close")
         # Headers and body in one write (one segment for small answers).
         self._headers_buffer.append(b"\r\n")
         self._headers_buffer.append(data)
         self.flush_headers()
+
+    def handle_one_request(self) -> None:
+        # Counted from the request line's arrival to the answer's last byte:
+        # what a stop waits for. An idle kept-alive connection is not.
+        try:
+            first = self.rfile.peek(1)
+        except OSError:
+            first = b""
+        if not first:
+            self.close_connection = True
+            return
+        with self.server.inflight:  # type: ignore[attr-defined]
+            self.server.requests += 1  # type: ignore[attr-defined]
+        try:
+            super().handle_one_request()
+        finally:
+            with self.server.inflight:  # type: ignore[attr-defined]
+                self.server.requests -= 1  # type: ignore[attr-defined]
+                self.server.inflight.notify_all()  # type: ignore[attr-defined]
 
     def do_GET(self) -> None:
         if self.path == "/healthz":
@@ -110,6 +133,15 @@ class _Handler(BaseHTTPRequestHandler):
         return 404, error("not_found", self.path)
 
 
+#: Default of ``serve``'s ``drain_timeout`` (the worker's --remote-timeout
+#: bounds one call to 30 s by default).
+DRAIN_TIMEOUT_S = 30.0
+
+#: Exit code of a stop cut short: the drain timeout passed with requests in
+#: flight. A second signal exits with 128 + its number.
+EXIT_DRAIN_TIMEOUT = 1
+
+
 def serve(
     app: App,
     host: str = "127.0.0.1",
@@ -118,11 +150,18 @@ def serve(
     hmac_secret: Optional[str] = None,
     max_body: int = 1 << 20,
     processes: int = 1,
+    drain_timeout: float = DRAIN_TIMEOUT_S,
 ) -> None:
-    """Serves ``app`` until interrupted. Prints ``listening on http://ADDR``
-    once it accepts calls. ``processes`` > 1 forks that many processes
-    accepting on the one socket (the GIL bounds one process); each keeps
-    its own journal cache, which is only a cache."""
+    """Serves ``app`` until SIGTERM or SIGINT. Prints ``listening on
+    http://ADDR`` once it accepts calls. ``processes`` > 1 forks that many
+    processes accepting on the one socket (the GIL bounds one process); each
+    keeps its own journal cache, which is only a cache.
+
+    A stop: the first SIGTERM or SIGINT stops accepting and lets the
+    requests in flight finish for up to ``drain_timeout`` seconds, then
+    returns (or, if some are still running, exits with code 1); a second
+    signal exits at once (128 + its number). Signals are handled only when
+    ``serve`` runs in the main thread."""
     handler = type(
         "Handler",
         (_Handler,),
@@ -130,6 +169,9 @@ def serve(
     )
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
+    httpd.stopping = threading.Event()  # type: ignore[attr-defined]
+    httpd.inflight = threading.Condition()  # type: ignore[attr-defined]
+    httpd.requests = 0  # type: ignore[attr-defined]
     addr = f"{httpd.server_address[0]}:{httpd.server_address[1]}"
     parent = os.getpid()
     children = []
@@ -143,20 +185,86 @@ def serve(
                 os._exit(0)
 
             threading.Thread(target=watch, daemon=True).start()
+            code = 0
             try:
-                httpd.serve_forever()
+                code = _serve_until_stopped(httpd, drain_timeout)
             finally:
-                os._exit(0)
+                os._exit(code)
         children.append(pid)
     print(f"listening on http://{addr}", flush=True)
+    code = _serve_until_stopped(httpd, drain_timeout, children)
+    if code:
+        raise SystemExit(code)
+
+
+def _serve_until_stopped(httpd: ThreadingHTTPServer, drain_timeout: float, children: "list[int] | None" = None) -> int:
+    """Serves until the first signal, drains, and says with what exit code
+    the process ends (0: every request finished)."""
+    children = children or []
+    stopped_by: list = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stopped_by:
+            # The second signal: at once (the children get it too).
+            for pid in children:
+                _kill(pid, signal.SIGKILL)
+            os._exit(128 + signum)
+        stopped_by.append(signum)
+        httpd.stopping.set()  # type: ignore[attr-defined]
+        for pid in children:
+            _kill(pid, signal.SIGTERM)
+        # shutdown() waits for serve_forever's loop: not from its own thread.
+        threading.Thread(target=httpd.shutdown, daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
-    finally:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-        httpd.server_close()
+    # No new connection from here on; the requests in flight may finish.
+    httpd.server_close()
+    deadline = time.monotonic() + drain_timeout
+    with httpd.inflight:  # type: ignore[attr-defined]
+        while httpd.requests > 0:  # type: ignore[attr-defined]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            httpd.inflight.wait(left)  # type: ignore[attr-defined]
+        unfinished = httpd.requests  # type: ignore[attr-defined]
+    code = 0
+    for pid in children:
+        if _wait_child(pid, deadline) != 0:
+            code = EXIT_DRAIN_TIMEOUT
+    if unfinished:
+        sys.stderr.write(
+            f"leasehold: shutdown: {unfinished} request(s) still running after the drain timeout "
+            f"({drain_timeout:g}s); exiting (the worker retries them)\n"
+        )
+        sys.stderr.flush()
+        code = EXIT_DRAIN_TIMEOUT
+    return code
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _wait_child(pid: int, deadline: float) -> int:
+    """A forked child's exit code, killed once ``deadline`` (monotonic) passed."""
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() >= deadline + 1:
+            _kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return EXIT_DRAIN_TIMEOUT
+        time.sleep(0.05)
