@@ -14,7 +14,9 @@ against the binaries they run.
    read-only root file system, no capabilities or privilege escalation,
    RuntimeDefault seccomp, requests and limits, probes, disruption budgets,
    no `replicas` on a Deployment KEDA scales, explicit worker kinds without
-   test kinds, a grace period longer than the drain timeout, the model key
+   test kinds, a grace period of at least the stop's documented bound
+   (docs/reference.md, "Stopping": the worker's drain + hand-back + 1s, the
+   reaper's and the console's drain + 1s), the model key
    and NATS passwords from Secrets, each NATS user of
    deploy/nats/permissions.conf with its role's inbox prefix, a setup Job
    that cleans up after itself.
@@ -45,6 +47,14 @@ IMAGE_CMD = ["leasehold-worker"]
 DEV_KINDS = {"echo", "sleep", "fail", "crash", "deliver"}
 
 POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+
+# The timeouts a stop (SIGTERM) goes through, with their defaults; a
+# process exits within their sum + 1s (docs/reference.md, "Stopping").
+STOP_PHASES = {
+    "leasehold-worker": [("LH_DRAIN_TIMEOUT", "30s"), ("LH_HAND_BACK_TIMEOUT", "15s")],
+    "leasehold-reaper": [("LH_DRAIN_TIMEOUT", "10s")],
+    "leasehold-console": [("LH_CONSOLE_DRAIN_TIMEOUT", "5s")],
+}
 
 errors = []
 notes = []
@@ -201,11 +211,17 @@ def check_pods(path, docs, bin_dir):
                     dev = DEV_KINDS & {k.strip() for k in kinds.split(",")}
                     check(not dev, "%s: test kinds %s in LH_KINDS" % (cname, sorted(dev)))
                 check("LH_DEV_KINDS" not in env, "%s: LH_DEV_KINDS is for tests only" % cname)
-                drain = duration_s(env.get("LH_DRAIN_TIMEOUT", {}).get("value", "30s"))
+            # The stop's bound: the phases' timeouts (each variable's default
+            # when unset) + 1s for the exit.
+            phases = STOP_PHASES.get(binary)
+            if phases is not None:
+                parts = [duration_s(env.get(var, {}).get("value", default)) for var, default in phases]
                 grace = pod.get("terminationGracePeriodSeconds", 30)
-                check(drain is not None and grace >= drain + 10,
-                      "%s: terminationGracePeriodSeconds (%s) must exceed LH_DRAIN_TIMEOUT by at "
-                      "least 10s for the hand-back" % (cname, grace))
+                if check(None not in parts, "%s: unreadable %s" % (cname, ", ".join(v for v, _ in phases))):
+                    bound = sum(parts) + 1
+                    check(grace >= bound,
+                          "%s: terminationGracePeriodSeconds (%s) is below the stop's bound "
+                          "%s + 1s = %ss" % (cname, grace, " + ".join(v for v, _ in phases), bound))
             known = help_vars(bin_dir, help_argv)
             if not check(known is not None,
                          "%s: %s/%s is not built (cargo build --bins)" % (cname, bin_dir, binary)):

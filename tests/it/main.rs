@@ -27,6 +27,7 @@ mod research;
 mod retention;
 mod schedule;
 mod sdk;
+mod shutdown;
 mod submission;
 mod support;
 mod tenants;

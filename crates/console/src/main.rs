@@ -12,6 +12,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use leasehold_store::NatsArgs;
@@ -92,6 +93,11 @@ pub struct Args {
         hide_env_values = true
     )]
     pub redact: Vec<String>,
+    /// At SIGTERM/SIGINT, how long open requests and event streams may go
+    /// on before they are closed. A stop takes at most this + 1s; a second
+    /// signal exits at once.
+    #[arg(long, env = "LH_CONSOLE_DRAIN_TIMEOUT", default_value = "5s", value_parser = leasehold_core::time::parse_duration)]
+    pub drain_timeout: Duration,
 }
 
 fn main() {
@@ -127,17 +133,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Tests and the demo read this line.
     println!("console listening on http://{addr}");
     tracing::info!(%addr, "console listening");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        })
-        .await?;
+    let drain = args.drain_timeout;
+    let graceful = leasehold_telemetry::stop::phased(drain + Duration::from_secs(1), |why| {
+        tracing::error!("shutdown: {why}; exiting now");
+    });
+    let serve =
+        axum::serve(listener, router).with_graceful_shutdown(graceful.clone().cancelled_owned());
+    // Event streams never end by themselves: the drain timeout closes them.
+    let drained = async {
+        graceful.cancelled().await;
+        tokio::time::sleep(drain).await;
+    };
+    tokio::select! {
+        r = serve => r?,
+        _ = drained => tracing::info!(
+            "shutdown: --drain-timeout passed; closing the open requests and event streams"
+        ),
+    }
     Ok(())
 }
 

@@ -16,6 +16,10 @@
 //!   the virtualenv of `make test-model`) and a proxy recording its chat
 //!   requests, for the real-model tier and the bench.
 //!
+//! Every child started here is registered until it is reaped:
+//! [`kill_children`] ends those still running, for a program (such as
+//! `leasehold-soak`) stopped by a signal, where no destructor runs.
+//!
 //! The `nats-server` binary is taken from `NATS_SERVER_BIN`, else from `PATH`;
 //! when it is missing the harness panics with install instructions.
 
@@ -24,12 +28,56 @@ pub mod proxy;
 
 pub use proxy::{FaultProxy, Hold};
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
+
+/// The children started through this crate and not yet reaped (a pid is
+/// ours until then, so killing it never hits another process).
+static CHILDREN: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+
+fn adopt(child: &Child) {
+    CHILDREN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(child.id());
+}
+
+/// Kills and reaps `child`, and forgets it.
+fn reap(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+    forget(child.id());
+}
+
+fn forget(pid: u32) {
+    CHILDREN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&pid);
+}
+
+/// SIGKILLs every child started through this crate (servers, binaries,
+/// services) not yet reaped, stopped ones included. For a program ending
+/// on a signal; the zombies left are reaped by whoever inherits them.
+pub fn kill_children() {
+    let pids: Vec<String> =
+        std::mem::take(&mut *CHILDREN.lock().unwrap_or_else(|e| e.into_inner()))
+            .into_iter()
+            .map(|p| p.to_string())
+            .collect();
+    if !pids.is_empty() {
+        let _ = Command::new("kill")
+            .arg("-KILL")
+            .args(&pids)
+            .stderr(Stdio::null())
+            .status();
+    }
+}
 
 /// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
 pub fn free_port() -> u16 {
@@ -86,6 +134,7 @@ pub fn spawn_nats_server(conf: &Path, env: &[(String, String)], log: &Path) -> C
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start nats-server: {e}; install it with `make setup`"));
+    adopt(&child);
     let stderr = child.stderr.take().expect("stderr");
     let (tx, rx) = mpsc::channel();
     let log_path = log.to_path_buf();
@@ -105,7 +154,7 @@ pub fn spawn_nats_server(conf: &Path, env: &[(String, String)], log: &Path) -> C
         }
     });
     if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-        let _ = child.kill();
+        reap(child);
         let log = std::fs::read_to_string(log).unwrap_or_default();
         panic!("nats-server did not become ready within 30s:\n{log}");
     }
@@ -262,10 +311,30 @@ impl NatsServer {
 
     /// SIGKILL: the server dies without flushing anything.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.child.take() {
+            reap(c);
         }
+    }
+
+    /// SIGSTOP: the server freezes with its sockets open, so clients'
+    /// requests hang instead of failing (a hung node, a long GC pause).
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// SIGCONT after [`NatsServer::pause`].
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("the server runs").id();
+        let ok = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{sig} {pid} failed");
     }
 
     /// Starts the server again on the same port with the same storage.
@@ -416,6 +485,7 @@ impl Proc {
             cmd.env(k, v);
         }
         let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        adopt(&child);
         Proc {
             child: Some(child),
             name: bin.to_string(),
@@ -439,9 +509,8 @@ impl Proc {
 
     /// SIGKILL and reap.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.child.take() {
+            reap(c);
         }
     }
 
@@ -471,6 +540,7 @@ impl Proc {
         loop {
             let c = self.child.as_mut()?;
             if let Ok(Some(st)) = c.try_wait() {
+                forget(c.id());
                 self.child = None;
                 return Some(st);
             }
@@ -484,7 +554,13 @@ impl Proc {
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
+            Some(c) => match c.try_wait() {
+                Ok(None) => true,
+                _ => {
+                    forget(c.id());
+                    false
+                }
+            },
             None => false,
         }
     }
@@ -522,7 +598,7 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
+        if let Some(c) = self.child.take() {
             // A stopped process cannot handle SIGKILL until continued on some
             // kernels' views of ptrace; SIGKILL works on stopped processes, but
             // continue first to be safe.
@@ -530,8 +606,7 @@ impl Drop for Proc {
                 .arg("-CONT")
                 .arg(c.id().to_string())
                 .status();
-            let _ = c.kill();
-            let _ = c.wait();
+            reap(c);
         }
     }
 }

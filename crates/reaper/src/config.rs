@@ -12,6 +12,7 @@
 //! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (attempt deadlines only) |
 //! | `--retention` | 7d | how long a finished job (record, events, artifact, effects) is kept after its last write; 0 keeps everything |
 //! | `--retention-kind` | none | per-kind retention, e.g. `echo=1h,research=30d` |
+//! | `--drain-timeout` | 10s | at SIGTERM, how long the actions in progress may take; then the reaper exits (non-zero) whatever NATS does, within drain + 1s |
 //! | `--transcript-retention` | unset | remove a finished job's transcript (`journal` and `tool` events) this long after it finished; unset: it goes with the job |
 //!
 //! Plus the NATS variables of every binary (`NATS_URL`, credentials, TLS,
@@ -76,6 +77,13 @@ pub struct Options {
     /// the job.
     #[arg(long, env = "LH_TRANSCRIPT_RETENTION", value_parser = parse_duration)]
     pub transcript_retention: Option<Duration>,
+    /// At SIGTERM/SIGINT, how long the actions in progress may take to
+    /// finish. Then the reaper exits whatever NATS does, non-zero, leaving
+    /// them to another replica or its next start (every action is
+    /// conditional, so one cut short is simply done again). A stop takes
+    /// at most this + 1s.
+    #[arg(long, env = "LH_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
     /// Serve /healthz, /readyz and /metrics on this address (e.g.
     /// `0.0.0.0:9091`). No HTTP server when unset.
     #[arg(long, env = "LH_HTTP_LISTEN")]
@@ -100,6 +108,11 @@ impl Options {
         let mut o = Options::parse_from(["leasehold-reaper"]);
         o.nats = NatsArgs::local(url, prefix);
         o
+    }
+
+    /// The longest a stop (SIGTERM/SIGINT) takes before the process exits.
+    pub fn stop_bound(&self) -> Duration {
+        self.drain_timeout + Duration::from_secs(1)
     }
 
     /// Rejects settings that cannot work, saying what to change.

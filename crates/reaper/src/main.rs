@@ -9,7 +9,7 @@ use clap::{CommandFactory, FromArgMatches};
 use leasehold_reaper::{Options, Reaper};
 use leasehold_telemetry::http::{self, HttpState};
 use leasehold_telemetry::metrics::ReaperMetrics;
-use leasehold_telemetry::{redact_text, trace, Readiness};
+use leasehold_telemetry::{redact_text, stop, trace, Readiness};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
@@ -45,6 +45,7 @@ async fn main() {
             fail(format!("--http-listen {addr}: {e}"), telemetry);
         }
     }
+    let bound = opts.stop_bound();
     let shutdown = CancellationToken::new();
     let reaper = Reaper::new(opts)
         .with_metrics(metrics)
@@ -53,15 +54,14 @@ async fn main() {
         Ok(h) => h,
         Err(e) => fail(format!("{e:#}"), telemetry),
     };
-    let draining = readiness.clone();
+    // The reaper's own stop ends within its drain timeout; this is the
+    // backstop, and the second signal's way out.
+    let signals = stop::phased(bound, |why| {
+        tracing::error!("shutdown: {why}; exiting with the actions in progress unfinished");
+    });
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-        }
-        draining.set_draining();
+        signals.cancelled().await;
+        readiness.set_draining();
         shutdown.cancel();
     });
     match handle.wait().await {

@@ -74,6 +74,9 @@ pub enum ReaperError {
     Advisories { stream: String, message: String },
     #[error("reaper task failed: {0}")]
     Task(String),
+    /// The stop's actions in progress outlived `--drain-timeout`.
+    #[error("shutdown: the actions in progress did not finish within --drain-timeout ({}); another reaper or the next start does them again", human_duration(*.0))]
+    Unfinished(Duration),
 }
 
 impl ReaperError {
@@ -406,14 +409,25 @@ async fn run(
     shutdown.cancelled().await;
     inner.readiness.set_draining();
     let _ = link.await;
-    tracing::info!(reaper_id = %inner.id, "shutdown: finishing the actions in progress");
-    for t in [sweep, adv, srv, ends, probe, retention] {
-        if let Err(e) = t.await {
-            tracing::error!(error = %e, "reaper task panicked");
+    let drain = inner.opts.drain_timeout;
+    tracing::info!(
+        reaper_id = %inner.id,
+        "shutdown: finishing the actions in progress for up to {}",
+        human_duration(drain)
+    );
+    let finish = async {
+        for t in [sweep, adv, srv, ends, probe, retention] {
+            if let Err(e) = t.await {
+                tracing::error!(error = %e, "reaper task panicked");
+            }
         }
+        // Advisory acks are buffered publishes: flush before the client goes.
+        let _ = inner.conn.client.flush().await;
+    };
+    // With NATS away or hanging, an action (or the flush) can wait for ever.
+    if tokio::time::timeout(drain, finish).await.is_err() {
+        return Err(ReaperError::Unfinished(drain));
     }
-    // Advisory acks are buffered publishes: flush before the client goes.
-    let _ = inner.conn.client.flush().await;
     tracing::info!(reaper_id = %inner.id, "reaper stopped");
     Ok(())
 }

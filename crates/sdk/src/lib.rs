@@ -415,7 +415,10 @@ impl Worker {
     }
 
     /// Starts, and runs until SIGTERM or SIGINT (then drains: in-flight
-    /// jobs get `--drain-timeout` to finish, then are handed back). Logs go
+    /// jobs get `--drain-timeout` to finish, then are handed back within
+    /// `--hand-back-timeout`; the process exits within both + 1s whatever
+    /// NATS does, with an error naming the jobs it could not hand back, and
+    /// at once on a second signal). Logs go
     /// to stderr (`RUST_LOG`, `LH_LOG_FORMAT`); with `--http-listen`
     /// (`LH_HTTP_LISTEN`) it serves `/healthz`, `/readyz` and `/metrics` as
     /// `leasehold-worker` does, so the same probes and dashboards work.

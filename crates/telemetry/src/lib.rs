@@ -11,6 +11,9 @@
 //!   flushes without depending on Prometheus.
 //! - [`Readiness`] and [`http`] (feature `http`): `/healthz`, `/readyz`,
 //!   `/metrics`.
+//! - [`stop`] (feature `process`): the phased stop on SIGTERM/SIGINT
+//!   every binary shares (graceful first, at once on a second signal or
+//!   when the bound passes).
 //! - [`trace`] (feature `otel`): opt-in OTLP/gRPC trace export, W3C
 //!   `traceparent` in NATS headers and job records; [`spans`]: the job span
 //!   tree with the GenAI conventions for model and tool calls.
@@ -29,6 +32,8 @@ pub mod spans;
 pub mod http;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+#[cfg(feature = "process")]
+pub mod stop;
 #[cfg(feature = "otel")]
 pub mod trace;
 

@@ -11,6 +11,7 @@
 //! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (only attempt deadlines compare them) |
 //! | `--index-after` | 1s | a job still running after this is entered in the index of active jobs and its ticket settled |
 //! | `--drain-timeout` | 30s | at SIGTERM, how long in-flight jobs may finish before they are handed back |
+//! | `--hand-back-timeout` | 15s | after the drain, how long handing jobs back may take; then the process exits whatever NATS does (it stops within drain + hand-back + 1s) |
 //! | `--pull-expires` | 1s | lifetime of one pull request (short, so a paused worker cannot hold work hostage) |
 //! | `--kinds` | `research` | kinds served |
 //! | `--dev-kinds` | off | allows the test kinds (`echo`, `sleep`, `fail`, `crash`, `deliver`) in `--kinds` |
@@ -77,6 +78,13 @@ pub struct Options {
     /// At SIGTERM/SIGINT, how long in-flight jobs may run on before they are handed back.
     #[arg(long, env = "LH_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// After the drain, how long handing the remaining jobs back (and
+    /// ending the session) may take. Then the process exits whatever NATS
+    /// does, non-zero if a job was not handed back (its session's end, or
+    /// its TTL, recovers it). A stop takes at most drain timeout +
+    /// hand-back timeout + 1s.
+    #[arg(long, env = "LH_HAND_BACK_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
+    pub hand_back_timeout: Duration,
     /// Lifetime of one pull request.
     #[arg(long, env = "LH_PULL_EXPIRES", default_value = "1s", value_parser = parse_duration)]
     pub pull_expires: Duration,
@@ -164,6 +172,12 @@ impl Options {
     /// The session renewal interval.
     pub fn renew_every(&self) -> Duration {
         self.session_renew.unwrap_or(self.session_timeout / 5)
+    }
+
+    /// The longest a stop (SIGTERM/SIGINT) takes before the process exits:
+    /// the drain, the hand-back, and a second for the exit.
+    pub fn stop_bound(&self) -> Duration {
+        self.drain_timeout + self.hand_back_timeout + Duration::from_secs(1)
     }
 
     /// When a held ticket comes back if its job is neither finished nor

@@ -20,4 +20,4 @@ pub mod service;
 
 pub use config::Options;
 pub use handler::{Handler, HandlerError, JobCtx, Outcome};
-pub use service::{Handle, Worker};
+pub use service::{Handle, NotHandedBack, Worker};

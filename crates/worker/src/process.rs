@@ -6,14 +6,17 @@ use std::sync::Arc;
 
 use leasehold_telemetry::http::{self, HttpState};
 use leasehold_telemetry::metrics::Metrics;
-use leasehold_telemetry::{observe, Readiness};
+use leasehold_telemetry::{observe, stop, Readiness};
 use tokio_util::sync::CancellationToken;
 
-use crate::service::Worker;
+use crate::service::{NotHandedBack, Worker};
 
-/// Starts `worker` and runs it until SIGTERM or SIGINT, then drains. With
-/// `http_listen`, serves `/healthz`, `/readyz` (ready once connected and
-/// verified, never again once draining) and `/metrics` there.
+/// Starts `worker` and runs it until SIGTERM or SIGINT, then drains and
+/// hands back ([`crate::service`]); the process exits within
+/// [`Options::stop_bound`](crate::Options::stop_bound) whatever NATS does,
+/// at once on a second signal. With `http_listen`, serves `/healthz`,
+/// `/readyz` (ready once connected and verified, never again once
+/// draining) and `/metrics` there.
 pub async fn run(worker: Worker, http_listen: Option<SocketAddr>) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     // The model, tool and research layers report through the process's observer.
@@ -25,21 +28,26 @@ pub async fn run(worker: Worker, http_listen: Option<SocketAddr>) -> anyhow::Res
             .await
             .map_err(|e| anyhow::anyhow!("--http-listen {addr}: {e}"))?;
     }
+    let bound = worker.options().stop_bound();
     let shutdown = CancellationToken::new();
     let handle = worker
         .with_metrics(metrics)
         .with_readiness(readiness.clone())
         .start(shutdown.clone())
         .await?;
-    let draining = readiness.clone();
+    // The worker's own stop ends within its hand-back timeout; this is the
+    // backstop, and the second signal's way out.
+    let unreturned = handle.unreturned();
+    let signals = stop::phased(bound, move |why| {
+        let e = NotHandedBack {
+            jobs: unreturned(),
+            why: why.to_string(),
+        };
+        tracing::error!("{e}; exiting now");
+    });
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-        }
-        draining.set_draining();
+        signals.cancelled().await;
+        readiness.set_draining();
         shutdown.cancel();
     });
     handle.wait().await

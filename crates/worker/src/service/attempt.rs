@@ -667,6 +667,7 @@ impl Attempt {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(job = %self.rec.id, error = %e, "hand back failed (no ticket); the session's end recovers it");
+                    self.not_handed_back();
                     return;
                 }
             }
@@ -701,9 +702,19 @@ impl Attempt {
                 tracing::info!(job = %self.rec.id, "not handed back: ownership already lost")
             }
             Err(e) => {
-                tracing::warn!(job = %self.rec.id, error = %e, "hand back failed; the session's end recovers it")
+                tracing::warn!(job = %self.rec.id, error = %e, "hand back failed; the session's end recovers it");
+                self.not_handed_back();
             }
         }
+    }
+
+    /// Named in the error the stop ends with.
+    fn not_handed_back(&self) {
+        self.shared
+            .unreturned
+            .lock()
+            .unwrap()
+            .push(self.rec.id.clone());
     }
 
     /// A failed attempt: requeue with backoff while the budget lasts, else fail.

@@ -27,7 +27,11 @@
 //! Shutdown has three phases on the shutdown token: stop pulling (tickets
 //! still arriving are NAKed at once), let in-flight jobs run for the drain
 //! timeout, then hand the rest back; finally the session key is deleted, so
-//! anything left is recovered at once rather than after the timeout.
+//! anything left is recovered at once rather than after the timeout. The
+//! hand-back and the session's end together get `--hand-back-timeout`:
+//! with NATS away or hanging, the worker stops then anyway, with an error
+//! naming the jobs it could not hand back (its session's end or TTL
+//! recovers them).
 
 mod attempt;
 pub(crate) mod claim;
@@ -103,14 +107,66 @@ pub struct Handle {
     pub metrics: Metrics,
     /// Ready once started; not ready while disconnected or draining.
     pub readiness: Readiness,
+    shared: Arc<Shared>,
     join: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
 impl Handle {
-    /// Waits until the worker has shut down.
+    /// Waits until the worker has shut down: `Ok` when every job finished
+    /// or was handed back; a [`NotHandedBack`] error when the hand-back
+    /// timeout passed first.
     pub async fn wait(self) -> anyhow::Result<()> {
         self.join.await.context("worker task panicked")?
     }
+
+    /// What names, at any moment, the jobs this process holds and has not
+    /// handed back: for the line a process cut short logs.
+    pub fn unreturned(&self) -> impl Fn() -> Vec<String> + Send + Sync + 'static {
+        let shared = self.shared.clone();
+        move || unreturned(&shared)
+    }
+}
+
+/// A stop that ended before every job was handed back (NATS away or
+/// hanging): the jobs, recovered when this session ends or its TTL passes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotHandedBack {
+    pub jobs: Vec<String>,
+    /// What cut the stop short (`--hand-back-timeout (15s) passed`, ...).
+    pub why: String,
+}
+
+impl std::fmt::Display for NotHandedBack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.jobs.is_empty() {
+            write!(
+                f,
+                "shutdown: {}; every job was handed back but the session's end was not written (its TTL ends it)",
+                self.why
+            )
+        } else {
+            write!(
+                f,
+                "shutdown: {}; {} job(s) not handed back, recovered when this session ends or its TTL passes: {}",
+                self.why,
+                self.jobs.len(),
+                self.jobs.join(", ")
+            )
+        }
+    }
+}
+
+impl std::error::Error for NotHandedBack {}
+
+/// The jobs this process holds and has not handed back: those still
+/// running (or being claimed) and those whose hand-back failed.
+fn unreturned(shared: &Shared) -> Vec<String> {
+    let mut jobs: Vec<String> = shared.running.lock().unwrap().keys().cloned().collect();
+    jobs.extend(shared.claiming.lock().unwrap().iter().cloned());
+    jobs.extend(shared.unreturned.lock().unwrap().iter().cloned());
+    jobs.sort();
+    jobs.dedup();
+    jobs
 }
 
 /// How long start-up waits for an unavailable NATS (a leader election, a
@@ -140,6 +196,11 @@ impl Worker {
         self.kinds = std::mem::take(&mut self.kinds).with_open(kind);
         self.handlers.insert(kind.to_string(), h);
         self
+    }
+
+    /// The options it starts with.
+    pub fn options(&self) -> &Options {
+        &self.opts
     }
 
     /// Records into `metrics` (the binary serves them on `/metrics`).
@@ -255,6 +316,7 @@ impl Worker {
             claiming: StdMutex::new(Default::default()),
             idle: Notify::new(),
             handoff: CancellationToken::new(),
+            unreturned: StdMutex::new(Vec::new()),
             suspect: StdMutex::new(None),
             stats: Arc::new(Stats::default()),
             metrics: self.metrics.clone(),
@@ -272,13 +334,14 @@ impl Worker {
         shared
             .readiness
             .set_connected(shared.conn.link.is_connected());
-        let join = tokio::spawn(run(shared, served, gateway, responder, shutdown));
+        let join = tokio::spawn(run(shared.clone(), served, gateway, responder, shutdown));
         Ok(Handle {
             worker_id,
             session: session_id,
             stats,
             metrics: self.metrics,
             readiness: self.readiness,
+            shared,
             join,
         })
     }
@@ -309,6 +372,8 @@ pub(crate) struct Shared {
     pub(crate) idle: Notify,
     /// Phase 3 of shutdown: hand every running job back.
     pub(crate) handoff: CancellationToken,
+    /// Jobs whose hand-back failed (NATS away): named when the stop ends.
+    pub(crate) unreturned: StdMutex<Vec<String>>,
     /// The one suspect job this process runs, if any (see `claim::SUSPECT_AFTER`).
     pub(crate) suspect: StdMutex<Option<String>>,
     pub(crate) stats: Arc<Stats>,
@@ -435,25 +500,35 @@ async fn run(
         );
     }
     shared.handoff.cancel();
-    if tokio::time::timeout(Duration::from_secs(15), wait_idle(&shared))
-        .await
-        .is_err()
-    {
-        tracing::warn!("shutdown: some jobs did not hand back in 15s; they are recovered when this session ends");
+    // The hand-back and everything after it share one bound: with NATS
+    // away or hanging, any of these waits could last for ever.
+    let hand_back = shared.opts.hand_back_timeout;
+    let rest = async {
+        wait_idle(&shared).await;
+        while loops.join_next().await.is_some() {}
+        let _ = gw.await;
+        let _ = ends.await;
+        flow_stop.cancel();
+        let _ = flow.await;
+        session_stop.cancel();
+        let _ = renewals.await;
+        let _ = answers.await;
+        session::end(&shared).await;
+        // Plain acks and NAKs are buffered publishes: flush before the client goes.
+        let _ = shared.conn.client.flush().await;
+    };
+    let finished = tokio::time::timeout(hand_back, rest).await.is_ok();
+    let jobs = unreturned(&shared);
+    if finished && jobs.is_empty() {
+        tracing::info!("worker stopped");
+        return Ok(());
     }
-    while loops.join_next().await.is_some() {}
-    let _ = gw.await;
-    let _ = ends.await;
-    flow_stop.cancel();
-    let _ = flow.await;
-    session_stop.cancel();
-    let _ = renewals.await;
-    let _ = answers.await;
-    session::end(&shared).await;
-    // Plain acks and NAKs are buffered publishes: flush before the client goes.
-    let _ = shared.conn.client.flush().await;
-    tracing::info!("worker stopped");
-    Ok(())
+    let why = if finished {
+        "hand-back failed".to_string()
+    } else {
+        format!("--hand-back-timeout ({}) passed", human_duration(hand_back))
+    };
+    Err(NotHandedBack { jobs, why }.into())
 }
 
 /// Waits until no job runs here and no claim is in flight.
