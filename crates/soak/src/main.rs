@@ -236,6 +236,7 @@ fn say(s: impl AsRef<str>) {
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
+    stop_children_on_signal();
     match run(a).await {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
@@ -244,6 +245,25 @@ async fn main() {
             std::process::exit(2);
         }
     }
+}
+
+/// A soak stopped by SIGTERM or SIGINT stops what it started: every
+/// server, worker, reaper, sim and service process (no destructor runs on
+/// a signal, so the harness's registry of children is what ends them),
+/// then exits with 128 + the signal's number.
+fn stop_children_on_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::spawn(async move {
+        let (name, code) = tokio::select! {
+            _ = term.recv() => ("SIGTERM", 143),
+            _ = int.recv() => ("SIGINT", 130),
+        };
+        say(format!("{name}: stopping every process this soak started"));
+        leasehold_harness::kill_children();
+        std::process::exit(code);
+    });
 }
 
 fn shape(k: &Knobs, only: &[String]) -> plan::Shape {
