@@ -258,3 +258,38 @@ async fn a_soak_stopped_by_a_signal_leaves_no_process_behind() {
     }
     assert_eq!(code, Some(143), "{}", soak.output());
 }
+
+/// An open event stream never ends by itself: the console's stop closes it
+/// after its drain timeout instead of waiting for it.
+#[tokio::test]
+async fn a_console_with_an_open_event_stream_stops_within_its_bound() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "watched")
+        .await;
+    env.wait_status("watched", "running", Duration::from_secs(20))
+        .await;
+    let (console, base) = crate::console::start_console(&[
+        ("NATS_URL", env.url()),
+        ("LH_PREFIX", env.prefix.clone()),
+        ("LH_CONSOLE_DRAIN_TIMEOUT", "1s".into()),
+    ])
+    .await;
+    let mut stream = reqwest::get(format!("{base}/v1/jobs/watched/events"))
+        .await
+        .unwrap()
+        .bytes_stream();
+    // The stream is open and serving (the job's first events).
+    assert!(futures::StreamExt::next(&mut stream).await.is_some());
+    let t0 = Instant::now();
+    console.term();
+    let bound = Duration::from_secs(1) + Duration::from_secs(1);
+    let (console, code, took) = exit_of(console, t0, Duration::from_secs(20)).await;
+    assert!(
+        code == Some(0) && took <= bound,
+        "the console exited {code:?} after {took:?} (bound {bound:?}):\n{}",
+        console.output()
+    );
+    drop(stream);
+    stop.cancel();
+}
