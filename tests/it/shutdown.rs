@@ -166,6 +166,13 @@ async fn a_second_sigterm_exits_at_once() {
         "exit {code:?} after {took:?}:\n{}",
         worker.output()
     );
+    let out = worker.output();
+    assert!(
+        out.lines().any(|l| l.contains("a second SIGTERM")
+            && l.contains("not handed back")
+            && l.contains("long")),
+        "the job left is named:\n{out}"
+    );
 }
 
 /// The processes whose parent is `pid`, with their command names.

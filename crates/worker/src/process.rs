@@ -39,11 +39,16 @@ pub async fn run(worker: Worker, http_listen: Option<SocketAddr>) -> anyhow::Res
     // backstop, and the second signal's way out.
     let unreturned = handle.unreturned();
     let signals = stop::phased(bound, move |why| {
-        let e = NotHandedBack {
-            jobs: unreturned(),
-            why: why.to_string(),
-        };
-        tracing::error!("{e}; exiting now");
+        let jobs = unreturned();
+        if jobs.is_empty() {
+            tracing::warn!("shutdown: {why}; no job held; exiting now");
+        } else {
+            let e = NotHandedBack {
+                jobs,
+                why: why.to_string(),
+            };
+            tracing::error!("{e}; exiting now");
+        }
     });
     tokio::spawn(async move {
         signals.cancelled().await;
