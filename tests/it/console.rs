@@ -92,6 +92,8 @@ struct Browser {
     _proc: Proc,
     _dir: tempfile::TempDir,
     ws: tokio::net::TcpStream,
+    buf: Vec<u8>,
+    partial: Vec<u8>,
     next: u64,
     session: String,
 }
@@ -168,6 +170,8 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
             _proc: proc,
             _dir: dir,
             ws,
+            buf: Vec::new(),
+            partial: Vec::new(),
             next: 0,
             session: String::new(),
         };
@@ -205,33 +209,47 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
         self.ws.write_all(&frame).await.unwrap();
     }
 
+    /// The next message. Cancel-safe: bytes read stay in `buf` until a
+    /// whole frame is there.
     async fn recv(&mut self) -> Value {
-        let mut msg = Vec::new();
         loop {
-            let mut h = [0u8; 2];
-            self.ws.read_exact(&mut h).await.unwrap();
-            let fin = h[0] & 0x80 != 0;
-            let op = h[0] & 0x0f;
-            let mut len = (h[1] & 0x7f) as u64;
-            if len == 126 {
-                let mut l = [0u8; 2];
-                self.ws.read_exact(&mut l).await.unwrap();
-                len = u16::from_be_bytes(l) as u64;
-            } else if len == 127 {
-                let mut l = [0u8; 8];
-                self.ws.read_exact(&mut l).await.unwrap();
-                len = u64::from_be_bytes(l);
+            while let Some((fin, op, data)) = self.frame() {
+                if op == 0x9 || op == 0xA {
+                    continue; // ping/pong
+                }
+                self.partial.extend_from_slice(&data);
+                if fin {
+                    let msg = std::mem::take(&mut self.partial);
+                    return serde_json::from_slice(&msg).unwrap();
+                }
             }
-            let mut data = vec![0u8; len as usize];
-            self.ws.read_exact(&mut data).await.unwrap();
-            if op == 0x9 || op == 0xA {
-                continue; // ping/pong
-            }
-            msg.extend_from_slice(&data);
-            if fin {
-                return serde_json::from_slice(&msg).unwrap();
-            }
+            let n = self.ws.read_buf(&mut self.buf).await.unwrap();
+            assert!(n > 0, "DevTools closed its socket");
         }
+    }
+
+    /// A whole frame off the front of `buf`: (fin, opcode, payload).
+    fn frame(&mut self) -> Option<(bool, u8, Vec<u8>)> {
+        let b = &self.buf;
+        if b.len() < 2 {
+            return None;
+        }
+        let (fin, op) = (b[0] & 0x80 != 0, b[0] & 0x0f);
+        let (len, head) = match b[1] & 0x7f {
+            126 if b.len() >= 4 => (u16::from_be_bytes([b[2], b[3]]) as usize, 4),
+            127 if b.len() >= 10 => (
+                u64::from_be_bytes(b[2..10].try_into().unwrap()) as usize,
+                10,
+            ),
+            126 | 127 => return None,
+            n => (n as usize, 2),
+        };
+        if b.len() < head + len {
+            return None;
+        }
+        let data = b[head..head + len].to_vec();
+        self.buf.drain(..head + len);
+        Some((fin, op, data))
     }
 
     async fn call(&mut self, method: &str, params: Value) -> Value {
@@ -291,6 +309,73 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Evaluates `js` in the page, or `None` while there is no page to
+    /// evaluate it in (a navigation under way).
+    async fn try_eval(&mut self, js: &str) -> Option<Value> {
+        self.next += 1;
+        let id = self.next;
+        let m = json!({"id": id, "method": "Runtime.evaluate", "sessionId": self.session,
+            "params": {"expression": js, "returnByValue": true, "awaitPromise": true}});
+        self.send(&m.to_string()).await;
+        // A page that is not there does not answer: asked again later.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            let Ok(r) = tokio::time::timeout_at(deadline, self.recv()).await else {
+                return None;
+            };
+            if r["id"].as_u64() == Some(id) {
+                if r.get("error").is_some() || r["result"].get("exceptionDetails").is_some() {
+                    return None;
+                }
+                return Some(r["result"]["result"]["value"].clone());
+            }
+        }
+    }
+
+    /// Runs `js` (a click, a step in the history) as navigation number
+    /// `step`, and waits at most `bound` until another document has loaded
+    /// completely: a new one, or one the back-forward cache kept (it still
+    /// has the step it was left at). That document's URL, and whether it
+    /// came from the cache.
+    async fn navigate(
+        &mut self,
+        js: &str,
+        step: u64,
+        bound: Duration,
+        what: &str,
+    ) -> (String, bool) {
+        let from = self
+            .try_eval("location.href")
+            .await
+            .expect("a page to navigate from");
+        let ok = self
+            .try_eval(&format!(
+                "(() => {{ window.__step = {step}; {js}; return true; }})()"
+            ))
+            .await;
+        assert_eq!(
+            ok,
+            Some(json!(true)),
+            "step {step} ({what}) could not start on {from}"
+        );
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let now = self
+                .try_eval("document.readyState === 'complete' && window.__step !== undefined ? [location.href, window.__step] : document.readyState === 'complete' ? [location.href, null] : null")
+                .await;
+            if let Some(Value::Array(v)) = now {
+                if v[1] != json!(step) {
+                    return (v[0].as_str().unwrap_or("").to_string(), v[1].is_number());
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "step {step} ({what}) from {from}: no page loaded within {bound:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -474,6 +559,113 @@ async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_l
         Dlq::new(&env.conn).get(seq).await.unwrap().is_none(),
         "the replayed letter is gone"
     );
+}
+
+/// Issue 30, item 5: every console page keeps a live connection (Server-
+/// Sent Events), and a browser keeps 6 HTTP/1.1 connections per host; the
+/// pages it left, kept in its back-forward cache, held theirs, so the
+/// seventh page stopped loading. Clicked through 30 pages in a default
+/// Chromium (its cache on), each page loads within a bound; pages the cache
+/// gives back follow their live parts again.
+#[tokio::test]
+async fn console_in_a_browser_loads_30_pages_with_the_back_forward_cache_on() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    for i in 0..5 {
+        let id = format!("walk-{i}");
+        env.submit("echo", json!({"input": {"n": i}}), &id).await;
+        env.wait_status(&id, "completed", Duration::from_secs(20))
+            .await;
+    }
+    env.submit("sleep", json!({"input": {"ms": 120000}}), "walk-nap")
+        .await;
+    env.wait_status("walk-nap", "running", Duration::from_secs(10))
+        .await;
+    let mut b = Browser::start().await;
+    b.goto(&format!("{}/jobs", console.base)).await;
+
+    let bound = Duration::from_secs(10);
+    let click = |sel: &str| format!("document.querySelector({}).click()", json!(sel));
+    let mut step = 0u64;
+    let mut restored = 0;
+    for i in 0..5 {
+        let job = if i == 4 {
+            "walk-nap".to_string()
+        } else {
+            format!("walk-{i}")
+        };
+        let other = ["/fleet", "/dlq", "/reviews", "/fleet", "/dlq"][i];
+        let walk = [
+            (
+                click(&format!("tr[data-id=\"{job}\"] a")),
+                format!("/jobs/{job}"),
+                "a job from the list",
+            ),
+            (
+                click(&format!("nav a[href=\"{other}\"]")),
+                other.to_string(),
+                "a page of the nav",
+            ),
+            (
+                "history.back()".to_string(),
+                format!("/jobs/{job}"),
+                "back to the job",
+            ),
+            (
+                "history.back()".to_string(),
+                "/jobs".to_string(),
+                "back to the list",
+            ),
+            (
+                "history.forward()".to_string(),
+                format!("/jobs/{job}"),
+                "forward to the job",
+            ),
+            (
+                click("nav a[href=\"/jobs\"]"),
+                "/jobs".to_string(),
+                "the list from the nav",
+            ),
+        ];
+        for (js, want, what) in walk {
+            step += 1;
+            let (at, cached) = b.navigate(&js, step, bound, what).await;
+            assert_eq!(
+                at,
+                format!("{}{want}", console.base),
+                "step {step} ({what})"
+            );
+            restored += cached as u32;
+        }
+    }
+    assert_eq!(step, 30);
+    assert!(
+        restored >= 5,
+        "the back-forward cache gave back only {restored} of the 15 pages gone back or forward to: the test did not exercise it"
+    );
+
+    // A list the cache gives back follows again: a job submitted while it
+    // was away, and one submitted once it is back, both appear.
+    step += 1;
+    b.navigate(&click("nav a[href=\"/fleet\"]"), step, bound, "the fleet")
+        .await;
+    env.submit("echo", json!({"input": {}}), "walk-away").await;
+    env.wait_status("walk-away", "completed", Duration::from_secs(20))
+        .await;
+    step += 1;
+    let (_, cached) = b
+        .navigate("history.back()", step, bound, "back to the list")
+        .await;
+    assert!(cached, "the list came back from the cache");
+    env.submit("echo", json!({"input": {}}), "walk-back").await;
+    b.wait(
+        "document.querySelector('tr[data-id=\"walk-away\"]') && document.querySelector('tr[data-id=\"walk-back\"].st-completed')",
+        Duration::from_secs(20),
+        "the jobs submitted while the list was cached and after it came back",
+    )
+    .await;
 }
 
 /// Reads SSE messages from `resp` until `stop` says so: (id, event, data).
