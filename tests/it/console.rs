@@ -1294,3 +1294,119 @@ async fn console_in_a_browser_replays_a_rejected_submission_corrected_and_refuse
         "{actions:?}"
     );
 }
+
+/// One HTTP/1.1 request written as it is (any `Host`), its answer: the
+/// status, the head (lowercase) and the body.
+async fn raw_http(base: &str, req: &str) -> (u16, String, String) {
+    let addr = base.strip_prefix("http://").unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the console answered")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// Review G9: a console without auth on loopback, reached by a hostile
+/// page through DNS rebinding (`evil.test` resolving to 127.0.0.1: its
+/// `Host` and `Origin` agree), neither reads a confirmation's CSRF field
+/// nor runs the action; no page may be framed; the login cookie is
+/// `Secure` behind TLS.
+#[tokio::test]
+async fn console_without_auth_refuses_a_rebound_host_and_is_never_framed() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "nap-rebind")
+        .await;
+    env.wait_status("nap-rebind", "running", Duration::from_secs(10))
+        .await;
+    let port = console.base.rsplit(':').next().unwrap().to_string();
+    let get = |host: &str| {
+        format!(
+            "GET /confirm?action=bulk-cancel&kind=sleep HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )
+    };
+
+    // Its own page, on a loopback name: the field, and headers refusing frames.
+    let (st, head, body) = raw_http(&console.base, &get(&format!("127.0.0.1:{port}"))).await;
+    assert_eq!(st, 200, "{body}");
+    assert!(head.contains("x-frame-options: deny"), "{head}");
+    assert!(
+        head.contains("content-security-policy: frame-ancestors 'none'"),
+        "{head}"
+    );
+    let csrf = body
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .expect("the confirmation's csrf field")
+        .to_string();
+    let (st, _, _) = raw_http(&console.base, &get(&format!("localhost:{port}"))).await;
+    assert_eq!(st, 200, "localhost is a loopback name");
+
+    // The rebound name: the page is refused, saying why.
+    let evil = format!("evil.test:{port}");
+    let (st, head, body) = raw_http(&console.base, &get(&evil)).await;
+    assert_eq!(st, 403, "a rebound Host read the confirmation: {body}");
+    assert!(body.contains("not a loopback name"), "{body}");
+    assert!(head.contains("x-frame-options: deny"), "{head}");
+    // And the action, with the field read through a loopback name.
+    let form = format!("kind=sleep&csrf={csrf}");
+    let post = format!(
+        "POST /actions/bulk-cancel HTTP/1.1\r\nHost: {evil}\r\nOrigin: http://{evil}\r\n\
+Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+        form.len()
+    );
+    let (st, _, body) = raw_http(&console.base, &post).await;
+    assert_eq!(st, 403, "a rebound page ran bulk-cancel: {body}");
+    // The API too (reads leak the jobs to the hostile page).
+    let (st, _, body) = raw_http(
+        &console.base,
+        &format!("GET /v1/jobs/nap-rebind HTTP/1.1\r\nHost: {evil}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    assert!(body.starts_with('{'), "JSON for /v1/: {body}");
+    let r = env.jobs.get("nap-rebind").await.unwrap().unwrap().value;
+    assert_eq!(r.status, "running");
+    assert!(!r.cancel_requested, "nothing was cancelled");
+
+    // With auth on, any Host is served (the token decides), and the login
+    // cookie is Secure when the browser's page is https.
+    let token = "a-read-token-of-16-chars".to_string();
+    let authed = spawn_console(&env, &[("LH_CONSOLE_TOKEN", token.clone())]).await;
+    let login = |origin: &str| {
+        let form = format!("token={token}");
+        format!(
+            "POST /login HTTP/1.1\r\nHost: console.example\r\nOrigin: {origin}\r\n\
+Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        )
+    };
+    let (st, head, _) = raw_http(&authed.base, &login("https://console.example")).await;
+    assert_eq!(st, 303, "{head}");
+    let cookie = head
+        .lines()
+        .find(|l| l.starts_with("set-cookie:"))
+        .unwrap()
+        .to_string();
+    assert!(cookie.contains("; secure"), "{cookie}");
+    let (_, head, _) = raw_http(&authed.base, &login("http://console.example")).await;
+    let cookie = head
+        .lines()
+        .find(|l| l.starts_with("set-cookie:"))
+        .unwrap()
+        .to_string();
+    assert!(!cookie.contains("secure"), "{cookie}");
+}

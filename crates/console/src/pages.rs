@@ -1010,6 +1010,7 @@ pub async fn login_form() -> Response {
 
 pub async fn login(
     State(app): State<Arc<App>>,
+    headers: axum::http::HeaderMap,
     Form(f): Form<HashMap<String, String>>,
 ) -> Response {
     let t = f.get("token").cloned().unwrap_or_default();
@@ -1024,10 +1025,26 @@ pub async fn login(
         )
         .into_response();
     }
+    // Behind TLS (the browser's page is https, or the proxy says so) the
+    // cookie is never sent over plain HTTP.
+    let https = |name: header::HeaderName, prefix: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with(prefix))
+    };
+    let secure = https(header::ORIGIN, "https://")
+        || https(
+            header::HeaderName::from_static("x-forwarded-proto"),
+            "https",
+        );
     (
         [(
             header::SET_COOKIE,
-            format!("{COOKIE}={t}; HttpOnly; SameSite=Strict; Path=/"),
+            format!(
+                "{COOKIE}={t}; HttpOnly; SameSite=Strict; Path=/{}",
+                if secure { "; Secure" } else { "" }
+            ),
         )],
         Redirect::to("/jobs"),
     )
