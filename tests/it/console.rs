@@ -1410,3 +1410,73 @@ Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnect
         .to_string();
     assert!(!cookie.contains("secure"), "{cookie}");
 }
+
+/// Review G14: an id is checked before it names a key or a subject. `*`,
+/// `>` or a `.` would be wildcards or other tokens there (`$KV.lh_jobs.*`,
+/// `lh.events.*.>`): one read-only GET would read or stream every job.
+#[tokio::test]
+async fn console_refuses_ids_that_would_be_wildcards_with_400() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    for id in ["wild-1", "wild-2"] {
+        env.submit("echo", json!({"input": {}}), id).await;
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+    }
+    let c = http();
+    let b = &console.base;
+    let page = c
+        .get(format!("{b}/confirm?action=cancel&id=wild-1"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .expect("the confirmation's csrf field")
+        .to_string();
+    for id in ["%2A", "%3E", "wild-1.x", "wild%2B", "%C3%A9"] {
+        for path in [
+            format!("/jobs/{id}"),
+            format!("/jobs/{id}/live"),
+            format!("/v1/jobs/{id}"),
+            format!("/v1/jobs/{id}/result"),
+            format!("/v1/jobs/{id}/events"),
+            format!("/confirm?action=cancel&id={id}"),
+        ] {
+            let r =
+                tokio::time::timeout(Duration::from_secs(10), c.get(format!("{b}{path}")).send())
+                    .await
+                    .unwrap_or_else(|_| panic!("{path}: no answer (a stream of every job?)"))
+                    .unwrap();
+            let st = r.status();
+            let body = tokio::time::timeout(Duration::from_secs(10), r.text())
+                .await
+                .unwrap_or_else(|_| panic!("{path}: {st}, a body that never ends"))
+                .unwrap();
+            assert_eq!(st, 400, "{path}: {body}");
+            assert!(body.contains("invalid job id"), "{path}: {body}");
+            assert!(!body.contains("wild-2"), "{path} shows another job: {body}");
+        }
+        let r = c
+            .post(format!("{b}/actions/cancel"))
+            .header("Origin", b.as_str())
+            .form(&[
+                ("id", id.replace("%2A", "*").replace("%3E", ">")),
+                ("csrf", csrf.clone()),
+            ])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "POST /actions/cancel id={id}");
+    }
+    // A good id still answers.
+    let r = c.get(format!("{b}/v1/jobs/wild-1")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}

@@ -53,6 +53,7 @@ pub async fn record(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &[]).map_err(bad)?;
+    crate::app::job_id(&id, true)?;
     let v = app
         .jobs
         .get(&id)
@@ -70,6 +71,7 @@ pub async fn result(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &[]).map_err(bad)?;
+    crate::app::job_id(&id, true)?;
     let r = app
         .jobs
         .get(&id)
@@ -131,6 +133,7 @@ pub async fn events(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &["after"]).map_err(bad)?;
+    crate::app::job_id(&id, true)?;
     let after = match headers
         .get("last-event-id")
         .map(|v| v.to_str().map(str::trim))

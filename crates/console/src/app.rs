@@ -200,6 +200,21 @@ impl Failure {
     }
 }
 
+/// A job id the console was given, checked before it names a key or a
+/// subject: anything else (`*`, `>`, a `.`) would be a wildcard or another
+/// token there, and one read would become a read of every job. 400 saying
+/// what an id is.
+pub fn job_id(id: &str, json: bool) -> Result<(), Failure> {
+    if leasehold_core::spec::valid_job_id(id) {
+        return Ok(());
+    }
+    Err(Failure {
+        status: StatusCode::BAD_REQUEST,
+        message: leasehold_core::spec::SubmitError::InvalidId(id.to_string()).to_string(),
+        json,
+    })
+}
+
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
         let message = leasehold_telemetry::redact_text(&self.message);

@@ -509,6 +509,7 @@ pub async fn job(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &["after", "limit"]).map_err(bad)?;
+    crate::app::job_id(&id, false)?;
     let after = number(&q, "after", 0).map_err(bad)? as u64;
     let lim = limit(&q, app.args.page_max, app.args.page_max).map_err(bad)?;
     let Some(v) = app
@@ -634,6 +635,7 @@ pub async fn job_live(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &["after"]).map_err(bad)?;
+    crate::app::job_id(&id, false)?;
     let after = number(&q, "after", 0).map_err(bad)? as u64;
     if app
         .jobs
