@@ -1480,3 +1480,52 @@ async fn console_refuses_ids_that_would_be_wildcards_with_400() {
     let r = c.get(format!("{b}/v1/jobs/wild-1")).send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// Review G21: `tool` and `phase` events are a kind's own, so their `key`
+/// may be any text. A non-ASCII one longer than 16 characters is shown
+/// short by characters; sliced by bytes it panicked the job page and its
+/// live stream.
+#[tokio::test]
+async fn console_shows_a_tool_event_with_a_non_ascii_key() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "key-utf8")
+        .await;
+    env.wait_status("key-utf8", "running", Duration::from_secs(10))
+        .await;
+    // As a kind's ctx would publish it: a key of 2-byte characters whose
+    // 12th byte falls inside one.
+    let key = "ключ-идемпотентности-заказа-42";
+    let ev = leasehold_store::events::event(
+        "key-utf8",
+        1,
+        "tool",
+        Some("w"),
+        json!({"tool": "charge", "kind": "effect", "step_id": "s1", "key": key, "ok": true}),
+    );
+    env.events.publish(&ev, None).await.unwrap();
+    let c = http();
+    let r = c
+        .get(format!("{}/jobs/key-utf8", console.base))
+        .send()
+        .await
+        .expect("the job page answers");
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let short: String = key.chars().take(12).collect();
+    assert!(body.contains(&format!("{short}…")), "{body}");
+    // Its live stream carries the row too.
+    let r = c
+        .get(format!("{}/jobs/key-utf8/live", console.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let got = sse_until(r, |(_, ev, d)| {
+        ev == "ev" && d["html"].as_str().unwrap_or("").contains(&short)
+    })
+    .await;
+    assert!(!got.is_empty());
+}
