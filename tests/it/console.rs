@@ -1529,3 +1529,104 @@ async fn console_shows_a_tool_event_with_a_non_ascii_key() {
     .await;
     assert!(!got.is_empty());
 }
+
+/// Review G15: an EventSource reconnects on its own after the stream
+/// closes; resumed after `end` (`Last-Event-ID` = the terminal event), it
+/// gets `end` again and the stream closes, instead of one that never ends
+/// and holds a consumer.
+#[tokio::test]
+async fn console_client_stream_resumed_after_the_end_ends_again() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("echo", json!({"input": {"x": 1}}), "sse-end")
+        .await;
+    env.wait_status("sse-end", "completed", Duration::from_secs(20))
+        .await;
+    let c = http();
+    let url = format!("{}/v1/jobs/sse-end/events", console.base);
+    let all = sse_until(c.get(&url).send().await.unwrap(), |(_, ev, _)| ev == "end").await;
+    let last = all
+        .iter()
+        .rev()
+        .find_map(|(id, _, _)| *id)
+        .expect("the terminal event's id");
+    for resume in [last, last + 1_000] {
+        let r = c
+            .get(&url)
+            .header("Last-Event-ID", resume.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body = tokio::time::timeout(Duration::from_secs(10), r.text())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("resumed at {resume} after the end, the stream never closed")
+            })
+            .unwrap();
+        assert!(body.contains("event: end"), "{body}");
+        assert!(body.contains("\"completed\""), "{body}");
+        assert!(!body.contains("id:"), "no event again: {body}");
+    }
+}
+
+/// Review G15: an event whose data lives beside it (in the payloads
+/// bucket) that cannot be read when the stream reaches it (a lagging
+/// replica, a write not yet visible) is read again, not skipped: the
+/// client gets it, in order, once the data is there.
+#[tokio::test]
+async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "sse-ref")
+        .await;
+    env.wait_status("sse-ref", "running", Duration::from_secs(10))
+        .await;
+    let c = http();
+    let r = c
+        .get(format!("{}/v1/jobs/sse-ref/events", console.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // The event names data whose chunk is not written yet.
+    let ev = leasehold_store::events::event(
+        "sse-ref",
+        1,
+        "tool",
+        Some("w"),
+        json!({"data_ref": "sse-ref-late", "chunks": 1, "bytes": 20}),
+    );
+    let seq = env.events.publish(&ev, None).await.unwrap();
+    let after =
+        leasehold_store::events::event("sse-ref", 1, "phase", Some("w"), json!({"phase": "after"}));
+    let next = env.events.publish(&after, None).await.unwrap();
+    // The console has met the missing chunk...
+    wait_log(
+        &console._proc,
+        "event data sse-ref-late of job sse-ref is missing chunk 0",
+        Duration::from_secs(20),
+    )
+    .await;
+    // ...and the chunk lands.
+    let kv = env.conn.js.get_key_value("lh_payloads").await.unwrap();
+    kv.put(
+        "sse-ref-late.0",
+        json!({"tool": "late", "key": "k"}).to_string().into(),
+    )
+    .await
+    .unwrap();
+    let got = sse_until(r, |(id, _, _)| *id == Some(next)).await;
+    let ids: Vec<u64> = got.iter().filter_map(|(id, _, _)| *id).collect();
+    let at = ids
+        .iter()
+        .position(|s| *s == seq)
+        .unwrap_or_else(|| panic!("event {seq} was skipped: {ids:?}"));
+    assert_eq!(ids[at + 1], next, "{ids:?}");
+    let (_, _, d) = got.iter().find(|(id, _, _)| *id == Some(seq)).unwrap();
+    assert_eq!(d["tool"], "late", "its data, resolved: {d}");
+}

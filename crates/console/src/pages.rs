@@ -649,18 +649,19 @@ pub async fn job_live(
             format!("no job {id:?}"),
         ));
     }
-    let evs = app
+    let first = app
         .events
         .follow(&id, after)
         .await
         .map_err(|e| Failure::unavailable(e, false))?;
+    let evs = crate::api::follow_events(app.clone(), id.clone(), after, first);
     let a2 = app.clone();
     let tracker = Arc::new(std::sync::Mutex::new(render::Supersedes::default()));
     let evs = evs.filter_map(move |x| {
         let app = a2.clone();
         let tracker = tracker.clone();
         async move {
-            let (seq, ev) = x.ok()?;
+            let (seq, ev) = x;
             let clean = |s: &str| app.clean(s);
             let mut html = render::event_row(seq, &ev, &clean);
             let sup = tracker.lock().expect("tracker").see(&ev);
