@@ -41,7 +41,6 @@ function live(url, handlers, resumed) {
     else open();
   });
   open();
-  window.__lhLive = () => es !== null;
 }
 
 function followJobs(tbody) {
