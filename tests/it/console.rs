@@ -1630,3 +1630,78 @@ async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet(
     let (_, _, d) = got.iter().find(|(id, _, _)| *id == Some(seq)).unwrap();
     assert_eq!(d["tool"], "late", "its data, resolved: {d}");
 }
+
+/// Review G14: a job page shows `limit` events and reads about that many,
+/// not its whole history. Through a proxy that counts the console's pull
+/// requests: a page of 10 events of a job with 4000 takes a pull or two
+/// (the whole history took one per batch).
+#[tokio::test]
+async fn console_job_page_reads_the_events_it_shows_not_the_whole_history() {
+    let env = Env::new().await;
+    let proxy = leasehold_harness::proxy::FaultProxy::start(&env.url()).await;
+    let console =
+        start_console(&[("NATS_URL", proxy.url()), ("LH_PREFIX", env.prefix.clone())]).await;
+    let base = console.1.clone();
+    let rec = JobRecord {
+        id: "long-story".into(),
+        kind: "echo".into(),
+        status: "running".into(),
+        epoch: 1,
+        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    env.jobs.create(&rec).await.unwrap();
+    let evs: Vec<_> = (0..4000)
+        .map(|i| {
+            leasehold_store::events::event(
+                "long-story",
+                1,
+                "phase",
+                Some("w"),
+                json!({"phase": format!("p{i}")}),
+            )
+        })
+        .collect();
+    for ev in &evs {
+        env.events.publish(ev, None).await.unwrap();
+    }
+    let c = http();
+    // A first page, so the console's own connections are all set up.
+    let r = c
+        .get(format!("{base}/jobs/long-story?limit=10"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pulls = "$JS.API.CONSUMER.MSG.NEXT.>";
+    let before = proxy.published(pulls);
+    let r = c
+        .get(format!("{base}/jobs/long-story?limit=10"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let pulled = proxy.published(pulls) - before;
+    assert_eq!(body.matches("class=\"ev ev-phase\"").count(), 10, "{body}");
+    assert!(body.contains("<b>p9</b>"), "{body}");
+    assert!(!body.contains("<b>p10</b>"), "the 11th event is not shown");
+    assert!(body.contains("later events"), "{body}");
+    assert!(
+        pulled <= 3,
+        "a page of 10 events pulled {pulled} batches: the whole history was read"
+    );
+    // The next page starts after the last one shown.
+    let next = body
+        .split("later events")
+        .next()
+        .and_then(|s| s.rsplit("href=\"").next())
+        .and_then(|s| s.split('"').next())
+        .unwrap()
+        .replace("&amp;", "&");
+    let r = c.get(format!("{base}{next}")).send().await.unwrap();
+    let body = r.text().await.unwrap();
+    assert!(body.contains("<b>p10</b>"), "{body}");
+    assert!(!body.contains("<b>p9</b>"), "{body}");
+}

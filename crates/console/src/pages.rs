@@ -524,12 +524,7 @@ pub async fn job(
         ));
     };
     let r = v.value;
-    let events = app
-        .events
-        .read_from(&id, after + 1)
-        .await
-        .map_err(|e| Failure::unavailable(e, false))?;
-    let more = events.len() > lim;
+    let (events, more) = timeline_page(&app, &id, after, lim).await?;
     let mut b = String::new();
     let _ = write!(
         b,
@@ -542,7 +537,7 @@ pub async fn job(
         "<h2>Timeline</h2><table class=\"timeline\"><thead>{}</thead><tbody id=\"timeline\"",
         render::EVENT_HEAD
     );
-    let shown: Vec<_> = events.iter().take(lim).collect();
+    let shown: Vec<_> = events.iter().collect();
     let last = shown.last().map_or(after, |(s, _)| *s);
     if !more {
         let _ = write!(b, " data-live=\"/jobs/{}/live?after={last}\"", url(&id));
@@ -572,6 +567,44 @@ pub async fn job(
         esc(&app.clean(&rec))
     );
     Ok(html(render::layout(&format!("job {id}"), &b)))
+}
+
+/// A page of the job's events after `after`: at most `lim`, and whether
+/// more follow. What is shown is what is read: `lim + 1` events at most
+/// (followed up to the job's last event as it was at the start), never the
+/// whole history after `after`.
+async fn timeline_page(
+    app: &App,
+    id: &str,
+    after: u64,
+    lim: usize,
+) -> Result<(Vec<(u64, leasehold_proto::JobEvent)>, bool), Failure> {
+    let u = |e: leasehold_store::StoreError| Failure::unavailable(e, false);
+    let Some((last, _)) = app.events.last(id).await.map_err(u)? else {
+        return Ok((Vec::new(), false));
+    };
+    if last <= after {
+        return Ok((Vec::new(), false));
+    }
+    let mut f = app.events.follow(id, after).await.map_err(u)?;
+    let mut out = Vec::new();
+    while out.len() <= lim {
+        // Events removed since `last` was read (retention) leave nothing
+        // to wait for: the page is what came.
+        match tokio::time::timeout(Duration::from_secs(5), f.next()).await {
+            Ok(Some(Ok((seq, ev)))) => {
+                out.push((seq, ev));
+                if seq >= last {
+                    break;
+                }
+            }
+            Ok(Some(Err(e))) => return Err(u(e)),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let more = out.len() > lim;
+    out.truncate(lim);
+    Ok((out, more))
 }
 
 pub fn superseded_row(seq: u64, sup: &serde_json::Value) -> String {
