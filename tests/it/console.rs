@@ -1705,3 +1705,71 @@ async fn console_job_page_reads_the_events_it_shows_not_the_whole_history() {
     assert!(body.contains("<b>p10</b>"), "{body}");
     assert!(!body.contains("<b>p9</b>"), "{body}");
 }
+
+/// A job page or its live part starting after `after` (a later page, a
+/// page given back by the back-forward cache following on after its last
+/// row) judges the next claim against the last claim before `after`, as
+/// the clients' stream does: a reclaim after a failed attempt is a
+/// reclaim, not a retry.
+#[tokio::test]
+async fn console_job_page_resumed_after_a_claim_names_a_later_reclaim() {
+    let env = Env::new().await;
+    let console = spawn_console(&env, &[]).await;
+    let rec = JobRecord {
+        id: "resumed-tl".into(),
+        kind: "echo".into(),
+        status: "running".into(),
+        epoch: 2,
+        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    env.jobs.create(&rec).await.unwrap();
+    let ev = |epoch, ty: &str, data: Value| {
+        leasehold_store::events::event("resumed-tl", epoch, ty, Some("w"), data)
+    };
+    let first = env
+        .events
+        .publish(
+            &ev(1, "claimed", json!({"attempts": 0, "stale_reclaims": 0})),
+            None,
+        )
+        .await
+        .unwrap();
+    env.events
+        .publish(&ev(1, "phase", json!({"phase": "outline"})), None)
+        .await
+        .unwrap();
+    // Epoch 2 after one failed attempt and then its owner's loss: a reclaim.
+    env.events
+        .publish(
+            &ev(2, "claimed", json!({"attempts": 1, "stale_reclaims": 1})),
+            None,
+        )
+        .await
+        .unwrap();
+    let c = http();
+    let page = c
+        .get(format!("{}/jobs/resumed-tl?after={first}", console.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("reclaim: drop"), "{page}");
+    let r = c
+        .get(format!(
+            "{}/jobs/resumed-tl/live?after={first}",
+            console.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    let got = sse_until(r, |(_, ev, d)| {
+        ev == "ev" && d["html"].as_str().unwrap_or("").contains("superseded")
+    })
+    .await;
+    let html = got.last().unwrap().2["html"].as_str().unwrap().to_string();
+    assert!(html.contains("reclaim: drop"), "{html}");
+}

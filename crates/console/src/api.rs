@@ -173,13 +173,7 @@ pub async fn events(
         .await
         .map_err(|e| Failure::unavailable(e, true))?;
     let follow = follow_events(app.clone(), id.clone(), after, first);
-    // A resumed stream judges the next claim against the last one before it.
-    let tracker = match app.events.last_of_type(&id, "claimed").await {
-        Ok(Some((seq, claim))) if after > 0 && seq <= after => {
-            crate::render::Supersedes::after_claim(&claim)
-        }
-        _ => crate::render::Supersedes::default(),
-    };
+    let tracker = supersedes_after(&app, &id, after).await;
     struct St {
         follow: futures::stream::BoxStream<'static, (u64, leasehold_proto::JobEvent)>,
         app: Arc<App>,
@@ -226,6 +220,28 @@ pub async fn events(
     Ok(Sse::new(s)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+/// What a view of the job's events starting after `after` judges the next
+/// claim against: the last claim before it (a resumed stream, a page
+/// after the first), or nothing for a view from the start. The clients'
+/// stream, the job page and its live part all start here.
+pub async fn supersedes_after(app: &App, id: &str, after: u64) -> crate::render::Supersedes {
+    if after == 0 {
+        return crate::render::Supersedes::default();
+    }
+    // The job's claims (one per attempt or reclaim: few), the last at or
+    // before `after`; the latest claim alone may be after it.
+    match app.events.read_type_from(id, "claimed", 0).await {
+        Ok(claims) => match claims.iter().rev().find(|(seq, _)| *seq <= after) {
+            Some((_, claim)) => crate::render::Supersedes::after_claim(claim),
+            None => crate::render::Supersedes::default(),
+        },
+        Err(e) => {
+            tracing::warn!(job = %id, error = %e, "claims before a resumed view");
+            crate::render::Supersedes::default()
+        }
+    }
 }
 
 /// The sequence and type of the job's latest terminal event, if any.

@@ -544,7 +544,7 @@ pub async fn job(
     }
     b.push('>');
     let clean = |s: &str| app.clean(s);
-    let mut tracker = render::Supersedes::default();
+    let mut tracker = crate::api::supersedes_after(&app, &id, after).await;
     for (seq, ev) in &shown {
         b.push_str(&render::event_row(*seq, ev, &clean));
         if let Some(sup) = tracker.see(ev) {
@@ -689,7 +689,9 @@ pub async fn job_live(
         .map_err(|e| Failure::unavailable(e, false))?;
     let evs = crate::api::follow_events(app.clone(), id.clone(), after, first);
     let a2 = app.clone();
-    let tracker = Arc::new(std::sync::Mutex::new(render::Supersedes::default()));
+    let tracker = Arc::new(std::sync::Mutex::new(
+        crate::api::supersedes_after(&app, &id, after).await,
+    ));
     let evs = evs.filter_map(move |x| {
         let app = a2.clone();
         let tracker = tracker.clone();
