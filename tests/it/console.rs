@@ -92,6 +92,8 @@ struct Browser {
     _proc: Proc,
     _dir: tempfile::TempDir,
     ws: tokio::net::TcpStream,
+    buf: Vec<u8>,
+    partial: Vec<u8>,
     next: u64,
     session: String,
 }
@@ -168,6 +170,8 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
             _proc: proc,
             _dir: dir,
             ws,
+            buf: Vec::new(),
+            partial: Vec::new(),
             next: 0,
             session: String::new(),
         };
@@ -205,33 +209,47 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
         self.ws.write_all(&frame).await.unwrap();
     }
 
+    /// The next message. Cancel-safe: bytes read stay in `buf` until a
+    /// whole frame is there.
     async fn recv(&mut self) -> Value {
-        let mut msg = Vec::new();
         loop {
-            let mut h = [0u8; 2];
-            self.ws.read_exact(&mut h).await.unwrap();
-            let fin = h[0] & 0x80 != 0;
-            let op = h[0] & 0x0f;
-            let mut len = (h[1] & 0x7f) as u64;
-            if len == 126 {
-                let mut l = [0u8; 2];
-                self.ws.read_exact(&mut l).await.unwrap();
-                len = u16::from_be_bytes(l) as u64;
-            } else if len == 127 {
-                let mut l = [0u8; 8];
-                self.ws.read_exact(&mut l).await.unwrap();
-                len = u64::from_be_bytes(l);
+            while let Some((fin, op, data)) = self.frame() {
+                if op == 0x9 || op == 0xA {
+                    continue; // ping/pong
+                }
+                self.partial.extend_from_slice(&data);
+                if fin {
+                    let msg = std::mem::take(&mut self.partial);
+                    return serde_json::from_slice(&msg).unwrap();
+                }
             }
-            let mut data = vec![0u8; len as usize];
-            self.ws.read_exact(&mut data).await.unwrap();
-            if op == 0x9 || op == 0xA {
-                continue; // ping/pong
-            }
-            msg.extend_from_slice(&data);
-            if fin {
-                return serde_json::from_slice(&msg).unwrap();
-            }
+            let n = self.ws.read_buf(&mut self.buf).await.unwrap();
+            assert!(n > 0, "DevTools closed its socket");
         }
+    }
+
+    /// A whole frame off the front of `buf`: (fin, opcode, payload).
+    fn frame(&mut self) -> Option<(bool, u8, Vec<u8>)> {
+        let b = &self.buf;
+        if b.len() < 2 {
+            return None;
+        }
+        let (fin, op) = (b[0] & 0x80 != 0, b[0] & 0x0f);
+        let (len, head) = match b[1] & 0x7f {
+            126 if b.len() >= 4 => (u16::from_be_bytes([b[2], b[3]]) as usize, 4),
+            127 if b.len() >= 10 => (
+                u64::from_be_bytes(b[2..10].try_into().unwrap()) as usize,
+                10,
+            ),
+            126 | 127 => return None,
+            n => (n as usize, 2),
+        };
+        if b.len() < head + len {
+            return None;
+        }
+        let data = b[head..head + len].to_vec();
+        self.buf.drain(..head + len);
+        Some((fin, op, data))
     }
 
     async fn call(&mut self, method: &str, params: Value) -> Value {
@@ -291,6 +309,73 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Evaluates `js` in the page, or `None` while there is no page to
+    /// evaluate it in (a navigation under way).
+    async fn try_eval(&mut self, js: &str) -> Option<Value> {
+        self.next += 1;
+        let id = self.next;
+        let m = json!({"id": id, "method": "Runtime.evaluate", "sessionId": self.session,
+            "params": {"expression": js, "returnByValue": true, "awaitPromise": true}});
+        self.send(&m.to_string()).await;
+        // A page that is not there does not answer: asked again later.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            let Ok(r) = tokio::time::timeout_at(deadline, self.recv()).await else {
+                return None;
+            };
+            if r["id"].as_u64() == Some(id) {
+                if r.get("error").is_some() || r["result"].get("exceptionDetails").is_some() {
+                    return None;
+                }
+                return Some(r["result"]["result"]["value"].clone());
+            }
+        }
+    }
+
+    /// Runs `js` (a click, a step in the history) as navigation number
+    /// `step`, and waits at most `bound` until another document has loaded
+    /// completely: a new one, or one the back-forward cache kept (it still
+    /// has the step it was left at). That document's URL, and whether it
+    /// came from the cache.
+    async fn navigate(
+        &mut self,
+        js: &str,
+        step: u64,
+        bound: Duration,
+        what: &str,
+    ) -> (String, bool) {
+        let from = self
+            .try_eval("location.href")
+            .await
+            .expect("a page to navigate from");
+        let ok = self
+            .try_eval(&format!(
+                "(() => {{ window.__step = {step}; {js}; return true; }})()"
+            ))
+            .await;
+        assert_eq!(
+            ok,
+            Some(json!(true)),
+            "step {step} ({what}) could not start on {from}"
+        );
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let now = self
+                .try_eval("document.readyState === 'complete' && window.__step !== undefined ? [location.href, window.__step] : document.readyState === 'complete' ? [location.href, null] : null")
+                .await;
+            if let Some(Value::Array(v)) = now {
+                if v[1] != json!(step) {
+                    return (v[0].as_str().unwrap_or("").to_string(), v[1].is_number());
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "step {step} ({what}) from {from}: no page loaded within {bound:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -474,6 +559,113 @@ async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_l
         Dlq::new(&env.conn).get(seq).await.unwrap().is_none(),
         "the replayed letter is gone"
     );
+}
+
+/// Issue 30, item 5: every console page keeps a live connection (Server-
+/// Sent Events), and a browser keeps 6 HTTP/1.1 connections per host; the
+/// pages it left, kept in its back-forward cache, held theirs, so the
+/// seventh page stopped loading. Clicked through 30 pages in a default
+/// Chromium (its cache on), each page loads within a bound; pages the cache
+/// gives back follow their live parts again.
+#[tokio::test]
+async fn console_in_a_browser_loads_30_pages_with_the_back_forward_cache_on() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    for i in 0..5 {
+        let id = format!("walk-{i}");
+        env.submit("echo", json!({"input": {"n": i}}), &id).await;
+        env.wait_status(&id, "completed", Duration::from_secs(20))
+            .await;
+    }
+    env.submit("sleep", json!({"input": {"ms": 120000}}), "walk-nap")
+        .await;
+    env.wait_status("walk-nap", "running", Duration::from_secs(10))
+        .await;
+    let mut b = Browser::start().await;
+    b.goto(&format!("{}/jobs", console.base)).await;
+
+    let bound = Duration::from_secs(10);
+    let click = |sel: &str| format!("document.querySelector({}).click()", json!(sel));
+    let mut step = 0u64;
+    let mut restored = 0;
+    for i in 0..5 {
+        let job = if i == 4 {
+            "walk-nap".to_string()
+        } else {
+            format!("walk-{i}")
+        };
+        let other = ["/fleet", "/dlq", "/reviews", "/fleet", "/dlq"][i];
+        let walk = [
+            (
+                click(&format!("tr[data-id=\"{job}\"] a")),
+                format!("/jobs/{job}"),
+                "a job from the list",
+            ),
+            (
+                click(&format!("nav a[href=\"{other}\"]")),
+                other.to_string(),
+                "a page of the nav",
+            ),
+            (
+                "history.back()".to_string(),
+                format!("/jobs/{job}"),
+                "back to the job",
+            ),
+            (
+                "history.back()".to_string(),
+                "/jobs".to_string(),
+                "back to the list",
+            ),
+            (
+                "history.forward()".to_string(),
+                format!("/jobs/{job}"),
+                "forward to the job",
+            ),
+            (
+                click("nav a[href=\"/jobs\"]"),
+                "/jobs".to_string(),
+                "the list from the nav",
+            ),
+        ];
+        for (js, want, what) in walk {
+            step += 1;
+            let (at, cached) = b.navigate(&js, step, bound, what).await;
+            assert_eq!(
+                at,
+                format!("{}{want}", console.base),
+                "step {step} ({what})"
+            );
+            restored += cached as u32;
+        }
+    }
+    assert_eq!(step, 30);
+    assert!(
+        restored >= 5,
+        "the back-forward cache gave back only {restored} of the 15 pages gone back or forward to: the test did not exercise it"
+    );
+
+    // A list the cache gives back follows again: a job submitted while it
+    // was away, and one submitted once it is back, both appear.
+    step += 1;
+    b.navigate(&click("nav a[href=\"/fleet\"]"), step, bound, "the fleet")
+        .await;
+    env.submit("echo", json!({"input": {}}), "walk-away").await;
+    env.wait_status("walk-away", "completed", Duration::from_secs(20))
+        .await;
+    step += 1;
+    let (_, cached) = b
+        .navigate("history.back()", step, bound, "back to the list")
+        .await;
+    assert!(cached, "the list came back from the cache");
+    env.submit("echo", json!({"input": {}}), "walk-back").await;
+    b.wait(
+        "document.querySelector('tr[data-id=\"walk-away\"]') && document.querySelector('tr[data-id=\"walk-back\"].st-completed')",
+        Duration::from_secs(20),
+        "the jobs submitted while the list was cached and after it came back",
+    )
+    .await;
 }
 
 /// Reads SSE messages from `resp` until `stop` says so: (id, event, data).
@@ -1101,4 +1293,483 @@ async fn console_in_a_browser_replays_a_rejected_submission_corrected_and_refuse
             && a["dlq_seq"] == seq),
         "{actions:?}"
     );
+}
+
+/// One HTTP/1.1 request written as it is (any `Host`), its answer: the
+/// status, the head (lowercase) and the body.
+async fn raw_http(base: &str, req: &str) -> (u16, String, String) {
+    let addr = base.strip_prefix("http://").unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the console answered")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// Review G9: a console without auth on loopback, reached by a hostile
+/// page through DNS rebinding (`evil.test` resolving to 127.0.0.1: its
+/// `Host` and `Origin` agree), neither reads a confirmation's CSRF field
+/// nor runs the action; no page may be framed; the login cookie is
+/// `Secure` behind TLS.
+#[tokio::test]
+async fn console_without_auth_refuses_a_rebound_host_and_is_never_framed() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "nap-rebind")
+        .await;
+    env.wait_status("nap-rebind", "running", Duration::from_secs(10))
+        .await;
+    let port = console.base.rsplit(':').next().unwrap().to_string();
+    let get = |host: &str| {
+        format!(
+            "GET /confirm?action=bulk-cancel&kind=sleep HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )
+    };
+
+    // Its own page, on a loopback name: the field, and headers refusing frames.
+    let (st, head, body) = raw_http(&console.base, &get(&format!("127.0.0.1:{port}"))).await;
+    assert_eq!(st, 200, "{body}");
+    assert!(head.contains("x-frame-options: deny"), "{head}");
+    assert!(
+        head.contains("content-security-policy: frame-ancestors 'none'"),
+        "{head}"
+    );
+    let csrf = body
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .expect("the confirmation's csrf field")
+        .to_string();
+    let (st, _, _) = raw_http(&console.base, &get(&format!("localhost:{port}"))).await;
+    assert_eq!(st, 200, "localhost is a loopback name");
+
+    // The rebound name: the page is refused, saying why.
+    let evil = format!("evil.test:{port}");
+    let (st, head, body) = raw_http(&console.base, &get(&evil)).await;
+    assert_eq!(st, 403, "a rebound Host read the confirmation: {body}");
+    assert!(body.contains("not a loopback name"), "{body}");
+    assert!(head.contains("x-frame-options: deny"), "{head}");
+    // And the action, with the field read through a loopback name.
+    let form = format!("kind=sleep&csrf={csrf}");
+    let post = format!(
+        "POST /actions/bulk-cancel HTTP/1.1\r\nHost: {evil}\r\nOrigin: http://{evil}\r\n\
+Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+        form.len()
+    );
+    let (st, _, body) = raw_http(&console.base, &post).await;
+    assert_eq!(st, 403, "a rebound page ran bulk-cancel: {body}");
+    // The API too (reads leak the jobs to the hostile page).
+    let (st, _, body) = raw_http(
+        &console.base,
+        &format!("GET /v1/jobs/nap-rebind HTTP/1.1\r\nHost: {evil}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    assert!(body.starts_with('{'), "JSON for /v1/: {body}");
+    let r = env.jobs.get("nap-rebind").await.unwrap().unwrap().value;
+    assert_eq!(r.status, "running");
+    assert!(!r.cancel_requested, "nothing was cancelled");
+
+    // With auth on, any Host is served (the token decides), and the login
+    // cookie is Secure when the browser's page is https.
+    let token = "a-read-token-of-16-chars".to_string();
+    let authed = spawn_console(&env, &[("LH_CONSOLE_TOKEN", token.clone())]).await;
+    let login = |origin: &str| {
+        let form = format!("token={token}");
+        format!(
+            "POST /login HTTP/1.1\r\nHost: console.example\r\nOrigin: {origin}\r\n\
+Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        )
+    };
+    let (st, head, _) = raw_http(&authed.base, &login("https://console.example")).await;
+    assert_eq!(st, 303, "{head}");
+    let cookie = head
+        .lines()
+        .find(|l| l.starts_with("set-cookie:"))
+        .unwrap()
+        .to_string();
+    assert!(cookie.contains("; secure"), "{cookie}");
+    let (_, head, _) = raw_http(&authed.base, &login("http://console.example")).await;
+    let cookie = head
+        .lines()
+        .find(|l| l.starts_with("set-cookie:"))
+        .unwrap()
+        .to_string();
+    assert!(!cookie.contains("secure"), "{cookie}");
+}
+
+/// Review G14: an id is checked before it names a key or a subject. `*`,
+/// `>` or a `.` would be wildcards or other tokens there (`$KV.lh_jobs.*`,
+/// `lh.events.*.>`): one read-only GET would read or stream every job.
+#[tokio::test]
+async fn console_refuses_ids_that_would_be_wildcards_with_400() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    for id in ["wild-1", "wild-2"] {
+        env.submit("echo", json!({"input": {}}), id).await;
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+    }
+    let c = http();
+    let b = &console.base;
+    let page = c
+        .get(format!("{b}/confirm?action=cancel&id=wild-1"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .expect("the confirmation's csrf field")
+        .to_string();
+    for id in ["%2A", "%3E", "wild-1.x", "wild%2B", "%C3%A9"] {
+        for path in [
+            format!("/jobs/{id}"),
+            format!("/jobs/{id}/live"),
+            format!("/v1/jobs/{id}"),
+            format!("/v1/jobs/{id}/result"),
+            format!("/v1/jobs/{id}/events"),
+            format!("/confirm?action=cancel&id={id}"),
+        ] {
+            let r =
+                tokio::time::timeout(Duration::from_secs(10), c.get(format!("{b}{path}")).send())
+                    .await
+                    .unwrap_or_else(|_| panic!("{path}: no answer (a stream of every job?)"))
+                    .unwrap();
+            let st = r.status();
+            let body = tokio::time::timeout(Duration::from_secs(10), r.text())
+                .await
+                .unwrap_or_else(|_| panic!("{path}: {st}, a body that never ends"))
+                .unwrap();
+            assert_eq!(st, 400, "{path}: {body}");
+            assert!(body.contains("invalid job id"), "{path}: {body}");
+            assert!(!body.contains("wild-2"), "{path} shows another job: {body}");
+        }
+        let r = c
+            .post(format!("{b}/actions/cancel"))
+            .header("Origin", b.as_str())
+            .form(&[
+                ("id", id.replace("%2A", "*").replace("%3E", ">")),
+                ("csrf", csrf.clone()),
+            ])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "POST /actions/cancel id={id}");
+    }
+    // A good id still answers.
+    let r = c.get(format!("{b}/v1/jobs/wild-1")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// Review G21: `tool` and `phase` events are a kind's own, so their `key`
+/// may be any text. A non-ASCII one longer than 16 characters is shown
+/// short by characters; sliced by bytes it panicked the job page and its
+/// live stream.
+#[tokio::test]
+async fn console_shows_a_tool_event_with_a_non_ascii_key() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "key-utf8")
+        .await;
+    env.wait_status("key-utf8", "running", Duration::from_secs(10))
+        .await;
+    // As a kind's ctx would publish it: a key of 2-byte characters whose
+    // 12th byte falls inside one.
+    let key = "ключ-идемпотентности-заказа-42";
+    let ev = leasehold_store::events::event(
+        "key-utf8",
+        1,
+        "tool",
+        Some("w"),
+        json!({"tool": "charge", "kind": "effect", "step_id": "s1", "key": key, "ok": true}),
+    );
+    env.events.publish(&ev, None).await.unwrap();
+    let c = http();
+    let r = c
+        .get(format!("{}/jobs/key-utf8", console.base))
+        .send()
+        .await
+        .expect("the job page answers");
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let short: String = key.chars().take(12).collect();
+    assert!(body.contains(&format!("{short}…")), "{body}");
+    // Its live stream carries the row too.
+    let r = c
+        .get(format!("{}/jobs/key-utf8/live", console.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let got = sse_until(r, |(_, ev, d)| {
+        ev == "ev" && d["html"].as_str().unwrap_or("").contains(&short)
+    })
+    .await;
+    assert!(!got.is_empty());
+}
+
+/// Review G15: an EventSource reconnects on its own after the stream
+/// closes; resumed after `end` (`Last-Event-ID` = the terminal event), it
+/// gets `end` again and the stream closes, instead of one that never ends
+/// and holds a consumer.
+#[tokio::test]
+async fn console_client_stream_resumed_after_the_end_ends_again() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("echo", json!({"input": {"x": 1}}), "sse-end")
+        .await;
+    env.wait_status("sse-end", "completed", Duration::from_secs(20))
+        .await;
+    let c = http();
+    let url = format!("{}/v1/jobs/sse-end/events", console.base);
+    let all = sse_until(c.get(&url).send().await.unwrap(), |(_, ev, _)| ev == "end").await;
+    let last = all
+        .iter()
+        .rev()
+        .find_map(|(id, _, _)| *id)
+        .expect("the terminal event's id");
+    for resume in [last, last + 1_000] {
+        let r = c
+            .get(&url)
+            .header("Last-Event-ID", resume.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body = tokio::time::timeout(Duration::from_secs(10), r.text())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("resumed at {resume} after the end, the stream never closed")
+            })
+            .unwrap();
+        assert!(body.contains("event: end"), "{body}");
+        assert!(body.contains("\"completed\""), "{body}");
+        assert!(!body.contains("id:"), "no event again: {body}");
+    }
+}
+
+/// Review G15: an event whose data lives beside it (in the payloads
+/// bucket) that cannot be read when the stream reaches it (a lagging
+/// replica, a write not yet visible) is read again, not skipped: the
+/// client gets it, in order, once the data is there.
+#[tokio::test]
+async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet() {
+    let env = Env::new().await;
+    let w = env.worker_proc(&[], &[]);
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    env.submit("sleep", json!({"input": {"ms": 60000}}), "sse-ref")
+        .await;
+    env.wait_status("sse-ref", "running", Duration::from_secs(10))
+        .await;
+    let c = http();
+    let r = c
+        .get(format!("{}/v1/jobs/sse-ref/events", console.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // The event names data whose chunk is not written yet.
+    let ev = leasehold_store::events::event(
+        "sse-ref",
+        1,
+        "tool",
+        Some("w"),
+        json!({"data_ref": "sse-ref-late", "chunks": 1, "bytes": 20}),
+    );
+    let seq = env.events.publish(&ev, None).await.unwrap();
+    let after =
+        leasehold_store::events::event("sse-ref", 1, "phase", Some("w"), json!({"phase": "after"}));
+    let next = env.events.publish(&after, None).await.unwrap();
+    // The console has met the missing chunk...
+    wait_log(
+        &console._proc,
+        "event data sse-ref-late of job sse-ref is missing chunk 0",
+        Duration::from_secs(20),
+    )
+    .await;
+    // ...and the chunk lands.
+    let kv = env.conn.js.get_key_value("lh_payloads").await.unwrap();
+    kv.put(
+        "sse-ref-late.0",
+        json!({"tool": "late", "key": "k"}).to_string().into(),
+    )
+    .await
+    .unwrap();
+    let got = sse_until(r, |(id, _, _)| *id == Some(next)).await;
+    let ids: Vec<u64> = got.iter().filter_map(|(id, _, _)| *id).collect();
+    let at = ids
+        .iter()
+        .position(|s| *s == seq)
+        .unwrap_or_else(|| panic!("event {seq} was skipped: {ids:?}"));
+    assert_eq!(ids[at + 1], next, "{ids:?}");
+    let (_, _, d) = got.iter().find(|(id, _, _)| *id == Some(seq)).unwrap();
+    assert_eq!(d["tool"], "late", "its data, resolved: {d}");
+}
+
+/// Review G14: a job page shows `limit` events and reads about that many,
+/// not its whole history. Through a proxy that counts the console's pull
+/// requests: a page of 10 events of a job with 4000 takes a pull or two
+/// (the whole history took one per batch).
+#[tokio::test]
+async fn console_job_page_reads_the_events_it_shows_not_the_whole_history() {
+    let env = Env::new().await;
+    let proxy = leasehold_harness::proxy::FaultProxy::start(&env.url()).await;
+    let console =
+        start_console(&[("NATS_URL", proxy.url()), ("LH_PREFIX", env.prefix.clone())]).await;
+    let base = console.1.clone();
+    let rec = JobRecord {
+        id: "long-story".into(),
+        kind: "echo".into(),
+        status: "running".into(),
+        epoch: 1,
+        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    env.jobs.create(&rec).await.unwrap();
+    let evs: Vec<_> = (0..4000)
+        .map(|i| {
+            leasehold_store::events::event(
+                "long-story",
+                1,
+                "phase",
+                Some("w"),
+                json!({"phase": format!("p{i}")}),
+            )
+        })
+        .collect();
+    for ev in &evs {
+        env.events.publish(ev, None).await.unwrap();
+    }
+    let c = http();
+    // A first page, so the console's own connections are all set up.
+    let r = c
+        .get(format!("{base}/jobs/long-story?limit=10"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pulls = "$JS.API.CONSUMER.MSG.NEXT.>";
+    let before = proxy.published(pulls);
+    let r = c
+        .get(format!("{base}/jobs/long-story?limit=10"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let pulled = proxy.published(pulls) - before;
+    assert_eq!(body.matches("class=\"ev ev-phase\"").count(), 10, "{body}");
+    assert!(body.contains("<b>p9</b>"), "{body}");
+    assert!(!body.contains("<b>p10</b>"), "the 11th event is not shown");
+    assert!(body.contains("later events"), "{body}");
+    assert!(
+        pulled <= 3,
+        "a page of 10 events pulled {pulled} batches: the whole history was read"
+    );
+    // The next page starts after the last one shown.
+    let next = body
+        .split("later events")
+        .next()
+        .and_then(|s| s.rsplit("href=\"").next())
+        .and_then(|s| s.split('"').next())
+        .unwrap()
+        .replace("&amp;", "&");
+    let r = c.get(format!("{base}{next}")).send().await.unwrap();
+    let body = r.text().await.unwrap();
+    assert!(body.contains("<b>p10</b>"), "{body}");
+    assert!(!body.contains("<b>p9</b>"), "{body}");
+}
+
+/// A job page or its live part starting after `after` (a later page, a
+/// page given back by the back-forward cache following on after its last
+/// row) judges the next claim against the last claim before `after`, as
+/// the clients' stream does: a reclaim after a failed attempt is a
+/// reclaim, not a retry.
+#[tokio::test]
+async fn console_job_page_resumed_after_a_claim_names_a_later_reclaim() {
+    let env = Env::new().await;
+    let console = spawn_console(&env, &[]).await;
+    let rec = JobRecord {
+        id: "resumed-tl".into(),
+        kind: "echo".into(),
+        status: "running".into(),
+        epoch: 2,
+        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    env.jobs.create(&rec).await.unwrap();
+    let ev = |epoch, ty: &str, data: Value| {
+        leasehold_store::events::event("resumed-tl", epoch, ty, Some("w"), data)
+    };
+    let first = env
+        .events
+        .publish(
+            &ev(1, "claimed", json!({"attempts": 0, "stale_reclaims": 0})),
+            None,
+        )
+        .await
+        .unwrap();
+    env.events
+        .publish(&ev(1, "phase", json!({"phase": "outline"})), None)
+        .await
+        .unwrap();
+    // Epoch 2 after one failed attempt and then its owner's loss: a reclaim.
+    env.events
+        .publish(
+            &ev(2, "claimed", json!({"attempts": 1, "stale_reclaims": 1})),
+            None,
+        )
+        .await
+        .unwrap();
+    let c = http();
+    let page = c
+        .get(format!("{}/jobs/resumed-tl?after={first}", console.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("reclaim: drop"), "{page}");
+    let r = c
+        .get(format!(
+            "{}/jobs/resumed-tl/live?after={first}",
+            console.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    let got = sse_until(r, |(_, ev, d)| {
+        ev == "ev" && d["html"].as_str().unwrap_or("").contains("superseded")
+    })
+    .await;
+    let html = got.last().unwrap().2["html"].as_str().unwrap().to_string();
+    assert!(html.contains("reclaim: drop"), "{html}");
 }

@@ -52,6 +52,9 @@ pub async fn confirm(
         return Err(forbidden(&caller));
     }
     app.may_act(caller.via == Via::Bearer)?;
+    if let Some(id) = q.get("id") {
+        crate::app::job_id(id.trim(), false)?;
+    }
     let action = q.get("action").cloned().unwrap_or_default();
     let Some(t) = title(&action) else {
         return Err(Failure::page(
@@ -249,6 +252,9 @@ pub async fn act(
             StatusCode::NOT_FOUND,
             format!("unknown action {action:?}"),
         ));
+    }
+    if let Some(id) = f.get("id") {
+        crate::app::job_id(id.trim(), as_json)?;
     }
     let done = run(&app, &caller, &action, &f)
         .await

@@ -53,6 +53,7 @@ pub async fn record(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &[]).map_err(bad)?;
+    crate::app::job_id(&id, true)?;
     let v = app
         .jobs
         .get(&id)
@@ -70,6 +71,7 @@ pub async fn result(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &[]).map_err(bad)?;
+    crate::app::job_id(&id, true)?;
     let r = app
         .jobs
         .get(&id)
@@ -131,6 +133,7 @@ pub async fn events(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &["after"]).map_err(bad)?;
+    crate::app::job_id(&id, true)?;
     let after = match headers
         .get("last-event-id")
         .map(|v| v.to_str().map(str::trim))
@@ -143,95 +146,161 @@ pub async fn events(
         Some(Err(_)) => return Err(bad("Last-Event-ID is not text".into())),
         _ => number(&q, "after", 0).map_err(bad)? as u64,
     };
-    if app
+    let rec = app
         .jobs
         .get(&id)
         .await
         .map_err(|e| Failure::unavailable(e, true))?
-        .is_none()
-    {
-        return Err(missing(&id));
+        .ok_or_else(|| missing(&id))?
+        .value;
+    // An EventSource reconnects after `end` on its own: a job that ended at
+    // or before `after` is told so again, and the stream closes.
+    if after > 0 && TERMINAL.contains(&rec.status.as_str()) {
+        if let Some((seq, ty)) = terminal_event(&app, &id).await? {
+            if seq <= after {
+                let end = Event::default()
+                    .event("end")
+                    .data(json!({"status": ty}).to_string());
+                return Ok(
+                    Sse::new(futures::stream::iter([Ok::<_, Infallible>(end)])).into_response()
+                );
+            }
+        }
     }
-    let follow = app
+    let first = app
         .events
         .follow(&id, after)
         .await
         .map_err(|e| Failure::unavailable(e, true))?;
-    // A resumed stream judges the next claim against the last one before it.
-    let tracker = match app.events.last_of_type(&id, "claimed").await {
-        Ok(Some((seq, claim))) if after > 0 && seq <= after => {
-            crate::render::Supersedes::after_claim(&claim)
-        }
-        _ => crate::render::Supersedes::default(),
-    };
+    let follow = follow_events(app.clone(), id.clone(), after, first);
+    let tracker = supersedes_after(&app, &id, after).await;
     struct St {
-        follow: futures::stream::BoxStream<
-            'static,
-            Result<(u64, leasehold_proto::JobEvent), leasehold_store::StoreError>,
-        >,
+        follow: futures::stream::BoxStream<'static, (u64, leasehold_proto::JobEvent)>,
         app: Arc<App>,
-        id: String,
-        last: u64,
         done: bool,
         tracker: crate::render::Supersedes,
     }
     let st = St {
         follow,
         app,
-        id,
-        last: after,
         done: false,
         tracker,
     };
     let s = futures::stream::unfold(st, |mut st| async move {
-            if st.done {
-                return None;
-            }
-            // An error is noted and the stream goes on (the ordered consumer
-            // recovers by itself); if it ends, it is followed again from the
-            // last sequence sent, so the client misses nothing.
-            let (seq, ev) = loop {
-                match st.follow.next().await {
-                    Some(Ok((seq, _))) if seq <= st.last => continue,
-                    Some(Ok(x)) => break x,
-                    Some(Err(e)) => tracing::warn!(error = %e, "client event stream; going on"),
-                    None => {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        match st.app.events.follow(&st.id, st.last).await {
-                            Ok(f) => st.follow = f,
-                            Err(e) => tracing::warn!(error = %e, "client event stream: following again failed"),
-                        }
-                    }
-                }
-            };
-            st.last = seq;
-            let (app, tracker) = (&st.app, &mut st.tracker);
-            let mut out: Vec<Event> = Vec::new();
-            if let Some(mut sup) = tracker.see(&ev) {
-                sup["seq"] = json!(seq);
-                out.push(Event::default().event("superseded").data(sup.to_string()));
-            }
-            let mut v = serde_json::to_value(&ev).unwrap_or_default();
-            v["seq"] = json!(seq);
+        if st.done {
+            return None;
+        }
+        let (seq, ev) = st.follow.next().await?;
+        let (app, tracker) = (&st.app, &mut st.tracker);
+        let mut out: Vec<Event> = Vec::new();
+        if let Some(mut sup) = tracker.see(&ev) {
+            sup["seq"] = json!(seq);
+            out.push(Event::default().event("superseded").data(sup.to_string()));
+        }
+        let mut v = serde_json::to_value(&ev).unwrap_or_default();
+        v["seq"] = json!(seq);
+        out.push(
+            Event::default()
+                .id(seq.to_string())
+                .data(app.clean(&v.to_string())),
+        );
+        let end = TERMINAL.contains(&ev.r#type.as_str());
+        if end {
             out.push(
                 Event::default()
-                    .id(seq.to_string())
-                    .data(app.clean(&v.to_string())),
+                    .event("end")
+                    .data(json!({"status": ev.r#type}).to_string()),
             );
-            let end = TERMINAL.contains(&ev.r#type.as_str());
-            if end {
-                out.push(
-                    Event::default()
-                        .event("end")
-                        .data(json!({"status": ev.r#type}).to_string()),
-                );
-            }
-            st.done = end;
-            Some((futures::stream::iter(out), st))
-        })
+        }
+        st.done = end;
+        Some((futures::stream::iter(out), st))
+    })
     .flatten()
     .map(Ok::<_, Infallible>);
     Ok(Sse::new(s)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+/// What a view of the job's events starting after `after` judges the next
+/// claim against: the last claim before it (a resumed stream, a page
+/// after the first), or nothing for a view from the start. The clients'
+/// stream, the job page and its live part all start here.
+pub async fn supersedes_after(app: &App, id: &str, after: u64) -> crate::render::Supersedes {
+    if after == 0 {
+        return crate::render::Supersedes::default();
+    }
+    // The job's claims (one per attempt or reclaim: few), the last at or
+    // before `after`; the latest claim alone may be after it.
+    match app.events.read_type_from(id, "claimed", 0).await {
+        Ok(claims) => match claims.iter().rev().find(|(seq, _)| *seq <= after) {
+            Some((_, claim)) => crate::render::Supersedes::after_claim(claim),
+            None => crate::render::Supersedes::default(),
+        },
+        Err(e) => {
+            tracing::warn!(job = %id, error = %e, "claims before a resumed view");
+            crate::render::Supersedes::default()
+        }
+    }
+}
+
+/// The sequence and type of the job's latest terminal event, if any.
+async fn terminal_event(app: &App, id: &str) -> Result<Option<(u64, String)>, Failure> {
+    let mut last: Option<(u64, String)> = None;
+    for ty in TERMINAL {
+        let found = app
+            .events
+            .last_of_type(id, ty)
+            .await
+            .map_err(|e| Failure::unavailable(e, true))?;
+        if let Some((seq, _)) = found {
+            if last.as_ref().is_none_or(|(s, _)| seq > *s) {
+                last = Some((seq, ty.to_string()));
+            }
+        }
+    }
+    Ok(last)
+}
+
+/// A job's events after `after` in order, each once, then new ones as they
+/// land, starting with `first` (that follow, already open). What the
+/// clients' stream and the job page's live timeline read: on an error (the
+/// ordered consumer's, or an event whose data beside it cannot be read
+/// yet, as a lagging replica's) or an end, it follows again from the last
+/// event given, so the event is read again, never skipped.
+pub fn follow_events(
+    app: Arc<App>,
+    id: String,
+    after: u64,
+    first: futures::stream::BoxStream<
+        'static,
+        Result<(u64, leasehold_proto::JobEvent), leasehold_store::StoreError>,
+    >,
+) -> futures::stream::BoxStream<'static, (u64, leasehold_proto::JobEvent)> {
+    let st = (Some(first), after, app, id);
+    futures::stream::unfold(st, |(mut follow, mut last, app, id)| async move {
+        loop {
+            let Some(f) = follow.as_mut() else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                match app.events.follow(&id, last).await {
+                    Ok(f) => follow = Some(f),
+                    Err(e) => tracing::warn!(job = %id, error = %e, "event stream: following again failed"),
+                }
+                continue;
+            };
+            match f.next().await {
+                Some(Ok((seq, _))) if seq <= last => continue,
+                Some(Ok((seq, ev))) => {
+                    last = seq;
+                    return Some(((seq, ev), (follow, last, app, id)));
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(job = %id, after = last, error = %e, "event stream: reading again after the last event sent");
+                    follow = None;
+                }
+                None => follow = None,
+            }
+        }
+    })
+    .boxed()
 }

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -199,6 +200,21 @@ impl Failure {
     }
 }
 
+/// A job id the console was given, checked before it names a key or a
+/// subject: anything else (`*`, `>`, a `.`) would be a wildcard or another
+/// token there, and one read would become a read of every job. 400 saying
+/// what an id is.
+pub fn job_id(id: &str, json: bool) -> Result<(), Failure> {
+    if leasehold_core::spec::valid_job_id(id) {
+        return Ok(());
+    }
+    Err(Failure {
+        status: StatusCode::BAD_REQUEST,
+        message: leasehold_core::spec::SubmitError::InvalidId(id.to_string()).to_string(),
+        json,
+    })
+}
+
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
         let message = leasehold_telemetry::redact_text(&self.message);
@@ -227,6 +243,41 @@ impl IntoResponse for Failure {
     }
 }
 
+/// Every request: refused when its `Host` may not be served (see
+/// [`crate::auth::host_refused`]); every answer: never framed by another
+/// site (a confirmation clicked through in a hidden frame), never sniffed
+/// as another type, and no URL sent to another site.
+async fn guard(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| req.uri().authority().map(|a| a.as_str()));
+    let mut resp = match crate::auth::host_refused(&app.args, host) {
+        Some(why) => Failure {
+            status: StatusCode::FORBIDDEN,
+            message: why,
+            json: req.uri().path().starts_with("/v1/"),
+        }
+        .into_response(),
+        None => next.run(req).await,
+    };
+    let h = resp.headers_mut();
+    for (k, v) in [
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::CONTENT_SECURITY_POLICY, "frame-ancestors 'none'"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "same-origin"),
+    ] {
+        h.insert(k, header::HeaderValue::from_static(v));
+    }
+    resp
+}
+
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/", get(|| async { axum::response::Redirect::to("/jobs") }))
@@ -247,5 +298,6 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/jobs/{id}", get(api::record))
         .route("/v1/jobs/{id}/result", get(api::result))
         .route("/v1/jobs/{id}/events", get(api::events))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
 }

@@ -27,10 +27,44 @@ use crate::Args;
 /// The cookie the login form sets (the token, HttpOnly, SameSite=Strict).
 pub const COOKIE: &str = "lh_console";
 
+/// Whether auth is off: no token and no trusted header configured (then
+/// only on a loopback address, and only for requests naming a loopback
+/// host).
+pub fn auth_off(a: &Args) -> bool {
+    a.read_token.is_none() && a.operator_token.is_none() && a.trusted_header.is_none()
+}
+
+/// Whether a `Host` header names this machine's loopback interface
+/// (`localhost`, `127.x.y.z` or `[::1]`, with or without a port).
+pub fn loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Why a request may not be served at all, if it may not: with auth off,
+/// one whose `Host` is not a loopback name came through a name that
+/// resolves here (DNS rebinding: a hostile page's script at
+/// `evil.test:PORT` reaching this console), so it is refused (403), reads
+/// included.
+pub fn host_refused(a: &Args, host: Option<&str>) -> Option<String> {
+    if !auth_off(a) || host.is_some_and(loopback_host) {
+        return None;
+    }
+    Some(format!(
+        "Host {:?} is not a loopback name: auth is off, so this console answers only requests to localhost, 127.0.0.1 or [::1]; configure --token, --operator-token or --trusted-header to serve other names",
+        host.unwrap_or("")
+    ))
+}
+
 /// A configuration that would leave a non-loopback console open: refused.
 pub fn check_config(a: &Args) -> Result<(), String> {
-    let none = a.read_token.is_none() && a.operator_token.is_none() && a.trusted_header.is_none();
-    if none && !a.http_listen.ip().is_loopback() {
+    if auth_off(a) && !a.http_listen.ip().is_loopback() {
         return Err(format!(
             "--http-listen {} is not a loopback address, and no --token, --operator-token or --trusted-header is set: auth is off only on loopback",
             a.http_listen
@@ -116,7 +150,7 @@ impl App {
     /// Who `parts` comes from, by the configured means.
     pub fn caller(&self, parts: &Parts) -> Option<Caller> {
         let a = &self.args;
-        if a.read_token.is_none() && a.operator_token.is_none() && a.trusted_header.is_none() {
+        if auth_off(a) {
             return Some(Caller {
                 name: "local".into(),
                 can_act: true,
@@ -214,5 +248,37 @@ impl FromRequestParts<Arc<App>> for Caller {
             api,
             why: "unauthorized: send Authorization: Bearer TOKEN",
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loopback_host;
+
+    #[test]
+    fn loopback_hosts_are_the_loopback_names_only() {
+        for h in [
+            "localhost",
+            "localhost:8090",
+            "LOCALHOST:1",
+            "127.0.0.1",
+            "127.0.0.1:8090",
+            "127.1.2.3:80",
+            "[::1]",
+            "[::1]:8090",
+        ] {
+            assert!(loopback_host(h), "{h}");
+        }
+        for h in [
+            "evil.test:8090",
+            "evil.test",
+            "localhost.evil.test:8090",
+            "127.0.0.1.evil.test",
+            "10.0.0.1:8090",
+            "[::2]:8090",
+            "",
+        ] {
+            assert!(!loopback_host(h), "{h}");
+        }
     }
 }

@@ -509,6 +509,7 @@ pub async fn job(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &["after", "limit"]).map_err(bad)?;
+    crate::app::job_id(&id, false)?;
     let after = number(&q, "after", 0).map_err(bad)? as u64;
     let lim = limit(&q, app.args.page_max, app.args.page_max).map_err(bad)?;
     let Some(v) = app
@@ -523,12 +524,7 @@ pub async fn job(
         ));
     };
     let r = v.value;
-    let events = app
-        .events
-        .read_from(&id, after + 1)
-        .await
-        .map_err(|e| Failure::unavailable(e, false))?;
-    let more = events.len() > lim;
+    let (events, more) = timeline_page(&app, &id, after, lim).await?;
     let mut b = String::new();
     let _ = write!(
         b,
@@ -541,14 +537,14 @@ pub async fn job(
         "<h2>Timeline</h2><table class=\"timeline\"><thead>{}</thead><tbody id=\"timeline\"",
         render::EVENT_HEAD
     );
-    let shown: Vec<_> = events.iter().take(lim).collect();
+    let shown: Vec<_> = events.iter().collect();
     let last = shown.last().map_or(after, |(s, _)| *s);
     if !more {
         let _ = write!(b, " data-live=\"/jobs/{}/live?after={last}\"", url(&id));
     }
     b.push('>');
     let clean = |s: &str| app.clean(s);
-    let mut tracker = render::Supersedes::default();
+    let mut tracker = crate::api::supersedes_after(&app, &id, after).await;
     for (seq, ev) in &shown {
         b.push_str(&render::event_row(*seq, ev, &clean));
         if let Some(sup) = tracker.see(ev) {
@@ -571,6 +567,44 @@ pub async fn job(
         esc(&app.clean(&rec))
     );
     Ok(html(render::layout(&format!("job {id}"), &b)))
+}
+
+/// A page of the job's events after `after`: at most `lim`, and whether
+/// more follow. What is shown is what is read: `lim + 1` events at most
+/// (followed up to the job's last event as it was at the start), never the
+/// whole history after `after`.
+async fn timeline_page(
+    app: &App,
+    id: &str,
+    after: u64,
+    lim: usize,
+) -> Result<(Vec<(u64, leasehold_proto::JobEvent)>, bool), Failure> {
+    let u = |e: leasehold_store::StoreError| Failure::unavailable(e, false);
+    let Some((last, _)) = app.events.last(id).await.map_err(u)? else {
+        return Ok((Vec::new(), false));
+    };
+    if last <= after {
+        return Ok((Vec::new(), false));
+    }
+    let mut f = app.events.follow(id, after).await.map_err(u)?;
+    let mut out = Vec::new();
+    while out.len() <= lim {
+        // Events removed since `last` was read (retention) leave nothing
+        // to wait for: the page is what came.
+        match tokio::time::timeout(Duration::from_secs(5), f.next()).await {
+            Ok(Some(Ok((seq, ev)))) => {
+                out.push((seq, ev));
+                if seq >= last {
+                    break;
+                }
+            }
+            Ok(Some(Err(e))) => return Err(u(e)),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let more = out.len() > lim;
+    out.truncate(lim);
+    Ok((out, more))
 }
 
 pub fn superseded_row(seq: u64, sup: &serde_json::Value) -> String {
@@ -634,6 +668,7 @@ pub async fn job_live(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &["after"]).map_err(bad)?;
+    crate::app::job_id(&id, false)?;
     let after = number(&q, "after", 0).map_err(bad)? as u64;
     if app
         .jobs
@@ -647,18 +682,21 @@ pub async fn job_live(
             format!("no job {id:?}"),
         ));
     }
-    let evs = app
+    let first = app
         .events
         .follow(&id, after)
         .await
         .map_err(|e| Failure::unavailable(e, false))?;
+    let evs = crate::api::follow_events(app.clone(), id.clone(), after, first);
     let a2 = app.clone();
-    let tracker = Arc::new(std::sync::Mutex::new(render::Supersedes::default()));
+    let tracker = Arc::new(std::sync::Mutex::new(
+        crate::api::supersedes_after(&app, &id, after).await,
+    ));
     let evs = evs.filter_map(move |x| {
         let app = a2.clone();
         let tracker = tracker.clone();
         async move {
-            let (seq, ev) = x.ok()?;
+            let (seq, ev) = x;
             let clean = |s: &str| app.clean(s);
             let mut html = render::event_row(seq, &ev, &clean);
             let sup = tracker.lock().expect("tracker").see(&ev);
@@ -1010,6 +1048,7 @@ pub async fn login_form() -> Response {
 
 pub async fn login(
     State(app): State<Arc<App>>,
+    headers: axum::http::HeaderMap,
     Form(f): Form<HashMap<String, String>>,
 ) -> Response {
     let t = f.get("token").cloned().unwrap_or_default();
@@ -1024,10 +1063,26 @@ pub async fn login(
         )
         .into_response();
     }
+    // Behind TLS (the browser's page is https, or the proxy says so) the
+    // cookie is never sent over plain HTTP.
+    let https = |name: header::HeaderName, prefix: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with(prefix))
+    };
+    let secure = https(header::ORIGIN, "https://")
+        || https(
+            header::HeaderName::from_static("x-forwarded-proto"),
+            "https",
+        );
     (
         [(
             header::SET_COOKIE,
-            format!("{COOKIE}={t}; HttpOnly; SameSite=Strict; Path=/"),
+            format!(
+                "{COOKIE}={t}; HttpOnly; SameSite=Strict; Path=/{}",
+                if secure { "; Secure" } else { "" }
+            ),
         )],
         Redirect::to("/jobs"),
     )

@@ -373,9 +373,11 @@ pub fn describe(ev: &JobEvent) -> String {
     }
 }
 
+/// A key shown short: its first 12 characters (not bytes: a kind's key
+/// may be any text) when it has more than 16.
 fn short_key(k: &str) -> String {
-    if k.len() > 16 {
-        format!("{}…", &k[..12])
+    if k.chars().count() > 16 {
+        format!("{}…", k.chars().take(12).collect::<String>())
     } else {
         k.to_string()
     }
@@ -535,4 +537,16 @@ pub fn bars(title: &str, values: &[f64], unit: &str) -> String {
     }
     svg.push_str("</svg></figure>");
     svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_key;
+
+    #[test]
+    fn short_key_cuts_by_characters() {
+        assert_eq!(short_key("ключ-идемпотентности"), "ключ-идемпот…");
+        assert_eq!(short_key("0123456789abcdefXYZ"), "0123456789ab…");
+        assert_eq!(short_key("short-κλειδί"), "short-κλειδί");
+    }
 }
