@@ -97,11 +97,16 @@ soak: setup build
 ## kill workers, restarting them, so it may need up to 240 s to settle),
 ## then the operators profile on one server (reviews resumed and cancelled,
 ## dead letters replayed, a kind added live and pruned, ids reused after a
-## short retention, all during the default's faults). Fixed seeds. Every leg runs even when an earlier one failed (each
+## short retention, all during the default's faults; and the doors: the Rust
+## SDK's invoice kind and a Python remote kind writing to an outside
+## destination that commits then hangs or dies, parks answered by the soak,
+## a tenant's lanes under a running-jobs limit, delayed jobs, a schedule,
+## 0.5-2 s cuts; LH_PYTHON is the python-sdk venv's). Fixed seeds. Every leg runs even when an earlier one failed (each
 ## finds something else); the target fails if any did.
 SOAK_CI_SEED ?= 20260501
-soak-ci: build
+soak-ci: build python-sdk
 	@rc=0; \
+	export LH_PYTHON="$(LH_PY_VENV)/bin/python"; \
 	set -x; \
 	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s \
 		--out $(SOAK_OUT) || rc=$$?; \

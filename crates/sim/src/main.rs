@@ -29,7 +29,8 @@ Endpoints:
   POST /accounting/invoices   an accounting system (the invoice example's destination): invoices
                               unique by supplier + number, GET ?supplier=&number= looks one up,
                               GET /accounting/suppliers?name=, POST /accounting/faults arms
-                              commit_then_timeout, commit_then_500, rate_limit, lookup_ambiguous
+                              commit_then_timeout, commit_then_500, rate_limit, lookup_ambiguous;
+                              GET /accounting/creates counts the creates per business key
   POST /effects               the effects sink (Idempotency-Key honoured); GET /effects lists,
                               GET /effects/count counts, POST /effects/faults arms a fault
 
@@ -43,6 +44,8 @@ LH_SIM_PROVIDER, LH_SIM_CONTEXT_CHARS):
                           (commit_then_timeout, timeout_before_commit, empty_success,
                           commit_twice, error_5xx, commit_then_5xx, commit_late)
   LH_SIM_EFFECTS_HANG     how long a hanging effects fault hangs [default: 30s]
+  LH_SIM_ACCOUNTING_STATE a file the accounting system journals its books to (synced before
+                          each create is answered) and reads back at start: they survive kill -9
   LH_SIM_EFFECTS_DEDUPE   whether a repeated Idempotency-Key replays the first result
                           [default: true]
   RUST_LOG                log filter [default: info]

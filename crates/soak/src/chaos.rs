@@ -368,7 +368,7 @@ impl<'a> Chaos<'a> {
                 self.probe_reachable(n, self.fleet.workers[worker].id.clone())
                     .await;
             }
-            Fault::CutWorker { worker, pause_ms } => {
+            Fault::CutWorker { worker, pause_ms } | Fault::BlipWorker { worker, pause_ms } => {
                 for p in &self.fleet.workers[worker].proxies {
                     p.refuse_new(true);
                     p.cut();

@@ -24,6 +24,8 @@ pub struct Settings {
     pub max_stale_reclaims: u32,
     /// `LH_RETENTION_KIND` of the reapers (empty: the default retention).
     pub retention_kind: String,
+    /// `LH_INTERVAL` of the reapers.
+    pub reaper_interval: String,
 }
 
 impl Settings {
@@ -364,7 +366,7 @@ impl Fleet {
                 "LH_REAPER_ID",
                 format!("soak-r{}-g{}", slot + 1, r.generation),
             ),
-            ("LH_INTERVAL", "1s".into()),
+            ("LH_INTERVAL", self.settings.reaper_interval.clone()),
             ("LH_STRANDED_GRACE", "10s".into()),
             (
                 "LH_MAX_STALE_RECLAIMS",

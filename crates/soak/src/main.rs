@@ -162,7 +162,8 @@ struct Args {
     max_stale_reclaims: Option<u32>,
     /// Inject only these fault kinds (comma-separated): kill9_worker_same_id,
     /// kill9_worker_new_id, sigstop_worker, sigterm_worker, kill9_reaper,
-    /// partition_freeze, partition_cut (with --proxied > 0), kill9_server
+    /// partition_freeze, partition_cut (with --proxied > 0; operators:
+    /// also partition_blip, a cut of 0.5-2 s), kill9_server
     /// (single node), kill9_node_leader, kill9_node_follower,
     /// leader_stepdown (--cluster); nats_restart_kill9,
     /// nats_restart_sigterm (nats-restart); rolling_restart (rolling).
@@ -374,6 +375,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         } else {
             String::new()
         },
+        reaper_interval: reaper_interval(&k).into(),
     };
     let mut fleet = Fleet::servers(settings.clone(), &logs, k.cluster).await?;
     say(format!("nats at {}", fleet.url));
@@ -381,9 +383,14 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         .connect("leasehold-soak")
         .await?;
     let replicas = if k.cluster { 3 } else { 1 };
+    let mut set_up = k.kinds();
+    if k.ops {
+        // The doors' kinds (served by their own workers, not the fleet's).
+        set_up.extend(ops::doors::KINDS.map(String::from));
+    }
     let opts = SetupOptions {
         replicas,
-        kinds: k.kinds(),
+        kinds: set_up,
         job_history: 64,
         dedupe_window: if k.ops {
             ops::DEDUPE_WINDOW
@@ -540,8 +547,11 @@ async fn run(a: Args) -> anyhow::Result<bool> {
                 .collect(),
         },
     );
-    if let Some((flows, _, _)) = &ops_log {
+    if let (Some((flows, _, _)), Some(o)) = (&ops_log, &operators) {
         verdict.operators = ops::check(flows, &c);
+        verdict
+            .operators
+            .extend(o.check_doors(&c, &server_down(&injected)));
     }
     let mut reoffers = reoffer::find(&c);
     reoffer::judge(
@@ -613,6 +623,8 @@ async fn run(a: Args) -> anyhow::Result<bool> {
             "flows": flows,
             "actions": actions,
             "findings": verdict.operators.len(),
+            "doors": operators.as_ref().map(|o| o.doors_seen()),
+            "invariants": door_invariants(&verdict.operators),
         });
         let mut by: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
         for f in flows {
@@ -670,6 +682,55 @@ fn plan_doc(
         doc["slots"] = json!(k.slots());
     }
     doc
+}
+
+/// The reapers' sweep interval: 1 s; 2 s for the operators, so their
+/// every-second schedule ticks finer than the reapers sweep.
+fn reaper_interval(k: &Knobs) -> &'static str {
+    if k.ops {
+        "2s"
+    } else {
+        "1s"
+    }
+}
+
+/// When the soak's faults had the server or a node down (to 3 s after it
+/// was restored): a schedule's ticks then are the reapers' to skip.
+fn server_down(injected: &[chaos::Injected]) -> Vec<ops::doors::Down> {
+    injected
+        .iter()
+        .filter(|f| {
+            matches!(
+                f.fault,
+                plan::Fault::RestartServer { .. }
+                    | plan::Fault::KillNode { .. }
+                    | plan::Fault::NatsRestart { .. }
+                    | plan::Fault::RollingRestart { .. }
+            )
+        })
+        .map(|f| (f.at, f.restored_at + Duration::from_secs(3)))
+        .collect()
+}
+
+/// The operators' findings counted by the invariant they name (the
+/// prefix of their reason before `: `, after the flow's name).
+fn door_invariants(findings: &[check::Finding]) -> Value {
+    let mut by: BTreeMap<&str, Vec<&check::Finding>> = ops::doors::INVARIANTS
+        .iter()
+        .map(|n| (*n, Vec::new()))
+        .collect();
+    for f in findings {
+        if let Some(n) = ops::doors::INVARIANTS
+            .iter()
+            .find(|n| f.reason.contains(&format!("{n}: ")))
+        {
+            by.entry(n).or_default().push(f);
+        }
+    }
+    json!(by
+        .into_iter()
+        .map(|(n, l)| (n, json!({"count": l.len(), "jobs": l})))
+        .collect::<BTreeMap<_, _>>())
 }
 
 /// Slot use is measured from this long after the first submissions (the
@@ -872,7 +933,7 @@ fn report(r: ReportIn<'_>) -> Value {
             "model_fault_rate": r.a.model_fault_rate, "max_stale_reclaims": k.max_stale_reclaims,
             "quiesce_timeout_s": k.quiesce_timeout.as_secs_f64(),
             "long_jobs": k.long, "poison_jobs": r.subs.iter().filter(|s| s.expect == plan::Expect::Poison).count(),
-            "reapers": 2, "reaper_interval": "1s",
+            "reapers": 2, "reaper_interval": reaper_interval(k),
         },
         "jobs": {
             "submitted": r.subs.len(),

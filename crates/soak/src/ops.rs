@@ -46,6 +46,8 @@ use crate::collect::Collected;
 use crate::fleet::{worker_env, Incarnation, Settings};
 use crate::rng::Rng;
 
+pub mod doors;
+
 /// The kind the operators add to the running fleet and prune again.
 pub const LIVE_KIND: &str = "deliver";
 /// The reapers' `LH_RETENTION_KIND` in this profile.
@@ -58,6 +60,8 @@ pub const DEDUPE_WINDOW: Duration = Duration::from_secs(20);
 pub const OPS_SLOT: usize = 99;
 /// How long a flow waits for a state before it reports the job as stuck.
 const PATIENCE: Duration = Duration::from_secs(120);
+/// Bytes of a large input: above the 16 KiB a record keeps inline.
+const LARGE: usize = 20 * 1024;
 /// How often a command that failed (a fault in its way) is run again.
 const TRIES: u32 = 8;
 
@@ -72,6 +76,8 @@ pub struct OpsPlan {
     pub reuses: Vec<u64>,
     /// Not before every delivery and reuse flow ended.
     pub prune_at_ms: u64,
+    /// The doors: SDK and Python kinds, tenants, delays, a schedule.
+    pub doors: doors::DoorsPlan,
 }
 
 /// The operators' plan for a run of length `run`: a pure function of the seed.
@@ -96,6 +102,7 @@ pub fn plan(seed: u64, run: Duration) -> OpsPlan {
         deliveries,
         reuses,
         prune_at_ms: run_ms * 3 / 4,
+        doors: doors::plan(seed, run),
     }
 }
 
@@ -121,6 +128,9 @@ pub struct Flow {
     /// What went against the promise, as the flow saw it.
     pub problems: Vec<String>,
     pub done: bool,
+    /// The answers the operators gave its parks, in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub answers: Vec<Value>,
 }
 
 #[derive(Default)]
@@ -128,6 +138,9 @@ struct State {
     actions: Vec<Action>,
     flows: Vec<Flow>,
     incarnations: Vec<Incarnation>,
+    /// The destination's creates per business key, read at the end.
+    creates: Option<Value>,
+    ticks: Option<doors::TickWindow>,
 }
 
 /// The operators of a run; clone freely.
@@ -145,6 +158,7 @@ pub struct Ops {
     logs: PathBuf,
     state: Arc<Mutex<State>>,
     tasks: Arc<Mutex<JoinSet<()>>>,
+    doors: Arc<doors::Doors>,
 }
 
 /// The inputs of [`Ops::new`].
@@ -176,6 +190,7 @@ impl Ops {
             logs: i.logs,
             state: Arc::default(),
             tasks: Arc::default(),
+            doors: Arc::new(doors::Doors::new()),
         }
     }
 
@@ -205,6 +220,7 @@ impl Ops {
                 me.replay(n).await;
             });
         }
+        self.start_doors(&plan.doors);
         let me = self.clone();
         let plan = plan.clone();
         self.spawn(async move { me.live_kind(&plan).await });
@@ -220,7 +236,35 @@ impl Ops {
 
     /// Waits for every flow (they end on their own patience).
     pub async fn finish(&self) {
-        crate::submit::join_all(&self.tasks).await
+        crate::submit::join_all(&self.tasks).await;
+        self.stop_doors().await;
+    }
+
+    /// The doors' invariants ([`doors::check`]); `down`: when the soak's
+    /// faults had the server (or a node) down.
+    pub fn check_doors(&self, c: &Collected, down: &[doors::Down]) -> Vec<Finding> {
+        let st = self.state.lock().unwrap();
+        let mut out = Vec::new();
+        doors::check(
+            &st.flows,
+            c,
+            st.creates.as_ref(),
+            st.ticks.as_ref(),
+            down,
+            &mut |job: &str, reason: String| {
+                out.push(Finding {
+                    job: job.to_string(),
+                    reason,
+                })
+            },
+        );
+        out
+    }
+
+    /// What the doors' destination and schedule left, for the report.
+    pub fn doors_seen(&self) -> Value {
+        let st = self.state.lock().unwrap();
+        json!({"destination_creates": st.creates, "schedule_window": st.ticks})
     }
 
     fn flow(&self, id: &str, what: &'static str) -> usize {
@@ -232,6 +276,7 @@ impl Ops {
             documents: Vec::new(),
             problems: Vec::new(),
             done: false,
+            answers: Vec::new(),
         });
         st.flows.len() - 1
     }
@@ -420,7 +465,18 @@ impl Ops {
     async fn replay(&self, n: usize) {
         let id = self.id("bad", n);
         let f = self.flow(&id, "replay");
-        if !self.submit("echo", b"{\"input\":[1,2".to_vec(), &id).await {
+        // Replay 0: a large input (beside the record) refused for its run
+        // time, corrected to a small one; the others: bytes that are not
+        // JSON, corrected to a large input. Either way the job must run
+        // the corrected input.
+        let bad = if n == 0 {
+            json!({"delay": "soon", "input": {"pad": "p".repeat(LARGE)}})
+                .to_string()
+                .into_bytes()
+        } else {
+            b"{\"input\":[1,2".to_vec()
+        };
+        if !self.submit("echo", bad, &id).await {
             self.problem(f, "the submission was never accepted");
             return;
         }
@@ -449,7 +505,12 @@ impl Ops {
             return;
         }
         let file = self.logs.join(format!("{id}.spec.json"));
-        let fixed = json!({"input": {"fixed": n}});
+        let corrected = if n == 0 {
+            json!({"fixed": n})
+        } else {
+            json!({"fixed": n, "pad": "c".repeat(LARGE)})
+        };
+        let fixed = json!({"input": corrected});
         if let Err(e) = std::fs::write(&file, fixed.to_string()) {
             self.problem(f, format!("writing the corrected spec: {e}"));
             return;
@@ -479,13 +540,16 @@ impl Ops {
             .wait_for(&id, |r| r.is_some_and(|r| r.status == "completed"))
             .await
         {
-            Ok(Some(r)) if output(&r) == Some(json!({"fixed": n})) => {}
+            Ok(Some(r)) if output(&r).as_ref() == Some(&corrected) => {}
             Ok(r) | Err(r) => self.problem(
                 f,
                 format!(
-                    "replayed job: {} with output {:?}",
+                    "replayed_ran_corrected_input: {} with output {}",
                     status(r.as_ref()),
-                    r.as_ref().and_then(output)
+                    r.as_ref()
+                        .and_then(output)
+                        .map(|o| o.to_string().chars().take(200).collect::<String>())
+                        .unwrap_or_default()
                 ),
             ),
         }
@@ -497,11 +561,24 @@ impl Ops {
 
     /// The sequence of the rejected letter of `id`, waiting up to `wait`.
     async fn letter_of(&self, dlq: &Dlq, id: &str, wait: Duration) -> Option<u64> {
+        self.letter(dlq, "echo", "rejected", id, wait).await
+    }
+
+    /// The sequence of the letter of `id` of `kind` and `class`, waiting up
+    /// to `wait`.
+    async fn letter(
+        &self,
+        dlq: &Dlq,
+        kind: &str,
+        class: &str,
+        id: &str,
+        wait: Duration,
+    ) -> Option<u64> {
         let deadline = Instant::now() + wait;
         loop {
             if let Ok(Ok((letters, _))) = tokio::time::timeout(
                 Duration::from_secs(5),
-                dlq.page(Some("echo"), Some("rejected"), 0, 10_000),
+                dlq.page(Some(kind), Some(class), 0, 10_000),
             )
             .await
             {
@@ -520,6 +597,7 @@ impl Ops {
     /// kinds (every other setting stays as the soak set it up).
     fn setup_args(&self, with_live: bool, prune: bool) -> Vec<String> {
         let mut kinds = self.settings.kinds.clone();
+        kinds.extend(doors::KINDS.map(String::from));
         if with_live {
             kinds.push(LIVE_KIND.into());
         }
@@ -984,6 +1062,7 @@ mod tests {
             documents: documents.iter().map(|d| d.to_string()).collect(),
             problems: Vec::new(),
             done: true,
+            answers: Vec::new(),
         }
     }
 

@@ -242,6 +242,9 @@ pub enum Fault {
     FreezeWorker { worker: usize, pause_ms: u64 },
     /// Cut a proxied worker's connections and refuse its reconnects.
     CutWorker { worker: usize, pause_ms: u64 },
+    /// Cut a proxied worker's connections and refuse its reconnects for
+    /// 0.5-2 s, well inside its session timeout: it must keep its jobs.
+    BlipWorker { worker: usize, pause_ms: u64 },
     /// SIGKILL one reaper; start it again after `down_ms`.
     KillReaper { reaper: usize, down_ms: u64 },
     /// Single node: SIGKILL the nats-server, restart it on its storage.
@@ -273,6 +276,7 @@ impl Fault {
             Fault::TermWorker { .. } => "sigterm_worker",
             Fault::FreezeWorker { .. } => "partition_freeze",
             Fault::CutWorker { .. } => "partition_cut",
+            Fault::BlipWorker { .. } => "partition_blip",
             Fault::KillReaper { .. } => "kill9_reaper",
             Fault::RestartServer { .. } => "kill9_server",
             Fault::KillNode {
@@ -293,7 +297,8 @@ impl Fault {
             | Fault::PauseWorker { worker, .. }
             | Fault::TermWorker { worker }
             | Fault::FreezeWorker { worker, .. }
-            | Fault::CutWorker { worker, .. } => Some(*worker),
+            | Fault::CutWorker { worker, .. }
+            | Fault::BlipWorker { worker, .. } => Some(*worker),
             _ => None,
         }
     }
@@ -405,6 +410,10 @@ pub fn faults(seed: u64, run: Duration, s: &Shape) -> Vec<Step> {
             "partition_cut" => Fault::CutWorker {
                 worker: proxied,
                 pause_ms: r.range(1000, s.session_ms + 2000),
+            },
+            "partition_blip" => Fault::BlipWorker {
+                worker: proxied,
+                pause_ms: r.range(500, 2000),
             },
             "kill9_reaper" => Fault::KillReaper {
                 reaper: r.range(0, s.reapers as u64 - 1) as usize,

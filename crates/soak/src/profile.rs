@@ -123,7 +123,16 @@ impl Knobs {
     pub fn deck(&self) -> Vec<&'static str> {
         let proxied = self.proxied > 0;
         match self.profile {
-            Profile::Default | Profile::Operators => plan::fault_kinds(self.cluster, proxied),
+            Profile::Default => plan::fault_kinds(self.cluster, proxied),
+            Profile::Operators => {
+                let mut k = plan::fault_kinds(self.cluster, proxied);
+                // Short cuts, inside the session timeout: the default's
+                // deck (and so its pinned plans) stays as it was.
+                if proxied {
+                    k.push("partition_blip");
+                }
+                k
+            }
             Profile::Busy => {
                 let mut k = plan::fault_kinds(self.cluster, proxied);
                 // Kill -9 of workers especially: what a busy fleet loses most.
@@ -272,7 +281,9 @@ mod tests {
         let k = Profile::Operators.knobs(false).unwrap();
         assert!(k.ops);
         assert!(!k.kinds().contains(&crate::ops::LIVE_KIND.to_string()));
-        assert_eq!(k.deck(), plan::fault_kinds(false, true));
+        let mut deck = plan::fault_kinds(false, true);
+        deck.push("partition_blip");
+        assert_eq!(k.deck(), deck);
     }
 
     #[test]
