@@ -269,6 +269,7 @@ impl Reaper {
             readiness: self.readiness.clone(),
             kinds,
             verify_cursor: std::sync::Mutex::new(String::new()),
+            unclaimed: std::sync::Mutex::default(),
             opts,
         });
         let stats = inner.stats.clone();
@@ -351,6 +352,34 @@ struct Inner {
     /// Where the rotating check of running entries against their records
     /// goes on at the next sweep (a job id).
     verify_cursor: std::sync::Mutex<String>,
+    /// Waiting jobs whose ticket (job, ticket) its lane delivered but the
+    /// job was still not claimed: at the last sweep, and at this one.
+    unclaimed: std::sync::Mutex<Unclaimed>,
+}
+
+/// Tickets seen delivered but unclaimed, by sweep: a ticket is stuck only
+/// when two sweeps saw it so, since one look may land in the milliseconds
+/// between a worker's delivery and its claim.
+#[derive(Default)]
+struct Unclaimed {
+    last: std::collections::HashSet<(String, u64)>,
+    this: std::collections::HashSet<(String, u64)>,
+}
+
+impl Unclaimed {
+    /// Notes `ticket` of `job` as delivered and unclaimed now; whether the
+    /// last sweep saw it so too.
+    fn seen_again(&mut self, job: &str, ticket: u64) -> bool {
+        let k = (job.to_string(), ticket);
+        let again = self.last.contains(&k);
+        self.this.insert(k);
+        again
+    }
+
+    /// A sweep ended: what it saw is what the next compares with.
+    fn next_sweep(&mut self) {
+        self.last = std::mem::take(&mut self.this);
+    }
 }
 
 /// How many running entries with a live owner each sweep compares with
@@ -750,6 +779,7 @@ impl Inner {
                 tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep");
             }
         }
+        self.unclaimed.lock().unwrap().next_sweep();
         self.verify_some(to_verify).await;
         let depth = self.queue_depth().await;
         let dlq = self.dlq_by_kind().await;
@@ -888,9 +918,24 @@ impl Inner {
         } else {
             None
         };
-        if ticket.is_some() {
-            let delivered = self.delivered_seq(&rec.kind).await;
+        if let Some(t) = &ticket {
+            // Judged by the ticket's own lane: another lane's deliveries
+            // say nothing of a ticket waiting behind its lane's backlog.
+            let delivered = r
+                .work
+                .delivered_seq(&rec.kind, &t.lane)
+                .await
+                .ok()
+                .flatten();
             if delivered.is_none_or(|d| rec.ticket_seq > d) {
+                return Ok(());
+            }
+            if !self
+                .unclaimed
+                .lock()
+                .unwrap()
+                .seen_again(job, rec.ticket_seq)
+            {
                 return Ok(());
             }
         }
@@ -977,12 +1022,6 @@ impl Inner {
                 .await?;
         }
         Ok(())
-    }
-
-    /// The last stream sequence the kind's consumer delivered.
-    async fn delivered_seq(&self, kind: &str) -> Option<u64> {
-        let mut c = self.recovery.work.consumer(kind).await.ok()?;
-        c.info().await.ok().map(|i| i.delivered.stream_sequence)
     }
 
     /// Tickets in the work stream (waiting or in progress).
