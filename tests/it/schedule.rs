@@ -442,3 +442,58 @@ async fn a_schedule_of_a_kind_not_set_up_is_refused() {
     let (code, out, err) = cli(&env.url(), &["schedule", "list", "--json"]).await;
     assert_eq!((code, out.as_str()), (0, ""), "nothing stored: {err}");
 }
+
+/// Review G13: a reaper with the default 10 s interval (its sweeps 10 s
+/// apart) fires every tick of a `*/2` schedule, each at its time rather
+/// than at the next sweep, and each once.
+#[tokio::test]
+async fn a_seconds_schedule_fires_every_tick_at_its_time_whatever_the_sweep_interval() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let o = ReaperOptions::local(&env.url(), &env.prefix);
+    assert_eq!(o.interval, Duration::from_secs(10));
+    let stop_reaper = CancellationToken::new();
+    let reaper = Reaper::new(o).start(stop_reaper.clone()).await.unwrap();
+    let added = SystemTime::now();
+    let (code, out, err) = cli(
+        &env.url(),
+        &[
+            "schedule",
+            "add",
+            "fine",
+            "--cron",
+            "*/2 * * * * *",
+            "echo",
+            r#"{"input":{}}"#,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let first = unix(added) / 2 * 2 + 2;
+    // Six ticks: ten seconds, within one sweep interval.
+    for tick in (first..first + 12).step_by(2) {
+        let id = format!("fine-{tick}");
+        let rec = env
+            .wait_status(&id, "completed", Duration::from_secs(15))
+            .await;
+        assert_eq!(rec.epoch, 1, "{id} ran more than once");
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(tick);
+        let late = parse_rfc3339(&rec.created_at)
+            .unwrap()
+            .duration_since(at)
+            .unwrap_or_default();
+        assert!(
+            late < Duration::from_secs(1),
+            "{id} fired {late:?} after its tick"
+        );
+    }
+    assert!(env
+        .jobs
+        .get(&format!("fine-{}", first - 2))
+        .await
+        .unwrap()
+        .is_none());
+    stop_reaper.cancel();
+    reaper.wait().await.unwrap();
+    stop.cancel();
+}

@@ -126,6 +126,7 @@ fn validate(name: &str, cron: &str, kind: &str, raw: &[u8]) -> Result<Entry, Str
         created_at: at.clone(),
         last_fired: None,
         last_job: None,
+        skipped_through: None,
         updated_at: at,
     })
 }
