@@ -39,12 +39,13 @@ use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use leasehold_core::machine::{self, status_of};
 use leasehold_core::spec::{self, Kinds, Submission};
-use leasehold_core::time::{human_duration, rfc3339};
+use leasehold_core::time::human_duration;
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::index::{Filter, Key};
 use leasehold_store::liveness::Verdict;
 use leasehold_store::recovery::{self, Action, Recovery};
 use leasehold_store::sessions::{Ping, Runs, SessionInfo};
+use leasehold_store::timers::{self, DueError};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
 use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
@@ -74,6 +75,15 @@ pub enum ReaperError {
     Advisories { stream: String, message: String },
     #[error("reaper task failed: {0}")]
     Task(String),
+}
+
+impl From<DueError> for ReaperError {
+    fn from(e: DueError) -> Self {
+        match e {
+            DueError::Store(e) => ReaperError::Store(e),
+            DueError::Jobs(e) => ReaperError::Jobs(e),
+        }
+    }
 }
 
 impl ReaperError {
@@ -409,6 +419,11 @@ async fn run(
     ));
     let probe = tokio::spawn(probe_loop(inner.clone(), shutdown.clone()));
     let schedules = tokio::spawn(schedules_loop(inner.clone(), shutdown.clone()));
+    let wakeups = tokio::spawn(leasehold_store::timers::run(
+        inner.recovery.clone(),
+        None,
+        shutdown.clone(),
+    ));
     let retention = match open_retention(&inner.conn).await {
         Ok(r) => tokio::spawn(crate::retention::run(
             r,
@@ -437,7 +452,7 @@ async fn run(
     inner.readiness.set_draining();
     let _ = link.await;
     tracing::info!(reaper_id = %inner.id, "shutdown: finishing the actions in progress");
-    for t in [sweep, adv, srv, ends, probe, schedules, retention] {
+    for t in [sweep, adv, srv, ends, probe, schedules, wakeups, retention] {
         if let Err(e) = t.await {
             tracing::error!(error = %e, "reaper task panicked");
         }
@@ -993,6 +1008,8 @@ impl Inner {
         }
         let why = if ticket.is_some() {
             "its ticket was delivered but never claimed"
+        } else if rec.ticket_seq == 0 {
+            "its ticket was released for its wait and no wake-up gave it a new one"
         } else {
             "its ticket was gone"
         };
@@ -1019,9 +1036,10 @@ impl Inner {
     }
 
     /// Gives waiting job `rec` (read at `revision`) a fresh ticket in place
-    /// of `lost`: publish first (deduplicated by the revision, so replicas
-    /// publish one), then point the record at it (conditioned), then delete
-    /// the old one. A job is never dead-lettered for how often its ticket
+    /// of `lost` (0: a released ticket, whose wake-up did not come):
+    /// [`timers::reticket`] (publish first, deduplicated by the revision, so
+    /// replicas and wake-ups publish one; then the record, conditioned),
+    /// then delete the old one. A job is never dead-lettered for how often its ticket
     /// was delivered: only its stale reclaims make it poison.
     async fn replace_ticket(
         &self,
@@ -1033,23 +1051,8 @@ impl Inner {
     ) -> Result<(), ReaperError> {
         let r = &self.recovery;
         let job = rec.id.as_str();
-        let published = r
-            .work
-            .reissue(rec, "stranded", &format!("r{revision}"))
-            .await?;
-        let res = r
-            .jobs
-            .transition(job, |c| {
-                if c.status != Status::Queued.as_str() || c.ticket_seq > lost {
-                    return Ok(None);
-                }
-                let mut n = c.clone();
-                n.ticket_seq = published.seq;
-                n.updated_at = rfc3339(SystemTime::now());
-                Ok(Some(n))
-            })
-            .await?;
-        if res.value.ticket_seq == published.seq && !published.duplicate {
+        let published = timers::reticket(r, rec, revision, lost).await?;
+        if let Some(published) = published.filter(|p| !p.duplicate) {
             if had_ticket && lost > 0 {
                 r.work.delete(lost).await?;
             }
