@@ -166,7 +166,8 @@ async fn a_long_delay_costs_its_ticket_at_most_two_deliveries_and_is_never_dead_
 /// consumer edit --max-pending 20` would set it), 20 jobs delayed by 10
 /// minutes, each delivered once, hold none of those slots: a job submitted
 /// after them runs at once. Without any reaper, a delayed job still runs
-/// at its time, woken by the workers.
+/// at its time, woken by the workers: two of them race to wake it, and it
+/// gets one ticket.
 #[tokio::test]
 async fn delayed_jobs_hold_no_ack_pending_slot_and_still_run_at_their_time() {
     let env = Env::new().await;
@@ -193,11 +194,14 @@ async fn delayed_jobs_hold_no_ack_pending_slot_and_still_run_at_their_time() {
         .await;
     // A delay past the hold releases its ticket too; it is given a new one
     // at its time.
+    let (_w2, stop2) = env.worker().await;
     env.submit("echo", json!({"input": {}, "delay": "7s"}), "soon")
         .await;
     let rec = env
         .wait_status("soon", "queued", Duration::from_secs(5))
         .await;
+    let last_seq = || async { stream.get_info().await.unwrap().state.last_sequence };
+    let submitted = last_seq().await;
     let due = parse_rfc3339(rec.next_run_at.as_deref().expect("due")).unwrap();
     env.wait_status("soon", "completed", Duration::from_secs(15))
         .await;
@@ -222,6 +226,12 @@ async fn delayed_jobs_hold_no_ack_pending_slot_and_still_run_at_their_time() {
         .unwrap()
         .clone();
     assert_eq!(info.num_ack_pending, 0, "{info:?}");
+    assert_eq!(
+        last_seq().await,
+        submitted + 1,
+        "two workers woke the job: one ticket"
+    );
+    stop2.cancel();
     stop.cancel();
 }
 

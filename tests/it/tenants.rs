@@ -277,9 +277,13 @@ async fn a_tenants_backlog_behind_its_limit_is_never_taken_for_stranded() {
     )
     .await;
     assert_eq!(code, 0, "{out}{err}");
+    // Submitted as `leasehold submit` does: each is a queued record, listed
+    // as waiting, at once.
     let ids: Vec<String> = (0..3).map(|i| format!("acme-{i}")).collect();
     for id in &ids {
-        env.submit("sleep", sleep_job("acme", None, 1500), id).await;
+        let spec = sleep_job("acme", None, 1500).to_string();
+        let (code, out, err) = cli(&env.url(), &["submit", "sleep", &spec, "--id", id]).await;
+        assert_eq!(code, 0, "{out}{err}");
     }
     let _w = workers(&env, 1, 8);
     let mut o = leasehold_reaper::Options::local(&env.url(), &env.prefix);
