@@ -24,7 +24,9 @@
 //! 5. The metrics responder on `<prefix>.reaper.metrics`.
 //!
 //! A sixth task fires the recurring schedules' ticks, each at its time
-//! (`crate::schedules`): exactly once per tick across replicas.
+//! (`crate::schedules`): exactly once per tick across replicas. A seventh
+//! wakes waiting jobs whose ticket was released for their wait
+//! (`leasehold_store::timers`, run by every worker too).
 //!
 //! Architecture invariant: every action is a revision-conditioned write of
 //! the job record or a deduplicated publish, so any number of replicas may
