@@ -150,12 +150,88 @@ async fn a_long_delay_costs_its_ticket_at_most_two_deliveries_and_is_never_dead_
         "the delayed ticket was delivered {} times",
         info.delivered.consumer_sequence
     );
-    assert_eq!(info.num_ack_pending, 1, "the ticket waits for its due time");
+    assert_eq!(
+        info.num_ack_pending, 0,
+        "the ticket was released to the job's wake-up, not held for its wait"
+    );
     let rec = env.jobs.get("later-long").await.unwrap().unwrap().value;
     assert_eq!((rec.status.as_str(), rec.epoch), ("queued", 0), "{rec:?}");
     let (_, out, _) = cli(&env.url(), &["dlq", "list", "--json"]).await;
     assert!(!out.contains("later-long"), "dead-lettered: {out}");
     stop_reaper.cancel();
+    stop.cancel();
+}
+
+/// Review G8: with the kind's consumer at `max_ack_pending` 20 (as `nats
+/// consumer edit --max-pending 20` would set it), 20 jobs delayed by 10
+/// minutes, each delivered once, hold none of those slots: a job submitted
+/// after them runs at once. Without any reaper, a delayed job still runs
+/// at its time, woken by the workers: two of them race to wake it, and it
+/// gets one ticket.
+#[tokio::test]
+async fn delayed_jobs_hold_no_ack_pending_slot_and_still_run_at_their_time() {
+    let env = Env::new().await;
+    let stream = env
+        .conn
+        .js
+        .get_stream(env.conn.layout.work_stream())
+        .await
+        .unwrap();
+    let name = env.conn.layout.work_consumer("echo");
+    let mut cfg = stream.consumer_info(&name).await.unwrap().config;
+    cfg.max_ack_pending = 20;
+    stream.update_consumer(cfg).await.unwrap();
+    let (_w, stop) = env.worker().await;
+    for i in 0..20 {
+        let id = format!("later-{i}");
+        env.submit("echo", json!({"input": {}, "delay": "10m"}), &id)
+            .await;
+        // Recorded by the claim: its ticket was delivered.
+        env.wait_status(&id, "queued", Duration::from_secs(5)).await;
+    }
+    env.submit("echo", json!({"input": {}}), "now").await;
+    env.wait_status("now", "completed", Duration::from_secs(5))
+        .await;
+    // A delay past the hold releases its ticket too; it is given a new one
+    // at its time.
+    let (_w2, stop2) = env.worker().await;
+    env.submit("echo", json!({"input": {}, "delay": "7s"}), "soon")
+        .await;
+    let rec = env
+        .wait_status("soon", "queued", Duration::from_secs(5))
+        .await;
+    let last_seq = || async { stream.get_info().await.unwrap().state.last_sequence };
+    let submitted = last_seq().await;
+    let due = parse_rfc3339(rec.next_run_at.as_deref().expect("due")).unwrap();
+    env.wait_status("soon", "completed", Duration::from_secs(15))
+        .await;
+    let claimed = env
+        .events_of("soon")
+        .await
+        .into_iter()
+        .find(|e| e.r#type == "claimed")
+        .expect("claimed event");
+    let late = parse_rfc3339(&claimed.at)
+        .unwrap()
+        .duration_since(due)
+        .expect("claimed no sooner than due");
+    assert!(late < Duration::from_secs(1), "claimed {late:?} after due");
+    let info = env
+        .work
+        .consumer("echo")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(info.num_ack_pending, 0, "{info:?}");
+    assert_eq!(
+        last_seq().await,
+        submitted + 1,
+        "two workers woke the job: one ticket"
+    );
+    stop2.cancel();
     stop.cancel();
 }
 
@@ -441,4 +517,59 @@ async fn a_schedule_of_a_kind_not_set_up_is_refused() {
     );
     let (code, out, err) = cli(&env.url(), &["schedule", "list", "--json"]).await;
     assert_eq!((code, out.as_str()), (0, ""), "nothing stored: {err}");
+}
+
+/// Review G13: a reaper with the default 10 s interval (its sweeps 10 s
+/// apart) fires every tick of a `*/2` schedule, each at its time rather
+/// than at the next sweep, and each once.
+#[tokio::test]
+async fn a_seconds_schedule_fires_every_tick_at_its_time_whatever_the_sweep_interval() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let o = ReaperOptions::local(&env.url(), &env.prefix);
+    assert_eq!(o.interval, Duration::from_secs(10));
+    let stop_reaper = CancellationToken::new();
+    let reaper = Reaper::new(o).start(stop_reaper.clone()).await.unwrap();
+    let added = SystemTime::now();
+    let (code, out, err) = cli(
+        &env.url(),
+        &[
+            "schedule",
+            "add",
+            "fine",
+            "--cron",
+            "*/2 * * * * *",
+            "echo",
+            r#"{"input":{}}"#,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let first = unix(added) / 2 * 2 + 2;
+    // Six ticks: ten seconds, within one sweep interval.
+    for tick in (first..first + 12).step_by(2) {
+        let id = format!("fine-{tick}");
+        let rec = env
+            .wait_status(&id, "completed", Duration::from_secs(15))
+            .await;
+        assert_eq!(rec.epoch, 1, "{id} ran more than once");
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(tick);
+        let late = parse_rfc3339(&rec.created_at)
+            .unwrap()
+            .duration_since(at)
+            .unwrap_or_default();
+        assert!(
+            late < Duration::from_secs(1),
+            "{id} fired {late:?} after its tick"
+        );
+    }
+    assert!(env
+        .jobs
+        .get(&format!("fine-{}", first - 2))
+        .await
+        .unwrap()
+        .is_none());
+    stop_reaper.cancel();
+    reaper.wait().await.unwrap();
+    stop.cancel();
 }

@@ -261,3 +261,68 @@ async fn malformed_tenants_priorities_and_weights_are_refused() {
         "the rejection names the subject: {e:?}"
     );
 }
+
+/// Review G7: tenant `acme` at its running-jobs limit (1) queues three jobs
+/// while the kind's default lane keeps delivering later tickets, and a
+/// reaper checks stranded waits past a 1 s grace. Each waiting ticket is
+/// judged by its own lane's consumer, so none is taken for "delivered but
+/// never claimed": no acme job is re-ticketed (no `recovered` event) and
+/// they run in the order submitted.
+#[tokio::test]
+async fn a_tenants_backlog_behind_its_limit_is_never_taken_for_stranded() {
+    let env = Env::new().await;
+    let (code, out, err) = cli(
+        &env.url(),
+        &["limits", "set", "--tenant", "acme", "--jobs", "1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    // Submitted as `leasehold submit` does: each is a queued record, listed
+    // as waiting, at once.
+    let ids: Vec<String> = (0..3).map(|i| format!("acme-{i}")).collect();
+    for id in &ids {
+        let spec = sleep_job("acme", None, 1500).to_string();
+        let (code, out, err) = cli(&env.url(), &["submit", "sleep", &spec, "--id", id]).await;
+        assert_eq!(code, 0, "{out}{err}");
+    }
+    let _w = workers(&env, 1, 8);
+    let mut o = leasehold_reaper::Options::local(&env.url(), &env.prefix);
+    o.interval = Duration::from_millis(300);
+    o.stranded_grace = Duration::from_secs(1);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let reaper = leasehold_reaper::Reaper::new(o)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    // The default lane of the same kind delivers tickets later than every
+    // acme one, all the while the acme backlog waits.
+    let mut n = 0;
+    while env.jobs.get(&ids[2]).await.unwrap().map(|v| v.value.status) != Some("completed".into()) {
+        let id = env
+            .submit("sleep", json!({"input": {"ms": 1}}), &format!("plain-{n}"))
+            .await;
+        env.wait_status(&id, "completed", Duration::from_secs(10))
+            .await;
+        n += 1;
+    }
+    let mut claimed = Vec::new();
+    for id in &ids {
+        let evs = env.events_of(id).await;
+        let recovered: Vec<_> = evs
+            .iter()
+            .filter(|e| e.r#type == "progress" && e.data_map().get("recovered").is_some())
+            .collect();
+        assert!(
+            recovered.is_empty(),
+            "{id} was re-ticketed while it waited behind its lane: {recovered:?}"
+        );
+        claimed.push(first_at(&env, id, "claimed").await);
+    }
+    assert!(
+        claimed.windows(2).all(|w| w[0] < w[1]),
+        "acme jobs ran out of order: {claimed:?}"
+    );
+    assert!(n > 0);
+    stop.cancel();
+    reaper.wait().await.unwrap();
+}

@@ -204,6 +204,12 @@ pub enum ClaimDecision {
     Wait(Duration),
     /// The ticket has nothing left to do (terminal, parked, superseded): ack it.
     Drop(String),
+    /// A waiting job not due for longer than [`HOLD_TICKET_AT_MOST`]: its
+    /// ticket is not held for the wait (it would count against the
+    /// consumer's `max_ack_pending` all along). Set its due-time wake-up,
+    /// record that it has no ticket, then ack the ticket; the wake-up gives
+    /// it a fresh one when it is due.
+    Release,
     /// A live owner holds the job: this ticket is not needed (the job's
     /// liveness is its owner's session). Make sure the job is in the index
     /// of active jobs, then ack the ticket at once: never NAK it (each NAK
@@ -216,6 +222,12 @@ pub enum ClaimDecision {
     /// dead-letters it. Ack nothing; NAK with this delay meanwhile.
     Poison(Duration),
 }
+
+/// The longest a delivered ticket is held (NAKed with the remaining wait)
+/// for a job not due yet; a longer wait releases it
+/// ([`ClaimDecision::Release`]). Short waits (backoffs, a clock a little
+/// ahead) stay on the ticket, which costs one NAK and no writes.
+pub const HOLD_TICKET_AT_MOST: Duration = Duration::from_secs(5);
 
 /// Decides a claim of `rec` (which exists) by `c`.
 pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
@@ -251,6 +263,9 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
         }
         Status::Queued => {
             let wait = until(c.now, rec.next_run_at.as_deref());
+            if wait > HOLD_TICKET_AT_MOST {
+                return ClaimDecision::Release;
+            }
             if wait > Duration::ZERO {
                 return ClaimDecision::Wait(wait);
             }
@@ -946,6 +961,30 @@ mod tests {
     }
 
     #[test]
+    fn a_ticket_far_ahead_of_its_due_time_is_released_not_held() {
+        let a = claim(&fresh(), &claimant("a", "t1", t(0)));
+        let owner = Owner::of(&a).unwrap();
+        let q = requeue(
+            &a,
+            &owner,
+            t(5),
+            JobError::default(),
+            Duration::from_secs(600),
+        )
+        .unwrap();
+        assert_eq!(
+            decide_claim(&q, &claimant("b", "t2", t(6))),
+            ClaimDecision::Release
+        );
+        // Within the hold, the ticket waits out the rest itself.
+        let left = HOLD_TICKET_AT_MOST.as_secs();
+        assert_eq!(
+            decide_claim(&q, &claimant("b", "t2", t(605 - left))),
+            ClaimDecision::Wait(HOLD_TICKET_AT_MOST)
+        );
+    }
+
+    #[test]
     fn future_run_time_waits_exactly_the_remaining_time() {
         let a = claim(&fresh(), &claimant("a", "t1", t(0)));
         let owner = Owner::of(&a).unwrap();
@@ -959,8 +998,8 @@ mod tests {
         .unwrap();
         assert_eq!((q.attempts, q.session.as_deref()), (1, None));
         assert_eq!(
-            decide_claim(&q, &claimant("b", "t2", t(20))),
-            ClaimDecision::Wait(Duration::from_secs(15))
+            decide_claim(&q, &claimant("b", "t2", t(32))),
+            ClaimDecision::Wait(Duration::from_secs(3))
         );
         let c = claim(&q, &claimant("b", "t2", t(35)));
         assert_eq!((c.epoch, c.stale_reclaims), (2, 0));

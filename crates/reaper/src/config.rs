@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `--reaper-id` | unique per process | name in logs and metrics |
 //! | `--max-stale-reclaims` | 3 | a job whose workers stopped this often while running it is poison (keep it equal to the workers' value) |
-//! | `--interval` | 10s | sweep period over the index of active jobs (ended sessions, hung attempts, stranded waits, metrics) |
+//! | `--interval` | 10s | sweep period over the index of active jobs (ended sessions, hung attempts, stranded waits, metrics); schedules are re-read at least this often (their ticks fire at their time) |
 //! | `--stranded-grace` | 60s | how long past its due time a waiting job may go unclaimed before its ticket is replaced |
 //! | `--probe-interval` | 500ms | how often every live worker is pinged; a closed connection ends its session at once (0: off, rely on the session timeout) |
 //! | `--clock-skew` | 2s | how far apart two hosts' clocks may be (attempt deadlines only) |
@@ -42,7 +42,9 @@ pub struct Options {
     /// dead-lettered as poison (the workers refuse to reclaim it further).
     #[arg(long, env = "LH_MAX_STALE_RECLAIMS", default_value_t = 3)]
     pub max_stale_reclaims: u32,
-    /// Sweep period: poison jobs, stranded runs, unfinished dead-lettering, metrics.
+    /// Sweep period: poison jobs, stranded runs, unfinished dead-lettering,
+    /// metrics; the schedules are re-read at least this often (their ticks
+    /// fire at their time, not at a sweep).
     #[arg(long, env = "LH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub interval: Duration,
     /// How long past its due time a waiting job may go unclaimed before its

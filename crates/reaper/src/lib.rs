@@ -14,6 +14,11 @@
 //!   that disagree with their record repaired; poison jobs dead-lettered.
 //! - Retention: finished jobs are removed after `--retention` (per kind:
 //!   `--retention-kind`), events first, the record last ([`retention`]).
+//! - Recurring schedules: each tick fired at its time, exactly once across
+//!   replicas, missed ticks within a bounded catch-up (`schedules.rs`).
+//! - Due-time wake-ups: waiting jobs whose ticket was released for their
+//!   wait get a fresh one at their time (`leasehold_store::timers`, which
+//!   every worker runs too).
 //! - Max deliveries: the server's advisories, captured durably by the
 //!   `LH_ADVISORIES` stream; a live job is never killed for them.
 //! - Metrics: [`Metrics`] per sweep, logged, on the [`Handle`], and served on

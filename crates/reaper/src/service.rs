@@ -23,8 +23,10 @@
 //!    `dead` (class `max_deliveries`).
 //! 5. The metrics responder on `<prefix>.reaper.metrics`.
 //!
-//! After each sweep the reaper fires the recurring schedules' due ticks
-//! (`crate::schedules`): exactly once per tick across replicas.
+//! A sixth task fires the recurring schedules' ticks, each at its time
+//! (`crate::schedules`): exactly once per tick across replicas. A seventh
+//! wakes waiting jobs whose ticket was released for their wait
+//! (`leasehold_store::timers`, run by every worker too).
 //!
 //! Architecture invariant: every action is a revision-conditioned write of
 //! the job record or a deduplicated publish, so any number of replicas may
@@ -39,12 +41,13 @@ use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use leasehold_core::machine::{self, status_of};
 use leasehold_core::spec::{self, Kinds, Submission};
-use leasehold_core::time::{human_duration, rfc3339};
+use leasehold_core::time::human_duration;
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::index::{Filter, Key};
 use leasehold_store::liveness::Verdict;
 use leasehold_store::recovery::{self, Action, Recovery};
 use leasehold_store::sessions::{Ping, Runs, SessionInfo};
+use leasehold_store::timers::{self, DueError};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
 use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
@@ -77,6 +80,15 @@ pub enum ReaperError {
     /// The stop's actions in progress outlived `--drain-timeout`.
     #[error("shutdown: the actions in progress did not finish within --drain-timeout ({}); another reaper or the next start does them again", human_duration(*.0))]
     Unfinished(Duration),
+}
+
+impl From<DueError> for ReaperError {
+    fn from(e: DueError) -> Self {
+        match e {
+            DueError::Store(e) => ReaperError::Store(e),
+            DueError::Jobs(e) => ReaperError::Jobs(e),
+        }
+    }
 }
 
 impl ReaperError {
@@ -272,6 +284,7 @@ impl Reaper {
             readiness: self.readiness.clone(),
             kinds,
             verify_cursor: std::sync::Mutex::new(String::new()),
+            unclaimed: std::sync::Mutex::default(),
             opts,
         });
         let stats = inner.stats.clone();
@@ -354,6 +367,34 @@ struct Inner {
     /// Where the rotating check of running entries against their records
     /// goes on at the next sweep (a job id).
     verify_cursor: std::sync::Mutex<String>,
+    /// Waiting jobs whose ticket (job, ticket) its lane delivered but the
+    /// job was still not claimed: at the last sweep, and at this one.
+    unclaimed: std::sync::Mutex<Unclaimed>,
+}
+
+/// Tickets seen delivered but unclaimed, by sweep: a ticket is stuck only
+/// when two sweeps saw it so, since one look may land in the milliseconds
+/// between a worker's delivery and its claim.
+#[derive(Default)]
+struct Unclaimed {
+    last: std::collections::HashSet<(String, u64)>,
+    this: std::collections::HashSet<(String, u64)>,
+}
+
+impl Unclaimed {
+    /// Notes `ticket` of `job` as delivered and unclaimed now; whether the
+    /// last sweep saw it so too.
+    fn seen_again(&mut self, job: &str, ticket: u64) -> bool {
+        let k = (job.to_string(), ticket);
+        let again = self.last.contains(&k);
+        self.this.insert(k);
+        again
+    }
+
+    /// A sweep ended: what it saw is what the next compares with.
+    fn next_sweep(&mut self) {
+        self.last = std::mem::take(&mut self.this);
+    }
 }
 
 /// How many running entries with a live owner each sweep compares with
@@ -382,6 +423,12 @@ async fn run(
         shutdown.clone(),
     ));
     let probe = tokio::spawn(probe_loop(inner.clone(), shutdown.clone()));
+    let schedules = tokio::spawn(schedules_loop(inner.clone(), shutdown.clone()));
+    let wakeups = tokio::spawn(leasehold_store::timers::run(
+        inner.recovery.clone(),
+        None,
+        shutdown.clone(),
+    ));
     let retention = match open_retention(&inner.conn).await {
         Ok(r) => tokio::spawn(crate::retention::run(
             r,
@@ -416,7 +463,7 @@ async fn run(
         human_duration(drain)
     );
     let finish = async {
-        for t in [sweep, adv, srv, ends, probe, retention] {
+        for t in [sweep, adv, srv, ends, probe, schedules, wakeups, retention] {
             if let Err(e) = t.await {
                 tracing::error!(error = %e, "reaper task panicked");
             }
@@ -535,21 +582,72 @@ async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                 tracing::warn!(error = %e, "sweep failed; trying again at the next interval")
             }
         }
-        // Recurring schedules: each sweep fires the ticks due.
-        if let Err(e) = crate::schedules::fire_due(
-            &inner.conn,
-            &inner.recovery,
-            &inner.kinds,
-            SystemTime::now(),
-        )
-        .await
-        {
-            tracing::warn!(error = %e, "schedules not checked; trying again at the next interval");
-        }
-
         tokio::select! {
             _ = tokio::time::sleep(inner.opts.interval) => {}
             _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// How long after a tick the schedules loop wakes for it: ticks are whole
+/// seconds, and a timer never fires early, so this only absorbs the
+/// difference between the wall clock and the timer's.
+const TICK_SLACK: Duration = Duration::from_millis(2);
+
+/// The recurring schedules, on their own clock: wakes at the next tick of
+/// any schedule, and at once when a schedule is added or changed (at least
+/// every `--interval` while the schedules cannot be watched), and fires
+/// what is due, so a tick fires at its time whatever a sweep costs.
+async fn schedules_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
+    let mut dedupe = None;
+    let mut changes = None;
+    loop {
+        if changes.is_none() {
+            changes = crate::schedules::watch(&inner.conn).await;
+        }
+        let window = match dedupe {
+            Some(d) => d,
+            None => {
+                let d = crate::schedules::dedupe_window(&inner.conn).await;
+                if !d.is_zero() {
+                    dedupe = Some(d);
+                }
+                d
+            }
+        };
+        let next = match crate::schedules::fire_due(
+            &inner.conn,
+            &inner.recovery,
+            &inner.kinds,
+            &inner.opts,
+            window,
+        )
+        .await
+        {
+            Ok(c) => c.next,
+            Err(e) => {
+                tracing::warn!(error = %e, "schedules not checked; trying again at the next interval");
+                None
+            }
+        };
+        let wait = next
+            .map(|t| t.duration_since(SystemTime::now()).unwrap_or_default() + TICK_SLACK)
+            .unwrap_or(inner.opts.interval)
+            .min(inner.opts.interval);
+        let changed = async {
+            match changes.as_mut() {
+                Some(w) => w.next().await.map(|c| c.is_ok()).unwrap_or(false),
+                None => std::future::pending().await,
+            }
+        };
+        let watching = tokio::select! {
+            _ = tokio::time::sleep(wait) => true,
+            ok = changed => ok,
+            _ = shutdown.cancelled() => return,
+        };
+        if !watching {
+            // The watch ended (a reconnect, a leader change): watch anew.
+            changes = None;
         }
     }
 }
@@ -764,6 +862,7 @@ impl Inner {
                 tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep");
             }
         }
+        self.unclaimed.lock().unwrap().next_sweep();
         self.verify_some(to_verify).await;
         let depth = self.queue_depth().await;
         let dlq = self.dlq_by_kind().await;
@@ -902,14 +1001,31 @@ impl Inner {
         } else {
             None
         };
-        if ticket.is_some() {
-            let delivered = self.delivered_seq(&rec.kind).await;
+        if let Some(t) = &ticket {
+            // Judged by the ticket's own lane: another lane's deliveries
+            // say nothing of a ticket waiting behind its lane's backlog.
+            let delivered = r
+                .work
+                .delivered_seq(&rec.kind, &t.lane)
+                .await
+                .ok()
+                .flatten();
             if delivered.is_none_or(|d| rec.ticket_seq > d) {
+                return Ok(());
+            }
+            if !self
+                .unclaimed
+                .lock()
+                .unwrap()
+                .seen_again(job, rec.ticket_seq)
+            {
                 return Ok(());
             }
         }
         let why = if ticket.is_some() {
             "its ticket was delivered but never claimed"
+        } else if rec.ticket_seq == 0 {
+            "its ticket was released for its wait and no wake-up gave it a new one"
         } else {
             "its ticket was gone"
         };
@@ -936,9 +1052,10 @@ impl Inner {
     }
 
     /// Gives waiting job `rec` (read at `revision`) a fresh ticket in place
-    /// of `lost`: publish first (deduplicated by the revision, so replicas
-    /// publish one), then point the record at it (conditioned), then delete
-    /// the old one. A job is never dead-lettered for how often its ticket
+    /// of `lost` (0: a released ticket, whose wake-up did not come):
+    /// [`timers::reticket`] (publish first, deduplicated by the revision, so
+    /// replicas and wake-ups publish one; then the record, conditioned),
+    /// then delete the old one. A job is never dead-lettered for how often its ticket
     /// was delivered: only its stale reclaims make it poison.
     async fn replace_ticket(
         &self,
@@ -950,23 +1067,8 @@ impl Inner {
     ) -> Result<(), ReaperError> {
         let r = &self.recovery;
         let job = rec.id.as_str();
-        let published = r
-            .work
-            .reissue(rec, "stranded", &format!("r{revision}"))
-            .await?;
-        let res = r
-            .jobs
-            .transition(job, |c| {
-                if c.status != Status::Queued.as_str() || c.ticket_seq > lost {
-                    return Ok(None);
-                }
-                let mut n = c.clone();
-                n.ticket_seq = published.seq;
-                n.updated_at = rfc3339(SystemTime::now());
-                Ok(Some(n))
-            })
-            .await?;
-        if res.value.ticket_seq == published.seq && !published.duplicate {
+        let published = timers::reticket(r, rec, revision, lost).await?;
+        if let Some(published) = published.filter(|p| !p.duplicate) {
             if had_ticket && lost > 0 {
                 r.work.delete(lost).await?;
             }
@@ -991,12 +1093,6 @@ impl Inner {
                 .await?;
         }
         Ok(())
-    }
-
-    /// The last stream sequence the kind's consumer delivered.
-    async fn delivered_seq(&self, kind: &str) -> Option<u64> {
-        let mut c = self.recovery.work.consumer(kind).await.ok()?;
-        c.info().await.ok().map(|i| i.delivered.stream_sequence)
     }
 
     /// Tickets in the work stream (waiting or in progress).

@@ -45,6 +45,7 @@ pub mod retention;
 pub mod schedules;
 pub mod sessions;
 pub mod setup;
+pub mod timers;
 pub mod work;
 
 pub use connect::{Conn, NatsArgs};

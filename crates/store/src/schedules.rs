@@ -36,6 +36,10 @@ pub struct Entry {
     pub last_fired: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_job: Option<String>,
+    /// The latest tick skipped unfired (RFC 3339): missed by longer than
+    /// a check may catch up (see `leasehold_core::schedule::due_ticks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_through: Option<String>,
     pub updated_at: String,
 }
 
@@ -48,6 +52,12 @@ impl Entry {
     /// The tick fired last.
     pub fn last_fired_at(&self) -> Option<SystemTime> {
         self.last_fired.as_deref().and_then(parse_rfc3339)
+    }
+
+    /// The latest tick handled: fired, or skipped as too old to catch up.
+    pub fn handled_through(&self) -> Option<SystemTime> {
+        let skipped = self.skipped_through.as_deref().and_then(parse_rfc3339);
+        self.last_fired_at().max(skipped)
     }
 }
 
@@ -91,6 +101,15 @@ impl Schedules {
             Ok(_) => Ok(None),
             Err(e) => Err(StoreError::nats("read schedule", e)),
         }
+    }
+
+    /// Every change to any schedule from now on (an added, changed, paused
+    /// or removed one), so a firer sees it at once.
+    pub async fn watch(&self) -> Result<kv::Watch, StoreError> {
+        self.kv
+            .watch_all()
+            .await
+            .map_err(|e| StoreError::nats("watch schedules", e))
     }
 
     /// Every schedule, by name.

@@ -37,6 +37,9 @@ pub struct Work {
 pub struct Ticket {
     pub seq: u64,
     pub kind: String,
+    /// The lane its subject names (the default one for the kind's own
+    /// subject).
+    pub lane: Lane,
     pub payload: Bytes,
     pub headers: HeaderMap,
     /// When the stream stored it (the server's clock): a submission's
@@ -123,6 +126,24 @@ impl Work {
             .get_or_create_consumer(&name, cfg)
             .await
             .map_err(|e| StoreError::nats(&format!("create consumer {name}"), e))
+    }
+
+    /// The last stream sequence the consumer of `lane` of `kind` delivered;
+    /// `None` when that lane has no consumer (none made yet, or removed
+    /// after [`LANE_IDLE`]): nothing of the lane is out with a worker. Each
+    /// lane is its own consumer, so only its own deliveries say whether one
+    /// of its tickets was delivered.
+    pub async fn delivered_seq(&self, kind: &str, lane: &Lane) -> Result<Option<u64>, StoreError> {
+        let name = if lane.is_default() {
+            self.layout.work_consumer(kind)
+        } else {
+            self.layout.lane_consumer(kind, lane)
+        };
+        match self.stream().await?.consumer_info(&name).await {
+            Ok(i) => Ok(Some(i.delivered.stream_sequence)),
+            Err(e) if crate::is_not_found(&e) => Ok(None),
+            Err(e) => Err(crate::lookup_error(format!("consumer {name}"), &e)),
+        }
     }
 
     /// The lanes of `kind` other than the default one that hold tickets
@@ -278,6 +299,11 @@ impl Work {
                     .kind_of_submit_subject(&m.subject)
                     .unwrap_or_default()
                     .to_string(),
+                lane: self
+                    .layout
+                    .lane_of_submit_subject(&m.subject)
+                    .map(|(_, l)| l)
+                    .unwrap_or_default(),
                 payload: m.payload,
                 headers: m.headers,
                 stored_at: m.time.into(),

@@ -1,7 +1,7 @@
 //! `leasehold schedule add NAME --cron EXPR KIND SPEC | list | pause NAME |
 //! resume NAME | remove NAME`: recurring schedules, kept in the KV bucket
-//! `lh_schedules` and fired by every reaper at each sweep (exactly once
-//! per tick: see `leasehold_store::schedules`).
+//! `lh_schedules` and fired by every reaper at each tick's time (exactly
+//! once per tick: see `leasehold_store::schedules`).
 //!
 //! The cron expression is standard 5-field cron in UTC (or 6 fields with
 //! seconds first); SPEC is what `leasehold submit` takes (inline JSON,
@@ -126,6 +126,7 @@ fn validate(name: &str, cron: &str, kind: &str, raw: &[u8]) -> Result<Entry, Str
         created_at: at.clone(),
         last_fired: None,
         last_job: None,
+        skipped_through: None,
         updated_at: at,
     })
 }

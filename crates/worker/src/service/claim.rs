@@ -19,7 +19,7 @@ use leasehold_core::JobRecord;
 use leasehold_store::events;
 use leasehold_store::index::Key;
 use leasehold_store::liveness::Verdict;
-use leasehold_store::work;
+use leasehold_store::{timers, work};
 use leasehold_store::{JobsError, Versioned};
 use leasehold_telemetry::metrics::AttemptOutcome;
 use leasehold_telemetry::{spans, trace};
@@ -301,9 +301,9 @@ pub(crate) async fn handle_delivery(
         };
         let (write, reclaim) = match &current {
             // A delayed job not due yet: its queued record (due at
-            // `next_run_at`), as the gateway would write it, and the
-            // ticket back after the whole remaining delay: one delivery
-            // now and one when due, however long the delay.
+            // `next_run_at`), as the gateway would write it; the next round
+            // decides on it (a short wait NAKs the ticket with the rest, a
+            // long one releases the ticket to the job's wake-up).
             None if !machine::due(accepted.spec.run_at.as_deref(), SystemTime::now()) => {
                 let rec = machine::new_record(
                     &accepted.id,
@@ -319,15 +319,8 @@ pub(crate) async fn handle_delivery(
                                 tracing::debug!(job = %rec.id, error = %e, "delayed record not indexed; its ticket covers it");
                             }
                         }
-                        let d = leasehold_core::time::until(
-                            SystemTime::now(),
-                            rec.next_run_at.as_deref(),
-                        );
-                        tracing::debug!(job = %rec.id, delay = ?d, "delayed job recorded; the ticket comes back when it is due");
-                        let _ = msg
-                            .ack_with(AckKind::Nak(Some(d + Duration::from_millis(20))))
-                            .await;
-                        return;
+                        tracing::debug!(job = %rec.id, due = ?rec.next_run_at, "delayed job recorded");
+                        continue;
                     }
                     // Recorded already (the gateway): its record decides.
                     Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
@@ -418,6 +411,22 @@ pub(crate) async fn handle_delivery(
                             .ack_with(AckKind::Nak(Some(d + Duration::from_millis(20))))
                             .await;
                         return;
+                    }
+                    ClaimDecision::Release => {
+                        match timers::release(&shared.recovery, value, *revision).await {
+                            Ok(()) => {
+                                tracing::debug!(job = %accepted.id, due = ?value.next_run_at, "not due for a while: ticket released to the job's wake-up");
+                                let _ = msg.ack().await;
+                                return;
+                            }
+                            Err(timers::DueError::Jobs(JobsError::Conflict(_))) => continue,
+                            Err(e) => {
+                                let d = machine::transient_retry_delay(deliveries);
+                                tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot release the ticket of a delayed job; it comes back later");
+                                let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
+                                return;
+                            }
+                        }
                     }
                     ClaimDecision::Settle(why) => {
                         if settle_live(&shared, value, &msg, &why).await {

@@ -458,6 +458,13 @@ async fn run(
         recovery::WatchOptions::default(),
         shutdown.clone(),
     ));
+    // Delayed jobs of our kinds get their tickets at their time, with or
+    // without a reaper.
+    let wakeups = tokio::spawn(leasehold_store::timers::run(
+        shared.recovery.clone(),
+        Some(kinds.clone()),
+        shutdown.clone(),
+    ));
     if shared.opts.worker_id.is_some() {
         let s = shared.clone();
         tokio::spawn(claim::restart_reclaim_all(s));
@@ -508,6 +515,7 @@ async fn run(
         while loops.join_next().await.is_some() {}
         let _ = gw.await;
         let _ = ends.await;
+        let _ = wakeups.await;
         flow_stop.cancel();
         let _ = flow.await;
         session_stop.cancel();
