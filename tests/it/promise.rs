@@ -704,6 +704,7 @@ impl Handler for ParksAtOnce {
         Ok(Outcome::Parked {
             reason: "review".into(),
             message: "a person decides".into(),
+            step: None,
         })
     }
 }

@@ -67,6 +67,30 @@ async fn service(port: u16, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
     p
 }
 
+/// The Python SDK serving `tests/remote/doors_service.py` (kinds `append`
+/// and `gates`) on `port`.
+async fn doors_service(port: u16, extra: &[(&'static str, String)]) -> Proc {
+    let root = repo();
+    let mut path = root.join("tests/remote").display().to_string();
+    if std::env::var_os("LH_PYTHON").is_none() {
+        path = format!("{path}:{}", root.join("sdks/python/src").display());
+    }
+    let mut e: Vec<(&str, String)> = vec![
+        ("LEASEHOLD_PORT", port.to_string()),
+        ("PYTHONPATH", path),
+        ("PYTHONUNBUFFERED", "1".into()),
+    ];
+    e.extend(extra.iter().cloned());
+    let p = Proc::spawn_path(
+        std::path::Path::new(&python()),
+        &["-m", "leasehold", "serve", "doors_service:app"],
+        &e,
+        None,
+    );
+    wait_log(&p, "listening on ", Duration::from_secs(15)).await;
+    p
+}
+
 /// The protocol-breaking service.
 async fn bad_service() -> (Proc, String) {
     let port = free_port();
@@ -86,8 +110,18 @@ async fn env() -> Env {
         ack_wait: ACK_WAIT,
         ..SetupOptions::default()
     };
-    o.kinds
-        .extend(["invoice", "conformance", "bad"].map(String::from));
+    o.kinds.extend(
+        [
+            "invoice",
+            "conformance",
+            "bad",
+            "append",
+            "gates",
+            "bka",
+            "bkb",
+        ]
+        .map(String::from),
+    );
     Env::with(o).await
 }
 
@@ -397,6 +431,19 @@ async fn remote_bad_answer_over_the_body_limit_fails_with_a_clear_error() {
     assert_eq!(rec.status, "failed", "{rec:?}");
     let m = error_of(&rec);
     assert!(m.contains("answer_too_large"), "{m}");
+}
+
+/// G16: a step whose journal entry could never be sent back with its job
+/// (over the body limit) is not recorded: the job parks at once with the
+/// reason, instead of failing every later call with `request_too_large`.
+#[tokio::test]
+async fn remote_a_step_too_large_to_send_back_parks_and_is_not_recorded() {
+    let (rec, events) = bad("big_step").await;
+    assert_eq!(rec.status, "parked", "{rec:?}");
+    assert_eq!(rec.parked_reason.as_deref(), Some("protocol_error"));
+    let m = error_of(&rec);
+    assert!(m.contains("step_too_large") && m.contains("`a#0`"), "{m}");
+    assert!(steps(&events).is_empty(), "nothing recorded: {events:?}");
 }
 
 #[tokio::test]
@@ -960,4 +1007,190 @@ async fn remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_ca
     );
     let st = steps(&env.events_of("gen-kill").await);
     assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
+}
+
+// ---- every door keeps the promise -----------------------------------------
+
+/// G3: the tool appends its line, then its process dies before it answers
+/// (the worker's connection closes after the request was sent), and its
+/// supervisor (this test) starts it again. The effect may have happened,
+/// so the key stays in flight and the next attempt asks `find_existing`
+/// first: one line at the destination, never two.
+#[tokio::test]
+async fn remote_a_tool_that_dies_after_its_effect_is_reconciled_not_called_again() {
+    let env = env().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dest.txt");
+    let extra = [("APPEND_FILE", file.display().to_string())];
+    let port = free_port();
+    let mut s = doors_service(port, &extra).await;
+    let _w = worker(&env, &format!("append={}", url(port)), &[]);
+    env.submit(
+        "append",
+        json!({"input": {"line": "pay 120 EUR"}}),
+        "door-append",
+    )
+    .await;
+    // The supervisor: the service dies in its first tool call; start it again.
+    wait_log(&s, "dying before the answer", Duration::from_secs(20)).await;
+    assert!(
+        s.wait_timeout(Duration::from_secs(10)).is_some(),
+        "the service exits"
+    );
+    let _s2 = doors_service(port, &extra).await;
+    let rec = ended(&env, "door-append").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let lines = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(
+        lines.lines().count(),
+        1,
+        "one effect at the destination, never two: {lines:?}"
+    );
+    let events = env.events_of("door-append").await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.r#type == "tool" && e.data.contains("found at the destination")),
+        "the next attempt reconciled with find_existing: {:?}",
+        events
+            .iter()
+            .filter(|e| e.r#type == "tool")
+            .map(|e| &e.data)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(count(&steps(&events), "effect:append#0"), 1);
+}
+
+/// G2 for a remote kind: the first gate's answer is that gate's only; the
+/// Python service's second `ctx.park` parks the job again (reason
+/// `approve-2`), and its own answer comes back to it.
+#[tokio::test]
+async fn remote_a_second_park_asks_again_and_never_takes_the_first_parks_answer() {
+    let env = env().await;
+    let port = free_port();
+    let _s = doors_service(port, &[]).await;
+    let _w = worker(&env, &format!("gates={}", url(port)), &[]);
+    env.submit("gates", json!({"input": {}}), "rgates-1").await;
+    let rec = ended(&env, "rgates-1").await;
+    assert_eq!(rec.status, "parked", "{rec:?}");
+    assert_eq!(rec.parked_reason.as_deref(), Some("approve-1"));
+    let resume = |answer: &'static str| {
+        let url = env.url();
+        async move {
+            let (code, _, err) =
+                cli(&url, &["review", "resume", "rgates-1", "--answer", answer]).await;
+            assert_eq!(code, 0, "{err}");
+        }
+    };
+    resume(r#"{"approve": 1}"#).await;
+    let rec = env
+        .wait_for("rgates-1", Duration::from_secs(30), |r| {
+            r.status == "completed"
+                || (r.status == "parked" && r.parked_reason.as_deref() == Some("approve-2"))
+        })
+        .await;
+    assert_eq!(rec.status, "parked", "the second gate asks: {rec:?}");
+    resume(r#"{"approve": 2}"#).await;
+    let rec = env
+        .wait_status("rgates-1", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        output(&rec),
+        json!({"first": {"approve": 1}, "second": {"approve": 2}, "between": 1})
+    );
+    let s = steps(&env.events_of("rgates-1").await);
+    assert_eq!(s, ["park#0", "between#0", "park#1"], "{s:?}");
+}
+
+/// G10: a signed request (as a worker signs it: `leasehold::signature`,
+/// captured on the wire) replayed to another endpoint, a tool instead of
+/// its `find_existing`, or to the same one again, is refused: 401, and the
+/// tool never runs.
+#[tokio::test]
+async fn remote_a_signed_call_replayed_or_sent_to_another_endpoint_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dest.txt");
+    let port = free_port();
+    let _s = doors_service(
+        port,
+        &[
+            ("LEASEHOLD_HMAC_SECRET", "sec-1".into()),
+            ("APPEND_FILE", file.display().to_string()),
+        ],
+    )
+    .await;
+    let body = json!({
+        "protocol": 1, "type": "find_existing", "tool": "append",
+        "args": {"line": "pay 120 EUR"}, "business_key": null, "idempotency_key": "k-1",
+    })
+    .to_string();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let find = "/tools/append/find_existing";
+    let signed = leasehold::signature("sec-1", t, "nonce-1", "POST", find, body.as_bytes());
+    let http = reqwest::Client::new();
+    let post = |path: &'static str| {
+        let (http, body, signed) = (http.clone(), body.clone(), signed.clone());
+        async move {
+            let r = http
+                .post(format!("http://127.0.0.1:{port}{path}"))
+                .header("content-type", "application/json")
+                .header(leasehold::SIGNATURE_HEADER, signed)
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    // The captured request sent to the tool itself: refused, nothing runs.
+    let (status, v) = post("/tools/append").await;
+    assert_eq!(status, 401, "{v}");
+    assert_eq!(v["error"]["code"], "unauthorized", "{v}");
+    // Where it was signed for: served once.
+    let (status, v) = post(find).await;
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("not_found")),
+        "{v}"
+    );
+    // Replayed: refused.
+    let (status, v) = post(find).await;
+    assert_eq!(status, 401, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("used before"),
+        "{v}"
+    );
+    assert!(!file.exists(), "the tool never ran");
+}
+
+/// G16: business keys are scoped by the remote kind. Two kinds with the
+/// same tool and business key are two effects: kind B's service neither
+/// reads kind A's result nor has its own effect suppressed.
+#[tokio::test]
+async fn remote_business_keys_belong_to_their_kind() {
+    let env = env().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dest.txt");
+    // The tool's first-call death is for another test.
+    std::fs::write(dir.path().join("dest.txt.died"), "").unwrap();
+    let port = free_port();
+    let _s = doors_service(port, &[("APPEND_FILE", file.display().to_string())]).await;
+    let _w = worker(&env, &format!("bka={u},bkb={u}", u = url(port)), &[]);
+    env.submit("bka", json!({"input": {}}), "bk-a").await;
+    let a = ended(&env, "bk-a").await;
+    assert_eq!(a.status, "completed", "{a:?}");
+    env.submit("bkb", json!({"input": {}}), "bk-b").await;
+    let b = ended(&env, "bk-b").await;
+    assert_eq!(b.status, "completed", "{b:?}");
+    assert_eq!(output(&a), json!({"line": "bka"}));
+    assert_eq!(output(&b), json!({"line": "bkb"}), "kind B's own effect");
+    let lines = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(lines.lines().count(), 2, "{lines:?}");
 }

@@ -484,3 +484,270 @@ async fn a_kind_checkpoints_itself_resumes_from_its_events_and_names_its_documen
         "no forged event"
     );
 }
+
+/// Two approval gates with a step between them.
+struct Gates;
+
+#[leasehold::async_trait]
+impl Kind for Gates {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let first = ctx.park("approve-1", "First approval?").await?;
+        let between: u64 = ctx.step("between", || async { Ok(1) }).await?;
+        let second = ctx.park("approve-2", "Second approval?").await?;
+        Ok(json!({"first": first, "second": second, "between": between}))
+    }
+}
+
+/// G2: the answer to the first gate is that gate's only. The second park
+/// of the resumed run parks and asks (reason `approve-2`); it never passes
+/// with the first answer.
+#[tokio::test]
+async fn a_second_park_asks_again_and_never_takes_the_first_parks_answer() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("gates".into());
+    let env = Env::with(o).await;
+    let mut opts = env.opts();
+    opts.kinds = vec!["gates".into()];
+    let stop = CancellationToken::new();
+    let _h = leasehold::Worker::new(opts)
+        .kind("gates", Gates)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("gates", json!({"input": {}}), "gates-1").await;
+    let rec = env
+        .wait_status("gates-1", "parked", Duration::from_secs(20))
+        .await;
+    assert_eq!(rec.parked_reason.as_deref(), Some("approve-1"));
+    let resume = |answer: &'static str| {
+        let url = env.url();
+        async move {
+            let (code, _, err) =
+                cli(&url, &["review", "resume", "gates-1", "--answer", answer]).await;
+            assert_eq!(code, 0, "{err}");
+        }
+    };
+    resume(r#"{"approve": 1}"#).await;
+    let rec = env
+        .wait_for("gates-1", Duration::from_secs(20), |r| {
+            r.status == "completed"
+                || (r.status == "parked" && r.parked_reason.as_deref() == Some("approve-2"))
+        })
+        .await;
+    assert_eq!(rec.status, "parked", "the second gate asks: {rec:?}");
+    assert_eq!(rec.parked_reason.as_deref(), Some("approve-2"));
+    let parked: Vec<Value> = env
+        .events_of("gates-1")
+        .await
+        .iter()
+        .filter(|e| e.r#type == "parked")
+        .map(|e| e.data_map()["step"].clone())
+        .collect();
+    assert_eq!(
+        parked,
+        [json!("park#0"), json!("park#1")],
+        "each park names its step"
+    );
+    resume(r#"{"approve": 2}"#).await;
+    let rec = env
+        .wait_status("gates-1", "completed", Duration::from_secs(20))
+        .await;
+    let out: Value = serde_json::from_str(&rec.result.unwrap().output).unwrap();
+    assert_eq!(
+        out,
+        json!({"first": {"approve": 1}, "second": {"approve": 2}, "between": 1})
+    );
+    stop.cancel();
+}
+
+/// Three steps, counting how often each one's closure ran.
+struct Three(Arc<[AtomicU32; 3]>);
+
+#[leasehold::async_trait]
+impl Kind for Three {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let mut out = Vec::new();
+        for (i, name) in ["one", "two", "three"].into_iter().enumerate() {
+            let n: u64 = ctx
+                .step(name, || async {
+                    self.0[i].fetch_add(1, Ordering::SeqCst);
+                    Ok(i as u64 + 1)
+                })
+                .await?;
+            out.push(n);
+        }
+        Ok(json!(out))
+    }
+}
+
+/// G1: the PubAck of the second step's record is lost (it landed; NATS's
+/// answer never came, as in a leader election). The job is not failed: the
+/// record is tried again with the same message id, the duplicate is
+/// recognised, and the step is recorded once and run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_record_whose_puback_is_lost_is_tried_again_not_the_jobs_end() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("three".into());
+    let env = Env::with(o).await;
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let step = format!("{}.events.three-1.step", env.prefix);
+    proxy.mute_reply_to(&step, 2);
+    let mut opts = env.opts();
+    opts.nats = leasehold_store::NatsArgs::local(proxy.url(), &env.prefix);
+    opts.kinds = vec!["three".into()];
+    let ran = Arc::new([AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0)]);
+    let stop = CancellationToken::new();
+    let _h = leasehold::Worker::new(opts)
+        .kind("three", Three(ran.clone()))
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("three", json!({"input": {}}), "three-1").await;
+    let rec = env
+        .wait_for("three-1", Duration::from_secs(40), |r| {
+            matches!(
+                r.status.as_str(),
+                "completed" | "failed" | "parked" | "dead"
+            )
+        })
+        .await;
+    stop.cancel();
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(
+        proxy.published(&step) >= 3,
+        "the muted record was tried again"
+    );
+    let ran: Vec<u32> = ran.iter().map(|n| n.load(Ordering::SeqCst)).collect();
+    assert_eq!(ran, [1, 1, 1], "each step ran once");
+    let ids: Vec<String> = env
+        .events_of("three-1")
+        .await
+        .iter()
+        .filter(|e| e.r#type == "step")
+        .map(|e| e.data_map()["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        ids,
+        ["one#0", "two#0", "three#0"],
+        "each step recorded once"
+    );
+}
+
+/// A step whose closure asks for another step.
+struct Nested;
+
+#[leasehold::async_trait]
+impl Kind for Nested {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let n: u64 = ctx
+            .step("outer", || async {
+                let inner: u64 = ctx.step("inner", || async { Ok(1) }).await?;
+                Ok(inner + 1)
+            })
+            .await?;
+        Ok(json!(n))
+    }
+}
+
+/// G18: a step asked for inside another step's closure used to wait for
+/// the journal its outer step holds, until the attempt's deadline (6 h by
+/// default). It now ends the job at once with a terminal error naming both.
+#[tokio::test]
+async fn a_step_inside_a_steps_closure_fails_at_once_naming_both() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("nested".into());
+    let env = Env::with(o).await;
+    let mut opts = env.opts();
+    opts.kinds = vec!["nested".into()];
+    let stop = CancellationToken::new();
+    let _h = leasehold::Worker::new(opts)
+        .kind("nested", Nested)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("nested", json!({"input": {}}), "nested-1").await;
+    let rec = env
+        .wait_for("nested-1", Duration::from_secs(20), |r| {
+            matches!(r.status.as_str(), "completed" | "failed" | "parked")
+        })
+        .await;
+    stop.cancel();
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let msg = rec.error.map(|e| e.message).unwrap_or_default();
+    assert!(
+        msg.contains("`inner`") && msg.contains("`outer#0`"),
+        "{msg}"
+    );
+}
+
+/// G18: the PubAck of the agent's first journal entry is lost. The
+/// conversation's writer used to stop there silently (later entries never
+/// written, later model calls not waiting for durability); it now tries
+/// again with the same message id: every entry lands, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_journal_entry_whose_puback_is_lost_is_tried_again_and_the_journal_goes_on() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("researcher".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let agent = format!("{}.events.ag-mute.agent", env.prefix);
+    proxy.mute_reply_to(&agent, 1);
+    let mut opts = env.opts();
+    opts.nats = leasehold_store::NatsArgs::local(proxy.url(), &env.prefix);
+    opts.kinds = vec!["researcher".into()];
+    let model = leasehold::ModelConfig {
+        base_url: format!("{sim}/v1"),
+        ..Default::default()
+    };
+    let stop = CancellationToken::new();
+    let counter = Arc::new(AtomicU32::new(0));
+    let _h = leasehold::Worker::new(opts)
+        .model("sim", model)
+        .tool(Search(sim.clone(), counter.clone(), spec("search")))
+        .tool(Fetch(counter.clone(), spec("fetch")))
+        // Past its one retryable failure: the first attempt completes.
+        .kind("researcher", Researcher(Arc::new(AtomicU32::new(1))))
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("researcher", json!({"input": {}}), "ag-mute")
+        .await;
+    let rec = env
+        .wait_for("ag-mute", Duration::from_secs(40), |r| {
+            matches!(r.status.as_str(), "completed" | "failed" | "parked")
+        })
+        .await;
+    stop.cancel();
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    let events = env.events_of("ag-mute").await;
+    let journal: Vec<&str> = events
+        .iter()
+        .filter(|e| e.r#type == "agent")
+        .map(|e| e.data.as_str())
+        .collect();
+    assert!(journal.len() >= 5, "the journal went on: {journal:?}");
+    let mut unique = journal.clone();
+    unique.dedup();
+    assert_eq!(unique.len(), journal.len(), "no entry twice");
+    assert!(
+        events.iter().any(|e| e.r#type == "model"),
+        "the model calls' events were written"
+    );
+    assert!(
+        proxy.published(&agent) > journal.len() as u64,
+        "the muted entry was tried again"
+    );
+}

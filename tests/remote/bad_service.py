@@ -7,6 +7,8 @@ bad-answer tests (tests/it/remote.rs). Stdlib only; the job's input
 - ``unknown_op``: ``{"op": "teleport"}``;
 - ``step_conflict``: records ``a#0`` = 1, then answers ``a#0`` = 2;
 - ``too_large``: an answer over the worker's body limit;
+- ``big_step``: a step whose answer fits the worker's 64 KiB body limit
+  but whose journal entry, sent back with the job, would not;
 - ``v2_only``: refuses protocol 1 (``unsupported_protocol``);
 - ``record``: a correct run (a step, an effect whose first tool call
   times out so the worker asks ``find_existing``, the end) that prints
@@ -79,6 +81,10 @@ class H(BaseHTTPRequestHandler):
             return self.send(200, json.dumps({"protocol": 1, "op": "step", "index": 0, "id": "a#0", "result": result}).encode())
         if bad == "too_large":
             return self.send(200, json.dumps({"protocol": 1, "op": "complete", "output": "x" * (2 << 20)}).encode())
+        if bad == "big_step":
+            if not entries:
+                return self.send(200, json.dumps({"protocol": 1, "op": "step", "index": 0, "id": "a#0", "result": "x" * (65536 - 130)}).encode())
+            return self.send(200, json.dumps({"protocol": 1, "op": "complete", "output": {"ok": True}}).encode())
         if bad == "v2_only":
             return self.send(400, json.dumps({"protocol": 2, "error": {"code": "unsupported_protocol", "message": "this service speaks protocol 2 only", "supported": [2]}}).encode())
         return self.send(200, json.dumps({"protocol": 1, "op": "complete", "output": {"ok": True}}).encode())

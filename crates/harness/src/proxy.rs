@@ -20,6 +20,9 @@
 //!   duration after the proxy read it; what follows it stays behind it.
 //! - [`FaultProxy::drop_matching`] discards matching publishes and nothing
 //!   else.
+//! - [`FaultProxy::mute_reply_to`] lets the `n`th matching publish through
+//!   and discards the server's reply to it (its reply subject's message):
+//!   a JetStream publish that landed, whose PubAck is lost.
 //! - [`FaultProxy::cut`] closes every live connection (both sockets);
 //!   [`FaultProxy::refuse_new`] makes the proxy close new connections at once,
 //!   so the client cannot reconnect until told otherwise.
@@ -138,6 +141,9 @@ struct Shared {
     refuse: AtomicBool,
     live: AtomicUsize,
     accepted: AtomicU64,
+    /// Reply subjects whose next server message is discarded
+    /// ([`FaultProxy::mute_reply_to`]).
+    muted_replies: Mutex<std::collections::HashSet<Vec<u8>>>,
 }
 
 struct Rule {
@@ -149,6 +155,12 @@ enum Action {
     Hold(Arc<HoldInner>),
     Delay(Duration),
     Drop,
+    /// The `nth` match (1-based) passes; the server's reply to it is
+    /// discarded. `seen` counts matches.
+    MuteReply {
+        nth: u64,
+        seen: AtomicU64,
+    },
 }
 
 /// What to do with one client op.
@@ -187,6 +199,7 @@ impl FaultProxy {
             refuse: AtomicBool::new(false),
             live: AtomicUsize::new(0),
             accepted: AtomicU64::new(0),
+            muted_replies: Mutex::new(Default::default()),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         FaultProxy {
@@ -238,6 +251,21 @@ impl FaultProxy {
     /// Discards matching publishes (the whole op); everything else flows.
     pub fn drop_matching(&self, pattern: &str) {
         self.add_rule(pattern, Action::Drop);
+    }
+
+    /// Lets the `nth` (1-based, counted from now) client publish matching
+    /// `pattern` reach the server, and discards the server's reply to it
+    /// (the message on its reply subject): for a JetStream publish, the
+    /// message is stored but its PubAck never arrives. Other publishes and
+    /// replies flow.
+    pub fn mute_reply_to(&self, pattern: &str, nth: u64) {
+        self.add_rule(
+            pattern,
+            Action::MuteReply {
+                nth,
+                seen: AtomicU64::new(0),
+            },
+        );
     }
 
     /// Removes every rule, releasing holds. Ops already delayed keep their
@@ -353,7 +381,7 @@ impl HoldInner {
 impl Shared {
     /// Counts a client publish and decides its fate: the first armed rule
     /// (in arming order) whose pattern matches wins.
-    fn judge(&self, subject: &[u8]) -> Verdict {
+    fn judge(&self, subject: &[u8], reply: Option<&[u8]>) -> Verdict {
         let subject = String::from_utf8_lossy(subject);
         {
             let mut seen = self.published.lock().unwrap();
@@ -377,6 +405,14 @@ impl Shared {
                 }
                 Action::Delay(d) => return Verdict::Delay(*d),
                 Action::Drop => return Verdict::Drop,
+                Action::MuteReply { nth, seen } => {
+                    if seen.fetch_add(1, Ordering::SeqCst) + 1 == *nth {
+                        if let Some(reply) = reply {
+                            self.muted_replies.lock().unwrap().insert(reply.to_vec());
+                        }
+                    }
+                    return Verdict::Pass;
+                }
             }
         }
         Verdict::Pass
@@ -549,7 +585,7 @@ fn ingest(shared: &Shared, buf: &mut BytesMut, queue: &mut VecDeque<Chunk>, eof:
             Frame::Op {
                 len,
                 kind: Kind::Publish(subject),
-            } => (len, shared.judge(subject)),
+            } => (len, shared.judge(subject, reply_of(&buf[run..run + len]))),
             Frame::Op { len, .. } => (len, Verdict::Pass),
         };
         if let Verdict::Pass = verdict {
@@ -595,7 +631,8 @@ async fn server_to_client(
             Ok(0) | Err(_) => return DownEnd::ServerGone,
             Ok(_) => {}
         }
-        let out = server_ops(&mut buf);
+        let mut out = server_ops(&mut buf);
+        drop_muted_replies(shared, &mut out);
         // A freeze (or a mute) may have begun while the read was pending.
         let _ = frozen.wait_for(|f| !*f).await;
         let _ = muted.wait_for(|m| !*m).await;
@@ -744,6 +781,55 @@ fn server_ops(buf: &mut BytesMut) -> BytesMut {
             None => out.unsplit(line),
         }
     }
+}
+
+/// The control line's fields of a whole op (at most 6).
+fn fields_of(op: &[u8]) -> Vec<&[u8]> {
+    let nl = op.iter().position(|&b| b == b'\n').unwrap_or(op.len());
+    let line = &op[..nl];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    line.split(|&b| b == b' ' || b == b'\t')
+        .filter(|f| !f.is_empty())
+        .take(6)
+        .collect()
+}
+
+/// The reply subject of a whole client PUB or HPUB op, if it has one.
+fn reply_of(op: &[u8]) -> Option<&[u8]> {
+    let f = fields_of(op);
+    let name = f.first()?;
+    let with_reply = if name.eq_ignore_ascii_case(b"PUB") {
+        4
+    } else if name.eq_ignore_ascii_case(b"HPUB") {
+        5
+    } else {
+        return None;
+    };
+    (f.len() == with_reply).then(|| f[2])
+}
+
+/// Discards, from whole server ops, each MSG or HMSG on a muted reply
+/// subject (once per muting).
+fn drop_muted_replies(shared: &Shared, out: &mut BytesMut) {
+    let mut muted = shared.muted_replies.lock().unwrap();
+    if muted.is_empty() {
+        return;
+    }
+    let mut kept = BytesMut::with_capacity(out.len());
+    let mut rest = out.split();
+    while let Frame::Op { len, .. } = frame(&rest, Side::Server) {
+        let op = rest.split_to(len);
+        let f = fields_of(&op);
+        let is_msg = f
+            .first()
+            .is_some_and(|n| n.eq_ignore_ascii_case(b"MSG") || n.eq_ignore_ascii_case(b"HMSG"));
+        if is_msg && f.len() > 1 && muted.remove(f[1]) {
+            continue;
+        }
+        kept.unsplit(op);
+    }
+    kept.unsplit(rest);
+    *out = kept;
 }
 
 fn parse_len(field: &[u8]) -> Option<usize> {

@@ -17,7 +17,7 @@ use leasehold_model::{
     BreakerConfig, Budget, BudgetLimits, GenerationPolicy, Generator, ModelClient, RetryReport,
     RetryReporter, RunContext,
 };
-use leasehold_store::events::Events;
+use leasehold_store::events::{Events, FenceError};
 use leasehold_tools::{AgentTools, OwnerGuard, Toolbox};
 use leasehold_transcript::{Message, Thread};
 use leasehold_worker::JobCtx;
@@ -141,19 +141,53 @@ struct Emitter {
     tx: mpsc::UnboundedSender<(&'static str, Value)>,
     queued: StdMutex<u64>,
     written: watch::Receiver<u64>,
+    /// Why the conversation's events stopped being written (a newer owner,
+    /// the stream full), once they did: what the attempt did after that is
+    /// not durable, so the step must not be recorded as if it were.
+    broken: Arc<StdMutex<Option<FenceError>>>,
 }
 
+/// The longest wait between tries of an event NATS did not answer.
+const EMIT_RETRY_CAP: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Emitter {
-    fn start(job: JobCtx) -> Arc<Emitter> {
+    fn start(job: JobCtx, step: &str) -> Arc<Emitter> {
         let (tx, mut rx) = mpsc::unbounded_channel::<(&'static str, Value)>();
         let (done_tx, written) = watch::channel(0u64);
+        let broken = Arc::new(StdMutex::new(None));
+        let failed = broken.clone();
+        let r = &job.record;
+        // Message ids unique to this attempt's conversation: a retried
+        // event that had landed is answered as a duplicate.
+        let prefix = format!("{}:{}:{}:{step}", r.id, r.created_at, r.epoch);
         tokio::spawn(async move {
             let mut n = 0u64;
             while let Some((ty, data)) = rx.recv().await {
-                if job.emit(ty, data).await.is_err() {
-                    // A stale owner: the fence refused it; the attempt stops
-                    // through its cancel token, nothing more is written.
-                    return;
+                let msg_id = format!("{prefix}:{n}");
+                let mut wait = std::time::Duration::from_millis(100);
+                loop {
+                    match crate::ctx::emit_once(&job, ty, data.clone(), &msg_id).await {
+                        Ok(_) => break,
+                        // NATS did not answer (a lost PubAck, a leader
+                        // election): the same event again, same id.
+                        Err(FenceError::Nats(why)) => {
+                            tracing::warn!(job = %job.record.id, error = %why, "an agent event was not answered; trying again");
+                            tokio::select! {
+                                _ = tokio::time::sleep(wait) => {}
+                                _ = job.cancel.cancelled() => return,
+                            }
+                            wait = (wait * 2).min(EMIT_RETRY_CAP);
+                        }
+                        // A newer owner (the attempt stops through its
+                        // cancel token) or a full stream: nothing more is
+                        // written, and the step says so.
+                        Err(e) => {
+                            if let Ok(mut g) = failed.lock() {
+                                *g = Some(e);
+                            }
+                            return;
+                        }
+                    }
                 }
                 n += 1;
                 let _ = done_tx.send(n);
@@ -163,6 +197,18 @@ impl Emitter {
             tx,
             queued: StdMutex::new(0),
             written,
+            broken,
+        })
+    }
+
+    /// The error that stopped the writer, as the step's outcome.
+    fn broken(&self) -> Option<crate::Error> {
+        let g = self.broken.lock().ok()?;
+        g.as_ref().map(|e| match e {
+            FenceError::Lost { .. } => crate::Error::stopped(format!("the agent's journal: {e}")),
+            e => crate::Error::retryable(format!(
+                "the agent's journal could not be written ({e}); the step is retried from what was journaled"
+            )),
         })
     }
 
@@ -280,7 +326,7 @@ pub(crate) async fn run(
         .schema
         .as_ref()
         .map(|s| json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": s}}));
-    let out = Emitter::start(job.clone());
+    let out = Emitter::start(job.clone(), step);
     let tools: Arc<dyn ToolExecutor> = match toolbox {
         Some(toolbox) => Arc::new(AgentTools {
             toolbox,
@@ -328,6 +374,9 @@ pub(crate) async fn run(
         .await;
     // The step's record comes after its journal, tool events and reports.
     out.flushed().await;
+    if let Some(e) = out.broken() {
+        return Err(e);
+    }
     match r.outcome {
         SectionOutcome::Completed { text } => {
             let json = match &spec.schema {

@@ -10,7 +10,7 @@ use leasehold_core::machine::check_owner;
 use leasehold_core::JobRecord;
 use leasehold_proto::Versions;
 use leasehold_store::artifacts::Artifacts;
-use leasehold_store::events::Events;
+use leasehold_store::events::{self, Events, FenceError};
 use leasehold_tools::EffectsLedger;
 use leasehold_tools::{CallCtx, CollectEvents, Disposition, OwnerGuard, Toolbox};
 use leasehold_worker::checkpoint::Flusher;
@@ -50,6 +50,12 @@ const RESERVED: &[&str] = &[
     "reclaimed",
 ];
 
+tokio::task_local! {
+    /// The id of the step whose closure this task is running: a step asked
+    /// for inside it would wait for the journal it holds for ever.
+    static IN_STEP: String;
+}
+
 /// One attempt of one job, as a kind sees it.
 ///
 /// Every method takes `&self`, so a step's closure may read the context
@@ -68,6 +74,9 @@ pub struct Ctx {
     journal: Mutex<Option<Journal>>,
     checkpoints: OnceLock<(Flusher, AbortOnDropHandle<()>)>,
     report: StdMutex<Option<Report>>,
+    /// The park this attempt ends with, if a step asked (its step id, the
+    /// reason and the question): the `parked` event names the step.
+    park: StdMutex<Option<(String, String, String)>>,
 }
 
 impl Ctx {
@@ -85,7 +94,27 @@ impl Ctx {
             journal: Mutex::new(None),
             checkpoints: OnceLock::new(),
             report: StdMutex::new(None),
+            park: StdMutex::new(None),
         }
+    }
+
+    /// The park of step `step`: the error that ends the attempt, and the
+    /// step remembered for its `parked` event ([`Ctx::parked_step`]).
+    pub(crate) fn park_at(&self, step: &str, reason: &str, question: &str) -> Error {
+        if let Ok(mut g) = self.park.lock() {
+            *g = Some((step.into(), reason.into(), question.into()));
+        }
+        Error::park(reason, question)
+    }
+
+    /// The step that asked for the park the attempt ended with (the same
+    /// reason and message as its [`Ctx::park_at`]), or `None` when the park
+    /// came from elsewhere (an uncertain effect, a journal mismatch).
+    pub(crate) fn parked_step(&self, reason: &str, message: &str) -> Option<String> {
+        let g = self.park.lock().ok()?;
+        g.as_ref()
+            .filter(|(_, r, m)| r == reason && m == message)
+            .map(|(s, _, _)| s.clone())
     }
 
     /// The attempt as the worker gave it (for [`crate::RemoteKind`], which
@@ -424,6 +453,10 @@ impl Ctx {
     /// longer decodes as `T`, parks the job for a person with the reason
     /// (`journal_mismatch`): it never runs on guessed state.
     ///
+    /// Steps do not nest: `f` may read the context, but a `step`, `call`,
+    /// `agent` or `park` asked for inside it ends the job with a terminal
+    /// error naming both (the journal is one sequence).
+    ///
     /// What runs at most once is the recorded step; `f` itself may run
     /// again if the process dies after `f` and before its record landed.
     /// An external effect belongs in a tool call ([`Ctx::call`]), whose
@@ -452,6 +485,11 @@ impl Ctx {
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = Result<T, Error>>,
     {
+        if let Ok(outer) = IN_STEP.try_with(String::clone) {
+            return Err(Error::terminal(format!(
+                "`{name}` was asked for inside the closure of step `{outer}`: steps, tool calls, agents and parks do not nest (the journal is one sequence); make it a step of its own, after `{outer}` returns"
+            )));
+        }
         let mut g = self.journal().await?;
         let journal = g.as_mut().expect("journal loaded");
         let id = journal.id_of(name);
@@ -470,7 +508,7 @@ impl Ctx {
         // The journal stays locked while the step runs: steps of one job
         // are sequential, and their order is what the journal checks.
         let out = tokio::select! {
-            r = f(id.clone()) => r?,
+            r = IN_STEP.scope(id.clone(), f(id.clone())) => r?,
             _ = self.job.cancel.cancelled() => return Err(Error::Cancelled),
         };
         let result = serde_json::to_value(&out).map_err(|e| {
@@ -482,10 +520,7 @@ impl Ctx {
             version: self.version.clone(),
             result,
         };
-        self.job
-            .emit("step", rec.data())
-            .await
-            .map_err(|e| Error::stopped(format!("recording step `{}`: {e}", rec.id)))?;
+        record_step(&self.job, &rec).await?;
         journal.recorded(rec);
         Ok(out)
     }
@@ -523,9 +558,15 @@ impl Ctx {
 
     /// Stops for a person and returns their answer. The first time, the
     /// job parks with `reason` and `question` (`leasehold review list`
-    /// shows them); `leasehold review resume ID --answer JSON` queues it
-    /// again, and the resumed attempt's `park` returns the answer (then
-    /// recorded as a step: later attempts get it without asking again).
+    /// shows them; the `parked` event names this park's step, `park#n`);
+    /// `leasehold review resume ID --answer JSON` queues it again, and the
+    /// resumed attempt's `park` returns the answer (then recorded as a
+    /// step: later attempts get it without asking again).
+    ///
+    /// An answer belongs to its question: a park takes only an answer that
+    /// names its own step and came after its own `parked` event. A second
+    /// park in the same run never gets the first one's answer: it parks
+    /// and asks.
     ///
     /// ```no_run
     /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
@@ -538,24 +579,10 @@ impl Ctx {
     /// # Ok(()) }
     /// ```
     pub async fn park(&self, reason: &str, question: &str) -> Result<Value, Error> {
-        let events = Events::new(&self.job.conn);
-        let id = self.id().to_string();
-        self.step("park", || async {
-            let read = |ty: &'static str| {
-                let (events, id) = (&events, id.clone());
-                async move {
-                    events.last_of_type(&id, ty).await.map_err(|e| {
-                        Error::retryable(format!("reading the job's {ty} events: {e}"))
-                    })
-                }
-            };
-            let parked = read("parked").await?;
-            let answer = read("answer").await?;
-            match (parked, answer) {
-                (Some((p, _)), Some((a, ev))) if a > p => {
-                    Ok(ev.data_map().get("answer").cloned().unwrap_or(Value::Null))
-                }
-                _ => Err(Error::park(reason, question)),
+        self.step_with_id("park", |step| async move {
+            match answer_for(&self.job, &step).await? {
+                Some(answer) => Ok(answer),
+                None => Err(self.park_at(&step, reason, question)),
             }
         })
         .await
@@ -606,6 +633,110 @@ impl Ctx {
     }
 }
 
+/// Waits between tries of a step record NATS did not answer (1.5 s in
+/// all, each try bounded by the JetStream request timeout).
+const RECORD_RETRY: [Duration; 4] = [
+    Duration::from_millis(100),
+    Duration::from_millis(200),
+    Duration::from_millis(400),
+    Duration::from_millis(800),
+];
+
+/// Publishes one fenced event of this attempt with a message id: tried
+/// again with the same id, an event that landed is answered as a
+/// duplicate (with its sequence), never written twice.
+pub(crate) async fn emit_once(
+    job: &JobCtx,
+    ty: &str,
+    data: Value,
+    msg_id: &str,
+) -> Result<u64, FenceError> {
+    let mut f = job.fence.lock().await;
+    let ev = events::event(&f.job_id, f.epoch, ty, Some(f.worker_id.as_str()), data);
+    f.publish_event(&ev, Some(msg_id)).await
+}
+
+/// Records step `rec` as this attempt's fenced `step` event: how every
+/// step lands (a Rust kind's, a remote kind's op). What a failure means,
+/// by its kind:
+/// - NATS did not answer (a timeout, a PubAck lost in a leader election):
+///   tried again, with the same message id, so a record that did land is
+///   answered as a duplicate, never written twice; after the last try the
+///   attempt is retryable (the next one replays what landed);
+/// - the stream refused it (full): retryable, from the last recorded step;
+/// - a newer owner's events follow ours: the attempt stops, writing nothing.
+pub(crate) async fn record_step(job: &JobCtx, rec: &Recorded) -> Result<(), Error> {
+    let r = &job.record;
+    let msg_id = format!("{}:{}:{}:step:{}", r.id, r.created_at, r.epoch, rec.index);
+    let mut waits = RECORD_RETRY.iter();
+    loop {
+        let res = emit_once(job, "step", rec.data(), &msg_id).await;
+        let why = match res {
+            Ok(_) => return Ok(()),
+            Err(e @ FenceError::Lost { .. }) => {
+                return Err(Error::stopped(format!("recording step `{}`: {e}", rec.id)))
+            }
+            Err(FenceError::Refused(why)) => {
+                return Err(Error::retryable(format!(
+                    "recording step `{}`: the event stream refused it ({why}); the job is retried from its last recorded step",
+                    rec.id
+                )))
+            }
+            Err(FenceError::Nats(why)) => why,
+        };
+        let Some(wait) = waits.next() else {
+            return Err(Error::retryable(format!(
+                "recording step `{}`: NATS did not answer ({why}); the job is retried from its last recorded step",
+                rec.id
+            )));
+        };
+        tracing::warn!(job = %r.id, step = %rec.id, error = %why, "a step record was not answered; trying again with the same message id");
+        tokio::select! {
+            _ = tokio::time::sleep(*wait) => {}
+            _ = job.cancel.cancelled() => return Err(Error::Cancelled),
+        }
+    }
+}
+
+/// The answer a person gave to the park at step `step`, if they did: the
+/// job's last `parked` event is this step's, and its last `answer` event
+/// names this step and came after it (both read from the stream's leader:
+/// a lagging replica must not hide an answer). The one rule of
+/// [`Ctx::park`] and of a remote kind's `park` op.
+pub(crate) async fn answer_for(job: &JobCtx, step: &str) -> Result<Option<Value>, Error> {
+    let events = Events::new(&job.conn);
+    let read = |ty: &'static str| {
+        let events = &events;
+        async move {
+            events
+                .last_of_type_from_leader(&job.record.id, ty)
+                .await
+                .map(|o| o.map(|(seq, ev)| (seq, ev.data_map())))
+                .map_err(|e| Error::retryable(format!("reading the job's {ty} events: {e}")))
+        }
+    };
+    let parked = read("parked").await?;
+    let answer = read("answer").await?;
+    Ok(answer_of(step, parked, answer))
+}
+
+/// [`answer_for`]'s decision, from the last `parked` and `answer` events
+/// (stream sequence, data).
+fn answer_of(
+    step: &str,
+    parked: Option<(u64, serde_json::Map<String, Value>)>,
+    answer: Option<(u64, serde_json::Map<String, Value>)>,
+) -> Option<Value> {
+    let names =
+        |m: &serde_json::Map<String, Value>| m.get("step").and_then(Value::as_str) == Some(step);
+    match (parked, answer) {
+        (Some((p, pm)), Some((a, am))) if a > p && names(&pm) && names(&am) => {
+            Some(am.get("answer").cloned().unwrap_or(Value::Null))
+        }
+        _ => None,
+    }
+}
+
 /// One tool call of step `step_id` through the toolbox (the ledger, the
 /// owner's proof before a write effect): its `tool` events are emitted for
 /// the job, and a failure becomes the error its disposition says. Rust
@@ -635,5 +766,40 @@ pub(crate) async fn call_tool(
             Disposition::Retry => Error::retryable(e.to_string()),
             _ => Error::terminal(e.to_string()),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn m(v: Value) -> serde_json::Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn an_answer_is_taken_only_by_the_park_it_names_after_that_park() {
+        let p0 = Some((10, m(json!({"reason": "approve-1", "step": "park#0"}))));
+        let a0 = Some((11, m(json!({"answer": {"ok": 1}, "step": "park#0"}))));
+        assert_eq!(
+            answer_of("park#0", p0.clone(), a0.clone()),
+            Some(json!({"ok": 1}))
+        );
+        // The second park of the run: the first answer is not its own.
+        assert_eq!(answer_of("park#1", p0.clone(), a0.clone()), None);
+        // Parked again at park#1 after the first answer: still not its own.
+        let p1 = Some((12, m(json!({"reason": "approve-2", "step": "park#1"}))));
+        assert_eq!(answer_of("park#1", p1.clone(), a0), None);
+        // An answer older than its park is never used.
+        let old = Some((9, m(json!({"answer": 1, "step": "park#0"}))));
+        assert_eq!(answer_of("park#0", p0.clone(), old), None);
+        // An answer naming no step (written before answers named steps,
+        // or for a park no step asked) is nobody's.
+        let bare = Some((13, m(json!({"answer": 1}))));
+        assert_eq!(answer_of("park#1", p1.clone(), bare), None);
+        let a1 = Some((13, m(json!({"answer": 2, "step": "park#1"}))));
+        assert_eq!(answer_of("park#1", p1, a1), Some(json!(2)));
+        assert_eq!(answer_of("park#0", None, None), None);
     }
 }

@@ -205,7 +205,11 @@ impl Handler for KindHandler {
                     ..Default::default()
                 },
             })),
-            Err(Error::Park { reason, message }) => Ok(Outcome::Parked { reason, message }),
+            Err(Error::Park { reason, message }) => Ok(Outcome::Parked {
+                step: ctx.parked_step(&reason, &message),
+                reason,
+                message,
+            }),
             Err(Error::Retryable(m)) => Err(HandlerError::retryable(m)),
             Err(Error::Terminal(m)) => Err(HandlerError::terminal(m)),
             Err(Error::BudgetExhausted(m)) => {

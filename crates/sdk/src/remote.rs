@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use leasehold_store::events::Events;
-use leasehold_tools::{EffectsLedger, NoEvents, Toolbox};
+use leasehold_tools::{request_may_have_been_sent, EffectsLedger, NoEvents, Toolbox};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Mutex, OnceCell};
@@ -29,12 +29,16 @@ use crate::{BoxFuture, Ctx, Error, ExecCtx, Kind, Reconcile, Tool, ToolError, To
 /// The protocol version this worker speaks.
 pub const PROTOCOL: u64 = 1;
 
-/// The header carrying the HMAC-SHA256 signature of a request body.
+/// The header carrying the HMAC-SHA256 signature of a request ([`signature`]).
 pub const SIGNATURE_HEADER: &str = "X-Leasehold-Signature";
 
 /// Calls to the service that record nothing (journal pages) allowed in a
 /// row before the attempt gives up: a service asking for pages forever.
 const MAX_IDLE_CALLS: usize = 64;
+
+/// Toolboxes (one per tool name and settings a service named) kept at
+/// most: a service naming tools per job must not grow the worker for ever.
+const MAX_TOOLBOXES: usize = 256;
 
 /// Connection refusals are retried in the call at 200 ms, 400 ms, ... up
 /// to this delay (3 s in all) before the attempt ends.
@@ -53,8 +57,8 @@ pub struct RemoteConfig {
     pub url: String,
     /// Sent as `Authorization: Bearer <token>` with every request.
     pub token: Option<String>,
-    /// Signs every request body (`X-Leasehold-Signature: t=<unix>,v1=<hex>`,
-    /// HMAC-SHA256 of `<t>.<body>`).
+    /// Signs every request (`X-Leasehold-Signature: t=<unix>,n=<nonce>,v2=<hex>`,
+    /// HMAC-SHA256 of `<t>.<nonce>.POST.<path>.<body>`: see [`signature`]).
     pub hmac_secret: Option<String>,
     /// The longest one call may take.
     pub timeout: Duration,
@@ -163,12 +167,29 @@ pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
         .into()
 }
 
-/// The signature header's value for `body` at unix time `t`.
-pub fn signature(secret: &str, t: u64, body: &[u8]) -> String {
-    let mut msg = format!("{t}.").into_bytes();
+/// The signature header's value for one request at unix time `t`:
+/// `t=<t>,n=<nonce>,v2=<hex>`, the HMAC-SHA256 of
+/// `<t>.<nonce>.<METHOD>.<path>.<body>`. It binds the endpoint (a signed
+/// call to one tool is not a call to another, nor to `find_existing`) and,
+/// by its nonce (fresh for every request), one request: a service serves a
+/// nonce once within the time tolerance.
+///
+/// ```
+/// let h = leasehold::signature("s3cret", 1_700_000_000, "n1", "POST", "/invoke", b"{}");
+/// assert!(h.starts_with("t=1700000000,n=n1,v2="));
+/// ```
+pub fn signature(
+    secret: &str,
+    t: u64,
+    nonce: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> String {
+    let mut msg = format!("{t}.{nonce}.{method}.{path}.").into_bytes();
     msg.extend_from_slice(body);
     format!(
-        "t={t},v1={}",
+        "t={t},n={nonce},v2={}",
         hex::encode(hmac_sha256(secret.as_bytes(), &msg))
     )
 }
@@ -176,8 +197,17 @@ pub fn signature(secret: &str, t: u64, body: &[u8]) -> String {
 /// Why a call to the service gave no usable answer.
 #[derive(Debug)]
 enum CallError {
-    /// Not reached, timed out, or a broken body: worth another attempt.
-    Transport(String),
+    /// The HTTP exchange failed (not reached, reset, timed out, a broken
+    /// answer): worth another attempt. The client's error is kept, because
+    /// its kind, not its text, says whether the request may have reached
+    /// the service ([`leasehold_tools::request_may_have_been_sent`]).
+    Http {
+        error: reqwest::Error,
+        timeout: Duration,
+    },
+    /// The service answered an HTTP error status without an error object:
+    /// the request reached it.
+    Status(u16),
     /// An answer that breaks the protocol (not JSON, wrong schema, too large).
     Protocol(String),
     /// The service's own error object (`{"error": {"code", "message"}}`).
@@ -200,9 +230,10 @@ impl Client {
                 self.cfg.max_body
             )));
         }
+        let url = format!("{}{path}", self.cfg.url);
         let mut req = self
             .http
-            .post(format!("{}{path}", self.cfg.url))
+            .post(&url)
             .timeout(timeout)
             .header("content-type", "application/json")
             .header("x-leasehold-protocol", PROTOCOL.to_string());
@@ -214,31 +245,35 @@ impl Client {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
-            req = req.header(SIGNATURE_HEADER, signature(s, t, &body));
+            // The path as the service reads it (the base URL's own path
+            // included), so the signature binds the endpoint.
+            let signed_path = reqwest::Url::parse(&url)
+                .map(|u| u.path().to_string())
+                .unwrap_or_else(|_| path.to_string());
+            let nonce = uuid::Uuid::new_v4().simple().to_string();
+            req = req.header(
+                SIGNATURE_HEADER,
+                signature(s, t, &nonce, "POST", &signed_path, &body),
+            );
         }
-        // A connection refused never reached the service: safe to try again
-        // at once (a service restarting), a few times, before the attempt
-        // ends.
+        // A request that was certainly never sent (a connection refused)
+        // never reached the service: safe to try again at once (a service
+        // restarting), a few times, before the attempt ends. Anything after
+        // a byte may have left goes back to the caller, which reconciles.
         let mut backoff = Duration::from_millis(200);
         let mut resp = loop {
             let Some(r) = req.try_clone() else {
                 break req.body(body).send().await;
             };
             match r.body(body.clone()).send().await {
-                Err(e) if e.is_connect() && backoff <= CONNECT_RETRY_CAP => {
+                Err(e) if !request_may_have_been_sent(&e) && backoff <= CONNECT_RETRY_CAP => {
                     tokio::time::sleep(backoff).await;
                     backoff *= 2;
                 }
                 r => break r,
             }
         }
-        .map_err(|e| {
-            if e.is_timeout() {
-                CallError::Transport(format!("the service did not answer within {timeout:?}"))
-            } else {
-                CallError::Transport(format!("the service: {e}"))
-            }
-        })?;
+        .map_err(|error| CallError::Http { error, timeout })?;
         let status = resp.status().as_u16();
         let mut buf: Vec<u8> = Vec::new();
         loop {
@@ -253,12 +288,7 @@ impl Client {
                     }
                 }
                 Ok(None) => break,
-                Err(e) if e.is_timeout() => {
-                    return Err(CallError::Transport(format!(
-                        "the service did not finish its answer within {timeout:?}"
-                    )))
-                }
-                Err(e) => return Err(CallError::Transport(format!("the answer's body: {e}"))),
+                Err(error) => return Err(CallError::Http { error, timeout }),
             }
         }
         let v: Value = serde_json::from_slice(&buf).map_err(|e| {
@@ -274,9 +304,7 @@ impl Client {
             });
         }
         if !(200..300).contains(&status) {
-            return Err(CallError::Transport(format!(
-                "the service answered HTTP {status} without an error object"
-            )));
+            return Err(CallError::Status(status));
         }
         match v.get("protocol").and_then(Value::as_u64) {
             Some(PROTOCOL) => Ok(v),
@@ -352,10 +380,11 @@ impl RemoteKind {
             },
             client: self.client.clone(),
             dedupes,
+            kind: ctx.kind().to_string(),
         }))
         .map_err(|e| Error::terminal(format!("tool `{tool}`: {e}")))?;
         let tb = Arc::new(tb);
-        g.insert(name, tb.clone());
+        insert_bounded(&mut g, name, tb.clone(), MAX_TOOLBOXES);
         Ok(tb)
     }
 
@@ -423,34 +452,23 @@ impl RemoteKind {
         entries: &mut Vec<Recorded>,
         rec: Recorded,
     ) -> Result<(), Error> {
-        ctx.job()
-            .emit("step", rec.data())
-            .await
-            .map_err(|e| Error::stopped(format!("recording step `{}`: {e}", rec.id)))?;
+        // A step that could never be sent back to the service (the job and
+        // this one entry over the body limit) would make every later call
+        // `request_too_large`: it is not recorded, and a person decides.
+        let (one, _) = self.request(ctx, std::slice::from_ref(&rec), 0);
+        let bytes = one.to_string().len();
+        if bytes > self.client.cfg.max_body {
+            return Err(Error::park(
+                "protocol_error",
+                format!(
+                    "step_too_large: step `{}` with its job is {bytes} bytes, over what one call may carry ({} bytes, LH_REMOTE_MAX_BODY); it is not recorded: raise the limit and `leasehold review resume` the job, or end it with `leasehold review fail`",
+                    rec.id, self.client.cfg.max_body
+                ),
+            ));
+        }
+        crate::ctx::record_step(ctx.job(), &rec).await?;
         entries.push(rec);
         Ok(())
-    }
-
-    /// The answer of a resumed park, if a person gave one after the last park.
-    async fn park_answer(&self, ctx: &Ctx) -> Result<Option<Value>, Error> {
-        let events = Events::new(&ctx.job().conn);
-        let read = |ty: &'static str| {
-            let events = &events;
-            async move {
-                events
-                    .last_of_type(ctx.id(), ty)
-                    .await
-                    .map_err(|e| Error::retryable(format!("reading the job's {ty} events: {e}")))
-            }
-        };
-        let parked = read("parked").await?;
-        let answer = read("answer").await?;
-        Ok(match (parked, answer) {
-            (Some((p, _)), Some((a, ev))) if a > p => {
-                Some(ev.data_map().get("answer").cloned().unwrap_or(Value::Null))
-            }
-            _ => None,
-        })
     }
 
     /// Runs a `generate` op: one model conversation (no tools) with the
@@ -491,6 +509,15 @@ impl RemoteKind {
             _ = ctx.cancelled().cancelled() => Err(Error::Cancelled),
         }
     }
+}
+
+/// Inserts into a map kept at `cap` entries at most (the smallest key
+/// leaves first: any one will do, a removed toolbox is made again).
+fn insert_bounded<K: Ord, V>(map: &mut BTreeMap<K, V>, k: K, v: V, cap: usize) {
+    while map.len() >= cap.max(1) {
+        map.pop_first();
+    }
+    map.insert(k, v);
 }
 
 fn protocol(m: impl Into<String>) -> Error {
@@ -562,7 +589,9 @@ impl Kind for RemoteKind {
             };
             let op = match answer {
                 Ok(v) => v,
-                Err(CallError::Transport(m)) => return Err(Error::retryable(m)),
+                Err(e @ (CallError::Http { .. } | CallError::Status(_))) => {
+                    return Err(Error::retryable(format!("the service: {}", tool_error(e))))
+                }
                 Err(CallError::Protocol(m)) => return Err(protocol(m)),
                 Err(CallError::Service { code, message }) => {
                     return Err(match code.as_str() {
@@ -646,7 +675,9 @@ impl Kind for RemoteKind {
                     if let Some((index, id)) = position(&op, &entries)? {
                         let reason = op["reason"].as_str().unwrap_or("approval");
                         let question = op["question"].as_str().unwrap_or("");
-                        match self.park_answer(ctx).await? {
+                        // Only an answer naming this step, given after
+                        // its own park, is this park's.
+                        match crate::ctx::answer_for(ctx.job(), &id).await? {
                             Some(answer) => {
                                 let rec = Recorded {
                                     index,
@@ -656,7 +687,7 @@ impl Kind for RemoteKind {
                                 };
                                 self.record(ctx, &mut entries, rec).await?;
                             }
-                            None => return Err(Error::park(reason, question)),
+                            None => return Err(ctx.park_at(&id, reason, question)),
                         }
                     }
                 }
@@ -702,13 +733,18 @@ struct RemoteTool {
     /// The effect op said its destination deduplicates by the idempotency
     /// key: after `not_found`, calling again cannot repeat the effect.
     dedupes: bool,
+    /// The remote kind whose service named the tool: its business keys are
+    /// its own (another kind's service never sees, nor suppresses, them).
+    kind: String,
 }
 
 fn tool_error(e: CallError) -> ToolError {
     match e {
-        CallError::Transport(m) if m.contains("did not answer") => ToolError::Transport(m),
-        CallError::Transport(m) if m.contains("error sending request") => ToolError::Unreachable(m),
-        CallError::Transport(m) => ToolError::Transport(m),
+        // The one rule for "may the request have been sent" decides.
+        CallError::Http { error, timeout } => ToolError::from_reqwest(error, timeout),
+        CallError::Status(status) => ToolError::Transport(format!(
+            "the service answered HTTP {status} without an error object"
+        )),
         CallError::Protocol(m) => ToolError::BadResponse(m),
         CallError::Service { code, message } => ToolError::Upstream {
             status: match code.as_str() {
@@ -762,7 +798,7 @@ impl Tool for RemoteTool {
         args["business_key"]
             .as_str()
             .filter(|k| !k.is_empty())
-            .map(|k| format!("{}:{k}", self.spec.name))
+            .map(|k| format!("{}:{}:{k}", self.kind, self.spec.name))
     }
     fn find_existing<'a>(&'a self, key: &'a str, args: &'a Value) -> BoxFuture<'a, Reconcile> {
         Box::pin(async move {
@@ -813,6 +849,16 @@ mod tests {
             )),
             "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
         );
+    }
+
+    #[test]
+    fn the_toolbox_cache_stays_bounded() {
+        let mut m = BTreeMap::new();
+        for i in 0..1000 {
+            insert_bounded(&mut m, format!("tool-{i:04}"), i, 256);
+        }
+        assert_eq!(m.len(), 256);
+        assert_eq!(m.get("tool-0999"), Some(&999), "the newest is kept");
     }
 
     fn rec(i: usize, id: &str, v: Value) -> Recorded {

@@ -296,6 +296,18 @@ impl Events {
             .await
     }
 
+    /// [`Events::last_of_type`], read from the stream's leader: for a
+    /// decision a lagging replica must not make (a park's answer, hidden,
+    /// would ask the person again and drop their answer).
+    pub async fn last_of_type_from_leader(
+        &self,
+        job_id: &str,
+        ty: &str,
+    ) -> Result<Option<(u64, JobEvent)>, StoreError> {
+        self.last_on(self.layout.event_subject(job_id, ty), true)
+            .await
+    }
+
     async fn last_claim_from_leader(
         &self,
         job_id: &str,

@@ -184,8 +184,10 @@ pub fn only_parked(rec: &JobRecord, action: &'static str) -> Result<(), Transiti
 /// ticket's sequence.
 ///
 /// With `answer`, a person's answer is first written as the job's `answer`
-/// event, so the attempt the requeue starts finds it (an SDK kind's
-/// `ctx.park` returns it); a requeue that fails leaves the job parked, and
+/// event, naming the step it answers ([`parked_step`]: the step of the
+/// job's last `parked` event), so the attempt the requeue starts finds it
+/// (an SDK kind's `ctx.park`, a remote kind's `park` op, at that step
+/// only, return it); a requeue that fails leaves the job parked, and
 /// resuming again writes the answer again (the last one is the one).
 pub async fn review_resume(
     conn: &Conn,
@@ -200,12 +202,13 @@ pub async fn review_resume(
             .map_err(|e| explain(e, id))?
             .ok_or_else(|| OpError(format!("no job {id}")))?;
         only_parked(&cur.value, "resume").map_err(|e| explain(e.into(), id))?;
+        let step = parked_step(conn, id).await?;
         let ev = events::event(
             id,
             cur.value.epoch,
             "answer",
             None,
-            json!({"answer": answer}),
+            json!({"answer": answer, "step": step}),
         );
         Events::new(conn)
             .publish(&ev, None)
@@ -233,6 +236,23 @@ pub async fn review_resume(
         .publish(&ev, Some(&format!("{id}:resumed:{ticket}")))
         .await;
     Ok(ticket)
+}
+
+/// The step a parked job waits at for an answer: the `step` of its last
+/// `parked` event (read from the stream's leader), `None` when no step
+/// asked (a park for an uncertain effect, a journal mismatch). An answer
+/// names it, and only that step, parked before the answer, takes it.
+pub async fn parked_step(conn: &Conn, id: &str) -> Result<Option<String>, OpError> {
+    let last = Events::new(conn)
+        .last_of_type_from_leader(id, "parked")
+        .await
+        .map_err(|e| OpError(format!("reading the last park of job {id}: {e}")))?;
+    Ok(last.and_then(|(_, ev)| {
+        ev.data_map()
+            .get("step")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    }))
 }
 
 /// `review fail`: the parked job ends `failed` with the reviewer's reason

@@ -178,21 +178,55 @@ impl ToolError {
     }
 }
 
-/// Maps a reqwest error to the tool error that says what happened.
-pub(crate) fn from_reqwest(e: reqwest::Error, timeout: Duration) -> ToolError {
-    if e.is_timeout() {
-        ToolError::Timeout(timeout)
-    } else if e.is_connect() {
-        // No connection, so no request: nothing can have been committed.
-        ToolError::Unreachable(chain(&e))
-    } else if let Some(s) = e.status() {
-        ToolError::Upstream {
-            status: s.as_u16(),
-            message: e.to_string(),
+/// The one rule for "may this request have reached the destination?",
+/// decided by the HTTP client's own error kind, never by its message: only
+/// a failure to connect (refused, no route, DNS, the TLS handshake: the
+/// connector failed, so not one byte of the request was written) or to
+/// build the request says "never sent". Everything else (a reset or a
+/// closed connection after the request was written, a timeout, a broken
+/// answer) may have reached it, and its effect may have happened.
+///
+/// Built-in tools, the SDK's tools and remote kinds' tools all decide with
+/// it, through [`ToolError::from_reqwest`].
+///
+/// ```
+/// # async fn f() {
+/// let e = reqwest::Client::new().post("http://127.0.0.1:1/").send().await.unwrap_err();
+/// assert!(!leasehold_tools::request_may_have_been_sent(&e));
+/// # }
+/// ```
+pub fn request_may_have_been_sent(e: &reqwest::Error) -> bool {
+    !(e.is_connect() || e.is_builder())
+}
+
+impl ToolError {
+    /// The tool error that says what a failed HTTP call means: a request
+    /// that was certainly never sent ([`request_may_have_been_sent`]) is
+    /// [`ToolError::Unreachable`] (the only transport failure after which a
+    /// write's `in_flight` key is withdrawn); a timeout, a reset after
+    /// sending, a broken answer may have had an effect (reconciled with
+    /// `find_existing` before any retry). Keep using it for your own
+    /// tools' HTTP calls: the decision is then the same everywhere.
+    pub fn from_reqwest(e: reqwest::Error, timeout: Duration) -> ToolError {
+        if !request_may_have_been_sent(&e) {
+            ToolError::Unreachable(chain(&e))
+        } else if e.is_timeout() {
+            ToolError::Timeout(timeout)
+        } else if let Some(s) = e.status() {
+            ToolError::Upstream {
+                status: s.as_u16(),
+                message: e.to_string(),
+            }
+        } else {
+            ToolError::Transport(chain(&e))
         }
-    } else {
-        ToolError::Transport(chain(&e))
     }
+}
+
+/// Maps a reqwest error to the tool error that says what happened
+/// ([`ToolError::from_reqwest`]).
+pub(crate) fn from_reqwest(e: reqwest::Error, timeout: Duration) -> ToolError {
+    ToolError::from_reqwest(e, timeout)
 }
 
 /// The error with its sources: reqwest's Display alone hides the cause.

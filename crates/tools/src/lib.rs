@@ -71,7 +71,7 @@ pub use agent_tools::AgentTools;
 pub use builtin::fetch::{FetchConfig, FetchTool};
 pub use builtin::publish::{PublishConfig, PublishTool};
 pub use builtin::search::{SearchConfig, SearchTool};
-pub use error::{Disposition, ToolError};
+pub use error::{request_may_have_been_sent, Disposition, ToolError};
 pub use events::{CollectEvents, NoEvents, ToolEvent, ToolEventKind, ToolEvents};
 pub use faults::{FaultMode, Faults};
 pub use guard::{EffectGuard, OwnerGuard};

@@ -72,6 +72,7 @@ impl Handler for Deliver {
                 Disposition::Park => Ok(Outcome::Parked {
                     reason: e.class().into(),
                     message: e.to_string(),
+                    step: None,
                 }),
                 // Not the owner any more: nothing ran, nothing to write.
                 Disposition::Stop => Err(HandlerError::cancelled()),

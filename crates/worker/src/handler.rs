@@ -27,6 +27,11 @@ pub enum Outcome {
     Parked {
         reason: String,
         message: String,
+        /// The step that asked the person (an SDK kind's `ctx.park`, a
+        /// remote kind's `park` op), written into the `parked` event: an
+        /// answer (`review resume --answer`) names it, and only that step
+        /// takes it. `None`: a park no step asked for an answer.
+        step: Option<String>,
     },
 }
 
@@ -185,6 +190,7 @@ impl Handler for Fail {
                 return Ok(Outcome::Parked {
                     reason: "injected".into(),
                     message: "a park for review (test kind)".into(),
+                    step: None,
                 });
             }
             return Ok(Outcome::Completed(JobResult {

@@ -150,14 +150,13 @@ impl LookupSupplier {
 }
 
 /// A response as a tool result: JSON on success, the status otherwise.
-async fn answer(r: Result<reqwest::Response, reqwest::Error>) -> Result<Value, ToolError> {
-    let r = r.map_err(|e| {
-        if e.is_connect() {
-            ToolError::Unreachable(e.to_string())
-        } else {
-            ToolError::Transport(e.to_string())
-        }
-    })?;
+async fn answer(
+    r: Result<reqwest::Response, reqwest::Error>,
+    timeout: Duration,
+) -> Result<Value, ToolError> {
+    // The one rule for "may the request have been sent" (a refused
+    // connection was not; anything later may have been).
+    let r = r.map_err(|e| ToolError::from_reqwest(e, timeout))?;
     let status = r.status().as_u16();
     let body: Value = r
         .json()
@@ -192,6 +191,7 @@ impl Tool for LookupSupplier {
                     .query(&[("name", name)])
                     .send()
                     .await,
+                self.spec.timeout,
             )
             .await
         })
@@ -252,7 +252,7 @@ impl Tool for CreateInvoice {
                 .json(args)
                 .send()
                 .await;
-            match answer(r).await {
+            match answer(r, self.spec.timeout).await {
                 // The accounting system already has this invoice: that is
                 // the effect, not a failure.
                 Err(ToolError::Upstream { status: 409, .. }) => self
@@ -291,7 +291,11 @@ impl CreateInvoice {
             ("supplier", args["supplier"].as_str().unwrap_or_default()),
             ("number", args["number"].as_str().unwrap_or_default()),
         ];
-        answer(self.http.get(self.url()).query(&q).send().await).await
+        answer(
+            self.http.get(self.url()).query(&q).send().await,
+            self.spec.timeout,
+        )
+        .await
     }
 }
 

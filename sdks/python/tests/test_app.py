@@ -3,11 +3,14 @@ mismatch, ends, tools, signatures. ``python -m unittest discover sdks/python/tes
 
 import hashlib
 import hmac
+import socket
+import threading
 import time
 import unittest
+from http.server import ThreadingHTTPServer
 
 from leasehold import NOT_FOUND, App, Ctx, Fail, Found, Retry, ToolCall, ToolError
-from leasehold._server import check_signature
+from leasehold._server import Replays, _Handler, check_signature, signed_message
 
 app = App(version="7")
 
@@ -96,26 +99,98 @@ class Replay(unittest.TestCase):
 
 class Tools(unittest.TestCase):
     def test_a_tool_gets_its_key_and_errors_have_codes(self):
-        body = {"protocol": 1, "args": {"n": 1}, "idempotency_key": "ab" * 32, "job": {"id": "j", "epoch": 1}, "step": "effect:book#0"}
+        body = {"protocol": 1, "type": "tool", "tool": "book", "args": {"n": 1}, "idempotency_key": "ab" * 32, "job": {"id": "j", "epoch": 1}, "step": "effect:book#0"}
         st, out = app.run_tool("book", body)
         self.assertEqual(out["result"]["key"], "ab" * 32)
         st, out = app.run_tool("book", dict(body, args={"boom": True}))
         self.assertEqual(out["error"]["code"], "retryable")
-        self.assertEqual(app.find_existing("book", dict(body, args={"there": True}))[1]["status"], "found")
-        self.assertEqual(app.find_existing("book", body)[1]["status"], "not_found")
-        self.assertEqual(app.run_tool("nope", body)[0], 404)
+        find = dict(body, type="find_existing")
+        self.assertEqual(app.find_existing("book", dict(find, args={"there": True}))[1]["status"], "found")
+        self.assertEqual(app.find_existing("book", find)[1]["status"], "not_found")
+        self.assertEqual(app.run_tool("nope", dict(body, tool="nope"))[0], 404)
+
+    def test_a_body_made_for_another_endpoint_is_refused(self):
+        # G10: a find_existing body, or another tool's, posted to a tool.
+        body = {"protocol": 1, "type": "find_existing", "tool": "book", "args": {"n": 1}, "idempotency_key": "ab" * 32}
+        st, out = app.run_tool("book", body)
+        self.assertEqual((st, out["error"]["code"]), (400, "bad_request"))
+        st, out = app.run_tool("book", dict(body, type="tool", tool="other"))
+        self.assertEqual((st, out["error"]["code"]), (400, "bad_request"))
+        st, out = app.find_existing("book", dict(body, type="tool"))
+        self.assertEqual((st, out["error"]["code"]), (400, "bad_request"))
 
 
 class Signature(unittest.TestCase):
     def test_the_workers_signature_is_checked_with_its_time(self):
         body = b'{"protocol":1}'
         t = int(time.time())
-        sig = hmac.new(b"s", f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-        self.assertIsNone(check_signature("s", f"t={t},v1={sig}", body))
-        self.assertIsNotNone(check_signature("other", f"t={t},v1={sig}", body))
-        self.assertIsNotNone(check_signature("s", f"t={t},v1={sig}", body + b" "))
-        self.assertIsNotNone(check_signature("s", f"t={t - 3600},v1={sig}", body))
+        sig = hmac.new(b"s", signed_message(t, "n1", "POST", "/invoke", body), hashlib.sha256).hexdigest()
+        h = f"t={t},n=n1,v2={sig}"
+        self.assertIsNone(check_signature("s", h, body))
+        self.assertIsNotNone(check_signature("other", h, body))
+        self.assertIsNotNone(check_signature("s", h, body + b" "))
+        self.assertIsNotNone(check_signature("s", h.replace(f"t={t}", f"t={t - 3600}"), body))
         self.assertIsNotNone(check_signature("s", None, body))
+
+    def test_a_signature_binds_its_endpoint_and_is_served_once(self):
+        # G10: the signature of a find_existing call replayed to a tool,
+        # or to the same endpoint again, is refused.
+        body = b'{"protocol":1,"type":"find_existing","tool":"a"}'
+        t = int(time.time())
+        path = "/tools/a/find_existing"
+        sig = hmac.new(b"s", signed_message(t, "n2", "POST", path, body), hashlib.sha256).hexdigest()
+        h = f"t={t},n=n2,v2={sig}"
+        seen = Replays()
+        self.assertIn("does not match", check_signature("s", h, body, path="/tools/b", seen=seen))
+        self.assertIn("does not match", check_signature("s", h, body, path="/tools/a", seen=seen))
+        self.assertIsNone(check_signature("s", h, body, path=path, seen=seen))
+        self.assertIn("used before", check_signature("s", h, body, path=path, seen=seen))
+        # The old scheme (t.body, no nonce) binds neither: refused.
+        old = hmac.new(b"s", f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+        self.assertIsNotNone(check_signature("s", f"t={t},v1={old}", body, path=path))
+
+    def test_seen_nonces_leave_with_their_window(self):
+        r = Replays(tolerance_s=10)
+        self.assertTrue(r.first_time("a", 100, 100))
+        self.assertFalse(r.first_time("a", 100, 105))
+        self.assertTrue(r.first_time("b", 120, 120))
+        self.assertNotIn("a", r._seen)
+
+
+class Server(unittest.TestCase):
+    """The HTTP checks, against the real handler on a socket."""
+
+    @classmethod
+    def setUpClass(cls):
+        handler = type("H", (_Handler,), {"app": app, "token": "tok", "secret": None, "max_body": 1024, "replays": Replays()})
+        cls.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        cls.httpd.daemon_threads = True
+        threading.Thread(target=cls.httpd.serve_forever, daemon=True).start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.httpd.shutdown()
+        cls.httpd.server_close()
+
+    def raw(self, head: str, body: bytes = b"") -> str:
+        with socket.create_connection(self.httpd.server_address, timeout=5) as s:
+            s.sendall(head.encode() + b"\r\n" + body)
+            return s.recv(65536).decode(errors="replace")
+
+    def test_a_negative_or_bad_content_length_is_refused_before_reading(self):
+        # G10: rfile.read(-1) would read until the peer closes, unbounded.
+        for n in ["-1", "x"]:
+            out = self.raw(f"POST /invoke HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer tok\r\nContent-Length: {n}\r\n")
+            self.assertTrue(out.startswith("HTTP/1.1 400"), out)
+            self.assertIn("bad_request", out)
+
+    def test_the_bearer_token_is_required(self):
+        body = b'{"protocol": 1}'
+        head = "POST /invoke HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n%s"
+        out = self.raw(head % (len(body), "Authorization: Bearer nope\r\n"), body)
+        self.assertTrue(out.startswith("HTTP/1.1 401"), out)
+        out = self.raw(head % (len(body), "Authorization: Bearer tok\r\n"), body)
+        self.assertTrue(out.startswith("HTTP/1.1 400"), out)
 
 
 if __name__ == "__main__":

@@ -389,7 +389,11 @@ async fn run_attempt(
     watchers.abort_all();
     match result {
         Ok(Outcome::Completed(res)) => a.complete(res).await,
-        Ok(Outcome::Parked { reason, message }) => a.park(reason, message).await,
+        Ok(Outcome::Parked {
+            reason,
+            message,
+            step,
+        }) => a.park(reason, message, step).await,
         Err(err) => a.error(err).await,
     }
 }
@@ -546,7 +550,7 @@ impl Attempt {
         }
     }
 
-    async fn park(&self, reason: String, message: String) {
+    async fn park(&self, reason: String, message: String, step: Option<String>) {
         let (r2, m2) = (reason.clone(), message.clone());
         match persist(&self.shared, &self.gate, move |r, o, now| {
             machine::park(r, o, now, &r2, &m2)
@@ -572,7 +576,7 @@ impl Attempt {
                 let indexed = self.reindex(&v.value).await;
                 self.publish_event(
                     "parked",
-                    json!({"reason": reason, "message": message}),
+                    json!({"reason": reason, "message": message, "step": step}),
                     None,
                 )
                 .await;

@@ -218,7 +218,11 @@ class Ctx:
 
     def park(self, reason: str, question: str) -> JSON:
         """Stops for a person; returns their answer once the job is resumed
-        (``leasehold review resume ID --answer JSON``)."""
+        (``leasehold review resume ID --answer JSON``). The op names this
+        park's step (``id``, ``park#n``); the worker records as this step
+        only an answer given for that id after its park, so a second park
+        of the same run parks and asks again: it never gets the first
+        one's answer."""
         sid = self._id("park")
         hit, value, i = self._replay(sid)
         if hit:
@@ -307,6 +311,9 @@ class App:
 
     def invoke(self, body: Dict[str, JSON]) -> Tuple[int, Dict[str, JSON]]:
         """One `invoke` call: the HTTP status and the answer."""
+        bad = self._mismatch(body, "invoke") if "type" in body else None
+        if bad is not None:
+            return bad
         try:
             j = body["job"]
             job = Job(
@@ -353,8 +360,20 @@ class App:
             business_key=body.get("business_key"),
         )
 
+    @staticmethod
+    def _mismatch(body: Dict[str, JSON], kind: str, name: Optional[str] = None) -> Optional[Tuple[int, Dict[str, JSON]]]:
+        """A request whose ``type`` (and ``tool``) is not the endpoint's: a
+        body sent to another endpoint than the one it was made for."""
+        if body.get("type") != kind or (name is not None and body.get("tool") != name):
+            what = f"`{kind}` request" + (f" for tool `{name}`" if name is not None else "")
+            return 400, error("bad_request", f"this endpoint takes a {what}; the body is a `{body.get('type')}` request for {body.get('tool')!r}")
+        return None
+
     def run_tool(self, name: str, body: Dict[str, JSON]) -> Tuple[int, Dict[str, JSON]]:
         """One `tool` call."""
+        bad = self._mismatch(body, "tool", name)
+        if bad is not None:
+            return bad
         t = self.tools.get(name)
         if t is None:
             return 404, error("terminal", f"this service has no tool `{name}`")
@@ -368,6 +387,9 @@ class App:
 
     def find_existing(self, name: str, body: Dict[str, JSON]) -> Tuple[int, Dict[str, JSON]]:
         """One `find_existing` call."""
+        bad = self._mismatch(body, "find_existing", name)
+        if bad is not None:
+            return bad
         t = self.tools.get(name)
         if t is None:
             return 404, error("terminal", f"this service has no tool `{name}`")

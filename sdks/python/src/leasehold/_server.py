@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 from ._app import PROTOCOL, App, error
@@ -19,9 +20,50 @@ from ._app import PROTOCOL, App, error
 SIGNATURE_TOLERANCE_S = 300
 
 
-def check_signature(secret: str, header: Optional[str], body: bytes, now: Optional[float] = None) -> Optional[str]:
-    """Why the ``X-Leasehold-Signature`` header does not sign ``body``, or
-    None when it does (HMAC-SHA256 of ``<t>.<body>``, ``t`` within 5 min)."""
+def signed_message(t: int, nonce: str, method: str, path: str, body: bytes) -> bytes:
+    """What the worker signs: ``<t>.<nonce>.<METHOD>.<path>.<body>``, so a
+    signature binds the endpoint (a signed call to one tool is not one to
+    another) and, with its nonce, one request."""
+    return f"{t}.{nonce}.{method}.{path}.".encode() + body
+
+
+class Replays:
+    """The nonces of signatures accepted within the tolerance window: a
+    request signed once is served once (one process's memory; entries leave
+    when their time is out of the window)."""
+
+    def __init__(self, tolerance_s: int = SIGNATURE_TOLERANCE_S) -> None:
+        self.tolerance_s = tolerance_s
+        self._seen: "OrderedDict[str, float]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def first_time(self, nonce: str, t: int, now: float) -> bool:
+        """Records ``nonce``; False when it was seen already."""
+        with self._lock:
+            while self._seen:
+                oldest = next(iter(self._seen))
+                if self._seen[oldest] >= now:
+                    break
+                del self._seen[oldest]
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = t + self.tolerance_s
+            return True
+
+
+def check_signature(
+    secret: str,
+    header: Optional[str],
+    body: bytes,
+    method: str = "POST",
+    path: str = "/invoke",
+    now: Optional[float] = None,
+    seen: Optional[Replays] = None,
+) -> Optional[str]:
+    """Why the ``X-Leasehold-Signature`` header (``t=<unix>,n=<nonce>,v2=<hex>``)
+    does not sign this request, or None when it does: HMAC-SHA256 of
+    :func:`signed_message`, ``t`` within 5 min, and (with ``seen``) a nonce
+    not served before."""
     if not header:
         return "no X-Leasehold-Signature header"
     parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
@@ -29,11 +71,17 @@ def check_signature(secret: str, header: Optional[str], body: bytes, now: Option
         t = int(parts.get("t", ""))
     except ValueError:
         return "the signature has no time"
-    if abs((now if now is not None else time.time()) - t) > SIGNATURE_TOLERANCE_S:
+    now = now if now is not None else time.time()
+    if abs(now - t) > SIGNATURE_TOLERANCE_S:
         return "the signature is too old or too new"
-    want = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(want, parts.get("v1", "")):
-        return "the signature does not match the body"
+    nonce = parts.get("n", "")
+    if not nonce or "v2" not in parts:
+        return "the signature does not bind the request (no n= and v2=): the worker is older than this service"
+    want = hmac.new(secret.encode(), signed_message(t, nonce, method, path, body), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, parts["v2"]):
+        return "the signature does not match the request (method, path and body)"
+    if seen is not None and not seen.first_time(nonce, t, now):
+        return "the signature was used before (a replayed request)"
     return None
 
 
@@ -47,6 +95,7 @@ class _Handler(BaseHTTPRequestHandler):
     token: Optional[str]
     secret: Optional[str]
     max_body: int
+    replays: "Replays"
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet by default
         if os.environ.get("LEASEHOLD_LOG_REQUESTS"):
@@ -92,17 +141,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, error("not_found", self.path))
 
     def do_POST(self) -> None:
-        n = int(self.headers.get("Content-Length") or 0)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if n < 0:
+            self.close_connection = True
+            self._send(400, error("bad_request", "Content-Length must be a byte count"))
+            return
         if n > self.max_body:
             self.close_connection = True
             self._send(413, error("request_too_large", f"{n} bytes, the limit is {self.max_body}"))
             return
         raw = self.rfile.read(n)
-        if self.token is not None and self.headers.get("Authorization") != f"Bearer {self.token}":
+        got = self.headers.get("Authorization") or ""
+        if self.token is not None and not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             self._send(401, error("unauthorized", "a bearer token is required"))
             return
         if self.secret is not None:
-            why = check_signature(self.secret, self.headers.get("X-Leasehold-Signature"), raw)
+            why = check_signature(
+                self.secret,
+                self.headers.get("X-Leasehold-Signature"),
+                raw,
+                method="POST",
+                path=self.path,
+                seen=self.replays,
+            )
             if why is not None:
                 self._send(401, error("unauthorized", why))
                 return
@@ -165,7 +229,7 @@ def serve(
     handler = type(
         "Handler",
         (_Handler,),
-        {"app": app, "token": token, "secret": hmac_secret, "max_body": max_body},
+        {"app": app, "token": token, "secret": hmac_secret, "max_body": max_body, "replays": Replays()},
     )
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
