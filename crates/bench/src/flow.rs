@@ -9,6 +9,11 @@
 //!   request (`try_admit`), p50/p99.
 //! - Over it (an RPM limit the requests could exceed 16×): the requests
 //!   admitted per minute, against the limit.
+//! - Slices below one request a second: the sim limited to 120 rpm with
+//!   one second of burst (a bucket of 2 requests), the fleet's limit the
+//!   same, over 4 and 16 workers (0.5 and 0.125 requests a second each),
+//!   each with 2 requests always waiting and a 429 pausing the fleet as
+//!   the model client does: the share of 429s and of the limit used.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -134,6 +139,129 @@ async fn run(limits: Limits, warm: Duration, window: Duration) -> anyhow::Result
     }))
 }
 
+/// Requests per minute of the fractional runs, and their measured window.
+const FRACTIONAL_RPM: u64 = 120;
+const FRACTIONAL_WARM: Duration = Duration::from_secs(10);
+const FRACTIONAL_WINDOW: Duration = Duration::from_secs(40);
+
+/// One fractional run over `workers` (module docs).
+async fn fractional(workers: usize) -> anyhow::Result<Value> {
+    use crate::research::Sim;
+    let (srv, conn) = server(SetupOptions::default()).await?;
+    let spec = format!("sim-1:rpm={FRACTIONAL_RPM},burst=1");
+    let sim = Sim::start_with(0, &["--limit", &spec]).await?;
+    let base = format!("http://{}/v1", sim.addr);
+    let key = ProviderKey::new(&base, "sim-1", None);
+    FlowStore::open(&conn)
+        .await?
+        .set_limits(
+            &key.id,
+            &LimitEntry {
+                limits: Limits {
+                    rpm: Some(FRACTIONAL_RPM),
+                    tpm: None,
+                    concurrency: None,
+                },
+                provider: Some(key.info.clone()),
+                weight: None,
+                updated_at: String::new(),
+            },
+        )
+        .await?;
+    let stop = CancellationToken::new();
+    let http = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let c = NatsArgs::local(srv.url(), "lh")
+            .connect(&format!("bench flow fractional {w}"))
+            .await?;
+        let flow = Arc::new(Flow::new());
+        tasks.push(leasehold_worker::flow::start_with(
+            flow.clone(),
+            c,
+            format!("bench-f{w:02}"),
+            stop.clone(),
+        ));
+        for _ in 0..2 {
+            let (flow, key, stop, http) = (flow.clone(), key.clone(), stop.clone(), http.clone());
+            let url = format!("{base}/chat/completions");
+            tasks.push(tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    let permit = match flow.try_admit(&key, 10) {
+                        Ok(p) => p,
+                        Err(w) => {
+                            let wake = match w {
+                                Wait::Paused { at, .. } => at,
+                                Wait::Limited { retry, .. } => retry,
+                            };
+                            tokio::select! {
+                                _ = stop.cancelled() => return,
+                                _ = tokio::time::sleep_until(wake) => {}
+                                _ = flow.changed() => {}
+                            }
+                            continue;
+                        }
+                    };
+                    let body = json!({"model": "sim-1", "max_tokens": 8,
+                        "messages": [{"role": "user", "content": "flow"}]});
+                    let Ok(r) = http.post(&url).json(&body).send().await else {
+                        continue;
+                    };
+                    let retry = r
+                        .headers()
+                        .get("retry-after")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.trim().parse::<u64>().ok());
+                    let limited = r.status().as_u16() == 429;
+                    let _ = r.bytes().await;
+                    drop(permit);
+                    if limited {
+                        let secs = retry.unwrap_or(1).max(1);
+                        flow.cooldown(
+                            &key,
+                            std::time::SystemTime::now() + Duration::from_secs(secs),
+                            "rate_limited",
+                        );
+                    }
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(FRACTIONAL_WARM).await;
+    let count = |v: &Value| {
+        (
+            v["chat_requests"].as_u64().unwrap_or(0),
+            v["rate_limited_total"].as_u64().unwrap_or(0),
+        )
+    };
+    let (r0, l0) = count(&sim.get("/stats").await?);
+    let t0 = Instant::now();
+    tokio::time::sleep(FRACTIONAL_WINDOW).await;
+    let (r1, l1) = count(&sim.get("/stats").await?);
+    let secs = t0.elapsed().as_secs_f64();
+    stop.cancel();
+    for t in tasks {
+        let _ = t.await;
+    }
+    let (requests, refused) = (r1 - r0, l1 - l0);
+    let per_min = (requests - refused) as f64 / secs * 60.0;
+    let share_429 = refused as f64 / requests.max(1) as f64;
+    let achieved = per_min / FRACTIONAL_RPM as f64;
+    Ok(json!({
+        "workers": workers,
+        "rpm_limit": FRACTIONAL_RPM,
+        "slice_per_worker_per_s": FRACTIONAL_RPM as f64 / 60.0 / workers as f64,
+        "window_s": secs,
+        "requests": requests,
+        "refused_429": refused,
+        "share_429": share_429,
+        "answered_per_min": per_min,
+        "achieved_share_of_limit": achieved,
+        "share_429_met": share_429 <= 0.01,
+        "achieved_met": achieved >= 0.9,
+    }))
+}
+
 /// The part.
 pub async fn flow() -> anyhow::Result<Value> {
     let under = run(
@@ -159,7 +287,11 @@ pub async fn flow() -> anyhow::Result<Value> {
     )
     .await?;
     let achieved = over["admitted_per_min"].as_f64().unwrap_or(0.0) / rpm as f64;
+    let fractional_4 = fractional(4).await?;
+    let fractional_16 = fractional(16).await?;
     Ok(json!({
+        "fractional_4": fractional_4,
+        "fractional_16": fractional_16,
         "under_limit": under,
         "over_limit": over,
         "rpm_limit": rpm,
@@ -211,6 +343,27 @@ pub fn rows(r: &mut Report, v: &Value) {
         ">= 90% and never above",
         v["achieved_met"].as_bool(),
     );
+    for f in [&v["fractional_4"], &v["fractional_16"]] {
+        r.cmp(
+            format!(
+                "flow control: 429s and share of the limit, {} workers at {} rpm ({:.3} requests/s each), sim bucket of 1 s",
+                f["workers"], f["rpm_limit"], f["slice_per_worker_per_s"].as_f64().unwrap_or(f64::NAN)
+            ),
+            format!(
+                "{:.2}% 429 ({} of {}), {:.1}% of the limit",
+                f["share_429"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                f["refused_429"],
+                f["requests"],
+                f["achieved_share_of_limit"].as_f64().unwrap_or(f64::NAN) * 100.0
+            ),
+            "before the grid: 9.6% 429, 75% of the limit (4 workers)".to_string(),
+            "<= 1% and >= 90%",
+            Some(
+                f["share_429_met"].as_bool() == Some(true)
+                    && f["achieved_met"].as_bool() == Some(true),
+            ),
+        );
+    }
 }
 
 /// Research jobs per run of [`research`], and the sim's RPM and TPM

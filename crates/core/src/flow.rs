@@ -10,6 +10,17 @@
 //! most what the others leave free), and a worker that stops renewing
 //! gives its slice back when its lease ends.
 //!
+//! A lease's age is judged by each reader in its own clock ([`Renewals`]):
+//! from when it saw the lease's renewal count change, never by the
+//! writer's wall clock, so no two hosts' clocks are compared. The writer
+//! stops using its slice a margin before the earliest moment any reader
+//! can consider it ended.
+//!
+//! A slice below one request per second cannot hold a whole request in a
+//! bucket of one second: such workers take turns on the fleet's request
+//! [`Grid`] instead (one slot per request the fleet's limit allows, each
+//! slot one worker's), so the fleet never fires together.
+//!
 //! A worker's slice is its *entitlement*, the max-min fair share of the
 //! limit over every live worker's want (water filling: who wants less than
 //! an equal share gets it, the rest is split evenly among the others),
@@ -122,8 +133,14 @@ pub struct Lease {
     pub held: Slice,
     /// What it asked for (its demand, for the others' fair shares).
     pub want: Slice,
-    /// When it ends, ms since the Unix epoch (the writer's clock).
+    /// When it ends, ms since the Unix epoch by the writer's clock: shown
+    /// by `leasehold limits list`, never compared with another host's
+    /// clock (readers judge a lease's age with [`Renewals`]).
     pub until_ms: u64,
+    /// The writer's count of its writes: a reader sees the lease renewed
+    /// when this changes.
+    #[serde(default)]
+    pub renewal: u64,
 }
 
 /// Who the provider key is (never the credential itself).
@@ -146,9 +163,38 @@ pub struct LeaseRecord {
 }
 
 impl LeaseRecord {
-    /// Drops the leases that ended by `now_ms`.
-    pub fn expire(&mut self, now_ms: u64) {
+    /// Drops the leases whose writers' clocks say they ended by `now_ms`:
+    /// an estimate for display (`leasehold limits list`) only; a worker
+    /// decides with [`Renewals::expire`].
+    pub fn expire_by_writers_clocks(&mut self, now_ms: u64) {
         self.leases.retain(|_, l| l.until_ms > now_ms);
+    }
+
+    /// Where `me`'s requests go on the fleet's request grid, by the leases'
+    /// held rates (`None` without a request limit or a held rate): its
+    /// share of the slots, and as offset the shares of the workers before
+    /// it by id, so the live leases' ranges never overlap.
+    pub fn grid(&self, me: &str, limits: &Limits) -> Option<Grid> {
+        let total = limits.as_slice().requests_per_sec;
+        if !total.is_finite() || total <= 0.0 {
+            return None;
+        }
+        let share = |l: &Lease| (l.held.requests_per_sec / total).clamp(0.0, 1.0);
+        let mine = share(self.leases.get(me)?);
+        if mine <= 0.0 {
+            return None;
+        }
+        let offset: f64 = self
+            .leases
+            .iter()
+            .take_while(|(w, _)| w.as_str() < me)
+            .map(|(_, l)| share(l))
+            .sum();
+        Some(Grid {
+            rate: total,
+            offset: offset.min(1.0),
+            share: mine,
+        })
     }
 
     /// The live workers' count (at least 1: the caller).
@@ -157,17 +203,17 @@ impl LeaseRecord {
     }
 
     /// Writes `me`'s lease for `want` under `limits`: what it may hold
-    /// from now to `until_ms`. Expired leases are dropped first. A zero
-    /// want removes the lease.
+    /// for the lease period (`until_ms` by its own clock, shown only;
+    /// `renewal`, its write count). The caller drops the ended leases
+    /// first ([`Renewals::expire`]). A zero want removes the lease.
     pub fn grant(
         &mut self,
         me: &str,
         limits: &Limits,
         want: Slice,
-        now_ms: u64,
         until_ms: u64,
+        renewal: u64,
     ) -> Slice {
-        self.expire(now_ms);
         self.leases.remove(me);
         if want.requests_per_sec <= 0.0 && want.tokens_per_sec <= 0.0 && want.concurrency == 0 {
             return Slice::default();
@@ -231,9 +277,95 @@ impl LeaseRecord {
                     },
                 },
                 until_ms,
+                renewal,
             },
         );
         got
+    }
+}
+
+/// One reader's view of the others' renewals, in its own clock: a lease
+/// lives for the lease period from when this reader first saw its current
+/// renewal count. The writer wrote it before that moment, and stops using
+/// it a margin before its own write plus the period, so a reader never
+/// takes a share its holder may still use, whatever the two hosts' wall
+/// clocks say.
+#[derive(Debug, Clone, Default)]
+pub struct Renewals {
+    /// By worker id: the renewal count seen and when it was first seen
+    /// (ms of the reader's monotonic clock).
+    seen: BTreeMap<String, (u64, u64)>,
+}
+
+impl Renewals {
+    /// Notes `rec` as read at `now_ms` (the reader's monotonic clock, ms)
+    /// and drops from it the leases, other than `me`'s, not renewed for
+    /// `lease_ms` since this reader first saw them.
+    pub fn expire(&mut self, rec: &mut LeaseRecord, me: &str, now_ms: u64, lease_ms: u64) {
+        for (w, l) in &rec.leases {
+            match self.seen.get_mut(w) {
+                Some(s) if s.0 == l.renewal => {}
+                Some(s) => *s = (l.renewal, now_ms),
+                None => {
+                    self.seen.insert(w.clone(), (l.renewal, now_ms));
+                }
+            }
+        }
+        self.seen.retain(|w, _| rec.leases.contains_key(w));
+        let seen = &self.seen;
+        rec.leases
+            .retain(|w, _| w == me || seen.get(w).is_some_and(|s| now_ms < s.1 + lease_ms));
+    }
+}
+
+/// A worker's place on the fleet's request grid: time is cut into slots of
+/// `1 / rate` seconds (the fleet's request limit) counted from the Unix
+/// epoch, and slot `k` belongs to the worker whose range
+/// `[offset, offset + share)` holds `k * phi mod 1` (phi the golden ratio's
+/// fraction: any share's slots are spread evenly, and each slot is one
+/// worker's). A worker whose slice is below one request per second sends
+/// only in its own slots, so the fleet sends at most one request per slot
+/// and never all at once, after a pause as anywhere else. Each worker reads
+/// its own wall clock: a skew between hosts shifts their slots (timing
+/// only: each still keeps its own rate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Grid {
+    /// The fleet's requests per second (slots per second).
+    pub rate: f64,
+    /// Where this worker's range starts, in `[0, 1)`.
+    pub offset: f64,
+    /// Its width: this worker's share of the fleet's rate.
+    pub share: f64,
+}
+
+impl Grid {
+    /// The slot at `secs` since the Unix epoch.
+    pub fn slot_at(&self, secs: f64) -> i64 {
+        (secs * self.rate).floor() as i64
+    }
+
+    /// When slot `k` starts, in seconds since the Unix epoch.
+    pub fn start_of(&self, k: i64) -> f64 {
+        k as f64 / self.rate
+    }
+
+    /// Whether slot `k` is this worker's.
+    pub fn owns(&self, k: i64) -> bool {
+        // 2^64 / phi: the slots' positions k * phi mod 1, in fixed point.
+        const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+        let at = (k as u64).wrapping_mul(PHI);
+        let fixed = |f: f64| (f.clamp(0.0, 1.0) * 2f64.powi(64)) as u64;
+        let width = if self.share >= 1.0 {
+            u64::MAX
+        } else {
+            fixed(self.share)
+        };
+        at.wrapping_sub(fixed(self.offset)) < width
+    }
+
+    /// This worker's first slot from `k` on (`None` within a million).
+    pub fn next_from(&self, k: i64) -> Option<i64> {
+        (k..k.saturating_add(1_000_000)).find(|&s| self.owns(s))
     }
 }
 
@@ -350,15 +482,15 @@ mod tests {
         };
         let mut rec = LeaseRecord::default();
         // The first worker takes everything it wants (all of it).
-        let a = rec.grant("a", &limits, want(100.0, 16), 0, 3000);
+        let a = rec.grant("a", &limits, want(100.0, 16), 3000, 1);
         assert_eq!(a.requests_per_sec, 10.0);
         assert_eq!(a.concurrency, 8);
         // The second finds nothing free until a renews.
-        let b = rec.grant("b", &limits, want(100.0, 16), 100, 3100);
+        let b = rec.grant("b", &limits, want(100.0, 16), 3100, 1);
         assert_eq!((b.requests_per_sec, b.concurrency), (0.0, 0));
-        let a = rec.grant("a", &limits, want(100.0, 16), 1000, 4000);
+        let a = rec.grant("a", &limits, want(100.0, 16), 4000, 2);
         assert_eq!((a.requests_per_sec, a.concurrency), (5.0, 4));
-        let b = rec.grant("b", &limits, want(100.0, 16), 1100, 4100);
+        let b = rec.grant("b", &limits, want(100.0, 16), 4100, 2);
         assert_eq!((b.requests_per_sec, b.concurrency), (5.0, 4));
         let sum: f64 = rec.leases.values().map(|l| l.held.requests_per_sec).sum();
         assert!(sum <= 10.0);
@@ -369,19 +501,131 @@ mod tests {
             concurrency: Some(1),
         };
         let mut r1 = LeaseRecord::default();
-        assert_eq!(r1.grant("x", &one, want(1.0, 1), 0, 3000).concurrency, 1);
-        assert_eq!(r1.grant("y", &one, want(1.0, 1), 10, 3010).concurrency, 0);
-        assert_eq!(r1.grant("x", &one, want(1.0, 1), 1000, 4000).concurrency, 1);
-        assert_eq!(r1.grant("y", &one, want(1.0, 1), 3500, 6500).concurrency, 0);
-        // x gone (its lease ended at 4000): y takes it.
-        assert_eq!(r1.grant("y", &one, want(1.0, 1), 4001, 7001).concurrency, 1);
-        // b stops renewing (killed): its slice is free once its lease ended.
-        let a = rec.grant("a", &limits, want(100.0, 16), 4200, 7200);
+        assert_eq!(r1.grant("x", &one, want(1.0, 1), 3000, 1).concurrency, 1);
+        assert_eq!(r1.grant("y", &one, want(1.0, 1), 3010, 1).concurrency, 0);
+        assert_eq!(r1.grant("x", &one, want(1.0, 1), 4000, 2).concurrency, 1);
+        // y, by its own clock, sees x's renewal 2 at 1000: x's lease lives
+        // until 4000 of y's clock.
+        let mut seen_by_y = Renewals::default();
+        seen_by_y.expire(&mut r1, "y", 1000, 3000);
+        assert_eq!(r1.grant("y", &one, want(1.0, 1), 6500, 2).concurrency, 0);
+        seen_by_y.expire(&mut r1, "y", 3999, 3000);
+        assert_eq!(r1.grant("y", &one, want(1.0, 1), 6999, 3).concurrency, 0);
+        // x gone (not renewed for 3000 of y's clock): y takes it.
+        seen_by_y.expire(&mut r1, "y", 4000, 3000);
+        assert_eq!(r1.grant("y", &one, want(1.0, 1), 7000, 4).concurrency, 1);
+        // b stops renewing (killed): its slice is free once its lease ended
+        // for a, who saw b's last renewal at 1100.
+        let mut seen_by_a = Renewals::default();
+        seen_by_a.expire(&mut rec, "a", 1100, 3000);
+        seen_by_a.expire(&mut rec, "a", 4100, 3000);
+        let a = rec.grant("a", &limits, want(100.0, 16), 7200, 3);
         assert_eq!((a.requests_per_sec, a.concurrency), (10.0, 8));
         assert_eq!(rec.workers("a"), 1);
         // A zero want gives everything back.
-        rec.grant("a", &limits, Slice::default(), 5000, 8000);
+        rec.grant("a", &limits, Slice::default(), 8000, 4);
         assert!(rec.leases.is_empty());
+    }
+
+    /// G11: a writer whose wall clock is far behind (its `until_ms` long
+    /// past by the reader's clock) keeps its lease while it renews, and
+    /// loses it only a lease period of the reader's own clock after its
+    /// last renewal.
+    #[test]
+    fn a_lease_lives_by_the_readers_clock_not_the_writers() {
+        let limits = Limits {
+            rpm: None,
+            tpm: None,
+            concurrency: Some(2),
+        };
+        let mut rec = LeaseRecord::default();
+        let mut seen = Renewals::default();
+        // "slow" writes until_ms = 5 (its clock is behind by decades).
+        rec.grant("slow", &limits, want(1.0, 1), 5, 1);
+        for (now, renewal) in [(1_000_000, 1), (1_001_000, 2), (1_002_000, 3)] {
+            rec.leases.get_mut("slow").unwrap().renewal = renewal;
+            seen.expire(&mut rec, "me", now, 3000);
+            assert!(rec.leases.contains_key("slow"), "renewing: live at {now}");
+            assert_eq!(rec.grant("me", &limits, want(1.0, 2), 0, 1).concurrency, 1);
+        }
+        // It stops renewing: ended 3 s (of this reader) after renewal 3.
+        seen.expire(&mut rec, "me", 1_004_999, 3000);
+        assert!(rec.leases.contains_key("slow"));
+        seen.expire(&mut rec, "me", 1_005_000, 3000);
+        assert!(!rec.leases.contains_key("slow"));
+        assert_eq!(rec.grant("me", &limits, want(1.0, 2), 0, 1).concurrency, 2);
+    }
+
+    fn holding(rps: &[(&str, f64)]) -> LeaseRecord {
+        let mut rec = LeaseRecord::default();
+        for (id, r) in rps {
+            rec.leases.insert(
+                id.to_string(),
+                Lease {
+                    held: Slice {
+                        requests_per_sec: *r,
+                        ..Slice::default()
+                    },
+                    want: Slice::default(),
+                    until_ms: 0,
+                    renewal: 1,
+                },
+            );
+        }
+        rec
+    }
+
+    /// The grid: every slot is at most one live lease's, each worker's
+    /// slots match its share, spread evenly.
+    #[test]
+    fn the_grid_gives_each_slot_to_one_worker_by_share() {
+        let limits = Limits {
+            rpm: Some(120),
+            tpm: None,
+            concurrency: None,
+        };
+        for n in [2usize, 4, 5, 16] {
+            let ids: Vec<String> = (0..n).map(|i| format!("w{i:02}")).collect();
+            let rec = holding(
+                &ids.iter()
+                    .map(|i| (i.as_str(), 2.0 / n as f64))
+                    .collect::<Vec<_>>(),
+            );
+            let grids: Vec<Grid> = ids.iter().map(|i| rec.grid(i, &limits).unwrap()).collect();
+            let start = 1_764_000_000 * 2;
+            let slots = 20_000;
+            let mut count = vec![0u64; n];
+            let mut last = vec![None::<i64>; n];
+            for k in start..start + slots {
+                let owners: Vec<usize> = (0..n).filter(|&i| grids[i].owns(k)).collect();
+                assert_eq!(owners.len(), 1, "slot {k}: {owners:?} of {n}");
+                let o = owners[0];
+                count[o] += 1;
+                // Evenly spread: never more than three times the mean gap.
+                if let Some(l) = last[o] {
+                    assert!(k - l <= 3 * n as i64, "gap {} of {n}", k - l);
+                }
+                last[o] = Some(k);
+            }
+            let expect = slots as f64 / n as f64;
+            for c in &count {
+                assert!((*c as f64 - expect).abs() < expect * 0.02, "{count:?}");
+            }
+            let g = grids[0];
+            let next = g.next_from(start).unwrap();
+            assert!(g.owns(next) && (start..next).all(|k| !g.owns(k)));
+            assert_eq!(g.slot_at(g.start_of(next) + 0.1 / g.rate), next);
+        }
+        // Unequal shares, some unused: still one worker a slot at most.
+        let rec = holding(&[("a", 1.2), ("b", 0.3), ("c", 0.1)]);
+        let g: Vec<Grid> = ["a", "b", "c"]
+            .iter()
+            .map(|i| rec.grid(i, &limits).unwrap())
+            .collect();
+        for k in 0..10_000 {
+            assert!(g.iter().filter(|x| x.owns(k)).count() <= 1);
+        }
+        assert!(rec.grid("nobody", &limits).is_none());
     }
 
     #[test]

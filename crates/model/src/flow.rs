@@ -16,8 +16,15 @@
 //! demand out ([`Flow::demand`]) and publishes what [`Flow::outbound`]
 //! yields. Without a coordinator a process enforces the limits alone and
 //! its pauses are its own. When a slice's lease ends unrenewed (NATS away)
-//! the process falls back to a safe local share: the limit divided by the
-//! workers it last knew of, or [`Flow::set_local_fraction`] of it.
+//! or was never granted, the process falls back to a safe local share: the
+//! limit divided by the workers it last knew of, or
+//! [`Flow::set_local_fraction`] of it; knowing of none, it waits.
+//!
+//! A bucket holds one second of its slice, never more: a slice below one
+//! request per second sends on its slots of the fleet's request grid
+//! ([`leasehold_core::flow::Grid`]), or without one (a local share)
+//! spaces its requests `1 / slice` apart, so it never holds a request in
+//! hand that it is not owed.
 //!
 //! Tenants are limited the same way: a key `tenant.<name>.jobs` whose
 //! concurrency is the tenant's running jobs (admitted by the worker before
@@ -30,7 +37,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::flow::{Limits, ProviderInfo, Slice};
+use leasehold_core::flow::{Grid, Limits, ProviderInfo, Slice};
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
@@ -127,10 +134,14 @@ impl Bucket {
 #[derive(Debug)]
 struct KeyState {
     key: ProviderKey,
-    /// The slice granted and until when (`None`: never granted).
-    slice: Option<(Slice, Instant)>,
-    /// Workers known at the last grant (the local share's divisor).
-    workers: u64,
+    /// The slice granted, until when, and its place on the fleet's request
+    /// grid (`None`: never granted).
+    slice: Option<(Slice, Instant, Option<Grid>)>,
+    /// Workers known at the last read of the lease record (the local
+    /// share's divisor; `None`: never read).
+    workers: Option<u64>,
+    /// The last grid slot a request was sent in.
+    last_slot: Option<i64>,
     requests: Bucket,
     tokens: Bucket,
     in_flight: u64,
@@ -141,6 +152,10 @@ struct KeyState {
     asked_requests: u64,
     asked_tokens: u64,
     waiting: u64,
+    /// The latest time a refused request was told to try again: until
+    /// then it still waits (a slot many seconds away is demand, though no
+    /// request asks meanwhile).
+    retry_at: Option<Instant>,
     peak: u64,
     since: Instant,
     created: Instant,
@@ -216,8 +231,14 @@ impl Drop for Permit {
 }
 
 /// The refill a bucket holds at most: one second of its rate (so a
-/// worker's burst never exceeds its slice of the fleet's second).
+/// worker's burst never exceeds its slice of the fleet's second, and the
+/// fleet's never exceeds a provider bucket of one second).
 const BURST: f64 = 1.0;
+
+/// How late in its grid slot a request may still go (a fraction of the
+/// slot): a later one waits for the worker's next slot, so two workers'
+/// slots never send closer together than half a slot.
+const SLOT_LATENESS: f64 = 0.5;
 
 /// How long a coordinated process waits for its first lease of a key
 /// before it uses the local share instead.
@@ -322,13 +343,28 @@ impl Flow {
     }
 
     /// The coordinator's grant: this process's slice until `until`, out of
-    /// `workers` live ones.
-    pub fn set_slice(&self, id: &str, slice: Slice, until: Instant, workers: u64) {
+    /// `workers` live ones, and its place on the fleet's request grid.
+    pub fn set_slice(
+        &self,
+        id: &str,
+        slice: Slice,
+        until: Instant,
+        workers: u64,
+        grid: Option<Grid>,
+    ) {
         if let Some(s) = self.keys.lock().expect("flow lock").get_mut(id) {
-            s.slice = Some((slice, until));
-            s.workers = workers.max(1);
+            s.slice = Some((slice, until, grid));
+            s.workers = Some(workers.max(1));
         }
         self.changed.notify_waiters();
+    }
+
+    /// The coordinator read the lease record but its write did not land:
+    /// `workers` live ones are known (the local share's divisor).
+    pub fn set_workers(&self, id: &str, workers: u64) {
+        if let Some(s) = self.keys.lock().expect("flow lock").get_mut(id) {
+            s.workers = Some(workers.max(1));
+        }
     }
 
     /// Pauses the key until `until` (a cooldown seen by another worker, or
@@ -406,7 +442,8 @@ impl Flow {
                 KeyState {
                     key: key.clone(),
                     slice: None,
-                    workers: 1,
+                    workers: None,
+                    last_slot: None,
                     requests: Bucket {
                         level: 0.0,
                         at: now,
@@ -421,6 +458,7 @@ impl Flow {
                     asked_requests: 0,
                     asked_tokens: 0,
                     waiting: 0,
+                    retry_at: None,
                     peak: 0,
                     since: now,
                     created: now,
@@ -430,23 +468,32 @@ impl Flow {
         }
     }
 
-    /// What this process may use of `limits` now: its lease's slice while
-    /// it lasts; otherwise (never granted, or NATS away) a local share;
-    /// without a coordinator, everything.
-    fn allowance(&self, s: &KeyState, limits: &Limits, now: Instant) -> Slice {
+    /// What this process may use of `limits` now, and where on the fleet's
+    /// grid: its lease's slice while it lasts; otherwise (never granted, or
+    /// NATS away) a local share, off the grid: the local fraction, or the
+    /// limit over the workers last known, or nothing while none is known
+    /// (never the whole limit); without a coordinator, everything.
+    fn allowance(&self, s: &KeyState, limits: &Limits, now: Instant) -> (Slice, Option<Grid>) {
         let total = limits.as_slice();
         match s.slice {
-            Some((slice, until)) if until > now => Slice {
-                requests_per_sec: slice.requests_per_sec.min(total.requests_per_sec),
-                tokens_per_sec: slice.tokens_per_sec.min(total.tokens_per_sec),
-                concurrency: slice.concurrency.min(total.concurrency),
-            },
-            _ if !self.coordinated() => total,
+            Some((slice, until, grid)) if until > now => (
+                Slice {
+                    requests_per_sec: slice.requests_per_sec.min(total.requests_per_sec),
+                    tokens_per_sec: slice.tokens_per_sec.min(total.tokens_per_sec),
+                    concurrency: slice.concurrency.min(total.concurrency),
+                },
+                grid,
+            ),
+            _ if !self.coordinated() => (total, None),
             // Not granted yet: wait for the first lease a moment, not longer.
-            None if now.duration_since(s.created) < FIRST_LEASE_GRACE => Slice::default(),
-            _ => match *self.local_fraction.lock().expect("flow fraction") {
-                Some(f) => total.fraction(f),
-                None => total.share(s.workers),
+            None if now.duration_since(s.created) < FIRST_LEASE_GRACE => (Slice::default(), None),
+            _ => match (
+                *self.local_fraction.lock().expect("flow fraction"),
+                s.workers,
+            ) {
+                (Some(f), _) => (total.fraction(f), None),
+                (None, Some(n)) => (total.share(n), None),
+                (None, None) => (Slice::default(), None),
             },
         }
     }
@@ -461,6 +508,8 @@ impl Flow {
         let now = Instant::now();
         if let Some((at, until, reason, breaker)) = s.pause.clone() {
             if at > now {
+                // Its waiters keep the lease: they send after the pause.
+                s.retry_at = s.retry_at.max(Some(at));
                 return Err(Wait::Paused {
                     until,
                     at,
@@ -483,23 +532,32 @@ impl Flow {
                 tenant: None,
             });
         };
-        let a = self.allowance(s, &limits, now);
+        let (a, grid) = self.allowance(s, &limits, now);
+        // A bucket holds one second of its slice (a fraction of a request
+        // when the slice is below one a second: the request then waits
+        // until that fraction is full, `1 / slice` after the last).
+        let cap = a.requests_per_sec * BURST;
         if !s.primed && a.concurrency > 0 {
             s.primed = true;
-            s.requests.level = (a.requests_per_sec * BURST).max(1.0);
+            s.requests.level = cap;
             s.tokens.level = a.tokens_per_sec * BURST;
         }
-        s.requests.refill(
-            a.requests_per_sec,
-            (a.requests_per_sec * BURST).max(1.0),
-            now,
-        );
+        s.requests.refill(a.requests_per_sec, cap, now);
         s.tokens
             .refill(a.tokens_per_sec, a.tokens_per_sec * BURST, now);
+        // Below one request a second, on the fleet's grid: this worker's
+        // slots only, one request each.
+        let on_grid = grid.filter(|_| a.requests_per_sec.is_finite() && cap < 1.0);
+        let slot = on_grid.map(|g| next_slot(&g, s.last_slot, now));
         let refusal = if s.in_flight >= a.concurrency {
             Some(("concurrency", now + Duration::from_millis(200)))
-        } else if a.requests_per_sec.is_finite() && s.requests.level < 1.0 {
-            let need = 1.0 - s.requests.level;
+        } else if let Some(Err(retry)) = slot {
+            Some(("rpm", retry))
+        } else if on_grid.is_none()
+            && a.requests_per_sec.is_finite()
+            && s.requests.level < cap.min(1.0)
+        {
+            let need = cap.min(1.0) - s.requests.level;
             Some(("rpm", now + wait_for(need, a.requests_per_sec)))
         } else if a.tokens_per_sec.is_finite()
             && s.tokens.level < (tokens as f64).min(a.tokens_per_sec * BURST)
@@ -511,9 +569,12 @@ impl Flow {
         };
         if let Some((limit, retry)) = refusal {
             s.waiting += 1;
+            s.retry_at = s.retry_at.max(Some(retry));
             return Err(Wait::Limited { retry, limit });
         }
-        if a.requests_per_sec.is_finite() {
+        if let Some(Ok(k)) = slot {
+            s.last_slot = Some(k);
+        } else if a.requests_per_sec.is_finite() {
             s.requests.level -= 1.0;
         }
         if a.tokens_per_sec.is_finite() {
@@ -596,7 +657,8 @@ impl Flow {
         let secs = now.duration_since(s.since).as_secs_f64().max(0.25);
         let held = s.slice.map(|x| x.0).unwrap_or_default();
         let total = limits.as_slice();
-        let grow = s.waiting > 0;
+        let pending = s.retry_at.is_some_and(|t| t > now);
+        let grow = s.waiting > 0 || pending;
         // Requests waited: ask for the whole limit (the lease record's
         // water filling splits it between those who want it), so a fleet
         // short of its limit reaches it at the next renewal.
@@ -621,7 +683,7 @@ impl Flow {
             concurrency: (s.peak.max(s.in_flight) + s.waiting.min(64) + u64::from(grow))
                 .min(total.concurrency),
         };
-        let active = s.in_flight > 0 || s.asked_requests > 0 || s.waiting > 0;
+        let active = s.in_flight > 0 || s.asked_requests > 0 || grow;
         s.asked_requests = 0;
         s.asked_tokens = 0;
         s.waiting = 0;
@@ -634,6 +696,25 @@ impl Flow {
 impl Default for Flow {
     fn default() -> Self {
         Flow::new()
+    }
+}
+
+/// This worker's grid slot to send in now (`Ok`), or when its next one
+/// starts (`Err`): the current slot if it is ours, unused and not more
+/// than [`SLOT_LATENESS`] gone.
+fn next_slot(g: &Grid, last: Option<i64>, now: Instant) -> Result<i64, Instant> {
+    let wall = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64();
+    let k = g.slot_at(wall);
+    let into = wall - g.start_of(k);
+    if g.owns(k) && last != Some(k) && into <= SLOT_LATENESS / g.rate {
+        return Ok(k);
+    }
+    match g.next_from(k + 1) {
+        Some(next) => Err(now + Duration::from_secs_f64((g.start_of(next) - wall).max(0.001))),
+        None => Err(now + Duration::from_secs(1)),
     }
 }
 
@@ -686,6 +767,102 @@ mod tests {
         f.set_limits(&k.id, None);
     }
 
+    /// Below one request a second nothing is held in hand: off the grid
+    /// the requests are `1 / slice` apart; on it, one per own slot.
+    #[tokio::test(start_paused = true)]
+    async fn a_slice_below_one_request_a_second_holds_no_request_in_hand() {
+        let f = Arc::new(Flow::new());
+        let _rx = f.outbound();
+        let k = ProviderKey::new("http://z/v1", "m", None);
+        f.set_limits(
+            &k.id,
+            Some(Limits {
+                rpm: Some(120),
+                tpm: None,
+                concurrency: None,
+            }),
+        );
+        f.ensure(&k);
+        let half = Slice {
+            requests_per_sec: 0.5,
+            tokens_per_sec: f64::INFINITY,
+            concurrency: u64::MAX,
+        };
+        f.set_slice(
+            &k.id,
+            half,
+            Instant::now() + Duration::from_secs(60),
+            4,
+            None,
+        );
+        assert!(f.try_admit(&k, 1).is_ok());
+        let Err(Wait::Limited { retry, .. }) = f.try_admit(&k, 1) else {
+            panic!("a second request at once: a burst")
+        };
+        let gap = retry - Instant::now();
+        assert!(gap >= Duration::from_millis(1990), "{gap:?}");
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        assert!(f.try_admit(&k, 1).is_err());
+        tokio::time::advance(Duration::from_millis(150)).await;
+        assert!(f.try_admit(&k, 1).is_ok());
+        // On the grid: one request in an own slot, the next in a later one.
+        let grid = Grid {
+            rate: 2.0,
+            offset: 0.0,
+            share: 0.25,
+        };
+        f.set_slice(
+            &k.id,
+            half,
+            Instant::now() + Duration::from_secs(60),
+            4,
+            Some(grid),
+        );
+        let mut sent = None;
+        for _ in 0..40 {
+            match f.try_admit(&k, 1) {
+                Ok(p) => {
+                    sent = Some(p);
+                    break;
+                }
+                Err(Wait::Limited { retry, .. }) => {
+                    // The wall clock runs on: wait for the slot for real.
+                    let left = retry - Instant::now();
+                    assert!(left <= Duration::from_secs(30), "{left:?}");
+                    std::thread::sleep(left.min(Duration::from_millis(600)));
+                }
+                Err(w) => panic!("{w:?}"),
+            }
+        }
+        assert!(sent.is_some(), "an own slot came");
+        assert!(f.try_admit(&k, 1).is_err(), "one request per slot");
+    }
+
+    /// A worker that never got a lease and never read the record waits
+    /// past the grace: it never takes the whole limit; once it knows of
+    /// two workers, half.
+    #[tokio::test(start_paused = true)]
+    async fn without_a_lease_a_worker_never_takes_the_whole_limit() {
+        let f = Arc::new(Flow::new());
+        let _rx = f.outbound();
+        let k = ProviderKey::new("http://w/v1", "m", None);
+        f.set_limits(
+            &k.id,
+            Some(Limits {
+                rpm: None,
+                tpm: None,
+                concurrency: Some(4),
+            }),
+        );
+        f.ensure(&k);
+        tokio::time::advance(FIRST_LEASE_GRACE + Duration::from_millis(1)).await;
+        assert!(f.try_admit(&k, 1).is_err(), "no worker known: it waits");
+        f.set_workers(&k.id, 2);
+        let p: Vec<_> = (0..2).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
+        assert!(f.try_admit(&k, 1).is_err(), "half of 4");
+        drop(p);
+    }
+
     #[tokio::test]
     async fn a_lapsed_lease_falls_back_to_a_local_share() {
         let f = Arc::new(Flow::new());
@@ -706,7 +883,13 @@ mod tests {
             concurrency: 8,
         };
         // Granted all 8, then the lease lapses with 4 workers known: 2.
-        f.set_slice(&k.id, full, Instant::now() - Duration::from_millis(1), 4);
+        f.set_slice(
+            &k.id,
+            full,
+            Instant::now() - Duration::from_millis(1),
+            4,
+            None,
+        );
         let p: Vec<_> = (0..2).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
         assert!(f.try_admit(&k, 1).is_err(), "not unlimited without NATS");
         drop(p);

@@ -12,7 +12,11 @@
 //!   lease record (one write per worker per key per second for all three
 //!   limits), valid for [`LEASE`]. A lease that is not renewed (the worker
 //!   died, NATS is away) ends by itself: the others take its share at their
-//!   next renewal, and this process falls back to a local share.
+//!   next renewal, and this process falls back to a local share. Each
+//!   reader judges a lease's age by its own clock, from when it saw the
+//!   lease's renewal count change ([`Renewals`]); this process stops using
+//!   its slice before its write plus [`LEASE`], so before any reader can
+//!   take it, whatever the hosts' wall clocks say.
 //! - At shutdown the leases are given back.
 
 use std::collections::HashMap;
@@ -20,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use leasehold_core::flow::{Pause, Slice};
+use leasehold_core::flow::{Pause, Renewals, Slice};
 use leasehold_model::flow::{Flow, Outbound};
 use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
 use leasehold_store::{Conn, StoreError};
@@ -32,6 +36,9 @@ use tokio_util::sync::CancellationToken;
 pub const LEASE: Duration = Duration::from_secs(3);
 /// How often a lease in use is renewed.
 pub const RENEW: Duration = Duration::from_secs(1);
+/// How many times a lease write lost to another worker's is tried again
+/// (each after a random pause of up to 10 ms times the tries so far).
+const CONFLICT_RETRIES: u32 = 8;
 /// How often the coordinator looks for new demand.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -132,6 +139,29 @@ fn apply(flow: &Flow, c: FlowChange) {
 struct Held {
     last: Instant,
     granted: bool,
+    /// The others' renewals as this process saw them.
+    seen: Renewals,
+}
+
+/// This process's lease writes, counted from a start no earlier
+/// incarnation of the same worker id is likely to have reached (a reader
+/// sees a lease renewed when its count changes).
+struct Counter(u64);
+
+impl Counter {
+    fn next(&mut self) -> u64 {
+        self.0 += 1;
+        self.0
+    }
+}
+
+/// Milliseconds of this process's monotonic clock (for [`Renewals`]).
+fn mono_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
 async fn coordinate(
@@ -142,6 +172,7 @@ async fn coordinate(
     shutdown: CancellationToken,
 ) {
     let mut held: HashMap<String, Held> = HashMap::new();
+    let mut renewals = Counter(now_ms().saturating_mul(1000));
     let mut paused: HashMap<String, (Instant, u64)> = HashMap::new();
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -158,7 +189,7 @@ async fn coordinate(
                         held.remove(&key.id);
                         continue;
                     };
-                    let h = held.entry(key.id.clone()).or_insert(Held { last: Instant::now() - RENEW, granted: false });
+                    let h = held.entry(key.id.clone()).or_insert(Held { last: Instant::now() - RENEW, granted: false, seen: Renewals::default() });
                     // At most one write per key per second; new demand after
                     // a quiet second is served at once.
                     if h.last.elapsed() < RENEW {
@@ -170,7 +201,7 @@ async fn coordinate(
                     }
                     h.last = Instant::now();
                     let want = if d.active { d.want } else { Slice::default() };
-                    match renew(&store, &flow, &me, &key, &limits, want).await {
+                    match renew(&store, &flow, &me, &key, &limits, want, &mut h.seen, &mut renewals).await {
                         Ok(got) => h.granted = d.active && got,
                         Err(e) => tracing::debug!(provider = %key.label(), error = %e, "lease not renewed"),
                     }
@@ -182,9 +213,19 @@ async fn coordinate(
     // the shutdown; the leases then end by themselves).
     let give_back = async {
         for (key, _) in flow.keys() {
-            if held.get(&key.id).is_some_and(|h| h.granted) {
+            if let Some(h) = held.get_mut(&key.id).filter(|h| h.granted) {
                 if let Some(limits) = flow.limits(&key.id) {
-                    let _ = renew(&store, &flow, &me, &key, &limits, Slice::default()).await;
+                    let _ = renew(
+                        &store,
+                        &flow,
+                        &me,
+                        &key,
+                        &limits,
+                        Slice::default(),
+                        &mut h.seen,
+                        &mut renewals,
+                    )
+                    .await;
                 }
             }
         }
@@ -193,7 +234,12 @@ async fn coordinate(
 }
 
 /// One revision-conditioned write of `me`'s lease (retried on a
-/// conflict): `Ok(true)` when something is held.
+/// conflict, after a random pause that grows with each one, so workers
+/// renewing at the same moment do not keep colliding): `Ok(true)` when
+/// something is held. A read whose write does
+/// not land still tells the process how many workers there are (its local
+/// share's divisor).
+#[allow(clippy::too_many_arguments)]
 async fn renew(
     store: &FlowStore,
     flow: &Flow,
@@ -201,21 +247,36 @@ async fn renew(
     key: &leasehold_model::flow::ProviderKey,
     limits: &leasehold_core::flow::Limits,
     want: Slice,
+    seen: &mut Renewals,
+    renewals: &mut Counter,
 ) -> Result<bool, StoreError> {
-    for _ in 0..4 {
+    for attempt in 0..CONFLICT_RETRIES {
+        if attempt > 0 {
+            let jitter = rand::random::<f64>() * 10.0 * attempt as f64;
+            tokio::time::sleep(Duration::from_secs_f64(jitter / 1000.0)).await;
+        }
         let (mut rec, rev) = store.lease(&key.id).await?;
-        let now = now_ms();
+        // Before the write: every reader first sees it later than this.
+        let written = Instant::now();
+        seen.expire(&mut rec, me, mono_ms(), LEASE.as_millis() as u64);
         rec.provider = key.info.clone();
-        let got = rec.grant(me, limits, want, now, now + LEASE.as_millis() as u64);
+        let got = rec.grant(
+            me,
+            limits,
+            want,
+            now_ms() + LEASE.as_millis() as u64,
+            renewals.next(),
+        );
         let workers = rec.workers(me);
         match store.write_lease(&key.id, &rec, rev).await {
             Ok(_) => {
-                // The local view ends a little before the record's.
+                // The local view ends a margin before any reader's.
                 flow.set_slice(
                     &key.id,
                     got,
-                    Instant::now() + LEASE - Duration::from_millis(200),
+                    written + LEASE - Duration::from_millis(200),
                     workers,
+                    rec.grid(me, limits),
                 );
                 let total = limits.as_slice();
                 for (name, fleet, slice) in [
@@ -241,8 +302,11 @@ async fn renew(
                 }
                 return Ok(got != Slice::default());
             }
-            Err(LeaseError::Conflict) => continue,
-            Err(LeaseError::Store(e)) => return Err(e),
+            Err(LeaseError::Conflict) => flow.set_workers(&key.id, workers),
+            Err(LeaseError::Store(e)) => {
+                flow.set_workers(&key.id, workers);
+                return Err(e);
+            }
         }
     }
     Ok(false)

@@ -320,7 +320,7 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
         }
     }
     for (id, mut rec) in store.leases().await? {
-        rec.expire(now);
+        rec.expire_by_writers_clocks(now);
         let r = rows.entry(id.clone()).or_insert_with(|| json!({"id": id}));
         if !rec.provider.base_url.is_empty() {
             r["provider"] = json!(rec.provider);
