@@ -380,3 +380,74 @@ async fn a_reaper_killed_in_the_middle_of_forgetting_a_job_leaves_it_for_the_nex
     r.1.cancel();
     r.0.wait().await.unwrap();
 }
+
+// Issue 30, G19: the pass purged a job's events up to its terminal event
+// only, so what landed after it (a stale owner's unfenced `heartbeat_lost`,
+// an operator's `action`) stayed for ever and showed in the timeline of
+// the id's next job.
+#[tokio::test]
+async fn events_after_the_terminal_event_go_with_the_job() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {"late": 1}}), "late-ev")
+        .await;
+    let done = env
+        .wait_status("late-ev", "completed", Duration::from_secs(10))
+        .await;
+    // The terminal event follows the record's write.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !env
+        .events_of("late-ev")
+        .await
+        .iter()
+        .any(|e| e.r#type == "completed")
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no completed event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // After the terminal event: a stale owner that found its claim gone,
+    // and an operator's action on the finished job.
+    for (ty, data) in [
+        ("heartbeat_lost", json!({"reason": "claim gone"})),
+        (
+            "action",
+            json!({"action": "cancel", "by": "ops", "via": "console"}),
+        ),
+    ] {
+        let ev = leasehold_store::events::event("late-ev", done.epoch, ty, Some("stale-w"), data);
+        env.events.publish(&ev, None).await.unwrap();
+    }
+    let types: Vec<String> = env
+        .events_of("late-ev")
+        .await
+        .into_iter()
+        .map(|e| e.r#type)
+        .collect();
+    assert_eq!(
+        types.iter().rev().take(2).collect::<Vec<_>>(),
+        ["action", "heartbeat_lost"]
+    );
+    let r = reaper(&env, "1s", &[]).await;
+    gone(&env, "late-ev", Duration::from_secs(15)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while r
+        .0
+        .stats
+        .forgotten
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pass never counted the job"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left = env.events_of("late-ev").await;
+    assert!(left.is_empty(), "events left behind: {left:?}");
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
