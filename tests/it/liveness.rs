@@ -639,7 +639,9 @@ async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
     };
     idx.put(&key, &rec).await.unwrap();
     // Someone who knew the job at epoch 1 leaves epoch 2's entry alone.
-    idx.remove(&key, 1).await.unwrap();
+    idx.remove(&key, leasehold_store::index::Remover::Epoch(1))
+        .await
+        .unwrap();
     assert_eq!(idx.keys_of("reborn").await.unwrap(), vec![key.clone()]);
     // `sync` of a stale state removes only what that state may remove.
     rec.epoch = 1;
@@ -650,8 +652,12 @@ async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
     keys.sort();
     assert!(keys.contains(&key), "epoch 2's entry kept: {keys:?}");
     // Who knows epoch 2 (or does not care) removes it.
-    idx.remove(&key, 2).await.unwrap();
+    idx.remove(&key, leasehold_store::index::Remover::Epoch(2))
+        .await
+        .unwrap();
     assert!(!idx.keys_of("reborn").await.unwrap().contains(&key));
     // Removing what is not there is no error.
-    idx.remove(&key, u64::MAX).await.unwrap();
+    idx.remove(&key, leasehold_store::index::Remover::Anyone)
+        .await
+        .unwrap();
 }

@@ -451,3 +451,57 @@ async fn events_after_the_terminal_event_go_with_the_job() {
     r.0.wait().await.unwrap();
 }
 
+// Issue 30, G17: index removal compared epochs only, and a reused id starts
+// again at epoch 1. A remover that read the record of the id's earlier
+// incarnation (epoch 5), then paused while retention forgot it and the id
+// was submitted again, deleted the new job's entry when it resumed.
+#[tokio::test]
+async fn a_paused_remover_of_an_earlier_incarnation_keeps_the_reused_ids_entry() {
+    use leasehold_store::index::{Active, Key};
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    // What the paused remover read: the earlier incarnation, dead at epoch 5.
+    let mut old = leasehold_core::machine::new_record(
+        "reused",
+        "sleep",
+        Default::default(),
+        0,
+        std::time::SystemTime::now() - Duration::from_secs(7200),
+    );
+    old.status = "dead".into();
+    old.epoch = 5;
+    // The id's new job, waiting (delayed) with its index entry.
+    env.submit(
+        "sleep",
+        json!({"input": {"ms": 1}, "delay": "1h"}),
+        "reused",
+    )
+    .await;
+    env.wait_status("reused", "queued", Duration::from_secs(10))
+        .await;
+    let active = Active::open(&env.conn).await.unwrap();
+    let wait = Key::Wait {
+        job: "reused".into(),
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !active.keys_of("reused").await.unwrap().contains(&wait) {
+        assert!(tokio::time::Instant::now() < deadline, "never indexed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The remover resumes, as every remover does: by what it read.
+    for k in active.keys_of("reused").await.unwrap() {
+        active.remove(&k, &old).await.unwrap();
+    }
+    assert!(
+        active.keys_of("reused").await.unwrap().contains(&wait),
+        "the new incarnation's entry was removed by a remover of the old one"
+    );
+    // Its own incarnation's remover still removes it.
+    let cur = env.jobs.get("reused").await.unwrap().unwrap().value;
+    let mut finished = cur.clone();
+    finished.epoch += 1;
+    active.remove(&wait, &finished).await.unwrap();
+    assert!(!active.keys_of("reused").await.unwrap().contains(&wait));
+    stop.cancel();
+    w.wait().await.unwrap();
+}

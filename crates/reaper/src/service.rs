@@ -810,7 +810,13 @@ impl Inner {
                     }
                 }
                 Ok(None) => {
-                    if self.recovery.active.remove(&key, u64::MAX).await.is_ok() {
+                    if self
+                        .recovery
+                        .active
+                        .remove(&key, leasehold_store::index::Remover::Anyone)
+                        .await
+                        .is_ok()
+                    {
                         self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -864,7 +870,9 @@ impl Inner {
     async fn check_waiting(&self, job: &str, key: &Key) -> Result<(), ReaperError> {
         let r = &self.recovery;
         let Some(cur) = r.jobs.get(job).await? else {
-            r.active.remove(key, u64::MAX).await?;
+            r.active
+                .remove(key, leasehold_store::index::Remover::Anyone)
+                .await?;
             return Ok(());
         };
         let rec = cur.value;

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dlq::Dlq;
 use crate::events::{self, Events};
-use crate::index::{Active, Filter, Key};
+use crate::index::{Active, Filter, Key, Remover};
 use crate::liveness::{Liveness, Unsure, Verdict};
 use crate::sessions::Sessions;
 use crate::work::{Ticket, Work};
@@ -204,9 +204,8 @@ impl Recovery {
         for _ in 0..8 {
             let Some(cur) = self.jobs.get(job).await.map_err(jobs_err)? else {
                 // No record, so no epoch to judge by but the one we were asked about.
-                self.active
-                    .remove(&run_key, epoch.unwrap_or(u64::MAX))
-                    .await?;
+                let by = epoch.map_or(Remover::Anyone, Remover::Epoch);
+                self.active.remove(&run_key, by).await?;
                 return Ok(Action::Nothing("no record".into()));
             };
             if epoch.is_some_and(|e| e != cur.value.epoch) {
@@ -401,7 +400,7 @@ impl Recovery {
         });
         if covered {
             for k in self.active.keys_of(&rec.id).await? {
-                self.active.remove(&k, rec.epoch).await?;
+                self.active.remove(&k, rec).await?;
             }
             return Ok(());
         }
@@ -466,7 +465,7 @@ impl Recovery {
         );
         self.events.publish(&ev, Some(&death_id(rec))).await?;
         for k in self.active.keys_of(&rec.id).await? {
-            self.active.remove(&k, rec.epoch).await?;
+            self.active.remove(&k, rec).await?;
         }
         tracing::info!(job = %rec.id, class, dlq_seq, "dead-lettered");
         Ok(dlq_seq)

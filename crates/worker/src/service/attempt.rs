@@ -432,7 +432,7 @@ fn spawn_watchers(
                 Ok(_) => {
                     tracing::info!(job = %rec.id, epoch = rec.epoch, "the job moved on before its index write; its ticket is left to the new state");
                     ticket.lock().unwrap().take();
-                    let _ = shared.active.remove(&key, rec.epoch).await;
+                    let _ = shared.active.remove(&key, &rec).await;
                 }
                 Err(e) => {
                     tracing::debug!(job = %rec.id, error = %e, "cannot read the record after indexing; the ticket's wake-up settles it");

@@ -459,13 +459,13 @@ pub(crate) async fn handle_delivery(
             Ok((revision, record)) => {
                 // The job's previous index entry (waiting, or an earlier
                 // owner's) goes; its running entry comes with --index-after.
-                if let Some((old, epoch)) = current
+                if let Some((old, prev)) = current
                     .as_ref()
-                    .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.epoch)))
+                    .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.clone())))
                 {
                     let active = shared.active.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = active.remove(&old, epoch).await {
+                        if let Err(e) = active.remove(&old, &prev).await {
                             tracing::debug!(key = %old.as_string(), error = %e, "old index entry left for the reaper");
                         }
                     });
@@ -576,7 +576,7 @@ async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
         .await;
     if let Ok(keys) = shared.active.keys_of(&rec.id).await {
         for k in keys {
-            let _ = shared.active.remove(&k, rec.epoch).await;
+            let _ = shared.active.remove(&k, rec).await;
         }
     }
 }
