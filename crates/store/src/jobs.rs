@@ -178,14 +178,27 @@ impl Jobs {
         Ok(())
     }
 
-    /// Fills in what [`Jobs::externalize`] moved beside the record.
+    /// Fills in what [`Jobs::externalize`] moved beside the record, read
+    /// from the payloads stream's leader like the record itself: a direct
+    /// get may be answered by a replica still catching up, whose "no such
+    /// key" for a payload written seconds before would fail the job for an
+    /// input it has, or serve an empty result. A payload the leader lacks
+    /// is left empty; the caller decides what that means.
     async fn internalize(&self, rec: &mut JobRecord) -> Result<(), JobsError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let fetch = |key: String| async move {
-            self.payloads
-                .get(&key)
+            let subject = format!("$KV.{}.{key}", self.payloads.name);
+            match self
+                .payloads
+                .stream
+                .get_last_raw_message_by_subject(&subject)
                 .await
-                .map_err(|e| JobsError::Nats(format!("read {key}: {e}")))
-                .map(|v| v.map(|b| String::from_utf8_lossy(&b).into_owned()))
+            {
+                Ok(m) if crate::is_removal(&m.headers) => Ok(None),
+                Ok(m) => Ok(Some(String::from_utf8_lossy(&m.payload).into_owned())),
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+                Err(e) => Err(JobsError::Nats(format!("read {key}: {e}"))),
+            }
         };
         if rec.input_beside {
             let key = input_key(rec);
