@@ -661,3 +661,89 @@ async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
         .await
         .unwrap();
 }
+
+// Issue 30, G4: a worker whose connection was down for a moment (its NATS
+// node restarting, a route flapping) lost every job: the reaper's probe
+// ended its session after two "no responders" half a second apart, and the
+// watcher's ping, made while the worker was still reconnecting, said
+// "gone". A key a probe ended is now unknown for a settle time unless the
+// process answers, so the worker comes back to its own jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_for_a_moment_keeps_its_jobs() {
+    let env = default_env().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    // The default session timeout (10 s): only the probe can end it inside
+    // the outage.
+    let a = env.worker_proc(
+        &["--worker-id", "blink"],
+        &[
+            ("NATS_URL", proxy.url()),
+            ("LH_SESSION_TIMEOUT", "10s".into()),
+        ],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    let r = start_reaper(&env).await;
+    env.submit("sleep", json!({"input": {"ms": 30000}}), "blinker")
+        .await;
+    env.wait_for("blinker", Duration::from_secs(15), |r| {
+        r.status == "running" && r.worker_id.as_deref() == Some("blink")
+    })
+    .await;
+    env.wait_indexed("blinker", Duration::from_secs(10)).await;
+    // A second worker that would take the job if it were re-offered.
+    let (b, stop_b) = env.worker().await;
+    let ended_before =
+        r.0.stats
+            .sessions_ended_fast
+            .load(std::sync::atomic::Ordering::Relaxed);
+    proxy.refuse_new(true);
+    proxy.cut();
+    // Long enough for the probe to end the session (two misses 0.5 s apart).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while r
+        .0
+        .stats
+        .sessions_ended_fast
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == ended_before
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the probe never ended the session of the cut-off worker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proxy.refuse_new(false);
+    // Back: it writes its session again (same incarnation) and keeps its job.
+    wait_log(
+        &a,
+        "writing it again and re-checking every job",
+        Duration::from_secs(20),
+    )
+    .await;
+    // Past every look the watcher and the sweep take at the end.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let rec = env.jobs.get("blinker").await.unwrap().unwrap().value;
+    assert_eq!(
+        (
+            rec.status.as_str(),
+            rec.worker_id.as_deref(),
+            rec.epoch,
+            rec.stale_reclaims
+        ),
+        ("running", Some("blink"), 1, 0),
+        "{rec:?}"
+    );
+    let recovered = env
+        .events_of("blinker")
+        .await
+        .into_iter()
+        .filter(|e| e.data_map().get("recovered").is_some())
+        .count();
+    assert_eq!(recovered, 0, "the job was re-offered");
+    stop_b.cancel();
+    b.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}

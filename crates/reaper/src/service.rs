@@ -622,7 +622,9 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                         continue;
                     }
                     suspects.remove(&worker);
-                    match sessions.end_if(&worker, rev).await {
+                    // Marked as the probe's: a process that is only
+                    // reconnecting gets a settle time before its jobs move.
+                    match sessions.end_by_probe(&worker, rev).await {
                         Ok(true) => {
                             inner.stats.sessions_ended_fast.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(worker, reaper_id = %inner.id, "worker's connection is gone (no responders): ended its session");
