@@ -797,20 +797,14 @@ impl Inner {
                 Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {
                     held.push((worker, job, v.value.epoch));
                 }
-                Ok(Some(v)) => {
-                    if v.value.status == Status::Dead.as_str() {
-                        let _ = self.recovery.finish_if_unfinished(&v.value).await;
-                    }
-                    if self
-                        .recovery
-                        .active
-                        .sync(&v.value, Some(&key))
-                        .await
-                        .is_ok()
-                    {
+                Ok(Some(v)) => match self.recovery.repair_moved_on(&v.value, &key).await {
+                    Ok(()) => {
                         self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
                     }
-                }
+                    Err(e) => {
+                        tracing::debug!(job, error = %e, "verify: entry kept until the job's end is finished")
+                    }
+                },
                 Ok(None) => {
                     if self
                         .recovery

@@ -26,8 +26,9 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::{self, consumer, AckKind};
 use bytes::Bytes;
 use futures::StreamExt;
-use leasehold_core::machine::{self, Reoffer};
+use leasehold_core::machine::{self, status_of, Reoffer};
 use leasehold_core::{JobRecord, Status};
+use leasehold_proto::JobEvent;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -241,14 +242,10 @@ impl Recovery {
             );
             match decision {
                 Reoffer::Nothing(why) => {
-                    // A kill interrupted half-way left its index entry: finish it.
-                    if cur.value.status == Status::Dead.as_str() {
-                        self.finish_if_unfinished(&cur.value).await?;
-                    }
                     // Not (any more) this worker's running job: make the
                     // index agree with the record.
                     if Key::of(&cur.value).as_ref() != Some(&run_key) {
-                        self.active.sync(&cur.value, Some(&run_key)).await?;
+                        self.repair_moved_on(&cur.value, &run_key).await?;
                     }
                     return Ok(Action::Nothing(why));
                 }
@@ -294,7 +291,7 @@ impl Recovery {
                         );
                         let _ = self
                             .events
-                            .publish(&ev, Some(&format!("{job}:cancelled:{}", r.epoch)))
+                            .publish(&ev, Some(&events::terminal_event_id(&r, "cancelled")))
                             .await;
                         self.active.sync(&r, Some(&run_key)).await?;
                         return Ok(Action::Cancelled);
@@ -408,6 +405,45 @@ impl Recovery {
         self.finish(rec, None, None).await.map(|_| ())
     }
 
+    /// Makes the index agree with a record that moved on from its entry
+    /// `key`, once what the record's end left undone is done: a kill
+    /// between a death and its dead letter, or between an owner's terminal
+    /// write and its terminal event, is finished here, and the entry (the
+    /// only pointer left to such a job) goes only after that.
+    pub async fn repair_moved_on(&self, rec: &JobRecord, key: &Key) -> Result<(), StoreError> {
+        if rec.status == Status::Dead.as_str() {
+            self.finish_if_unfinished(rec).await?;
+        }
+        self.finish_terminal_if_unfinished(rec).await?;
+        self.active.sync(rec, Some(key)).await
+    }
+
+    /// Publishes the terminal event of a finished (`completed`, `failed`,
+    /// `cancelled`) record whose owner wrote the record but not the event
+    /// (killed between the two, or LH_EVENTS refused it): without it the
+    /// job's end is never seen by a client's stream, and retention, which
+    /// reads terminal events, keeps the job for ever. Built from the record,
+    /// under the owner's dedupe id ([`events::terminal_event_id`]), so an
+    /// owner that was only slow publishes the same event. Nothing for
+    /// another state, or when the event of this epoch is there.
+    pub async fn finish_terminal_if_unfinished(&self, rec: &JobRecord) -> Result<(), StoreError> {
+        let Some(ev) = terminal_event_of(rec, &self.actor) else {
+            return Ok(());
+        };
+        let last = self
+            .events
+            .last_of_type_from_leader(&rec.id, &ev.r#type)
+            .await?;
+        if last.is_some_and(|(_, e)| e.epoch == rec.epoch) {
+            return Ok(());
+        }
+        tracing::warn!(job = %rec.id, status = %rec.status, epoch = rec.epoch, actor = %self.actor, "finished job without its terminal event; publishing it");
+        self.events
+            .publish(&ev, Some(&events::terminal_event_id(rec, &ev.r#type)))
+            .await
+            .map(|_| ())
+    }
+
     /// The steps after a record became dead, each idempotent: the dead letter
     /// and the `dead` event are both deduplicated by the death's id; the
     /// event is published last, as the completion marker, after the ticket
@@ -519,6 +555,34 @@ impl Verdicts {
         self.seen.insert(k, v.clone());
         v
     }
+}
+
+/// The terminal event a finished record stands for (`None` for any other
+/// state, and for `dead` and `rejected`, which have their own finishers),
+/// with what its owner would have said that the record keeps.
+pub fn terminal_event_of(rec: &JobRecord, actor: &str) -> Option<JobEvent> {
+    let status = status_of(rec)?;
+    let mut data = match status {
+        Status::Completed => {
+            let r = rec.result.clone().unwrap_or_default();
+            json!({"partial": r.partial, "artifact": r.artifact, "digest": r.digest})
+        }
+        Status::Failed => {
+            let e = rec.error.clone().unwrap_or_default();
+            json!({"class": e.class, "message": e.message, "attempts": rec.attempts})
+        }
+        Status::Cancelled => json!({}),
+        _ => return None,
+    };
+    data["kind"] = json!(rec.kind);
+    data["recovered_by"] = json!(actor);
+    Some(events::event(
+        &rec.id,
+        rec.epoch,
+        status.as_str(),
+        rec.worker_id.as_deref(),
+        data,
+    ))
 }
 
 /// The id shared by every publication of one death (dead letter and `dead`

@@ -448,6 +448,18 @@ pub(crate) async fn handle_delivery(
                         return;
                     }
                     ClaimDecision::Drop(why) => {
+                        // A finished job's ticket that is still here may be
+                        // the one its owner kept because its terminal event
+                        // was not published (or the owner died between the
+                        // two): the event first, then the ack.
+                        if let Err(e) = shared.recovery.finish_terminal_if_unfinished(&value).await
+                        {
+                            tracing::warn!(job = %accepted.id, error = %e, "cannot publish the finished job's terminal event; the ticket comes back");
+                            let _ = msg
+                                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                                .await;
+                            return;
+                        }
                         tracing::debug!(job = %accepted.id, why, "ticket has nothing left to do; acking");
                         let _ = msg.ack().await;
                         return;
@@ -572,7 +584,7 @@ async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
     );
     let _ = shared
         .events
-        .publish(&ev, Some(&format!("{}:cancelled:{}", rec.id, rec.epoch)))
+        .publish(&ev, Some(&events::terminal_event_id(rec, "cancelled")))
         .await;
     if let Ok(keys) = shared.active.keys_of(&rec.id).await {
         for k in keys {
