@@ -710,7 +710,12 @@ pub async fn cancel(
                     None,
                     json!({"while": was, "kind": v.value.kind}),
                 );
-                let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
+                let _ = events
+                    .publish(
+                        &ev,
+                        Some(&crate::events::terminal_event_id(&v.value, "cancelled")),
+                    )
+                    .await;
             }
             let owner = (v.value.status == "running")
                 .then(|| v.value.worker_id.clone())

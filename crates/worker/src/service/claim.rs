@@ -452,8 +452,7 @@ pub(crate) async fn handle_delivery(
                         // the one its owner kept because its terminal event
                         // was not published (or the owner died between the
                         // two): the event first, then the ack.
-                        if let Err(e) = shared.recovery.finish_terminal_if_unfinished(&value).await
-                        {
+                        if let Err(e) = shared.recovery.finish_terminal_if_unfinished(value).await {
                             tracing::warn!(job = %accepted.id, error = %e, "cannot publish the finished job's terminal event; the ticket comes back");
                             let _ = msg
                                 .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
