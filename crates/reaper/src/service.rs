@@ -564,8 +564,9 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
         return;
     }
     let sessions = inner.recovery.sessions.clone();
-    // Live sessions as the watch shows them: worker -> (session, revision).
-    let mut live: HashMap<String, (String, u64)> = HashMap::new();
+    // Live sessions as the watch shows them: worker -> (session, revision,
+    // session timeout).
+    let mut live: HashMap<String, (String, u64, Duration)> = HashMap::new();
     let mut suspects: HashMap<String, (u64, u32)> = HashMap::new();
     let mut watch: Option<kv::Watch> = None;
     let mut tick = tokio::time::interval(inner.opts.probe_interval);
@@ -589,7 +590,8 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
             e = w.next() => match e {
                 Some(Ok(e)) if e.operation == kv::Operation::Put => {
                     let info: SessionInfo = serde_json::from_slice(&e.value).unwrap_or_default();
-                    live.insert(e.key.clone(), (info.session, e.revision));
+                    let timeout = Duration::from_millis(info.timeout_ms);
+                    live.insert(e.key.clone(), (info.session, e.revision, timeout));
                 }
                 Some(Ok(e)) => { live.remove(&e.key); suspects.remove(&e.key); }
                 _ => { watch = None; }
@@ -603,12 +605,12 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                     continue;
                 }
                 let timeout = inner.opts.probe_interval.max(Duration::from_millis(200));
-                let pings = futures::future::join_all(live.iter().map(|(w, (_, rev))| {
-                    let (s, w, rev) = (sessions.clone(), w.clone(), *rev);
-                    async move { (w.clone(), rev, s.ping(&w, timeout).await) }
+                let pings = futures::future::join_all(live.iter().map(|(w, (_, rev, ttl))| {
+                    let (s, w, rev, ttl) = (sessions.clone(), w.clone(), *rev, *ttl);
+                    async move { (w.clone(), rev, ttl, s.ping(&w, timeout).await) }
                 }))
                 .await;
-                for (worker, rev, ping) in pings {
+                for (worker, rev, ttl, ping) in pings {
                     if ping != Ping::NoResponders {
                         suspects.remove(&worker);
                         continue;
@@ -624,7 +626,7 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                     suspects.remove(&worker);
                     // Marked as the probe's: a process that is only
                     // reconnecting gets a settle time before its jobs move.
-                    match sessions.end_by_probe(&worker, rev).await {
+                    match sessions.end_by_probe(&worker, rev, ttl).await {
                         Ok(true) => {
                             inner.stats.sessions_ended_fast.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(worker, reaper_id = %inner.id, "worker's connection is gone (no responders): ended its session");

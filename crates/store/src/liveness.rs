@@ -140,9 +140,12 @@ pub fn judge(
                 "its session ended and the id answers as another process ({s})"
             )),
             Some(Ping::NoResponders) | Some(Ping::Timeout) | None => match (key, probe_grace) {
-                (Current::Ended { by_probe: true, .. }, Some(seen)) => {
-                    Verdict::Unknown(Unsure::ProbeEnded(seen))
-                }
+                (
+                    Current::Ended {
+                        by_probe: Some(_), ..
+                    },
+                    Some(seen),
+                ) => Verdict::Unknown(Unsure::ProbeEnded(seen)),
                 _ => Verdict::Gone("its session ended".into()),
             },
             Some(Ping::Failed(e)) => Verdict::Unknown(Unsure::Unreadable(e.clone())),
@@ -175,8 +178,9 @@ impl Liveness {
     }
 
     /// How long ago this process first saw `worker`'s key ended by a probe
-    /// at `revision`, while that is less than the settle time.
-    fn probe_grace(&self, worker: &str, revision: u64) -> Option<Duration> {
+    /// at `revision`, while that is less than the settle time and the
+    /// ended session's `timeout` (never longer than its TTL would wait).
+    fn probe_grace(&self, worker: &str, revision: u64, timeout: Duration) -> Option<Duration> {
         let mut seen = self.probe_ends.lock().unwrap();
         let keep = self.settle * 4;
         seen.retain(|_, t| t.elapsed() < keep);
@@ -184,7 +188,7 @@ impl Liveness {
             .entry((worker.to_string(), revision))
             .or_insert_with(Instant::now);
         let age = first.elapsed();
-        (age < self.settle).then_some(age)
+        (age < self.settle.min(timeout)).then_some(age)
     }
 
     /// The same rule with another settle time (tests, short sessions).
@@ -241,8 +245,8 @@ impl Liveness {
         let grace = match &key {
             Current::Ended {
                 revision,
-                by_probe: true,
-            } => self.probe_grace(worker, *revision),
+                by_probe: Some(timeout),
+            } => self.probe_grace(worker, *revision, *timeout),
             _ => None,
         };
         judge(session, &key, runs, ping.as_ref(), grace)
@@ -289,7 +293,7 @@ mod tests {
     fn an_ended_key_is_gone_unless_the_process_answers_as_that_session() {
         let ended = Current::Ended {
             revision: 3,
-            by_probe: false,
+            by_probe: None,
         };
         assert!(judge(Some("s1"), &ended, None, Some(&Ping::NoResponders), None).is_gone());
         assert!(judge(Some("s1"), &ended, None, Some(&Ping::Timeout), None).is_gone());
@@ -328,7 +332,7 @@ mod tests {
     fn a_key_a_probe_ended_is_unknown_for_a_settle_time_unless_the_process_answers() {
         let probed = Current::Ended {
             revision: 3,
-            by_probe: true,
+            by_probe: Some(Duration::from_secs(10)),
         };
         let young = Some(Duration::from_millis(600));
         for silent in [Ping::NoResponders, Ping::Timeout] {
@@ -361,7 +365,7 @@ mod tests {
         // An end by its TTL or its process gets no grace.
         let expired = Current::Ended {
             revision: 3,
-            by_probe: false,
+            by_probe: None,
         };
         assert!(judge(Some("s1"), &expired, None, Some(&Ping::NoResponders), young).is_gone());
     }

@@ -41,6 +41,10 @@ pub const SESSION_START_HEADER: &str = "Lh-Session-Start";
 /// `probe`): the process's connection was seen gone, which a process that
 /// is only reconnecting also shows for a moment.
 pub const ENDED_BY_HEADER: &str = "Lh-Ended-By";
+/// Header on that marker: the ended session's timeout in milliseconds (a
+/// process that is only reconnecting is waited for no longer than its
+/// session's TTL would have waited).
+pub const ENDED_TIMEOUT_HEADER: &str = "Lh-Session-Timeout-Ms";
 
 /// The value of a session key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -73,9 +77,12 @@ pub enum Current {
     /// A live session.
     Live { info: SessionInfo, revision: u64 },
     /// The key ended (expired, purged or deleted) at this revision;
-    /// `by_probe` when a reaper's crash probe ended it
-    /// ([`Sessions::end_by_probe`]), not its TTL or its process.
-    Ended { revision: u64, by_probe: bool },
+    /// `by_probe`: the ended session's timeout, when a reaper's crash probe
+    /// ended it ([`Sessions::end_by_probe`]), not its TTL or its process.
+    Ended {
+        revision: u64,
+        by_probe: Option<Duration>,
+    },
     /// The key never existed (or its marker expired).
     Absent,
 }
@@ -154,7 +161,13 @@ impl Sessions {
                 by_probe: m
                     .headers
                     .get(ENDED_BY_HEADER)
-                    .is_some_and(|v| v.as_str() == "probe"),
+                    .filter(|v| v.as_str() == "probe")
+                    .map(|_| {
+                        m.headers
+                            .get(ENDED_TIMEOUT_HEADER)
+                            .and_then(|v| v.as_str().parse().ok())
+                            .map_or(Duration::MAX, Duration::from_millis)
+                    }),
             }
         } else {
             Current::Live {
@@ -211,12 +224,21 @@ impl Sessions {
     /// [`Sessions::end_if`] for a reaper's crash probe: the marker says so
     /// ([`ENDED_BY_HEADER`]), so a judge of the end gives a process that is
     /// only reconnecting a settle time to come back ([`crate::liveness`]).
-    pub async fn end_by_probe(&self, worker_id: &str, revision: u64) -> Result<bool, StoreError> {
+    pub async fn end_by_probe(
+        &self,
+        worker_id: &str,
+        revision: u64,
+        timeout: Duration,
+    ) -> Result<bool, StoreError> {
         let m = PublishMessage::build()
             .payload(bytes::Bytes::new())
             .header("KV-Operation", "PURGE")
             .header("Nats-Rollup", "sub")
             .header(ENDED_BY_HEADER, "probe")
+            .header(
+                ENDED_TIMEOUT_HEADER,
+                timeout.as_millis().to_string().as_str(),
+            )
             .expected_last_subject_sequence(revision);
         let subject = format!("$KV.{}.{worker_id}", self.layout.sessions_bucket());
         match crate::publish_acked(&self.js, subject, m).await {
