@@ -502,3 +502,81 @@ async fn a_record_read_is_never_older_than_its_last_write_even_from_a_node_catch
     assert!(missing.is_empty(), "records read as missing: {missing:?}");
     drop(restarted.await.unwrap());
 }
+
+// Issue 30, G6: a record read from the leader filled in its large input
+// (kept beside it in the payloads bucket) by a direct get, which any
+// replica answers: a node catching up said "no such key" for a payload
+// written seconds before, and the attempt failed the job as "input gone"
+// (and `/result` served an empty output). Payloads are read from the
+// leader too.
+#[tokio::test]
+async fn a_large_input_read_is_never_missing_even_from_a_node_catching_up() {
+    let _one = ONE_CLUSTER.lock().await;
+    let (mut c, conn) = cluster().await;
+    let jobs = Jobs::open(&conn).await.unwrap();
+    // A follower of the payloads is down while they are written...
+    let stream = format!("KV_{}", conn.layout.payloads_bucket());
+    let cl = stream_cluster(&conn, &stream).await;
+    let f = node(cl["replicas"][0]["name"].as_str().unwrap());
+    c.nodes[f].kill();
+    const N: usize = 200;
+    let ids: Vec<String> = (0..N).map(|i| format!("p-{i}")).collect();
+    let input = json!({"pad": "x".repeat(20 << 10)}).to_string();
+    for id in &ids {
+        let rec = leasehold_core::machine::new_record(
+            id,
+            "echo",
+            leasehold_core::JobSpec {
+                id: Some(id.clone()),
+                input: input.clone(),
+                ..Default::default()
+            },
+            0,
+            std::time::SystemTime::now(),
+        );
+        eventually(&format!("create {id}"), || async {
+            match jobs.create(&rec).await {
+                Ok(_) | Err(leasehold_store::JobsError::Exists(_)) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await;
+    }
+    // ...and comes back on its old storage, a client talking to it from
+    // the moment it accepts connections (a worker that reconnected to it).
+    let url = c.nodes[f].url();
+    let mut n = c.nodes.remove(f);
+    let restarted = tokio::task::spawn_blocking(move || {
+        n.restart();
+        n
+    });
+    let there = eventually("connect to the restarted node", || async {
+        async_nats::connect(&url).await.map_err(|e| e.to_string())
+    })
+    .await;
+    let there = Conn::new(there, leasehold_store::Layout::new("lh").unwrap());
+    let near = eventually("open the records there", || async {
+        Jobs::open(&there).await.map_err(|e| e.to_string())
+    })
+    .await;
+    let (mut empty, mut reads) = (Vec::new(), 0);
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        for id in &ids {
+            match near.get(id).await {
+                Ok(Some(v)) => {
+                    reads += 1;
+                    assert!(v.value.input_beside, "{id}: its input is kept beside it");
+                    if v.value.spec.as_ref().is_none_or(|s| s.input != input) {
+                        empty.push(id.clone());
+                    }
+                }
+                Ok(None) => panic!("{id}: record read as missing"),
+                Err(_) => {} // an election: not an answer
+            }
+        }
+    }
+    assert!(reads > 0, "no read answered");
+    assert!(empty.is_empty(), "inputs read as missing: {empty:?}");
+    drop(restarted.await.unwrap());
+}

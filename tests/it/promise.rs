@@ -749,3 +749,68 @@ async fn a_fast_park_whose_index_write_failed_is_listed_all_the_same() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 30, F7: the owner's terminal event was best-effort after its
+// terminal write. A kill -9 between the two (here: the `completed` publish
+// provably sent and never delivered when the owner dies) left a finished
+// record with no terminal event: a client's stream never ended, and
+// retention, which reads terminal events, kept the job for ever. The
+// ticket, acked only after the event, and the index entry now bring the
+// job back to a claim or a recoverer that publishes the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_between_the_terminal_write_and_its_event_still_ends_the_job() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(
+        &["--worker-id", "dies-at-end"],
+        &[("NATS_URL", proxy.url())],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    let hold = proxy.hold("lh.events.end-lost.completed");
+    env.submit("sleep", json!({"input": {"ms": 800}}), "end-lost")
+        .await;
+    tokio::time::timeout(Duration::from_secs(20), hold.triggered())
+        .await
+        .expect("the owner published its completed event");
+    a.kill9();
+    let done = env.jobs.get("end-lost").await.unwrap().unwrap().value;
+    assert_eq!(done.status, "completed", "the terminal write came first");
+    // Another worker and a reaper; retention short enough to see the job go.
+    let (w, stop_w) = env.worker().await;
+    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
+    o.interval = Duration::from_millis(300);
+    o.retention = Duration::from_secs(2);
+    let stop_r = CancellationToken::new();
+    let r = Reaper::new(o).start(stop_r.clone()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let completed = loop {
+        let n = env
+            .events_of("end-lost")
+            .await
+            .iter()
+            .filter(|e| e.r#type == "completed")
+            .count();
+        if n > 0 {
+            break n;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the finished job never got its completed event"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(completed, 1);
+    // Retention finds it by that event, and forgets it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while env.jobs.get("end-lost").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the finished job was never forgotten"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop_w.cancel();
+    w.wait().await.unwrap();
+    stop_r.cancel();
+    r.wait().await.unwrap();
+}

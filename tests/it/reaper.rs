@@ -930,3 +930,74 @@ async fn review_resume_into_a_full_queue_leaves_the_job_parked_and_can_be_run_ag
     stop_w.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 30, G5: a corrected replay of a job whose input was over 16 KiB
+// (kept beside its record, create-if-absent under `<id>.input`) used to
+// run the original input: the requeue kept the record's `input_beside`
+// and cleared the new input, and a large new input lost to the old one
+// already under that key.
+#[tokio::test]
+async fn dlq_replay_with_a_corrected_spec_runs_the_corrected_input_of_a_large_input_job() {
+    let env = Env::new().await;
+    let (w, stop_w) = env.worker().await;
+    let pad = "p".repeat(20 << 10);
+    let recovery = leasehold_store::recovery::Recovery::open(&env.conn, "test-reaper".into(), 2)
+        .await
+        .unwrap();
+    // Both shapes of correction: a small input (kept in the record) and a
+    // large one (kept beside it, like the original).
+    let cases = [
+        ("big-1", json!({"ms": 1500, "pad": "x"})),
+        ("big-2", json!({"ms": 1200, "pad": pad.clone()})),
+    ];
+    for (id, fixed) in &cases {
+        // Delayed, so it waits as a recorded queued job with its input
+        // beside its record; then dead-lettered as poison, as the reaper
+        // does.
+        env.submit(
+            "sleep",
+            json!({"input": {"ms": 10, "pad": pad}, "delay": "1h"}),
+            id,
+        )
+        .await;
+        let queued = env
+            .wait_for(id, Duration::from_secs(10), |r| r.status == "queued")
+            .await;
+        assert!(queued.input_beside, "{queued:?}");
+        recovery
+            .kill(id, "poison", "crashed its workers", |_| true)
+            .await
+            .unwrap();
+        let letter = letters_of(&env, id).await;
+        assert_eq!(letter.len(), 1, "{letter:?}");
+        let file = std::env::temp_dir().join(format!("lh-g5-{id}-{}.json", std::process::id()));
+        std::fs::write(&file, json!({ "input": fixed }).to_string()).unwrap();
+        let (code, out, err) = cli(
+            &env,
+            &[
+                "dlq",
+                "replay",
+                &letter[0].seq.to_string(),
+                "--spec",
+                file.to_str().unwrap(),
+            ],
+        )
+        .await;
+        assert_eq!(code, 0, "{out}\n{err}");
+        let done = env
+            .wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+        let want = fixed["ms"].as_u64().unwrap();
+        assert_eq!(
+            done.result.unwrap().output,
+            json!({ "slept_ms": want }).to_string(),
+            "{id} ran the input it was corrected to"
+        );
+        // Read back, the record holds the corrected input, whole.
+        let rec = env.jobs.get(id).await.unwrap().unwrap().value;
+        let input: serde_json::Value = serde_json::from_str(&rec.spec.unwrap().input).unwrap();
+        assert_eq!(&input, fixed);
+    }
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}

@@ -380,3 +380,128 @@ async fn a_reaper_killed_in_the_middle_of_forgetting_a_job_leaves_it_for_the_nex
     r.1.cancel();
     r.0.wait().await.unwrap();
 }
+
+// Issue 30, G19: the pass purged a job's events up to its terminal event
+// only, so what landed after it (a stale owner's unfenced `heartbeat_lost`,
+// an operator's `action`) stayed for ever and showed in the timeline of
+// the id's next job.
+#[tokio::test]
+async fn events_after_the_terminal_event_go_with_the_job() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {"late": 1}}), "late-ev")
+        .await;
+    let done = env
+        .wait_status("late-ev", "completed", Duration::from_secs(10))
+        .await;
+    // The terminal event follows the record's write.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !env
+        .events_of("late-ev")
+        .await
+        .iter()
+        .any(|e| e.r#type == "completed")
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no completed event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // After the terminal event: a stale owner that found its claim gone,
+    // and an operator's action on the finished job.
+    for (ty, data) in [
+        ("heartbeat_lost", json!({"reason": "claim gone"})),
+        (
+            "action",
+            json!({"action": "cancel", "by": "ops", "via": "console"}),
+        ),
+    ] {
+        let ev = leasehold_store::events::event("late-ev", done.epoch, ty, Some("stale-w"), data);
+        env.events.publish(&ev, None).await.unwrap();
+    }
+    let types: Vec<String> = env
+        .events_of("late-ev")
+        .await
+        .into_iter()
+        .map(|e| e.r#type)
+        .collect();
+    assert_eq!(
+        types.iter().rev().take(2).collect::<Vec<_>>(),
+        ["action", "heartbeat_lost"]
+    );
+    let r = reaper(&env, "1s", &[]).await;
+    gone(&env, "late-ev", Duration::from_secs(15)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while r
+        .0
+        .stats
+        .forgotten
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pass never counted the job"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left = env.events_of("late-ev").await;
+    assert!(left.is_empty(), "events left behind: {left:?}");
+    stop.cancel();
+    w.wait().await.unwrap();
+    r.1.cancel();
+    r.0.wait().await.unwrap();
+}
+
+// Issue 30, G17: index removal compared epochs only, and a reused id starts
+// again at epoch 1. A remover that read the record of the id's earlier
+// incarnation (epoch 5), then paused while retention forgot it and the id
+// was submitted again, deleted the new job's entry when it resumed.
+#[tokio::test]
+async fn a_paused_remover_of_an_earlier_incarnation_keeps_the_reused_ids_entry() {
+    use leasehold_store::index::{Active, Key};
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    // What the paused remover read: the earlier incarnation, dead at epoch 5.
+    let mut old = leasehold_core::machine::new_record(
+        "reused",
+        "sleep",
+        Default::default(),
+        0,
+        std::time::SystemTime::now() - Duration::from_secs(7200),
+    );
+    old.status = "dead".into();
+    old.epoch = 5;
+    // The id's new job, waiting (delayed) with its index entry.
+    env.submit(
+        "sleep",
+        json!({"input": {"ms": 1}, "delay": "1h"}),
+        "reused",
+    )
+    .await;
+    env.wait_status("reused", "queued", Duration::from_secs(10))
+        .await;
+    let active = Active::open(&env.conn).await.unwrap();
+    let wait = Key::Wait {
+        job: "reused".into(),
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !active.keys_of("reused").await.unwrap().contains(&wait) {
+        assert!(tokio::time::Instant::now() < deadline, "never indexed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The remover resumes, as every remover does: by what it read.
+    for k in active.keys_of("reused").await.unwrap() {
+        active.remove(&k, &old).await.unwrap();
+    }
+    assert!(
+        active.keys_of("reused").await.unwrap().contains(&wait),
+        "the new incarnation's entry was removed by a remover of the old one"
+    );
+    // Its own incarnation's remover still removes it.
+    let cur = env.jobs.get("reused").await.unwrap().unwrap().value;
+    let mut finished = cur.clone();
+    finished.epoch += 1;
+    active.remove(&wait, &finished).await.unwrap();
+    assert!(!active.keys_of("reused").await.unwrap().contains(&wait));
+    stop.cancel();
+    w.wait().await.unwrap();
+}

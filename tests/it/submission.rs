@@ -551,3 +551,79 @@ async fn a_kind_not_set_up_is_refused_with_the_kinds_set_up_and_keeps_nothing() 
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+// Issue 30, G20: the gateway listened on `lh.submit.*` only, so a plain
+// publish on a lane subject of a kind no stream holds
+// (`lh.submit.<unknown>.<tenant>.<priority>`) reached nobody and vanished.
+#[tokio::test]
+async fn an_unknown_kind_on_a_lane_subject_is_rejected_and_its_bytes_kept() {
+    let env = Env::new().await;
+    let (w, stop) = env.worker().await;
+    let cases = [
+        ("lh.submit.nosuchkind.acme.2", Some("lane-kind")),
+        (
+            "lh.submit.nosuchkind.acme.notapriority",
+            Some("lane-kind-2"),
+        ),
+        ("lh.submit.alsonot.globex.0", None),
+    ];
+    for (subject, id) in &cases {
+        let mut h = HeaderMap::new();
+        if let Some(id) = id {
+            h.insert("Nats-Msg-Id", *id);
+        }
+        let payload = json!({"input": {"on": subject}}).to_string();
+        env.conn
+            .client
+            .publish_with_headers(subject.to_string(), h, payload.into())
+            .await
+            .unwrap();
+    }
+    env.conn.client.flush().await.unwrap();
+    for id in cases.iter().filter_map(|c| c.1) {
+        let r = env
+            .wait_status(id, "rejected", Duration::from_secs(10))
+            .await;
+        let err = r.error.unwrap();
+        assert!(err.message.contains("unknown kind"), "{id}: {err:?}");
+    }
+    // Every one is a dead letter carrying its bytes.
+    let dlq = leasehold_store::dlq::Dlq::new(&env.conn);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let letters = loop {
+        let l = dlq.list().await.unwrap();
+        if l.len() >= cases.len() {
+            break l;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} dead letters of {}: {l:?}",
+            l.len(),
+            cases.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(letters.len(), cases.len(), "{letters:?}");
+    for (subject, id) in &cases {
+        let payload = json!({"input": {"on": subject}}).to_string();
+        let l = letters
+            .iter()
+            .find(|l| l.payload.as_ref() == payload.as_bytes())
+            .unwrap_or_else(|| panic!("no dead letter with the bytes sent on {subject}"));
+        assert_eq!(l.class, "rejected");
+        if let Some(id) = id {
+            assert_eq!(l.job_id.as_deref(), Some(*id));
+        }
+    }
+    // A lane of a kind that is set up, seen by the gateway now too, runs.
+    env.submit(
+        "echo",
+        json!({"input": {"lane": true}, "tenant": "acme", "priority": 2}),
+        "lane-ok",
+    )
+    .await;
+    env.wait_status("lane-ok", "completed", Duration::from_secs(10))
+        .await;
+    stop.cancel();
+    w.wait().await.unwrap();
+}

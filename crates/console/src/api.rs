@@ -90,7 +90,7 @@ pub async fn result(
             app.clean(&body.to_string()),
         ));
     }
-    let res = r.result.unwrap_or_default();
+    let res = r.result.clone().unwrap_or_default();
     match res.artifact {
         Some(name) => match app.artifacts.read(&name).await {
             Ok(Some((_, data))) => Ok((
@@ -114,6 +114,12 @@ pub async fn result(
             )),
             Err(e) => Err(Failure::unavailable(e, true)),
         },
+        // Over 16 KiB, it was kept beside the record and is not there: an
+        // error (as `leasehold result` says), never an empty output.
+        None if res.output.is_empty() && r.output_beside => Err(Failure::api(
+            StatusCode::GONE,
+            format!("job {id}'s output (over 16 KiB, kept beside its record) is gone from the payloads bucket"),
+        )),
         None => {
             let output: Value =
                 serde_json::from_str(&res.output).unwrap_or(Value::String(res.output));

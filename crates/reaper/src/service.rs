@@ -676,8 +676,9 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
         return;
     }
     let sessions = inner.recovery.sessions.clone();
-    // Live sessions as the watch shows them: worker -> (session, revision).
-    let mut live: HashMap<String, (String, u64)> = HashMap::new();
+    // Live sessions as the watch shows them: worker -> (session, revision,
+    // session timeout).
+    let mut live: HashMap<String, (String, u64, Duration)> = HashMap::new();
     let mut suspects: HashMap<String, (u64, u32)> = HashMap::new();
     let mut watch: Option<kv::Watch> = None;
     let mut tick = tokio::time::interval(inner.opts.probe_interval);
@@ -701,7 +702,8 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
             e = w.next() => match e {
                 Some(Ok(e)) if e.operation == kv::Operation::Put => {
                     let info: SessionInfo = serde_json::from_slice(&e.value).unwrap_or_default();
-                    live.insert(e.key.clone(), (info.session, e.revision));
+                    let timeout = Duration::from_millis(info.timeout_ms);
+                    live.insert(e.key.clone(), (info.session, e.revision, timeout));
                 }
                 Some(Ok(e)) => { live.remove(&e.key); suspects.remove(&e.key); }
                 _ => { watch = None; }
@@ -715,12 +717,12 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                     continue;
                 }
                 let timeout = inner.opts.probe_interval.max(Duration::from_millis(200));
-                let pings = futures::future::join_all(live.iter().map(|(w, (_, rev))| {
-                    let (s, w, rev) = (sessions.clone(), w.clone(), *rev);
-                    async move { (w.clone(), rev, s.ping(&w, timeout).await) }
+                let pings = futures::future::join_all(live.iter().map(|(w, (_, rev, ttl))| {
+                    let (s, w, rev, ttl) = (sessions.clone(), w.clone(), *rev, *ttl);
+                    async move { (w.clone(), rev, ttl, s.ping(&w, timeout).await) }
                 }))
                 .await;
-                for (worker, rev, ping) in pings {
+                for (worker, rev, ttl, ping) in pings {
                     if ping != Ping::NoResponders {
                         suspects.remove(&worker);
                         continue;
@@ -734,7 +736,9 @@ async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                         continue;
                     }
                     suspects.remove(&worker);
-                    match sessions.end_if(&worker, rev).await {
+                    // Marked as the probe's: a process that is only
+                    // reconnecting gets a settle time before its jobs move.
+                    match sessions.end_by_probe(&worker, rev, ttl).await {
                         Ok(true) => {
                             inner.stats.sessions_ended_fast.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(worker, reaper_id = %inner.id, "worker's connection is gone (no responders): ended its session");
@@ -908,22 +912,22 @@ impl Inner {
                 Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {
                     held.push((worker, job, v.value.epoch));
                 }
-                Ok(Some(v)) => {
-                    if v.value.status == Status::Dead.as_str() {
-                        let _ = self.recovery.finish_if_unfinished(&v.value).await;
+                Ok(Some(v)) => match self.recovery.repair_moved_on(&v.value, &key).await {
+                    Ok(()) => {
+                        self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
                     }
+                    Err(e) => {
+                        tracing::debug!(job, error = %e, "verify: entry kept until the job's end is finished")
+                    }
+                },
+                Ok(None) => {
                     if self
                         .recovery
                         .active
-                        .sync(&v.value, Some(&key))
+                        .remove(&key, leasehold_store::index::Remover::Anyone)
                         .await
                         .is_ok()
                     {
-                        self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                Ok(None) => {
-                    if self.recovery.active.remove(&key, u64::MAX).await.is_ok() {
                         self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -977,7 +981,9 @@ impl Inner {
     async fn check_waiting(&self, job: &str, key: &Key) -> Result<(), ReaperError> {
         let r = &self.recovery;
         let Some(cur) = r.jobs.get(job).await? else {
-            r.active.remove(key, u64::MAX).await?;
+            r.active
+                .remove(key, leasehold_store::index::Remover::Anyone)
+                .await?;
             return Ok(());
         };
         let rec = cur.value;

@@ -21,12 +21,10 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, context::PublishErrorKind};
 use futures::StreamExt;
 use leasehold_core::time::rfc3339;
-use leasehold_proto::JobEvent;
+use leasehold_proto::{JobEvent, JobRecord};
 use serde_json::Value;
 
-use crate::{
-    server_error_code, Conn, Layout, StoreError, WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT,
-};
+use crate::{server_error_code, Conn, Layout, StoreError};
 
 /// The header scoping the expected-last-subject-sequence check to a wildcard (nats-server >= 2.11).
 const EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT: &str = "Nats-Expected-Last-Subject-Sequence-Subject";
@@ -67,6 +65,15 @@ pub enum FenceError {
 const MESSAGE_TOO_LARGE: u64 = 10054;
 
 /// Builds an event.
+/// The `Nats-Msg-Id` of a job's terminal event (`completed`, `failed`,
+/// `cancelled`): one per incarnation (its `created_at`) and epoch, so the
+/// owner and a recoverer that publishes it for an owner that died first
+/// publish it once, and an id reused within the dedupe window still gets
+/// its own.
+pub fn terminal_event_id(rec: &JobRecord, ty: &str) -> String {
+    format!("{}:{ty}:{}:{}", rec.id, rec.epoch, rec.created_at)
+}
+
 pub fn event(job_id: &str, epoch: u64, ty: &str, worker_id: Option<&str>, data: Value) -> JobEvent {
     JobEvent {
         job_id: job_id.into(),
@@ -580,10 +587,7 @@ impl Fence {
                 }
                 Err(e)
                     if e.kind() == PublishErrorKind::WrongLastSequence
-                        || matches!(
-                            server_error_code(&e),
-                            Some(WRONG_LAST_SEQUENCE | WRONG_LAST_SEQUENCE_CONSTANT)
-                        ) =>
+                        || crate::is_wrong_last_sequence(&e) =>
                 {
                     // Read the job's last sequence first, then its last
                     // claim marker: a marker landing after the first read

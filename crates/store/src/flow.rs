@@ -174,8 +174,7 @@ impl FlowStore {
         } else {
             self.flow.update(&key, v, revision).await.map_err(|err| {
                 if err.kind() == kv::UpdateErrorKind::WrongLastRevision
-                    || crate::server_error_code(&err)
-                        == Some(crate::WRONG_LAST_SEQUENCE | crate::WRONG_LAST_SEQUENCE_CONSTANT)
+                    || crate::is_wrong_last_sequence(&err)
                 {
                     LeaseError::Conflict
                 } else {

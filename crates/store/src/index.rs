@@ -37,11 +37,49 @@ const REMOVED_MARKER_TTL: Duration = Duration::from_secs(60);
 /// How often a removal re-judges an entry that changed under it.
 const REMOVE_TRIES: usize = 5;
 
-/// Whether an entry (its stored bytes) may be removed by someone who knows
-/// the job at `epoch`: yes unless it names a later epoch. Bytes that are no
-/// entry are removable (nothing can depend on them).
-fn removable(value: &[u8], epoch: u64) -> bool {
-    serde_json::from_slice::<Entry>(value).map_or(true, |e| e.epoch <= epoch)
+/// What a remover knows of the job whose entry it removes.
+#[derive(Debug, Clone, Copy)]
+pub enum Remover<'a> {
+    /// It read this record: it removes an entry of the same incarnation
+    /// (the same `created_at`) at no later epoch, or one of an earlier
+    /// incarnation; never a later incarnation's, whatever its epoch (a
+    /// reused id starts again at epoch 1).
+    Of(&'a JobRecord),
+    /// It found no record, only the epoch it was asked about: an entry at
+    /// no later epoch.
+    Epoch(u64),
+    /// Whatever is there.
+    Anyone,
+}
+
+impl<'a> From<&'a JobRecord> for Remover<'a> {
+    fn from(rec: &'a JobRecord) -> Self {
+        Remover::Of(rec)
+    }
+}
+
+/// Whether an entry (its stored bytes) may be removed by `by`. Bytes that
+/// are no entry are removable (nothing can depend on them). Incarnations
+/// are ordered by their `created_at`: two incarnations of one id are a
+/// retention apart, so the clocks that wrote them never decide it.
+fn removable(value: &[u8], by: Remover<'_>) -> bool {
+    let Ok(e) = serde_json::from_slice::<Entry>(value) else {
+        return true;
+    };
+    match by {
+        Remover::Anyone => true,
+        Remover::Epoch(epoch) => e.epoch <= epoch,
+        Remover::Of(rec) if e.created_at == rec.created_at => e.epoch <= rec.epoch,
+        Remover::Of(rec) => {
+            let at = leasehold_core::time::parse_rfc3339;
+            match (at(&e.created_at), at(&rec.created_at)) {
+                (Some(entry), Some(known)) => entry < known,
+                // An entry or record without a readable creation time:
+                // kept, the sweep's repair reads the record again.
+                _ => false,
+            }
+        }
+    }
 }
 
 /// One index key.
@@ -182,12 +220,24 @@ impl Active {
     }
 
     /// Removes `key` (a purge whose marker soon expires) unless its entry
-    /// describes a later incarnation of the job than `epoch`: a remover that
-    /// paused between reading the record and removing (a recoverer, a late
-    /// owner, a same-id takeover) never deletes a newer claim's entry. The
-    /// purge is conditioned on the revision it judged, so an entry written
-    /// meanwhile is judged again. `u64::MAX` removes whatever is there.
-    pub async fn remove(&self, key: &Key, epoch: u64) -> Result<(), StoreError> {
+    /// describes a later claim or a later incarnation of the job than the
+    /// remover knows ([`Remover`]): a remover that paused between reading
+    /// the record and removing (a recoverer, a late owner, a same-id
+    /// takeover, a finisher of a job whose id was forgotten and submitted
+    /// again) never deletes a newer claim's entry. The purge is conditioned
+    /// on the revision it judged, so an entry written meanwhile is judged
+    /// again.
+    pub async fn remove<'a>(
+        &self,
+        key: &Key,
+        by: impl Into<Remover<'a>>,
+    ) -> Result<(), StoreError> {
+        let by = by.into();
+        let epoch = match by {
+            Remover::Of(rec) => rec.epoch,
+            Remover::Epoch(e) => e,
+            Remover::Anyone => u64::MAX,
+        };
         let k = key.as_string();
         for _ in 0..REMOVE_TRIES {
             let Some(e) = self
@@ -201,7 +251,7 @@ impl Active {
             if e.operation != kv::Operation::Put {
                 return Ok(());
             }
-            if !removable(&e.value, epoch) {
+            if !removable(&e.value, by) {
                 tracing::debug!(key = %k, epoch, "index entry is a later incarnation's; kept");
                 return Ok(());
             }
@@ -229,7 +279,7 @@ impl Active {
             self.put(k, rec).await?;
         }
         if let Some(old) = stale.filter(|o| Some(*o) != key.as_ref()) {
-            self.remove(old, rec.epoch).await?;
+            self.remove(old, rec).await?;
         }
         Ok(())
     }
@@ -244,7 +294,7 @@ impl Active {
         }
         for k in self.keys_of(&rec.id).await? {
             if Some(&k) != want.as_ref() {
-                self.remove(&k, rec.epoch).await?;
+                self.remove(&k, rec).await?;
             }
         }
         Ok(())
@@ -358,5 +408,28 @@ mod tests {
         assert_eq!(Key::of(&r), Some(Key::Wait { job: "j".into() }));
         r.status = "completed".into();
         assert_eq!(Key::of(&r), None);
+    }
+
+    #[test]
+    fn a_remover_never_removes_a_later_claim_or_a_later_incarnation() {
+        let t0 = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        let at = |epoch: u64, created: std::time::SystemTime| {
+            let mut r =
+                leasehold_core::machine::new_record("j", "echo", Default::default(), 1, created);
+            r.epoch = epoch;
+            r
+        };
+        let bytes = |r: &JobRecord| serde_json::to_vec(&Entry::of(r)).unwrap();
+        let old = at(5, t0);
+        let reused = at(1, std::time::SystemTime::now());
+        // Same incarnation: by epoch.
+        assert!(removable(&bytes(&at(4, t0)), Remover::Of(&old)));
+        assert!(removable(&bytes(&old), Remover::Of(&old)));
+        assert!(!removable(&bytes(&at(6, t0)), Remover::Of(&old)));
+        // A later incarnation at a lower epoch is kept; an earlier one goes.
+        assert!(!removable(&bytes(&reused), Remover::Of(&old)));
+        assert!(removable(&bytes(&old), Remover::Of(&reused)));
+        assert!(removable(&bytes(&reused), Remover::Anyone));
+        assert!(removable(b"not an entry", Remover::Of(&old)));
     }
 }

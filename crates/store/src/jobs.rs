@@ -19,7 +19,7 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
 use leasehold_core::machine::{self, Owner, TransitionError};
-use leasehold_core::JobRecord;
+use leasehold_core::{JobRecord, JobSpec};
 use serde_json::json;
 
 use crate::{server_error_code, Conn, StoreError, WRONG_LAST_SEQUENCE_CONSTANT};
@@ -101,6 +101,31 @@ fn full_hint(e: &(dyn std::error::Error + 'static)) -> String {
 /// payloads bucket), so the record every owner write rewrites stays small.
 pub const INLINE_MAX: usize = 16 * 1024;
 
+/// The payloads key of `rec`'s input when it is kept beside the record:
+/// `<id>.input`, or the key a replaced spec named.
+pub fn input_key(rec: &JobRecord) -> String {
+    rec.input_key
+        .clone()
+        .unwrap_or_else(|| format!("{}.input", rec.id))
+}
+
+/// Gives `rec` the corrected `spec` (a `dlq replay --spec`): its input is
+/// kept in the record or, when large, beside it under a key of its own,
+/// `<id>.input.<SHA-256 of the input>`. The original's `<id>.input` is
+/// create-if-absent, so writing the new input there would keep the old
+/// one; a key named by the content is the same for every writer of the
+/// same input, so create-if-absent stays right for it.
+pub fn replace_spec(rec: &mut JobRecord, spec: &JobSpec) {
+    use sha2::Digest;
+    rec.input_beside = false;
+    rec.input_key = (spec.input.len() > INLINE_MAX).then(|| {
+        let digest = sha2::Sha256::digest(spec.input.as_bytes());
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}.input.{hex}", rec.id)
+    });
+    rec.spec = Some(spec.clone());
+}
+
 /// The job-record bucket (and the payloads kept beside its records).
 #[derive(Clone)]
 pub struct Jobs {
@@ -126,9 +151,10 @@ impl Jobs {
     pub async fn externalize(&self, rec: &mut JobRecord) -> Result<(), JobsError> {
         if !rec.input_beside {
             if let Some(spec) = rec.spec.as_ref().filter(|s| s.input.len() > INLINE_MAX) {
-                let key = format!("{}.input", rec.id);
+                let key = input_key(rec);
                 // Create-if-absent: an id reused by another submission must
-                // never replace the input of the job that holds the id.
+                // never replace the input of the job that holds the id (a
+                // replaced spec names a key of its own, see `replace_spec`).
                 match self.payloads.create(&key, spec.input.clone().into()).await {
                     Ok(_) => {}
                     Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
@@ -152,20 +178,32 @@ impl Jobs {
         Ok(())
     }
 
-    /// Fills in what [`Jobs::externalize`] moved beside the record.
+    /// Fills in what [`Jobs::externalize`] moved beside the record, read
+    /// from the payloads stream's leader like the record itself: a direct
+    /// get may be answered by a replica still catching up, whose "no such
+    /// key" for a payload written seconds before would fail the job for an
+    /// input it has, or serve an empty result. A payload the leader lacks
+    /// is left empty; the caller decides what that means.
     async fn internalize(&self, rec: &mut JobRecord) -> Result<(), JobsError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let fetch = |key: String| async move {
-            self.payloads
-                .get(&key)
+            let subject = format!("$KV.{}.{key}", self.payloads.name);
+            match self
+                .payloads
+                .stream
+                .get_last_raw_message_by_subject(&subject)
                 .await
-                .map_err(|e| JobsError::Nats(format!("read {key}: {e}")))
-                .map(|v| v.map(|b| String::from_utf8_lossy(&b).into_owned()))
+            {
+                Ok(m) if crate::is_removal(&m.headers) => Ok(None),
+                Ok(m) => Ok(Some(String::from_utf8_lossy(&m.payload).into_owned())),
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+                Err(e) => Err(JobsError::Nats(format!("read {key}: {e}"))),
+            }
         };
         if rec.input_beside {
+            let key = input_key(rec);
             if let Some(spec) = rec.spec.as_mut().filter(|s| s.input.is_empty()) {
-                spec.input = fetch(format!("{}.input", rec.id))
-                    .await?
-                    .unwrap_or_default();
+                spec.input = fetch(key).await?.unwrap_or_default();
             }
         }
         if rec.output_beside {
@@ -672,7 +710,12 @@ pub async fn cancel(
                     None,
                     json!({"while": was, "kind": v.value.kind}),
                 );
-                let _ = events.publish(&ev, Some(&format!("{id}:cancelled"))).await;
+                let _ = events
+                    .publish(
+                        &ev,
+                        Some(&crate::events::terminal_event_id(&v.value, "cancelled")),
+                    )
+                    .await;
             }
             let owner = (v.value.status == "running")
                 .then(|| v.value.worker_id.clone())

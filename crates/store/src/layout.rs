@@ -97,6 +97,25 @@ impl Layout {
     pub fn submit_wildcard(&self) -> String {
         format!("{}.submit.>", self.prefix)
     }
+    /// What the gateway listens on: `lh.submit.*` (default lanes) and
+    /// `lh.submit.*.*.*` (tenant and priority lanes), so a submission of
+    /// a kind no stream holds is seen on every lane.
+    pub fn gateway_submit_wildcards(&self) -> [String; 2] {
+        [
+            format!("{}.submit.*", self.prefix),
+            format!("{}.submit.*.*.*", self.prefix),
+        ]
+    }
+    /// The first token after `lh.submit.` of any subject there, the kind it
+    /// names even when its lane is malformed (what a rejection names).
+    pub fn kind_token_of_submit_subject<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        subject
+            .strip_prefix(&self.prefix)?
+            .strip_prefix(".submit.")?
+            .split('.')
+            .next()
+            .filter(|k| !k.is_empty())
+    }
     /// The kind named by a submission subject (of any lane), if it is one;
     /// `None` for the lanes' wildcard (`lh.submit.<kind>.*.*`).
     pub fn kind_of_submit_subject<'a>(&self, subject: &'a str) -> Option<&'a str> {
@@ -260,6 +279,22 @@ impl Layout {
     }
 }
 
+/// Whether `subject` is one that the stream subject `filter` captures
+/// (`*` one token, a last `>` one or more).
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (f.next(), s.next()) {
+            (Some(">"), Some(_)) => return f.next().is_none(),
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,5 +339,36 @@ mod tests {
         assert_eq!(l.worker_subject("w-1", "ping"), "lh.workers.w-1.ping");
         assert!(valid_worker_id("pod-7_a"));
         assert!(!valid_worker_id("a.b") && !valid_worker_id("a b") && !valid_worker_id(""));
+    }
+
+    #[test]
+    fn stream_filters_capture_their_subjects_only() {
+        assert!(subject_matches("lh.submit.echo", "lh.submit.echo"));
+        assert!(subject_matches(
+            "lh.submit.echo.*.*",
+            "lh.submit.echo.acme.2"
+        ));
+        assert!(!subject_matches("lh.submit.echo.*.*", "lh.submit.echo"));
+        assert!(!subject_matches(
+            "lh.submit.echo.*.*",
+            "lh.submit.echo.acme"
+        ));
+        assert!(!subject_matches(
+            "lh.submit.echo.*.*",
+            "lh.submit.echox.a.1"
+        ));
+        assert!(!subject_matches("lh.submit.echo", "lh.submit.echo.acme.2"));
+        assert!(subject_matches("lh.submit.>", "lh.submit.echo.acme.2"));
+        assert!(!subject_matches("lh.submit.>", "lh.submit"));
+        let l = Layout::new("lh").unwrap();
+        assert_eq!(
+            l.kind_token_of_submit_subject("lh.submit.nope.acme.x"),
+            Some("nope")
+        );
+        assert_eq!(
+            l.kind_token_of_submit_subject("lh.submit.nope"),
+            Some("nope")
+        );
+        assert_eq!(l.kind_token_of_submit_subject("lh.events.j.x"), None);
     }
 }

@@ -202,6 +202,16 @@ pub const WRONG_LAST_SEQUENCE: u64 = 10071;
 /// leader: spurious, re-read and retry (10164).
 pub const WRONG_LAST_SEQUENCE_CONSTANT: u64 = 10164;
 
+/// Whether `err` carries a wrong-last-sequence code, the real one (10071) or
+/// the spurious one (10164): a conditioned write that lost to another, or
+/// raced one still in process; either way re-read and decide again.
+pub fn is_wrong_last_sequence(err: &(dyn std::error::Error + 'static)) -> bool {
+    matches!(
+        server_error_code(err),
+        Some(WRONG_LAST_SEQUENCE | WRONG_LAST_SEQUENCE_CONSTANT)
+    )
+}
+
 /// Whether a KV message's headers mark its key removed: a delete or purge
 /// (`KV-Operation`), or a marker the server wrote (`Nats-Marker-Reason`: a
 /// per-message TTL ran out, a purge left a marker).
@@ -229,7 +239,7 @@ pub(crate) fn moved_on(e: &async_nats::jetstream::context::PublishError) -> bool
 
 #[cfg(test)]
 mod tests {
-    use super::is_removal;
+    use super::{is_removal, is_wrong_last_sequence};
     use async_nats::HeaderMap;
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
@@ -247,5 +257,26 @@ mod tests {
         assert!(is_removal(&headers(&[("Nats-Marker-Reason", "MaxAge")])));
         assert!(!is_removal(&headers(&[])));
         assert!(!is_removal(&headers(&[("Nats-TTL", "never")])));
+    }
+
+    fn api_error(code: u64) -> async_nats::jetstream::Error {
+        serde_json::from_value(serde_json::json!({
+            "code": 400,
+            "err_code": code,
+            "description": "wrong last sequence",
+        }))
+        .expect("an API error deserializes")
+    }
+
+    #[test]
+    fn both_wrong_last_sequence_codes_and_only_they_are_conflicts() {
+        // 10071 | 10164 is 10231 as a number: a bitwise OR in the pattern
+        // would let 10164 through as a plain store error.
+        assert!(is_wrong_last_sequence(&api_error(10071)));
+        assert!(is_wrong_last_sequence(&api_error(10164)));
+        assert!(!is_wrong_last_sequence(&api_error(10071 | 10164)));
+        assert!(!is_wrong_last_sequence(&api_error(10077)));
+        let io = std::io::Error::other("no code");
+        assert!(!is_wrong_last_sequence(&io));
     }
 }

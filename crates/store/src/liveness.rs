@@ -17,14 +17,20 @@
 //!   live process itself said it does not run the job at that epoch.
 //! - [`Verdict::Unknown`]: we cannot tell: our own connection came back
 //!   less than the settle time ago (a server restart ends every session at
-//!   once and their workers need a moment to reconnect), the sessions
-//!   stream did not answer, or the request could not be made.
+//!   once and their workers need a moment to reconnect), the key was ended
+//!   by a reaper's crash probe less than a settle time ago (in this
+//!   process's view) and the process does not answer yet (a worker whose
+//!   connection dropped for a moment shows the same "no responders" as a
+//!   crashed one until it reconnected), the sessions stream did not
+//!   answer, or the request could not be made.
 //!
 //! `Unknown` never re-offers: the caller waits and asks again. A false
 //! "gone" costs a job its work and a stale reclaim, which counts towards
 //! poison; a late "gone" costs only time.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::connect::Link;
 use crate::sessions::{Current, Ping, Runs, Sessions};
@@ -54,6 +60,10 @@ pub enum Unsure {
     /// The key ended, but the process answers as the recorded session: it
     /// lost its key (NATS was away) and is expected to write it again.
     KeyLostButAnswers,
+    /// A reaper's crash probe ended the key, first seen here this long ago
+    /// (less than the settle time), and the process does not answer yet: it
+    /// may be reconnecting.
+    ProbeEnded(Duration),
 }
 
 impl Verdict {
@@ -80,6 +90,12 @@ impl std::fmt::Display for Verdict {
             Verdict::Unknown(Unsure::KeyLostButAnswers) => {
                 f.write_str("unknown: its session key ended but the process answers")
             }
+            Verdict::Unknown(Unsure::ProbeEnded(seen)) => write!(
+                f,
+                "unknown: a reaper's probe ended its session {} ms ago and it does not answer yet (waiting {} s for a reconnect)",
+                seen.as_millis(),
+                SETTLE_AFTER_RECONNECT.as_secs()
+            ),
         }
     }
 }
@@ -94,12 +110,15 @@ pub fn settling(reconnects: u64, up: Duration, settle: Duration) -> Option<Durat
 ///
 /// `key`: the session key as the leader has it; `runs`: the process's own
 /// answer about the job, when asked and the key is live; `ping`: its answer
-/// to a ping, when the key is not live.
+/// to a ping, when the key is not live; `probe_grace`: how long ago this
+/// process first saw the key ended by a reaper's probe, while that is less
+/// than the settle time.
 pub fn judge(
     recorded: Option<&str>,
     key: &Current,
     runs: Option<Runs>,
     ping: Option<&Ping>,
+    probe_grace: Option<Duration>,
 ) -> Verdict {
     let Some(recorded) = recorded else {
         return Verdict::Gone("the record names no session".into());
@@ -120,9 +139,15 @@ pub fn judge(
             Some(Ping::Alive(s)) => Verdict::Gone(format!(
                 "its session ended and the id answers as another process ({s})"
             )),
-            Some(Ping::NoResponders) | Some(Ping::Timeout) | None => {
-                Verdict::Gone("its session ended".into())
-            }
+            Some(Ping::NoResponders) | Some(Ping::Timeout) | None => match (key, probe_grace) {
+                (
+                    Current::Ended {
+                        by_probe: Some(_), ..
+                    },
+                    Some(seen),
+                ) => Verdict::Unknown(Unsure::ProbeEnded(seen)),
+                _ => Verdict::Gone("its session ended".into()),
+            },
             Some(Ping::Failed(e)) => Verdict::Unknown(Unsure::Unreadable(e.clone())),
         },
     }
@@ -135,6 +160,10 @@ pub struct Liveness {
     link: Link,
     settle: Duration,
     ping_timeout: Duration,
+    /// When this process first saw each probe-ended key (worker, marker
+    /// revision), on its monotonic clock: the marker's own time is another
+    /// host's clock.
+    probe_ends: Arc<Mutex<HashMap<(String, u64), Instant>>>,
 }
 
 impl Liveness {
@@ -144,7 +173,22 @@ impl Liveness {
             link,
             settle: SETTLE_AFTER_RECONNECT,
             ping_timeout: Duration::from_millis(500),
+            probe_ends: Default::default(),
         }
+    }
+
+    /// How long ago this process first saw `worker`'s key ended by a probe
+    /// at `revision`, while that is less than the settle time and the
+    /// ended session's `timeout` (never longer than its TTL would wait).
+    fn probe_grace(&self, worker: &str, revision: u64, timeout: Duration) -> Option<Duration> {
+        let mut seen = self.probe_ends.lock().unwrap();
+        let keep = self.settle * 4;
+        seen.retain(|_, t| t.elapsed() < keep);
+        let first = *seen
+            .entry((worker.to_string(), revision))
+            .or_insert_with(Instant::now);
+        let age = first.elapsed();
+        (age < self.settle.min(timeout)).then_some(age)
     }
 
     /// The same rule with another settle time (tests, short sessions).
@@ -198,7 +242,14 @@ impl Liveness {
         } else {
             Some(self.sessions.ping(worker, self.ping_timeout).await)
         };
-        judge(session, &key, runs, ping.as_ref())
+        let grace = match &key {
+            Current::Ended {
+                revision,
+                by_probe: Some(timeout),
+            } => self.probe_grace(worker, *revision, *timeout),
+            _ => None,
+        };
+        judge(session, &key, runs, ping.as_ref(), grace)
     }
 }
 
@@ -220,41 +271,108 @@ mod tests {
     #[test]
     fn a_live_recorded_session_is_alive_unless_its_process_says_no() {
         let k = live("s1");
-        assert_eq!(judge(Some("s1"), &k, None, None), Verdict::Alive);
-        assert_eq!(judge(Some("s1"), &k, Some(Runs::Yes), None), Verdict::Alive);
-        // Silence (a reconnecting process) is not a "no".
+        assert_eq!(judge(Some("s1"), &k, None, None, None), Verdict::Alive);
         assert_eq!(
-            judge(Some("s1"), &k, Some(Runs::Unknown), None),
+            judge(Some("s1"), &k, Some(Runs::Yes), None, None),
             Verdict::Alive
         );
-        assert!(judge(Some("s1"), &k, Some(Runs::No), None).is_gone());
+        // Silence (a reconnecting process) is not a "no".
+        assert_eq!(
+            judge(Some("s1"), &k, Some(Runs::Unknown), None, None),
+            Verdict::Alive
+        );
+        assert!(judge(Some("s1"), &k, Some(Runs::No), None, None).is_gone());
     }
 
     #[test]
     fn another_incarnation_of_the_id_means_the_recorded_one_is_gone() {
-        assert!(judge(Some("s1"), &live("s2"), None, None).is_gone());
+        assert!(judge(Some("s1"), &live("s2"), None, None, None).is_gone());
     }
 
     #[test]
     fn an_ended_key_is_gone_unless_the_process_answers_as_that_session() {
-        let ended = Current::Ended { revision: 3 };
-        assert!(judge(Some("s1"), &ended, None, Some(&Ping::NoResponders)).is_gone());
-        assert!(judge(Some("s1"), &ended, None, Some(&Ping::Timeout)).is_gone());
-        assert!(judge(Some("s1"), &Current::Absent, None, None).is_gone());
+        let ended = Current::Ended {
+            revision: 3,
+            by_probe: None,
+        };
+        assert!(judge(Some("s1"), &ended, None, Some(&Ping::NoResponders), None).is_gone());
+        assert!(judge(Some("s1"), &ended, None, Some(&Ping::Timeout), None).is_gone());
+        assert!(judge(Some("s1"), &Current::Absent, None, None, None).is_gone());
         assert_eq!(
-            judge(Some("s1"), &ended, None, Some(&Ping::Alive("s1".into()))),
+            judge(
+                Some("s1"),
+                &ended,
+                None,
+                Some(&Ping::Alive("s1".into())),
+                None
+            ),
             Verdict::Unknown(Unsure::KeyLostButAnswers)
         );
-        assert!(judge(Some("s1"), &ended, None, Some(&Ping::Alive("s2".into()))).is_gone());
+        assert!(judge(
+            Some("s1"),
+            &ended,
+            None,
+            Some(&Ping::Alive("s2".into())),
+            None
+        )
+        .is_gone());
         assert!(matches!(
-            judge(Some("s1"), &ended, None, Some(&Ping::Failed("down".into()))),
+            judge(
+                Some("s1"),
+                &ended,
+                None,
+                Some(&Ping::Failed("down".into())),
+                None
+            ),
             Verdict::Unknown(Unsure::Unreadable(_))
         ));
     }
 
     #[test]
+    fn a_key_a_probe_ended_is_unknown_for_a_settle_time_unless_the_process_answers() {
+        let probed = Current::Ended {
+            revision: 3,
+            by_probe: Some(Duration::from_secs(10)),
+        };
+        let young = Some(Duration::from_millis(600));
+        for silent in [Ping::NoResponders, Ping::Timeout] {
+            assert_eq!(
+                judge(Some("s1"), &probed, None, Some(&silent), young),
+                Verdict::Unknown(Unsure::ProbeEnded(Duration::from_millis(600)))
+            );
+            // Once the settle time passed, silence is gone as for any end.
+            assert!(judge(Some("s1"), &probed, None, Some(&silent), None).is_gone());
+        }
+        // An answer decides at once, either way.
+        assert_eq!(
+            judge(
+                Some("s1"),
+                &probed,
+                None,
+                Some(&Ping::Alive("s1".into())),
+                young
+            ),
+            Verdict::Unknown(Unsure::KeyLostButAnswers)
+        );
+        assert!(judge(
+            Some("s1"),
+            &probed,
+            None,
+            Some(&Ping::Alive("s2".into())),
+            young
+        )
+        .is_gone());
+        // An end by its TTL or its process gets no grace.
+        let expired = Current::Ended {
+            revision: 3,
+            by_probe: None,
+        };
+        assert!(judge(Some("s1"), &expired, None, Some(&Ping::NoResponders), young).is_gone());
+    }
+
+    #[test]
     fn a_record_without_a_session_has_no_owner() {
-        assert!(judge(None, &live("s1"), None, None).is_gone());
+        assert!(judge(None, &live("s1"), None, None, None).is_gone());
     }
 
     #[test]

@@ -132,8 +132,7 @@ where
     allowed(&cur.value).map_err(|e| explain(JobsError::Transition(e), id))?;
     let mut base = cur.value.clone();
     if let Some(s) = spec {
-        base.spec = Some(s.clone());
-        base.input_beside = false;
+        crate::jobs::replace_spec(&mut base, s);
     }
     if base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
         return Err(OpError(format!(
@@ -155,7 +154,8 @@ where
             allowed(c)?;
             let mut r = machine::requeue_fresh(c, SystemTime::now(), ticket)?;
             if let Some(s) = spec {
-                r.spec = Some(s.clone());
+                // The record's own flags and key were for the old input.
+                crate::jobs::replace_spec(&mut r, s);
             }
             Ok(Some(r))
         })
@@ -339,8 +339,7 @@ pub async fn replay_dead(
         // its ticket first too.
         let mut base = body.record.clone();
         if let Some(spec) = &new_spec {
-            base.spec = Some(spec.clone());
-            base.input_beside = false;
+            crate::jobs::replace_spec(&mut base, spec);
         }
         if base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
             return Err(OpError(format!(

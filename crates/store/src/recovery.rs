@@ -26,14 +26,15 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::{self, consumer, AckKind};
 use bytes::Bytes;
 use futures::StreamExt;
-use leasehold_core::machine::{self, Reoffer};
+use leasehold_core::machine::{self, status_of, Reoffer};
 use leasehold_core::{JobRecord, Status};
+use leasehold_proto::JobEvent;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::dlq::Dlq;
 use crate::events::{self, Events};
-use crate::index::{Active, Filter, Key};
+use crate::index::{Active, Filter, Key, Remover};
 use crate::liveness::{Liveness, Unsure, Verdict};
 use crate::sessions::Sessions;
 use crate::work::{Ticket, Work};
@@ -204,9 +205,8 @@ impl Recovery {
         for _ in 0..8 {
             let Some(cur) = self.jobs.get(job).await.map_err(jobs_err)? else {
                 // No record, so no epoch to judge by but the one we were asked about.
-                self.active
-                    .remove(&run_key, epoch.unwrap_or(u64::MAX))
-                    .await?;
+                let by = epoch.map_or(Remover::Anyone, Remover::Epoch);
+                self.active.remove(&run_key, by).await?;
                 return Ok(Action::Nothing("no record".into()));
             };
             if epoch.is_some_and(|e| e != cur.value.epoch) {
@@ -242,14 +242,10 @@ impl Recovery {
             );
             match decision {
                 Reoffer::Nothing(why) => {
-                    // A kill interrupted half-way left its index entry: finish it.
-                    if cur.value.status == Status::Dead.as_str() {
-                        self.finish_if_unfinished(&cur.value).await?;
-                    }
                     // Not (any more) this worker's running job: make the
                     // index agree with the record.
                     if Key::of(&cur.value).as_ref() != Some(&run_key) {
-                        self.active.sync(&cur.value, Some(&run_key)).await?;
+                        self.repair_moved_on(&cur.value, &run_key).await?;
                     }
                     return Ok(Action::Nothing(why));
                 }
@@ -295,7 +291,7 @@ impl Recovery {
                         );
                         let _ = self
                             .events
-                            .publish(&ev, Some(&format!("{job}:cancelled:{}", r.epoch)))
+                            .publish(&ev, Some(&events::terminal_event_id(&r, "cancelled")))
                             .await;
                         self.active.sync(&r, Some(&run_key)).await?;
                         return Ok(Action::Cancelled);
@@ -401,12 +397,51 @@ impl Recovery {
         });
         if covered {
             for k in self.active.keys_of(&rec.id).await? {
-                self.active.remove(&k, rec.epoch).await?;
+                self.active.remove(&k, rec).await?;
             }
             return Ok(());
         }
         tracing::info!(job = %rec.id, "finishing an interrupted dead-lettering");
         self.finish(rec, None, None).await.map(|_| ())
+    }
+
+    /// Makes the index agree with a record that moved on from its entry
+    /// `key`, once what the record's end left undone is done: a kill
+    /// between a death and its dead letter, or between an owner's terminal
+    /// write and its terminal event, is finished here, and the entry (the
+    /// only pointer left to such a job) goes only after that.
+    pub async fn repair_moved_on(&self, rec: &JobRecord, key: &Key) -> Result<(), StoreError> {
+        if rec.status == Status::Dead.as_str() {
+            self.finish_if_unfinished(rec).await?;
+        }
+        self.finish_terminal_if_unfinished(rec).await?;
+        self.active.sync(rec, Some(key)).await
+    }
+
+    /// Publishes the terminal event of a finished (`completed`, `failed`,
+    /// `cancelled`) record whose owner wrote the record but not the event
+    /// (killed between the two, or LH_EVENTS refused it): without it the
+    /// job's end is never seen by a client's stream, and retention, which
+    /// reads terminal events, keeps the job for ever. Built from the record,
+    /// under the owner's dedupe id ([`events::terminal_event_id`]), so an
+    /// owner that was only slow publishes the same event. Nothing for
+    /// another state, or when the event of this epoch is there.
+    pub async fn finish_terminal_if_unfinished(&self, rec: &JobRecord) -> Result<(), StoreError> {
+        let Some(ev) = terminal_event_of(rec, &self.actor) else {
+            return Ok(());
+        };
+        let last = self
+            .events
+            .last_of_type_from_leader(&rec.id, &ev.r#type)
+            .await?;
+        if last.is_some_and(|(_, e)| e.epoch == rec.epoch) {
+            return Ok(());
+        }
+        tracing::warn!(job = %rec.id, status = %rec.status, epoch = rec.epoch, actor = %self.actor, "finished job without its terminal event; publishing it");
+        self.events
+            .publish(&ev, Some(&events::terminal_event_id(rec, &ev.r#type)))
+            .await
+            .map(|_| ())
     }
 
     /// The steps after a record became dead, each idempotent: the dead letter
@@ -466,7 +501,7 @@ impl Recovery {
         );
         self.events.publish(&ev, Some(&death_id(rec))).await?;
         for k in self.active.keys_of(&rec.id).await? {
-            self.active.remove(&k, rec.epoch).await?;
+            self.active.remove(&k, rec).await?;
         }
         tracing::info!(job = %rec.id, class, dlq_seq, "dead-lettered");
         Ok(dlq_seq)
@@ -520,6 +555,34 @@ impl Verdicts {
         self.seen.insert(k, v.clone());
         v
     }
+}
+
+/// The terminal event a finished record stands for (`None` for any other
+/// state, and for `dead` and `rejected`, which have their own finishers),
+/// with what its owner would have said that the record keeps.
+pub fn terminal_event_of(rec: &JobRecord, actor: &str) -> Option<JobEvent> {
+    let status = status_of(rec)?;
+    let mut data = match status {
+        Status::Completed => {
+            let r = rec.result.clone().unwrap_or_default();
+            json!({"partial": r.partial, "artifact": r.artifact, "digest": r.digest})
+        }
+        Status::Failed => {
+            let e = rec.error.clone().unwrap_or_default();
+            json!({"class": e.class, "message": e.message, "attempts": rec.attempts})
+        }
+        Status::Cancelled => json!({}),
+        _ => return None,
+    };
+    data["kind"] = json!(rec.kind);
+    data["recovered_by"] = json!(actor);
+    Some(events::event(
+        &rec.id,
+        rec.epoch,
+        status.as_str(),
+        rec.worker_id.as_deref(),
+        data,
+    ))
 }
 
 /// The id shared by every publication of one death (dead letter and `dead`

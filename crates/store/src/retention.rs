@@ -5,10 +5,12 @@
 //! an order that survives a crash at any step: its artifact, its
 //! effects-ledger entries, its large payloads, any index entry, the record
 //! (conditioned on the revision read, so a job replayed meanwhile is left
-//! alone), and its events last, up to the terminal event that made it due:
-//! that event is the pass's only pointer to the job, so a pass that stops
-//! half-way leaves it for the next one, and a job that reuses the id
-//! meanwhile keeps its own events. A job id reused afterwards starts fresh.
+//! alone), and its events last, up to the last event published before the
+//! pass read its record (those after its terminal event too: a stale
+//! owner's `heartbeat_lost`, an operator's `action`): the terminal event is
+//! the pass's only pointer to the job, so a pass that stops half-way leaves
+//! it for the next one, and a job that reuses the id meanwhile keeps its
+//! own events. A job id reused afterwards starts fresh.
 //!
 //! Nothing scans the history to find what is due: the terminal events are
 //! read in stream order, lagging by the retention, from a cursor kept in
@@ -210,6 +212,13 @@ impl Retention {
             .get_stream(self.layout.events_stream())
             .await
             .map_err(|e| StoreError::nats("events stream", e))?;
+        // The stream's last sequence, read before any record of the pass:
+        // every event of a job up to it was published before the record
+        // read that finds the job finished (a reused id's events come after
+        // its new record, so after that read), so it is this job's or an
+        // earlier incarnation's, including events after its terminal event
+        // (a stale owner's `heartbeat_lost`, an operator's `action`).
+        let events_upto = stream.cached_info().state.last_sequence;
         let filters: Vec<String> = TERMINAL_EVENTS
             .iter()
             .filter(|t| match action {
@@ -274,7 +283,7 @@ impl Retention {
             .map(|(id, kind, seq)| async move {
                 match action {
                     Action::Forget | Action::ForgetDead => {
-                        self.forget_upto(&id, retention, kind, belongs, Some(seq))
+                        self.forget_upto(&id, retention, kind, belongs, Some(events_upto.max(seq)))
                             .await
                     }
                     Action::Transcripts => self.forget_transcript(&id).await,
@@ -327,16 +336,17 @@ impl Retention {
         self.forget_upto(id, retention, kind, belongs, None).await
     }
 
-    /// [`Retention::forget`], where `terminal_seq` is the sequence of the
-    /// terminal event that made the job due: its events are removed up to
-    /// it only, so a job that reuses the id meanwhile keeps its own.
+    /// [`Retention::forget`], where `events_upto` is a sequence of the
+    /// events stream read before this call (at or after the terminal event
+    /// that made the job due): its events are removed up to it only, so a
+    /// job that reuses the id meanwhile keeps its own.
     async fn forget_upto<F>(
         &self,
         id: &str,
         retention: Duration,
         kind: Option<String>,
         belongs: &F,
-        terminal_seq: Option<u64>,
+        events_upto: Option<u64>,
     ) -> Result<bool, StoreError>
     where
         F: Fn(&str) -> bool,
@@ -354,7 +364,7 @@ impl Retention {
             // No record (an earlier pass removed it and stopped before the
             // events): whatever is left of the job goes.
             self.purge_job_data(id, None).await?;
-            self.purge_events(id, terminal_seq).await?;
+            self.purge_events(id, events_upto).await?;
             return Ok(true);
         };
         let rec = &cur.value;
@@ -393,11 +403,11 @@ impl Retention {
         }
         // The events last: the terminal event is this pass's only pointer
         // to the job, so a failure before here leaves it to the next pass.
-        self.purge_events(id, terminal_seq).await?;
+        self.purge_events(id, events_upto).await?;
         Ok(true)
     }
 
-    /// A job's events, up to its terminal event's sequence when known.
+    /// A job's events, up to the sequence `upto` (included) when known.
     async fn purge_events(&self, id: &str, upto: Option<u64>) -> Result<(), StoreError> {
         let l = &self.layout;
         let s = self

@@ -152,10 +152,7 @@ impl Schedules {
             Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 Err(ScheduleError::Conflict(e.name.clone()))
             }
-            Err(err)
-                if crate::server_error_code(&err)
-                    == Some(crate::WRONG_LAST_SEQUENCE | crate::WRONG_LAST_SEQUENCE_CONSTANT) =>
-            {
+            Err(err) if crate::is_wrong_last_sequence(&err) => {
                 Err(ScheduleError::Conflict(e.name.clone()))
             }
             Err(err) => Err(StoreError::nats("update schedule", err).into()),

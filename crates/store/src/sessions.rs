@@ -37,6 +37,14 @@ use crate::{server_error_code, Conn, Layout, StoreError, WRONG_LAST_SEQUENCE};
 pub const SESSION_HEADER: &str = "Lh-Session";
 /// Header set on the first write of an incarnation.
 pub const SESSION_START_HEADER: &str = "Lh-Session-Start";
+/// Header on the marker of a session a reaper's crash probe ended (value
+/// `probe`): the process's connection was seen gone, which a process that
+/// is only reconnecting also shows for a moment.
+pub const ENDED_BY_HEADER: &str = "Lh-Ended-By";
+/// Header on that marker: the ended session's timeout in milliseconds (a
+/// process that is only reconnecting is waited for no longer than its
+/// session's TTL would have waited).
+pub const ENDED_TIMEOUT_HEADER: &str = "Lh-Session-Timeout-Ms";
 
 /// The value of a session key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -68,8 +76,13 @@ fn is_zero(n: &u32) -> bool {
 pub enum Current {
     /// A live session.
     Live { info: SessionInfo, revision: u64 },
-    /// The key ended (expired, purged or deleted) at this revision.
-    Ended { revision: u64 },
+    /// The key ended (expired, purged or deleted) at this revision;
+    /// `by_probe`: the ended session's timeout, when a reaper's crash probe
+    /// ended it ([`Sessions::end_by_probe`]), not its TTL or its process.
+    Ended {
+        revision: u64,
+        by_probe: Option<Duration>,
+    },
     /// The key never existed (or its marker expired).
     Absent,
 }
@@ -145,6 +158,16 @@ impl Sessions {
         Ok(if crate::is_removal(&m.headers) {
             Current::Ended {
                 revision: m.sequence,
+                by_probe: m
+                    .headers
+                    .get(ENDED_BY_HEADER)
+                    .filter(|v| v.as_str() == "probe")
+                    .map(|_| {
+                        m.headers
+                            .get(ENDED_TIMEOUT_HEADER)
+                            .and_then(|v| v.as_str().parse().ok())
+                            .map_or(Duration::MAX, Duration::from_millis)
+                    }),
             }
         } else {
             Current::Live {
@@ -194,6 +217,33 @@ impl Sessions {
         {
             Ok(()) => Ok(true),
             Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE) => Ok(false),
+            Err(e) => Err(StoreError::nats("end session", e)),
+        }
+    }
+
+    /// [`Sessions::end_if`] for a reaper's crash probe: the marker says so
+    /// ([`ENDED_BY_HEADER`]), so a judge of the end gives a process that is
+    /// only reconnecting a settle time to come back ([`crate::liveness`]).
+    pub async fn end_by_probe(
+        &self,
+        worker_id: &str,
+        revision: u64,
+        timeout: Duration,
+    ) -> Result<bool, StoreError> {
+        let m = PublishMessage::build()
+            .payload(bytes::Bytes::new())
+            .header("KV-Operation", "PURGE")
+            .header("Nats-Rollup", "sub")
+            .header(ENDED_BY_HEADER, "probe")
+            .header(
+                ENDED_TIMEOUT_HEADER,
+                timeout.as_millis().to_string().as_str(),
+            )
+            .expected_last_subject_sequence(revision);
+        let subject = format!("$KV.{}.{worker_id}", self.layout.sessions_bucket());
+        match crate::publish_acked(&self.js, subject, m).await {
+            Ok(_) => Ok(true),
+            Err(e) if crate::moved_on(&e) => Ok(false),
             Err(e) => Err(StoreError::nats("end session", e)),
         }
     }

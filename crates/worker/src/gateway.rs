@@ -1,6 +1,7 @@
 //! The worker's gateway: what no stream answers.
 //!
-//! - Submissions on `lh.submit.<kind>` for a kind the work stream does not
+//! - Submissions on `lh.submit.<kind>` (or a lane of it,
+//!   `lh.submit.<kind>.<tenant>.<priority>`) for a kind the work stream does not
 //!   hold are captured by nobody else: the gateway rejects them (record when
 //!   the id is known, raw bytes to `lh.dlq.<kind>`) and replies with the error.
 //! - Request/reply submitters of a known kind get the stream's publish ack
@@ -35,7 +36,8 @@ use tokio_util::sync::CancellationToken;
 /// The gateway's subscriptions, made before the worker reports started so
 /// that no request finds nobody listening.
 pub struct Subscriptions {
-    submit: async_nats::Subscriber,
+    /// `lh.submit.*` and `lh.submit.*.*.*` (every lane), merged.
+    submit: futures::stream::SelectAll<async_nats::Subscriber>,
     cancel: async_nats::Subscriber,
     enqueued: async_nats::Subscriber,
 }
@@ -43,13 +45,14 @@ pub struct Subscriptions {
 /// Subscribes (queue groups) and waits until the server knows the interest.
 pub async fn subscribe(conn: &Conn) -> anyhow::Result<Subscriptions> {
     let l = &conn.layout;
-    let submit = conn
-        .client
-        .queue_subscribe(
-            format!("{}.submit.*", l.prefix),
-            format!("{}-gateway", l.prefix),
-        )
-        .await?;
+    let mut submit = futures::stream::SelectAll::new();
+    for subject in l.gateway_submit_wildcards() {
+        submit.push(
+            conn.client
+                .queue_subscribe(subject, format!("{}-gateway", l.prefix))
+                .await?,
+        );
+    }
     let cancel = conn
         .client
         .queue_subscribe(l.cancel_wildcard(), format!("{}-cancel", l.prefix))
@@ -86,7 +89,10 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
         tokio::select! {
             _ = shutdown.cancelled() => break,
             Some(m) = submit.next() => {
-                let Some(kind) = l.kind_of_submit_subject(&m.subject).map(str::to_string) else { continue };
+                // A lane that does not parse still names its kind: the
+                // stream stores it when the kind is set up (its consumer
+                // rejects it), else the gateway rejects it here.
+                let Some(kind) = l.kind_token_of_submit_subject(&m.subject).map(str::to_string) else { continue };
                 match captured.has(conn, m.subject.as_str()).await {
                     Ok(stream_has_it) => {
                         let set_up: Vec<String> = captured
@@ -154,7 +160,7 @@ impl Captured {
     /// [`Captured::FRESH_FOR`] if it says yes, and a fresh one if it says no.
     pub(crate) async fn has(&mut self, conn: &Conn, subject: &str) -> Result<bool, String> {
         let fresh = self.read_at.is_some_and(|t| t.elapsed() < Self::FRESH_FOR);
-        if fresh && self.subjects.iter().any(|s| s == subject) {
+        if fresh && self.captures(subject) {
             return Ok(true);
         }
         let mut last = String::new();
@@ -163,13 +169,21 @@ impl Captured {
                 Ok(v) => {
                     self.subjects = v;
                     self.read_at = Some(std::time::Instant::now());
-                    return Ok(self.subjects.iter().any(|s| s == subject));
+                    return Ok(self.captures(subject));
                 }
                 Err(e) => last = e,
             }
             tokio::time::sleep(std::time::Duration::from_millis(200 << i)).await;
         }
         Err(last)
+    }
+
+    /// Whether one of the stream's subjects (a lane's is a wildcard,
+    /// `lh.submit.<kind>.*.*`) captures `subject`.
+    fn captures(&self, subject: &str) -> bool {
+        self.subjects
+            .iter()
+            .any(|f| leasehold_store::layout::subject_matches(f, subject))
     }
 
     async fn read(conn: &Conn) -> Result<Vec<String>, String> {

@@ -299,11 +299,14 @@ async fn run_attempt(
         timer,
         span,
     };
-    // An input kept beside the record (over 16 KiB) that is gone fails the
-    // job with the reason: it never runs on an empty value.
+    // An input kept beside the record (over 16 KiB) that cannot be read
+    // never runs on an empty value. It is read from the payloads' leader,
+    // so a miss is not a replica lagging; still, it counts as transient for
+    // the job's retry budget (a leader just elected, a bucket restored),
+    // and fails the job with the reason only once that is spent.
     if rec.input_beside && rec.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
-        a.error(HandlerError::terminal(
-            "the job's input (over 16 KiB, kept beside its record in the payloads bucket) is gone; it is not run on an empty value",
+        a.error(HandlerError::retryable(
+            "the job's input (over 16 KiB, kept beside its record in the payloads bucket) cannot be read; it is not run on an empty value",
         ))
         .await;
         return;
@@ -436,7 +439,7 @@ fn spawn_watchers(
                 Ok(_) => {
                     tracing::info!(job = %rec.id, epoch = rec.epoch, "the job moved on before its index write; its ticket is left to the new state");
                     ticket.lock().unwrap().take();
-                    let _ = shared.active.remove(&key, rec.epoch).await;
+                    let _ = shared.active.remove(&key, &rec).await;
                 }
                 Err(e) => {
                     tracing::debug!(job = %rec.id, error = %e, "cannot read the record after indexing; the ticket's wake-up settles it");
@@ -495,7 +498,16 @@ impl Attempt {
         }
     }
 
-    async fn publish_event(&self, ty: &str, mut data: Value, dedupe: Option<String>) {
+    async fn publish_event(&self, ty: &str, data: Value, dedupe: Option<String>) {
+        let _ = self.try_publish_event(ty, data, dedupe.as_deref()).await;
+    }
+
+    async fn try_publish_event(
+        &self,
+        ty: &str,
+        mut data: Value,
+        dedupe: Option<&str>,
+    ) -> Result<(), String> {
         // Terminal events name the kind: retention reads them without the record.
         if let Value::Object(m) = &mut data {
             if leasehold_store::retention::TERMINAL_EVENTS.contains(&ty) {
@@ -510,13 +522,49 @@ impl Attempt {
             data,
         );
         match &self.fence {
-            Some(f) => {
-                let _ = f.lock().await.publish_event(&ev, dedupe.as_deref()).await;
+            Some(f) => f
+                .lock()
+                .await
+                .publish_event(&ev, dedupe)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            None => self
+                .shared
+                .events
+                .publish(&ev, dedupe)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// After a terminal write (`rec`, as written): its event, retried (the
+    /// only pointer a client's stream and retention have to the job's
+    /// end), then the ticket and the index entry. When the event cannot be
+    /// published, both are kept: the ticket comes back and its claim, or
+    /// the index entry's recoverer, publishes the event from the record
+    /// (`Recovery::finish_terminal_if_unfinished`, under the same dedupe
+    /// id) before it lets go of the job. A kill -9 between the write and
+    /// the event leaves the same two pointers.
+    async fn ended_with(&self, rec: &JobRecord, ty: &str, data: Value) {
+        let id = events::terminal_event_id(rec, ty);
+        let mut last = String::new();
+        for i in 0..TERMINAL_EVENT_TRIES {
+            match self.try_publish_event(ty, data.clone(), Some(&id)).await {
+                Ok(()) => {
+                    settle(&self.ticket, AckKind::Ack).await;
+                    self.reindex(rec).await;
+                    return;
+                }
+                Err(e) => last = e,
             }
-            None => {
-                let _ = self.shared.events.publish(&ev, dedupe.as_deref()).await;
+            if i + 1 < TERMINAL_EVENT_TRIES {
+                tokio::time::sleep(Duration::from_millis(200 << i)).await;
             }
         }
+        tracing::warn!(job = %rec.id, event = ty, error = %last, "the terminal event could not be published; the ticket and the index entry are kept, so a claim or a recoverer publishes it");
+        settle(&self.ticket, AckKind::Nak(Some(Duration::from_secs(1)))).await;
     }
 
     async fn complete(&self, res: JobResult) {
@@ -537,14 +585,12 @@ impl Attempt {
         {
             Ok(v) => {
                 self.ended(AttemptOutcome::Completed, None);
-                self.publish_event(
+                self.ended_with(
+                    &v.value,
                     "completed",
                     json!({"partial": res.partial, "artifact": res.artifact, "digest": res.digest}),
-                    Some(format!("{}:completed", self.rec.id)),
                 )
                 .await;
-                settle(&self.ticket, AckKind::Ack).await;
-                self.reindex(&v.value).await;
             }
             Err(e) => self.refused("completion", e).await,
         }
@@ -595,10 +641,8 @@ impl Attempt {
     /// cancelled instead (the machine's rule: cancel is final).
     async fn cancelled_instead(&self, rec: &JobRecord, instead_of: &str) {
         self.ended(AttemptOutcome::Cancelled, None);
-        self.publish_event("cancelled", json!({"instead_of": instead_of}), None)
+        self.ended_with(rec, "cancelled", json!({"instead_of": instead_of}))
             .await;
-        settle(&self.ticket, AckKind::Ack).await;
-        self.reindex(rec).await;
     }
 
     async fn cancel(&self, partial: Option<Box<leasehold_proto::JobResult>>) {
@@ -613,9 +657,7 @@ impl Attempt {
         match persist(&self.shared, &self.gate, end).await {
             Ok(v) => {
                 self.ended(AttemptOutcome::Cancelled, None);
-                self.publish_event("cancelled", json!({}), None).await;
-                settle(&self.ticket, AckKind::Ack).await;
-                self.reindex(&v.value).await;
+                self.ended_with(&v.value, "cancelled", json!({})).await;
             }
             Err(e) => self.refused("cancellation", e).await,
         }
@@ -690,10 +732,8 @@ impl Attempt {
         match res {
             Ok(v) if v.value.status == "cancelled" => {
                 self.ended(AttemptOutcome::Cancelled, None);
-                self.publish_event("cancelled", json!({"while": "hand_back"}), None)
+                self.ended_with(&v.value, "cancelled", json!({"while": "hand_back"}))
                     .await;
-                settle(&self.ticket, AckKind::Ack).await;
-                self.reindex(&v.value).await;
             }
             Ok(v) => {
                 self.ended(AttemptOutcome::HandedBack, None);
@@ -768,10 +808,8 @@ impl Attempt {
             {
                 Ok(v) if v.value.status == "cancelled" => {
                     self.ended(AttemptOutcome::Cancelled, None);
-                    self.publish_event("cancelled", json!({"while": "retry"}), None)
+                    self.ended_with(&v.value, "cancelled", json!({"while": "retry"}))
                         .await;
-                    settle(&self.ticket, AckKind::Ack).await;
-                    self.reindex(&v.value).await;
                 }
                 Ok(v) => {
                     self.failed_attempt(
@@ -823,20 +861,22 @@ impl Attempt {
                 }
                 Ok(v) => {
                     self.failed_attempt(AttemptOutcome::Failed, &class, &message, "the job failed");
-                    self.publish_event(
+                    self.ended_with(
+                        &v.value,
                         "failed",
                         json!({"class": class, "message": message, "attempts": failed}),
-                        Some(format!("{}:failed", rec.id)),
                     )
                     .await;
-                    settle(&self.ticket, AckKind::Ack).await;
-                    self.reindex(&v.value).await;
                 }
                 Err(e) => self.refused("failure", e).await,
             }
         }
     }
 }
+
+/// Tries at publishing a terminal event before the ticket and the index
+/// entry are left for a claim or a recoverer to finish the job's end.
+const TERMINAL_EVENT_TRIES: u32 = 4;
 
 /// How long an owner keeps retrying a write whose record reads as missing.
 const MISSING_PATIENCE: Duration = Duration::from_secs(30);

@@ -457,6 +457,17 @@ pub(crate) async fn handle_delivery(
                         return;
                     }
                     ClaimDecision::Drop(why) => {
+                        // A finished job's ticket that is still here may be
+                        // the one its owner kept because its terminal event
+                        // was not published (or the owner died between the
+                        // two): the event first, then the ack.
+                        if let Err(e) = shared.recovery.finish_terminal_if_unfinished(value).await {
+                            tracing::warn!(job = %accepted.id, error = %e, "cannot publish the finished job's terminal event; the ticket comes back");
+                            let _ = msg
+                                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                                .await;
+                            return;
+                        }
                         tracing::debug!(job = %accepted.id, why, "ticket has nothing left to do; acking");
                         let _ = msg.ack().await;
                         return;
@@ -468,13 +479,13 @@ pub(crate) async fn handle_delivery(
             Ok((revision, record)) => {
                 // The job's previous index entry (waiting, or an earlier
                 // owner's) goes; its running entry comes with --index-after.
-                if let Some((old, epoch)) = current
+                if let Some((old, prev)) = current
                     .as_ref()
-                    .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.epoch)))
+                    .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.clone())))
                 {
                     let active = shared.active.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = active.remove(&old, epoch).await {
+                        if let Err(e) = active.remove(&old, &prev).await {
                             tracing::debug!(key = %old.as_string(), error = %e, "old index entry left for the reaper");
                         }
                     });
@@ -581,11 +592,11 @@ async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
     );
     let _ = shared
         .events
-        .publish(&ev, Some(&format!("{}:cancelled:{}", rec.id, rec.epoch)))
+        .publish(&ev, Some(&events::terminal_event_id(rec, "cancelled")))
         .await;
     if let Ok(keys) = shared.active.keys_of(&rec.id).await {
         for k in keys {
-            let _ = shared.active.remove(&k, rec.epoch).await;
+            let _ = shared.active.remove(&k, rec).await;
         }
     }
 }

@@ -114,7 +114,7 @@ pub(crate) async fn begin(shared: &Arc<Shared>) -> anyhow::Result<async_nats::Su
         };
         match current {
             Current::Absent => break 0,
-            Current::Ended { revision } => break revision,
+            Current::Ended { revision, .. } => break revision,
             Current::Live { info, revision } => {
                 match shared.sessions.ping(w, Duration::from_secs(1)).await {
                     Ping::Alive(other) => anyhow::bail!(
@@ -288,7 +288,7 @@ async fn restore(shared: &Arc<Shared>) {
             shared.shutdown.cancel();
             return;
         }
-        Current::Ended { revision } => revision,
+        Current::Ended { revision, .. } => revision,
         Current::Absent => 0,
     };
     tracing::warn!(worker_id = %shared.worker_id, session = %s.id, "the session key was gone (expired or ended while this process was away); writing it again and re-checking every job");
