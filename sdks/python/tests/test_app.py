@@ -7,10 +7,9 @@ import socket
 import threading
 import time
 import unittest
-from http.server import ThreadingHTTPServer
 
 from leasehold import NOT_FOUND, App, Ctx, Fail, Found, Retry, ToolCall, ToolError
-from leasehold._server import Replays, _Handler, check_signature, signed_message
+from leasehold._server import Replays, _Handler, _HTTPServer, check_signature, signed_message
 
 app = App(version="7")
 
@@ -163,8 +162,7 @@ class Server(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         handler = type("H", (_Handler,), {"app": app, "token": "tok", "secret": None, "max_body": 1024, "replays": Replays()})
-        cls.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        cls.httpd.daemon_threads = True
+        cls.httpd = _HTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=cls.httpd.serve_forever, daemon=True).start()
 
     @classmethod

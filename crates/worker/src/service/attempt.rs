@@ -299,14 +299,14 @@ async fn run_attempt(
         timer,
         span,
     };
-    // An input kept beside the record (over 16 KiB) that cannot be read
-    // never runs on an empty value. It is read from the payloads' leader,
-    // so a miss is not a replica lagging; still, it counts as transient for
-    // the job's retry budget (a leader just elected, a bucket restored),
-    // and fails the job with the reason only once that is spent.
+    // An input kept beside the record (over 16 KiB) that is gone fails the
+    // job with the reason: it never runs on an empty value. The payload is
+    // read from its stream's leader (`Jobs::get`), so a miss is not a
+    // replica lagging behind (review G6) but the payload really gone; and a
+    // retry could not help: its fresh ticket would carry the empty input.
     if rec.input_beside && rec.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
-        a.error(HandlerError::retryable(
-            "the job's input (over 16 KiB, kept beside its record in the payloads bucket) cannot be read; it is not run on an empty value",
+        a.error(HandlerError::terminal(
+            "the job's input (over 16 KiB, kept beside its record in the payloads bucket) is gone; it is not run on an empty value",
         ))
         .await;
         return;

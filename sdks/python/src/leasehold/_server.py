@@ -206,6 +206,19 @@ DRAIN_TIMEOUT_S = 30.0
 EXIT_DRAIN_TIMEOUT = 1
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """The SDK's server: what a stop waits for (the requests in flight) is
+    counted here, so every server of the SDK's handler has it."""
+
+    daemon_threads = True
+
+    def __init__(self, address: "tuple[str, int]", handler: type) -> None:
+        super().__init__(address, handler)
+        self.stopping = threading.Event()
+        self.inflight = threading.Condition()
+        self.requests = 0
+
+
 def serve(
     app: App,
     host: str = "127.0.0.1",
@@ -231,11 +244,7 @@ def serve(
         (_Handler,),
         {"app": app, "token": token, "secret": hmac_secret, "max_body": max_body, "replays": Replays()},
     )
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    httpd.stopping = threading.Event()  # type: ignore[attr-defined]
-    httpd.inflight = threading.Condition()  # type: ignore[attr-defined]
-    httpd.requests = 0  # type: ignore[attr-defined]
+    httpd = _HTTPServer((host, port), handler)
     addr = f"{httpd.server_address[0]}:{httpd.server_address[1]}"
     parent = os.getpid()
     children = []
@@ -261,7 +270,7 @@ def serve(
         raise SystemExit(code)
 
 
-def _serve_until_stopped(httpd: ThreadingHTTPServer, drain_timeout: float, children: "list[int] | None" = None) -> int:
+def _serve_until_stopped(httpd: _HTTPServer, drain_timeout: float, children: "list[int] | None" = None) -> int:
     """Serves until the first signal, drains, and says with what exit code
     the process ends (0: every request finished)."""
     children = children or []
