@@ -656,6 +656,9 @@ async fn research_paused_owner_neither_overwrites_the_artifact_nor_delivers_agai
     let now = lab.env.jobs.get(id).await.unwrap().unwrap().value;
     assert_eq!(now.status, "completed");
     assert_eq!(now.epoch, 2);
+    lab.env
+        .wait_event(id, "completed", Duration::from_secs(10))
+        .await;
     let events = lab.env.events_of(id).await;
     assert_eq!(
         events.iter().filter(|e| e.r#type == "completed").count(),

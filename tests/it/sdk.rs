@@ -458,6 +458,8 @@ async fn a_kind_checkpoints_itself_resumes_from_its_events_and_names_its_documen
         (p.phase.as_str(), p.sections_done, p.sections_total),
         ("chapters", 4, 4)
     );
+    env.wait_event("ch-1", "completed", Duration::from_secs(10))
+        .await;
     let events = env.events.read("ch-1").await.unwrap();
     let chapters: Vec<(u64, u64)> = events
         .iter()

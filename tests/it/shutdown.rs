@@ -127,6 +127,10 @@ async fn stopped_during(outage: Outage) {
         Some("after"),
         "run again by the new worker"
     );
+    // The record flips before its event lands: wait for the event, then
+    // count them all.
+    env.wait_event("held", "completed", Duration::from_secs(20))
+        .await;
     let completed = env
         .events_of("held")
         .await

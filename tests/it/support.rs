@@ -193,6 +193,42 @@ impl Env {
         self.wait_for(id, timeout, |r| r.status == status).await
     }
 
+    /// Waits (following the job's events, not polling) until one of type
+    /// `ty` has landed; the job's events up to and including it. A record
+    /// is written before its event (a terminal status, then `completed`),
+    /// so a test that saw the record waits here before counting events.
+    pub async fn wait_event(
+        &self,
+        id: &str,
+        ty: &str,
+        timeout: Duration,
+    ) -> Vec<leasehold_proto::JobEvent> {
+        let fut = async {
+            let mut seen = Vec::new();
+            let mut s = self.events.follow(id, 0).await.unwrap();
+            while let Some(e) = s.next().await {
+                let (_, e) = e.unwrap();
+                let done = e.r#type == ty;
+                seen.push(e);
+                if done {
+                    return seen;
+                }
+            }
+            panic!("the events of {id} ended");
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(evs) => evs,
+            Err(_) => panic!(
+                "job {id}: no `{ty}` event within {timeout:?}; events now: {:?}",
+                self.events_of(id)
+                    .await
+                    .iter()
+                    .map(|e| e.r#type.clone())
+                    .collect::<Vec<_>>()
+            ),
+        }
+    }
+
     /// Events of one job, as published.
     pub async fn events_of(&self, id: &str) -> Vec<leasehold_proto::JobEvent> {
         self.events
