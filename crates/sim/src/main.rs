@@ -22,7 +22,8 @@ Endpoints:
   GET  /search?q=...&format=json   SearxNG-style search results
   GET  /page/SLUG             the pages the search results link to
   GET  /stats                 chat requests served so far (also response_formats, tools_offered,
-                              text_tool_calls, rate_limited by limit, rate_limited_total, provider)
+                              text_tool_calls, rate_limited by limit, rate_limited_total, provider,
+                              serve, interrupted, waited, generating_peak)
   GET  /limits                the rate limits per model and their use; POST /limits
                               {\"model\":\"sim-1\",\"rpm\":N,\"tpm\":N,\"concurrency\":N,\"burst\":SECS,
                               \"retry_after_form\":\"seconds\"|\"http_date\"} sets one (none of the three: removes)
@@ -35,7 +36,7 @@ Endpoints:
                               GET /effects/count counts, POST /effects/faults arms a fault
 
 Environment variables (besides the flags' own: LH_SIM_LISTEN, LH_SIM_SEED, LH_SIM_FAULTS,
-LH_SIM_PROVIDER, LH_SIM_CONTEXT_CHARS):
+LH_SIM_PROVIDER, LH_SIM_CONTEXT_CHARS, LH_SIM_LIMIT, LH_SIM_SERVE, LH_SIM_RETRY_AFTER_FORM):
   LH_SIM_TOKEN_DELAY_MS   pause between streamed tokens, ms [default: 2; 0 for tests]
   LH_SIM_FAULT_RATE       share of chat requests that fault, 0 to 1 [default: 0]
   LH_SIM_FAULT_KINDS      kinds drawn at that rate, comma-separated
@@ -68,6 +69,13 @@ Providers (--provider, LH_SIM_PROVIDER; unknown paths get each one's 404):
              chunk; no usage chunk even when asked; errors {\"error\":{...,\"type\":
              \"invalid_request_error\",\"param\":null,\"code\":null}} 400; context overflow is
              silent: the oldest messages after the system prompt are dropped.
+--serve (LH_SIM_SERVE): parallel (every request at once), serialized (one generation at a time;
+the others wait: llama-server with one slot, Ollama with OLLAMA_NUM_PARALLEL=1) or interrupts (one
+at a time, and a request arriving while a stream generates ends that stream after its next chunk
+with data: [DONE] and no finish_reason, then is served: llama-cpp-python's server by default).
+Streamed headers go out at once; the first chunk waits for the model. /stats counts interrupted,
+waited and generating_peak.
+
 --context-chars N (LH_SIM_CONTEXT_CHARS) is the window, in characters of the messages' JSON
 (tokens in messages = characters / 4); 0 = no limit.
 
@@ -118,6 +126,9 @@ pub struct Args {
     /// A provider rate limit, `[MODEL:]rpm=N,tpm=N,concurrency=N[,burst=SECS]` (repeatable; no model: every model not named; `burst` = seconds of refill a bucket holds, default 60). A request over it gets 429 with `Retry-After`; `POST /limits` changes them at run time.
     #[arg(long, env = "LH_SIM_LIMIT", value_delimiter = ';', value_parser = model::limits::LimitSpec::parse)]
     pub limit: Vec<model::limits::LimitSpec>,
+    /// How many requests the model generates at once: parallel, serialized (one at a time, the others wait) or interrupts (one at a time, and a newcomer ends the stream in flight with [DONE] before its finish reason, as llama-cpp-python's server does by default).
+    #[arg(long, env = "LH_SIM_SERVE", value_enum, default_value = "parallel")]
+    pub serve: model::serve::Serve,
     /// How a limit's 429 writes `Retry-After`: seconds (rounded up) or http-date.
     #[arg(
         long,

@@ -118,12 +118,19 @@
 //!
 //! # Pacing
 //! `LH_SIM_TOKEN_DELAY_MS` (default 2) between streamed tokens; 0 for tests.
+//!
+//! # One request at a time
+//! `--serve` (env `LH_SIM_SERVE`): `parallel` (default), `serialized` (one
+//! generation at a time, the others wait) or `interrupts` (one at a time,
+//! and a newcomer ends the stream in flight with `[DONE]` before its finish
+//! reason, as llama-cpp-python's server does); see [`serve`].
 
 mod faults;
 pub mod limits;
 mod play;
 mod provider;
 mod schema;
+pub mod serve;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -169,6 +176,8 @@ struct Sim {
     counter: AtomicU64,
     stats: Mutex<Stats>,
     limits: Arc<limits::Limits>,
+    /// How many generations at once (`--serve`).
+    model: Arc<serve::Model>,
 }
 
 /// The model routes.
@@ -192,6 +201,7 @@ pub fn router(args: &crate::Args) -> anyhow::Result<Router> {
         counter: AtomicU64::new(0),
         stats: Mutex::new(stats),
         limits: Arc::new(limits::Limits::new(&args.limit, args.retry_after_form)),
+        model: serve::Model::new(args.serve),
     });
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -219,6 +229,10 @@ async fn stats_handler(State(sim): State<Arc<Sim>>) -> Json<Value> {
         "tokens_admitted": s.tokens_admitted,
         "requests_during_retry_after": sim.limits.early(),
         "provider": sim.provider.name(),
+        "serve": sim.model.mode.name(),
+        "interrupted": sim.model.interrupted.load(Ordering::Relaxed),
+        "waited": sim.model.waited.load(Ordering::Relaxed),
+        "generating_peak": sim.model.generating_peak.load(Ordering::SeqCst),
     }))
 }
 
@@ -470,6 +484,12 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
         if kind == Some(FaultKind::ErrorEvent) {
             return (StatusCode::OK, Json(json!({"error": {"message": "model overloaded mid-generation (simulated)", "type": "overloaded_error", "code": 503}}))).into_response();
         }
+        if sim.model.mode != serve::Serve::Parallel {
+            // One at a time: it holds the model while it generates.
+            let _turn = sim.model.turn().await;
+            let tokens = play::stream_chunks(&id, &model, &turn, false).len() as u32;
+            tokio::time::sleep(sim.token_delay * tokens).await;
+        }
         return Json(play::full_response(&id, &model, &turn, usage)).into_response();
     }
 
@@ -495,22 +515,52 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
             events.push("[DONE]".into());
         }
     }
-    // The concurrency slot is held until the stream ends or is dropped.
+    // The concurrency slot is held until the stream ends or is dropped;
+    // the model's turn (one at a time) from the first chunk on. Events
+    // after the finish reason: a cut among them loses the client nothing.
+    let after_finish = events.len().saturating_sub(finish_at + 1);
+    let server = sim.model.clone();
     let body = futures::stream::unfold(
-        (events.into_iter(), true, Some(admitted)),
-        move |(mut it, first, mut admitted)| async move {
-            let ev = it.next()?;
-            if it.len() == 0 {
-                // The last event: the slot is free before the client sees the end.
-                admitted = None;
+        (
+            events.into_iter(),
+            true,
+            Some(admitted),
+            None::<serve::Turn>,
+        ),
+        move |(mut it, first, mut admitted, mut turn)| {
+            let server = server.clone();
+            async move {
+                if first {
+                    // Headers are out; the first chunk waits for the model,
+                    // then for its prompt's evaluation (a token's time).
+                    turn = Some(server.turn().await);
+                    if server.mode != serve::Serve::Parallel && !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                } else if turn.is_some()
+                    && it.len() > 0
+                    && server.cut_for_newcomer(it.len() > after_finish)
+                {
+                    // A newcomer waits: this stream ends here, no finish
+                    // reason (llama-cpp-python's interrupt_requests).
+                    let done = Bytes::from_static(b"data: [DONE]\n\n");
+                    it = Vec::new().into_iter();
+                    return Some((Ok(done), (it, false, None, None)));
+                }
+                let ev = it.next()?;
+                if it.len() == 0 {
+                    // The last event: the slots are free before the client sees the end.
+                    admitted = None;
+                    turn = None;
+                }
+                if !first && !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                Some((
+                    Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {ev}\n\n"))),
+                    (it, false, admitted, turn),
+                ))
             }
-            if !first && !delay.is_zero() {
-                tokio::time::sleep(delay).await;
-            }
-            Some((
-                Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {ev}\n\n"))),
-                (it, false, admitted),
-            ))
         },
     );
     Response::builder()
