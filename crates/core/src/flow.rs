@@ -404,6 +404,70 @@ pub struct Pause {
     pub provider: ProviderInfo,
 }
 
+/// A concurrency a provider key was found to serve at most (`lh_flow` key
+/// `learned.<id>`): a worker saw the provider cut a stream for another
+/// request again and again (a server that runs one generation at a time
+/// and interrupts the one in flight, as llama-cpp-python's server does by
+/// default). Every worker applies it like a limit set by hand, and the
+/// leases split it, unless a limit is set by hand (`leasehold limits set
+/// --concurrency`, `LH_MODEL_CONCURRENCY`): what a person sets wins. It
+/// stays until cleared (`leasehold limits clear ID --concurrency`): how
+/// many requests a server serves at once is its configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Learned {
+    /// Requests the provider serves at once.
+    pub concurrency: u64,
+    /// What was seen.
+    pub reason: String,
+    /// The worker that saw it.
+    pub by: String,
+    /// When, ms since the Unix epoch by that worker's clock (shown only).
+    pub at_ms: u64,
+    #[serde(default)]
+    pub provider: ProviderInfo,
+}
+
+/// Where a provider key's concurrency comes from, most binding first: a
+/// limit set for the fleet (`leasehold limits set --concurrency`), this
+/// process's setting (`LH_MODEL_CONCURRENCY`), then what the fleet learned.
+/// `None`: unlimited.
+pub fn concurrency_of(
+    set: Option<u64>,
+    configured: Option<u64>,
+    learned: Option<u64>,
+) -> Option<(u64, ConcurrencySource)> {
+    set.map(|c| (c, ConcurrencySource::Set))
+        .or(configured.map(|c| (c, ConcurrencySource::Configured)))
+        .or(learned.map(|c| (c, ConcurrencySource::Learned)))
+}
+
+/// See [`concurrency_of`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConcurrencySource {
+    /// `leasehold limits set --concurrency`.
+    Set,
+    /// `LH_MODEL_CONCURRENCY`.
+    Configured,
+    /// [`Learned`].
+    Learned,
+}
+
+impl ConcurrencySource {
+    /// A person chose it (never moved by what is learned).
+    pub fn by_hand(self) -> bool {
+        !matches!(self, ConcurrencySource::Learned)
+    }
+
+    /// The setting that names it.
+    pub fn setting(self) -> &'static str {
+        match self {
+            ConcurrencySource::Set => "`leasehold limits set --concurrency`",
+            ConcurrencySource::Configured => "LH_MODEL_CONCURRENCY",
+            ConcurrencySource::Learned => "the learned limit",
+        }
+    }
+}
+
 /// The id of a tenant's running-jobs limit in `lh_limits` (its
 /// `concurrency` is how many of the tenant's jobs the fleet runs at once;
 /// its entry's `weight` is the tenant's share under contention).
@@ -626,6 +690,19 @@ mod tests {
             assert!(g.iter().filter(|x| x.owns(k)).count() <= 1);
         }
         assert!(rec.grid("nobody", &limits).is_none());
+    }
+
+    #[test]
+    fn a_concurrency_set_by_hand_wins_over_the_learned_one() {
+        use ConcurrencySource::*;
+        assert_eq!(concurrency_of(None, None, None), None);
+        assert_eq!(concurrency_of(None, None, Some(1)), Some((1, Learned)));
+        assert_eq!(
+            concurrency_of(None, Some(4), Some(1)),
+            Some((4, Configured))
+        );
+        assert_eq!(concurrency_of(Some(2), Some(4), Some(1)), Some((2, Set)));
+        assert!(Set.by_hand() && Configured.by_hand() && !Learned.by_hand());
     }
 
     #[test]

@@ -68,6 +68,15 @@ pub struct AttemptState {
     pub first_token: Option<Duration>,
     /// The forms the request was sent in (see [`crate::adapt`]).
     pub sent_forms: Option<(StructuredForm, ToolsForm)>,
+    /// Called once, when the first content or tool-call token streams in
+    /// (flow control's sign that the provider is generating this request).
+    pub on_first_token: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// The server ended the stream itself (`[DONE]`) before a finish
+    /// reason: it cut the generation, deliberately (as llama-cpp-python's
+    /// server does for a newcomer), unlike a connection that just stops.
+    pub cut_short: bool,
+    /// When the stream's last chunk came (before its end).
+    pub last_chunk: Option<Instant>,
 }
 
 impl std::fmt::Debug for AttemptState {
@@ -77,6 +86,7 @@ impl std::fmt::Debug for AttemptState {
             .field("tool_call_seen", &self.tool_call_seen)
             .field("unknown_event", &self.unknown_event)
             .field("completed", &self.completed)
+            .field("cut_short", &self.cut_short)
             .finish()
     }
 }
@@ -370,10 +380,23 @@ impl ModelClient {
         let mut usage: Option<Usage> = None;
         let mut done = false;
         let mut events = 0usize;
+        let mut generating = false;
+        let mut first_token = |state: &AttemptState| {
+            if !generating {
+                generating = true;
+                if let Some(hook) = &state.on_first_token {
+                    hook();
+                }
+            }
+        };
         while let Some(item) = s.next().await {
             events += 1;
             let item = match item {
-                Ok(d) => d,
+                Ok(Delta::Done) => Delta::Done,
+                Ok(d) => {
+                    state.last_chunk = Some(Instant::now());
+                    d
+                }
                 Err(e) => {
                     // A transport failure after the finish signal does not
                     // reopen the restart window: the response was complete.
@@ -393,6 +416,9 @@ impl ModelClient {
                 Delta::Content(text) => {
                     state.first_token.get_or_insert(started.elapsed());
                     if !text.is_empty() {
+                        first_token(state);
+                    }
+                    if !text.is_empty() {
                         if let Some(w) = &state.watcher {
                             w(&text);
                             state.visible_output = true;
@@ -408,6 +434,7 @@ impl ModelClient {
                     arguments,
                 } => {
                     state.first_token.get_or_insert(started.elapsed());
+                    first_token(state);
                     state.tool_call_seen = true;
                     let entry = calls.entry(index).or_default();
                     if let Some(id) = id.filter(|i| !i.is_empty()) {
@@ -426,6 +453,7 @@ impl ModelClient {
             }
         }
         let Some(finish_reason) = finish else {
+            state.cut_short = done;
             return Err(ModelError::Incomplete(if events == 0 {
                 "stream ended with no events".into()
             } else {

@@ -13,6 +13,7 @@
 //! | `structured` | auto | `LH_MODEL_STRUCTURED` (`auto`, `json_schema`, `json_object`, `prompt`) |
 //! | `tools` | auto | `LH_MODEL_TOOLS` (`auto`, `native`, `text`, `none`) |
 //! | `max_tokens` | none | `LH_MODEL_MAX_TOKENS` (a cap on each response, for small local models) |
+//! | `concurrency` | none (learned) | `LH_MODEL_CONCURRENCY` (requests this process sends the provider at once; 1 for a server that serves one at a time) |
 //!
 //! `auto` adapts to the provider (see [`crate::adapt`]): it starts with the
 //! richest form and moves down, once per process, when the provider refuses
@@ -81,6 +82,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "LH_MODEL_TOOLS",
         "tool calling: auto, native, text (a text protocol), none [default: auto]",
     ),
+    (
+        "LH_MODEL_CONCURRENCY",
+        "requests sent to the model server at once (1 for a server that serves one at a time, e.g. llama-cpp-python); a limit set with `leasehold limits set --concurrency` wins [default: none; a server seen cutting streams for another request is learned to take 1]",
+    ),
 ];
 
 /// Per-provider behaviour that is not an error.
@@ -129,6 +134,11 @@ pub struct ModelConfig {
     /// `max_tokens` of every request that sets none.
     #[serde(default)]
     pub max_tokens: Option<u32>,
+    /// Requests this process sends the provider at once (`None`: as many
+    /// as asked, or what flow control learned or the fleet set; see
+    /// [`crate::flow`]).
+    #[serde(default)]
+    pub concurrency: Option<u64>,
 }
 
 fn auto_structured() -> StructuredMode {
@@ -156,6 +166,7 @@ impl std::fmt::Debug for ModelConfig {
             structured,
             tools,
             max_tokens,
+            concurrency,
         } = self;
         f.debug_struct("ModelConfig")
             .field("base_url", base_url)
@@ -170,6 +181,7 @@ impl std::fmt::Debug for ModelConfig {
             .field("structured", structured)
             .field("tools", tools)
             .field("max_tokens", max_tokens)
+            .field("concurrency", concurrency)
             .finish()
     }
 }
@@ -189,6 +201,7 @@ impl Default for ModelConfig {
             structured: StructuredMode::Auto,
             tools: ToolsMode::Auto,
             max_tokens: None,
+            concurrency: None,
         }
     }
 }
@@ -258,6 +271,18 @@ impl ModelConfig {
             c.tools = ToolsMode::parse(&v)
                 .map_err(|e| ModelError::Config(format!("LH_MODEL_TOOLS={e}")))?;
         }
+        if let Some(v) = var("LH_MODEL_CONCURRENCY") {
+            c.concurrency = Some(
+                v.parse::<u64>()
+                    .ok()
+                    .filter(|n| (1..=1_000_000).contains(n))
+                    .ok_or_else(|| {
+                        ModelError::Config(format!(
+                            "LH_MODEL_CONCURRENCY={v}: expected a whole number of requests at once, 1 to 1000000 (1 for a server that serves one request at a time)"
+                        ))
+                    })?,
+            );
+        }
         Ok(c)
     }
 
@@ -324,6 +349,7 @@ mod tests {
             ("LH_MODEL_STRUCTURED", "json_object"),
             ("LH_MODEL_TOOLS", "text"),
             ("LH_MODEL_MAX_TOKENS", "256"),
+            ("LH_MODEL_CONCURRENCY", " 1 "),
         ]))
         .unwrap();
         assert_eq!(c.base_url, "https://models.example/v1");
@@ -334,6 +360,7 @@ mod tests {
         assert_eq!(c.structured, StructuredMode::JsonObject);
         assert_eq!(c.tools, ToolsMode::Text);
         assert_eq!(c.max_tokens, Some(256));
+        assert_eq!(c.concurrency, Some(1));
         let d = ModelConfig::from_lookup(&|_| None).unwrap();
         assert_eq!(d.base_url, ModelConfig::default().base_url);
 
@@ -351,6 +378,10 @@ mod tests {
             ("LH_MODEL_TOOLS", "yes"),
             ("LH_MODEL_MAX_TOKENS", "0"),
             ("LH_MODEL_MAX_TOKENS", "lots"),
+            ("LH_MODEL_CONCURRENCY", "0"),
+            ("LH_MODEL_CONCURRENCY", "-1"),
+            ("LH_MODEL_CONCURRENCY", "two"),
+            ("LH_MODEL_CONCURRENCY", "1.5"),
         ] {
             let e = ModelConfig::from_lookup(&lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{k}={v}: {e}");

@@ -26,6 +26,22 @@
 //! spaces its requests `1 / slice` apart, so it never holds a request in
 //! hand that it is not owed.
 //!
+//! **How many requests a provider serves at once** is learned here too. Each
+//! request in flight is numbered, and notes its first token
+//! ([`Permit::first_token`]); its end ([`Permit::ended`]) is judged by one
+//! rule ([`sign`]): a stream the server ended itself (`[DONE]`) before its
+//! finish reason while another request of the same key waited for its
+//! first token is
+//! the mark of a server that runs one generation at a time and cuts the one
+//! in flight for a newcomer (llama-cpp-python's server by default). When
+//! that repeats ([`LEARN_AFTER`] times with no sign between of two requests
+//! generating at once), the key gets a learned concurrency of 1
+//! ([`Flow::set_learned`]), published for the fleet through the coordinator
+//! ([`Outbound::Learned`]) and then split by the leases like any limit. A
+//! concurrency set by hand (`leasehold limits set --concurrency` for the
+//! fleet, [`Flow::configure`] from `LH_MODEL_CONCURRENCY` for this process)
+//! always wins over the learned one ([`leasehold_core::flow::concurrency_of`]).
+//!
 //! Tenants are limited the same way: a key `tenant.<name>.jobs` whose
 //! concurrency is the tenant's running jobs (admitted by the worker before
 //! it takes a job of the tenant), and `tenant.<name>.model` for the model
@@ -33,11 +49,13 @@
 //! is for). Each tenant's weight (its share under contention) is kept here
 //! too ([`Flow::set_weight`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::flow::{Grid, Limits, ProviderInfo, Slice};
+use leasehold_core::flow::{
+    concurrency_of, ConcurrencySource, Grid, Learned, Limits, ProviderInfo, Slice,
+};
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
@@ -79,7 +97,99 @@ pub enum Outbound {
         until: SystemTime,
         cause: String,
     },
+    /// The key was found to serve `concurrency` requests at once.
+    Learned {
+        key: ProviderKey,
+        concurrency: u64,
+        reason: String,
+    },
 }
+
+/// Cut streams (each with another request waiting) that make a learned
+/// concurrency of 1.
+pub const LEARN_AFTER: u32 = 2;
+
+/// What one request's end said about how its provider serves requests
+/// at once ([`Permit::ended`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Serving {
+    /// Nothing to learn from.
+    Nothing,
+    /// Cut for another request: the `seen`th such cut of [`LEARN_AFTER`].
+    Cut { seen: u32 },
+    /// This cut made it: the key's concurrency is 1 from now on, for the
+    /// fleet.
+    Learned,
+    /// Cut while the key's concurrency is already 1 (the request was
+    /// admitted before that applied).
+    Known,
+    /// Cut for another request, but a concurrency above 1 is set by hand
+    /// (`setting`): nothing is learned.
+    SetByHand {
+        concurrency: u64,
+        setting: &'static str,
+    },
+}
+
+impl Serving {
+    /// The cut was the provider serving one request at a time, and
+    /// learning (or what was learned) answers it: not a failure of the
+    /// request.
+    pub fn interrupted(&self) -> bool {
+        matches!(
+            self,
+            Serving::Cut { .. } | Serving::Learned | Serving::Known
+        )
+    }
+}
+
+/// What a request's end shows ([`sign`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sign {
+    Nothing,
+    /// Cut while another request waited for its first token.
+    Cut,
+    /// Completed while another request was generating: the provider serves
+    /// two at once.
+    Parallel,
+}
+
+/// The one rule: request `me` ended (`cut`: the server ended its stream
+/// itself, `[DONE]`, before a finish reason; `completed`: it completed;
+/// `last`: when its last chunk came, or when it was admitted if none did)
+/// while `open` (every request of the key in flight, by number, and when
+/// its first token came) were in flight. A server that runs one generation
+/// at a time and cuts it for a newcomer leaves exactly this mark: the
+/// newcomer is in flight and was not generating while the cut stream still
+/// moved (its first token comes after the cut, if it came already). This
+/// process reads the two connections in its own order, so "after" allows
+/// [`READ_SKEW`]. The newcomer may have been sent before the cut one and
+/// reached the server after it. Another request that generated well before
+/// this one's last chunk (by more than [`READ_SKEW`]), when this one
+/// completed, shows the provider serves two at once. A connection that
+/// just stops (no `[DONE]`: a transport failure, a crash), or a cut while
+/// no other request waits, shows nothing.
+pub fn sign(
+    open: &BTreeMap<u64, Option<Instant>>,
+    me: u64,
+    cut: bool,
+    completed: bool,
+    last: Instant,
+) -> Sign {
+    let others = || open.iter().filter(|(n, _)| **n != me).map(|(_, f)| *f);
+    if cut {
+        if others().any(|first| first.is_none_or(|t| t + READ_SKEW > last)) {
+            return Sign::Cut;
+        }
+    } else if completed && others().any(|first| first.is_some_and(|t| t + READ_SKEW < last)) {
+        return Sign::Parallel;
+    }
+    Sign::Nothing
+}
+
+/// How far apart this process may read two responses' chunks that the
+/// server sent in the other order (tasks on a busy host).
+pub const READ_SKEW: Duration = Duration::from_millis(250);
 
 /// Why a request must wait, and until when.
 #[derive(Debug, Clone)]
@@ -147,6 +257,12 @@ struct KeyState {
     in_flight: u64,
     /// The buckets were filled once (a new key starts with a full second).
     primed: bool,
+    /// Requests in flight by number: when each had its first token.
+    open: BTreeMap<u64, Option<Instant>>,
+    next_request: u64,
+    /// Streams cut for another request since the last sign that the
+    /// provider generates two at once.
+    cuts: u32,
     pause: Option<(Instant, SystemTime, String, bool)>,
     // Demand since the coordinator last looked.
     asked_requests: u64,
@@ -183,7 +299,12 @@ pub struct Flow {
     loaded: tokio::sync::watch::Sender<bool>,
     weights: Mutex<HashMap<String, u32>>,
     keys: Mutex<HashMap<String, KeyState>>,
+    /// Limits set for the fleet (`lh_limits`), by key id.
     limits: Mutex<HashMap<String, Limits>>,
+    /// This process's concurrency per key (`LH_MODEL_CONCURRENCY`).
+    configured: Mutex<HashMap<String, u64>>,
+    /// What the fleet learned of each key (`lh_flow` `learned.<id>`).
+    learned: Mutex<HashMap<String, Learned>>,
     local_fraction: Mutex<Option<f64>>,
     outbound: Mutex<Option<mpsc::UnboundedSender<Outbound>>>,
     changed: Notify,
@@ -194,6 +315,9 @@ pub struct Flow {
 pub struct Permit {
     flow: Arc<Flow>,
     id: String,
+    /// Its number among the key's requests, and when it was admitted.
+    seq: u64,
+    admitted: Instant,
     reserved: u64,
     /// Tokens were reserved against a limit (so they are reconciled).
     limited: bool,
@@ -220,11 +344,80 @@ impl Permit {
     }
 }
 
+impl Permit {
+    /// The response's first token (content or a tool call) arrived: the
+    /// provider is generating it.
+    pub fn first_token(&self) {
+        mark_first_token(&self.flow, &self.id, self.seq);
+    }
+
+    /// [`Permit::first_token`] as a callback for the client (it is called
+    /// while the response streams).
+    pub fn first_token_hook(&self) -> Arc<dyn Fn() + Send + Sync> {
+        let (flow, id, seq) = (self.flow.clone(), self.id.clone(), self.seq);
+        Arc::new(move || mark_first_token(&flow, &id, seq))
+    }
+
+    /// The request ended (`cut`: the server ended its stream, `[DONE]`,
+    /// before a finish reason; `completed`: it completed; `last_chunk`: when its last
+    /// chunk came, if one did); called before the permit is dropped. What
+    /// that says of how the provider serves requests at once ([`sign`]); a
+    /// repeated cut learns a concurrency of 1 for the key (module docs).
+    pub fn ended(&self, cut: bool, completed: bool, last_chunk: Option<Instant>) -> Serving {
+        let flow = &self.flow;
+        // Read before the key's lock (the order every caller keeps).
+        let concurrency = flow.concurrency(&self.id);
+        let mut g = flow.keys.lock().expect("flow lock");
+        let Some(s) = g.get_mut(&self.id) else {
+            return Serving::Nothing;
+        };
+        let last = last_chunk.unwrap_or(self.admitted);
+        match sign(&s.open, self.seq, cut, completed, last) {
+            Sign::Nothing => Serving::Nothing,
+            Sign::Parallel => {
+                s.cuts = 0;
+                Serving::Nothing
+            }
+            Sign::Cut => match concurrency {
+                Some((c, src)) if src.by_hand() && c > 1 => Serving::SetByHand {
+                    concurrency: c,
+                    setting: src.setting(),
+                },
+                Some(_) => Serving::Known,
+                None => {
+                    s.cuts += 1;
+                    if s.cuts < LEARN_AFTER {
+                        return Serving::Cut { seen: s.cuts };
+                    }
+                    s.cuts = 0;
+                    let key = s.key.clone();
+                    drop(g);
+                    let reason = format!(
+                        "{} ended {LEARN_AFTER} streams before their finish reason while another request waited: it serves one request at a time",
+                        key.label()
+                    );
+                    flow.learn(&key, 1, &reason);
+                    Serving::Learned
+                }
+            },
+        }
+    }
+}
+
+fn mark_first_token(flow: &Flow, id: &str, seq: u64) {
+    if let Some(s) = flow.keys.lock().expect("flow lock").get_mut(id) {
+        if let Some(first) = s.open.get_mut(&seq) {
+            first.get_or_insert_with(Instant::now);
+        }
+    }
+}
+
 impl Drop for Permit {
     fn drop(&mut self) {
         if let Some(s) = self.flow.keys.lock().expect("flow lock").get_mut(&self.id) {
             s.in_flight = s.in_flight.saturating_sub(1);
             s.stats.in_flight = s.in_flight;
+            s.open.remove(&self.seq);
         }
         self.flow.changed.notify_waiters();
     }
@@ -251,6 +444,8 @@ impl Flow {
             weights: Mutex::new(HashMap::new()),
             keys: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
+            configured: Mutex::new(HashMap::new()),
+            learned: Mutex::new(HashMap::new()),
             local_fraction: Mutex::new(None),
             outbound: Mutex::new(None),
             changed: Notify::new(),
@@ -330,8 +525,99 @@ impl Flow {
             .unwrap_or(1)
     }
 
+    /// The limits in force for a key: those set for the fleet, their
+    /// concurrency (when they set none) from this process's setting or
+    /// else from what was learned.
     pub fn limits(&self, id: &str) -> Option<Limits> {
-        self.limits.lock().expect("flow limits").get(id).copied()
+        let mut l = self
+            .limits
+            .lock()
+            .expect("flow limits")
+            .get(id)
+            .copied()
+            .unwrap_or_default();
+        l.concurrency = self.concurrency(id).map(|(c, _)| c);
+        (!l.is_empty()).then_some(l)
+    }
+
+    /// A key's concurrency and where it comes from (`None`: unlimited).
+    pub fn concurrency(&self, id: &str) -> Option<(u64, ConcurrencySource)> {
+        let set = self
+            .limits
+            .lock()
+            .expect("flow limits")
+            .get(id)
+            .and_then(|l| l.concurrency);
+        let configured = self
+            .configured
+            .lock()
+            .expect("flow configured")
+            .get(id)
+            .copied();
+        let learned = self
+            .learned
+            .lock()
+            .expect("flow learned")
+            .get(id)
+            .map(|l| l.concurrency);
+        concurrency_of(set, configured, learned)
+    }
+
+    /// This process's concurrency for a key (`LH_MODEL_CONCURRENCY`;
+    /// `None`: not set). Cheap when unchanged: called before each request.
+    pub fn configure(&self, key: &ProviderKey, concurrency: Option<u64>) {
+        let changed = {
+            let mut c = self.configured.lock().expect("flow configured");
+            match concurrency {
+                Some(n) => c.insert(key.id.clone(), n) != Some(n),
+                None => c.remove(&key.id).is_some(),
+            }
+        };
+        if changed {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// What the fleet learned of a key (from `lh_flow`), or `None` when it
+    /// was cleared.
+    pub fn set_learned(&self, id: &str, learned: Option<Learned>) {
+        {
+            let mut l = self.learned.lock().expect("flow learned");
+            match learned {
+                Some(v) => l.insert(id.to_string(), v),
+                None => l.remove(id),
+            };
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The key's learned concurrency, if any.
+    pub fn learned(&self, id: &str) -> Option<Learned> {
+        self.learned.lock().expect("flow learned").get(id).cloned()
+    }
+
+    /// Learns that `key` serves `concurrency` requests at once: applied
+    /// here at once, and for the fleet through the coordinator.
+    fn learn(&self, key: &ProviderKey, concurrency: u64, reason: &str) {
+        tracing::warn!(provider = %key.label(), concurrency, "{reason}; concurrency {concurrency} from now on (learned; LH_MODEL_CONCURRENCY or `leasehold limits set --concurrency` sets it by hand)");
+        self.set_learned(
+            &key.id,
+            Some(Learned {
+                concurrency,
+                reason: reason.to_string(),
+                by: String::new(),
+                at_ms: SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+                provider: key.info.clone(),
+            }),
+        );
+        self.send(Outbound::Learned {
+            key: key.clone(),
+            concurrency,
+            reason: reason.to_string(),
+        });
     }
 
     /// Every key seen, with its counters.
@@ -454,6 +740,9 @@ impl Flow {
                     },
                     in_flight: 0,
                     primed: false,
+                    open: BTreeMap::new(),
+                    next_request: 0,
+                    cuts: 0,
                     pause: None,
                     asked_requests: 0,
                     asked_tokens: 0,
@@ -527,6 +816,8 @@ impl Flow {
             return Ok(Permit {
                 flow: self.clone(),
                 id: key.id.clone(),
+                seq: open_request(s),
+                admitted: Instant::now(),
                 reserved: 0,
                 limited: false,
                 tenant: None,
@@ -590,6 +881,8 @@ impl Flow {
         Ok(Permit {
             flow: self.clone(),
             id: key.id.clone(),
+            seq: open_request(s),
+            admitted: Instant::now(),
             reserved: tokens,
             limited: a.tokens_per_sec.is_finite(),
             tenant: None,
@@ -697,6 +990,14 @@ impl Default for Flow {
     fn default() -> Self {
         Flow::new()
     }
+}
+
+/// Numbers a request admitted for `s`'s key, in flight from now on.
+fn open_request(s: &mut KeyState) -> u64 {
+    let n = s.next_request;
+    s.next_request += 1;
+    s.open.insert(n, None);
+    n
 }
 
 /// This worker's grid slot to send in now (`Ok`), or when its next one
@@ -861,6 +1162,187 @@ mod tests {
         let p: Vec<_> = (0..2).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
         assert!(f.try_admit(&k, 1).is_err(), "half of 4");
         drop(p);
+    }
+
+    #[test]
+    fn a_cut_while_another_request_waits_is_the_sign_of_one_at_a_time() {
+        let t0 = Instant::now();
+        let at = |ms: u64| Some(t0 + Duration::from_millis(ms));
+        let open = |v: &[(u64, Option<Instant>)]| v.iter().copied().collect::<BTreeMap<_, _>>();
+        // The cut stream's last chunk came at 1000 ms.
+        let last = t0 + Duration::from_millis(1000);
+        // Cut while another request had no first token: the sign, whichever
+        // was sent first (the newcomer may have been sent before, and
+        // reached the server after).
+        assert_eq!(
+            sign(&open(&[(1, at(1)), (2, None)]), 1, true, false, last),
+            Sign::Cut
+        );
+        assert_eq!(
+            sign(&open(&[(0, None), (1, at(1))]), 1, true, false, last),
+            Sign::Cut
+        );
+        // ... or had it after the cut, or read just before it (this
+        // process reads the two streams in its own order).
+        assert_eq!(
+            sign(&open(&[(1, at(1)), (2, at(1010))]), 1, true, false, last),
+            Sign::Cut
+        );
+        assert_eq!(
+            sign(&open(&[(1, at(1)), (2, at(900))]), 1, true, false, last),
+            Sign::Cut
+        );
+        // Cut while the other generated long before: the provider serves
+        // both, this cut is something else; alone: nothing to say.
+        assert_eq!(
+            sign(&open(&[(1, at(1)), (2, at(100))]), 1, true, false, last),
+            Sign::Nothing
+        );
+        assert_eq!(
+            sign(&open(&[(1, at(1))]), 1, true, false, last),
+            Sign::Nothing
+        );
+        // Completed while another generated long before its last chunk: two
+        // at once.
+        assert_eq!(
+            sign(&open(&[(0, at(100)), (1, at(1))]), 1, false, true, last),
+            Sign::Parallel
+        );
+        // Completed while another waits, or starts about when it ends (a
+        // server that queues): nothing.
+        assert_eq!(
+            sign(&open(&[(1, at(1)), (2, None)]), 1, false, true, last),
+            Sign::Nothing
+        );
+        assert_eq!(
+            sign(&open(&[(1, at(1)), (2, at(900))]), 1, false, true, last),
+            Sign::Nothing
+        );
+        // Failed otherwise: nothing.
+        assert_eq!(
+            sign(&open(&[(0, at(100)), (1, at(1))]), 1, false, false, last),
+            Sign::Nothing
+        );
+    }
+
+    /// A millisecond of the (paused) clock.
+    async fn tick() {
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+
+    fn now() -> Option<Instant> {
+        Some(Instant::now())
+    }
+
+    /// Three experts on a server that cuts the stream in flight for a
+    /// newcomer: A is cut for B, then B for A's retry; the second cut
+    /// learns a concurrency of 1, applied here and sent for the fleet; C,
+    /// sent before it applied, is cut too: known, nothing new.
+    #[tokio::test(start_paused = true)]
+    async fn a_repeated_cut_learns_a_concurrency_of_one() {
+        let f = Arc::new(Flow::new());
+        let mut rx = f.outbound();
+        let k = ProviderKey::new("http://one/v1", "m", None);
+        let a = f.try_admit(&k, 1).ok().unwrap();
+        a.first_token();
+        tick().await;
+        let b = f.try_admit(&k, 1).ok().unwrap();
+        let c = f.try_admit(&k, 1).ok().unwrap();
+        tick().await;
+        assert_eq!(a.ended(true, false, now()), Serving::Cut { seen: 1 });
+        drop(a);
+        tick().await;
+        b.first_token();
+        let a2 = f.try_admit(&k, 1).ok().unwrap();
+        tick().await;
+        assert_eq!(b.ended(true, false, now()), Serving::Learned);
+        drop(b);
+        tick().await;
+        c.first_token();
+        tick().await;
+        assert_eq!(c.ended(true, false, now()), Serving::Known);
+        drop(c);
+        assert_eq!(f.limits(&k.id).unwrap().concurrency, Some(1));
+        assert_eq!(f.learned(&k.id).unwrap().concurrency, 1);
+        match rx.try_recv() {
+            Ok(Outbound::Learned {
+                key,
+                concurrency,
+                reason,
+            }) => {
+                assert_eq!((key.id, concurrency), (k.id.clone(), 1));
+                assert!(reason.contains("one request at a time"), "{reason}");
+            }
+            o => panic!("{o:?}"),
+        }
+        assert!(rx.try_recv().is_err(), "learned once");
+        // One at a time from now on (and until its lease, none).
+        assert!(f.try_admit(&k, 1).is_err());
+        drop(a2);
+        // Cleared for the fleet: gone here too.
+        f.set_learned(&k.id, None);
+        assert_eq!(f.limits(&k.id), None);
+        assert!(f.try_admit(&k, 1).is_ok());
+    }
+
+    /// Two at once in between resets the count: two unrelated cuts of a
+    /// server that serves in parallel learn nothing. A concurrency set by
+    /// hand is never moved by a cut, and says which setting holds it.
+    #[tokio::test(start_paused = true)]
+    async fn a_parallel_answer_resets_the_count_and_a_hand_set_concurrency_wins() {
+        let f = Arc::new(Flow::new());
+        let k = ProviderKey::new("http://two/v1", "m", None);
+        let a = f.try_admit(&k, 1).ok().unwrap();
+        let b = f.try_admit(&k, 1).ok().unwrap();
+        tick().await;
+        assert_eq!(a.ended(true, false, now()), Serving::Cut { seen: 1 });
+        drop(a);
+        let c = f.try_admit(&k, 1).ok().unwrap();
+        b.first_token();
+        c.first_token();
+        // Both generate for a while.
+        tokio::time::advance(READ_SKEW * 2).await;
+        assert_eq!(
+            b.ended(false, true, now()),
+            Serving::Nothing,
+            "both generated"
+        );
+        drop(b);
+        let d = f.try_admit(&k, 1).ok().unwrap();
+        tick().await;
+        assert_eq!(
+            c.ended(true, false, now()),
+            Serving::Cut { seen: 1 },
+            "counted afresh"
+        );
+        drop(c);
+        assert_eq!(f.limits(&k.id), None);
+        // LH_MODEL_CONCURRENCY=4: a cut is not learned from.
+        f.configure(&k, Some(4));
+        assert_eq!(f.limits(&k.id).unwrap().concurrency, Some(4));
+        let e = f.try_admit(&k, 1).ok().unwrap();
+        tick().await;
+        assert_eq!(
+            d.ended(true, false, now()),
+            Serving::SetByHand {
+                concurrency: 4,
+                setting: "LH_MODEL_CONCURRENCY"
+            }
+        );
+        drop((d, e));
+        // A fleet-wide limit wins over both.
+        f.set_limits(
+            &k.id,
+            Some(Limits {
+                rpm: Some(60),
+                tpm: None,
+                concurrency: Some(2),
+            }),
+        );
+        assert_eq!(f.concurrency(&k.id), Some((2, ConcurrencySource::Set)));
+        f.configure(&k, None);
+        f.set_limits(&k.id, None);
+        assert_eq!(f.limits(&k.id), None);
     }
 
     #[tokio::test]

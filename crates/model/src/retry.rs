@@ -23,7 +23,7 @@ use crate::breaker::CircuitBreaker;
 use crate::budget::{Budget, BudgetLeft};
 use crate::client::{AttemptState, Completion, ModelClient, Watcher};
 use crate::error::{FailureClass, ModelError};
-use crate::flow::{Flow, ProviderKey, Wait};
+use crate::flow::{Flow, ProviderKey, Serving, Wait, LEARN_AFTER};
 use crate::wire::ChatRequest;
 
 /// Which unit a retry repeats.
@@ -293,6 +293,9 @@ impl Generator {
         // 429s answered by a pause rather than an attempt (bounded, so a
         // provider that never stops refusing still ends the generation).
         let mut pauses = 0u32;
+        // Streams the provider cut for another request while it was
+        // learned to serve one at a time: not attempts either (bounded).
+        let mut cuts = 0u32;
         loop {
             attempt += 1;
             total += 1;
@@ -313,6 +316,7 @@ impl Generator {
             };
             let cfg = self.client.config();
             let pkey = ProviderKey::new(&cfg.base_url, &model, cfg.api_key.as_deref());
+            flow.configure(&pkey, cfg.concurrency);
             // Admission first: waiting for the fleet's pause or limits is
             // not an attempt.
             let mut permit =
@@ -322,8 +326,10 @@ impl Generator {
                 };
             let mut state = AttemptState {
                 watcher: ctx.watcher.clone(),
+                on_first_token: Some(permit.first_token_hook()),
                 ..Default::default()
             };
+            let mut serving = Serving::Nothing;
             let was_open = breaker.state() == crate::breaker::BreakerState::Open;
             let result = match breaker.try_acquire() {
                 Err(retry_after) => Err(ModelError::CircuitOpen {
@@ -350,8 +356,12 @@ impl Generator {
                         } => r,
                     };
                     record_request(&span, &model, sent.elapsed(), &r);
+                    serving = permit.ended(state.cut_short, r.is_ok(), state.last_chunk);
                     match &r {
                         Ok(_) => breaker.record(true),
+                        // The provider serving one request at a time is
+                        // not its failure.
+                        Err(_) if serving.interrupted() => breaker.release(),
                         Err(e) => match e.class() {
                             FailureClass::Cancelled | FailureClass::DeadlineExceeded => {
                                 breaker.release()
@@ -396,6 +406,46 @@ impl Generator {
                 Err(e) => e,
             };
             let class = e.class();
+            if class == FailureClass::IncompleteGeneration
+                && serving.interrupted()
+                && cuts < MAX_CUTS
+                && eligibility(&state, ctx.cancel.is_cancelled()).is_ok()
+            {
+                // The provider cut this stream for another request of
+                // ours: it serves one at a time. Learning that is not an
+                // attempt; the request goes again at once (it waits for
+                // the slot once the concurrency of 1 applies).
+                cuts += 1;
+                attempt -= 1;
+                observe::model_retry(&class.as_str());
+                ctx.emit(
+                    RetryReport {
+                        scope: RetryScope::Generation,
+                        reason: cut_reason(&serving, &pkey, &e),
+                        eligible: true,
+                        retained: retained_input(&req.messages),
+                        attempt: total + 1,
+                        budget_left: ctx.budget_left(),
+                        class: Some(class),
+                        delay_ms: Some(0),
+                        fallback_model: None,
+                    },
+                    reports,
+                );
+                continue;
+            }
+            // A cut the learning would answer, were the concurrency not
+            // set by hand: the report says which setting to change.
+            let set_by_hand = match &serving {
+                Serving::SetByHand {
+                    concurrency,
+                    setting,
+                } => Some(format!(
+                    "; {} cut it for another request (it serves one request at a time), but {setting} sets a concurrency of {concurrency}: set 1",
+                    pkey.label()
+                )),
+                _ => None,
+            };
             if class == FailureClass::BadRequest && refuses_shape(&e) {
                 let sent = state.sent_forms.unwrap_or(provider.forms());
                 let message = e.to_string();
@@ -471,7 +521,7 @@ impl Generator {
             let retained = retained_input(&req.messages);
             let mut report = RetryReport {
                 scope: RetryScope::Generation,
-                reason: format!("{class}: {e}"),
+                reason: format!("{class}: {e}{}", set_by_hand.unwrap_or_default()),
                 eligible: false,
                 retained: retained.clone(),
                 attempt: total + 1,
@@ -547,6 +597,29 @@ const QUOTA_PAUSE: Duration = Duration::from_secs(60);
 /// 429s with `Retry-After` one generation waits out as pauses before they
 /// count as attempts again.
 const MAX_PAUSES: u32 = 50;
+
+/// Streams one generation may have cut for another request, while the
+/// provider is learned to serve one at a time, before they count as
+/// attempts again.
+const MAX_CUTS: u32 = 8;
+
+/// The `retry` report's reason for a stream the provider cut for another
+/// request (`serving`: what that taught flow control).
+fn cut_reason(serving: &Serving, key: &ProviderKey, e: &ModelError) -> String {
+    let class = FailureClass::IncompleteGeneration;
+    let label = key.label();
+    match serving {
+        Serving::Cut { seen } => format!(
+            "{class}: {e} while another request to {label} waited ({seen} of {LEARN_AFTER}: a server that serves one request at a time cuts the one in flight); not an attempt"
+        ),
+        Serving::Learned => format!(
+            "{class}: {e} while another request waited, {LEARN_AFTER} times: {label} serves one request at a time; concurrency 1 from now on, for the fleet (learned; LH_MODEL_CONCURRENCY or `leasehold limits set --concurrency` sets it by hand); not an attempt"
+        ),
+        _ => format!(
+            "{class}: {e}: {label} serves one request at a time (concurrency 1), and this request was sent before that applied; not an attempt"
+        ),
+    }
+}
 
 /// A request's tokens before it is sent: its JSON's characters / 4 (the
 /// sim's and a usual English ratio) plus its `max_tokens` (or 256).

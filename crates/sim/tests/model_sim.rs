@@ -26,11 +26,16 @@ struct Sim {
 
 impl Sim {
     fn start(faults: Option<Value>) -> Sim {
+        Sim::start_with(faults, &[])
+    }
+    fn start_with(faults: Option<Value>, env: &[(&str, &str)]) -> Sim {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold-sim"));
         cmd.args(["--listen", "127.0.0.1:0", "--seed", "7"])
             .env("LH_SIM_TOKEN_DELAY_MS", "0")
             .env_remove("LH_SIM_FAULT_RATE")
             .env_remove("LH_SIM_FAULTS")
+            .env_remove("LH_SIM_SERVE")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         if let Some(f) = faults {
@@ -311,4 +316,177 @@ async fn sim_naive_whole_turn_retry_repeats_tools_that_warm_retry_keeps() {
         vec![2, 4],
         "warm keeps search+fetch results; naive runs them again"
     );
+}
+
+/// Two sections at once against a server that serves one request at a
+/// time and cuts the stream in flight for a newcomer (llama-cpp-python's
+/// default): the first cut is counted as a sign, the second learns a
+/// concurrency of 1, and from then on the two take turns. Neither cut is
+/// an attempt: with one generation attempt per section attempt, a counted
+/// cut would have been a warm retry, and there is none.
+#[tokio::test]
+async fn sim_two_sections_on_a_server_that_interrupts_learn_one_at_a_time() {
+    let sim = Sim::start_with(
+        None,
+        &[
+            ("LH_SIM_SERVE", "interrupts"),
+            ("LH_SIM_TOKEN_DELAY_MS", "3"),
+        ],
+    );
+    let policy = GenerationPolicy {
+        max_attempts: 1,
+        ..Default::default()
+    };
+    let generator = Arc::new(Generator::new(
+        sim.client(),
+        policy,
+        BreakerConfig::default(),
+    ));
+    let mut ctx = RunContext::new(Budget::unlimited());
+    let rep = Arc::new(CollectingReporter::default());
+    ctx.reporter = rep.clone();
+    let run = |tools: Arc<Tools>| {
+        let r = SectionRunner::new(generator.clone(), tools);
+        let ctx = ctx.clone();
+        async move { r.run(input(), &ctx).await }
+    };
+    let (a, b) = futures::future::join(
+        run(Arc::new(Tools::default())),
+        run(Arc::new(Tools::default())),
+    )
+    .await;
+    for res in [&a, &b] {
+        assert!(
+            matches!(res.outcome, SectionOutcome::Completed { .. }),
+            "{:?}",
+            res.outcome
+        );
+    }
+    let stats = sim.stats().await;
+    let reports = rep.take();
+    let reasons: Vec<&str> = reports.iter().map(|r| r.reason.as_str()).collect();
+    assert_eq!(stats["serve"], "interrupts");
+    assert_eq!(
+        stats["interrupted"], 2,
+        "two cuts, then one at a time: {stats}\n{reasons:#?}"
+    );
+    assert_eq!(reports.len(), 2, "{reasons:#?}");
+    assert!(
+        reports
+            .iter()
+            .all(|r| r.scope == leasehold_model::RetryScope::Generation && r.eligible),
+        "no section retry: {reasons:#?}"
+    );
+    assert!(reasons[0].contains("(1 of 2"), "{reasons:#?}");
+    assert!(
+        reasons[1].contains("serves one request at a time; concurrency 1 from now on"),
+        "{reasons:#?}"
+    );
+    assert!(reasons.iter().all(|r| r.contains("not an attempt")));
+    let key =
+        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    let flow = leasehold_model::flow::Flow::global();
+    assert_eq!(flow.learned(&key.id).map(|l| l.concurrency), Some(1));
+}
+
+/// A concurrency set by hand (LH_MODEL_CONCURRENCY) above 1 is never moved
+/// by what is seen: the cut counts as an attempt, and the report says which
+/// setting to change.
+#[tokio::test]
+async fn sim_a_concurrency_set_by_hand_is_never_moved_by_cuts() {
+    let sim = Sim::start_with(
+        None,
+        &[
+            ("LH_SIM_SERVE", "interrupts"),
+            ("LH_SIM_TOKEN_DELAY_MS", "3"),
+        ],
+    );
+    let client = ModelClient::new(ModelConfig {
+        concurrency: Some(2),
+        ..sim.client().config().clone()
+    })
+    .unwrap();
+    let policy = GenerationPolicy {
+        max_attempts: 4,
+        base: Duration::from_millis(1),
+        cap: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let g = Arc::new(Generator::new(client, policy, BreakerConfig::default()));
+    let mut ctx = RunContext::new(Budget::unlimited());
+    let rep = Arc::new(CollectingReporter::default());
+    ctx.reporter = rep.clone();
+    let req = ChatRequest {
+        messages: vec![Message::user("Write the section on lease-based ownership.")],
+        ..Default::default()
+    };
+    let gen = || {
+        let (g, ctx, req) = (g.clone(), ctx.clone(), req.clone());
+        async move { g.generate(&req, &ctx, &mut Vec::new()).await }
+    };
+    let (_a, _b) = futures::future::join(gen(), gen()).await;
+    let reports = rep.take();
+    assert!(!reports.is_empty(), "the server cut a stream");
+    assert!(
+        reports.iter().any(|r| r.reason.contains(
+            "it serves one request at a time), but LH_MODEL_CONCURRENCY sets a concurrency of 2: set 1"
+        )),
+        "{reports:#?}"
+    );
+    assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
+    let key =
+        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    let flow = leasehold_model::flow::Flow::global();
+    assert_eq!(flow.learned(&key.id), None, "nothing learned");
+    assert_eq!(
+        flow.limits(&key.id).and_then(|l| l.concurrency),
+        Some(2),
+        "what was set holds"
+    );
+}
+
+/// A stream that just stops (the connection ends, no `[DONE]`: a
+/// transport failure) while another request waits is not the mark of a
+/// server that serves one at a time: an ordinary incomplete generation,
+/// an attempt, and nothing learned.
+#[tokio::test]
+async fn sim_a_stream_that_just_stops_is_not_taken_for_one_at_a_time() {
+    let sim = Sim::start_with(
+        Some(json!({"rules":[{"kind":"cut","nth":[1, 2, 3]}]})),
+        &[("LH_SIM_TOKEN_DELAY_MS", "3")],
+    );
+    let policy = GenerationPolicy {
+        max_attempts: 5,
+        base: Duration::from_millis(1),
+        cap: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let g = Arc::new(Generator::new(
+        sim.client(),
+        policy,
+        BreakerConfig::default(),
+    ));
+    let mut ctx = RunContext::new(Budget::unlimited());
+    let rep = Arc::new(CollectingReporter::default());
+    ctx.reporter = rep.clone();
+    let req = ChatRequest {
+        messages: vec![Message::user("Write the section on lease-based ownership.")],
+        ..Default::default()
+    };
+    let gen = || {
+        let (g, ctx, req) = (g.clone(), ctx.clone(), req.clone());
+        async move { g.generate(&req, &ctx, &mut Vec::new()).await }
+    };
+    let (a, b) = futures::future::join(gen(), gen()).await;
+    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    let reports = rep.take();
+    assert_eq!(
+        reports.len(),
+        3,
+        "three cuts, each an attempt: {reports:#?}"
+    );
+    assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
+    let key =
+        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    assert_eq!(leasehold_model::flow::Flow::global().learned(&key.id), None);
 }

@@ -8,13 +8,15 @@
 //!   between workers, each write conditioned on the revision read),
 //!   `cool.<id>` (a cooldown after a 429 or a quota error) and
 //!   `breaker.<id>` (an open circuit breaker), each a [`Pause`] that is
-//!   only ever extended; every worker watches the pauses.
+//!   only ever extended; `learned.<id>` (a concurrency the key was found to
+//!   serve at most, [`Learned`]: only ever lowered, removed by `leasehold
+//!   limits clear`); every worker watches the pauses and what was learned.
 
 use std::time::SystemTime;
 
 use async_nats::jetstream::kv;
 use futures::{Stream, StreamExt};
-use leasehold_core::flow::{LeaseRecord, Limits, Pause, ProviderInfo};
+use leasehold_core::flow::{Learned, LeaseRecord, Limits, Pause, ProviderInfo};
 use serde::{Deserialize, Serialize};
 
 use crate::{Conn, StoreError};
@@ -54,6 +56,8 @@ pub enum FlowChange {
     /// A key's limits, or `None` when cleared.
     Limits(String, Option<LimitEntry>),
     Pause(PauseKind, String, Pause),
+    /// What a worker learned of a key, or `None` when it was cleared.
+    Learned(String, Option<Learned>),
 }
 
 /// A lease write that did not land.
@@ -245,6 +249,81 @@ impl FlowStore {
         Ok(false)
     }
 
+    /// What was learned of a key, if anything.
+    pub async fn get_learned(&self, id: &str) -> Result<Option<(Learned, u64)>, StoreError> {
+        match self.flow.entry(format!("learned.{id}")).await {
+            Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                Ok(serde_json::from_slice(&e.value)
+                    .ok()
+                    .map(|l| (l, e.revision)))
+            }
+            Ok(_) => Ok(None),
+            Err(e) => Err(StoreError::nats("read learned limit", e)),
+        }
+    }
+
+    /// Records for the fleet what a worker learned of a key: written when
+    /// nothing was, or when it is lower than what was (conditioned on the
+    /// revision read). `false`: nothing written.
+    pub async fn learn(&self, id: &str, l: &Learned) -> Result<bool, StoreError> {
+        let key = format!("learned.{id}");
+        for _ in 0..5 {
+            let current = self.get_learned(id).await?;
+            if current
+                .as_ref()
+                .is_some_and(|(c, _)| c.concurrency <= l.concurrency)
+            {
+                return Ok(false);
+            }
+            let v: bytes::Bytes = serde_json::to_vec(l).expect("learned serializes").into();
+            let r = match current {
+                Some((_, rev)) => self
+                    .flow
+                    .update(&key, v, rev)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                None => self
+                    .flow
+                    .create(&key, v)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+            };
+            match r {
+                Ok(()) => return Ok(true),
+                Err(e) if e.contains("wrong last sequence") || e.contains("exists") => continue,
+                Err(e) => return Err(StoreError::Nats(format!("write learned limit: {e}"))),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Removes what was learned of a key; `false` when nothing was.
+    pub async fn forget(&self, id: &str) -> Result<bool, StoreError> {
+        if self.get_learned(id).await?.is_none() {
+            return Ok(false);
+        }
+        self.flow
+            .delete(format!("learned.{id}"))
+            .await
+            .map(|_| true)
+            .map_err(|e| StoreError::nats("clear learned limit", e))
+    }
+
+    /// Everything learned, by id.
+    pub async fn learned(&self) -> Result<Vec<(String, Learned)>, StoreError> {
+        let mut out = Vec::new();
+        for k in keys(&self.flow, "list learned limits").await? {
+            if let Some(id) = k.strip_prefix("learned.") {
+                if let Some((l, _)) = self.get_learned(id).await? {
+                    out.push((id.to_string(), l));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Every limit and pause as it is now, then each change.
     pub async fn watch(
         &self,
@@ -256,7 +335,7 @@ impl FlowStore {
             .map_err(|e| StoreError::nats("watch limits", e))?;
         let cool = self
             .flow
-            .watch_many_with_history(["cool.*", "breaker.*"])
+            .watch_many_with_history(["cool.*", "breaker.*", "learned.*"])
             .await
             .map_err(|e| StoreError::nats("watch pauses", e))?;
         let limits = limits.filter_map(|e| async move {
@@ -270,10 +349,17 @@ impl FlowStore {
         });
         let cool = cool.filter_map(|e| async move {
             let e = e.ok()?;
+            let (prefix, id) = e.key.split_once('.')?;
+            if prefix == "learned" {
+                let l = match e.operation {
+                    kv::Operation::Put => Some(serde_json::from_slice(&e.value).ok()?),
+                    _ => None,
+                };
+                return Some(FlowChange::Learned(id.to_string(), l));
+            }
             if e.operation != kv::Operation::Put {
                 return None;
             }
-            let (prefix, id) = e.key.split_once('.')?;
             let kind = if prefix == "cool" {
                 PauseKind::Cooldown
             } else {

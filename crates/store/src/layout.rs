@@ -221,7 +221,8 @@ impl Layout {
         format!("{}_limits", self.prefix.replace('-', "_"))
     }
     /// KV bucket of flow control's coordination: `lease.<id>` (the leases
-    /// of a provider key's limits), `cool.<id>` and `breaker.<id>` (pauses).
+    /// of a provider key's limits), `cool.<id>` and `breaker.<id>` (pauses),
+    /// `learned.<id>` (a concurrency the key was found to serve at most).
     pub fn flow_bucket(&self) -> String {
         format!("{}_flow", self.prefix.replace('-', "_"))
     }

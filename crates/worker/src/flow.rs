@@ -7,6 +7,11 @@
 //!   worker saw at once).
 //! - Pauses this process sees (429s, quota errors, an opened breaker) are
 //!   written for the fleet, only ever extending the stored one.
+//! - A concurrency this process learned of a key (a server that serves one
+//!   request at a time) is written for the fleet (`learned.<id>`, only ever
+//!   lowered); every worker applies it like a limit, so the leases below
+//!   split it and the whole fleet serialises, not only the worker that
+//!   noticed.
 //! - For each provider key with limits and demand, the process's lease is
 //!   renewed every [`RENEW`] by one revision-conditioned write of the key's
 //!   lease record (one write per worker per key per second for all three
@@ -24,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use leasehold_core::flow::{Pause, Renewals, Slice};
+use leasehold_core::flow::{Learned, Pause, Renewals, Slice};
 use leasehold_model::flow::{Flow, Outbound};
 use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
 use leasehold_store::{Conn, StoreError};
@@ -86,6 +91,18 @@ pub fn start_with(
                 tracing::warn!(error = %e, "cannot read the fleet's limits yet; the watch applies them when it can")
             }
         }
+        // And what the fleet learned: a server known to serve one request at
+        // a time gets one from the first request on.
+        match store.learned().await {
+            Ok(all) => {
+                for (id, l) in all {
+                    apply(&flow, FlowChange::Learned(id, Some(l)));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the fleet's learned limits yet; the watch applies them when it can")
+            }
+        }
         flow.mark_loaded();
         let outbound = flow.outbound();
         let watch = tokio::spawn(follow(store.clone(), flow.clone(), shutdown.clone()));
@@ -132,6 +149,15 @@ fn apply(flow: &Flow, c: FlowChange) {
         FlowChange::Pause(kind, id, p) => {
             let until = SystemTime::UNIX_EPOCH + Duration::from_millis(p.until_ms);
             flow.pause(&id, until, &p.reason, kind == PauseKind::Breaker);
+        }
+        FlowChange::Learned(id, l) => {
+            match &l {
+                Some(l) => {
+                    tracing::info!(provider = %id, concurrency = l.concurrency, by = %l.by, reason = %l.reason, "provider concurrency learned")
+                }
+                None => tracing::info!(provider = %id, "learned provider concurrency cleared"),
+            }
+            flow.set_learned(&id, l);
         }
     }
 }
@@ -180,6 +206,20 @@ async fn coordinate(
         tokio::select! {
             _ = shutdown.cancelled() => break,
             o = outbound.recv() => match o {
+                Some(Outbound::Learned { key, concurrency, reason }) => {
+                    let l = Learned {
+                        concurrency,
+                        reason,
+                        by: me.clone(),
+                        at_ms: now_ms(),
+                        provider: key.info.clone(),
+                    };
+                    match store.learn(&key.id, &l).await {
+                        Ok(true) => tracing::info!(provider = %key.label(), concurrency, "provider concurrency learned, for the fleet"),
+                        Ok(false) => {}
+                        Err(e) => tracing::warn!(provider = %key.label(), error = %e, "could not record the learned concurrency for the fleet; this worker keeps it alone"),
+                    }
+                }
                 Some(o) => publish(&store, &me, o, &mut paused).await,
                 None => break,
             },
@@ -324,6 +364,7 @@ async fn publish(
     let (kind, key, until, reason) = match o {
         Outbound::Cooldown { key, until, reason } => (PauseKind::Cooldown, key, until, reason),
         Outbound::BreakerOpen { key, until, cause } => (PauseKind::Breaker, key, until, cause),
+        Outbound::Learned { .. } => return,
     };
     let until_ms = to_ms(until);
     let slot = format!("{kind:?}.{}", key.id);
