@@ -9,6 +9,11 @@
 //! default `LH_API_KEY`, hashed here and never stored), which name the key
 //! exactly as the workers compute it.
 //!
+//! A concurrency the workers *learned* (a server that serves one request at
+//! a time, seen cutting streams for another request) is listed beside the
+//! limits set, with its reason (`learned`); a concurrency set here wins over
+//! it, and `clear` (all, or `--concurrency`) removes it too.
+//!
 //! `--tenant NAME` names a tenant instead: `--jobs` is how many of its
 //! jobs the fleet runs at once, `--weight` its share of the fleet under
 //! contention (1 by default), and `--rpm`/`--tpm`/`--concurrency` limit the
@@ -51,7 +56,7 @@ struct Key {
 
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
-    /// Every provider key with limits or in use: its limits, the workers' leases and pauses.
+    /// Every provider key with limits or in use: its limits (set, or learned by the workers, with why), the workers' leases and pauses.
     List {
         /// One JSON object per line instead of a table.
         #[arg(long)]
@@ -79,7 +84,7 @@ enum Cmd {
         #[command(flatten)]
         json: super::AlwaysJson,
     },
-    /// Remove a provider key's limits (or only the ones named).
+    /// Remove a provider key's limits (or only the ones named), a learned concurrency included.
     Clear {
         #[command(flatten)]
         key: Key,
@@ -89,7 +94,7 @@ enum Cmd {
         /// Clear only the tokens-per-minute limit.
         #[arg(long)]
         tpm: bool,
-        /// Clear only the concurrency limit.
+        /// Clear only the concurrency limit (set or learned).
         #[arg(long)]
         concurrency: bool,
         /// With --tenant: clear only its running-jobs limit.
@@ -241,6 +246,15 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             let everything = !some_model && !some_jobs;
             let mut found = false;
             let mut out = json!({"cleared": true});
+            if tenant.is_none() && (concurrency || everything) {
+                if let Some((l, _)) = store.get_learned(&model_id).await? {
+                    store.forget(&model_id).await?;
+                    found = true;
+                    out["id"] = json!(model_id);
+                    out["learned_cleared"] =
+                        json!({"concurrency": l.concurrency, "reason": l.reason});
+                }
+            }
             if some_model || everything {
                 if let Some(mut e) = store.get_limits(&model_id).await? {
                     found = true;
@@ -335,6 +349,23 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
             "concurrency": rec.leases.values().map(|l| l.held.concurrency).sum::<u64>(),
         });
     }
+    for (id, l) in store.learned().await? {
+        let r = rows.entry(id.clone()).or_insert_with(|| json!({"id": id}));
+        if r.get("provider").is_none() && !l.provider.base_url.is_empty() {
+            r["provider"] = json!(l.provider);
+        }
+        let set_by_hand = r
+            .get("limits")
+            .is_some_and(|x| x.get("concurrency").is_some_and(|c| !c.is_null()));
+        r["learned"] = json!({
+            "concurrency": l.concurrency,
+            "reason": l.reason,
+            "by": l.by,
+            "at": rfc3339(std::time::UNIX_EPOCH + std::time::Duration::from_millis(l.at_ms)),
+            // A concurrency set by hand wins over the learned one.
+            "applies": !set_by_hand,
+        });
+    }
     for (kind, id, p) in store.pauses().await? {
         if p.until_ms <= now {
             continue;
@@ -388,19 +419,39 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
             })
         });
         let l = r.get("limits").cloned().unwrap_or(json!({}));
+        let learned = r.get("learned").filter(|x| x["applies"] == true);
+        let conc = match learned {
+            Some(x) => format!("{}*", show(&x["concurrency"])),
+            None => show(&l["concurrency"]),
+        };
         println!(
             "{:<22} {:<40} {:>8} {:>10} {:>5} {:>7} {}",
             r["id"].as_str().unwrap_or(""),
             provider,
             show(&l["rpm"]),
             show(&l["tpm"]),
-            show(&l["concurrency"]),
+            conc,
             r.get("workers").map_or("0".into(), |w| w.to_string()),
             r.get("cooldown_until")
                 .or(r.get("breaker_open_until"))
                 .and_then(|v| v.as_str())
                 .unwrap_or("-"),
         );
+        if let Some(x) = r.get("learned") {
+            println!(
+                "  {} concurrency {} learned by {} at {}: {}{}",
+                if x["applies"] == true { "*" } else { " " },
+                show(&x["concurrency"]),
+                x["by"].as_str().unwrap_or("?"),
+                x["at"].as_str().unwrap_or("?"),
+                x["reason"].as_str().unwrap_or(""),
+                if x["applies"] == true {
+                    " (`leasehold limits clear ID --concurrency` forgets it)"
+                } else {
+                    " (the concurrency set above wins)"
+                }
+            );
+        }
     }
     Ok(0)
 }
