@@ -2,7 +2,8 @@
 //! the same client and generation retry layer the workers use, then probes
 //! of what the research workload needs (streaming with usage, each
 //! structured-output form, native and parallel tool calls, the text tool
-//! protocol, the context-length error), reported as JSON on stdout.
+//! protocol, the context-length error, and how many requests the server
+//! serves at once: two overlapping streams), reported as JSON on stdout.
 //!
 //! Reads `LH_MODEL_BASE_URL`, `LH_MODEL`, `LH_API_KEY` and the other
 //! `LH_MODEL_*` variables (see `leasehold_model::ModelConfig`). Exit 0 when
@@ -34,7 +35,9 @@ enum Cmd {
     /// The report has: outcome (complete|incomplete|error), failure class,
     /// each retry with its report, latency to first token and in all, token
     /// usage; `capabilities`: each probe's status (supported, unsupported,
-    /// failed, skipped) and detail; `workload`: whether research runs here
+    /// failed, skipped) and detail, and `concurrency` (parallel, serialized:
+    /// a second request waits for the first, interrupts: a second request
+    /// cuts the first's stream) with the setting to use; `workload`: whether research runs here
     /// as configured, in which forms, and what to set if not. Exit 0 when
     /// the generation completed and the workload runs, 1 otherwise.
     Check(CheckArgs),
@@ -67,8 +70,8 @@ struct CheckArgs {
     #[arg(long)]
     no_probe: bool,
     /// Probes to run, comma-separated: streaming_usage, structured, tools,
-    /// context_error [default: all].
-    #[arg(long, value_delimiter = ',', value_parser = ["streaming_usage", "structured", "tools", "context_error"])]
+    /// context_error, concurrency [default: all].
+    #[arg(long, value_delimiter = ',', value_parser = ["streaming_usage", "structured", "tools", "context_error", "concurrency"])]
     probe: Vec<String>,
     /// Characters of the prompt sent to provoke the context-length error
     /// (beyond any window the model has: the provider should refuse it
@@ -196,9 +199,9 @@ mod probe {
     use std::time::Duration;
 
     use leasehold_model::{
-        function_tool, BreakerConfig, Budget, ChatRequest, Completion, FailureClass,
-        GenerationPolicy, Generator, ModelClient, ModelConfig, ModelError, RunContext,
-        StructuredMode, ToolsMode,
+        function_tool, AttemptState, BreakerConfig, Budget, ChatRequest, Completion, Delta,
+        FailureClass, GenerationPolicy, Generator, ModelClient, ModelConfig, ModelError,
+        RunContext, StructuredMode, ToolsMode,
     };
     use leasehold_transcript::Message;
     use serde::Serialize;
@@ -208,9 +211,13 @@ mod probe {
     #[derive(Debug, Clone, Serialize)]
     pub struct Probe {
         /// `supported`, `unsupported` (refused, or answered without it),
-        /// `failed` (no answer to judge: an outage, a timeout), `skipped`.
+        /// `failed` (no answer to judge: an outage, a timeout), `skipped`;
+        /// the concurrency probe's: `parallel`, `serialized`, `interrupts`.
         pub status: &'static str,
         pub detail: String,
+        /// The setting to use, when one is advised.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub set: Option<String>,
     }
 
     impl Probe {
@@ -218,6 +225,7 @@ mod probe {
             Probe {
                 status,
                 detail: detail.into(),
+                set: None,
             }
         }
         fn supported(&self) -> bool {
@@ -261,6 +269,8 @@ mod probe {
         pub structured: Structured,
         pub tools: Tools,
         pub context_error: Probe,
+        /// How many requests the server serves at once.
+        pub concurrency: Probe,
     }
 
     /// Whether research runs here as configured, and how.
@@ -433,6 +443,178 @@ mod probe {
         }
     }
 
+    /// How the server serves two requests at once: a long answer streamed,
+    /// and once its first token came a second, short one. The second's
+    /// first token while the first still streams (tokens of the first come
+    /// after it): `parallel`; only after the first's last token:
+    /// `serialized` (it waited); the first's stream ended
+    /// before its finish reason once the second was sent: `interrupts`
+    /// (llama-cpp-python's `interrupt_requests`: research's experts would
+    /// cut each other's sections).
+    async fn concurrency(cfg: &ModelConfig) -> Probe {
+        use futures::StreamExt;
+        use tokio::time::Instant;
+        let cfg = ModelConfig {
+            stream: true,
+            ..cfg.clone()
+        };
+        let client = match ModelClient::new(cfg.clone()) {
+            Ok(c) => c,
+            Err(e) => return Probe::of_error(&e),
+        };
+        let long = ChatRequest {
+            messages: vec![Message::user(
+                "Write a long story about a lighthouse keeper and the ships she watches, in at least four paragraphs.",
+            )],
+            max_tokens: Some(256),
+            ..Default::default()
+        };
+        let short = ChatRequest {
+            messages: vec![Message::user("Say ok.")],
+            max_tokens: Some(8),
+            ..Default::default()
+        };
+        /// One stream's tokens (when each came), finish reason and end.
+        struct Seen {
+            tokens: Vec<Instant>,
+            finish: Option<String>,
+            /// The server ended the stream itself (`[DONE]`).
+            done: bool,
+            ended: Instant,
+            error: Option<String>,
+        }
+        async fn read(
+            client: &ModelClient,
+            req: &ChatRequest,
+            model: &str,
+            mut on_first: Option<tokio::sync::oneshot::Sender<()>>,
+        ) -> Seen {
+            let mut seen = Seen {
+                tokens: Vec::new(),
+                finish: None,
+                done: false,
+                ended: Instant::now(),
+                error: None,
+            };
+            let mut st = AttemptState::default();
+            match client.stream(req, model, &mut st).await {
+                Err(e) => seen.error = Some(e.to_string()),
+                Ok(mut s) => {
+                    while let Some(d) = s.next().await {
+                        match d {
+                            Ok(Delta::Content(t)) if !t.is_empty() => {
+                                seen.tokens.push(Instant::now());
+                                if let Some(tx) = on_first.take() {
+                                    let _ = tx.send(());
+                                }
+                            }
+                            Ok(Delta::ToolCall { .. }) => seen.tokens.push(Instant::now()),
+                            Ok(Delta::Finish(r)) => seen.finish = Some(r),
+                            Ok(Delta::Done) => {
+                                seen.done = true;
+                                break;
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                seen.error = Some(e.to_string());
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            seen.ended = Instant::now();
+            seen
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let model = cfg.model.clone();
+        let first = read(&client, &long, &model, Some(tx));
+        let second = async {
+            rx.await.ok()?;
+            let sent = Instant::now();
+            Some((sent, read(&client, &short, &model, None).await))
+        };
+        let Ok((a, b)) = tokio::time::timeout(
+            Duration::from_secs(120),
+            futures::future::join(first, second),
+        )
+        .await
+        else {
+            return Probe::of("failed", "the two requests did not end within 120 s");
+        };
+        let ms = |d: Duration| d.as_millis();
+        let Some((sent, b)) = b else {
+            return Probe::of(
+                "failed",
+                match a.error {
+                    Some(e) => format!("the first request failed before its first token: {e}"),
+                    None => "the first answer had no token: nothing to judge".into(),
+                },
+            );
+        };
+        let after = a.tokens.iter().filter(|t| **t > sent).count();
+        let one_at_a_time = Some("LH_MODEL_CONCURRENCY=1".to_string());
+        if a.finish.is_none() && a.done && a.ended >= sent {
+            return Probe {
+                status: "interrupts",
+                detail: format!(
+                    "the server ended the first stream ([DONE]) before its finish reason {} ms after a second request was sent ({} tokens in, {after} after), and the second {}: it serves one request at a time and cuts the one in flight for a newcomer (llama-cpp-python's interrupt_requests)",
+                    ms(a.ended - sent),
+                    a.tokens.len(),
+                    match (&b.finish, &b.error) {
+                        (Some(_), _) => "was then answered".to_string(),
+                        (None, Some(e)) => format!("failed: {e}"),
+                        (None, None) => "ended without a finish reason too".to_string(),
+                    }
+                ),
+                set: one_at_a_time,
+            };
+        }
+        if let Some(e) = a.error.as_ref().or(b.error.as_ref()) {
+            return Probe::of("failed", format!("a request failed: {e}"));
+        }
+        if a.finish.is_none() {
+            return Probe::of(
+                "failed",
+                "the first stream stopped without a finish reason or [DONE]: nothing to judge",
+            );
+        }
+        let Some(b_first) = b.tokens.first().copied() else {
+            return Probe::of("failed", "the second answer had no token: nothing to judge");
+        };
+        // Judged by the tokens' times, not by when this process read each
+        // stream's end (it reads the two connections in either order).
+        let overlap = a.tokens.iter().filter(|t| **t > b_first).count();
+        if overlap >= 2 {
+            return Probe::of(
+                "parallel",
+                format!(
+                    "the second request's first token came {} ms after it was sent, while the first still streamed ({overlap} of its tokens came after)",
+                    ms(b_first - sent)
+                ),
+            );
+        }
+        if after < 3 {
+            return Probe::of(
+                "failed",
+                format!(
+                    "the first answer ended {} ms after the second request was sent ({after} tokens after it): too soon to tell",
+                    ms(a.ended.saturating_duration_since(sent))
+                ),
+            );
+        }
+        let a_last = a.tokens.last().copied().unwrap_or(sent);
+        Probe {
+            status: "serialized",
+            detail: format!(
+                "the second request's first token came {} ms after it was sent, {} ms after the first answer's last ({after} tokens streamed meanwhile): the server serves one request at a time and queues the others",
+                ms(b_first - sent),
+                ms(b_first.saturating_duration_since(a_last))
+            ),
+            set: one_at_a_time,
+        }
+    }
+
     pub async fn all(
         cfg: &ModelConfig,
         want: &dyn Fn(&str) -> bool,
@@ -495,6 +677,11 @@ mod probe {
             },
             context_error: if want("context_error") {
                 context_error(cfg, context_chars).await
+            } else {
+                skip()
+            },
+            concurrency: if want("concurrency") {
+                concurrency(cfg).await
             } else {
                 skip()
             },
@@ -569,9 +756,39 @@ mod probe {
         if !generation_ok {
             why.insert(0, "the plain generation did not complete".into());
         }
+        // How many requests at once: what research's experts, in parallel,
+        // would meet. Notes do not stop the workload; a concurrency set by
+        // hand above 1 on a server that cuts streams does (sections lost).
+        let mut notes = Vec::new();
+        let c = &caps.concurrency;
+        let one = "LH_MODEL_CONCURRENCY=1".to_string();
+        match (c.status, cfg.concurrency) {
+            (_, Some(1)) | ("parallel" | "failed" | "skipped", _) => {}
+            ("interrupts", Some(n)) => {
+                why.push(format!(
+                    "the server serves one request at a time and cuts the stream in flight for a newcomer, but LH_MODEL_CONCURRENCY={n}: research's experts would cut each other's streams and lose sections"
+                ));
+                set.push(one);
+            }
+            ("interrupts", None) => {
+                notes.push(
+                    "the server serves one request at a time and cuts the stream in flight for a newcomer (llama-cpp-python's interrupt_requests): research's experts in parallel would cut each other's sections; workers learn a concurrency of 1 from the first two cuts (a worker that sends one request at a time never sees one): start with it set, or run the server so it queues (--interrupt_requests false)"
+                        .to_string(),
+                );
+                set.push(one);
+            }
+            (_, _) => {
+                notes.push(
+                    "the server serves one request at a time (a second request waits for the first): research's experts take turns; with a concurrency of 1 they wait in the worker rather than against LH_MODEL_FIRST_BYTE_TIMEOUT"
+                        .to_string(),
+                );
+                set.push(one);
+            }
+        }
         let runs = generation_ok
             && !why.iter().any(|w| !w.starts_with("LH_MODEL_TOOLS"))
             && !(cfg.tools == ToolsMode::Native && t.native.status == "unsupported");
+        why.extend(notes);
         Workload {
             kind: "research",
             runs,
