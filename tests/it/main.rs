@@ -27,6 +27,7 @@ mod research;
 mod retention;
 mod schedule;
 mod sdk;
+mod serial;
 mod shutdown;
 mod submission;
 mod support;
