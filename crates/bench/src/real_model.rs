@@ -8,7 +8,15 @@
 //! Model calls are counted at a recording proxy in front of the server (it
 //! has no `/stats`); `refusals` are the requests llama-cpp-python rejects
 //! before generating (`json_schema`, once per worker process: the runtime
-//! then uses `json_object` with the schema).
+//! then uses `json_object` with the schema); `cut` the generations whose
+//! stream the server ended before a finish reason.
+//!
+//! The jobs have two experts × two sections with the experts in parallel
+//! (research's default): llama-cpp-python's server serves one generation
+//! at a time and cuts the one in flight for a newcomer, so the worker
+//! learns the provider's concurrency of 1 from the first cuts (issue 37);
+//! each job reports its sections skipped, its `retry` events and whether
+//! that was learned.
 //!
 //! Runs only where the virtualenv is installed (`LH_MODEL_VENV`, default
 //! `~/.cache/leasehold/model-venv`); elsewhere the part is reported as
@@ -18,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_harness::llama::{ChatRecorder, LlamaServer, ModelVenv, MODEL_ALIAS};
 use leasehold_harness::Proc;
+use leasehold_store::events::Events;
 use leasehold_store::setup::SetupOptions;
 use leasehold_store::work::Work;
 use leasehold_store::Jobs;
@@ -25,8 +34,8 @@ use serde_json::{json, Value};
 
 use crate::common::*;
 
-/// Small: one expert, two sections (a handful of model calls).
-const EXPERTS: u64 = 1;
+/// Two experts in parallel, two sections each (about a dozen model calls).
+const EXPERTS: u64 = 2;
 const SECTIONS: u64 = 2;
 const MAX_TOKENS: u32 = 200;
 /// Completions timed for the server's tokens per second, each time.
@@ -68,8 +77,10 @@ async fn tokens_per_s(llama: &LlamaServer) -> anyhow::Result<Value> {
     }))
 }
 
-/// One research job through `worker`: wall time, status, whether partial.
-async fn job(work: &Work, jobs: &Jobs, id: &str) -> anyhow::Result<(f64, Value)> {
+/// One research job through `worker`: wall time, status, whether partial,
+/// sections skipped, `retry` events (and how many say the provider serves
+/// one request at a time).
+async fn job(work: &Work, jobs: &Jobs, events: &Events, id: &str) -> anyhow::Result<(f64, Value)> {
     let spec = json!({"input": {"topic": "lease-based ownership in distributed systems", "experts": EXPERTS, "sections": SECTIONS}});
     let t0 = Instant::now();
     let mut w = jobs.watch(id).await?;
@@ -81,6 +92,23 @@ async fn job(work: &Work, jobs: &Jobs, id: &str) -> anyhow::Result<(f64, Value)>
     .await?;
     let secs = t0.elapsed().as_secs_f64();
     let res = r.result.as_ref();
+    // The record is written before its terminal event: read once it landed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let evs = loop {
+        let evs: Vec<_> = events.read(id).await?.into_iter().map(|(_, e)| e).collect();
+        if !terminal(&r.status)
+            || evs.iter().any(|e| e.r#type == r.status)
+            || Instant::now() > deadline
+        {
+            break evs;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let reasons: Vec<String> = evs
+        .iter()
+        .filter(|e| e.r#type == "retry")
+        .map(|e| e.data_map()["reason"].as_str().unwrap_or("").to_string())
+        .collect();
     Ok((
         secs,
         json!({
@@ -88,6 +116,8 @@ async fn job(work: &Work, jobs: &Jobs, id: &str) -> anyhow::Result<(f64, Value)>
             "status": r.status,
             "partial": res.map(|x| x.partial),
             "skipped_sections": res.map_or(0, |x| x.skipped_sections.len()),
+            "retries": reasons.len(),
+            "learned_one_at_a_time": reasons.iter().any(|r| r.contains("serves one request at a time; concurrency 1 from now on")),
             "attempts": r.attempts,
             "error": r.error.as_ref().map(|e| json!({"class": e.class, "message": e.message})),
             "seconds": secs,
@@ -104,7 +134,6 @@ fn research_env(model_url: &str, model: &str, sim: &str) -> Vec<(&'static str, S
         ("LH_SEARCH_URL", format!("http://{sim}")),
         ("LH_PUBLISH_URL", format!("http://{sim}/effects")),
         ("LH_FETCH_ALLOW", "127.0.0.1".into()),
-        ("LH_RESEARCH_EXPERT_CONCURRENCY", "1".into()),
     ]
 }
 
@@ -129,7 +158,11 @@ async fn sim() -> anyhow::Result<(Proc, String)> {
 /// The part: `jobs` research jobs on each model, one worker each, in turn.
 pub async fn real_model(venv: &ModelVenv, jobs_n: usize) -> anyhow::Result<Value> {
     let (s, conn) = server(SetupOptions::default()).await?;
-    let (jobs, work) = (Jobs::open(&conn).await?, Work::new(&conn));
+    let (jobs, work, events) = (
+        Jobs::open(&conn).await?,
+        Work::new(&conn),
+        Events::new(&conn),
+    );
     let (_sim, sim_addr) = sim().await?;
     let llama = LlamaServer::start(venv, Duration::from_secs(120))
         .await
@@ -149,7 +182,7 @@ pub async fn real_model(venv: &ModelVenv, jobs_n: usize) -> anyhow::Result<Value
     let (mut real, mut real_secs, mut calls, mut refusals) = (Vec::new(), Vec::new(), 0, 0);
     for i in 0..jobs_n {
         let n0 = rec.requests().len();
-        let (secs, mut v) = job(&work, &jobs, &format!("rm-real-{i}")).await?;
+        let (secs, mut v) = job(&work, &jobs, &events, &format!("rm-real-{i}")).await?;
         let reqs = rec.requests()[n0..].to_vec();
         let refused = reqs
             .iter()
@@ -157,6 +190,10 @@ pub async fn real_model(venv: &ModelVenv, jobs_n: usize) -> anyhow::Result<Value
             .count();
         v["model_calls"] = json!(reqs.len() - refused);
         v["refusals"] = json!(refused);
+        v["cut"] = json!(reqs
+            .iter()
+            .filter(|r| r.structured() != Some("json_schema") && r.ended.is_some() && !r.finished)
+            .count());
         calls += reqs.len() - refused;
         refusals += refused;
         real_secs.push(secs);
@@ -178,7 +215,7 @@ pub async fn real_model(venv: &ModelVenv, jobs_n: usize) -> anyhow::Result<Value
     let (mut simmed, mut sim_secs, mut sim_total) = (Vec::new(), Vec::new(), 0);
     for i in 0..jobs_n {
         let c0 = sim_calls(http_get_json(&sim_addr, "/stats").await?);
-        let (secs, mut v) = job(&work, &jobs, &format!("rm-sim-{i}")).await?;
+        let (secs, mut v) = job(&work, &jobs, &events, &format!("rm-sim-{i}")).await?;
         let c = sim_calls(http_get_json(&sim_addr, "/stats").await?) - c0;
         v["model_calls"] = json!(c);
         sim_total += c;
@@ -199,6 +236,9 @@ pub async fn real_model(venv: &ModelVenv, jobs_n: usize) -> anyhow::Result<Value
         },
         "real": {
             "completed": real.iter().filter(|j| j["status"] == "completed").count(),
+            "skipped_sections": real.iter().map(|j| j["skipped_sections"].as_u64().unwrap_or(0)).sum::<u64>(),
+            "retries": real.iter().map(|j| j["retries"].as_u64().unwrap_or(0)).sum::<u64>(),
+            "cut": real.iter().map(|j| j["cut"].as_u64().unwrap_or(0)).sum::<u64>(),
             "jobs": real,
             "wall_s_median": real_med,
             "model_calls_per_job": calls as f64 / jobs_n as f64,
@@ -216,7 +256,7 @@ pub async fn real_model(venv: &ModelVenv, jobs_n: usize) -> anyhow::Result<Value
 pub fn rows(r: &mut Report, v: &Value) {
     let f = |x: &Value| x.as_f64().unwrap_or(0.0);
     r.cmp(
-        "real model research job (1x2): wall s median",
+        "real model research job (2x2): wall s median",
         format!("{:.1}", f(&v["real"]["wall_s_median"])),
         format!("sim instant {:.2} s", f(&v["sim_instant"]["wall_s_median"])),
         "",
@@ -235,6 +275,13 @@ pub fn rows(r: &mut Report, v: &Value) {
             "{}/{}",
             v["real"]["completed"],
             v["real"]["jobs"].as_array().map_or(0, Vec::len)
+        ),
+    );
+    r.row(
+        "real model research jobs: sections skipped, retries, streams cut",
+        format!(
+            "{}, {}, {}",
+            v["real"]["skipped_sections"], v["real"]["retries"], v["real"]["cut"]
         ),
     );
     r.row(

@@ -2,9 +2,10 @@
 //! bench's `real-model` part: llama-cpp-python's OpenAI-compatible server
 //! serving SmolLM2-135M-Instruct from the virtualenv that
 //! `scripts/model-venv.sh` builds (`LH_MODEL_VENV`), and a recording proxy
-//! in front of it that keeps every chat request it forwards, so a test can
-//! count model calls (the server has no `/stats`) and find the ones a
-//! second worker repeated after a crash.
+//! in front of it that keeps every chat request it forwards, and whether
+//! and when its answer finished, so a test can count model calls (the
+//! server has no `/stats`), find the ones a second worker repeated after a
+//! crash, and tell a call in flight from one the server cut.
 //!
 //! Nothing here installs anything: a missing virtualenv is an error naming
 //! `make test-model`, so the tier can never pass without the model.
@@ -199,6 +200,11 @@ pub struct ChatRequest {
     pub at: Duration,
     /// Its JSON body (`Null` when it did not parse).
     pub body: Value,
+    /// Its answer carried a finish reason (a complete generation).
+    pub finished: bool,
+    /// When its answer ended (`[DONE]`, the connection's next request or
+    /// its close), from the recorder's start; `None` while in flight.
+    pub ended: Option<Duration>,
 }
 
 impl ChatRequest {
@@ -216,7 +222,8 @@ impl ChatRequest {
 
 /// An HTTP/1.1 proxy that records every `POST …/chat/completions` body it
 /// forwards (requests are read by their `Content-Length`; responses,
-/// streamed or not, are copied through untouched).
+/// streamed or not, are copied through untouched, and read on the way for
+/// a non-null `finish_reason` and `[DONE]`).
 pub struct ChatRecorder {
     pub port: u16,
     seen: Arc<Mutex<Vec<ChatRequest>>>,
@@ -267,6 +274,16 @@ impl Drop for ChatRecorder {
     }
 }
 
+/// Marks the chat request being answered on a connection as ended.
+fn end(seen: &Mutex<Vec<ChatRequest>>, current: &Mutex<Option<usize>>, t0: Instant) {
+    if let Some(i) = current.lock().unwrap().take() {
+        let mut s = seen.lock().unwrap();
+        if s[i].ended.is_none() {
+            s[i].ended = Some(t0.elapsed());
+        }
+    }
+}
+
 async fn relay(
     client: TcpStream,
     server: TcpStream,
@@ -275,8 +292,45 @@ async fn relay(
 ) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
+    // The chat request this connection's answer belongs to (HTTP/1.1
+    // without pipelining: one at a time).
+    let current: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
+    let (seen2, current2) = (seen.clone(), current.clone());
     let back = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        let mut chunk = vec![0u8; 16 * 1024];
+        // The last bytes seen, so a pattern split across reads is found.
+        let mut tail = String::new();
+        loop {
+            let n = match sr.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if cw.write_all(&chunk[..n]).await.is_err() {
+                break;
+            }
+            tail.push_str(&String::from_utf8_lossy(&chunk[..n]));
+            let finished =
+                tail.contains("\"finish_reason\": \"") || tail.contains("\"finish_reason\":\"");
+            let done = tail.contains("[DONE]");
+            if finished {
+                if let Some(i) = *current2.lock().unwrap() {
+                    seen2.lock().unwrap()[i].finished = true;
+                }
+            }
+            if done {
+                end(&seen2, &current2, t0);
+            }
+            if finished || done {
+                tail.clear();
+            } else if tail.len() > 64 {
+                let cut = tail.len() - 64;
+                let cut = (cut..tail.len())
+                    .find(|i| tail.is_char_boundary(*i))
+                    .unwrap_or(0);
+                tail.drain(..cut);
+            }
+        }
+        end(&seen2, &current2, t0);
         let _ = cw.shutdown().await;
     });
     let mut buf: Vec<u8> = Vec::new();
@@ -310,13 +364,19 @@ async fn relay(
             }
         }
         let first = head.lines().next().unwrap_or("");
+        // The previous answer on this connection is over.
+        end(&seen, &current, t0);
         if first.starts_with("POST ") && first.contains("/chat/completions") {
             let body =
                 serde_json::from_slice(&buf[head_end..head_end + len]).unwrap_or(Value::Null);
-            seen.lock().unwrap().push(ChatRequest {
+            let mut s = seen.lock().unwrap();
+            s.push(ChatRequest {
                 at: t0.elapsed(),
                 body,
+                finished: false,
+                ended: None,
             });
+            *current.lock().unwrap() = Some(s.len() - 1);
         }
         if sw.write_all(&buf[..head_end + len]).await.is_err() {
             break;
