@@ -17,7 +17,9 @@ function rowsFrom(html) {
 
 // Follows `url()` with `handlers` (event name to function) while the page
 // is shown. `resumed()`, if given, is called each time the stream is taken
-// again after the page was hidden, to catch up on what it missed.
+// again after the page was hidden, to catch up on what it missed: once the
+// stream is open (the server follows from then on), so a change between
+// the catch-up read and the stream is in one or the other.
 function live(url, handlers, resumed) {
   let es = null;
   let hidden = false;
