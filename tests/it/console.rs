@@ -55,7 +55,7 @@ fn research_env(sim: &str) -> Vec<(&'static str, String)> {
     crate::support::research_env(sim, &format!("{sim}/v1"), "research,echo,sleep")
 }
 
-fn http() -> reqwest::Client {
+pub(crate) fn http() -> reqwest::Client {
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
@@ -669,7 +669,7 @@ async fn console_in_a_browser_loads_30_pages_with_the_back_forward_cache_on() {
 }
 
 /// Reads SSE messages from `resp` until `stop` says so: (id, event, data).
-async fn sse_until(
+pub(crate) async fn sse_until(
     resp: reqwest::Response,
     mut stop: impl FnMut(&(Option<u64>, String, Value)) -> bool,
 ) -> Vec<(Option<u64>, String, Value)> {
