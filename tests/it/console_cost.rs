@@ -412,25 +412,15 @@ async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_prog
     assert!(op.starts_with("/ops/"), "{op}");
     // Under way: once the matching jobs are listed (at once), its page
     // shows what is done and left while the cancels wait their 3 s.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let page = loop {
-        let page = c
-            .get(format!("{}{op}", console.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if data(&page, "listed") == "true" {
-            break page;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the jobs were never listed: {page}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let url = format!("{}{op}", console.base);
+    let page = page_until(
+        &c,
+        &url,
+        Duration::from_secs(10),
+        "the jobs were never listed",
+        |p| data(p, "listed") == "true",
+    )
+    .await;
     assert_eq!(data(&page, "state"), "running", "{page}");
     let (done, failed, left) = (
         data(&page, "done").parse::<usize>().unwrap(),
@@ -458,25 +448,14 @@ async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_prog
         env.wait_status(&format!("bc-{i:02}"), "cancelled", Duration::from_secs(60))
             .await;
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let page = loop {
-        let page = c
-            .get(format!("{}{op}", console.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if data(&page, "state") != "running" {
-            break page;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the operation never ended: {page}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let page = page_until(
+        &c,
+        &url,
+        Duration::from_secs(20),
+        "the operation never ended",
+        |p| data(p, "state") != "running",
+    )
+    .await;
     assert_eq!(data(&page, "state"), "done", "{page}");
     assert_eq!(data(&page, "done"), JOBS.to_string(), "{page}");
     assert_eq!(data(&page, "remaining"), "0", "{page}");
@@ -554,4 +533,25 @@ async fn console_bulk_replay_reads_dead_letters_a_page_at_a_time() {
     assert_eq!(dlq.count().await.unwrap(), 0, "every letter replayed");
     let r = env.jobs.get("dl-249").await.unwrap().unwrap().value;
     assert_eq!(r.status, "queued");
+}
+
+/// Polls the page at `url` until `pred` holds for its body (panics with
+/// `what` and the last body after `within`): a server-rendered page has
+/// no event to wait on.
+async fn page_until(
+    c: &reqwest::Client,
+    url: &str,
+    within: Duration,
+    what: &str,
+    pred: impl Fn(&str) -> bool,
+) -> String {
+    let deadline = Instant::now() + within;
+    loop {
+        let page = c.get(url).send().await.unwrap().text().await.unwrap();
+        if pred(&page) {
+            return page;
+        }
+        assert!(Instant::now() < deadline, "{what}: {page}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
