@@ -55,7 +55,7 @@ fn research_env(sim: &str) -> Vec<(&'static str, String)> {
     crate::support::research_env(sim, &format!("{sim}/v1"), "research,echo,sleep")
 }
 
-fn http() -> reqwest::Client {
+pub(crate) fn http() -> reqwest::Client {
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
@@ -669,7 +669,7 @@ async fn console_in_a_browser_loads_30_pages_with_the_back_forward_cache_on() {
 }
 
 /// Reads SSE messages from `resp` until `stop` says so: (id, event, data).
-async fn sse_until(
+pub(crate) async fn sse_until(
     resp: reqwest::Response,
     mut stop: impl FnMut(&(Option<u64>, String, Value)) -> bool,
 ) -> Vec<(Option<u64>, String, Value)> {
@@ -1772,4 +1772,64 @@ async fn console_job_page_resumed_after_a_claim_names_a_later_reclaim() {
     .await;
     let html = got.last().unwrap().2["html"].as_str().unwrap().to_string();
     assert!(html.contains("reclaim: drop"), "{html}");
+}
+
+/// Review G14: a bulk cancel from the browser lands on its operation's
+/// page, which follows it to its end by reloading itself (each cancel here
+/// waits the 3 s of an unanswered request, so the page first shows it
+/// running).
+#[tokio::test]
+async fn console_in_a_browser_runs_a_bulk_cancel_and_its_page_follows_it_to_the_end() {
+    let env = Env::new().await;
+    let _deaf = env
+        .conn
+        .client
+        .subscribe(env.conn.layout.cancel_subject("*"))
+        .await
+        .unwrap();
+    let now = leasehold_core::time::rfc3339(std::time::SystemTime::now());
+    for i in 0..3 {
+        env.put_indexed(&JobRecord {
+            id: format!("bb-{i}"),
+            kind: "echo".into(),
+            status: "queued".into(),
+            created_at: now.clone(),
+            updated_at: now.clone(),
+            ..Default::default()
+        })
+        .await;
+    }
+    let console = spawn_console(&env, &[]).await;
+    let mut b = Browser::start().await;
+    b.goto(&format!("{}/jobs?prefix=bb-", console.base)).await;
+    b.click("a.button.danger[href*=\"bulk-cancel\"]").await;
+    b.wait(
+        "document.querySelector('#confirm')",
+        Duration::from_secs(10),
+        "the confirmation",
+    )
+    .await;
+    b.click("#confirm").await;
+    b.wait(
+        "location.pathname.startsWith('/ops/') && document.querySelector('#progress')",
+        Duration::from_secs(10),
+        "the operation's page",
+    )
+    .await;
+    b.wait(
+        "document.querySelector('#progress').dataset.state === 'done' && document.querySelector('#progress').dataset.done === '3' && !document.querySelector('[data-refresh]')",
+        Duration::from_secs(30),
+        "the operation's page showing it done",
+    )
+    .await;
+    for i in 0..3 {
+        let r = env
+            .jobs
+            .get(&format!("bb-{i}"))
+            .await
+            .unwrap()
+            .unwrap()
+            .value;
+        assert_eq!(r.status, "cancelled");
+    }
 }

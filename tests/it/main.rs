@@ -8,6 +8,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod console;
+mod console_cost;
 mod effects;
 mod invoice;
 mod lifecycle;

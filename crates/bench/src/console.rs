@@ -26,6 +26,8 @@ async fn console(url: &str) -> anyhow::Result<(Proc, String)> {
         &[
             ("NATS_URL", url.to_string()),
             ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".into()),
+            // Its clients are one caller (loopback, no auth): 100 streams.
+            ("LH_CONSOLE_STREAMS_PER_CALLER", "1000".into()),
             (
                 "RUST_LOG",
                 std::env::var("LH_BENCH_CONSOLE_LOG")

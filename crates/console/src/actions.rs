@@ -256,6 +256,23 @@ pub async fn act(
     if let Some(id) = f.get("id") {
         crate::app::job_id(id.trim(), as_json)?;
     }
+    if action.starts_with("bulk-") {
+        // An operation on its own task: its page answers at once.
+        let op = crate::ops::start(&app, &caller, &action, &f)?;
+        let to = format!("/ops/{}", op.id);
+        if as_json {
+            return Ok((
+                StatusCode::ACCEPTED,
+                [
+                    (header::CONTENT_TYPE, "application/json".to_string()),
+                    (header::LOCATION, to),
+                ],
+                op.json().to_string(),
+            )
+                .into_response());
+        }
+        return Ok(axum::response::Redirect::to(&to).into_response());
+    }
     let done = run(&app, &caller, &action, &f)
         .await
         .map_err(|e| fail(StatusCode::CONFLICT, e))?;
@@ -305,7 +322,7 @@ async fn record(app: &App, caller: &Caller, id: &str, action: &str, detail: Valu
     }
 }
 
-async fn cancel(app: &App, caller: &Caller, id: &str) -> Result<Value, String> {
+pub(crate) async fn cancel(app: &App, caller: &Caller, id: &str) -> Result<Value, String> {
     let a = operate::request_cancel(&app.op, id)
         .await
         .map_err(|e| e.to_string())?;
@@ -329,7 +346,7 @@ async fn letter(app: &App, seq: u64) -> Result<leasehold_store::dlq::Letter, Str
         .ok_or_else(|| format!("no dead letter {seq}"))
 }
 
-async fn replay(app: &App, caller: &Caller, seq: u64) -> Result<Value, String> {
+pub(crate) async fn replay(app: &App, caller: &Caller, seq: u64) -> Result<Value, String> {
     let l = letter(app, seq).await?;
     if l.class == "rejected" {
         return Err(format!(
@@ -352,36 +369,13 @@ async fn replay(app: &App, caller: &Caller, seq: u64) -> Result<Value, String> {
     Ok(out)
 }
 
-async fn delete(app: &App, caller: &Caller, seq: u64) -> Result<bool, String> {
+pub(crate) async fn delete(app: &App, caller: &Caller, seq: u64) -> Result<bool, String> {
     let l = app.op_dlq.get(seq).await.map_err(|e| e.to_string())?;
     let deleted = app.op_dlq.delete(seq).await.map_err(|e| e.to_string())?;
     if let Some(id) = l.and_then(|l| l.job_id) {
         record(app, caller, &id, "dlq_delete", json!({"dlq_seq": seq})).await;
     }
     Ok(deleted)
-}
-
-/// Every dead letter matching the form's `kind` and `class`.
-async fn letters(
-    app: &App,
-    f: &HashMap<String, String>,
-) -> Result<Vec<leasehold_store::dlq::Letter>, String> {
-    let kind = f.get("kind").filter(|s| !s.is_empty()).map(String::as_str);
-    let class = f.get("class").filter(|s| !s.is_empty()).map(String::as_str);
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let (page, more) = app
-            .op_dlq
-            .page(kind, class, after, 500)
-            .await
-            .map_err(|e| e.to_string())?;
-        after = page.last().map_or(after, |l| l.seq);
-        out.extend(page);
-        if !more {
-            return Ok(out);
-        }
-    }
 }
 
 async fn run(
@@ -472,76 +466,6 @@ async fn run(
                 ),
                 back: "/dlq".into(),
                 detail: json!({"seq": seq, "deleted": deleted}),
-            })
-        }
-        "bulk-cancel" => {
-            let filter = {
-                let mut q = f.clone();
-                q.remove("csrf");
-                q.insert("limit".into(), app.args.page_max.to_string());
-                q.retain(|k, _| {
-                    ["kind", "status", "tenant", "prefix", "limit"].contains(&k.as_str())
-                });
-                JobFilter::parse(&q, app.args.page_max)?
-            };
-            let mut ids = Vec::new();
-            let mut filter = filter;
-            loop {
-                let (page, total) = active_jobs(app, &filter).await.map_err(|e| e.message)?;
-                ids.extend(page.into_iter().map(|r| r.id.clone()));
-                filter.offset += filter.limit;
-                if filter.offset >= total {
-                    break;
-                }
-            }
-            let (mut ok, mut not) = (0, Vec::new());
-            for id in &ids {
-                match cancel(app, caller, id).await {
-                    Ok(_) => ok += 1,
-                    Err(e) => not.push(format!("{id}: {e}")),
-                }
-            }
-            Ok(Done {
-                message: if not.is_empty() {
-                    format!(
-                        "{ok} job(s) cancelled, {} not: {}",
-                        not.len(),
-                        not.join("; ")
-                    )
-                } else {
-                    format!("{ok} job(s) cancelled")
-                },
-                back: "/jobs".into(),
-                detail: json!({"cancelled": ok, "failed": not}),
-            })
-        }
-        "bulk-replay" => {
-            let ls = letters(app, f).await?;
-            let (mut ok, mut not) = (0, Vec::new());
-            for l in &ls {
-                match replay(app, caller, l.seq).await {
-                    Ok(_) => ok += 1,
-                    Err(e) => not.push(format!("{}: {e}", l.seq)),
-                }
-            }
-            Ok(Done {
-                message: format!("{ok} letter(s) replayed, {} not", not.len()),
-                back: "/dlq".into(),
-                detail: json!({"replayed": ok, "failed": not}),
-            })
-        }
-        "bulk-purge" => {
-            let ls = letters(app, f).await?;
-            let mut n = 0;
-            for l in &ls {
-                if delete(app, caller, l.seq).await? {
-                    n += 1;
-                }
-            }
-            Ok(Done {
-                message: format!("{n} letter(s) deleted"),
-                back: "/dlq".into(),
-                detail: json!({"deleted": n}),
             })
         }
         other => Err(format!("unknown action {other:?}")),

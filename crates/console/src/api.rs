@@ -133,7 +133,7 @@ pub async fn result(
 
 pub async fn events(
     State(app): State<Arc<App>>,
-    _caller: Caller,
+    caller: Caller,
     Path(id): Path<String>,
     headers: HeaderMap,
     q: Q,
@@ -173,6 +173,7 @@ pub async fn events(
             }
         }
     }
+    let slot = app.streams.open(&caller, true)?;
     let first = app
         .events
         .follow(&id, after)
@@ -223,7 +224,7 @@ pub async fn events(
     })
     .flatten()
     .map(Ok::<_, Infallible>);
-    Ok(Sse::new(s)
+    Ok(Sse::new(slot.hold(s))
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
 }

@@ -14,7 +14,12 @@ use leasehold_store::index::Active;
 use leasehold_store::sessions::Sessions;
 use leasehold_store::{retry_unavailable, Conn, Jobs};
 
+use crate::cache::RecordCache;
 use crate::feed::Feed;
+use crate::fleet::FleetView;
+use crate::metrics::ConsoleMetrics;
+use crate::ops::Ops;
+use crate::streams::Streams;
 use crate::{actions, api, pages, Args};
 
 /// Everything a request needs.
@@ -36,6 +41,13 @@ pub struct App {
     pub op_dlq: Dlq,
     pub artifacts: Artifacts,
     pub feed: Feed,
+    pub metrics: ConsoleMetrics,
+    /// The live streams each caller holds.
+    pub streams: Arc<Streams>,
+    /// The fleet view every tab shares.
+    pub fleet: FleetView,
+    /// Bulk actions, running and recent.
+    pub ops: Ops,
     /// Drawn at start: the CSRF fields' key.
     pub secret: String,
     /// Values never shown.
@@ -69,7 +81,9 @@ impl App {
         let sessions = retry_unavailable("sessions", OPEN, || Sessions::open(&conn)).await?;
         let artifacts = retry_unavailable("artifacts", OPEN, || Artifacts::open(&conn)).await?;
         let events = Events::new(&conn);
-        let feed = Feed::start(&jobs, &events, &active).await?;
+        let metrics = ConsoleMetrics::default();
+        let cache = RecordCache::new(args.record_cache_bytes, args.record_cache_records);
+        let feed = Feed::start(&jobs, &events, &active, cache, metrics.clone()).await?;
         let mut secrets: Vec<String> = [
             args.read_token.clone(),
             args.operator_token.clone(),
@@ -84,6 +98,8 @@ impl App {
         .filter(|s| s.len() >= 4)
         .collect();
         secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        let streams = Streams::new(args.streams_per_caller as usize, metrics.clone());
+        let ops = Ops::new(args.bulk_max as usize, metrics.clone());
         Ok(App {
             actions_off,
             dlq: Dlq::new(&conn),
@@ -97,6 +113,10 @@ impl App {
             sessions,
             artifacts,
             feed,
+            streams,
+            fleet: FleetView::default(),
+            ops,
+            metrics,
             secrets,
             conn,
             op,
@@ -170,6 +190,7 @@ start it with --operator-nats-user and --operator-nats-password \
 }
 
 /// A failed request: its status and a sentence; HTML or JSON by the route.
+#[derive(Debug)]
 pub struct Failure {
     pub status: StatusCode,
     pub message: String,
@@ -278,10 +299,24 @@ async fn guard(
     resp
 }
 
+/// The console's metrics (read auth, as every page).
+async fn metrics(State(app): State<Arc<App>>, _caller: crate::auth::Caller) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            leasehold_telemetry::metrics::CONTENT_TYPE,
+        )],
+        leasehold_telemetry::metrics::encode(&app.metrics.registry()),
+    )
+        .into_response()
+}
+
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/", get(|| async { axum::response::Redirect::to("/jobs") }))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .route("/ops/{id}", get(crate::ops::page))
         .route("/login", get(pages::login_form).post(pages::login))
         .route("/static/console.js", get(pages::script))
         .route("/static/console.css", get(pages::style))

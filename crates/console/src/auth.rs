@@ -103,6 +103,8 @@ pub struct Caller {
     pub name: String,
     pub can_act: bool,
     pub via: Via,
+    /// The address the request came from (what a caller is without auth).
+    pub peer: Option<std::net::IpAddr>,
 }
 
 impl Caller {
@@ -155,6 +157,7 @@ impl App {
                 name: "local".into(),
                 can_act: true,
                 via: Via::Local,
+                peer: None,
             });
         }
         let bearer = parts
@@ -183,6 +186,7 @@ impl App {
                     name: "operator-token".into(),
                     can_act: true,
                     via,
+                    peer: None,
                 });
             }
             if a.read_token.as_ref().is_some_and(|r| same(r, &t)) {
@@ -190,6 +194,7 @@ impl App {
                     name: "token".into(),
                     can_act: false,
                     via,
+                    peer: None,
                 });
             }
         }
@@ -202,6 +207,7 @@ impl App {
             name: user.to_string(),
             can_act: a.operators.iter().any(|o| o == "*" || o == user),
             via: Via::Proxy,
+            peer: None,
         })
     }
 
@@ -244,10 +250,16 @@ impl FromRequestParts<Arc<App>> for Caller {
         app: &Arc<App>,
     ) -> Result<Self, Self::Rejection> {
         let api = parts.uri.path().starts_with("/v1/");
-        app.caller(parts).ok_or(Refused {
+        let peer = parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .map(|c| c.0.ip());
+        let mut caller = app.caller(parts).ok_or(Refused {
             api,
             why: "unauthorized: send Authorization: Bearer TOKEN",
-        })
+        })?;
+        caller.peer = peer;
+        Ok(caller)
     }
 }
 

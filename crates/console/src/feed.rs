@@ -16,6 +16,47 @@ use leasehold_store::index::{Active, Entry, Key};
 use leasehold_store::{jobs, Jobs};
 use tokio::sync::broadcast;
 
+use crate::cache::RecordCache;
+use crate::metrics::ConsoleMetrics;
+
+/// The cache's size in the metrics.
+fn gauges(m: &ConsoleMetrics, c: &RecordCache) {
+    m.cache_bytes.set(c.bytes() as i64);
+    m.cache_records.set(c.records() as i64);
+    let evicted = c.evicted();
+    let counted = m.cache_evictions.get();
+    if evicted > counted {
+        m.cache_evictions.inc_by(evicted - counted);
+    }
+}
+
+/// What the fleet view counts of the index.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Running jobs per worker.
+    pub in_flight: BTreeMap<String, usize>,
+    /// Entries per kind, then per status.
+    pub by_kind: BTreeMap<String, BTreeMap<String, u64>>,
+}
+
+/// Counts `entries` (the index's).
+pub fn count<'a>(entries: impl Iterator<Item = &'a Entry>) -> Counts {
+    let mut c = Counts::default();
+    for e in entries {
+        if e.status == "running" {
+            if let Some(w) = &e.worker_id {
+                *c.in_flight.entry(w.clone()).or_default() += 1;
+            }
+        }
+        *c.by_kind
+            .entry(e.kind.clone())
+            .or_default()
+            .entry(e.status.clone())
+            .or_default() += 1;
+    }
+    c
+}
+
 /// The outcomes the console counts as a job's end.
 pub const TERMINAL: &[&str] = &["completed", "failed", "cancelled", "dead", "rejected"];
 
@@ -91,25 +132,30 @@ pub struct Feed {
     /// The index of active jobs as its KV watch has it (key -> entry);
     /// `None` until the watch delivered the current entries.
     pub index: Arc<std::sync::RwLock<Option<IndexView>>>,
-    /// Records of the jobs in the index (and of recently finished ones
-    /// read for a page), kept current by the record watch.
-    pub cache: Arc<std::sync::RwLock<HashMap<String, Arc<JobRecord>>>>,
+    /// Records of active jobs (and of finished ones read for a page), kept
+    /// current by the record watch, bounded by bytes and count.
+    pub cache: Arc<Mutex<RecordCache>>,
+    metrics: ConsoleMetrics,
 }
 
-/// Records kept beyond the active ones (recently read finished jobs).
-const CACHE_EXTRA: usize = 5_000;
-
 impl Feed {
-    pub async fn start(jobs: &Jobs, events: &Events, active: &Active) -> anyhow::Result<Feed> {
+    pub async fn start(
+        jobs: &Jobs,
+        events: &Events,
+        active: &Active,
+        cache: RecordCache,
+        metrics: ConsoleMetrics,
+    ) -> anyhow::Result<Feed> {
         let (tx, _) = broadcast::channel(4096);
         let finished = Arc::new(Mutex::new(VecDeque::new()));
         let index: Arc<std::sync::RwLock<Option<IndexView>>> = Default::default();
-        let cache: Arc<std::sync::RwLock<HashMap<String, Arc<JobRecord>>>> = Default::default();
+        let cache = Arc::new(Mutex::new(cache));
         let f = Feed {
             records: tx.clone(),
             finished: finished.clone(),
             index: index.clone(),
             cache: cache.clone(),
+            metrics: metrics.clone(),
         };
         let kv = active.kv().clone();
         let idx = index.clone();
@@ -170,6 +216,7 @@ impl Feed {
         });
         let cache2 = cache.clone();
         let f_jobs = jobs.clone();
+        let metrics = metrics.clone();
         let jobs = jobs.clone();
         tokio::spawn(async move {
             loop {
@@ -182,12 +229,10 @@ impl Feed {
                             }
                             if let Ok(r) = jobs::decode(&e.key, &e.value) {
                                 let r = Arc::new(r);
-                                let mut c = cache2.write().expect("cache lock");
-                                if c.contains_key(&r.id) || !TERMINAL.contains(&r.status.as_str()) {
-                                    if c.len() > 100_000 {
-                                        c.clear();
-                                    }
-                                    c.insert(r.id.clone(), r.clone());
+                                let mut c = cache2.lock().expect("cache lock");
+                                if c.contains(&r.id) || !TERMINAL.contains(&r.status.as_str()) {
+                                    c.put(r.clone(), e.revision, e.value.len());
+                                    gauges(&metrics, &c);
                                 }
                                 drop(c);
                                 let _ = tx.send(r);
@@ -197,7 +242,11 @@ impl Feed {
                     Err(e) => tracing::warn!(error = %e, "record watch failed; again in 1s"),
                 }
                 // Writes missed until the watch is back would leave cached records stale.
-                cache2.write().expect("cache lock").clear();
+                {
+                    let mut c = cache2.lock().expect("cache lock");
+                    c.clear();
+                    gauges(&metrics, &c);
+                }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });
@@ -320,26 +369,25 @@ impl Feed {
         jobs: &Jobs,
         id: &str,
     ) -> Result<Option<Arc<JobRecord>>, leasehold_store::JobsError> {
-        if let Some(r) = self.cache.read().expect("cache lock").get(id) {
-            return Ok(Some(r.clone()));
+        if let Some(r) = self.cache.lock().expect("cache lock").get(id) {
+            return Ok(Some(r));
         }
         let Some(v) = jobs.get(id).await? else {
             return Ok(None);
         };
+        let bytes = serde_json::to_vec(&v.value).map_or(0, |b| b.len());
         let r = Arc::new(v.value);
-        let mut c = self.cache.write().expect("cache lock");
-        let active = self
-            .index
-            .read()
-            .expect("index lock")
-            .as_ref()
-            .map_or(0, IndexView::keys);
-        if c.len() > active + CACHE_EXTRA {
-            // Drop the finished ones; the active ones come back on their next write or read.
-            c.retain(|_, r| !TERMINAL.contains(&r.status.as_str()));
-        }
-        c.insert(id.to_string(), r.clone());
+        let mut c = self.cache.lock().expect("cache lock");
+        c.put(r.clone(), v.revision, bytes);
+        gauges(&self.metrics, &c);
         Ok(Some(r))
+    }
+
+    /// Jobs running per worker and entries per kind and status, counted
+    /// under the index's lock (no copy of it), when the watch has it.
+    pub fn counts(&self) -> Option<Counts> {
+        let g = self.index.read().expect("index lock");
+        Some(count(g.as_ref()?.values()))
     }
 
     /// The jobs that finished in the last hour, newest first.

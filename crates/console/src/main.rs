@@ -21,9 +21,14 @@ mod actions;
 mod api;
 mod app;
 mod auth;
+mod cache;
 mod feed;
+mod fleet;
+mod metrics;
+mod ops;
 mod pages;
 mod render;
+mod streams;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -98,6 +103,53 @@ pub struct Args {
     /// signal exits at once.
     #[arg(long, env = "LH_CONSOLE_DRAIN_TIMEOUT", default_value = "5s", value_parser = leasehold_core::time::parse_duration)]
     pub drain_timeout: Duration,
+    /// Live streams (Server-Sent Events: /v1/jobs/{id}/events, /jobs/live,
+    /// /jobs/{id}/live, /fleet/live) one caller may hold at once; more get
+    /// 429. A caller is its token or proxy user, or its IP address when
+    /// auth is off.
+    #[arg(long, env = "LH_CONSOLE_STREAMS_PER_CALLER", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub streams_per_caller: u32,
+    /// The record cache's bound in bytes (each record's encoded size plus
+    /// 256): beyond it the least recently used records go, and are read
+    /// from the store when shown again. A number of bytes, or with KiB,
+    /// MiB or GiB.
+    #[arg(long, env = "LH_CONSOLE_RECORD_CACHE_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
+    pub record_cache_bytes: usize,
+    /// The record cache's bound in records.
+    #[arg(
+        long,
+        env = "LH_CONSOLE_RECORD_CACHE_RECORDS",
+        default_value_t = 100_000
+    )]
+    pub record_cache_records: usize,
+    /// Bulk actions (bulk-cancel, bulk-replay, bulk-purge) that may run at
+    /// once; another is refused (429) until one ends.
+    #[arg(long, env = "LH_CONSOLE_BULK_MAX", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub bulk_max: u32,
+}
+
+/// A size: whole bytes, or a whole number with `KiB`, `MiB` or `GiB`.
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (n, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, ""),
+    };
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        u => {
+            return Err(format!(
+                "unit {u:?}: use bytes, KiB, MiB or GiB (e.g. 64MiB)"
+            ))
+        }
+    };
+    n.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 67108864 or 64MiB)"))
 }
 
 fn main() {
@@ -127,6 +179,7 @@ fn main() {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let app = Arc::new(app::App::start(args.clone()).await?);
+    tokio::spawn(fleet::refresh(app.clone()));
     let router = app::router(app);
     let listener = tokio::net::TcpListener::bind(args.http_listen).await?;
     let addr = listener.local_addr()?;
@@ -137,8 +190,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let graceful = leasehold_telemetry::stop::phased(drain + Duration::from_secs(1), |why| {
         tracing::error!("shutdown: {why}; exiting now");
     });
-    let serve =
-        axum::serve(listener, router).with_graceful_shutdown(graceful.clone().cancelled_owned());
+    // The peer's address is who a caller is without auth (its live streams).
+    let serve = axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(graceful.clone().cancelled_owned());
     // Event streams never end by themselves: the drain timeout closes them.
     let drained = async {
         graceful.cancelled().await;
@@ -161,6 +218,18 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         Args::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes_parse_in_bytes_or_binary_units() {
+        assert_eq!(super::parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(super::parse_bytes("4096"), Ok(4096));
+        assert_eq!(super::parse_bytes("2 KiB"), Ok(2048));
+        assert!(super::parse_bytes("64MB")
+            .unwrap_err()
+            .contains("KiB, MiB or GiB"));
+        assert!(super::parse_bytes("lots").is_err());
+        assert!(super::parse_bytes("").is_err());
     }
 
     #[test]

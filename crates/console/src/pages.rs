@@ -1,7 +1,7 @@
 //! The pages: jobs, one job, the fleet, dead letters, reviews, login; and
 //! their live parts (Server-Sent Events of HTML fragments).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -386,13 +386,14 @@ where
 
 pub async fn jobs_live(
     State(app): State<Arc<App>>,
-    _caller: Caller,
+    caller: Caller,
     q: Q,
 ) -> Result<Response, Failure> {
     let mut q = q.0;
     q.remove("offset");
     q.remove("limit");
     let f = JobFilter::parse(&q, app.args.page_max).map_err(bad)?;
+    let slot = app.streams.open(&caller, false)?;
     let rx = app.feed.records.subscribe();
     let s = tokio_stream_from(rx).filter_map(move |r| {
         let app = app.clone();
@@ -410,7 +411,7 @@ pub async fn jobs_live(
             )
         }
     });
-    Ok(sse(s).into_response())
+    Ok(sse(slot.hold(s)).into_response())
 }
 
 /// A broadcast receiver as a stream (lagging receivers skip what they missed).
@@ -670,18 +671,22 @@ pub async fn job_live(
     only(&q, &["after"]).map_err(bad)?;
     crate::app::job_id(&id, false)?;
     let after = number(&q, "after", 0).map_err(bad)? as u64;
-    if app
-        .jobs
-        .get(&id)
+    let slot = app.streams.open(&caller, false)?;
+    // The record part follows the console's one record watch (no consumer
+    // of its own): subscribed before the current record is read, so no
+    // write between the page and this stream is missed.
+    let changes = app.feed.records.subscribe();
+    let Some(current) = app
+        .feed
+        .record(&app.jobs, &id)
         .await
         .map_err(|e| Failure::unavailable(e, false))?
-        .is_none()
-    {
+    else {
         return Err(Failure::page(
             StatusCode::NOT_FOUND,
             format!("no job {id:?}"),
         ));
-    }
+    };
     let first = app
         .events
         .follow(&id, after)
@@ -710,46 +715,58 @@ pub async fn job_live(
             )
         }
     });
-    let w = app
-        .jobs
-        .watch(&id)
-        .await
-        .map_err(|e| Failure::unavailable(e, false))?;
-    let a3 = app.clone();
-    let recs =
-        w.filter_map(move |e| {
-            let app = a3.clone();
-            let caller = caller.clone();
-            async move {
-                let e = e.ok()?;
-                if e.operation != async_nats::jetstream::kv::Operation::Put {
-                    return None;
-                }
-                let r = leasehold_store::jobs::decode(&e.key, &e.value).ok()?;
-                Some(Event::default().event("record").data(
-                    json!({"status": r.status, "html": summary(&app, &r, &caller)}).to_string(),
-                ))
-            }
-        });
-    Ok(sse(futures::stream::select(evs, recs)).into_response())
+    let recs = job_records(app.clone(), id, current, changes).map(move |r| {
+        Event::default()
+            .event("record")
+            .data(json!({"status": r.status, "html": summary(&app, &r, &caller)}).to_string())
+    });
+    Ok(sse(slot.hold(futures::stream::select(evs, recs))).into_response())
 }
 
-/// The fleet: workers, queue, reapers, dead letters, parked jobs, charts.
+/// The job's record as it is now, then each write of it, from the feed's
+/// record watch; when this follower lagged behind the feed (writes it
+/// missed), the record is read again.
+fn job_records(
+    app: Arc<App>,
+    id: String,
+    current: Arc<JobRecord>,
+    changes: tokio::sync::broadcast::Receiver<Arc<JobRecord>>,
+) -> impl Stream<Item = Arc<JobRecord>> + Send {
+    use tokio::sync::broadcast::error::RecvError;
+    let first = futures::stream::iter([current]);
+    let later = futures::stream::unfold((app, id, changes), |(app, id, mut rx)| async move {
+        loop {
+            match rx.recv().await {
+                Ok(r) if r.id == id => return Some((r, (app, id, rx))),
+                Ok(_) => continue,
+                Err(RecvError::Lagged(_)) => {
+                    if let Ok(Some(v)) = app.jobs.get(&id).await {
+                        return Some((Arc::new(v.value), (app, id, rx)));
+                    }
+                }
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    });
+    first.chain(later)
+}
+
+/// The fleet: workers, queue, reapers, dead letters, parked jobs, charts;
+/// read from the store (one read of each), counted in
+/// `leasehold_console_fleet_reads_total`. Pages take it from
+/// [`crate::fleet::FleetView`], which reads it once per period for all.
 pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
+    app.metrics.fleet_reads.inc();
     let u = |e: leasehold_store::StoreError| Failure::unavailable(e, false);
     let sessions = leasehold_store::fleet::live_sessions(&app.sessions)
         .await
         .map_err(u)?;
-    let entries: Vec<leasehold_store::index::Entry> = match app.feed.entries() {
-        Some(v) => v,
-        None => app
-            .active
-            .list(Filter::All)
-            .await
-            .map_err(u)?
-            .into_iter()
-            .map(|(_, e)| e)
-            .collect(),
+    let counts = match app.feed.counts() {
+        Some(c) => c,
+        None => {
+            let all = app.active.list(Filter::All).await.map_err(u)?;
+            crate::feed::count(all.iter().map(|(_, e)| e))
+        }
     };
     let queue = leasehold_store::fleet::queue(&app.conn).await.map_err(u)?;
     let dead = leasehold_store::fleet::dead_letters_by_kind(&app.conn)
@@ -758,20 +775,7 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
     let reapers = leasehold_store::fleet::reaper_metrics(&app.conn, Duration::from_millis(300))
         .await
         .map_err(u)?;
-    let mut in_flight: BTreeMap<String, usize> = BTreeMap::new();
-    let mut by_kind: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
-    for e in &entries {
-        if e.status == "running" {
-            if let Some(w) = &e.worker_id {
-                *in_flight.entry(w.clone()).or_default() += 1;
-            }
-        }
-        *by_kind
-            .entry(e.kind.clone())
-            .or_default()
-            .entry(e.status.clone())
-            .or_default() += 1;
-    }
+    let crate::feed::Counts { in_flight, by_kind } = counts;
     let mut b = String::new();
     let _ = write!(b, "<h2>Workers <small>{}</small></h2><table><thead><tr><th>worker</th><th>session</th><th>host</th><th>pid</th><th>kinds</th><th>jobs in flight</th><th>slots</th><th>started</th><th>renewed</th></tr></thead><tbody>", sessions.len());
     for s in &sessions {
@@ -885,41 +889,30 @@ pub async fn fleet(
     q: Q,
 ) -> Result<Response, Failure> {
     only(&q, &[]).map_err(bad)?;
-    let f = fleet_fragment(&app).await?;
+    let f = app.fleet.current(&app).await;
     Ok(html(render::layout(
         "fleet",
         &format!("<h1>Fleet</h1><div id=\"fleet\" data-live=\"/fleet/live\">{f}</div>"),
     )))
 }
 
-/// The fleet fragment again whenever records change (at most every 2 s),
-/// and every 5 s for sessions and reapers.
-pub async fn fleet_live(State(app): State<Arc<App>>, _caller: Caller) -> Response {
-    let rx = app.feed.records.subscribe();
-    let s = futures::stream::unfold((app, rx), |(app, mut rx)| async move {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let _ = tokio::time::timeout(Duration::from_secs(3), async {
-            loop {
-                match rx.recv().await {
-                    Ok(_) => break,
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break,
-                    Err(_) => std::future::pending::<()>().await,
-                }
-            }
-        })
-        .await;
-        while rx.try_recv().is_ok() {}
-        let html = fleet_fragment(&app)
-            .await
-            .unwrap_or_else(|f| format!("<p class=\"error\">{}</p>", esc(&f.message)));
+/// The fleet fragment again at each read of the shared view (at most
+/// every 2 s when records change, every 5 s for sessions and reapers):
+/// however many tabs follow, the store is read once per period.
+pub async fn fleet_live(State(app): State<Arc<App>>, caller: Caller) -> Result<Response, Failure> {
+    let slot = app.streams.open(&caller, false)?;
+    let rx = app.fleet.follow();
+    let s = futures::stream::unfold(rx, |mut rx| async move {
+        rx.changed().await.ok()?;
+        let html = rx.borrow_and_update().as_ref()?.html.clone();
         Some((
             Event::default()
                 .event("fleet")
-                .data(json!({"html": html}).to_string()),
-            (app, rx),
+                .data(json!({"html": &*html}).to_string()),
+            rx,
         ))
     });
-    sse(s).into_response()
+    Ok(sse(slot.hold(s)).into_response())
 }
 
 pub async fn dlq(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<Response, Failure> {

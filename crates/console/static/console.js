@@ -17,7 +17,9 @@ function rowsFrom(html) {
 
 // Follows `url()` with `handlers` (event name to function) while the page
 // is shown. `resumed()`, if given, is called each time the stream is taken
-// again after the page was hidden, to catch up on what it missed.
+// again after the page was hidden, to catch up on what it missed: once the
+// stream is open (the server follows from then on), so a change between
+// the catch-up read and the stream is in one or the other.
 function live(url, handlers, resumed) {
   let es = null;
   let hidden = false;
@@ -25,7 +27,7 @@ function live(url, handlers, resumed) {
     if (es) return;
     es = new EventSource(url());
     for (const [name, f] of Object.entries(handlers)) es.addEventListener(name, f);
-    if (hidden && resumed) resumed();
+    if (hidden && resumed) es.addEventListener("open", resumed, { once: true });
     hidden = false;
   };
   const close = () => {
@@ -132,4 +134,12 @@ document.addEventListener("DOMContentLoaded", () => {
   if (tl) followJob(tl);
   const fleet = document.querySelector("#fleet[data-live]");
   if (fleet) followFleet(fleet);
+  // A running bulk action's page reloads itself while it is shown.
+  const again = document.querySelector("[data-refresh]");
+  if (again) {
+    setTimeout(function reload() {
+      if (document.visibilityState === "visible") location.reload();
+      else setTimeout(reload, 1000);
+    }, +again.dataset.refresh * 1000);
+  }
 });

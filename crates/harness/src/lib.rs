@@ -124,8 +124,41 @@ pub struct NatsServer {
 }
 
 /// Starts `nats-server -c conf` with `env`, copies its log to `log`, and
-/// returns once it says it is ready (panics with the log after 30 s).
+/// returns once it says it is ready (panics with the log after 30 s, or
+/// as soon as the server exits).
 pub fn spawn_nats_server(conf: &Path, env: &[(String, String)], log: &Path) -> Child {
+    try_spawn_nats_server(conf, env, log).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Why a nats-server did not start.
+#[derive(Debug)]
+pub enum SpawnError {
+    /// Its port was taken (by another test's process, between the choice
+    /// of a free port and the server's bind): another port may do.
+    PortTaken(String),
+    /// Anything else, with the server's log.
+    Failed(String),
+}
+
+impl std::fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpawnError::PortTaken(log) => {
+                write!(f, "nats-server could not bind its port:\n{log}")
+            }
+            SpawnError::Failed(log) => write!(f, "nats-server did not become ready:\n{log}"),
+        }
+    }
+}
+
+/// Like [`spawn_nats_server`], returning why the server did not start:
+/// it exited (its port taken, a bad configuration) or was not ready
+/// within 30 s.
+pub fn try_spawn_nats_server(
+    conf: &Path,
+    env: &[(String, String)],
+    log: &Path,
+) -> Result<Child, SpawnError> {
     let mut child = Command::new(nats_server_bin())
         .arg("-c")
         .arg(conf)
@@ -136,7 +169,8 @@ pub fn spawn_nats_server(conf: &Path, env: &[(String, String)], log: &Path) -> C
         .unwrap_or_else(|e| panic!("cannot start nats-server: {e}; install it with `make setup`"));
     adopt(&child);
     let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = mpsc::channel();
+    // Some(true): ready; Some(false): its log ended (the server exited).
+    let (tx, rx) = mpsc::channel::<bool>();
     let log_path = log.to_path_buf();
     std::thread::spawn(move || {
         let mut log = std::fs::File::create(log_path).ok();
@@ -148,17 +182,26 @@ pub fn spawn_nats_server(conf: &Path, env: &[(String, String)], log: &Path) -> C
             }
             if line.contains("Server is ready") {
                 if let Some(tx) = tx.take() {
-                    let _ = tx.send(());
+                    let _ = tx.send(true);
                 }
             }
         }
+        if let Some(tx) = tx.take() {
+            let _ = tx.send(false);
+        }
     });
-    if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-        reap(child);
-        let log = std::fs::read_to_string(log).unwrap_or_default();
-        panic!("nats-server did not become ready within 30s:\n{log}");
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(true) => Ok(child),
+        ended => {
+            reap(child);
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            if ended.is_ok() && log.contains("address already in use") {
+                Err(SpawnError::PortTaken(log))
+            } else {
+                Err(SpawnError::Failed(log))
+            }
+        }
     }
-    child
 }
 
 impl NatsServer {
@@ -206,7 +249,7 @@ impl NatsServer {
     }
 
     fn launch(mut s: Self) -> Self {
-        s.spawn();
+        s.launch_fresh();
         s
     }
 
@@ -293,6 +336,29 @@ impl NatsServer {
             &self.env,
             &self.dir.path().join("server.log"),
         ));
+    }
+
+    /// The first start of a single server: its port was only chosen as
+    /// free, and another process may bind it first (tests run in
+    /// parallel), so a taken port is replaced by a new one (a few times).
+    /// A restart keeps its port, and a cluster's nodes their routes.
+    fn launch_fresh(&mut self) {
+        const TRIES: usize = 5;
+        for i in 1.. {
+            let conf = self.dir.path().join("nats.conf");
+            std::fs::write(&conf, self.config()).expect("write nats.conf");
+            let log = self.dir.path().join("server.log");
+            match try_spawn_nats_server(&conf, &self.env, &log) {
+                Ok(c) => {
+                    self.child = Some(c);
+                    return;
+                }
+                Err(SpawnError::PortTaken(_)) if self.cluster_port.is_none() && i < TRIES => {
+                    self.port = free_port();
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -614,6 +680,29 @@ impl Drop for Proc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A port chosen as free and taken before the server binds it (the CI
+    /// flake: another test's process got it): the server starts on
+    /// another, instead of failing the test after 30 s.
+    #[tokio::test]
+    async fn a_port_taken_before_the_server_binds_it_is_replaced() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let mut s = NatsServer::unstarted();
+        s.port = port;
+        let t0 = std::time::Instant::now();
+        let s = NatsServer::launch(s);
+        assert_ne!(s.port(), port, "a new port");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "at once, not after the ready timeout"
+        );
+        wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+        async_nats::connect(s.url())
+            .await
+            .expect("the server answers");
+        drop(taken);
+    }
 
     #[tokio::test]
     async fn server_starts_restarts_and_keeps_its_store() {

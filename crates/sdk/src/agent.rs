@@ -5,6 +5,7 @@
 //! circuit breaker, the fallback model, retry reports, loop detection, and
 //! structured output validated with one repair round.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex as StdMutex};
@@ -253,39 +254,73 @@ impl TranscriptHook for Journal {
     }
 }
 
-/// The thread an earlier attempt journaled for `step`, if any.
-async fn journaled(job: &JobCtx, step: &str) -> Result<Option<Thread>, String> {
-    let events = Events::new(&job.conn)
-        .read_types(&job.record.id, &["agent"])
-        .await
-        .map_err(|e| format!("reading the agent's journal: {e}"))?;
-    let mut thread: Option<Thread> = None;
-    for (_, ev) in events {
-        let d = ev.data_map();
-        if d.get("step").and_then(Value::as_str) != Some(step) {
-            continue;
+/// The conversations journaled so far, by step, as one attempt has read
+/// them: each `agent` call reads only the events after the last one it
+/// read (a job of n agent steps reads its journal once, not n times).
+#[derive(Default)]
+pub(crate) struct Threads(tokio::sync::Mutex<ThreadsRead>);
+
+#[derive(Default)]
+struct ThreadsRead {
+    /// The stream sequence of the last `agent` event folded in.
+    through: u64,
+    /// How many events were read in all (each once).
+    read: u64,
+    by_step: HashMap<String, Thread>,
+}
+
+impl Threads {
+    /// The thread an earlier attempt (or an earlier try of this step)
+    /// journaled for `step` of job `job_id`, if any.
+    async fn of(
+        &self,
+        conn: &leasehold_store::Conn,
+        job_id: &str,
+        step: &str,
+    ) -> Result<Option<Thread>, String> {
+        let mut read = self.0.lock().await;
+        let events = Events::new(conn)
+            .read_type_from(job_id, "agent", read.through + 1)
+            .await
+            .map_err(|e| format!("reading the agent's journal: {e}"))?;
+        for (seq, ev) in events {
+            read.through = read.through.max(seq);
+            read.read += 1;
+            fold(&mut read.by_step, &ev.data_map());
         }
-        let entry = d.get("entry").cloned().unwrap_or(Value::Null);
-        if let Some(t) = entry.get("thread") {
-            if let Ok(messages) = serde_json::from_value::<Vec<Message>>(t["messages"].clone()) {
-                thread = Some(Thread {
+        Ok(read.by_step.get(step).cloned())
+    }
+}
+
+/// Folds one `agent` event into the threads by step: a `thread` entry
+/// starts (or restarts) its step's thread, a `message` entry extends it
+/// when it belongs to the thread's generation.
+fn fold(by_step: &mut HashMap<String, Thread>, d: &serde_json::Map<String, Value>) {
+    let Some(step) = d.get("step").and_then(Value::as_str) else {
+        return;
+    };
+    let entry = d.get("entry").cloned().unwrap_or(Value::Null);
+    if let Some(t) = entry.get("thread") {
+        if let Ok(messages) = serde_json::from_value::<Vec<Message>>(t["messages"].clone()) {
+            by_step.insert(
+                step.to_string(),
+                Thread {
                     generation: t["generation"].as_u64().unwrap_or(0) as u32,
                     messages,
-                });
-            }
-        } else if let Some(m) = entry.get("message") {
-            let generation = m["generation"].as_u64().unwrap_or(0) as u32;
-            if let (Some(t), Ok(msg)) = (
-                thread.as_mut(),
-                serde_json::from_value::<Message>(m["message"].clone()),
-            ) {
-                if t.generation == generation {
-                    t.messages.push(msg);
-                }
+                },
+            );
+        }
+    } else if let Some(m) = entry.get("message") {
+        let generation = m["generation"].as_u64().unwrap_or(0) as u32;
+        if let (Some(t), Ok(msg)) = (
+            by_step.get_mut(step),
+            serde_json::from_value::<Message>(m["message"].clone()),
+        ) {
+            if t.generation == generation {
+                t.messages.push(msg);
             }
         }
     }
-    Ok(thread)
 }
 
 /// Tool events of the conversation as `tool` events, in order.
@@ -315,13 +350,17 @@ impl RetryReporter for Reports {
 /// Runs one agent call for step `step` (see [`crate::Ctx::agent`]).
 pub(crate) async fn run(
     job: &JobCtx,
+    threads: &Threads,
     step: &str,
     generator: Arc<Generator>,
     toolbox: Option<Arc<Toolbox>>,
     spec: &Agent,
 ) -> Result<AgentOutput, crate::Error> {
     use crate::Error;
-    let initial = journaled(job, step).await.map_err(Error::retryable)?;
+    let initial = threads
+        .of(&job.conn, &job.record.id, step)
+        .await
+        .map_err(Error::retryable)?;
     let response_format = spec
         .schema
         .as_ref()
@@ -403,5 +442,88 @@ pub(crate) async fn run(
             "agent `{step}`: budget exhausted ({kind:?})"
         ))),
         SectionOutcome::Cancelled => Err(Error::Cancelled),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leasehold_store::events::event;
+
+    fn entry(step: &str, entry: Value) -> leasehold_proto::JobEvent {
+        event(
+            "j",
+            1,
+            "agent",
+            Some("w"),
+            json!({"step": step, "entry": entry}),
+        )
+    }
+
+    fn message(text: &str) -> Message {
+        Message::assistant(text)
+    }
+
+    /// Review G18: every agent step read the job's whole journal, O(n²)
+    /// in its steps. Now each event is read once per attempt, and each
+    /// step still gets its own thread (the latest generation's, with the
+    /// messages after it), against a real nats-server.
+    #[tokio::test]
+    async fn each_agent_step_reads_only_the_journal_after_the_last_read() {
+        let server = leasehold_harness::NatsServer::start();
+        leasehold_harness::wait_for_jetstream(&server.url(), std::time::Duration::from_secs(10))
+            .await;
+        let conn = leasehold_store::NatsArgs::local(server.url(), "lh")
+            .connect("test")
+            .await
+            .unwrap();
+        leasehold_store::setup::ensure(&conn, &Default::default())
+            .await
+            .unwrap();
+        let events = Events::new(&conn);
+        const STEPS: usize = 40;
+        for i in 0..STEPS {
+            let step = format!("agent:s{i}");
+            let first = json!({"thread": {"generation": 0, "messages": [message("old")]}});
+            let again =
+                json!({"thread": {"generation": 1, "messages": [message(&format!("t{i}"))]}});
+            let more = json!({"message": {"generation": 1, "message": message(&format!("m{i}"))}});
+            let stale = json!({"message": {"generation": 0, "message": message("stale")}});
+            for e in [first, again, more, stale] {
+                events.publish(&entry(&step, e), None).await.unwrap();
+            }
+        }
+        let threads = Threads::default();
+        for i in 0..STEPS {
+            let t = threads
+                .of(&conn, "j", &format!("agent:s{i}"))
+                .await
+                .unwrap()
+                .expect("journaled");
+            assert_eq!(t.generation, 1);
+            assert_eq!(
+                t.messages,
+                vec![message(&format!("t{i}")), message(&format!("m{i}"))]
+            );
+        }
+        assert!(threads
+            .of(&conn, "j", "agent:none")
+            .await
+            .unwrap()
+            .is_none());
+        // One step journaled after the reads: the next read folds it in.
+        let late = json!({"thread": {"generation": 3, "messages": [message("late")]}});
+        events
+            .publish(&entry("agent:s0", late), None)
+            .await
+            .unwrap();
+        let t = threads.of(&conn, "j", "agent:s0").await.unwrap().unwrap();
+        assert_eq!(t.generation, 3);
+        let read = threads.0.lock().await.read;
+        assert_eq!(
+            read,
+            (STEPS * 4 + 1) as u64,
+            "each event read once, not once per step"
+        );
     }
 }

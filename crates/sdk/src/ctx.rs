@@ -77,6 +77,8 @@ pub struct Ctx {
     /// The park this attempt ends with, if a step asked (its step id, the
     /// reason and the question): the `parked` event names the step.
     park: StdMutex<Option<(String, String, String)>>,
+    /// The agents' journaled conversations, read once per attempt.
+    threads: crate::agent::Threads,
 }
 
 impl Ctx {
@@ -95,6 +97,7 @@ impl Ctx {
             checkpoints: OnceLock::new(),
             report: StdMutex::new(None),
             park: StdMutex::new(None),
+            threads: Default::default(),
         }
     }
 
@@ -121,6 +124,11 @@ impl Ctx {
     /// records steps itself).
     pub(crate) fn job(&self) -> &JobCtx {
         &self.job
+    }
+
+    /// The agents' journaled conversations as this attempt read them.
+    pub(crate) fn threads(&self) -> &crate::agent::Threads {
+        &self.threads
     }
 
     /// The generator of the registered model `name` (for
@@ -624,10 +632,10 @@ impl Ctx {
                 self.models.names()
             )));
         };
-        let job = &self.job;
+        let (job, threads) = (&self.job, &self.threads);
         let tools = self.tools.clone();
         self.step_with_id(&format!("agent:{name}"), |step| async move {
-            crate::agent::run(job, &step, generator, tools, spec).await
+            crate::agent::run(job, threads, &step, generator, tools, spec).await
         })
         .await
     }

@@ -484,7 +484,7 @@ impl RemoteKind {
             spec = spec.schema(schema.clone());
         }
         let out = tokio::select! {
-            r = crate::agent::run(ctx.job(), id, generator, None, &spec) => r?,
+            r = crate::agent::run(ctx.job(), ctx.threads(), id, generator, None, &spec) => r?,
             _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
         };
         Ok(json!({"text": out.text, "json": out.json, "model_calls": out.model_calls}))

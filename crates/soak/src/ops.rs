@@ -536,11 +536,21 @@ impl Ops {
         if !replayed {
             self.problem(f, "dlq replay --spec never succeeded");
         }
+        self.ran_corrected_input(f, &id, &corrected).await;
+        if self.letter_of(&dlq, &id, Duration::ZERO).await.is_some() {
+            self.problem(f, "the letter stayed after its replay completed");
+        }
+        self.done(f);
+    }
+
+    /// The invariant `replayed_ran_corrected_input`: the replayed job
+    /// `id` completes with the corrected input (echoed) as its output.
+    async fn ran_corrected_input(&self, f: usize, id: &str, corrected: &Value) {
         match self
-            .wait_for(&id, |r| r.is_some_and(|r| r.status == "completed"))
+            .wait_for(id, |r| r.is_some_and(|r| r.status == "completed"))
             .await
         {
-            Ok(Some(r)) if output(&r).as_ref() == Some(&corrected) => {}
+            Ok(Some(r)) if output(&r).as_ref() == Some(corrected) => {}
             Ok(r) | Err(r) => self.problem(
                 f,
                 format!(
@@ -553,10 +563,6 @@ impl Ops {
                 ),
             ),
         }
-        if self.letter_of(&dlq, &id, Duration::ZERO).await.is_some() {
-            self.problem(f, "the letter stayed after its replay completed");
-        }
-        self.done(f);
     }
 
     /// The sequence of the rejected letter of `id`, waiting up to `wait`.

@@ -192,6 +192,17 @@ impl Dlq {
         Ok((out, false))
     }
 
+    /// The DLQ stream's last sequence (0 when it never held a letter):
+    /// where an operation over "the letters there now" stops.
+    pub async fn last_seq(&self) -> Result<u64, StoreError> {
+        let mut s = self.stream().await?;
+        Ok(s.info()
+            .await
+            .map_err(|e| StoreError::nats("DLQ info", e))?
+            .state
+            .last_sequence)
+    }
+
     /// How many dead letters there are.
     pub async fn count(&self) -> Result<u64, StoreError> {
         let mut s = self.stream().await?;
