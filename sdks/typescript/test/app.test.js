@@ -255,3 +255,20 @@ test("findExisting: each outcome, a throw is unavailable, none registered is unk
   assert.equal((await app.findExisting("bare", body("bare", 1)))[1].status, "unknowable");
   assert.equal((await app.findExisting("t", { ...body("t", 1), type: "tool" }))[0], 400);
 });
+
+test("a catch around the answering operation changes nothing: the call's answer is decided", async () => {
+  const app = new App();
+  const after = [];
+  app.kind("k", async (ctx) => {
+    try {
+      await ctx.step("a", () => 1);
+    } catch (e) {
+      after.push(e instanceof Error);
+    }
+    await ctx.step("b", () => after.push("b ran"));
+    return "done";
+  });
+  const [, op] = await app.invoke(call());
+  assert.deepEqual([op.op, op.id, op.result], ["step", "a#0", 1]);
+  assert.deepEqual(after, [false], "the unwinding is not an Error, and the later step never ran");
+});
