@@ -160,7 +160,12 @@ async function route(app, rawPath, body) {
   const path = rawPath.split("?")[0].replace(/\/+$/, "");
   if (path === "/invoke") return app.invoke(body);
   if (path.startsWith("/tools/")) {
-    const rest = decodeURIComponent(path.slice("/tools/".length));
+    let rest;
+    try {
+      rest = decodeURIComponent(path.slice("/tools/".length));
+    } catch {
+      return [400, error("bad_request", `not a tool's path: ${rawPath}`)];
+    }
     if (rest.endsWith("/find_existing")) return app.findExisting(rest.slice(0, -"/find_existing".length), body);
     return app.runTool(rest, body);
   }

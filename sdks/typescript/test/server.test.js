@@ -170,6 +170,8 @@ describe("malformed calls (no token, no secret)", () => {
     assert.deepEqual([r.status, r.body.error.code], [400, "bad_request"]);
     r = await post("/invoke", JSON.stringify({ protocol: 99, type: "invoke" }));
     assert.deepEqual([r.status, r.body.error.code, r.body.error.supported], [400, "unsupported_protocol", [1]]);
+    r = await post("/tools/%E0%A4%A", JSON.stringify({ protocol: 1, type: "tool" }));
+    assert.deepEqual([r.status, r.body.error.code], [400, "bad_request"]);
     r = await post("/elsewhere", JSON.stringify({ protocol: 1, type: "invoke" }));
     assert.deepEqual([r.status, r.body.error.code], [404, "not_found"]);
     const d = await fetch(`http://127.0.0.1:${port}/invoke`, { method: "DELETE" });
