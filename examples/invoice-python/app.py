@@ -36,6 +36,7 @@ from leasehold import (
     Fail,
     Found,
     NOT_FOUND,
+    Retry,
     ToolCall,
     ToolError,
     Unavailable,
@@ -176,7 +177,8 @@ def conformance(ctx: Ctx) -> Any:
     ``step <i> of <job> epoch <e>`` and sleeps ``slow_s``, in epoch
     ``slow_epoch`` only when given), ``pad`` (bytes
     of padding in each step's result), ``fail`` (a message: fail terminal
-    at the end)."""
+    at the end), ``retry_ms`` (the first attempt ends with a retry asking
+    for that delay, after the steps)."""
     inp = ctx.input or {}
     n = int(inp.get("steps", 2))
     total = 0
@@ -196,6 +198,8 @@ def conformance(ctx: Ctx) -> Any:
         total += ctx.step(name, work)["i"]
     if inp.get("fail"):
         raise Fail(str(inp["fail"]))
+    if inp.get("retry_ms") is not None and ctx.job.attempt == 1:
+        raise Retry("the conformance kind asks for a retry", delay_ms=int(inp["retry_ms"]))
     return {"sum": total, "steps": n}
 
 

@@ -21,7 +21,7 @@
 // CONFORMANCE_CODE_VERSION=2 renames a step: code changes between two
 // attempts of one job.
 
-import { App, Fail, Found, NOT_FOUND, ToolError, Unavailable, Unknowable } from "leasehold";
+import { App, Fail, Found, NOT_FOUND, Retry, ToolError, Unavailable, Unknowable } from "leasehold";
 
 export const app = new App({ version: process.env.CONFORMANCE_CODE_VERSION || "1" });
 
@@ -147,7 +147,8 @@ app.kind("writer", async (ctx) => {
 // (index of a step that announces itself on stdout with `step <i> of <job>
 // epoch <e>` and sleeps `slow_s`, in epoch `slow_epoch` only when given),
 // `pad` (bytes of padding in each step's result), `fail` (a message: fail
-// terminal at the end).
+// terminal at the end), `retry_ms` (the first attempt ends with a retry
+// asking for that delay, after the steps).
 app.kind("conformance", async (ctx) => {
   const inp = ctx.input ?? {};
   const n = Number(inp.steps ?? 2);
@@ -168,5 +169,8 @@ app.kind("conformance", async (ctx) => {
     total += r.i;
   }
   if (inp.fail) throw new Fail(String(inp.fail));
+  if (inp.retry_ms !== undefined && inp.retry_ms !== null && ctx.job.attempt === 1) {
+    throw new Retry("the conformance kind asks for a retry", Number(inp.retry_ms));
+  }
   return { sum: total, steps: n };
 });

@@ -85,8 +85,9 @@ export declare class Fail extends Error {
   constructor(message: string);
 }
 
-/** Ends this attempt; the worker retries the job after `delayMs` (at most
- * 30 s), then with the job's backoff. */
+/** Ends this attempt at once; the worker retries the job after `delayMs` at
+ * least (the job waits queued, holding no slot, however long), or after the
+ * job's backoff when that is longer. */
 export declare class Retry extends Error {
   readonly delayMs: number;
   constructor(message: string, delayMs?: number);

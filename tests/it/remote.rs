@@ -1,14 +1,19 @@
 //! Remote kinds: kinds served by an HTTP service through the worker
 //! protocol (docs/protocol.md), against real processes: `leasehold-worker`
 //! with `--remote-kind`, the Python SDK serving the Python invoice agent
-//! (`examples/invoice-python`), the accounting system of `leasehold-sim`,
-//! and a service that breaks the protocol on purpose
+//! (`examples/invoice-python`), the TypeScript SDK serving the TypeScript
+//! one (`examples/invoice-typescript`), the accounting system of
+//! `leasehold-sim`, and a service that breaks the protocol on purpose
 //! (`tests/remote/bad_service.py`).
 //!
-//! The conformance suite (`conformance_*`) is parameterised by the service
-//! command: `LH_REMOTE_SERVICE` (a shell command serving the `conformance`
-//! kind on `$LEASEHOLD_PORT` and printing `listening on http://ADDR`; by
-//! default the Python SDK's). Any SDK passes it to claim conformance.
+//! The conformance suite (`conformance_*`), the invoice agent's scenarios,
+//! signing and `generate` run once per SDK (`both_sdks!`): under their own
+//! names against the service of `LH_REMOTE_SERVICE` (a shell command
+//! serving the `conformance` kind on `$LEASEHOLD_PORT` and printing
+//! `listening on http://ADDR`; by default the Python SDK's), and in
+//! `typescript::` against the TypeScript SDK (`LH_TYPESCRIPT_SDK`: the npm
+//! prefix `make typescript-sdk` installed it into, else the checkout's).
+//! Any SDK passes the suite to claim conformance.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -744,6 +749,68 @@ async fn conformance_an_oversized_journal_is_paged(sdk: Sdk) {
     assert!(pages >= 4, "paged: {pages} pages asked for\n{}", b.output());
 }
 
+/// A `retry` op ends the attempt at once and the job waits queued for the
+/// delay it asked, holding no slot, whatever its length: an hour (beyond
+/// any call or attempt deadline, and the old 30 s in-attempt cap), while
+/// the worker's one slot runs a job asking for 2.5 s, which runs again
+/// after that delay and completes from its journal.
+async fn conformance_a_retry_waits_queued_for_its_delay_without_a_slot(sdk: Sdk) {
+    let (env, _s, _port, remote) = conformance_env(sdk).await;
+    let _w = worker(&env, &remote, &[("LH_CONCURRENCY", "1")]);
+    submit_conf(
+        &env,
+        "conf-retry-long",
+        json!({"steps": 1, "retry_ms": 3_600_000}),
+    )
+    .await;
+    let rec = env
+        .wait_for("conf-retry-long", Duration::from_secs(20), |r| {
+            r.status == "queued" && r.attempts == 1
+        })
+        .await;
+    let due = rec
+        .next_run_at
+        .as_deref()
+        .and_then(leasehold_core::time::parse_rfc3339)
+        .expect("a due time");
+    let ahead = due
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    assert!(
+        ahead > Duration::from_secs(3500),
+        "due in about an hour: {ahead:?} ({rec:?})"
+    );
+    // The worker's only slot is free: the next job runs now.
+    let t0 = std::time::Instant::now();
+    submit_conf(
+        &env,
+        "conf-retry-short",
+        json!({"steps": 2, "retry_ms": 2500}),
+    )
+    .await;
+    let short = ended(&env, "conf-retry-short").await;
+    assert_eq!(short.status, "completed", "{short:?}");
+    assert_eq!(output(&short)["sum"], 1);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(2500),
+        "the second attempt waited for the delay: {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(short.attempts, 1, "one failed attempt: {short:?}");
+    let st = steps(&env.events_of("conf-retry-short").await);
+    assert_eq!(
+        st,
+        ["count#0", "count#1"],
+        "recorded once, replayed: {st:?}"
+    );
+    let long = env.jobs.get("conf-retry-long").await.unwrap().unwrap();
+    assert_eq!(
+        long.value.status, "queued",
+        "still waiting: {:?}",
+        long.value
+    );
+}
+
 // ---- the protocol's schemas -----------------------------------------------
 
 fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
@@ -1308,6 +1375,8 @@ both_sdks! {
         => conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives,
     remote_conformance_an_oversized_journal_is_paged
         => conformance_an_oversized_journal_is_paged,
+    remote_conformance_a_retry_waits_queued_for_its_delay_without_a_slot
+        => conformance_a_retry_waits_queued_for_its_delay_without_a_slot,
     remote_sdk_answers_match_the_schemas => sdk_answers_match_the_schemas,
     remote_a_signed_service_serves_a_signed_worker_and_refuses_another
         => a_signed_service_serves_a_signed_worker_and_refuses_another,

@@ -698,13 +698,14 @@ impl Kind for RemoteKind {
                     ))
                 }
                 "retry" => {
-                    let delay = op["delay_ms"].as_u64().unwrap_or(0).min(30_000);
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(delay)) => {}
-                        _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
-                    }
-                    return Err(Error::retryable(
+                    // The attempt ends now; the job waits queued for the
+                    // delay (no slot held), up to the longest delay a job
+                    // may have.
+                    let delay = Duration::from_millis(op["delay_ms"].as_u64().unwrap_or(0))
+                        .min(leasehold_core::spec::MAX_DELAY);
+                    return Err(Error::retry_after(
                         op["message"].as_str().unwrap_or("retry asked by the service"),
+                        delay,
                     ));
                 }
                 "journal_mismatch" => {

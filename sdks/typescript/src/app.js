@@ -15,8 +15,9 @@ export class Fail extends Error {
   }
 }
 
-/** Ends this attempt; the worker retries the job (after `delayMs` at least,
- * then with the job's backoff). */
+/** Ends this attempt at once; the worker retries the job after `delayMs` at
+ * least (the job waits queued, holding no slot, however long), or after the
+ * job's backoff when that is longer. */
 export class Retry extends Error {
   constructor(message, delayMs = 0) {
     super(message);

@@ -18,8 +18,9 @@ class Fail(Exception):
 
 
 class Retry(Exception):
-    """Ends this attempt; the worker retries the job (after ``delay_ms``
-    at least, then with the job's backoff)."""
+    """Ends this attempt at once; the worker retries the job after
+    ``delay_ms`` at least (the job waits queued, holding no slot, however
+    long), or after the job's backoff when that is longer."""
 
     def __init__(self, message: str, delay_ms: int = 0) -> None:
         super().__init__(message)
