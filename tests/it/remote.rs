@@ -167,6 +167,7 @@ async fn env() -> Env {
             "gates",
             "bka",
             "bkb",
+            "echo-remote",
         ]
         .map(String::from),
     );
@@ -997,6 +998,90 @@ async fn a_signed_service_serves_a_signed_worker_and_refuses_another(sdk: Sdk) {
     assert!(steps(&env.events_of("conf-unsigned").await).is_empty());
 }
 
+/// Two kinds of two teams on one worker, each service with its own token
+/// and secret: each kind's `--remote-kind` names its own variables
+/// (`;token=VAR;secret=VAR`), and the worker signs each service's calls
+/// with that service's secret. Swapped, both are refused.
+async fn two_kinds_of_two_teams_hold_their_own_secrets(sdk: Sdk) {
+    let env = env().await;
+    let (pa, pb) = (free_port(), free_port());
+    let team_a: &[(&'static str, &str)] = &[
+        ("LEASEHOLD_TOKEN", "tok-a"),
+        ("LEASEHOLD_HMAC_SECRET", "sec-a"),
+    ];
+    let team_b: &[(&'static str, &str)] = &[
+        ("LEASEHOLD_TOKEN", "tok-b"),
+        ("LEASEHOLD_HMAC_SECRET", "sec-b"),
+    ];
+    let _a = service(sdk, pa, "http://127.0.0.1:9", team_a).await;
+    let _b = service(sdk, pb, "http://127.0.0.1:9", team_b).await;
+    let remote = format!(
+        "conformance={};token=TEAM_A_TOKEN;secret=TEAM_A_SECRET,echo-remote={};token=TEAM_B_TOKEN;secret=TEAM_B_SECRET",
+        url(pa),
+        url(pb)
+    );
+    let held = [
+        ("TEAM_A_TOKEN", "tok-a"),
+        ("TEAM_A_SECRET", "sec-a"),
+        ("TEAM_B_TOKEN", "tok-b"),
+        ("TEAM_B_SECRET", "sec-b"),
+        // The shared variables would be wrong for both services.
+        ("LH_REMOTE_TOKEN", "tok-shared"),
+        ("LH_REMOTE_HMAC_SECRET", "sec-shared"),
+    ];
+    let mut w = worker(&env, &remote, &held);
+    submit_conf(&env, "team-a-1", json!({"steps": 2})).await;
+    env.submit("echo-remote", json!({"input": {"team": "b"}}), "team-b-1")
+        .await;
+    let a = ended(&env, "team-a-1").await;
+    assert_eq!(a.status, "completed", "{a:?}");
+    let b = ended(&env, "team-b-1").await;
+    assert_eq!(b.status, "completed", "{b:?}");
+    assert_eq!(output(&b), json!({"team": "b"}));
+    w.kill9();
+    // Each kind given the other team's secret: both refused, clearly.
+    let swapped = [
+        ("TEAM_A_TOKEN", "tok-a"),
+        ("TEAM_A_SECRET", "sec-b"),
+        ("TEAM_B_TOKEN", "tok-b"),
+        ("TEAM_B_SECRET", "sec-a"),
+    ];
+    let _w2 = worker(&env, &remote, &swapped);
+    submit_conf(&env, "team-a-2", json!({"steps": 2})).await;
+    env.submit("echo-remote", json!({"input": {}}), "team-b-2")
+        .await;
+    for id in ["team-a-2", "team-b-2"] {
+        let rec = ended(&env, id).await;
+        assert_eq!(rec.status, "failed", "{rec:?}");
+        let m = error_of(&rec);
+        assert!(
+            m.contains("unauthorized") && m.contains("signature"),
+            "{id}: {m}"
+        );
+    }
+}
+
+/// A kind naming a variable that is not set: the worker refuses to start,
+/// naming the kind and the variable (never serving it unsigned).
+#[tokio::test]
+async fn remote_a_kind_naming_an_unset_secret_variable_stops_the_worker_at_start() {
+    let env = env().await;
+    let mut w = worker(
+        &env,
+        "conformance=http://127.0.0.1:9/;secret=TEAM_C_SECRET",
+        &[],
+    );
+    let st = w
+        .wait_timeout(Duration::from_secs(20))
+        .expect("the worker exits");
+    assert!(!st.success(), "{st:?}");
+    let out = w.output();
+    assert!(
+        out.contains("--remote-kind conformance") && out.contains("TEAM_C_SECRET is not set"),
+        "{out}"
+    );
+}
+
 async fn conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried(sdk: Sdk) {
     let (env, s, _port, remote) = conformance_env(sdk).await;
     // The call may take 30 s; the attempt may not take more than 2.
@@ -1380,6 +1465,8 @@ both_sdks! {
     remote_sdk_answers_match_the_schemas => sdk_answers_match_the_schemas,
     remote_a_signed_service_serves_a_signed_worker_and_refuses_another
         => a_signed_service_serves_a_signed_worker_and_refuses_another,
+    remote_two_kinds_of_two_teams_hold_their_own_secrets
+        => two_kinds_of_two_teams_hold_their_own_secrets,
     remote_generate_runs_the_model_in_the_worker_and_is_recorded_once
         => generate_runs_the_model_in_the_worker_and_is_recorded_once,
     remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call

@@ -109,20 +109,44 @@ impl RemoteConfig {
 
     /// The remote kinds of a worker's options (`--remote-kind NAME=URL`),
     /// with `LH_REMOTE_TOKEN` and `LH_REMOTE_HMAC_SECRET` from the
-    /// environment.
+    /// environment, or the variables a kind names for itself
+    /// (`NAME=URL;token=VAR;secret=VAR`).
     pub fn from_options(opts: &crate::Options) -> Result<Vec<(String, RemoteConfig)>, String> {
-        let token = std::env::var("LH_REMOTE_TOKEN")
-            .ok()
-            .filter(|s| !s.is_empty());
-        let secret = std::env::var("LH_REMOTE_HMAC_SECRET")
-            .ok()
-            .filter(|s| !s.is_empty());
+        Self::from_options_with(opts, |k| std::env::var(k).ok())
+    }
+
+    /// [`RemoteConfig::from_options`] reading variables with `var`.
+    ///
+    /// A kind's spec is `NAME=URL`, optionally followed by `;token=VAR`
+    /// and `;secret=VAR`: the names of the environment variables holding
+    /// that kind's bearer token and signing secret (the values are never
+    /// on the command line). A kind that names none uses
+    /// `LH_REMOTE_TOKEN` / `LH_REMOTE_HMAC_SECRET`; a named variable that
+    /// is unset or empty is an error, not a kind served without it.
+    ///
+    /// ```
+    /// let mut o = leasehold::Options::local("nats://127.0.0.1:4222", "lh");
+    /// o.remote_kinds = vec!["invoice=http://a:9000/;secret=INVOICE_SECRET".into()];
+    /// let kinds = leasehold::RemoteConfig::from_options_with(&o, |k| {
+    ///     (k == "INVOICE_SECRET").then(|| "s3cret".to_string())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(kinds[0].1.hmac_secret.as_deref(), Some("s3cret"));
+    /// ```
+    pub fn from_options_with(
+        opts: &crate::Options,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Vec<(String, RemoteConfig)>, String> {
+        let read = |k: &str| var(k).filter(|s| !s.is_empty());
+        let token = read("LH_REMOTE_TOKEN");
+        let secret = read("LH_REMOTE_HMAC_SECRET");
         let mut out = Vec::new();
         for spec in opts.remote_kinds.iter().filter(|s| !s.trim().is_empty()) {
-            let (name, url) = spec.split_once('=').ok_or_else(|| {
+            let (name, rest) = spec.split_once('=').ok_or_else(|| {
                 format!("--remote-kind {spec:?}: expected NAME=URL, e.g. invoice=http://127.0.0.1:9000/")
             })?;
-            let (name, url) = (name.trim(), url.trim());
+            let mut parts = rest.split(';');
+            let (name, url) = (name.trim(), parts.next().unwrap_or("").trim());
             if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
                 return Err(format!(
                     "--remote-kind {spec:?}: expected NAME=URL with an http(s) URL"
@@ -134,6 +158,32 @@ impl RemoteConfig {
             let mut cfg = RemoteConfig::new(url);
             cfg.token = token.clone();
             cfg.hmac_secret = secret.clone();
+            for part in parts.map(str::trim).filter(|p| !p.is_empty()) {
+                let (key, name_of_var) = part.split_once('=').unwrap_or((part, ""));
+                let valid = !name_of_var.is_empty()
+                    && name_of_var
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_');
+                if !valid {
+                    return Err(format!(
+                        "--remote-kind {name}: `{part}` is not `token=VAR` or `secret=VAR` (VAR: the name of an environment variable)"
+                    ));
+                }
+                let value = || {
+                    read(name_of_var).ok_or_else(|| {
+                        format!("--remote-kind {name}: {key}={name_of_var}, but {name_of_var} is not set (or empty)")
+                    })
+                };
+                match key {
+                    "token" => cfg.token = Some(value()?),
+                    "secret" => cfg.hmac_secret = Some(value()?),
+                    other => {
+                        return Err(format!(
+                        "--remote-kind {name}: unknown setting `{other}` (token=VAR, secret=VAR)"
+                    ))
+                    }
+                }
+            }
             cfg.timeout = opts.remote_timeout;
             cfg.page = opts.remote_journal_page;
             cfg.max_body = opts.remote_max_body;
@@ -834,6 +884,67 @@ impl Tool for RemoteTool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_kind_may_name_its_own_token_and_secret_variables() {
+        let mut o = crate::Options::local("nats://127.0.0.1:4222", "lh");
+        o.remote_kinds = vec![
+            "a=http://a:1/;token=A_TOKEN;secret=A_SECRET".into(),
+            "b=http://b:2/ ; secret=B_SECRET".into(),
+            "c=http://c:3/".into(),
+        ];
+        let env = |k: &str| {
+            match k {
+                "A_TOKEN" => Some("ta"),
+                "A_SECRET" => Some("value-of-a-secret"),
+                "B_SECRET" => Some("sb"),
+                "LH_REMOTE_TOKEN" => Some("t-default"),
+                "LH_REMOTE_HMAC_SECRET" => Some("s-default"),
+                "EMPTY" => Some(""),
+                _ => None,
+            }
+            .map(String::from)
+        };
+        let kinds = RemoteConfig::from_options_with(&o, env).unwrap();
+        let got: Vec<(&str, &str, Option<&str>, Option<&str>)> = kinds
+            .iter()
+            .map(|(n, c)| {
+                (
+                    n.as_str(),
+                    c.url.as_str(),
+                    c.token.as_deref(),
+                    c.hmac_secret.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("a", "http://a:1", Some("ta"), Some("value-of-a-secret")),
+                ("b", "http://b:2", Some("t-default"), Some("sb")),
+                ("c", "http://c:3", Some("t-default"), Some("s-default")),
+            ]
+        );
+        for (spec, why) in [
+            ("a=http://a:1/;secret=UNSET", "UNSET is not set"),
+            ("a=http://a:1/;secret=EMPTY", "EMPTY is not set"),
+            (
+                "a=http://a:1/;password=A_SECRET",
+                "unknown setting `password`",
+            ),
+            (
+                "a=http://a:1/;secret=",
+                "is not `token=VAR` or `secret=VAR`",
+            ),
+            ("a=http://a:1/;secret=$A_SECRET", "is not `token=VAR`"),
+            ("a=http://a:1/;token", "is not `token=VAR`"),
+        ] {
+            o.remote_kinds = vec![spec.into()];
+            let e = RemoteConfig::from_options_with(&o, env).unwrap_err();
+            assert!(e.contains(why), "{spec}: {e}");
+            assert!(!e.contains("value-of"), "no secret in the message: {e}");
+        }
+    }
+
     use super::*;
 
     #[test]
