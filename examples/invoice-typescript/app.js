@@ -21,6 +21,8 @@
 // CONFORMANCE_CODE_VERSION=2 renames a step: code changes between two
 // attempts of one job.
 
+import { closeSync, existsSync, fsyncSync, openSync, readFileSync, writeSync } from "node:fs";
+
 import { App, Fail, Found, NOT_FOUND, Retry, ToolError, Unavailable, Unknowable } from "leasehold";
 
 export const app = new App({ version: process.env.CONFORMANCE_CODE_VERSION || "1" });
@@ -140,6 +142,75 @@ app.kind("echo-remote", echo);
 app.kind("writer", async (ctx) => {
   const topic = await ctx.step("topic", () => ctx.input?.topic ?? "leases");
   const out = await ctx.generate(`Write one sentence about ${topic}.`, { system: "You write short answers." });
+  return { text: out.text, model_calls: out.model_calls };
+});
+
+const SIM_WEB = (process.env.SCOUT_WEB_URL || ACCOUNTING).replace(/\/+$/, "");
+const ARCHIVE = process.env.SCOUT_ARCHIVE_FILE || "";
+
+// A read: called directly by the worker, as often as the model asks.
+app.tool(
+  "search",
+  async (args) => {
+    say(`tool search ${JSON.stringify(args.q)}`);
+    const r = await fetch(`${SIM_WEB}/search?` + new URLSearchParams({ q: String(args.q ?? ""), format: "json" }), {
+      signal: AbortSignal.timeout(10_000),
+    });
+    const results = (await r.json()).results.slice(0, 3);
+    return { results: results.map((/** @type {any} */ x) => ({ title: x.title, url: x.url, content: x.content })) };
+  },
+  {
+    read: true,
+    description: "Search the web; returns results with title, url and content.",
+    schema: { type: "object", required: ["q"], properties: { q: { type: "string" } } },
+  },
+);
+
+// A write (the archive's copy): run by the worker through its ledger, once
+// ever, with the idempotency key recorded beside the copy.
+app
+  .tool(
+    "fetch",
+    async (args, call) => {
+      const url = String(args.url ?? "");
+      const text = await (await fetch(url, { signal: AbortSignal.timeout(10_000) })).text();
+      const result = { url, chars: text.length, text: text.slice(0, 2000) };
+      if (ARCHIVE) {
+        const fd = openSync(ARCHIVE, "a");
+        try {
+          writeSync(fd, JSON.stringify({ key: call.idempotencyKey, result }) + "\n");
+          fsyncSync(fd);
+        } finally {
+          closeSync(fd);
+        }
+      }
+      say(`tool fetch ${url} key ${call.idempotencyKey}`);
+      return result;
+    },
+    {
+      description: "Fetch a page and file a copy in the archive; returns its url and length.",
+      schema: { type: "object", required: ["url"], properties: { url: { type: "string" } } },
+    },
+  )
+  .findExisting(async (_args, call) => {
+    if (!ARCHIVE) return new Unknowable("no archive to look in");
+    if (!existsSync(ARCHIVE)) return NOT_FOUND;
+    for (const line of readFileSync(ARCHIVE, "utf8").split("\n")) {
+      if (!line) continue;
+      const rec = JSON.parse(line);
+      if (rec.key === call.idempotencyKey) return new Found(rec.result);
+    }
+    return NOT_FOUND;
+  });
+
+// A model conversation offered the service's tools: `search` (a read) and
+// `fetch` (a write through the worker's ledger).
+app.kind("scout", async (ctx) => {
+  const topic = await ctx.step("topic", () => ctx.input?.topic ?? "lease renewal");
+  const out = await ctx.generate(`Research ${topic} and write one section citing your source.`, {
+    system: "You research.",
+    tools: ["search", "fetch"],
+  });
   return { text: out.text, model_calls: out.model_calls };
 });
 

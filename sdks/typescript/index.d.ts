@@ -43,6 +43,11 @@ export interface GenerateOptions {
   schema?: { [key: string]: Json };
   /** The step's name: its id is `generate:<name>#n` (default `generate`). */
   name?: string;
+  /** Names of this app's tools the model may call: the worker runs a read
+   * tool (`app.tool(name, fn, {read: true})`) by calling this service's
+   * `/tools/{name}`, a write tool through its effects ledger exactly as
+   * `ctx.effect` (once ever, reconciled with its `findExisting`). */
+  tools?: string[];
 }
 
 /** What a `generate` records and returns. */
@@ -140,11 +145,33 @@ export type KindFn<I = any> = (ctx: Ctx<I>) => unknown | Promise<unknown>;
 export type ToolFn<A = any> = (args: A, call: ToolCall) => unknown | Promise<unknown>;
 export type FindFn<A = any> = (args: A, call: ToolCall) => Reconcile | Promise<Reconcile>;
 
-/** A write tool the worker calls through its ledger. */
+export interface ToolOptions<A = any> {
+  /** The lookup of an effect whose outcome is unknown (as `.findExisting`). */
+  findExisting?: FindFn<A>;
+  /** A read: changes nothing, so a model's call runs directly (maybe more
+   * than once). Otherwise a write, through the ledger, once ever. */
+  read?: boolean;
+  /** What a `generate` offering the tool tells the model. */
+  description?: string;
+  /** JSON Schema of the arguments the model gives it (default: an object). */
+  schema?: { [key: string]: Json };
+  /** One call's timeout when a model calls it (default 10 s). */
+  timeoutMs?: number;
+  /** The destination deduplicates by the idempotency key (writes). */
+  dedupesByKey?: boolean;
+}
+
+/** A tool of the service: a write the worker calls through its ledger
+ * (`ctx.effect`, or a model's call in `ctx.generate`), or a read. */
 export declare class Tool<A = any> {
   readonly name: string;
   readonly fn: ToolFn<A>;
   readonly find: FindFn<A> | null;
+  readonly read: boolean;
+  readonly description: string;
+  readonly schema: { [key: string]: Json } | null;
+  readonly timeoutMs: number | null;
+  readonly dedupesByKey: boolean;
   /** Registers the lookup asked before any retry of an effect whose outcome
    * is unknown. Returns the tool. */
   findExisting(fn: FindFn<A>): this;
@@ -172,7 +199,7 @@ export declare class App {
   kind<I = any>(name: string, fn: KindFn<I>): this;
   /** Registers a write tool; `.findExisting(fn)` on the result (or
    * `opts.findExisting`) registers its lookup. */
-  tool<A = any>(name: string, fn: ToolFn<A>, opts?: { findExisting?: FindFn<A> }): Tool<A>;
+  tool<A = any>(name: string, fn: ToolFn<A>, opts?: ToolOptions<A>): Tool<A>;
   /** One `invoke` call (no HTTP). */
   invoke(body: { [key: string]: any }): Promise<Answer>;
   /** One `tool` call (no HTTP). */

@@ -1216,6 +1216,78 @@ async fn a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call(sdk:
     assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
 }
 
+/// `generate` offered the service's tools: the model's `search` (a read)
+/// runs through the service's `/tools/search`, its `fetch` (a write: the
+/// page filed in an archive) through the worker's effects ledger with a
+/// stable idempotency key. A kill -9 of the worker once the write was made
+/// (the model's last answer streaming) repeats neither the write nor the
+/// step: one copy in the archive, the answer recorded once.
+async fn generate_with_tools_reads_directly_and_writes_once(sdk: Sdk) {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("scout".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "20".into())]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let archive = dir.path().join("archive.jsonl");
+    let port = free_port();
+    let archive_s = archive.display().to_string();
+    let s = service(sdk, port, &sim, &[("SCOUT_ARCHIVE_FILE", &archive_s)]).await;
+    let model = format!("{sim}/v1");
+    let remote = format!("scout={}", url(port));
+    let extra: &[(&'static str, &str)] = &[("LH_MODEL_BASE_URL", &model)];
+    let mut a = worker(&env, &remote, extra);
+    env.submit("scout", json!({"input": {}}), "scout-1").await;
+    wait_log(&s, "tool fetch ", Duration::from_secs(30)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sim_chat_requests(&sim).await < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "no last answer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.kill9();
+    let _b = worker(&env, &remote, extra);
+    let rec = ended(&env, "scout-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "{rec:?}");
+    let out = output(&rec);
+    assert!(
+        out["text"].as_str().unwrap_or("").contains("/page/"),
+        "the answer cites the fetched page: {out}"
+    );
+    let said = s.output();
+    assert!(said.contains("tool search "), "the read ran: {said}");
+    assert_eq!(
+        said.matches("tool fetch ").count(),
+        1,
+        "the write ran once: {said}"
+    );
+    let lines = std::fs::read_to_string(&archive).unwrap();
+    assert_eq!(lines.lines().count(), 1, "one copy filed: {lines}");
+    let filed: Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    let key = filed["key"].as_str().unwrap();
+    assert!(
+        key.len() == 64 && key.chars().all(|c| c.is_ascii_hexdigit()),
+        "a stable idempotency key: {key}"
+    );
+    // The write went through the ledger, under the key the tool was sent.
+    let ledger =
+        leasehold_tools::EffectsLedger::open(&env.conn.js, &env.conn.layout.effects_bucket())
+            .await
+            .unwrap();
+    let (entry, _) = ledger
+        .get("scout-1", key)
+        .await
+        .unwrap()
+        .expect("the write's ledger entry");
+    assert_eq!(entry.tool, "fetch", "{entry:?}");
+    assert_eq!(entry.state, leasehold_tools::EffectState::Done, "{entry:?}");
+    assert_eq!(entry.result.as_ref(), Some(&filed["result"]), "{entry:?}");
+    let st = steps(&env.events_of("scout-1").await);
+    assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
+}
+
 // ---- every door keeps the promise -----------------------------------------
 
 /// G3: the tool appends its line, then its process dies before it answers
@@ -1471,6 +1543,8 @@ both_sdks! {
         => generate_runs_the_model_in_the_worker_and_is_recorded_once,
     remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call
         => a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call,
+    remote_generate_with_tools_reads_directly_and_writes_once
+        => generate_with_tools_reads_directly_and_writes_once,
 }
 
 /// The TypeScript SDK's own tests (`node --test`, real sockets), against

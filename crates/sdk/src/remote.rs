@@ -431,6 +431,7 @@ impl RemoteKind {
             client: self.client.clone(),
             dedupes,
             kind: ctx.kind().to_string(),
+            wrapped: true,
         }))
         .map_err(|e| Error::terminal(format!("tool `{tool}`: {e}")))?;
         let tb = Arc::new(tb);
@@ -521,8 +522,10 @@ impl RemoteKind {
         Ok(())
     }
 
-    /// Runs a `generate` op: one model conversation (no tools) with the
-    /// worker's agent runtime, its transcript journaled under the step.
+    /// Runs a `generate` op: one model conversation with the worker's agent
+    /// runtime, its transcript journaled under the step, offered the
+    /// service's tools the op names (reads called directly, writes through
+    /// the ledger as an effect).
     async fn generate(&self, ctx: &Ctx, id: &str, op: &Value) -> Result<Value, Error> {
         let prompt = op["prompt"]
             .as_str()
@@ -533,11 +536,93 @@ impl RemoteKind {
         if let Some(schema) = op.get("schema").filter(|s| s.is_object()) {
             spec = spec.schema(schema.clone());
         }
+        let toolbox = match op.get("tools").filter(|t| !t.is_null()) {
+            Some(tools) => {
+                let (tb, names) = self.model_tools(ctx, tools).await?;
+                spec.tools = names;
+                Some(tb)
+            }
+            None => None,
+        };
         let out = tokio::select! {
-            r = crate::agent::run(ctx.job(), ctx.threads(), id, generator, None, &spec) => r?,
+            r = crate::agent::run(ctx.job(), ctx.threads(), id, generator, toolbox, &spec) => r?,
             _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
         };
         Ok(json!({"text": out.text, "json": out.json, "model_calls": out.model_calls}))
+    }
+
+    /// The toolbox of a `generate` op's `tools`: `[{name, kind: read|write,
+    /// description?, schema?, timeout_ms?, dedupes_by_key?}]`, each a tool
+    /// of the service the model may call.
+    async fn model_tools(
+        &self,
+        ctx: &Ctx,
+        tools: &Value,
+    ) -> Result<(Arc<Toolbox>, Vec<String>), Error> {
+        let list = tools
+            .as_array()
+            .ok_or_else(|| protocol("bad_answer: a `generate` op's `tools` is a list"))?;
+        let writes = list.iter().any(|t| t["kind"] == "write");
+        let ledger = if writes {
+            Some(
+                self.ledger
+                    .get_or_try_init(|| ctx.effects_ledger())
+                    .await?
+                    .clone(),
+            )
+        } else {
+            None
+        };
+        let mut tb = Toolbox::new(ledger, Arc::new(NoEvents));
+        let mut names = Vec::new();
+        for t in list {
+            let name = t["name"]
+                .as_str()
+                .filter(|n| !n.is_empty() && !n.contains('/'))
+                .ok_or_else(|| protocol("bad_answer: a generate tool needs a `name` (no `/`)"))?;
+            let kind = match t["kind"].as_str() {
+                Some("read") => ToolKind::Read,
+                Some("write") => ToolKind::Write,
+                other => {
+                    return Err(protocol(format!(
+                        "bad_answer: generate tool `{name}`: `kind` is {other:?}, not read or write"
+                    )))
+                }
+            };
+            let schema = match t.get("schema") {
+                None | Some(Value::Null) => json!({"type": "object"}),
+                Some(s) if s.is_object() => s.clone(),
+                Some(_) => {
+                    return Err(protocol(format!(
+                        "bad_answer: generate tool `{name}`: `schema` is not an object"
+                    )))
+                }
+            };
+            let timeout = t["timeout_ms"]
+                .as_u64()
+                .map(Duration::from_millis)
+                .unwrap_or(Duration::from_secs(10))
+                .min(self.client.cfg.timeout);
+            tb.register(Arc::new(RemoteTool {
+                spec: ToolSpec {
+                    name: name.to_string(),
+                    description: t["description"]
+                        .as_str()
+                        .map(String::from)
+                        .unwrap_or_else(|| format!("`{name}` of the remote kind's service")),
+                    kind,
+                    schema,
+                    timeout,
+                },
+                client: self.client.clone(),
+                dedupes: t["dedupes_by_key"].as_bool().unwrap_or(false),
+                kind: ctx.kind().to_string(),
+                wrapped: false,
+            }))
+            .map_err(|e| protocol(format!("bad_answer: generate tool `{name}`: {e}")))?;
+            names.push(name.to_string());
+        }
+        Ok((Arc::new(tb), names))
     }
 
     /// Runs an `effect` op's tool call through the ledger.
@@ -787,6 +872,21 @@ struct RemoteTool {
     /// The remote kind whose service named the tool: its business keys are
     /// its own (another kind's service never sees, nor suppresses, them).
     kind: String,
+    /// The call's arguments are an effect's `{"args", "business_key"}`;
+    /// otherwise (a tool the model calls in a `generate`) the model's
+    /// arguments themselves, with no business key.
+    wrapped: bool,
+}
+
+impl RemoteTool {
+    /// The service's `args` and `business_key` of one call.
+    fn parts<'a>(&self, args: &'a Value) -> (&'a Value, &'a Value) {
+        if self.wrapped {
+            (&args["args"], &args["business_key"])
+        } else {
+            (args, &Value::Null)
+        }
+    }
 }
 
 fn tool_error(e: CallError) -> ToolError {
@@ -821,14 +921,15 @@ impl Tool for RemoteTool {
         ctx: &'a ExecCtx,
     ) -> BoxFuture<'a, Result<Value, ToolError>> {
         Box::pin(async move {
+            let (call_args, business_key) = self.parts(args);
             let body = json!({
                 "protocol": PROTOCOL,
                 "type": "tool",
                 "tool": self.spec.name,
                 "job": {"id": ctx.job_id, "epoch": ctx.epoch},
                 "step": ctx.step_id,
-                "args": args["args"],
-                "business_key": args["business_key"],
+                "args": call_args,
+                "business_key": business_key,
                 "idempotency_key": ctx.idempotency_key,
             });
             let path = format!("/tools/{}", self.spec.name);
@@ -846,19 +947,21 @@ impl Tool for RemoteTool {
         self.dedupes
     }
     fn business_key(&self, _job: &str, args: &Value) -> Option<String> {
-        args["business_key"]
+        self.parts(args)
+            .1
             .as_str()
             .filter(|k| !k.is_empty())
             .map(|k| format!("{}:{}:{k}", self.kind, self.spec.name))
     }
     fn find_existing<'a>(&'a self, key: &'a str, args: &'a Value) -> BoxFuture<'a, Reconcile> {
         Box::pin(async move {
+            let (call_args, business_key) = self.parts(args);
             let body = json!({
                 "protocol": PROTOCOL,
                 "type": "find_existing",
                 "tool": self.spec.name,
-                "args": args["args"],
-                "business_key": args["business_key"],
+                "args": call_args,
+                "business_key": business_key,
                 "idempotency_key": key,
             });
             let path = format!("/tools/{}/find_existing", self.spec.name);

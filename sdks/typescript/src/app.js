@@ -105,8 +105,9 @@ function opOfError(e) {
  * `park` return what the journal recorded, and the first one that is not
  * recorded decides the call's answer. */
 export class Ctx {
-  constructor(job, entries, version) {
+  constructor(job, entries, version, tools = new Map()) {
     this.job = job;
+    this._tools = tools;
     this._entries = entries;
     this._pos = 0;
     this._occurrences = new Map();
@@ -224,7 +225,22 @@ export class Ctx {
       model: opts.model ?? "main",
     };
     if (opts.schema !== undefined && opts.schema !== null) op.schema = opts.schema;
+    if (opts.tools && opts.tools.length) op.tools = opts.tools.map((t) => this._toolSpec(t));
     return this._answer(op);
+  }
+
+  /** What a `generate` tells the worker of the app's tool `name`. */
+  _toolSpec(name) {
+    const t = this._tools.get(name);
+    if (!t) {
+      this._answer(opOfError(new TypeError(`generate: no tool \`${name}\` on this app (it has ${[...this._tools.keys()].sort().join(", ") || "none"})`)));
+    }
+    const spec = { name: t.name, kind: t.read ? "read" : "write" };
+    if (t.description) spec.description = t.description;
+    if (t.schema !== undefined && t.schema !== null) spec.schema = t.schema;
+    if (t.timeoutMs !== undefined && t.timeoutMs !== null) spec.timeout_ms = t.timeoutMs;
+    if (t.dedupesByKey) spec.dedupes_by_key = true;
+    return spec;
   }
 
   /** Stops for a person; resolves to their answer once the job is resumed
@@ -245,10 +261,18 @@ function never() {
 
 /** A write tool the worker calls through its ledger. */
 export class Tool {
-  constructor(name, fn) {
+  constructor(name, fn, opts = {}) {
     this.name = name;
     this.fn = fn;
     this.find = null;
+    /** A read (changes nothing: called directly, maybe more than once)
+     * rather than a write (through the ledger, once ever). */
+    this.read = Boolean(opts.read);
+    /** What a `generate` offering the tool tells the model and the worker. */
+    this.description = opts.description ?? "";
+    this.schema = opts.schema ?? null;
+    this.timeoutMs = opts.timeoutMs ?? null;
+    this.dedupesByKey = Boolean(opts.dedupesByKey);
   }
 
   /** Registers the lookup asked before any retry of an effect whose
@@ -299,7 +323,7 @@ export class App {
    * Tool (`.findExisting(fn)` registers its lookup). */
   tool(name, fn, opts = {}) {
     if (typeof fn !== "function") throw new TypeError(`tool \`${name}\`: a function is required`);
-    const t = new Tool(String(name), fn);
+    const t = new Tool(String(name), fn, opts);
     if (opts.findExisting) t.findExisting(opts.findExisting);
     this.tools.set(t.name, t);
     return t;
@@ -336,7 +360,7 @@ export class App {
     }
     const { entries, cursor } = this._journal(job, journal);
     if (cursor !== null) return [200, { protocol: PROTOCOL, op: "journal", from: cursor }];
-    const ctx = new Ctx(job, entries, this.version);
+    const ctx = new Ctx(job, entries, this.version, this.tools);
     const run = (async () => fn(ctx))().then(
       (output) => ({ output }),
       (err) => ({ err }),

@@ -272,3 +272,22 @@ test("a catch around the answering operation changes nothing: the call's answer 
   assert.deepEqual([op.op, op.id, op.result], ["step", "a#0", 1]);
   assert.deepEqual(after, [false], "the unwinding is not an Error, and the later step never ran");
 });
+
+test("generate offers the named tools with what the model and the worker need; an unknown one is the kind's bug", async () => {
+  const app = new App();
+  app.tool("lookup", (args) => args, { read: true, description: "Find it.", schema: { type: "object", required: ["q"] } });
+  app.tool("file", () => null, { timeoutMs: 2000, dedupesByKey: true });
+  app.kind("k", (ctx) => ctx.generate("go", { tools: ["lookup", "file"] }));
+  app.kind("bad", (ctx) => ctx.generate("go", { tools: ["nope"] }));
+  let [, op] = await app.invoke(call());
+  assert.equal(op.op, "generate");
+  assert.deepEqual(op.tools, [
+    { name: "lookup", kind: "read", description: "Find it.", schema: { type: "object", required: ["q"] } },
+    { name: "file", kind: "write", timeout_ms: 2000, dedupes_by_key: true },
+  ]);
+  [, op] = await app.invoke(call([{ index: 0, id: "generate:generate#0", result: { text: "t", json: null, model_calls: 2 } }], { job: { id: "j-r" } }));
+  assert.deepEqual(op.output, { text: "t", json: null, model_calls: 2 });
+  [, op] = await app.invoke(call([], { job: { kind: "bad" } }));
+  assert.equal(op.op, "retry");
+  assert.match(op.message, /no tool `nope`/);
+});
