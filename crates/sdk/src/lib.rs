@@ -211,6 +211,9 @@ impl Handler for KindHandler {
                 message,
             }),
             Err(Error::Retryable(m)) => Err(HandlerError::retryable(m)),
+            Err(Error::RetryAfter { message, after }) => {
+                Err(HandlerError::retryable(message).with_retry_after(after))
+            }
             Err(Error::Terminal(m)) => Err(HandlerError::terminal(m)),
             Err(Error::BudgetExhausted(m)) => {
                 Err(HandlerError::budget_exhausted(m).with_partial(partial(report)))

@@ -109,20 +109,44 @@ impl RemoteConfig {
 
     /// The remote kinds of a worker's options (`--remote-kind NAME=URL`),
     /// with `LH_REMOTE_TOKEN` and `LH_REMOTE_HMAC_SECRET` from the
-    /// environment.
+    /// environment, or the variables a kind names for itself
+    /// (`NAME=URL;token=VAR;secret=VAR`).
     pub fn from_options(opts: &crate::Options) -> Result<Vec<(String, RemoteConfig)>, String> {
-        let token = std::env::var("LH_REMOTE_TOKEN")
-            .ok()
-            .filter(|s| !s.is_empty());
-        let secret = std::env::var("LH_REMOTE_HMAC_SECRET")
-            .ok()
-            .filter(|s| !s.is_empty());
+        Self::from_options_with(opts, |k| std::env::var(k).ok())
+    }
+
+    /// [`RemoteConfig::from_options`] reading variables with `var`.
+    ///
+    /// A kind's spec is `NAME=URL`, optionally followed by `;token=VAR`
+    /// and `;secret=VAR`: the names of the environment variables holding
+    /// that kind's bearer token and signing secret (the values are never
+    /// on the command line). A kind that names none uses
+    /// `LH_REMOTE_TOKEN` / `LH_REMOTE_HMAC_SECRET`; a named variable that
+    /// is unset or empty is an error, not a kind served without it.
+    ///
+    /// ```
+    /// let mut o = leasehold::Options::local("nats://127.0.0.1:4222", "lh");
+    /// o.remote_kinds = vec!["invoice=http://a:9000/;secret=INVOICE_SECRET".into()];
+    /// let kinds = leasehold::RemoteConfig::from_options_with(&o, |k| {
+    ///     (k == "INVOICE_SECRET").then(|| "s3cret".to_string())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(kinds[0].1.hmac_secret.as_deref(), Some("s3cret"));
+    /// ```
+    pub fn from_options_with(
+        opts: &crate::Options,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Vec<(String, RemoteConfig)>, String> {
+        let read = |k: &str| var(k).filter(|s| !s.is_empty());
+        let token = read("LH_REMOTE_TOKEN");
+        let secret = read("LH_REMOTE_HMAC_SECRET");
         let mut out = Vec::new();
         for spec in opts.remote_kinds.iter().filter(|s| !s.trim().is_empty()) {
-            let (name, url) = spec.split_once('=').ok_or_else(|| {
+            let (name, rest) = spec.split_once('=').ok_or_else(|| {
                 format!("--remote-kind {spec:?}: expected NAME=URL, e.g. invoice=http://127.0.0.1:9000/")
             })?;
-            let (name, url) = (name.trim(), url.trim());
+            let mut parts = rest.split(';');
+            let (name, url) = (name.trim(), parts.next().unwrap_or("").trim());
             if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
                 return Err(format!(
                     "--remote-kind {spec:?}: expected NAME=URL with an http(s) URL"
@@ -134,6 +158,32 @@ impl RemoteConfig {
             let mut cfg = RemoteConfig::new(url);
             cfg.token = token.clone();
             cfg.hmac_secret = secret.clone();
+            for part in parts.map(str::trim).filter(|p| !p.is_empty()) {
+                let (key, name_of_var) = part.split_once('=').unwrap_or((part, ""));
+                let valid = !name_of_var.is_empty()
+                    && name_of_var
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_');
+                if !valid {
+                    return Err(format!(
+                        "--remote-kind {name}: `{part}` is not `token=VAR` or `secret=VAR` (VAR: the name of an environment variable)"
+                    ));
+                }
+                let value = || {
+                    read(name_of_var).ok_or_else(|| {
+                        format!("--remote-kind {name}: {key}={name_of_var}, but {name_of_var} is not set (or empty)")
+                    })
+                };
+                match key {
+                    "token" => cfg.token = Some(value()?),
+                    "secret" => cfg.hmac_secret = Some(value()?),
+                    other => {
+                        return Err(format!(
+                        "--remote-kind {name}: unknown setting `{other}` (token=VAR, secret=VAR)"
+                    ))
+                    }
+                }
+            }
             cfg.timeout = opts.remote_timeout;
             cfg.page = opts.remote_journal_page;
             cfg.max_body = opts.remote_max_body;
@@ -381,6 +431,7 @@ impl RemoteKind {
             client: self.client.clone(),
             dedupes,
             kind: ctx.kind().to_string(),
+            wrapped: true,
         }))
         .map_err(|e| Error::terminal(format!("tool `{tool}`: {e}")))?;
         let tb = Arc::new(tb);
@@ -471,8 +522,10 @@ impl RemoteKind {
         Ok(())
     }
 
-    /// Runs a `generate` op: one model conversation (no tools) with the
-    /// worker's agent runtime, its transcript journaled under the step.
+    /// Runs a `generate` op: one model conversation with the worker's agent
+    /// runtime, its transcript journaled under the step, offered the
+    /// service's tools the op names (reads called directly, writes through
+    /// the ledger as an effect).
     async fn generate(&self, ctx: &Ctx, id: &str, op: &Value) -> Result<Value, Error> {
         let prompt = op["prompt"]
             .as_str()
@@ -483,11 +536,93 @@ impl RemoteKind {
         if let Some(schema) = op.get("schema").filter(|s| s.is_object()) {
             spec = spec.schema(schema.clone());
         }
+        let toolbox = match op.get("tools").filter(|t| !t.is_null()) {
+            Some(tools) => {
+                let (tb, names) = self.model_tools(ctx, tools).await?;
+                spec.tools = names;
+                Some(tb)
+            }
+            None => None,
+        };
         let out = tokio::select! {
-            r = crate::agent::run(ctx.job(), ctx.threads(), id, generator, None, &spec) => r?,
+            r = crate::agent::run(ctx.job(), ctx.threads(), id, generator, toolbox, &spec) => r?,
             _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
         };
         Ok(json!({"text": out.text, "json": out.json, "model_calls": out.model_calls}))
+    }
+
+    /// The toolbox of a `generate` op's `tools`: `[{name, kind: read|write,
+    /// description?, schema?, timeout_ms?, dedupes_by_key?}]`, each a tool
+    /// of the service the model may call.
+    async fn model_tools(
+        &self,
+        ctx: &Ctx,
+        tools: &Value,
+    ) -> Result<(Arc<Toolbox>, Vec<String>), Error> {
+        let list = tools
+            .as_array()
+            .ok_or_else(|| protocol("bad_answer: a `generate` op's `tools` is a list"))?;
+        let writes = list.iter().any(|t| t["kind"] == "write");
+        let ledger = if writes {
+            Some(
+                self.ledger
+                    .get_or_try_init(|| ctx.effects_ledger())
+                    .await?
+                    .clone(),
+            )
+        } else {
+            None
+        };
+        let mut tb = Toolbox::new(ledger, Arc::new(NoEvents));
+        let mut names = Vec::new();
+        for t in list {
+            let name = t["name"]
+                .as_str()
+                .filter(|n| !n.is_empty() && !n.contains('/'))
+                .ok_or_else(|| protocol("bad_answer: a generate tool needs a `name` (no `/`)"))?;
+            let kind = match t["kind"].as_str() {
+                Some("read") => ToolKind::Read,
+                Some("write") => ToolKind::Write,
+                other => {
+                    return Err(protocol(format!(
+                        "bad_answer: generate tool `{name}`: `kind` is {other:?}, not read or write"
+                    )))
+                }
+            };
+            let schema = match t.get("schema") {
+                None | Some(Value::Null) => json!({"type": "object"}),
+                Some(s) if s.is_object() => s.clone(),
+                Some(_) => {
+                    return Err(protocol(format!(
+                        "bad_answer: generate tool `{name}`: `schema` is not an object"
+                    )))
+                }
+            };
+            let timeout = t["timeout_ms"]
+                .as_u64()
+                .map(Duration::from_millis)
+                .unwrap_or(Duration::from_secs(10))
+                .min(self.client.cfg.timeout);
+            tb.register(Arc::new(RemoteTool {
+                spec: ToolSpec {
+                    name: name.to_string(),
+                    description: t["description"]
+                        .as_str()
+                        .map(String::from)
+                        .unwrap_or_else(|| format!("`{name}` of the remote kind's service")),
+                    kind,
+                    schema,
+                    timeout,
+                },
+                client: self.client.clone(),
+                dedupes: t["dedupes_by_key"].as_bool().unwrap_or(false),
+                kind: ctx.kind().to_string(),
+                wrapped: false,
+            }))
+            .map_err(|e| protocol(format!("bad_answer: generate tool `{name}`: {e}")))?;
+            names.push(name.to_string());
+        }
+        Ok((Arc::new(tb), names))
     }
 
     /// Runs an `effect` op's tool call through the ledger.
@@ -698,13 +833,14 @@ impl Kind for RemoteKind {
                     ))
                 }
                 "retry" => {
-                    let delay = op["delay_ms"].as_u64().unwrap_or(0).min(30_000);
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(delay)) => {}
-                        _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
-                    }
-                    return Err(Error::retryable(
+                    // The attempt ends now; the job waits queued for the
+                    // delay (no slot held), up to the longest delay a job
+                    // may have.
+                    let delay = Duration::from_millis(op["delay_ms"].as_u64().unwrap_or(0))
+                        .min(leasehold_core::spec::MAX_DELAY);
+                    return Err(Error::retry_after(
                         op["message"].as_str().unwrap_or("retry asked by the service"),
+                        delay,
                     ));
                 }
                 "journal_mismatch" => {
@@ -736,6 +872,21 @@ struct RemoteTool {
     /// The remote kind whose service named the tool: its business keys are
     /// its own (another kind's service never sees, nor suppresses, them).
     kind: String,
+    /// The call's arguments are an effect's `{"args", "business_key"}`;
+    /// otherwise (a tool the model calls in a `generate`) the model's
+    /// arguments themselves, with no business key.
+    wrapped: bool,
+}
+
+impl RemoteTool {
+    /// The service's `args` and `business_key` of one call.
+    fn parts<'a>(&self, args: &'a Value) -> (&'a Value, &'a Value) {
+        if self.wrapped {
+            (&args["args"], &args["business_key"])
+        } else {
+            (args, &Value::Null)
+        }
+    }
 }
 
 fn tool_error(e: CallError) -> ToolError {
@@ -770,14 +921,15 @@ impl Tool for RemoteTool {
         ctx: &'a ExecCtx,
     ) -> BoxFuture<'a, Result<Value, ToolError>> {
         Box::pin(async move {
+            let (call_args, business_key) = self.parts(args);
             let body = json!({
                 "protocol": PROTOCOL,
                 "type": "tool",
                 "tool": self.spec.name,
                 "job": {"id": ctx.job_id, "epoch": ctx.epoch},
                 "step": ctx.step_id,
-                "args": args["args"],
-                "business_key": args["business_key"],
+                "args": call_args,
+                "business_key": business_key,
                 "idempotency_key": ctx.idempotency_key,
             });
             let path = format!("/tools/{}", self.spec.name);
@@ -795,19 +947,21 @@ impl Tool for RemoteTool {
         self.dedupes
     }
     fn business_key(&self, _job: &str, args: &Value) -> Option<String> {
-        args["business_key"]
+        self.parts(args)
+            .1
             .as_str()
             .filter(|k| !k.is_empty())
             .map(|k| format!("{}:{}:{k}", self.kind, self.spec.name))
     }
     fn find_existing<'a>(&'a self, key: &'a str, args: &'a Value) -> BoxFuture<'a, Reconcile> {
         Box::pin(async move {
+            let (call_args, business_key) = self.parts(args);
             let body = json!({
                 "protocol": PROTOCOL,
                 "type": "find_existing",
                 "tool": self.spec.name,
-                "args": args["args"],
-                "business_key": args["business_key"],
+                "args": call_args,
+                "business_key": business_key,
                 "idempotency_key": key,
             });
             let path = format!("/tools/{}/find_existing", self.spec.name);
@@ -833,6 +987,67 @@ impl Tool for RemoteTool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_kind_may_name_its_own_token_and_secret_variables() {
+        let mut o = crate::Options::local("nats://127.0.0.1:4222", "lh");
+        o.remote_kinds = vec![
+            "a=http://a:1/;token=A_TOKEN;secret=A_SECRET".into(),
+            "b=http://b:2/ ; secret=B_SECRET".into(),
+            "c=http://c:3/".into(),
+        ];
+        let env = |k: &str| {
+            match k {
+                "A_TOKEN" => Some("ta"),
+                "A_SECRET" => Some("value-of-a-secret"),
+                "B_SECRET" => Some("sb"),
+                "LH_REMOTE_TOKEN" => Some("t-default"),
+                "LH_REMOTE_HMAC_SECRET" => Some("s-default"),
+                "EMPTY" => Some(""),
+                _ => None,
+            }
+            .map(String::from)
+        };
+        let kinds = RemoteConfig::from_options_with(&o, env).unwrap();
+        let got: Vec<(&str, &str, Option<&str>, Option<&str>)> = kinds
+            .iter()
+            .map(|(n, c)| {
+                (
+                    n.as_str(),
+                    c.url.as_str(),
+                    c.token.as_deref(),
+                    c.hmac_secret.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("a", "http://a:1", Some("ta"), Some("value-of-a-secret")),
+                ("b", "http://b:2", Some("t-default"), Some("sb")),
+                ("c", "http://c:3", Some("t-default"), Some("s-default")),
+            ]
+        );
+        for (spec, why) in [
+            ("a=http://a:1/;secret=UNSET", "UNSET is not set"),
+            ("a=http://a:1/;secret=EMPTY", "EMPTY is not set"),
+            (
+                "a=http://a:1/;password=A_SECRET",
+                "unknown setting `password`",
+            ),
+            (
+                "a=http://a:1/;secret=",
+                "is not `token=VAR` or `secret=VAR`",
+            ),
+            ("a=http://a:1/;secret=$A_SECRET", "is not `token=VAR`"),
+            ("a=http://a:1/;token", "is not `token=VAR`"),
+        ] {
+            o.remote_kinds = vec![spec.into()];
+            let e = RemoteConfig::from_options_with(&o, env).unwrap_err();
+            assert!(e.contains(why), "{spec}: {e}");
+            assert!(!e.contains("value-of"), "no secret in the message: {e}");
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -135,7 +135,8 @@ pub struct Options {
     /// (docs/protocol.md): `NAME=URL`, repeated or comma-separated
     /// (`--remote-kind invoice=http://127.0.0.1:9000/`). They are served
     /// beside `--kinds`. The service's bearer token and signing secret are
-    /// read from `LH_REMOTE_TOKEN` and `LH_REMOTE_HMAC_SECRET` only.
+    /// read from `LH_REMOTE_TOKEN` and `LH_REMOTE_HMAC_SECRET` only, or
+    /// from the variables a kind names (`NAME=URL;token=VAR;secret=VAR`).
     #[arg(long = "remote-kind", env = "LH_REMOTE_KINDS", value_delimiter = ',')]
     pub remote_kinds: Vec<String>,
     /// The longest one call to a remote kind's service may take.

@@ -58,6 +58,9 @@ pub struct HandlerError {
     /// budget-exhausted research job's partial report): kept as the
     /// record's `result` (with `partial: true`) of the job that ends.
     pub partial: Option<Box<JobResult>>,
+    /// The least delay before the next attempt of a retryable error (the
+    /// retry policy's backoff when longer): the job waits queued.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl HandlerError {
@@ -66,6 +69,7 @@ impl HandlerError {
             class,
             message: m.into(),
             partial: None,
+            retry_after: None,
         }
     }
     pub fn retryable(m: impl Into<String>) -> Self {
@@ -83,6 +87,11 @@ impl HandlerError {
     /// The same error, carrying what the attempt produced before it stopped.
     pub fn with_partial(mut self, partial: Option<Box<JobResult>>) -> Self {
         self.partial = partial;
+        self
+    }
+    /// The same error, retried not before `after`.
+    pub fn with_retry_after(mut self, after: std::time::Duration) -> Self {
+        self.retry_after = Some(after);
         self
     }
     pub fn class_name(&self) -> &'static str {

@@ -119,6 +119,48 @@ class Tools(unittest.TestCase):
         self.assertEqual((st, out["error"]["code"]), (400, "bad_request"))
 
 
+class GenerateWithTools(unittest.TestCase):
+    def test_the_op_offers_the_named_tools_with_what_the_model_and_worker_need(self):
+        a = App()
+
+        @a.tool("lookup", read=True, description="Find it.", schema={"type": "object", "required": ["q"]})
+        def lookup(args, call):
+            return {"q": args["q"]}
+
+        @a.tool("file", timeout_ms=2000, dedupes_by_key=True)
+        def file(args, call):
+            return None
+
+        @a.kind("g")
+        def g(ctx):
+            return ctx.generate("go", tools=["lookup", "file"])
+
+        @a.kind("bad")
+        def bad(ctx):
+            return ctx.generate("go", tools=["nope"])
+
+        def call(kind, entries=()):
+            body = {"protocol": 1, "type": "invoke", "job": {"id": kind, "kind": kind, "input": {}, "epoch": 1}, "journal": {"from": 0, "total": len(entries), "entries": list(entries)}}
+            return a.invoke(body)[1]
+
+        op = call("g")
+        self.assertEqual(op["op"], "generate")
+        self.assertEqual(
+            op["tools"],
+            [
+                {"name": "lookup", "kind": "read", "description": "Find it.", "schema": {"type": "object", "required": ["q"]}},
+                {"name": "file", "kind": "write", "timeout_ms": 2000, "dedupes_by_key": True},
+            ],
+        )
+        # Recorded: replayed without asking (no tools needed then).
+        out = call("g", [e(0, "generate:generate#0", {"text": "t", "json": None, "model_calls": 2})])
+        self.assertEqual(out["output"]["model_calls"], 2)
+        # A tool the app does not have is the kind's bug: retried, named.
+        op = call("bad")
+        self.assertEqual(op["op"], "retry")
+        self.assertIn("no tool `nope`", op["message"])
+
+
 class Signature(unittest.TestCase):
     def test_the_workers_signature_is_checked_with_its_time(self):
         body = b'{"protocol":1}'

@@ -770,10 +770,14 @@ impl Attempt {
         let at = leasehold_core::time::rfc3339(SystemTime::now());
         let retry = err.class == ErrorClass::Retryable && policy.allows_another(failed);
         if retry {
-            let delay = policy.delay(rec.attempts, &mut rand::thread_rng());
+            // A delay the handler asked for (a remote kind's `retry` op) is
+            // the least one; the backoff stands when it is longer.
+            let delay = policy
+                .delay(rec.attempts, &mut rand::thread_rng())
+                .max(err.retry_after.unwrap_or_default());
             self.publish_event(
                 "retry",
-                json!({"scope": "job", "reason": err.message, "eligible": true, "retained": "completed checkpoints", "attempt": failed, "budget_left": policy.max_attempts - failed, "delay_ms": delay.as_millis() as u64}),
+                json!({"scope": "job", "reason": err.message, "eligible": true, "retained": "completed checkpoints", "attempt": failed, "budget_left": policy.max_attempts - failed, "delay_ms": delay.as_millis() as u64, "asked_delay_ms": err.retry_after.map(|d| d.as_millis() as u64)}),
                 None,
             )
             .await;

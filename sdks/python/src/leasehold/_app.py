@@ -18,8 +18,9 @@ class Fail(Exception):
 
 
 class Retry(Exception):
-    """Ends this attempt; the worker retries the job (after ``delay_ms``
-    at least, then with the job's backoff)."""
+    """Ends this attempt at once; the worker retries the job after
+    ``delay_ms`` at least (the job waits queued, holding no slot, however
+    long), or after the job's backoff when that is longer."""
 
     def __init__(self, message: str, delay_ms: int = 0) -> None:
         super().__init__(message)
@@ -106,8 +107,15 @@ class Ctx:
     recorded ends the call with it.
     """
 
-    def __init__(self, job: Job, entries: List[Dict[str, JSON]], version: str) -> None:
+    def __init__(
+        self,
+        job: Job,
+        entries: List[Dict[str, JSON]],
+        version: str,
+        tools: Optional[Dict[str, "Tool"]] = None,
+    ) -> None:
         self.job = job
+        self._tools = tools or {}
         self._entries = entries
         self._pos = 0
         self._occurrences: Dict[str, int] = {}
@@ -201,20 +209,45 @@ class Ctx:
         model: str = "main",
         schema: Optional[Dict[str, JSON]] = None,
         name: str = "generate",
+        tools: Optional[List[str]] = None,
     ) -> Dict[str, JSON]:
         """A model call run by the worker with its agent runtime
         (generation retries, the breaker, the fallback model, budgets, the
         transcript journal: a kill -9 repeats at most the call in flight),
         recorded as a step ``generate:<name>#n``. Returns ``{"text",
-        "json" (with ``schema``: the validated answer), "model_calls"}``."""
+        "json" (with ``schema``: the validated answer), "model_calls"}``.
+
+        ``tools``: names of this app's tools the model may call. The worker
+        runs a read tool (``@app.tool(name, read=True)``) by calling this
+        service's ``/tools/{name}``, and a write tool through its effects
+        ledger exactly as :meth:`effect` (once ever, reconciled with its
+        ``find_existing``)."""
         sid = self._id(f"generate:{name}")
         hit, value, i = self._replay(sid)
         if hit:
             return value
+        offered = [self._tool_spec(t) for t in (tools or [])]
         op: Dict[str, JSON] = {"op": "generate", "index": i, "id": sid, "prompt": prompt, "system": system, "model": model}
         if schema is not None:
             op["schema"] = schema
+        if offered:
+            op["tools"] = offered
         raise _Answer(op)
+
+    def _tool_spec(self, name: str) -> Dict[str, JSON]:
+        t = self._tools.get(name)
+        if t is None:
+            raise ValueError(f"generate: no tool `{name}` on this app (it has {sorted(self._tools)})")
+        spec: Dict[str, JSON] = {"name": t.name, "kind": "read" if t.read else "write"}
+        if t.description:
+            spec["description"] = t.description
+        if t.schema is not None:
+            spec["schema"] = t.schema
+        if t.timeout_ms is not None:
+            spec["timeout_ms"] = t.timeout_ms
+        if t.dedupes_by_key:
+            spec["dedupes_by_key"] = True
+        return spec
 
     def park(self, reason: str, question: str) -> JSON:
         """Stops for a person; returns their answer once the job is resumed
@@ -242,6 +275,15 @@ class Tool:
     name: str
     fn: ToolFn
     find: Optional[FindFn] = None
+    #: A read (no effect on the world: called directly, maybe more than
+    #: once) rather than a write (through the ledger, once ever).
+    read: bool = False
+    #: What the model is told of the tool (``generate``'s ``tools``).
+    description: str = ""
+    #: JSON Schema of the arguments the model gives it.
+    schema: Optional[Dict[str, JSON]] = None
+    timeout_ms: Optional[int] = None
+    dedupes_by_key: bool = False
 
     def find_existing(self, fn: FindFn) -> FindFn:
         """Registers the lookup asked before any retry of an effect whose
@@ -275,13 +317,25 @@ class App:
 
         return register
 
-    def tool(self, name: str) -> Callable[[ToolFn], Tool]:
-        """Registers a write tool: ``@app.tool("create_invoice")``; the
-        function gets the arguments and a :class:`ToolCall` (send its
-        ``idempotency_key`` to the destination)."""
+    def tool(
+        self,
+        name: str,
+        read: bool = False,
+        description: str = "",
+        schema: Optional[Dict[str, JSON]] = None,
+        timeout_ms: Optional[int] = None,
+        dedupes_by_key: bool = False,
+    ) -> Callable[[ToolFn], Tool]:
+        """Registers a tool: ``@app.tool("create_invoice")``; the function
+        gets the arguments and a :class:`ToolCall` (send its
+        ``idempotency_key`` to the destination). A write by default;
+        ``read=True`` for one that changes nothing (a model may call it
+        directly, more than once). ``description``, ``schema`` (of the
+        arguments), ``timeout_ms`` and ``dedupes_by_key`` are what a
+        ``generate`` offering the tool tells the model and the worker."""
 
         def register(fn: ToolFn) -> Tool:
-            t = Tool(name, fn)
+            t = Tool(name, fn, read=read, description=description, schema=schema, timeout_ms=timeout_ms, dedupes_by_key=dedupes_by_key)
             self.tools[name] = t
             return t
 
@@ -333,7 +387,7 @@ class App:
         entries, cursor = self._journal(job, journal)
         if cursor is not None:
             return 200, {"protocol": PROTOCOL, "op": "journal", "from": cursor}
-        ctx = Ctx(job, entries, self.version)
+        ctx = Ctx(job, entries, self.version, self.tools)
         try:
             output = fn(ctx)
             op: Dict[str, JSON] = {"op": "complete", "output": output}
