@@ -165,28 +165,71 @@ impl FlowStore {
         rec: &LeaseRecord,
         revision: u64,
     ) -> Result<u64, LeaseError> {
-        let key = format!("lease.{id}");
-        let v: bytes::Bytes = serde_json::to_vec(rec).expect("lease serializes").into();
-        let r = if revision == 0 {
-            self.flow.create(&key, v).await.map_err(|err| {
+        let v = serde_json::to_vec(rec).expect("lease serializes").into();
+        self.write_at(&format!("lease.{id}"), v, revision, "write lease")
+            .await
+    }
+
+    /// Writes `v` at `key` only if the key is still at `revision` (0:
+    /// absent, or removed): a lost race is a [`LeaseError::Conflict`],
+    /// judged by the error's kind (and the server's code), never its text.
+    async fn write_at(
+        &self,
+        key: &str,
+        v: bytes::Bytes,
+        revision: u64,
+        what: &'static str,
+    ) -> Result<u64, LeaseError> {
+        if revision == 0 {
+            self.flow.create(key, v).await.map_err(|err| {
                 if err.kind() == kv::CreateErrorKind::AlreadyExists {
                     LeaseError::Conflict
                 } else {
-                    LeaseError::Store(StoreError::nats("write lease", err))
+                    LeaseError::Store(StoreError::nats(what, err))
                 }
             })
         } else {
-            self.flow.update(&key, v, revision).await.map_err(|err| {
+            self.flow.update(key, v, revision).await.map_err(|err| {
                 if err.kind() == kv::UpdateErrorKind::WrongLastRevision
                     || crate::is_wrong_last_sequence(&err)
                 {
                     LeaseError::Conflict
                 } else {
-                    LeaseError::Store(StoreError::nats("write lease", err))
+                    LeaseError::Store(StoreError::nats(what, err))
                 }
             })
-        };
-        r
+        }
+    }
+
+    /// Writes `new` at `key` unless the value there `stands` (then
+    /// `false`, nothing written), conditioned on the revision read: a
+    /// write that lost a race reads again and decides again (five times).
+    async fn write_unless<T: Serialize + serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+        new: &T,
+        stands: impl Fn(&T) -> bool,
+        what: &'static str,
+    ) -> Result<bool, StoreError> {
+        let v: bytes::Bytes = serde_json::to_vec(new).expect("value serializes").into();
+        for _ in 0..5 {
+            let (current, revision) = match self.flow.entry(key).await {
+                Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                    (serde_json::from_slice::<T>(&e.value).ok(), e.revision)
+                }
+                Ok(_) => (None, 0),
+                Err(e) => return Err(StoreError::nats(what, e)),
+            };
+            if current.as_ref().is_some_and(&stands) {
+                return Ok(false);
+            }
+            match self.write_at(key, v.clone(), revision, what).await {
+                Ok(_) => return Ok(true),
+                Err(LeaseError::Conflict) => continue,
+                Err(LeaseError::Store(e)) => return Err(e),
+            }
+        }
+        Ok(false)
     }
 
     /// The pause of a key, if any (expired ones included).
@@ -217,36 +260,8 @@ impl FlowStore {
         p: &Pause,
     ) -> Result<bool, StoreError> {
         let key = format!("{}.{id}", kind.prefix());
-        for _ in 0..5 {
-            let current = self.get_pause(kind, id).await?;
-            if current
-                .as_ref()
-                .is_some_and(|(c, _)| c.until_ms >= p.until_ms)
-            {
-                return Ok(false);
-            }
-            let v: bytes::Bytes = serde_json::to_vec(p).expect("pause serializes").into();
-            let r = match current {
-                Some((_, rev)) => self
-                    .flow
-                    .update(&key, v, rev)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                None => self
-                    .flow
-                    .create(&key, v)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-            };
-            match r {
-                Ok(()) => return Ok(true),
-                Err(e) if e.contains("wrong last sequence") || e.contains("exists") => continue,
-                Err(e) => return Err(StoreError::Nats(format!("write pause: {e}"))),
-            }
-        }
-        Ok(false)
+        self.write_unless(&key, p, |c: &Pause| c.until_ms >= p.until_ms, "write pause")
+            .await
     }
 
     /// What was learned of a key, if anything.
@@ -267,36 +282,13 @@ impl FlowStore {
     /// revision read). `false`: nothing written.
     pub async fn learn(&self, id: &str, l: &Learned) -> Result<bool, StoreError> {
         let key = format!("learned.{id}");
-        for _ in 0..5 {
-            let current = self.get_learned(id).await?;
-            if current
-                .as_ref()
-                .is_some_and(|(c, _)| c.concurrency <= l.concurrency)
-            {
-                return Ok(false);
-            }
-            let v: bytes::Bytes = serde_json::to_vec(l).expect("learned serializes").into();
-            let r = match current {
-                Some((_, rev)) => self
-                    .flow
-                    .update(&key, v, rev)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                None => self
-                    .flow
-                    .create(&key, v)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-            };
-            match r {
-                Ok(()) => return Ok(true),
-                Err(e) if e.contains("wrong last sequence") || e.contains("exists") => continue,
-                Err(e) => return Err(StoreError::Nats(format!("write learned limit: {e}"))),
-            }
-        }
-        Ok(false)
+        self.write_unless(
+            &key,
+            l,
+            |c: &Learned| c.concurrency <= l.concurrency,
+            "write learned limit",
+        )
+        .await
     }
 
     /// Removes what was learned of a key; `false` when nothing was.
