@@ -62,6 +62,36 @@ pub struct RetryReport {
     pub fallback_model: Option<String>,
 }
 
+impl RetryReport {
+    /// A report of the generation's scope, with no delay and no fallback
+    /// (set them where they apply).
+    pub fn generation(
+        reason: String,
+        eligible: bool,
+        retained: String,
+        attempt: u32,
+        budget_left: BudgetLeft,
+        class: FailureClass,
+    ) -> Self {
+        RetryReport {
+            scope: RetryScope::Generation,
+            reason,
+            eligible,
+            retained,
+            attempt,
+            budget_left,
+            class: Some(class),
+            delay_ms: None,
+            fallback_model: None,
+        }
+    }
+
+    fn at_once(mut self) -> Self {
+        self.delay_ms = Some(0);
+        self
+    }
+}
+
 /// Where retry reports go; the workflow layer publishes them as events.
 pub trait RetryReporter: Send + Sync {
     fn report(&self, r: RetryReport);
@@ -419,17 +449,15 @@ impl Generator {
                 attempt -= 1;
                 observe::model_retry(&class.as_str());
                 ctx.emit(
-                    RetryReport {
-                        scope: RetryScope::Generation,
-                        reason: cut_reason(&serving, &pkey, &e),
-                        eligible: true,
-                        retained: retained_input(&req.messages),
-                        attempt: total + 1,
-                        budget_left: ctx.budget_left(),
-                        class: Some(class),
-                        delay_ms: Some(0),
-                        fallback_model: None,
-                    },
+                    RetryReport::generation(
+                        cut_reason(&serving, &pkey, &e),
+                        true,
+                        retained_input(&req.messages),
+                        total + 1,
+                        ctx.budget_left(),
+                        class,
+                    )
+                    .at_once(),
                     reports,
                 );
                 continue;
@@ -458,17 +486,15 @@ impl Generator {
                         attempt -= 1;
                         tracing::warn!(provider = %provider.key(), "{d}: {message}");
                         ctx.emit(
-                            RetryReport {
-                                scope: RetryScope::Generation,
-                                reason: format!("{class}: {d}: {message}"),
-                                eligible: true,
-                                retained: retained_input(&req.messages),
-                                attempt: total + 1,
-                                budget_left: ctx.budget_left(),
-                                class: Some(class),
-                                delay_ms: Some(0),
-                                fallback_model: None,
-                            },
+                            RetryReport::generation(
+                                format!("{class}: {d}: {message}"),
+                                true,
+                                retained_input(&req.messages),
+                                total + 1,
+                                ctx.budget_left(),
+                                class,
+                            )
+                            .at_once(),
                             reports,
                         );
                         continue;
@@ -519,17 +545,14 @@ impl Generator {
             }
             observe::model_retry(&class.as_str());
             let retained = retained_input(&req.messages);
-            let mut report = RetryReport {
-                scope: RetryScope::Generation,
-                reason: format!("{class}: {e}{}", set_by_hand.unwrap_or_default()),
-                eligible: false,
-                retained: retained.clone(),
-                attempt: total + 1,
-                budget_left: ctx.budget_left(),
-                class: Some(class),
-                delay_ms: None,
-                fallback_model: None,
-            };
+            let mut report = RetryReport::generation(
+                format!("{class}: {e}{}", set_by_hand.unwrap_or_default()),
+                false,
+                retained.clone(),
+                total + 1,
+                ctx.budget_left(),
+                class,
+            );
             if let Err(why) = eligibility(&state, ctx.cancel.is_cancelled()) {
                 report.reason = format!("{class}: refused: {why}");
                 report.retained = "nothing: the generation is not repeated".into();
@@ -676,19 +699,19 @@ async fn admit(
                     tracing::info!(provider = %key.label(), "{reason}");
                     ctx.emit(
                         RetryReport {
-                            scope: RetryScope::Generation,
-                            reason,
-                            eligible: true,
-                            retained: "the request waits; not an attempt".into(),
-                            attempt: total,
-                            budget_left: ctx.budget_left(),
-                            class: Some(FailureClass::RateLimited),
                             delay_ms: Some(
                                 at.saturating_duration_since(Instant::now())
                                     .as_micros()
                                     .div_ceil(1000) as u64,
                             ),
-                            fallback_model: None,
+                            ..RetryReport::generation(
+                                reason,
+                                true,
+                                "the request waits; not an attempt".into(),
+                                total,
+                                ctx.budget_left(),
+                                FailureClass::RateLimited,
+                            )
                         },
                         reports,
                     );
