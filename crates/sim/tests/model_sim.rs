@@ -12,8 +12,9 @@ use leasehold_model::agent::{
     SectionInput, SectionOutcome, SectionRunner, ToolExecutor, ToolOutcome,
 };
 use leasehold_model::{
-    function_tool, AttemptState, BreakerConfig, Budget, ChatRequest, CollectingReporter,
-    GenerationPolicy, Generator, ModelClient, ModelConfig, RunContext,
+    function_tool, AttemptState, BreakerConfig, Budget, ChatRequest, CollectingReporter, Generated,
+    GenerationFailure, GenerationPolicy, Generator, ModelClient, ModelConfig, RetryReport,
+    RunContext,
 };
 use leasehold_transcript::Message;
 use serde_json::{json, Value};
@@ -413,19 +414,7 @@ async fn sim_a_concurrency_set_by_hand_is_never_moved_by_cuts() {
         ..Default::default()
     };
     let g = Arc::new(Generator::new(client, policy, BreakerConfig::default()));
-    let mut ctx = RunContext::new(Budget::unlimited());
-    let rep = Arc::new(CollectingReporter::default());
-    ctx.reporter = rep.clone();
-    let req = ChatRequest {
-        messages: vec![Message::user("Write the section on lease-based ownership.")],
-        ..Default::default()
-    };
-    let gen = || {
-        let (g, ctx, req) = (g.clone(), ctx.clone(), req.clone());
-        async move { g.generate(&req, &ctx, &mut Vec::new()).await }
-    };
-    let (_a, _b) = futures::future::join(gen(), gen()).await;
-    let reports = rep.take();
+    let (_a, _b, reports) = two_at_once(&g).await;
     assert!(!reports.is_empty(), "the server cut a stream");
     assert!(
         reports.iter().any(|r| r.reason.contains(
@@ -466,6 +455,28 @@ async fn sim_a_stream_that_just_stops_is_not_taken_for_one_at_a_time() {
         policy,
         BreakerConfig::default(),
     ));
+    let (a, b, reports) = two_at_once(&g).await;
+    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    assert_eq!(
+        reports.len(),
+        3,
+        "three cuts, each an attempt: {reports:#?}"
+    );
+    assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
+    let key =
+        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    assert_eq!(leasehold_model::flow::Flow::global().learned(&key.id), None);
+}
+
+/// Two generations of the same request at once through `g`, and the retry
+/// reports they made.
+async fn two_at_once(
+    g: &Arc<Generator>,
+) -> (
+    Result<Generated, GenerationFailure>,
+    Result<Generated, GenerationFailure>,
+    Vec<RetryReport>,
+) {
     let mut ctx = RunContext::new(Budget::unlimited());
     let rep = Arc::new(CollectingReporter::default());
     ctx.reporter = rep.clone();
@@ -478,15 +489,5 @@ async fn sim_a_stream_that_just_stops_is_not_taken_for_one_at_a_time() {
         async move { g.generate(&req, &ctx, &mut Vec::new()).await }
     };
     let (a, b) = futures::future::join(gen(), gen()).await;
-    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
-    let reports = rep.take();
-    assert_eq!(
-        reports.len(),
-        3,
-        "three cuts, each an attempt: {reports:#?}"
-    );
-    assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
-    let key =
-        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    assert_eq!(leasehold_model::flow::Flow::global().learned(&key.id), None);
+    (a, b, rep.take())
 }
