@@ -29,6 +29,7 @@ mod ops;
 mod pages;
 mod render;
 mod streams;
+mod svg;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
