@@ -4,7 +4,7 @@ CARGO ?= cargo
 NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup build test test-cluster soak soak-ci demo bench verify fmt clippy clean-demo \
+.PHONY: setup build test test-cluster soak soak-ci demo screenshots bench verify fmt clippy clean-demo \
 	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline \
 	test-model model-venv python-sdk typescript-sdk typescript-typecheck test-remote
 
@@ -161,6 +161,12 @@ soak-ci: build python-sdk
 ## demo: the main job on embedded defaults (local nats-server, a small fleet).
 demo: setup build
 	./deploy/demo.sh
+
+## screenshots: the demo, then the console's pages photographed by headless
+## Chromium into docs/screenshots/ (the job killed -9 mid-section, the
+## fleet's charts, a search; light, dark and a phone's width).
+screenshots: setup build
+	./deploy/demo.sh --screenshots docs/screenshots
 
 ## bench: whole-system figures as JSON in bench-results/ (BENCH_ARGS='--only recovery' etc.).
 ## The regression part compares with the previous release's worker, built

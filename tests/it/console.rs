@@ -99,19 +99,10 @@ struct Browser {
 }
 
 fn chromium() -> String {
-    if let Ok(p) = std::env::var("LH_CHROMIUM") {
-        return p;
-    }
-    for c in ["chromium", "chromium-browser", "google-chrome"] {
-        if let Some(p) = std::env::var_os("PATH").and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|d| d.join(c))
-                .find(|p| p.is_file())
-        }) {
-            return p.display().to_string();
-        }
-    }
-    panic!("chromium is missing: `make setup` installs it (apt-get install -y chromium), or set LH_CHROMIUM");
+    leasehold_harness::chromium()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .display()
+        .to_string()
 }
 
 impl Browser {

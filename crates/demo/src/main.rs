@@ -35,6 +35,8 @@ use leasehold_store::{Jobs, NatsArgs};
 use serde_json::{json, Value};
 use sha2::Digest;
 
+mod screenshots;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "leasehold-demo",
@@ -68,6 +70,10 @@ struct Args {
     /// look around in the console); 0 ends at once.
     #[arg(long, default_value = "0s", value_parser = leasehold_core::time::parse_duration)]
     linger: Duration,
+    /// After the jobs, photograph the console's pages into this directory
+    /// (`make screenshots` writes docs/screenshots/); needs Chromium.
+    #[arg(long, value_name = "DIR")]
+    screenshots: Option<PathBuf>,
 }
 
 const TOPICS: [&str; 6] = [
@@ -557,6 +563,17 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         failures.push("no job was reclaimed: the faults did not exercise recovery".into());
     }
 
+    if let (Some(dir), Some(id)) = (&a.screenshots, &killed) {
+        let base = format!("http://{}", a.console_listen);
+        match console
+            .as_ref()
+            .context("the console is not built")
+            .and_then(|_| screenshots::take(dir, &base, &screenshots::docs_shots(id)))
+        {
+            Ok(files) => say(format!("{} screenshots in {}", files.len(), dir.display())),
+            Err(e) => failures.push(format!("screenshots: {e:#}")),
+        }
+    }
     if !a.linger.is_zero() && console.is_some() {
         say(format!(
             "the fleet and the console stay up for {:?} (--linger; Ctrl-C ends the demo)",

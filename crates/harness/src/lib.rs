@@ -475,6 +475,23 @@ pub async fn wait_for_jetstream(url: &str, timeout: Duration) {
     }
 }
 
+/// The Chromium to drive: `LH_CHROMIUM`, else the first of `chromium`,
+/// `chromium-browser` or `google-chrome` on the `PATH` (`make setup`
+/// installs Debian's `chromium`).
+pub fn chromium() -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var("LH_CHROMIUM") {
+        return Ok(PathBuf::from(p));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .flat_map(|c| std::env::split_paths(&path).map(move |d| d.join(c)))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            "chromium is missing: `make setup` installs it (apt-get install -y chromium), or set LH_CHROMIUM".to_string()
+        })
+}
+
 /// The directory holding the workspace's built binaries (`target/debug`).
 pub fn bin_dir() -> PathBuf {
     if let Ok(d) = std::env::var("LH_BIN_DIR") {
