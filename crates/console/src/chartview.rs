@@ -167,7 +167,7 @@ impl Columns<'_> {
 
     /// "1 min" or "10 s": what a column spans.
     fn per(&self) -> String {
-        if self.span % 60 == 0 {
+        if self.span.is_multiple_of(60) {
             format!("{} min", self.span / 60)
         } else {
             format!("{} s", self.span)
