@@ -16,7 +16,7 @@ use crate::console::{http, spawn_console, sse_until, start_console};
 use crate::support::Env;
 
 /// A metric's value from the console's `/metrics` (0 when absent).
-async fn metric(base: &str, auth: Option<&str>, name: &str) -> f64 {
+pub(crate) async fn metric(base: &str, auth: Option<&str>, name: &str) -> f64 {
     let mut r = http().get(format!("{base}/metrics"));
     if let Some(t) = auth {
         r = r.bearer_auth(t);

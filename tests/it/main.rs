@@ -5,6 +5,7 @@
 mod artifacts;
 mod busy;
 mod chaos;
+mod charts;
 mod cli;
 mod cluster;
 mod console;

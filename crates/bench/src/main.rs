@@ -22,9 +22,11 @@
 //! | `fairness` | tenant B's 20 jobs queued behind tenant A's 2,000 (equal weights, 4 workers): B's wait from submission to claim p50/p95 | B alone at half the fleet; the same submissions without tenants (first come, first served) | p95 <= 2x alone |
 //! | `remote` | a remote kind's step through the Python and the TypeScript SDK, p50/p99; remote echo jobs/s, 4 workers, each SDK | the same empty step of a Rust kind and a raw HTTP round trip to the same service; the Rust echo | p50 <= raw + 2 ms; >= 50% |
 //! | `real-model` | research job (2 experts x 2 sections, in parallel) wall time, model calls, sections skipped, retries and streams the server cut (it serves one request at a time: the worker learns it) on SmolLM2-135M (llama-cpp-python); the server's tokens/s in the same run; only where `make test-model`'s virtualenv is installed, else skipped | the same job on the simulator with instant answers | |
+//! | `charts` | `GET /fleet/charts` and `GET /v1/fleet/charts` p50/p95, and the charts' sampler's store requests per sample, with 100,000 active jobs in the index | the same console with 1,000 | ~1x (O(window)) |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 
 mod busy;
+mod charts;
 mod common;
 mod console;
 mod fairness;
@@ -73,6 +75,7 @@ pub const PARTS: &[&str] = &[
     "console-pages",
     "console-live",
     "console-clients",
+    "charts",
 ];
 
 #[derive(Parser, Debug)]
@@ -88,7 +91,7 @@ pub struct Args {
     /// recovery, handoff, stop, inflight, history, plateau, research,
     /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
     /// real-model, console (or one of its parts: console-pages,
-    /// console-live, console-clients). All by default (regression only with --baseline-bins,
+    /// console-live, console-clients), charts. All by default (regression only with --baseline-bins,
     /// real-model only where the model's virtualenv is installed: `make
     /// model-venv`).
     #[arg(long, value_delimiter = ',')]
@@ -672,6 +675,34 @@ async fn main() -> anyhow::Result<()> {
             all.insert("clients".into(), v);
         }
         r.json.insert("console".into(), Value::Object(all));
+    }
+
+    if a.runs("charts") {
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "charts",
+            charts::run(1_000, 100_000, 30),
+        )
+        .await
+        {
+            for (k, label) in [
+                ("fleet_charts_ms", "/fleet/charts"),
+                ("v1_fleet_charts_ms", "/v1/fleet/charts"),
+            ] {
+                r.cmp(
+                    format!("charts: {label} p50/p95 ms (100,000 active jobs)"),
+                    format!("{}/{}", v["large"][k]["p50"], v["large"][k]["p95"]),
+                    format!(
+                        "1,000 active {}/{}",
+                        v["small"][k]["p50"], v["small"][k]["p95"]
+                    ),
+                    "~1x (O(window))",
+                    v["met"].as_bool(),
+                );
+            }
+            r.json.insert("charts".into(), v);
+        }
     }
 
     r.json.insert(

@@ -48,6 +48,8 @@ pub struct App {
     pub fleet: FleetView,
     /// Bulk actions, running and recent.
     pub ops: Ops,
+    /// The fleet's charts' ring, filled by [`crate::sampler::run`].
+    pub charts: crate::sampler::Charts,
     /// Drawn at start: the CSRF fields' key.
     pub secret: String,
     /// Values never shown.
@@ -100,6 +102,7 @@ impl App {
         secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
         let streams = Streams::new(args.streams_per_caller as usize, metrics.clone());
         let ops = Ops::new(args.bulk_max as usize, metrics.clone());
+        let chart_interval = args.chart_interval;
         Ok(App {
             actions_off,
             dlq: Dlq::new(&conn),
@@ -115,6 +118,7 @@ impl App {
             feed,
             streams,
             fleet: FleetView::default(),
+            charts: crate::sampler::Charts::new(chart_interval),
             ops,
             metrics,
             secrets,
@@ -326,6 +330,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/jobs/{id}/live", get(pages::job_live))
         .route("/fleet", get(pages::fleet))
         .route("/fleet/live", get(pages::fleet_live))
+        .route("/fleet/charts", get(crate::chartview::fragment))
+        .route("/v1/fleet/charts", get(crate::chartview::json))
         .route("/dlq", get(pages::dlq))
         .route("/reviews", get(pages::reviews))
         .route("/confirm", get(actions::confirm))

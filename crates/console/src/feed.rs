@@ -1,8 +1,7 @@
 //! What the console follows for every page at once: each record change (a
 //! KV watch of new writes only, never the bucket's current contents) and
 //! the jobs that finished in the last hour (terminal events, read from one
-//! hour ago and then live), kept in memory for the recent-jobs table and
-//! the fleet's charts.
+//! hour ago and then live), kept in memory for the recent-jobs table.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -31,7 +30,7 @@ fn gauges(m: &ConsoleMetrics, c: &RecordCache) {
 }
 
 /// What the fleet view counts of the index.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Counts {
     /// Running jobs per worker.
     pub in_flight: BTreeMap<String, usize>,
@@ -71,13 +70,7 @@ pub struct Finished {
     pub kind: String,
     pub status: String,
     pub at: SystemTime,
-    /// Submission to completion, for a sample of completed jobs (each
-    /// needs its record's `created_at`: at most [`LATENCY_READS`] a second).
-    pub latency: Option<Duration>,
 }
-
-/// Record reads a second for the latency sample.
-const LATENCY_READS: u32 = 20;
 
 /// The index of active jobs as the watch has it, kept in the order pages
 /// show it (newest job first), so a page reads only the entries it shows:
@@ -91,6 +84,42 @@ pub struct IndexView {
     /// Distinct jobs -> how many keys each has (a job may have two while
     /// it moves from waiting to running).
     jobs: HashMap<String, u32>,
+    /// What [`count`] would count of `order`, kept as entries come and
+    /// go: the fleet's charts read it every sample without a pass over
+    /// the index.
+    tally: Counts,
+}
+
+/// Adds (`up`) or takes away one entry's share of `c`; a count that
+/// reaches zero goes, so the maps hold only kinds and workers there are.
+fn tally(c: &mut Counts, e: &Entry, up: bool) {
+    fn step(m: &mut BTreeMap<String, u64>, k: &str, up: bool) {
+        if up {
+            *m.entry(k.to_string()).or_default() += 1;
+        } else if let Some(n) = m.get_mut(k) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(k);
+            }
+        }
+    }
+    if e.status == "running" {
+        if let Some(w) = &e.worker_id {
+            if up {
+                *c.in_flight.entry(w.clone()).or_default() += 1;
+            } else if let Some(n) = c.in_flight.get_mut(w) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    c.in_flight.remove(w);
+                }
+            }
+        }
+    }
+    let kind = c.by_kind.entry(e.kind.clone()).or_default();
+    step(kind, &e.status, up);
+    if kind.is_empty() {
+        c.by_kind.remove(&e.kind);
+    }
 }
 
 impl IndexView {
@@ -98,6 +127,7 @@ impl IndexView {
         self.remove(&key);
         let place = (Reverse(e.created_at.clone()), e.job.clone(), key.clone());
         *self.jobs.entry(e.job.clone()).or_insert(0) += 1;
+        tally(&mut self.tally, &e, true);
         self.order.insert(place.clone(), e);
         self.places.insert(key, place);
     }
@@ -106,7 +136,9 @@ impl IndexView {
         let Some(place) = self.places.remove(key) else {
             return;
         };
-        self.order.remove(&place);
+        if let Some(e) = self.order.remove(&place) {
+            tally(&mut self.tally, &e, false);
+        }
         if let Some(n) = self.jobs.get_mut(&place.1) {
             *n -= 1;
             if *n == 0 {
@@ -123,6 +155,11 @@ impl IndexView {
     /// Every entry, newest job first.
     pub fn values(&self) -> impl Iterator<Item = &Entry> {
         self.order.values()
+    }
+
+    /// What [`count`] counts of the entries, without a pass over them.
+    pub fn counts(&self) -> Counts {
+        self.tally.clone()
     }
 }
 
@@ -215,7 +252,6 @@ impl Feed {
             }
         });
         let cache2 = cache.clone();
-        let f_jobs = jobs.clone();
         let metrics = metrics.clone();
         let jobs = jobs.clone();
         tokio::spawn(async move {
@@ -251,10 +287,8 @@ impl Feed {
             }
         });
         let events = events.clone();
-        let jobs = f_jobs;
         tokio::spawn(async move {
             let mut last_seq = 0u64;
-            let (mut second, mut reads) = (tokio::time::Instant::now(), 0u32);
             loop {
                 let since = SystemTime::now() - WINDOW;
                 match events.follow_types_since(TERMINAL, since).await {
@@ -273,25 +307,12 @@ impl Feed {
                                 .to_string();
                             let at = leasehold_core::time::parse_rfc3339(&ev.at)
                                 .unwrap_or_else(SystemTime::now);
-                            if second.elapsed() >= Duration::from_secs(1) {
-                                (second, reads) = (tokio::time::Instant::now(), 0);
-                            }
-                            let mut latency = None;
-                            if ev.r#type == "completed" && reads < LATENCY_READS {
-                                reads += 1;
-                                if let Ok(Some(v)) = jobs.get(&ev.job_id).await {
-                                    latency =
-                                        leasehold_core::time::parse_rfc3339(&v.value.created_at)
-                                            .and_then(|c| at.duration_since(c).ok());
-                                }
-                            }
                             let mut q = finished.lock().expect("finished lock");
                             q.push_back(Finished {
                                 id: ev.job_id.clone(),
                                 kind,
                                 status: ev.r#type.clone(),
                                 at,
-                                latency,
                             });
                             let horizon = SystemTime::now() - WINDOW;
                             while q.len() > KEEP || q.front().is_some_and(|f| f.at < horizon) {
@@ -383,21 +404,44 @@ impl Feed {
         Ok(Some(r))
     }
 
-    /// Jobs running per worker and entries per kind and status, counted
-    /// under the index's lock (no copy of it), when the watch has it.
+    /// Jobs running per worker and entries per kind and status, as the
+    /// index view keeps them (no pass over the index), when the watch has it.
     pub fn counts(&self) -> Option<Counts> {
         let g = self.index.read().expect("index lock");
-        Some(count(g.as_ref()?.values()))
+        Some(g.as_ref()?.counts())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(job: &str, kind: &str, status: &str, worker: Option<&str>) -> Entry {
+        Entry {
+            job: job.into(),
+            kind: kind.into(),
+            status: status.into(),
+            worker_id: worker.map(String::from),
+            created_at: format!("2026-01-01T00:00:0{}Z", job.len() % 10),
+            ..Default::default()
+        }
     }
 
-    /// The jobs that finished in the last hour, newest first.
-    pub fn recent(&self) -> Vec<Finished> {
-        let q = self.finished.lock().expect("finished lock");
-        let horizon = SystemTime::now() - WINDOW;
-        q.iter()
-            .rev()
-            .filter(|f| f.at >= horizon)
-            .cloned()
-            .collect()
+    #[test]
+    fn the_kept_counts_are_what_a_pass_over_the_index_counts() {
+        let mut v = IndexView::default();
+        v.insert("a.q".into(), entry("a", "echo", "queued", None));
+        v.insert("b.r".into(), entry("b", "echo", "running", Some("w1")));
+        v.insert("c.r".into(), entry("c", "sleep", "running", Some("w1")));
+        // A key written again replaces its entry's share.
+        v.insert("a.q".into(), entry("a", "echo", "running", Some("w2")));
+        assert_eq!(v.counts(), count(v.values()));
+        assert_eq!(v.counts().in_flight.get("w1"), Some(&2));
+        v.remove("c.r");
+        v.remove("b.r");
+        v.remove("nothing");
+        assert_eq!(v.counts(), count(v.values()));
+        assert!(!v.counts().by_kind.contains_key("sleep"));
+        assert!(!v.counts().in_flight.contains_key("w1"));
     }
 }

@@ -22,12 +22,15 @@ mod api;
 mod app;
 mod auth;
 mod cache;
+mod charts;
+mod chartview;
 mod feed;
 mod fleet;
 mod metrics;
 mod ops;
 mod pages;
 mod render;
+mod sampler;
 mod streams;
 mod svg;
 
@@ -127,6 +130,21 @@ pub struct Args {
     /// once; another is refused (429) until one ends.
     #[arg(long, env = "LH_CONSOLE_BULK_MAX", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     pub bulk_max: u32,
+    /// The fleet's charts' interval: one sample per interval, 360 kept
+    /// (an hour at 10s), whole seconds.
+    #[arg(long, env = "LH_CONSOLE_CHART_INTERVAL", default_value = "10s", value_parser = chart_interval)]
+    pub chart_interval: Duration,
+}
+
+/// A chart interval: a duration of whole seconds, 1s to 10min.
+fn chart_interval(s: &str) -> Result<Duration, String> {
+    let d = leasehold_core::time::parse_duration(s)?;
+    if d.subsec_nanos() != 0 || d < Duration::from_secs(1) || d > Duration::from_secs(600) {
+        return Err(format!(
+            "{s:?}: use whole seconds from 1s to 10m (e.g. 10s)"
+        ));
+    }
+    Ok(d)
 }
 
 /// A size: whole bytes, or a whole number with `KiB`, `MiB` or `GiB`.
@@ -181,6 +199,7 @@ fn main() {
 async fn run(args: Args) -> anyhow::Result<()> {
     let app = Arc::new(app::App::start(args.clone()).await?);
     tokio::spawn(fleet::refresh(app.clone()));
+    tokio::spawn(sampler::run(app.clone()));
     let router = app::router(app);
     let listener = tokio::net::TcpListener::bind(args.http_listen).await?;
     let addr = listener.local_addr()?;

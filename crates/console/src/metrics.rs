@@ -22,6 +22,11 @@ pub struct ConsoleMetrics {
     /// Bulk operations running, and pages of dead letters they read.
     pub bulk_running: Gauge,
     pub bulk_letter_pages: Counter,
+    /// The charts' sampler: samples taken, the store requests they made,
+    /// and the records read for the submit->start sample.
+    pub chart_samples: Counter,
+    pub chart_reads: Counter,
+    pub chart_record_reads: Counter,
 }
 
 impl ConsoleMetrics {
@@ -67,6 +72,21 @@ impl ConsoleMetrics {
             "bulk_letter_pages",
             "Pages of dead letters bulk actions read (each at most 100 letters, headers only)",
             self.bulk_letter_pages.clone(),
+        );
+        r.register(
+            "chart_samples",
+            "Samples the fleet's charts' sampler took (one per --chart-interval)",
+            self.chart_samples.clone(),
+        );
+        r.register(
+            "chart_reads",
+            "Store requests the charts' samples made (work stream subjects, sessions): per sample, one per worker plus two, whatever the number of jobs",
+            self.chart_reads.clone(),
+        );
+        r.register(
+            "chart_record_reads",
+            "Job records the charts read for the submit-to-start sample (at most 20 a second)",
+            self.chart_record_reads.clone(),
         );
         r
     }

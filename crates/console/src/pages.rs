@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
@@ -837,49 +837,9 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
         );
     }
     b.push_str("</tbody></table>");
-    // The last hour, a bar a minute.
-    let now = SystemTime::now();
-    let mut done = vec![0.0; 60];
-    let mut failed = vec![0.0; 60];
-    let mut lat: Vec<Vec<f64>> = vec![Vec::new(); 60];
-    for f in app.feed.recent() {
-        let ago = now.duration_since(f.at).unwrap_or_default().as_secs() / 60;
-        if ago >= 60 {
-            continue;
-        }
-        let i = 59 - ago as usize;
-        if f.status == "completed" {
-            done[i] += 1.0;
-            if let Some(l) = f.latency {
-                lat[i].push(l.as_secs_f64());
-            }
-        } else {
-            failed[i] += 1.0;
-        }
-    }
-    let p95: Vec<f64> = lat
-        .into_iter()
-        .map(|mut v| {
-            if v.is_empty() {
-                return 0.0;
-            }
-            v.sort_by(|a, b| a.total_cmp(b));
-            v[((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1]
-        })
-        .collect();
-    b.push_str("<h2>Last hour</h2><div class=\"charts\">");
-    b.push_str(&render::bars("completed per minute", &done, ""));
-    b.push_str(&render::bars(
-        "failed, cancelled or dead per minute",
-        &failed,
-        "",
-    ));
-    b.push_str(&render::bars(
-        "submit to completion p95 (sampled)",
-        &p95,
-        " s",
-    ));
-    b.push_str("</div>");
+    // The charts: the sampler's ring (its cost is the window's).
+    b.push_str("<h2>Charts</h2>");
+    b.push_str(&crate::chartview::html(app));
     Ok(app.clean(&b))
 }
 

@@ -515,30 +515,6 @@ pub fn markdown(md: &str) -> String {
     out
 }
 
-/// A small bar chart (inline SVG) of `values`, oldest first.
-pub fn bars(title: &str, values: &[f64], unit: &str) -> String {
-    let max = values.iter().cloned().fold(0.0, f64::max).max(1.0);
-    let w = 4.0;
-    let h = 40.0;
-    let mut svg = format!(
-        "<figure class=\"chart\"><figcaption>{} (max {max:.0}{unit})</figcaption><svg width=\"{}\" height=\"{h}\" role=\"img\">",
-        esc(title),
-        values.len() as f64 * w
-    );
-    for (i, v) in values.iter().enumerate() {
-        let bh = v / max * h;
-        let _ = write!(
-            svg,
-            "<rect x=\"{}\" y=\"{:.1}\" width=\"{}\" height=\"{bh:.1}\"><title>{v:.1}{unit}</title></rect>",
-            i as f64 * w,
-            h - bh,
-            w - 1.0
-        );
-    }
-    svg.push_str("</svg></figure>");
-    svg
-}
-
 #[cfg(test)]
 mod tests {
     use super::short_key;

@@ -366,6 +366,31 @@ impl FlowStore {
         Ok(futures::stream::select(limits, cool))
     }
 
+    /// Every pause (cooldowns and open breakers) as it is now, then each
+    /// new one or extension: what the console's charts follow (its NATS
+    /// user may read `lh_flow`, not `lh_limits`).
+    pub async fn watch_pauses(
+        &self,
+    ) -> Result<impl Stream<Item = (PauseKind, String, Pause)> + Send + 'static, StoreError> {
+        let w = self
+            .flow
+            .watch_many_with_history(["cool.*", "breaker.*"])
+            .await
+            .map_err(|e| StoreError::nats("watch pauses", e))?;
+        Ok(w.filter_map(|e| async move {
+            let e = e.ok()?;
+            if e.operation != kv::Operation::Put {
+                return None;
+            }
+            let kind = match e.key.split_once('.')? {
+                ("cool", _) => PauseKind::Cooldown,
+                _ => PauseKind::Breaker,
+            };
+            let id = e.key.split_once('.')?.1.to_string();
+            Some((kind, id, serde_json::from_slice(&e.value).ok()?))
+        }))
+    }
+
     /// Every lease record, by id (for `leasehold limits list`).
     pub async fn leases(&self) -> Result<Vec<(String, LeaseRecord)>, StoreError> {
         let mut out = Vec::new();
