@@ -28,6 +28,7 @@ mod metrics;
 mod ops;
 mod pages;
 mod render;
+mod search;
 mod streams;
 mod svg;
 
