@@ -28,6 +28,7 @@ mod research;
 mod retention;
 mod schedule;
 mod sdk;
+mod search;
 mod serial;
 mod shutdown;
 mod submission;

@@ -214,9 +214,11 @@ pub fn parse_time(field: &str, s: &str, now: SystemTime) -> Result<SystemTime, S
             .checked_sub(ago)
             .ok_or_else(|| format!("{field}: {s} ago is before 1970"));
     }
+    let zoned = s.ends_with(['Z', 'z']) || s.get(10..).is_some_and(|t| t.contains('+'));
     let full = match s.len() {
         10 => format!("{s}T00:00:00Z"),
         16 => format!("{s}:00Z"),
+        _ if !zoned => format!("{s}Z"),
         _ => s.to_string(),
     };
     parse_rfc3339(&full).ok_or_else(|| {
@@ -382,7 +384,7 @@ pub async fn historian_consumer(conn: &Conn) -> Result<consumer::PullConsumer, S
                 ack_policy: consumer::AckPolicy::Explicit,
                 // Within the history's dedupe window (2 min): a redelivery
                 // after a crash lands on the first write.
-                ack_wait: Duration::from_secs(30),
+                ack_wait: Duration::from_secs(10),
                 max_ack_pending: 1000,
                 deliver_policy: consumer::DeliverPolicy::All,
                 ..Default::default()
@@ -620,6 +622,10 @@ mod tests {
             parse_rfc3339("2026-12-01T00:00:00Z").unwrap()
         );
         assert!(t("2026-12-01T10:00:00.5Z").is_ok());
+        assert_eq!(
+            t("2026-12-01T10:00:05.250").unwrap(),
+            parse_rfc3339("2026-12-01T10:00:05.250Z").unwrap()
+        );
         let e = t("last tuesday").unwrap_err();
         assert!(
             e.starts_with("since:") && e.contains("2026-12-01T10:00"),
