@@ -38,7 +38,7 @@ pub const DEFAULT_LIMIT: usize = 50;
 /// The largest page.
 pub const MAX_LIMIT: usize = 1000;
 /// Messages one page reads at most when an id prefix filters them.
-pub const SCAN_MAX: u64 = 20_000;
+pub const SCAN_MAX: u64 = 2_000;
 /// The longest a search waits for the server.
 const SEARCH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest message an entry keeps.

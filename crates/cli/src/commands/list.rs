@@ -66,7 +66,7 @@ pub struct Args {
     pub(crate) until: Option<String>,
     /// With --finished: only jobs whose id starts with this (read from the
     /// entries: the count is then an upper bound, and a page reads at most
-    /// 20,000 entries).
+    /// 2,000 entries).
     #[arg(long, requires = "finished")]
     pub(crate) id_prefix: Option<String>,
     /// With `--all`: list the records that cannot be read instead.
