@@ -893,7 +893,7 @@ async fn setup_that_cannot_reserve_the_layout_creates_nothing_and_says_how_much_
         "--artifacts-max-bytes",
         "16MiB",
         "--history-max-bytes",
-        "16MiB",
+        "4MiB",
     ];
     let (code, out, err) = cli(&url, &small).await;
     assert_eq!(code, 0, "{out}{err}");
