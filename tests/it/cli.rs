@@ -892,6 +892,8 @@ async fn setup_that_cannot_reserve_the_layout_creates_nothing_and_says_how_much_
         "16MiB",
         "--artifacts-max-bytes",
         "16MiB",
+        "--history-max-bytes",
+        "4MiB",
     ];
     let (code, out, err) = cli(&url, &small).await;
     assert_eq!(code, 0, "{out}{err}");

@@ -370,7 +370,7 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
         }
     }
 
-    async fn click(&mut self, selector: &str) {
+    pub(crate) async fn click(&mut self, selector: &str) {
         let ok = self
             .eval(&format!(
                 "(() => {{ const e = document.querySelector({s}); if (!e) return false; e.click(); return true; }})()",

@@ -29,6 +29,7 @@ mod research;
 mod retention;
 mod schedule;
 mod sdk;
+mod search;
 mod serial;
 mod shutdown;
 mod submission;

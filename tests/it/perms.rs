@@ -406,6 +406,25 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     assert_eq!(listed, 3, "{out}");
     let (code, _, err) = s.cli("operator", &["dlq", "list"]).await;
     assert_eq!(code, 0, "{err}");
+    // The reaper's historian recorded the ends under its user; the
+    // operator searches them (the historian lags by about a second).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (code, out, err) = s
+            .cli("operator", &["list", "--finished", "--status", "cancelled"])
+            .await;
+        assert_eq!(code, 0, "list --finished as lh-operator: {err}");
+        if out.contains("p-2") && out.contains("p-3") {
+            assert!(err.contains("2 matched"), "{err}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no history under lh-reaper: {out}{err}\n{}",
+            reaper.output()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let (code, _, err) = s
         .cli(
             "operator",
@@ -471,6 +490,19 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     let why = refused(&sub, "$KV.lh_jobs.x-1", kv.put("x-1", "{}".into())).await;
     assert!(why.contains("Permissions Violation for Publish"), "{why}");
     refused(&sub, "$KV.lh_jobs.x-2", kv.create("x-2", "{}".into())).await;
+    // ... nor forge the history of finished jobs.
+    refused(&sub, "lh.history.completed.echo.default.none", async {
+        if let Ok(ack) = sub
+            .js
+            .publish("lh.history.completed.echo.default.none", "{}".into())
+            .await
+        {
+            // Refused: no stream ever answers it.
+            let _ = ack.await;
+            std::future::pending::<()>().await;
+        }
+    })
+    .await;
     // ... nor delete a stream, purge one, or take tickets from the work queue.
     refused(
         &sub,
@@ -830,7 +862,13 @@ async fn the_console_reads_as_lh_console_and_acts_only_through_an_operator_conne
     // report read from its artifact.
     let doc = "# A report\n\nread by the console as lh-console\n";
     finished_with_report(&op, &jobs, "c-art", doc).await;
-    for path in ["/fleet", "/dlq", "/reviews", "/jobs/c-art"] {
+    for path in [
+        "/fleet",
+        "/dlq",
+        "/reviews",
+        "/jobs/c-art",
+        "/history?status=completed",
+    ] {
         let r = http.get(format!("{base}{path}")).send().await.unwrap();
         assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
     }

@@ -12,6 +12,7 @@
 //! | `stop` | SIGSTOP past a 2 s session: re-offer, completion elsewhere; after SIGCONT, writes of the paused owner accepted after the new claim (KV history, events) | | re-offer p95 <= 3 s, 0 writes |
 //! | `inflight` | 1,000 sleep jobs on one worker: `$KV` sessions+jobs writes/s in steady state, peak RSS, reclaims | | <= 1 write/s, RSS budget, 0 reclaims |
 //! | `history` | reaper sweep, `leasehold list --status running`, worker start with `--worker-id`, with N finished records | the same with none | <= 1.2x |
+//! | `search` | first page of history searches (status + tenant + time range, kind, id prefix) over N history entries (default 1,000,000), 50 runs each | | p95 <= 100 ms |
 //! | `plateau` | storage under a mixed load for many 3 s retentions | the middle third of the load | last third <= 1.2x |
 //! | `research` | sections/s, flush latency, coalescing, rework per crash | the seed's rework | <= 1 call repeated |
 //! | `research-cost` | what one research job reads with 0..1,000 other jobs' events present | no background | <= 1.2x |
@@ -40,6 +41,7 @@ mod recovery;
 mod remote;
 mod reoffers;
 mod research;
+mod search;
 mod steps;
 mod throughput;
 
@@ -58,6 +60,7 @@ pub const PARTS: &[&str] = &[
     "stop",
     "inflight",
     "history",
+    "search",
     "plateau",
     "research",
     "research-cost",
@@ -88,7 +91,7 @@ pub struct Args {
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
-    /// recovery, handoff, stop, inflight, history, plateau, research,
+    /// recovery, handoff, stop, inflight, history, search, plateau, research,
     /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
     /// real-model, console (or one of its parts: console-pages,
     /// console-live, console-clients), charts. All by default (regression only with --baseline-bins,
@@ -128,6 +131,12 @@ pub struct Args {
     /// least 10).
     #[arg(long, default_value_t = 9)]
     pub history_samples: usize,
+    /// History entries seeded for the search part.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub search_entries: usize,
+    /// Runs of each search measured.
+    #[arg(long, default_value_t = 50)]
+    pub search_runs: usize,
     /// Seconds the history seeding may take; beyond (projected from the
     /// first 20,000), 200,000 records are seeded instead and the output
     /// says so.
@@ -419,6 +428,16 @@ async fn main() -> anyhow::Result<()> {
         if let Some(v) = part(&mut r, &mut failed, "history", history::history(&o)).await {
             history::rows(&mut r, &v);
             r.json.insert("history".into(), v);
+        }
+    }
+    if a.runs("search") {
+        let o = search::Opts {
+            entries: a.search_entries,
+            runs: a.search_runs,
+        };
+        if let Some(v) = part(&mut r, &mut failed, "search", search::search(&o)).await {
+            search::rows(&mut r, &v);
+            r.json.insert("search".into(), v);
         }
     }
     if a.runs("plateau") {

@@ -328,6 +328,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/jobs/live", get(pages::jobs_live))
         .route("/jobs/{id}", get(pages::job))
         .route("/jobs/{id}/live", get(pages::job_live))
+        .route("/history", get(crate::search::page))
         .route("/fleet", get(pages::fleet))
         .route("/fleet/live", get(pages::fleet_live))
         .route("/fleet/charts", get(crate::chartview::fragment))

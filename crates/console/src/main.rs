@@ -31,6 +31,7 @@ mod ops;
 mod pages;
 mod render;
 mod sampler;
+mod search;
 mod streams;
 mod svg;
 

@@ -373,6 +373,9 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
             b.push_str(&app.clean(&render::job_row(r)));
         }
         b.push_str("</tbody></table>");
+        b.push_str(&crate::search::section(
+            &f.kind, &f.status, &f.tenant, &f.prefix,
+        ));
     }
     Ok(html(render::layout("jobs", &app.gate(b))))
 }

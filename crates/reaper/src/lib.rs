@@ -21,6 +21,9 @@
 //!   every worker runs too).
 //! - Max deliveries: the server's advisories, captured durably by the
 //!   `LH_ADVISORIES` stream; a live job is never killed for them.
+//! - History: one entry per finished job in `LH_HISTORY`, from the
+//!   terminal events (`historian.rs`), for `leasehold list --finished`
+//!   and the console's search.
 //! - Metrics: [`Metrics`] per sweep, logged, on the [`Handle`], and served on
 //!   `<prefix>.reaper.metrics`.
 //!
@@ -32,6 +35,7 @@
 
 pub mod config;
 pub mod decide;
+pub mod historian;
 pub mod metrics;
 pub mod retention;
 mod schedules;

@@ -443,6 +443,12 @@ async fn run(
             tokio::spawn(async {})
         }
     };
+    let historian = tokio::spawn(crate::historian::run(
+        inner.conn.clone(),
+        inner.recovery.jobs.clone(),
+        crate::retention::classes(&inner.opts),
+        shutdown.clone(),
+    ));
     let link = {
         let (inner, stop) = (inner.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -463,7 +469,9 @@ async fn run(
         human_duration(drain)
     );
     let finish = async {
-        for t in [sweep, adv, srv, ends, probe, schedules, wakeups, retention] {
+        for t in [
+            sweep, adv, srv, ends, probe, schedules, wakeups, retention, historian,
+        ] {
             if let Err(e) = t.await {
                 tracing::error!(error = %e, "reaper task panicked");
             }

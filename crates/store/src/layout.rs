@@ -267,6 +267,30 @@ pub fn valid_worker_id(id: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='))
 }
 
+/// Names of the history of finished jobs (`store::history`).
+impl Layout {
+    /// Stream of finished jobs: one message per end, written by the
+    /// reapers' historian, searched by `leasehold list --finished` and the
+    /// console's jobs page.
+    pub fn history_stream(&self) -> String {
+        format!("{}_HISTORY", self.upper())
+    }
+    /// `lh.history.<status>.<kind>.<tenant>.<class>`, each token already
+    /// subject-safe (`history::token`) or a wildcard.
+    pub fn history_subject(&self, status: &str, kind: &str, tenant: &str, class: &str) -> String {
+        format!("{}.history.{status}.{kind}.{tenant}.{class}", self.prefix)
+    }
+    /// `lh.history.>`.
+    pub fn history_wildcard(&self) -> String {
+        format!("{}.history.>", self.prefix)
+    }
+    /// Durable consumer of the reapers' historian on the event stream
+    /// (the terminal events), shared by every replica.
+    pub fn historian_consumer(&self) -> String {
+        format!("{}_historian", self.prefix)
+    }
+}
+
 /// Names used by the reaper service.
 impl Layout {
     /// Durable consumer of the reapers on the advisory stream. Every replica
@@ -337,6 +361,12 @@ mod tests {
         assert!(Layout::new("a.b").is_err());
         assert_eq!(l.sessions_bucket(), "lh_sessions");
         assert_eq!(l.active_bucket(), "lh_active");
+        assert_eq!(l.history_stream(), "LH_HISTORY");
+        assert_eq!(
+            l.history_subject("failed", "echo", "acme", "none"),
+            "lh.history.failed.echo.acme.none"
+        );
+        assert_eq!(l.historian_consumer(), "lh_historian");
         assert_eq!(l.worker_subject("w-1", "ping"), "lh.workers.w-1.ping");
         assert!(valid_worker_id("pod-7_a"));
         assert!(!valid_worker_id("a.b") && !valid_worker_id("a b") && !valid_worker_id(""));

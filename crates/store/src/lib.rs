@@ -17,6 +17,7 @@
 //! - [`recovery`]: re-offering the jobs of ended sessions, dead-lettering,
 //!   shared by workers and reapers.
 //! - [`retention`]: forgetting finished jobs after their retention.
+//! - [`history`]: the history of finished jobs, searched a page at a time.
 //! - [`effects`]: the effects ledger's bucket below the KV API: writes that
 //!   never expire, and a job's keys found and purged by subject.
 //! - [`artifacts`]: artifacts created if absent, never overwritten.
@@ -35,6 +36,7 @@ pub mod effects;
 pub mod events;
 pub mod fleet;
 pub mod flow;
+pub mod history;
 pub mod index;
 pub mod jobs;
 pub mod layout;

@@ -14,6 +14,7 @@
 //! | `lh_session_ends` | durable consumer of `KV_lh_sessions`, headers only | shared by workers and reapers: each ended session handled once |
 //! | `lh_active` | KV bucket | the index of active jobs (`run.<worker>.<job>`, `wait.<job>`, `park.<job>`) |
 //! | `lh_payloads` | KV bucket | large inputs and outputs beside their records (`<job>.input`, `<job>.output`) |
+//! | `LH_HISTORY` | stream, limits, per-message TTL | `lh.history.>`: one entry per finished job (`store::history`), each living its job's retention; bytes bound, oldest out |
 //!
 //! Every stream and bucket is bounded (see [`SetupOptions`]). Running setup
 //! again migrates: it compares what the server has with what is wanted,
@@ -84,6 +85,10 @@ pub struct SetupOptions {
     pub artifacts_max_bytes: i64,
     /// Byte bound of the recurring schedules' bucket (default 64 MiB).
     pub schedules_max_bytes: i64,
+    /// Byte bound of the history of finished jobs (default 256 MiB, about
+    /// a million entries); the oldest entries go first beyond it. Not
+    /// fitted to a small server: pass a smaller bound there.
+    pub history_max_bytes: i64,
     /// Which byte bounds are defaults rather than asked for: a server whose
     /// JetStream storage limit (`max_file_store`) cannot reserve them gets
     /// them halved until they fit (never below [`FIT_FLOOR`]), and the
@@ -169,6 +174,7 @@ impl Default for SetupOptions {
             effects_max_bytes: 1 << 30,
             artifacts_max_bytes: 4 << 30,
             schedules_max_bytes: 64 << 20,
+            history_max_bytes: 256 << 20,
             fit: Fit::DEFAULTS,
         }
     }
@@ -375,6 +381,14 @@ fn stream_drift(cur: &stream::Config, want: &stream::Config) -> Vec<(String, Str
         dur(cur.subject_delete_marker_ttl.unwrap_or_default()),
         dur(want.subject_delete_marker_ttl.unwrap_or_default()),
     );
+    // Only wanted on (the history's); other streams leave it as they are.
+    if want.allow_message_ttl {
+        check(
+            "allow_msg_ttl",
+            cur.allow_message_ttl.to_string(),
+            "true".into(),
+        );
+    }
     d
 }
 
@@ -510,6 +524,7 @@ pub async fn ensure_with(
             ..Default::default()
         });
     }
+    streams.push(history_config(l, o));
     for want in streams {
         report.push(apply_stream(js, l, o, &bounds, want, mode, &err).await?);
     }
@@ -740,7 +755,7 @@ pub async fn ensure_with(
 const FLOW_MAX_BYTES: i64 = 1 << 20;
 
 /// The flags of every byte bound, for errors that send the operator there.
-const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes, --schedules-max-bytes";
+const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes, --schedules-max-bytes, --history-max-bytes";
 
 /// The halvings tried when fitting the default bounds as a whole.
 const MAX_HALVINGS: u32 = 12;
@@ -922,6 +937,7 @@ async fn plan_bounds(conn: &Conn, o: &SetupOptions, mode: Mode) -> Result<Bounds
             ))
         }
     };
+    let advisories = advisories + history_reservation(conn, o).await?;
     let mut last_total = 0;
     for k in 0..=MAX_HALVINGS {
         let sizes = asked.map(|(a, fit)| fitted(a, fit, k));
@@ -966,6 +982,38 @@ async fn plan_bounds(conn: &Conn, o: &SetupOptions, mode: Mode) -> Result<Bounds
 
 /// The advisory stream's fixed bound.
 const ADVISORY_MAX_BYTES: i64 = 64 << 20;
+
+/// The history stream: entries carry their job's retention as a
+/// per-message TTL (the reapers' historian sets it), bytes are bounded with
+/// the oldest out, and a duplicate window dedupes the historian's retries.
+fn history_config(l: &crate::Layout, o: &SetupOptions) -> stream::Config {
+    stream::Config {
+        name: l.history_stream(),
+        description: Some("leasehold history of finished jobs".into()),
+        subjects: vec![l.history_wildcard()],
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        num_replicas: o.replicas,
+        max_bytes: o.history_max_bytes,
+        discard: stream::DiscardPolicy::Old,
+        duplicate_window: Duration::from_secs(120),
+        allow_direct: true,
+        allow_message_ttl: true,
+        compression: Some(stream::Compression::S2),
+        ..Default::default()
+    }
+}
+
+/// What the history stream adds to a new layout's reservation (nothing
+/// when it exists already).
+async fn history_reservation(conn: &Conn, o: &SetupOptions) -> Result<i64, StoreError> {
+    let name = conn.layout.history_stream();
+    match conn.js.get_stream(&name).await {
+        Ok(_) => Ok(0),
+        Err(e) if crate::is_not_found(&e) => Ok(o.history_max_bytes.max(0)),
+        Err(e) => Err(crate::lookup_error(format!("stream {name}"), &e)),
+    }
+}
 
 /// Whether the server can reserve `bytes` more: the work stream (not made
 /// yet) is created alone with that bound and a subject of its own, then

@@ -1,6 +1,7 @@
 //! `leasehold list`: the jobs that are not finished, from the index of
 //! active jobs (the cost follows the active jobs, not the history); `--all`
-//! scans every record instead.
+//! scans every record instead; `--finished` searches the history of
+//! finished jobs a page at a time (`finished.rs`).
 
 use anyhow::bail;
 use leasehold_core::{JobRecord, Status};
@@ -10,35 +11,70 @@ use leasehold_store::NatsArgs;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Only jobs in this status. `queued`, `running` and `parked` are read
-    /// from the index of active jobs; a finished status needs `--all`.
+    /// from the index of active jobs; a finished status needs `--finished`
+    /// (the history) or `--all`.
     #[arg(long)]
-    status: Option<String>,
+    pub(crate) status: Option<String>,
     /// Only jobs of this kind.
     #[arg(long)]
-    kind: Option<String>,
+    pub(crate) kind: Option<String>,
     /// Only running jobs of this worker.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "finished")]
     worker: Option<String>,
-    /// At most this many jobs; `--after` continues.
+    /// At most this many jobs (with `--finished`: 1 to 1000); `--after`
+    /// continues.
     #[arg(long, default_value_t = 100)]
-    limit: usize,
+    pub(crate) limit: usize,
     /// Start after this job (the last id of the previous page, in the
-    /// same `--sort` order).
+    /// same `--sort` order); with `--finished`, the cursor the previous
+    /// page printed.
     #[arg(long)]
-    after: Option<String>,
+    pub(crate) after: Option<String>,
     /// Order: `newest` (submitted last first), `oldest`, or `id`.
     #[arg(long, value_enum, default_value_t = Sort::Newest)]
     sort: Sort,
     /// Every record ever kept, finished ones too (a scan of the whole
     /// bucket: slow on a long history).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "finished")]
     all: bool,
+    /// Search the history of finished jobs (completed, failed, cancelled,
+    /// dead, rejected) instead of the active ones, without reading the
+    /// records: by --status, --kind, --tenant, --class, --since, --until
+    /// and --id-prefix, oldest end first, a page of --limit at a time.
+    /// Prints how many matched and the command of the next page. E.g.
+    /// last Tuesday's failed jobs of tenant acme: `leasehold list
+    /// --finished --status failed --tenant acme --since 2026-12-01
+    /// --until 2026-12-02`.
+    #[arg(long)]
+    pub(crate) finished: bool,
+    /// With --finished: only jobs of this tenant (`default` for jobs
+    /// submitted without one).
+    #[arg(long, requires = "finished")]
+    pub(crate) tenant: Option<String>,
+    /// With --finished: only jobs whose error has this class (`none`:
+    /// jobs without an error).
+    #[arg(long, requires = "finished")]
+    pub(crate) class: Option<String>,
+    /// With --finished: jobs that ended at or after this time: RFC 3339
+    /// (`2026-12-01T10:00:00Z`), a UTC date or date and time
+    /// (`2026-12-01`, `2026-12-01T10:00`), or a duration ago (`2h`, `7d`).
+    #[arg(long, requires = "finished")]
+    pub(crate) since: Option<String>,
+    /// With --finished: jobs that ended before this time (same forms as
+    /// --since).
+    #[arg(long, requires = "finished")]
+    pub(crate) until: Option<String>,
+    /// With --finished: only jobs whose id starts with this (read from the
+    /// entries: the count is then an upper bound, and a page reads at most
+    /// 2,000 entries).
+    #[arg(long, requires = "finished")]
+    pub(crate) id_prefix: Option<String>,
     /// With `--all`: list the records that cannot be read instead.
     #[arg(long, requires = "all")]
     corrupt: bool,
     /// One JSON record per line instead of a table.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 /// The order `list` shows jobs in.
@@ -125,12 +161,15 @@ fn progress(r: &JobRecord) -> String {
 }
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
+    if a.finished {
+        return super::finished::run(&a, nats).await;
+    }
     let status = match &a.status {
         Some(s) => Some(s.parse::<Status>().map_err(anyhow::Error::msg)?),
         None => None,
     };
     if let Some(s) = status.filter(|s| s.is_terminal() && !a.all) {
-        bail!("finished jobs ({s}) are not in the index of active jobs; add --all to scan every record");
+        bail!("finished jobs ({s}) are not in the index of active jobs; add --finished to search their history (or --all to scan every record)");
     }
     let conn = nats.connect("leasehold-cli list").await?;
     let jobs = super::open_jobs(&conn).await?;

@@ -3,6 +3,7 @@
 pub mod cancel;
 pub mod dlq;
 pub mod events;
+pub mod finished;
 pub mod limits;
 pub mod list;
 pub mod model;
