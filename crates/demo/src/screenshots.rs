@@ -47,7 +47,7 @@ pub fn docs_shots(killed: &str) -> Vec<Shot> {
         Shot::new("fleet-charts-dark", "/fleet", 1280, 1900, true),
         Shot::new(
             "search",
-            "/jobs?status=completed&kind=research&since=1h",
+            "/history?status=completed&kind=research&from=1h",
             1280,
             900,
             false,
