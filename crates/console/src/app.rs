@@ -52,6 +52,8 @@ pub struct App {
     pub secret: String,
     /// Values never shown.
     pub secrets: Vec<String>,
+    /// Job waterfalls' models, by job.
+    pub waterfalls: crate::waterfall_page::Waterfalls,
 }
 
 const OPEN: std::time::Duration = std::time::Duration::from_secs(120);
@@ -100,6 +102,7 @@ impl App {
         secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
         let streams = Streams::new(args.streams_per_caller as usize, metrics.clone());
         let ops = Ops::new(args.bulk_max as usize, metrics.clone());
+        let args_waterfall = args.waterfall_cache_bytes;
         Ok(App {
             actions_off,
             dlq: Dlq::new(&conn),
@@ -118,6 +121,7 @@ impl App {
             ops,
             metrics,
             secrets,
+            waterfalls: crate::waterfall_page::Waterfalls::new(args_waterfall),
             conn,
             op,
         })
@@ -324,6 +328,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/jobs/live", get(pages::jobs_live))
         .route("/jobs/{id}", get(pages::job))
         .route("/jobs/{id}/live", get(pages::job_live))
+        .route("/jobs/{id}/waterfall", get(crate::waterfall_page::route))
         .route("/fleet", get(pages::fleet))
         .route("/fleet/live", get(pages::fleet_live))
         .route("/dlq", get(pages::dlq))

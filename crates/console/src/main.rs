@@ -30,6 +30,9 @@ mod pages;
 mod render;
 mod streams;
 mod svg;
+mod waterfall;
+mod waterfall_page;
+mod waterfall_svg;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -127,6 +130,11 @@ pub struct Args {
     /// once; another is refused (429) until one ends.
     #[arg(long, env = "LH_CONSOLE_BULK_MAX", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     pub bulk_max: u32,
+    /// The job waterfalls' cache bound in bytes (the models of recently
+    /// shown jobs, so a refresh reads only the events since; 0: off, every
+    /// request reads the job's events from the start).
+    #[arg(long, env = "LH_CONSOLE_WATERFALL_CACHE_BYTES", default_value = "32MiB", value_parser = parse_bytes)]
+    pub waterfall_cache_bytes: usize,
 }
 
 /// A size: whole bytes, or a whole number with `KiB`, `MiB` or `GiB`.

@@ -22,6 +22,8 @@ pub struct ConsoleMetrics {
     /// Bulk operations running, and pages of dead letters they read.
     pub bulk_running: Gauge,
     pub bulk_letter_pages: Counter,
+    /// Events the job waterfalls read (only those after a cached model's).
+    pub waterfall_events_read: Counter,
 }
 
 impl ConsoleMetrics {
@@ -67,6 +69,11 @@ impl ConsoleMetrics {
             "bulk_letter_pages",
             "Pages of dead letters bulk actions read (each at most 100 letters, headers only)",
             self.bulk_letter_pages.clone(),
+        );
+        r.register(
+            "waterfall_events_read",
+            "Job events read to draw waterfalls (a cached job's model reads only the events after its last)",
+            self.waterfall_events_read.clone(),
         );
         r
     }

@@ -120,6 +120,15 @@ impl Svg {
         self.body.push_str("</g>");
     }
 
+    /// A link start (`<a href>`) around what follows, up to [`Svg::end_link`].
+    pub fn link(&mut self, href: &str) {
+        let _ = write!(self.body, "<a href=\"{}\">", esc(href));
+    }
+
+    pub fn end_link(&mut self) {
+        self.body.push_str("</a>");
+    }
+
     /// The picture as SVG text, scaling to its container's width.
     pub fn finish(self) -> String {
         format!(
@@ -136,7 +145,11 @@ impl Svg {
 /// Round axis ticks from 0 to at least `max`: about `n` steps of 1, 2 or 5
 /// times a power of ten. The last tick is the axis's top.
 pub fn ticks(max: f64, n: usize) -> Vec<f64> {
-    let max = if max.is_finite() && max > 0.0 { max } else { 1.0 };
+    let max = if max.is_finite() && max > 0.0 {
+        max
+    } else {
+        1.0
+    };
     let raw = max / n.max(1) as f64;
     let pow = 10f64.powf(raw.log10().floor());
     let step = [1.0, 2.0, 5.0, 10.0]
@@ -219,7 +232,10 @@ mod tests {
         s.rect(0.0, 0.0, 1.0, 1.0, "x", "<script>", &[("seq", "1\"2")]);
         s.text(0.0, 0.0, "start", "t", "</svg>");
         let out = s.finish();
-        assert!(!out.contains("<script>") && !out.contains("</svg><"), "{out}");
+        assert!(
+            !out.contains("<script>") && !out.contains("</svg><"),
+            "{out}"
+        );
         assert!(out.contains("data-seq=\"1&quot;2\""), "{out}");
     }
 }
