@@ -88,7 +88,7 @@ fn research_spec() -> Value {
 // A minimal DevTools-protocol client: one WebSocket to the browser target,
 // one page attached in flat mode.
 
-struct Browser {
+pub(crate) struct Browser {
     _proc: Proc,
     _dir: tempfile::TempDir,
     ws: tokio::net::TcpStream,
@@ -115,7 +115,7 @@ fn chromium() -> String {
 }
 
 impl Browser {
-    async fn start() -> Browser {
+    pub(crate) async fn start() -> Browser {
         let dir = tempfile::tempdir().unwrap();
         let profile = format!("--user-data-dir={}", dir.path().display());
         let proc = Proc::spawn_path(
@@ -272,7 +272,7 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
     }
 
     /// Evaluates `js` in the page; its value.
-    async fn eval(&mut self, js: &str) -> Value {
+    pub(crate) async fn eval(&mut self, js: &str) -> Value {
         let r = self
             .call(
                 "Runtime.evaluate",
@@ -282,7 +282,7 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
         r["result"]["value"].clone()
     }
 
-    async fn goto(&mut self, url: &str) {
+    pub(crate) async fn goto(&mut self, url: &str) {
         self.call("Page.navigate", json!({"url": url})).await;
         self.wait(
             "document.readyState === 'complete' && location.href !== 'about:blank'",
@@ -293,7 +293,7 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
     }
 
     /// Waits until `js` is true in the page.
-    async fn wait(&mut self, js: &str, timeout: Duration, what: &str) {
+    pub(crate) async fn wait(&mut self, js: &str, timeout: Duration, what: &str) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             if self.eval(&format!("!!({js})")).await == json!(true) {

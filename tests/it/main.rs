@@ -34,3 +34,4 @@ mod submission;
 mod support;
 mod tenants;
 mod watch;
+mod waterfall;

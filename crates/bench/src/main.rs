@@ -40,6 +40,7 @@ mod reoffers;
 mod research;
 mod steps;
 mod throughput;
+mod waterfall;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -64,6 +65,7 @@ pub const PARTS: &[&str] = &[
     "regression",
     "reoffers",
     "steps",
+    "waterfall",
     "remote",
     "flow",
     "flow-research",
@@ -483,6 +485,12 @@ async fn main() -> anyhow::Result<()> {
         {
             steps::rows(&mut r, &v);
             r.json.insert("steps".into(), v);
+        }
+    }
+    if a.runs("waterfall") {
+        if let Some(v) = part(&mut r, &mut failed, "waterfall", waterfall::waterfall(50)).await {
+            waterfall::rows(&mut r, &v);
+            r.json.insert("waterfall".into(), v);
         }
     }
     if a.runs("remote") {
