@@ -89,7 +89,7 @@ pub struct Args {
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, plateau, research,
     /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
-    /// real-model, console (or one of its parts: console-pages,
+    /// real-model, waterfall, console (or one of its parts: console-pages,
     /// console-live, console-clients). All by default (regression only with --baseline-bins,
     /// real-model only where the model's virtualenv is installed: `make
     /// model-venv`).
