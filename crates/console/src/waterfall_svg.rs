@@ -9,7 +9,7 @@
 use std::fmt::Write as _;
 
 use crate::render::esc;
-use crate::svg::{duration, ticks, Svg};
+use crate::svg::{duration, ticks, value, Svg};
 use crate::waterfall::{Attempt, Bar, Kind, Waterfall};
 
 const W: f64 = 1200.0;
@@ -117,7 +117,11 @@ fn title(g: &Group, kind: Kind) -> String {
             b.seq,
             g.last_seq,
             if g.tokens != (0, 0) {
-                format!(", {} in / {} out tokens", g.tokens.0, g.tokens.1)
+                format!(
+                    ", {} in / {} out tokens",
+                    value(g.tokens.0 as f64, ""),
+                    value(g.tokens.1 as f64, "")
+                )
             } else {
                 String::new()
             }
