@@ -36,3 +36,4 @@ mod submission;
 mod support;
 mod tenants;
 mod watch;
+mod waterfall;

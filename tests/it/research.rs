@@ -122,7 +122,7 @@ fn sha256_hex(s: &str) -> String {
 }
 
 /// Waits until a process has exited (a crash point aborted it).
-async fn exited(p: &mut Proc, within: Duration) {
+pub(crate) async fn exited(p: &mut Proc, within: Duration) {
     let deadline = tokio::time::Instant::now() + within;
     while p.alive() {
         assert!(

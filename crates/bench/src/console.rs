@@ -20,21 +20,27 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use crate::common::{self, pct, rss_mib, server, summary, wait_log};
 
 async fn console(url: &str) -> anyhow::Result<(Proc, String)> {
-    let p = Proc::spawn(
-        "leasehold-console",
-        &[],
-        &[
-            ("NATS_URL", url.to_string()),
-            ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".into()),
-            // Its clients are one caller (loopback, no auth): 100 streams.
-            ("LH_CONSOLE_STREAMS_PER_CALLER", "1000".into()),
-            (
-                "RUST_LOG",
-                std::env::var("LH_BENCH_CONSOLE_LOG")
-                    .unwrap_or_else(|_| "leasehold_console=info,warn".into()),
-            ),
-        ],
-    );
+    console_with(url, &[]).await
+}
+
+/// A console on `url` with `extra` environment besides the bench's own.
+pub(crate) async fn console_with(
+    url: &str,
+    extra: &[(&'static str, String)],
+) -> anyhow::Result<(Proc, String)> {
+    let mut env: Vec<(&'static str, String)> = vec![
+        ("NATS_URL", url.to_string()),
+        ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".into()),
+        // Its clients are one caller (loopback, no auth): 100 streams.
+        ("LH_CONSOLE_STREAMS_PER_CALLER", "1000".into()),
+        (
+            "RUST_LOG",
+            std::env::var("LH_BENCH_CONSOLE_LOG")
+                .unwrap_or_else(|_| "leasehold_console=info,warn".into()),
+        ),
+    ];
+    env.extend(extra.iter().cloned());
+    let p = Proc::spawn("leasehold-console", &[], &env);
     wait_log(&p, "console listening on http://", Duration::from_secs(30)).await?;
     let addr = p
         .output()

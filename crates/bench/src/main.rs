@@ -44,6 +44,7 @@ mod research;
 mod search;
 mod steps;
 mod throughput;
+mod waterfall;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -69,6 +70,7 @@ pub const PARTS: &[&str] = &[
     "regression",
     "reoffers",
     "steps",
+    "waterfall",
     "remote",
     "flow",
     "flow-research",
@@ -93,7 +95,7 @@ pub struct Args {
     /// Run only these parts (comma-separated): ceiling, throughput,
     /// recovery, handoff, stop, inflight, history, search, plateau, research,
     /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
-    /// real-model, console (or one of its parts: console-pages,
+    /// real-model, waterfall, console (or one of its parts: console-pages,
     /// console-live, console-clients), charts. All by default (regression only with --baseline-bins,
     /// real-model only where the model's virtualenv is installed: `make
     /// model-venv`).
@@ -505,6 +507,12 @@ async fn main() -> anyhow::Result<()> {
         {
             steps::rows(&mut r, &v);
             r.json.insert("steps".into(), v);
+        }
+    }
+    if a.runs("waterfall") {
+        if let Some(v) = part(&mut r, &mut failed, "waterfall", waterfall::waterfall(50)).await {
+            waterfall::rows(&mut r, &v);
+            r.json.insert("waterfall".into(), v);
         }
     }
     if a.runs("remote") {

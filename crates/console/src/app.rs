@@ -54,6 +54,8 @@ pub struct App {
     pub secret: String,
     /// Values never shown.
     pub secrets: Vec<String>,
+    /// Job waterfalls' models, by job.
+    pub waterfalls: crate::waterfall_page::Waterfalls,
 }
 
 const OPEN: std::time::Duration = std::time::Duration::from_secs(120);
@@ -103,6 +105,7 @@ impl App {
         let streams = Streams::new(args.streams_per_caller as usize, metrics.clone());
         let ops = Ops::new(args.bulk_max as usize, metrics.clone());
         let chart_interval = args.chart_interval;
+        let args_waterfall = args.waterfall_cache_bytes;
         Ok(App {
             actions_off,
             dlq: Dlq::new(&conn),
@@ -122,6 +125,7 @@ impl App {
             ops,
             metrics,
             secrets,
+            waterfalls: crate::waterfall_page::Waterfalls::new(args_waterfall),
             conn,
             op,
         })
@@ -329,6 +333,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/jobs/{id}", get(pages::job))
         .route("/jobs/{id}/live", get(pages::job_live))
         .route("/history", get(crate::search::page))
+        .route("/jobs/{id}/waterfall", get(crate::waterfall_page::route))
         .route("/fleet", get(pages::fleet))
         .route("/fleet/live", get(pages::fleet_live))
         .route("/fleet/charts", get(crate::chartview::fragment))

@@ -34,6 +34,9 @@ mod sampler;
 mod search;
 mod streams;
 mod svg;
+mod waterfall;
+mod waterfall_page;
+mod waterfall_svg;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -135,6 +138,11 @@ pub struct Args {
     /// (an hour at 10s), whole seconds.
     #[arg(long, env = "LH_CONSOLE_CHART_INTERVAL", default_value = "10s", value_parser = chart_interval)]
     pub chart_interval: Duration,
+    /// The job waterfalls' cache bound in bytes (the models of recently
+    /// shown jobs, so a refresh reads only the events since; 0: off, every
+    /// request reads the job's events from the start).
+    #[arg(long, env = "LH_CONSOLE_WATERFALL_CACHE_BYTES", default_value = "32MiB", value_parser = parse_bytes)]
+    pub waterfall_cache_bytes: usize,
 }
 
 /// A chart interval: a duration of whole seconds, 1s to 10min.

@@ -27,6 +27,8 @@ pub struct ConsoleMetrics {
     pub chart_samples: Counter,
     pub chart_reads: Counter,
     pub chart_record_reads: Counter,
+    /// Events the job waterfalls read (only those after a cached model's).
+    pub waterfall_events_read: Counter,
 }
 
 impl ConsoleMetrics {
@@ -87,6 +89,9 @@ impl ConsoleMetrics {
             "chart_record_reads",
             "Job records the charts read for the submit-to-start sample (at most 20 a second)",
             self.chart_record_reads.clone(),
+            "waterfall_events_read",
+            "Job events read to draw waterfalls (a cached job's model reads only the events after its last)",
+            self.waterfall_events_read.clone(),
         );
         r
     }

@@ -536,6 +536,12 @@ pub async fn job(
         esc(&id),
         summary(&app, &r, &caller)
     );
+    let shown_page = crate::waterfall_page::Shown {
+        after,
+        limit: lim as u64,
+    };
+    b.push_str("<h2>Waterfall</h2>");
+    b.push_str(&app.clean(&crate::waterfall_page::fragment(&app, &id, shown_page).await?));
     let _ = write!(
         b,
         "<h2>Timeline</h2><table class=\"timeline\"><thead>{}</thead><tbody id=\"timeline\"",

@@ -386,7 +386,7 @@ fn short_key(k: &str) -> String {
 /// One timeline row; `superseded` marks what a later epoch replaced.
 pub fn event_row(seq: u64, ev: &JobEvent, clean: &dyn Fn(&str) -> String) -> String {
     format!(
-        "<tr data-seq=\"{seq}\" class=\"ev ev-{ty}\"><td>{seq}</td><td>{at}</td><td>{ep}</td><td>{ty}</td><td>{what}</td></tr>",
+        "<tr id=\"ev-{seq}\" data-seq=\"{seq}\" class=\"ev ev-{ty}\"><td>{seq}</td><td>{at}</td><td>{ep}</td><td>{ty}</td><td>{what}</td></tr>",
         at = esc(ev.at.get(11..23).unwrap_or(&ev.at)),
         ep = ev.epoch,
         ty = esc(&ev.r#type),

@@ -120,6 +120,15 @@ impl Svg {
         self.body.push_str("</g>");
     }
 
+    /// A link start (`<a href>`) around what follows, up to [`Svg::end_link`].
+    pub fn link(&mut self, href: &str) {
+        let _ = write!(self.body, "<a href=\"{}\">", esc(href));
+    }
+
+    pub fn end_link(&mut self) {
+        self.body.push_str("</a>");
+    }
+
     /// The picture as SVG text, scaling to its container's width.
     pub fn finish(self) -> String {
         format!(

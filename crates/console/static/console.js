@@ -95,7 +95,24 @@ function followJobs(tbody) {
   }, resumed);
 }
 
+// The job's waterfall, fetched again (at most once a second) as events land.
+function waterfallRefresher() {
+  let timer = null;
+  return () => {
+    const wf = document.getElementById("waterfall");
+    if (!wf || timer) return;
+    timer = setTimeout(() => {
+      timer = null;
+      fetch(wf.dataset.src, { credentials: "same-origin" })
+        .then((r) => (r.ok ? r.text() : Promise.reject(r.status)))
+        .then((html) => { wf.outerHTML = html; })
+        .catch(() => {});
+    }, 1000);
+  };
+}
+
 function followJob(tbody) {
+  const refresh = waterfallRefresher();
   // Taken again, the stream starts after the last row shown.
   const url = () => {
     const u = new URL(tbody.dataset.live, location.href);
@@ -110,6 +127,7 @@ function followJob(tbody) {
       // A reconnect starts again from the page's first sequence: rows
       // already shown are skipped above.
       for (const r of rowsFrom(d.html)) tbody.append(r);
+      refresh();
     },
     record: (m) => {
       const d = JSON.parse(m.data);
