@@ -89,6 +89,8 @@ impl ConsoleMetrics {
             "chart_record_reads",
             "Job records the charts read for the submit-to-start sample (at most 20 a second)",
             self.chart_record_reads.clone(),
+        );
+        r.register(
             "waterfall_events_read",
             "Job events read to draw waterfalls (a cached job's model reads only the events after its last)",
             self.waterfall_events_read.clone(),
