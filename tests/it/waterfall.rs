@@ -109,18 +109,8 @@ fn long_job(id: &str, n: usize, from_ms: u64) -> Vec<leasehold_proto::JobEvent> 
 }
 
 async fn events_read(base: &str) -> u64 {
-    let m = http()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    m.lines()
-        .find_map(|l| l.strip_prefix("leasehold_console_waterfall_events_read_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no waterfall counter in:\n{m}"))
+    crate::console_cost::metric(base, None, "leasehold_console_waterfall_events_read_total").await
+        as u64
 }
 
 #[tokio::test]

@@ -4,12 +4,9 @@
 //! the store requests per sample of its sampler in both. The charts read
 //! only their ring: the target is ~1x.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use leasehold_core::machine::new_record;
 use leasehold_harness::Proc;
-use leasehold_store::index::{Active, Key};
 use leasehold_store::setup::SetupOptions;
 use leasehold_store::Conn;
 use serde_json::{json, Value};
@@ -38,31 +35,10 @@ async fn console(url: &str) -> anyhow::Result<(Proc, String)> {
     Ok((p, addr))
 }
 
-/// Running jobs `from..to` in the index only (256 writes at a time): what
-/// the charts could grow with if they counted jobs.
+/// Running jobs `from..to` in the index only: what the charts could grow
+/// with if they counted jobs.
 async fn seed(conn: &Conn, from: usize, to: usize) -> anyhow::Result<()> {
-    let index = Active::open(conn).await?;
-    let now = SystemTime::now();
-    let mut pending = futures::stream::FuturesUnordered::new();
-    for i in from..to {
-        let index = index.clone();
-        pending.push(async move {
-            let mut r = new_record(&format!("seed-{i}"), "echo", Default::default(), 0, now);
-            r.status = "running".into();
-            r.worker_id = Some(format!("w-{}", i % 8));
-            r.epoch = 1;
-            let key = Key::of(&r).expect("a running record has an index key");
-            index.put(&key, &r).await?;
-            anyhow::Ok(())
-        });
-        while pending.len() >= 256 {
-            pending.next().await.transpose()?;
-        }
-    }
-    while let Some(x) = pending.next().await {
-        x?;
-    }
-    Ok(())
+    crate::console::seed_running(conn, from..to, false).await
 }
 
 /// Waits until the charts' newest sample counts `n` running jobs.

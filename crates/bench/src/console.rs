@@ -78,27 +78,27 @@ async fn sample(addr: &str, path: &str, n: usize) -> anyhow::Result<Vec<f64>> {
     Ok(v)
 }
 
-/// `active` running jobs in the index and records (a create and an index
-/// write each, 256 at a time), `finished` completed records with their
-/// terminal events (written directly, in batches of asynchronous
-/// publishes: a million in a few minutes), and one job `measured` with 60
-/// events of a research-like timeline, written last (so its completion is
-/// the newest terminal event).
-async fn seed(conn: &Conn, active: usize, finished: usize) -> anyhow::Result<()> {
+/// Running jobs `ids` (`seed-<i>`, on 8 workers) in the index, and with
+/// their records when `records` (256 writes at a time).
+pub async fn seed_running(
+    conn: &Conn,
+    ids: std::ops::Range<usize>,
+    records: bool,
+) -> anyhow::Result<()> {
     let jobs = Jobs::open(conn).await?;
     let index = Active::open(conn).await?;
-    let ev = Events::new(conn);
     let now = SystemTime::now();
     let mut pending = futures::stream::FuturesUnordered::new();
-    for i in 0..active {
+    for i in ids {
         let (jobs, index) = (jobs.clone(), index.clone());
         pending.push(async move {
-            let id = format!("seed-{i}");
-            let mut r = new_record(&id, "echo", Default::default(), 0, now);
+            let mut r = new_record(&format!("seed-{i}"), "echo", Default::default(), 0, now);
             r.status = "running".into();
             r.worker_id = Some(format!("w-{}", i % 8));
             r.epoch = 1;
-            jobs.create(&r).await?;
+            if records {
+                jobs.create(&r).await?;
+            }
             let key = Key::of(&r).expect("a running record has an index key");
             index.put(&key, &r).await?;
             anyhow::Ok(())
@@ -110,6 +110,20 @@ async fn seed(conn: &Conn, active: usize, finished: usize) -> anyhow::Result<()>
     while let Some(x) = pending.next().await {
         x?;
     }
+    Ok(())
+}
+
+/// `active` running jobs in the index and records (a create and an index
+/// write each, 256 at a time), `finished` completed records with their
+/// terminal events (written directly, in batches of asynchronous
+/// publishes: a million in a few minutes), and one job `measured` with 60
+/// events of a research-like timeline, written last (so its completion is
+/// the newest terminal event).
+async fn seed(conn: &Conn, active: usize, finished: usize) -> anyhow::Result<()> {
+    seed_running(conn, 0..active, true).await?;
+    let jobs = Jobs::open(conn).await?;
+    let ev = Events::new(conn);
+    let now = SystemTime::now();
     const BATCH: usize = 5000;
     let t0 = Instant::now();
     let mut i = active;
