@@ -6,34 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use leasehold_harness::Proc;
 use leasehold_store::setup::SetupOptions;
 use leasehold_store::Conn;
 use serde_json::{json, Value};
 
-use crate::common::{self, server, summary, wait_log};
-
-async fn console(url: &str) -> anyhow::Result<(Proc, String)> {
-    let p = Proc::spawn(
-        "leasehold-console",
-        &[],
-        &[
-            ("NATS_URL", url.to_string()),
-            ("LH_CONSOLE_HTTP_LISTEN", "127.0.0.1:0".into()),
-            ("LH_CONSOLE_CHART_INTERVAL", "1s".into()),
-            ("RUST_LOG", "leasehold_console=info,warn".into()),
-        ],
-    );
-    wait_log(&p, "console listening on http://", Duration::from_secs(30)).await?;
-    let addr = p
-        .output()
-        .lines()
-        .find_map(|l| l.split("console listening on http://").nth(1))
-        .unwrap_or_default()
-        .trim()
-        .to_string();
-    Ok((p, addr))
-}
+use crate::common::{self, server, summary};
 
 /// Running jobs `from..to` in the index only: what the charts could grow
 /// with if they counted jobs.
@@ -107,7 +84,9 @@ async fn reads_per_sample(addr: &str) -> anyhow::Result<f64> {
 /// The part: (small, large) active jobs, `samples` requests of each route.
 pub async fn run(small: usize, large: usize, samples: usize) -> anyhow::Result<Value> {
     let (s, conn) = server(SetupOptions::default()).await?;
-    let (_c, addr) = console(&s.url()).await?;
+    let (_c, addr) =
+        crate::console::console_with(&s.url(), &[("LH_CONSOLE_CHART_INTERVAL", "1s".into())])
+            .await?;
     let mut out = serde_json::Map::new();
     let mut seeded = 0;
     for (name, n) in [("small", small), ("large", large)] {
