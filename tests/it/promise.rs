@@ -732,14 +732,30 @@ async fn a_fast_park_whose_index_write_failed_is_listed_all_the_same() {
         .await;
     env.wait_status("parked-fast", "parked", Duration::from_secs(10))
         .await;
+    // The park entry's write has reached the proxy (and was dropped)
+    // before the faults end: without this wait a slow owner could write
+    // it after `clear`, and the test would not test the lost write.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while proxy.published("$KV.lh_active.park.>") == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the owner never tried to write the park entry"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let active = Active::open(&env.conn).await.unwrap();
     assert!(
         active.list(Filter::Parked).await.unwrap().is_empty(),
         "the park entry's write was lost"
     );
     proxy.clear();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while active.list(Filter::Parked).await.unwrap().is_empty() {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match active.list(Filter::Parked).await {
+            Ok(l) if !l.is_empty() => break,
+            Ok(_) => {}
+            Err(e) => eprintln!("listing the parked jobs failed (tried again): {e}"),
+        }
         assert!(
             tokio::time::Instant::now() < deadline,
             "the parked job is listed once its kept ticket comes back"
