@@ -265,6 +265,66 @@ async fn an_agent_call_runs_the_users_tools_and_is_not_repeated_once_recorded() 
     assert_eq!(steps, ["agent:section#0"]);
 }
 
+/// An agent whose call may take one step: the sim's planner needs more.
+struct OneStep;
+
+#[leasehold::async_trait]
+impl Kind for OneStep {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let mut a = leasehold::Agent::new("sim", "You research and cite.", "Write about leases.")
+            .tools(["search", "fetch"]);
+        a.limits.max_steps = Some(1);
+        let out = ctx.agent("section", &a).await?;
+        Ok(json!({"text": out.text}))
+    }
+}
+
+// Issue 31: an exhausted budget ended a job `terminal` through `ctx.agent`
+// and `budget_exhausted` through research (research.rs asserts that one);
+// one mapping (`Error::of_section`) now serves both.
+#[tokio::test]
+async fn a_budget_exhausted_agent_ends_budget_exhausted_as_research_does() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("onestep".into());
+    let env = Env::with(o).await;
+    let (_sim, sim) = spawn_sim(&[]).await;
+    let mut opts = env.opts();
+    opts.kinds = vec!["onestep".into()];
+    let model = leasehold::ModelConfig {
+        base_url: format!("{sim}/v1"),
+        ..Default::default()
+    };
+    let n = Arc::new(AtomicU32::new(0));
+    let stop = CancellationToken::new();
+    let _h = leasehold::Worker::new(opts)
+        .model("sim", model)
+        .tool(Search(sim.clone(), n.clone(), spec("search")))
+        .tool(Fetch(n.clone(), spec("fetch")))
+        .kind("onestep", OneStep)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("onestep", json!({"input": {}}), "ag-budget")
+        .await;
+    let rec = env
+        .wait_for("ag-budget", Duration::from_secs(30), |r| {
+            matches!(
+                r.status.as_str(),
+                "completed" | "failed" | "parked" | "dead"
+            )
+        })
+        .await;
+    stop.cancel();
+    assert_eq!(rec.status, "failed", "{rec:?}");
+    let err = rec.error.clone().unwrap();
+    assert_eq!(err.class, "budget_exhausted", "{rec:?}");
+    assert!(err.message.contains("budget exhausted (Steps)"), "{err:?}");
+    assert_eq!(rec.attempts, 1, "a budget is never retried: {rec:?}");
+}
+
 async fn sim_chat_requests(sim: &str) -> u64 {
     let v: Value = reqwest::get(format!("{sim}/stats"))
         .await

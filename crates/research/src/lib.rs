@@ -283,24 +283,14 @@ async fn in_phase<T>(
     r
 }
 
+/// How a section that did not complete stops the run: the SDK's one
+/// mapping ([`leasehold::Error::of_section`]), a park kept a park.
 fn stop_of(outcome: SectionOutcome, what: &str) -> Stop {
-    match outcome {
-        SectionOutcome::Parked { class, reason } => Stop::Park {
-            reason: class.to_string(),
-            message: format!("{what}: {reason}"),
-        },
-        SectionOutcome::Failed { reason, .. } => {
-            Stop::Err(ResearchError::terminal(format!("{what}: {reason}")))
-        }
-        SectionOutcome::BudgetExhausted { kind } => Stop::Err(ResearchError::budget_exhausted(
-            format!("{what}: budget exhausted ({kind:?})"),
-        )),
-        SectionOutcome::Skipped { reason } => Stop::Err(ResearchError::retryable(format!(
-            "{what} could not be generated: {reason}"
-        ))),
-        SectionOutcome::Completed { .. } | SectionOutcome::Cancelled => {
-            Stop::Err(ResearchError::cancelled())
-        }
+    match leasehold::Error::of_section(outcome, what) {
+        Err(leasehold::Error::Park { reason, message }) => Stop::Park { reason, message },
+        Err(e) => Stop::Err(e.into()),
+        // A completed section is never a stop: the callers match it first.
+        Ok(_) => Stop::Err(ResearchError::cancelled()),
     }
 }
 

@@ -11,8 +11,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex as StdMutex};
 
 use leasehold_model::agent::{
-    NoTools, SectionInput, SectionOutcome, SectionPolicy, SectionRunner, ToolExecutor,
-    TranscriptHook,
+    NoTools, SectionInput, SectionPolicy, SectionRunner, ToolExecutor, TranscriptHook,
 };
 use leasehold_model::{
     BreakerConfig, Budget, BudgetLimits, GenerationPolicy, Generator, ModelClient, RetryReport,
@@ -416,33 +415,20 @@ pub(crate) async fn run(
     if let Some(e) = out.broken() {
         return Err(e);
     }
-    match r.outcome {
-        SectionOutcome::Completed { text } => {
-            let json = match &spec.schema {
-                Some(_) => Some(serde_json::from_str::<Value>(text.trim()).map_err(|e| {
-                    Error::retryable(format!("the agent's answer is not JSON: {e}"))
-                })?),
-                None => None,
-            };
-            Ok(AgentOutput {
-                text,
-                json,
-                model_calls: r.model_calls,
-                tool_calls: r.tool_calls,
-            })
-        }
-        SectionOutcome::Skipped { reason } => {
-            Err(Error::retryable(format!("agent `{step}`: {reason}")))
-        }
-        SectionOutcome::Parked { class, reason } => Err(Error::park(class.to_string(), reason)),
-        SectionOutcome::Failed { reason, .. } => {
-            Err(Error::terminal(format!("agent `{step}`: {reason}")))
-        }
-        SectionOutcome::BudgetExhausted { kind } => Err(Error::terminal(format!(
-            "agent `{step}`: budget exhausted ({kind:?})"
-        ))),
-        SectionOutcome::Cancelled => Err(Error::Cancelled),
-    }
+    let text = Error::of_section(r.outcome, &format!("agent `{step}`"))?;
+    let json = match &spec.schema {
+        Some(_) => Some(
+            serde_json::from_str::<Value>(text.trim())
+                .map_err(|e| Error::retryable(format!("the agent's answer is not JSON: {e}")))?,
+        ),
+        None => None,
+    };
+    Ok(AgentOutput {
+        text,
+        json,
+        model_calls: r.model_calls,
+        tool_calls: r.tool_calls,
+    })
 }
 
 #[cfg(test)]

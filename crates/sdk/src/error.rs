@@ -1,5 +1,7 @@
 //! [`Error`]: how an attempt of a kind ends when it does not complete.
 
+use leasehold_model::agent::SectionOutcome;
+
 /// An attempt that did not complete, and what the runtime does about it.
 ///
 /// ```
@@ -78,6 +80,40 @@ impl Error {
     pub(crate) fn stopped(why: impl Into<String>) -> Error {
         tracing::info!("attempt stops: {}", why.into());
         Error::Cancelled
+    }
+}
+
+impl Error {
+    /// How a model section that did not complete ends its attempt: the one
+    /// mapping from the agent runtime's [`SectionOutcome`] to an [`Error`],
+    /// used by `ctx.agent` and by the research kind alike, so an exhausted
+    /// budget (say) ends the job with the same class whichever path ran
+    /// it. `what` names the section in the message. A completed section
+    /// gives its text.
+    ///
+    /// ```
+    /// use leasehold::runtime::{BudgetKind, SectionOutcome};
+    /// use leasehold::Error;
+    /// let e = Error::of_section(SectionOutcome::BudgetExhausted { kind: BudgetKind::Tokens }, "agent `plan`");
+    /// assert!(matches!(e, Err(Error::BudgetExhausted(_))));
+    /// ```
+    pub fn of_section(outcome: SectionOutcome, what: &str) -> Result<String, Error> {
+        match outcome {
+            SectionOutcome::Completed { text } => Ok(text),
+            SectionOutcome::Skipped { reason } => Err(Error::retryable(format!(
+                "{what} could not be generated: {reason}"
+            ))),
+            SectionOutcome::Parked { class, reason } => {
+                Err(Error::park(class.to_string(), format!("{what}: {reason}")))
+            }
+            SectionOutcome::Failed { reason, .. } => {
+                Err(Error::terminal(format!("{what}: {reason}")))
+            }
+            SectionOutcome::BudgetExhausted { kind } => Err(Error::budget_exhausted(format!(
+                "{what}: budget exhausted ({kind:?})"
+            ))),
+            SectionOutcome::Cancelled => Err(Error::Cancelled),
+        }
     }
 }
 

@@ -48,8 +48,8 @@ pub use leasehold_model::agent::{
 /// [`crate::BudgetUsed`]).
 pub use leasehold_model::BudgetUsed as Spent;
 pub use leasehold_model::{
-    BreakerConfig, Budget, BudgetLimits, GenerationPolicy, Generator, ModelClient, ModelConfig,
-    PriceTable, RetryReport, RetryReporter, RunContext, MODEL_ENV_VARS,
+    BreakerConfig, Budget, BudgetKind, BudgetLimits, GenerationPolicy, Generator, ModelClient,
+    ModelConfig, PriceTable, RetryReport, RetryReporter, RunContext, MODEL_ENV_VARS,
 };
 pub use leasehold_tools::{
     step_id, AgentTools, CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, ToolEvent,
