@@ -4,7 +4,9 @@
 //! ([`capped_exponential`]); the delay is uniform in `[0, ceiling]`
 //! ([`full_jitter`]), so a fleet retrying a shared failure spreads out. The
 //! model client's generation retries and the tools' read retries use the
-//! same two functions.
+//! same two functions. An operation tried again in place (an owner write,
+//! a ticket, a claim marker, a start-up lookup) pauses by [`Backoff`], the
+//! same doubling without jitter.
 
 use std::time::Duration;
 
@@ -17,6 +19,50 @@ pub fn capped_exponential(base: Duration, cap: Duration, attempt: u32) -> Durati
     // would only overflow, so the exponent stops there.
     let factor = 1u32 << attempt.min(31);
     base.saturating_mul(factor).min(cap)
+}
+
+/// The pauses between the tries of one operation that is tried again
+/// until it succeeds or its caller gives up: `first`, then twice that,
+/// and so on, never more than `cap` ([`capped_exponential`]). An endless
+/// iterator; the caller sleeps each pause.
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold_core::retry::Backoff;
+/// let ms = |n| Duration::from_millis(n);
+/// let pauses: Vec<_> = Backoff::new(ms(100), ms(350)).take(4).collect();
+/// assert_eq!(pauses, [ms(100), ms(200), ms(350), ms(350)]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    first: Duration,
+    cap: Duration,
+    tries: u32,
+}
+
+impl Backoff {
+    /// Pauses from `first`, doubling, at most `cap`.
+    pub const fn new(first: Duration, cap: Duration) -> Backoff {
+        Backoff {
+            first,
+            cap,
+            tries: 0,
+        }
+    }
+
+    /// The next pause (the first, then each twice the one before).
+    pub fn pause(&mut self) -> Duration {
+        let d = capped_exponential(self.first, self.cap, self.tries);
+        self.tries = self.tries.saturating_add(1);
+        d
+    }
+}
+
+impl Iterator for Backoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.pause())
+    }
 }
 
 /// A delay uniform in `[0, ceiling]` (microsecond resolution).

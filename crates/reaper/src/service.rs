@@ -40,6 +40,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use leasehold_core::machine::{self, status_of};
+use leasehold_core::retry::Backoff;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_core::time::human_duration;
 use leasehold_core::{JobRecord, Status};
@@ -308,13 +309,13 @@ impl Reaper {
 /// out up to [`START_DEADLINE`].
 async fn advisory_consumer_at_start(conn: &Conn) -> Result<consumer::PullConsumer, ReaperError> {
     let end = tokio::time::Instant::now() + START_DEADLINE;
-    let mut pause = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
     loop {
+        let pause = backoff.pause();
         match advisory_consumer(conn).await {
             Err(e) if tokio::time::Instant::now() + pause < end => {
                 tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "advisory consumer not available yet; retrying");
                 tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(1));
             }
             other => return other,
         }

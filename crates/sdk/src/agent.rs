@@ -164,7 +164,10 @@ impl Emitter {
             let mut n = 0u64;
             while let Some((ty, data)) = rx.recv().await {
                 let msg_id = format!("{prefix}:{n}");
-                let mut wait = std::time::Duration::from_millis(100);
+                let mut wait = leasehold_core::retry::Backoff::new(
+                    std::time::Duration::from_millis(100),
+                    EMIT_RETRY_CAP,
+                );
                 loop {
                     match crate::ctx::emit_once(&job, ty, data.clone(), &msg_id).await {
                         Ok(_) => break,
@@ -173,10 +176,9 @@ impl Emitter {
                         Err(FenceError::Nats(why)) => {
                             tracing::warn!(job = %job.record.id, error = %why, "an agent event was not answered; trying again");
                             tokio::select! {
-                                _ = tokio::time::sleep(wait) => {}
+                                _ = tokio::time::sleep(wait.pause()) => {}
                                 _ = job.cancel.cancelled() => return,
                             }
-                            wait = (wait * 2).min(EMIT_RETRY_CAP);
                         }
                         // A newer owner (the attempt stops through its
                         // cancel token) or a full stream: nothing more is

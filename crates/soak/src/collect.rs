@@ -148,12 +148,14 @@ where
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
     let mut last = None;
-    for i in 0..8u32 {
+    let mut backoff =
+        leasehold_core::retry::Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
+    for _ in 0..8u32 {
         match f().await {
             Ok(v) => return Ok(v),
             Err(e) => {
                 last = Some(e);
-                tokio::time::sleep(Duration::from_millis(250 << i.min(4))).await;
+                tokio::time::sleep(backoff.pause()).await;
             }
         }
     }

@@ -160,13 +160,16 @@ where
     Fut: std::future::Future<Output = Result<T, StoreError>>,
 {
     let end = tokio::time::Instant::now() + deadline;
-    let mut pause = std::time::Duration::from_millis(100);
+    let mut backoff = leasehold_core::retry::Backoff::new(
+        std::time::Duration::from_millis(100),
+        std::time::Duration::from_secs(2),
+    );
     loop {
+        let pause = backoff.pause();
         match op().await {
             Err(StoreError::Unavailable(m)) if tokio::time::Instant::now() + pause < end => {
                 tracing::warn!(what, error = %m, "NATS unavailable; retrying in {pause:?}");
                 tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(std::time::Duration::from_secs(2));
             }
             other => return other,
         }

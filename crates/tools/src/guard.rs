@@ -54,8 +54,10 @@ impl OwnerGuard {
     /// an artifact write).
     pub async fn prove_now(&self) -> Result<(), ToolError> {
         let deadline = tokio::time::Instant::now() + self.patience;
-        let mut pause = Duration::from_millis(100);
+        let mut backoff =
+            leasehold_core::retry::Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
         loop {
+            let pause = backoff.pause();
             match self.gate.touch().await {
                 Ok(_) => return Ok(()),
                 Err(e) if e.is_transient() => {
@@ -64,7 +66,6 @@ impl OwnerGuard {
                     }
                     tracing::debug!(job = %self.gate.id, error = %e, "ownership not proven yet; retrying");
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
                 }
                 Err(e @ JobsError::Corrupt { .. }) => {
                     return Err(ToolError::OwnershipUnproven(e.to_string()))

@@ -321,7 +321,12 @@ impl Flusher {
 }
 
 fn backoff(attempt: u32) -> Duration {
-    let ceiling = (50u64 << attempt.min(6)).min(2000);
+    let ceiling = leasehold_core::retry::capped_exponential(
+        Duration::from_millis(50),
+        Duration::from_millis(2000),
+        attempt,
+    )
+    .as_millis() as u64;
     Duration::from_millis(rand::thread_rng().gen_range(ceiling / 2..=ceiling))
 }
 

@@ -164,7 +164,11 @@ impl Captured {
             return Ok(true);
         }
         let mut last = String::new();
-        for i in 0..Self::TRIES {
+        let mut backoff = leasehold_core::retry::Backoff::new(
+            std::time::Duration::from_millis(200),
+            std::time::Duration::from_secs(1),
+        );
+        for _ in 0..Self::TRIES {
             match Self::read(conn).await {
                 Ok(v) => {
                     self.subjects = v;
@@ -173,7 +177,7 @@ impl Captured {
                 }
                 Err(e) => last = e,
             }
-            tokio::time::sleep(std::time::Duration::from_millis(200 << i)).await;
+            tokio::time::sleep(backoff.pause()).await;
         }
         Err(last)
     }

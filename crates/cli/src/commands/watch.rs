@@ -17,6 +17,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use leasehold_core::retry::Backoff;
 use leasehold_core::time::{human_duration, parse_rfc3339, rfc3339};
 use leasehold_core::{JobRecord, Status};
 use leasehold_store::events::Events;
@@ -211,13 +212,12 @@ impl Revisions {
 
     /// The next revision, waiting for it.
     async fn next(&mut self, jobs: &Jobs) -> anyhow::Result<JobRecord> {
-        let mut pause = Self::FIRST_POLL;
+        let mut pause = Backoff::new(Self::FIRST_POLL, Self::LAST_POLL);
         loop {
             if let Some(rec) = self.poll(jobs).await? {
                 return Ok(rec);
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Self::LAST_POLL);
+            tokio::time::sleep(pause.pause()).await;
         }
     }
 
@@ -248,11 +248,12 @@ async fn live(
     let mut revisions = Revisions::start(jobs, id).await?;
     let mut seen = Seen::default();
     let mut queue_readable = true;
-    let mut pause = Revisions::FIRST_POLL;
+    let polls = || Backoff::new(Revisions::FIRST_POLL, Revisions::LAST_POLL);
+    let mut pause = polls();
     let mut next_look = tokio::time::Instant::now();
     loop {
         if let Some(rec) = revisions.poll(jobs).await? {
-            pause = Revisions::FIRST_POLL;
+            pause = polls();
             if terminal(&rec) {
                 return Ok(rec);
             }
@@ -282,8 +283,7 @@ async fn live(
                 }
             }
         } else {
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Revisions::LAST_POLL);
+            tokio::time::sleep(pause.pause()).await;
         }
         if let Some(rec) = &seen.rec {
             screen.show(rec, &describe(&seen));

@@ -22,6 +22,7 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind};
 use leasehold_core::machine::{self, Owner, TransitionError};
+use leasehold_core::retry::Backoff;
 use leasehold_core::{JobError, JobRecord};
 use leasehold_proto::JobResult;
 use leasehold_store::events::{self, Fence, FenceError};
@@ -235,7 +236,8 @@ async fn run_attempt(
         "traceparent": trace::traceparent_of_current_span(),
     });
     let mut fence = None;
-    for i in 0..5u32 {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    for _ in 0..5u32 {
         match shared
             .events
             .claim_marker(&id, rec.epoch, &shared.worker_id, claimed_data.clone())
@@ -256,7 +258,7 @@ async fn run_attempt(
             }
             Err(e) => {
                 tracing::warn!(job = %id, error = %e, "cannot publish the claim marker; retrying");
-                tokio::time::sleep(Duration::from_millis(100 << i)).await;
+                tokio::time::sleep(backoff.pause()).await;
             }
         }
     }
@@ -550,6 +552,7 @@ impl Attempt {
     async fn ended_with(&self, rec: &JobRecord, ty: &str, data: Value) {
         let id = events::terminal_event_id(rec, ty);
         let mut last = String::new();
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
         for i in 0..TERMINAL_EVENT_TRIES {
             match self.try_publish_event(ty, data.clone(), Some(&id)).await {
                 Ok(()) => {
@@ -560,7 +563,7 @@ impl Attempt {
                 Err(e) => last = e,
             }
             if i + 1 < TERMINAL_EVENT_TRIES {
-                tokio::time::sleep(Duration::from_millis(200 << i)).await;
+                tokio::time::sleep(backoff.pause()).await;
             }
         }
         tracing::warn!(job = %rec.id, event = ty, error = %last, "the terminal event could not be published; the ticket and the index entry are kept, so a claim or a recoverer publishes it");
@@ -671,7 +674,7 @@ impl Attempt {
     /// caller decides (a retry re-queues without a ticket, for the reaper
     /// to replace).
     async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
-        let mut pause = Duration::from_millis(100);
+        let mut pause = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let patience = tokio::time::Instant::now() + TICKET_PATIENCE;
         let mut give_up: Option<tokio::time::Instant> = None;
         loop {
@@ -696,8 +699,7 @@ impl Attempt {
                         }
                     }
                     tracing::warn!(job = %self.rec.id, error = %e, "cannot publish the job's next ticket yet; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
+                    tokio::time::sleep(pause.pause()).await;
                 }
                 Err(e) => return Err(JobsError::Nats(e.to_string())),
             }
@@ -893,7 +895,7 @@ async fn persist<F>(shared: &Shared, gate: &Gate, f: F) -> Result<Versioned<JobR
 where
     F: Fn(&JobRecord, &Owner, SystemTime) -> Result<JobRecord, TransitionError>,
 {
-    let mut pause = Duration::from_millis(50);
+    let mut pause = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut give_up: Option<tokio::time::Instant> = None;
     // The owner knows its record exists: "no such record" is a read that
     // has not caught up (a replica, a cluster changing leaders), for a while.
@@ -902,8 +904,7 @@ where
         match gate.write(&f).await {
             Err(JobsError::NotFound(_)) if tokio::time::Instant::now() < missing_until => {
                 tracing::warn!(job = %gate.id, "own record read as missing; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+                tokio::time::sleep(pause.pause()).await;
             }
             Err(e) if e.is_transient() => {
                 if shared.handoff.is_cancelled() {
@@ -914,8 +915,7 @@ where
                     }
                 }
                 tracing::warn!(job = %gate.id, error = %e, "owner write failed; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+                tokio::time::sleep(pause.pause()).await;
             }
             other => return other,
         }

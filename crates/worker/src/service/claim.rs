@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind};
 use leasehold_core::machine::{self, ClaimDecision, Claimant, OwnerLiveness};
+use leasehold_core::retry::Backoff;
 use leasehold_core::spec::{self, Submission};
 use leasehold_core::JobRecord;
 use leasehold_store::events;
@@ -806,7 +807,7 @@ async fn reject(
 /// the earlier process, so nobody else would recover its jobs before a
 /// reaper's sweep: this retries until every one of them is handled.
 pub(crate) async fn restart_reclaim_all(shared: Arc<Shared>) {
-    let mut pause = Duration::from_millis(200);
+    let mut pause = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         match restart_reclaim(shared.clone()).await {
             Ok(0) => return,
@@ -814,10 +815,9 @@ pub(crate) async fn restart_reclaim_all(shared: Arc<Shared>) {
             Err(e) => tracing::warn!(error = %e, "restart reclaim failed; retrying"),
         }
         tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(pause.pause()) => {}
             _ = shared.shutdown.cancelled() => return,
         }
-        pause = (pause * 2).min(Duration::from_secs(5));
     }
 }
 

@@ -28,6 +28,7 @@ use async_nats::jetstream::AckKind;
 use futures::StreamExt;
 use leasehold_core::flow::tenant_jobs_key;
 use leasehold_core::lane::{Lane, Scheduler};
+use leasehold_core::retry::Backoff;
 use leasehold_model::flow::{Flow, Permit, ProviderKey};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
@@ -218,7 +219,8 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
     // Tenants' limits apply from the first job.
     flow.wait_loaded(Duration::from_secs(5)).await;
     let mut lanes = Lanes::new();
-    let mut backoff = Duration::from_millis(50);
+    let refused = || Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut backoff = refused();
     while !shutdown.is_cancelled() {
         if let std::collections::hash_map::Entry::Vacant(v) = lanes.consumers.entry(Lane::default())
         {
@@ -319,12 +321,12 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
                         // A refused pull (409: the consumer's max waiting
                         // pulls reached, a leader moving): back off instead
                         // of asking again at once, doubling up to 2 s.
-                        tracing::debug!(kind, ?backoff, "pull refused; backing off");
-                        tokio::select! { _ = tokio::time::sleep(backoff) => {}, _ = shutdown.cancelled() => break }
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        let pause = backoff.pause();
+                        tracing::debug!(kind, ?pause, "pull refused; backing off");
+                        tokio::select! { _ = tokio::time::sleep(pause) => {}, _ = shutdown.cancelled() => break }
                         continue;
                     }
-                    backoff = Duration::from_millis(50);
+                    backoff = refused();
                     if got > 0 {
                         lanes.waiting.insert(Lane::default());
                     }
