@@ -12,6 +12,7 @@ Rules (normal dependencies; dev- and build-dependencies are free):
   3. A user's code touches only the SDK: the examples depend on `leasehold`
      alone among the project's crates.
   4. The product never depends on the labs (harness, sim, bench, soak, demo).
+  5. Edges the floors allow but the design does not (FORBIDDEN, each with why).
 
 `--self-test` breaks each rule in a copy of the graph and fails unless every
 break is reported, so a rule that cannot fire is noticed.
@@ -50,6 +51,10 @@ IO_CRATES = {"async-nats", "tokio", "tokio-util", "reqwest", "axum", "hyper"}
 EXAMPLES = {"invoice-agent"}
 LABS = {"leasehold-harness", "leasehold-sim", "leasehold-bench", "leasehold-soak", "leasehold-demo"}
 LAB_USERS = LABS | {"leasehold-tests"}
+# Allowed by the floors, refused by the design.
+FORBIDDEN = {
+    ("leasehold-reaper", "leasehold-tools"): "the reaper purges the ledger's data through store (store::effects::purge_job)",
+}
 
 
 def graph_from_cargo():
@@ -84,6 +89,8 @@ def violations(graph):
                 found.append(f"{name} -> {d}: a user's code touches only the SDK (`leasehold`)")
             if d in LABS and name not in LAB_USERS:
                 found.append(f"{name} -> {d}: the product never depends on the labs")
+            if (name, d) in FORBIDDEN:
+                found.append(f"{name} -> {d}: {FORBIDDEN[(name, d)]}")
     return found
 
 
@@ -94,6 +101,7 @@ def self_test(graph):
         "pure": ("leasehold-core", "tokio"),
         "sdk only": ("invoice-agent", "leasehold-core"),
         "labs": ("leasehold-console", "leasehold-sim"),
+        "forbidden": ("leasehold-reaper", "leasehold-tools"),
     }
     failed = False
     for rule, (name, dep) in breaks.items():

@@ -298,8 +298,21 @@ async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
     let one = env
         .wait_status("rd-1", "completed", Duration::from_secs(20))
         .await;
+    let ledger = leasehold_store::effects::open(&env.conn.js, &env.conn.layout.effects_bucket())
+        .await
+        .unwrap();
+    let first = leasehold_store::effects::scan_prefix(&env.conn.js, &ledger, "rd-1")
+        .await
+        .unwrap();
+    assert!(!first.is_empty(), "the delivery wrote its ledger entries");
     let r = reaper(&env, "1s", &[]).await;
     gone(&env, "rd-1", Duration::from_secs(15)).await;
+    // The reaper purged the job's ledger entries (through store, knowing
+    // no tools) before the record: nothing of the first life is left.
+    let left = leasehold_store::effects::scan_prefix(&env.conn.js, &ledger, "rd-1")
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "ledger entries left: {left:?}");
     env.submit("deliver", deliver("second life"), "rd-1").await;
     let two = env
         .wait_status("rd-1", "completed", Duration::from_secs(20))

@@ -493,14 +493,14 @@ async fn open_retention(conn: &Conn) -> Result<leasehold_store::retention::Reten
     let r = leasehold_store::retention::Retention::open(conn)
         .await
         .map_err(|e| e.to_string())?;
-    let ledger = leasehold_tools::EffectsLedger::open(&conn.js, &conn.layout.effects_bucket())
+    let ledger = leasehold_store::effects::open(&conn.js, &conn.layout.effects_bucket())
         .await
         .map_err(|e| e.to_string())?;
+    let js = conn.js.clone();
     Ok(r.with_effects(Arc::new(move |job: String| {
-        let ledger = ledger.clone();
+        let (js, ledger) = (js.clone(), ledger.clone());
         Box::pin(async move {
-            ledger
-                .purge_job(&job)
+            leasehold_store::effects::purge_job(&js, &ledger, &job)
                 .await
                 .map(|_| ())
                 .map_err(|e| e.to_string())

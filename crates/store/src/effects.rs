@@ -1,5 +1,7 @@
 //! The effects ledger's bucket (`lh_effects`) at the level the KV API does
-//! not reach; the ledger's protocol itself lives in `leasehold-tools`.
+//! not reach, its key scheme, and the purge of a finished job's entries
+//! ([`purge_job`], the retention cleaner's); the ledger's protocol itself
+//! (reserve, commit, reconcile) lives in `leasehold-tools`.
 //!
 //! - Keys of one job share a first token, the job id (`<job_id>.<key>`), so
 //!   a job's entries are found and removed by a subject filter.
@@ -12,6 +14,7 @@
 
 use async_nats::jetstream::{self, kv, message::PublishMessage};
 use bytes::Bytes;
+use sha2::{Digest, Sha256};
 
 use crate::{server_error_code, StoreError};
 
@@ -129,4 +132,131 @@ pub async fn purge_prefix(
         .await
         .map_err(|e| StoreError::nats("purge effects", e))?;
     Ok(r.purged)
+}
+
+/// Opens the effects bucket `bucket`; a missing bucket, or one made by an
+/// earlier `leasehold setup` whose entries would expire, is a
+/// configuration error that says to run `leasehold setup`.
+pub async fn open(js: &jetstream::Context, bucket: &str) -> Result<kv::Store, StoreError> {
+    let kv = js.get_key_value(bucket).await.map_err(|e| {
+        StoreError::Config(format!(
+            "effects bucket `{bucket}` is not available; run `leasehold setup` ({e})"
+        ))
+    })?;
+    if !allows_pinned(&kv) {
+        return Err(StoreError::Config(format!(
+            "effects bucket `{bucket}` does not allow per-message TTLs, so its entries would expire with its max age; run `leasehold setup` to upgrade it"
+        )));
+    }
+    Ok(kv)
+}
+
+/// Where the ledger keeps the effect `key` of job `job_id`:
+/// `<job_id>.<key>`, so every key of a job shares its first token.
+pub fn ledger_key(job_id: &str, key: &str) -> String {
+    format!("{job_id}.{key}")
+}
+
+/// The ledger key of a business key: `bk/<sha256(tool:business_key)>`.
+/// Business keys are cross-job; no job id contains `/`, so no job's keys
+/// (`<job_id>.…`) share this first token.
+pub fn business_key_id(tool: &str, business_key: &str) -> String {
+    let digest = Sha256::digest(format!("{tool}:{business_key}").as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("bk/{hex}")
+}
+
+/// A job id can prefix ledger keys when it is one subject token of
+/// `[A-Za-z0-9_=-]` (what submissions accept).
+pub fn check_job_id(job_id: &str) -> Result<(), String> {
+    let ok = !job_id.is_empty()
+        && job_id.len() <= 128
+        && job_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "job id `{job_id}` cannot key the effects ledger: use 1 to 128 letters, digits, `-`, `_` or `=`"
+        ))
+    }
+}
+
+/// What [`purge_job`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Purged {
+    /// Messages of the job's own keys.
+    pub entries: u64,
+    /// Business keys the job's effects owned.
+    pub business_keys: u64,
+}
+
+/// The fields of a job's ledger entry the purge reads.
+#[derive(serde::Deserialize)]
+struct EntryOwns {
+    tool: String,
+    #[serde(default)]
+    business_key: Option<String>,
+}
+
+/// The fields of a business key's entry the purge reads: which effect owns it.
+#[derive(serde::Deserialize)]
+struct BusinessKeyOwner {
+    effect_key: String,
+    job_id: String,
+}
+
+/// Removes every entry of job `job_id` and the business keys its effects
+/// own. For the retention cleaner, and only for a job that is terminal:
+/// a job that can still run would find no record of its effects and run
+/// them again. Idempotent; business keys go first, so an interrupted
+/// purge leaves nothing that a later one cannot find.
+pub async fn purge_job(
+    js: &jetstream::Context,
+    kv: &kv::Store,
+    job_id: &str,
+) -> Result<Purged, StoreError> {
+    check_job_id(job_id).map_err(StoreError::Config)?;
+    let mut purged = Purged::default();
+    for (key, value, _) in scan_prefix(js, kv, job_id).await? {
+        let Ok(entry) = serde_json::from_slice::<EntryOwns>(&value) else {
+            tracing::warn!(%key, "unreadable ledger entry; purged without its business key");
+            continue;
+        };
+        let Some(bk) = entry.business_key.as_deref() else {
+            continue;
+        };
+        let bk_id = business_key_id(&entry.tool, bk);
+        let Some(found) = kv
+            .entry(&bk_id)
+            .await
+            .map_err(|e| StoreError::nats("effects business key", e))?
+        else {
+            continue;
+        };
+        if found.operation != kv::Operation::Put {
+            continue;
+        }
+        let owner = serde_json::from_slice::<BusinessKeyOwner>(&found.value)
+            .map_err(|e| StoreError::Nats(format!("entry {bk_id} is not a ledger value: {e}")))?;
+        // Only a business key this job's effect owns: another job's
+        // (taken over, or its own effect of the same business key) stays.
+        if owner.job_id != job_id || ledger_key(job_id, &owner.effect_key) != key {
+            continue;
+        }
+        match kv
+            .purge_expect_revision_with_ttl(&bk_id, found.revision, crate::retention::MARKER_TTL)
+            .await
+        {
+            Ok(()) => purged.business_keys += 1,
+            // Moved on meanwhile (taken over): no longer this job's.
+            Err(e) if server_error_code(&e) == Some(crate::WRONG_LAST_SEQUENCE) => {}
+            // Stop before the job's keys go, or this business key would
+            // be left with nothing pointing at it.
+            Err(e) => return Err(StoreError::nats("purge business key", e)),
+        }
+    }
+    purged.entries = purge_prefix(js, kv, job_id).await?;
+    Ok(purged)
 }

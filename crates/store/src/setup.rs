@@ -64,7 +64,7 @@ pub struct SetupOptions {
     pub events_max_msg_size: i32,
     /// The effects bucket's `max_age` (default 7 days). Ledger entries are
     /// written with `Nats-TTL: never` and outlive it: they are removed with
-    /// their job (`EffectsLedger::purge_job`), never while it may resume.
+    /// their job (`effects::purge_job`), never while it may resume.
     pub effects_retention: Duration,
     /// KV history kept per job record (default 8 revisions).
     pub job_history: i64,

@@ -94,35 +94,7 @@ pub fn arg_digest(args: &Value) -> String {
     sha256_hex(&canonical_json(args))
 }
 
-/// Where the ledger keeps the effect `key` of job `job_id`:
-/// `<job_id>.<key>`, so every key of a job shares its first token.
-pub fn ledger_key(job_id: &str, key: &str) -> String {
-    format!("{job_id}.{key}")
-}
-
-/// The ledger key of a business key: `bk/<sha256(tool:business_key)>`.
-/// Business keys are cross-job; no job id contains `/`, so no job's keys
-/// (`<job_id>.…`) share this first token.
-pub fn business_key_id(tool: &str, business_key: &str) -> String {
-    format!("bk/{}", sha256_hex(&format!("{tool}:{business_key}")))
-}
-
-/// A job id can prefix ledger keys when it is one subject token of
-/// `[A-Za-z0-9_=-]` (what submissions accept).
-pub(crate) fn check_job_id(job_id: &str) -> Result<(), String> {
-    let ok = !job_id.is_empty()
-        && job_id.len() <= 128
-        && job_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='));
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "job id `{job_id}` cannot key the effects ledger: use 1 to 128 letters, digits, `-`, `_` or `=`"
-        ))
-    }
-}
+pub use leasehold_store::effects::{business_key_id, check_job_id, ledger_key};
 
 /// A step id that is stable across retries and resumes: the section the call
 /// belongs to plus the ordinal of the call within it.

@@ -31,7 +31,7 @@ use leasehold_store::effects::{self as raw, PinnedError};
 use serde_json::Value;
 
 use crate::error::ToolError;
-use crate::key::{business_key_id, ledger_key};
+use crate::key::ledger_key;
 
 /// The state of one effect key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -85,13 +85,7 @@ pub(crate) fn now_rfc3339() -> String {
 }
 
 /// What [`EffectsLedger::purge_job`] removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Purged {
-    /// Messages of the job's own keys.
-    pub entries: u64,
-    /// Business keys the job's effects owned.
-    pub business_keys: u64,
-}
+pub use leasehold_store::effects::Purged;
 
 /// The effects ledger over a KV bucket (created by `leasehold setup`).
 #[derive(Clone)]
@@ -109,16 +103,10 @@ impl EffectsLedger {
     /// earlier `leasehold setup` whose entries would expire, is a
     /// configuration error that says to run `leasehold setup`.
     pub async fn open(js: &jetstream::Context, bucket: &str) -> Result<Self, ToolError> {
-        let kv = js.get_key_value(bucket).await.map_err(|e| {
-            ToolError::Config(format!(
-                "effects bucket `{bucket}` is not available; run `leasehold setup` ({e})"
-            ))
+        let kv = raw::open(js, bucket).await.map_err(|e| match e {
+            leasehold_store::StoreError::Config(m) => ToolError::Config(m),
+            e => ToolError::Config(e.to_string()),
         })?;
-        if !raw::allows_pinned(&kv) {
-            return Err(ToolError::Config(format!(
-                "effects bucket `{bucket}` does not allow per-message TTLs, so its entries would expire with its max age; run `leasehold setup` to upgrade it"
-            )));
-        }
         Ok(Self::new(js.clone(), kv))
     }
 
@@ -289,48 +277,11 @@ impl EffectsLedger {
     /// them again. Idempotent; business keys go first, so an interrupted
     /// purge leaves nothing that a later one cannot find.
     pub async fn purge_job(&self, job_id: &str) -> Result<Purged, ToolError> {
-        crate::key::check_job_id(job_id).map_err(ToolError::Config)?;
-        let err = |e: &dyn std::fmt::Display| ToolError::Ledger(format!("purge job {job_id}: {e}"));
-        let mut purged = Purged::default();
-        let entries = raw::scan_prefix(&self.js, &self.kv, job_id)
+        raw::purge_job(&self.js, &self.kv, job_id)
             .await
-            .map_err(|e| err(&e))?;
-        for (key, value, _) in entries {
-            let Ok(entry) = serde_json::from_slice::<LedgerEntry>(&value) else {
-                tracing::warn!(%key, "unreadable ledger entry; purged without its business key");
-                continue;
-            };
-            let Some(bk) = entry.business_key.as_deref() else {
-                continue;
-            };
-            let bk_id = business_key_id(&entry.tool, bk);
-            let Some((owner, rev)) = self.get_bk(&bk_id).await? else {
-                continue;
-            };
-            // Only a business key this job's effect owns: another job's
-            // (taken over, or its own effect of the same business key)
-            // stays.
-            if owner.job_id != job_id || ledger_key(job_id, &owner.effect_key) != key {
-                continue;
-            }
-            match self
-                .kv
-                .purge_expect_revision_with_ttl(&bk_id, rev, leasehold_store::retention::MARKER_TTL)
-                .await
-            {
-                Ok(()) => purged.business_keys += 1,
-                // Moved on meanwhile (taken over): no longer this job's.
-                Err(e)
-                    if leasehold_store::server_error_code(&e)
-                        == Some(leasehold_store::WRONG_LAST_SEQUENCE) => {}
-                // Stop before the job's keys go, or this business key would
-                // be left with nothing pointing at it.
-                Err(e) => return Err(err(&e)),
-            }
-        }
-        purged.entries = raw::purge_prefix(&self.js, &self.kv, job_id)
-            .await
-            .map_err(|e| err(&e))?;
-        Ok(purged)
+            .map_err(|e| match e {
+                leasehold_store::StoreError::Config(m) => ToolError::Config(m),
+                e => ToolError::Ledger(format!("purge job {job_id}: {e}")),
+            })
     }
 }
