@@ -273,10 +273,15 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
         r["result"]["value"].clone()
     }
 
+    /// Opens `url` and waits until its document has loaded. The page shown
+    /// before is marked first: until the navigation commits it is still
+    /// there, complete, and must not pass for the new one (a CI run clicked
+    /// in the old page when the console answered slowly).
     pub(crate) async fn goto(&mut self, url: &str) {
+        self.eval("window.__lhLeaving = true").await;
         self.call("Page.navigate", json!({"url": url})).await;
         self.wait(
-            "document.readyState === 'complete' && location.href !== 'about:blank'",
+            "!window.__lhLeaving && document.readyState === 'complete' && location.href !== 'about:blank'",
             Duration::from_secs(20),
             "the page to load",
         )
