@@ -75,6 +75,22 @@ impl Error {
             message: message.into(),
         }
     }
+    /// The class as one low-cardinality word, for a span's `error.type` or
+    /// a log: `retryable` (with or without a delay), `terminal`, `parked`,
+    /// `budget_exhausted`, `cancelled`.
+    ///
+    /// ```
+    /// assert_eq!(leasehold::Error::park("approval", "ok?").class(), "parked");
+    /// ```
+    pub fn class(&self) -> &'static str {
+        match self {
+            Error::Retryable(_) | Error::RetryAfter { .. } => "retryable",
+            Error::Terminal(_) => "terminal",
+            Error::Park { .. } => "parked",
+            Error::BudgetExhausted(_) => "budget_exhausted",
+            Error::Cancelled => "cancelled",
+        }
+    }
     /// This attempt may no longer act (its record or event write was
     /// refused): it stops, writing nothing.
     pub(crate) fn stopped(why: impl Into<String>) -> Error {

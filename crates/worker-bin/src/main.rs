@@ -55,7 +55,7 @@ async fn main() {
     let worker = leasehold::Worker::from_env_with_help(&env_help());
     let opts = worker.options().clone();
     let guard = telemetry::init("leasehold-worker");
-    let research = ResearchConfig::from_env().unwrap_or_else(|e| fail_config(e.message));
+    let research = ResearchConfig::from_env().unwrap_or_else(|e| fail_config(e.to_string()));
     if research.crash_at.is_some() && !opts.dev_kinds {
         fail_config(
             "LH_RESEARCH_CRASH_AT aborts the worker at a checkpoint; it is for tests and needs --dev-kinds (LH_DEV_KINDS=1)",
