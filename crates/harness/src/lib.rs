@@ -169,6 +169,12 @@ pub fn try_spawn_nats_server(
         .unwrap_or_else(|e| panic!("cannot start nats-server: {e}; install it with `make setup`"));
     adopt(&child);
     let stderr = child.stderr.take().expect("stderr");
+    // A cluster node says it is ready before it binds its route port (and
+    // exits when that is taken): it is ready once it listens for routes.
+    let mut routes_pending = std::fs::read_to_string(conf)
+        .unwrap_or_default()
+        .contains("\ncluster {");
+    let mut ready = false;
     // Some(true): ready; Some(false): its log ended (the server exited).
     let (tx, rx) = mpsc::channel::<bool>();
     let log_path = log.to_path_buf();
@@ -180,7 +186,9 @@ pub fn try_spawn_nats_server(
                 use std::io::Write;
                 let _ = writeln!(f, "{line}");
             }
-            if line.contains("Server is ready") {
+            ready |= line.contains("Server is ready");
+            routes_pending &= !line.contains("Listening for route connections");
+            if ready && !routes_pending {
                 if let Some(tx) = tx.take() {
                     let _ = tx.send(true);
                 }
@@ -249,7 +257,7 @@ impl NatsServer {
     }
 
     fn launch(mut s: Self) -> Self {
-        s.launch_fresh();
+        s.launch_fresh().unwrap_or_else(|e| panic!("{e}"));
         s
     }
 
@@ -338,11 +346,13 @@ impl NatsServer {
         ));
     }
 
-    /// The first start of a single server: its port was only chosen as
+    /// The first start of a server: its client port was only chosen as
     /// free, and another process may bind it first (tests run in
-    /// parallel), so a taken port is replaced by a new one (a few times).
-    /// A restart keeps its port, and a cluster's nodes their routes.
-    fn launch_fresh(&mut self) {
+    /// parallel), so a taken client port is replaced by a new one (a few
+    /// times; nobody knows it yet). A taken route port cannot be: the other
+    /// nodes route to it, so that start fails ([`Cluster::start`] starts
+    /// the cluster again). A restart keeps its ports.
+    fn launch_fresh(&mut self) -> Result<(), SpawnError> {
         const TRIES: usize = 5;
         for i in 1.. {
             let conf = self.dir.path().join("nats.conf");
@@ -351,14 +361,17 @@ impl NatsServer {
             match try_spawn_nats_server(&conf, &self.env, &log) {
                 Ok(c) => {
                     self.child = Some(c);
-                    return;
+                    return Ok(());
                 }
-                Err(SpawnError::PortTaken(_)) if self.cluster_port.is_none() && i < TRIES => {
+                Err(SpawnError::PortTaken(log))
+                    if i < TRIES && log.contains(&format!("127.0.0.1:{}: bind", self.port)) =>
+                {
                     self.port = free_port();
                 }
-                Err(e) => panic!("{e}"),
+                Err(e) => return Err(e),
             }
         }
+        unreachable!()
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -430,21 +443,46 @@ impl Cluster {
     pub fn start() -> Self {
         let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
         let cports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-        // Start all three before waiting on any: a node reports ready only
-        // once it can form the JetStream meta group.
-        let handles: Vec<_> = (0..3)
-            .map(|i| {
-                let (p, cp, routes) = (ports[i], cports[i], cports.clone());
-                std::thread::spawn(move || {
-                    NatsServer::build(p, Some(cp), routes, format!("lh-n{i}"), false)
+        Self::start_on(ports, cports)
+    }
+
+    /// Like [`Cluster::start`], on these client and route ports: a client
+    /// port another process took meanwhile is replaced; a route port taken
+    /// starts the three again on new ones (a few times).
+    fn start_on(mut ports: Vec<u16>, mut cports: Vec<u16>) -> Self {
+        for _ in 0..4 {
+            // Start all three before waiting on any: a node reports ready
+            // only once it can form the JetStream meta group.
+            let handles: Vec<_> = (0..3)
+                .map(|i| {
+                    let (p, cp, routes) = (ports[i], cports[i], cports.clone());
+                    std::thread::spawn(move || {
+                        let mut s = NatsServer::unstarted();
+                        (s.port, s.cluster_port, s.routes) = (p, Some(cp), routes);
+                        s.name = format!("lh-n{i}");
+                        s.launch_fresh().map(|()| s)
+                    })
                 })
-            })
-            .collect();
-        let nodes = handles
-            .into_iter()
-            .map(|h| h.join().expect("cluster node"))
-            .collect();
-        Cluster { nodes }
+                .collect();
+            let started: Vec<Result<NatsServer, SpawnError>> = handles
+                .into_iter()
+                .map(|h| h.join().expect("cluster node"))
+                .collect();
+            if started.iter().all(Result::is_ok) {
+                let nodes = started.into_iter().map(Result::unwrap).collect();
+                return Cluster { nodes };
+            }
+            for r in started {
+                match r {
+                    Err(SpawnError::PortTaken(_)) => {}
+                    Err(e) => panic!("{e}"),
+                    Ok(_) => {} // dropped: killed
+                }
+            }
+            ports = (0..3).map(|_| free_port()).collect();
+            cports = (0..3).map(|_| free_port()).collect();
+        }
+        panic!("a three-node cluster could not bind its ports in four starts");
     }
 
     /// Comma-separated URLs of every node.
@@ -719,6 +757,48 @@ mod tests {
             .await
             .expect("the server answers");
         drop(taken);
+    }
+
+    /// A cluster node's client port, and another's route port, taken by
+    /// another process before the nodes bind them: the nodes take others
+    /// and the cluster forms (a CI run lost a cluster test to it).
+    #[tokio::test]
+    async fn a_cluster_node_whose_port_was_taken_starts_on_another() {
+        let client = TcpListener::bind("127.0.0.1:0").unwrap();
+        let route = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let mut cports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        ports[0] = client.local_addr().unwrap().port();
+        cports[1] = route.local_addr().unwrap().port();
+        let c = Cluster::start_on(ports.clone(), cports.clone());
+        assert_ne!(c.nodes[0].port(), ports[0], "node 0 has a new client port");
+        assert_ne!(
+            c.nodes[1].cluster_port,
+            Some(cports[1]),
+            "node 1 a new route port"
+        );
+        for n in &c.nodes {
+            wait_for_jetstream(&n.url(), Duration::from_secs(30)).await;
+        }
+        let js = async_nats::jetstream::new(async_nats::connect(c.nodes[0].url()).await.unwrap());
+        // Three replicas need all three nodes in the cluster.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = js
+                .create_stream(async_nats::jetstream::stream::Config {
+                    name: "r3".into(),
+                    subjects: vec!["r3".into()],
+                    num_replicas: 3,
+                    ..Default::default()
+                })
+                .await;
+            match r {
+                Ok(_) => break,
+                Err(e) => assert!(Instant::now() < deadline, "no R3 stream: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        drop((client, route));
     }
 
     #[tokio::test]
