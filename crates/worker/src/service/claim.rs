@@ -7,6 +7,12 @@
 //! recovery does not need the ticket) and the ticket acked, never NAKed, so
 //! a live job never spends deliveries. A claim whose reply was lost is
 //! recognised by its own claim token on the retry.
+//!
+//! [`handle_delivery`] in three steps: accept the ticket (attached to a
+//! claim in flight, or rejected), claim (the loop: read, decide, write at
+//! the revision read), act on a claim that landed (the ticket becomes a
+//! wake-up call and the attempt runs). Tickets refused for good are
+//! `refuse.rs`'s; a restart's reclaim is `restart.rs`'s.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -14,7 +20,6 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind};
 use leasehold_core::machine::{self, ClaimDecision, Claimant, OwnerLiveness};
-use leasehold_core::retry::Backoff;
 use leasehold_core::spec::{self, Submission};
 use leasehold_core::JobRecord;
 use leasehold_store::events;
@@ -27,6 +32,7 @@ use leasehold_telemetry::{spans, trace};
 use serde_json::json;
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::refuse::{delivered, id_conflict, poison, reject};
 use super::{attempt, Shared};
 
 fn header_id(msg: &jetstream::Message) -> Option<String> {
@@ -201,12 +207,59 @@ fn attach(shared: &Shared, id: &str, seq: u64, msg: &mut Option<jetstream::Messa
     false
 }
 
-/// One delivered ticket.
+/// Handles one delivered ticket: [`accept`] it (attached to a claim this
+/// process has in flight, or rejected), then [`Delivery::claim`] its job in
+/// a read-decide-CAS loop around the pure `machine::decide_claim`, and
+/// [`Delivery::act`] on a claim that landed.
 pub(crate) async fn handle_delivery(
     shared: Arc<Shared>,
     msg: jetstream::Message,
     permit: OwnedSemaphorePermit,
 ) {
+    let Some(d) = accept(shared, msg).await else {
+        return;
+    };
+    let Some(claiming) = Claiming::new(&d.shared, &d.accepted.id) else {
+        tracing::debug!(job = %d.accepted.id, "this process is claiming the job already; the ticket waits for that claim");
+        let _ = d
+            .msg
+            .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+            .await;
+        return;
+    };
+    d.claim(permit, claiming).await;
+}
+
+/// A ticket accepted for a job this process may claim.
+struct Delivery {
+    shared: Arc<Shared>,
+    msg: jetstream::Message,
+    kind: String,
+    /// The ticket's stream sequence.
+    seq: u64,
+    /// Its delivery count (1 the first time).
+    deliveries: u64,
+    accepted: spec::Accepted,
+}
+
+/// The ticket was settled (acked, NAKed or dead-lettered): nothing is left
+/// to do with it.
+struct Settled;
+
+/// What one round of the claim loop came to.
+enum Round {
+    /// A claim (or the create of a claimed record) was written: its answer,
+    /// and whether it is a reclaim.
+    Wrote(Result<(u64, Box<JobRecord>), JobsError>, bool),
+    /// Read the record and decide again.
+    Again,
+    /// The ticket was settled.
+    Settled,
+}
+
+/// Reads a ticket: `None` when it is settled already (attached to this
+/// process's claim in flight, or rejected as a submission).
+async fn accept(shared: Arc<Shared>, msg: jetstream::Message) -> Option<Delivery> {
     let mut slot = Some(msg);
     let msg = slot.as_ref().expect("set");
     let kind = shared
@@ -228,7 +281,7 @@ pub(crate) async fn handle_delivery(
     let hint = header_id(msg);
     if let Some(id) = &hint {
         if attach(&shared, id, seq, &mut slot) {
-            return;
+            return None;
         }
     }
     let msg = slot.take().expect("set");
@@ -251,293 +304,347 @@ pub(crate) async fn handle_delivery(
         Ok(a) => a,
         Err(rej) => {
             reject(&shared, &kind, seq, &msg, rej).await;
-            return;
+            return None;
         }
     };
     let mut slot = Some(msg);
     if attach(&shared, &accepted.id, seq, &mut slot) {
-        return;
+        return None;
     }
-    let msg = slot.take().expect("set");
-    // The token of our own claim, kept across rounds: a claim whose reply
-    // was lost is recognised on the next read as ours.
-    let mut mine: Option<String> = None;
-    let Some(claiming) = Claiming::new(&shared, &accepted.id) else {
-        tracing::debug!(job = %accepted.id, "this process is claiming the job already; the ticket waits for that claim");
-        let _ = msg
-            .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
-            .await;
-        return;
-    };
-    // Held for a suspect's whole attempt (see SUSPECT_AFTER).
-    let mut suspect: Option<SuspectSlot> = None;
-    // Set when a claim write failed without a definite answer: the next
-    // rounds read the record until it says whether the claim landed.
-    let mut unsure = 0u32;
-    for round in 0..16 {
-        if unsure > 0 {
-            tokio::time::sleep(Duration::from_millis(200) * unsure.min(10)).await;
-        }
-        // Most tickets are new jobs: try the create first and read only
-        // when the record turns out to exist.
-        let current = if round == 0 {
-            None
-        } else {
-            match shared.jobs.get(&accepted.id).await {
-                Ok(c) => c,
-                Err(JobsError::Corrupt { id, message }) => {
-                    tracing::error!(job = %id, error = %message, "the job's record cannot be read; leaving the ticket for an operator (leasehold list --corrupt)");
-                    let _ = msg
-                        .ack_with(AckKind::Nak(Some(Duration::from_secs(30))))
+    Some(Delivery {
+        msg: slot.take().expect("set"),
+        shared,
+        kind,
+        seq,
+        deliveries,
+        accepted,
+    })
+}
+
+impl Delivery {
+    /// The claim loop: read the record (not in the first round: most
+    /// tickets are new jobs, so the create is tried first), decide, write
+    /// at the revision read; a conflict or an unanswered write reads again.
+    async fn claim(self, permit: OwnedSemaphorePermit, claiming: Claiming) {
+        // The token of our own claim, kept across rounds: a claim whose reply
+        // was lost is recognised on the next read as ours.
+        let mut mine: Option<String> = None;
+        // Held for a suspect's whole attempt (see SUSPECT_AFTER).
+        let mut suspect: Option<SuspectSlot> = None;
+        // Set when a claim write failed without a definite answer: the next
+        // rounds read the record until it says whether the claim landed.
+        let mut unsure = 0u32;
+        for round in 0..16 {
+            if unsure > 0 {
+                tokio::time::sleep(Duration::from_millis(200) * unsure.min(10)).await;
+            }
+            let current = if round == 0 {
+                None
+            } else {
+                match self.read().await {
+                    Ok(c) => c,
+                    Err(Settled) => return,
+                }
+            };
+            let now = SystemTime::now();
+            let r = match &current {
+                None if !machine::due(self.accepted.spec.run_at.as_deref(), now) => {
+                    self.record_delayed().await
+                }
+                None => self.create_claimed(&mut mine).await,
+                // Our own claim landed although its reply was lost.
+                Some(v) if mine.is_some() && v.value.claim_token == mine => Round::Wrote(
+                    Ok((v.revision, Box::new(v.value.clone()))),
+                    v.value.stale_reclaims > 0,
+                ),
+                Some(v) => self.decide(v, &mut mine, &mut suspect).await,
+            };
+            match r {
+                Round::Settled => return,
+                Round::Again
+                | Round::Wrote(Err(JobsError::Exists(_) | JobsError::Conflict(_)), _) => {}
+                Round::Wrote(Ok((revision, record)), reclaim) => {
+                    let claimed = Versioned {
+                        value: *record,
+                        revision,
+                    };
+                    self.act(current, claimed, reclaim, suspect, permit, claiming)
                         .await;
                     return;
                 }
-                Err(e) => {
-                    let d = machine::transient_retry_delay(deliveries);
-                    tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot read the record; the ticket comes back later");
-                    let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
-                    return;
+                Round::Wrote(Err(e), _) => {
+                    // The write may have landed with its reply lost: read the
+                    // record until it says (our own token means it did).
+                    tracing::warn!(job = %self.accepted.id, error = %e, "claim write unanswered; reading the record to see whether it landed");
+                    unsure += 1;
                 }
             }
-        };
-        let (write, reclaim) = match &current {
-            // A delayed job not due yet: its queued record (due at
-            // `next_run_at`), as the gateway would write it; the next round
-            // decides on it (a short wait NAKs the ticket with the rest, a
-            // long one releases the ticket to the job's wake-up).
-            None if !machine::due(accepted.spec.run_at.as_deref(), SystemTime::now()) => {
-                let rec = machine::new_record(
-                    &accepted.id,
-                    &kind,
-                    accepted.spec.clone(),
-                    seq,
-                    SystemTime::now(),
-                );
-                match shared.jobs.create(&rec).await {
-                    Ok(_) => {
-                        if let Some(key) = Key::of(&rec) {
-                            if let Err(e) = shared.active.put(&key, &rec).await {
-                                tracing::debug!(job = %rec.id, error = %e, "delayed record not indexed; its ticket covers it");
-                            }
-                        }
-                        tracing::debug!(job = %rec.id, due = ?rec.next_run_at, "delayed job recorded");
-                        continue;
-                    }
-                    // Recorded already (the gateway): its record decides.
-                    Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
-                    Err(e) => {
-                        let d = machine::transient_retry_delay(deliveries);
-                        tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot record the delayed job; the ticket comes back later");
-                        let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
-                        return;
-                    }
-                }
+        }
+        let _ = self
+            .msg
+            .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
+                self.deliveries,
+            ))))
+            .await;
+    }
+
+    /// NAKs the ticket for a transient failure (it comes back later, after
+    /// a delay growing with its deliveries), saying what failed.
+    async fn later(&self, e: &(dyn std::fmt::Display + Sync), what: &str) -> Round {
+        let d = machine::transient_retry_delay(self.deliveries);
+        tracing::warn!(job = %self.accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "{what}; the ticket comes back later");
+        let _ = self.msg.ack_with(AckKind::Nak(Some(d))).await;
+        Round::Settled
+    }
+
+    /// NAKs the ticket to come back after `d`.
+    async fn nak(&self, d: Duration) -> Round {
+        let _ = self.msg.ack_with(AckKind::Nak(Some(d))).await;
+        Round::Settled
+    }
+
+    /// Acks the ticket.
+    async fn ack(&self) -> Round {
+        let _ = self.msg.ack().await;
+        Round::Settled
+    }
+
+    /// The job's record as it is now.
+    async fn read(&self) -> Result<Option<Versioned<JobRecord>>, Settled> {
+        match self.shared.jobs.get(&self.accepted.id).await {
+            Ok(c) => Ok(c),
+            Err(JobsError::Corrupt { id, message }) => {
+                tracing::error!(job = %id, error = %message, "the job's record cannot be read; leaving the ticket for an operator (leasehold list --corrupt)");
+                self.nak(Duration::from_secs(30)).await;
+                Err(Settled)
             }
-            None => {
-                let c = shared.claimant(seq, OwnerLiveness::Dead);
-                let mut record = machine::claim_new(
-                    machine::new_record(&accepted.id, &kind, accepted.spec.clone(), seq, c.now),
-                    &c,
-                );
-                record.traceparent = job_traceparent(msg.headers.as_ref(), &accepted.id, &kind);
-                mine = record.claim_token.clone();
-                (
-                    shared.jobs.create(&record).await.map(|r| (r, record)),
-                    false,
-                )
-            }
-            // Our own claim landed although its reply was lost.
-            Some(v) if mine.is_some() && v.value.claim_token == mine => (
-                Ok((v.revision, v.value.clone())),
-                v.value.stale_reclaims > 0,
-            ),
-            Some(Versioned { value, revision }) => {
-                if value.kind != kind {
-                    // An id reused by a submission of another kind: never
-                    // run a job under a handler that is not its own.
-                    id_conflict(&shared, &kind, seq, &msg, value).await;
-                    return;
-                }
-                let owner = if value.status == "running" {
-                    shared.owner_liveness(value).await
-                } else {
-                    OwnerLiveness::Dead
-                };
-                let c = shared.claimant_of(seq, deliveries, owner);
-                match machine::decide_claim(value, &c) {
-                    // A suspect may be what kills workers: at most one runs
-                    // here at a time. Another worker, or this one once its
-                    // suspect ended, takes it; waiting costs it nothing (a
-                    // waiting job is never dead-lettered for deliveries).
-                    // (Judged on the claim as it would be written: a reclaim
-                    // from a gone owner counts that loss too.)
-                    ClaimDecision::Claim { ref record, .. }
-                        if is_suspect(record.stale_reclaims) && suspect.is_none() =>
-                    {
-                        match SuspectSlot::take(&shared, &accepted.id) {
-                            Some(s) => {
-                                suspect = Some(s);
-                                continue;
-                            }
-                            None => {
-                                tracing::debug!(job = %accepted.id, stale_reclaims = record.stale_reclaims, "a suspect runs here already; handing this suspect to another worker");
-                                let _ = msg
-                                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                                    .await;
-                                return;
-                            }
-                        }
-                    }
-                    ClaimDecision::Claim {
-                        mut record,
-                        reclaim,
-                    } => {
-                        if record.traceparent.is_none() {
-                            record.traceparent =
-                                job_traceparent(msg.headers.as_ref(), &accepted.id, &kind);
-                        }
-                        mine = record.claim_token.clone();
-                        (
-                            shared
-                                .jobs
-                                .update(&record, *revision)
-                                .await
-                                .map(|r| (r, *record)),
-                            reclaim,
-                        )
-                    }
-                    ClaimDecision::Wait(d) => {
-                        tracing::debug!(job = %accepted.id, delay = ?d, "not runnable yet; NAK with the remaining delay");
-                        let _ = msg
-                            .ack_with(AckKind::Nak(Some(d + Duration::from_millis(20))))
-                            .await;
-                        return;
-                    }
-                    ClaimDecision::Release => {
-                        match timers::release(&shared.recovery, value, *revision).await {
-                            Ok(()) => {
-                                tracing::debug!(job = %accepted.id, due = ?value.next_run_at, "not due for a while: ticket released to the job's wake-up");
-                                let _ = msg.ack().await;
-                                return;
-                            }
-                            Err(timers::DueError::Jobs(JobsError::Conflict(_))) => continue,
-                            Err(e) => {
-                                let d = machine::transient_retry_delay(deliveries);
-                                tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot release the ticket of a delayed job; it comes back later");
-                                let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
-                                return;
-                            }
-                        }
-                    }
-                    ClaimDecision::Settle(why) => {
-                        if settle_live(&shared, value, &msg, &why).await {
-                            return;
-                        }
-                        // The owner's session ended while the job was
-                        // being indexed: decide again, as for a gone owner.
-                        continue;
-                    }
-                    ClaimDecision::Cancel(record) => {
-                        match shared.jobs.update(&record, *revision).await {
-                            Ok(_) => {
-                                cancelled_unclaimed(&shared, &record).await;
-                                let _ = msg.ack().await;
-                                return;
-                            }
-                            Err(JobsError::Conflict(_)) => continue,
-                            Err(e) => {
-                                let d = machine::transient_retry_delay(deliveries);
-                                tracing::warn!(job = %accepted.id, error = %e, retry_in_ms = d.as_millis() as u64, "cannot record the cancellation; the ticket comes back later");
-                                let _ = msg.ack_with(AckKind::Nak(Some(d))).await;
-                                return;
-                            }
-                        }
-                    }
-                    ClaimDecision::Poison(d) => {
-                        poison(&shared, value, &msg, d).await;
-                        return;
-                    }
-                    ClaimDecision::Drop(why) => {
-                        // A finished job's ticket that is still here may be
-                        // the one its owner kept because its terminal event
-                        // was not published (or the owner died between the
-                        // two): the event first, then the ack.
-                        if let Err(e) = shared.recovery.finish_terminal_if_unfinished(value).await {
-                            tracing::warn!(job = %accepted.id, error = %e, "cannot publish the finished job's terminal event; the ticket comes back");
-                            let _ = msg
-                                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                                .await;
-                            return;
-                        }
-                        tracing::debug!(job = %accepted.id, why, "ticket has nothing left to do; acking");
-                        let _ = msg.ack().await;
-                        return;
-                    }
-                }
-            }
-        };
-        match write {
-            Ok((revision, record)) => {
-                // The job's previous index entry (waiting, or an earlier
-                // owner's) goes; its running entry comes with --index-after.
-                if let Some((old, prev)) = current
-                    .as_ref()
-                    .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.clone())))
-                {
-                    let active = shared.active.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = active.remove(&old, &prev).await {
-                            tracing::debug!(key = %old.as_string(), error = %e, "old index entry left for the reaper");
-                        }
-                    });
-                }
-                shared.count_claim(&kind, reclaim);
-                // A suspect may kill this process at once, and a reclaim's
-                // ticket may still be acked by its previous owner's late
-                // index task: index either before it runs, so the end of
-                // this session recovers (or dead-letters) it even without
-                // its ticket's wake-up.
-                let indexed = suspect.is_some() || reclaim;
-                if indexed {
-                    index_now(&shared, &record).await;
-                }
-                // The ticket becomes a wake-up call: it comes back by itself
-                // one session timeout from now, unless the job finished or
-                // was indexed (then it is acked first).
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(shared.opts.wake_after())))
-                    .await;
-                let claimed = Versioned {
-                    value: record,
-                    revision,
-                };
-                attempt::run_claimed(
-                    shared.clone(),
-                    claimed,
-                    Some(msg),
-                    permit,
-                    attempt::Claimed { reclaim, indexed },
-                    Some(claiming),
-                )
-                .await;
-                drop(suspect);
-                return;
-            }
-            Err(JobsError::Exists(_) | JobsError::Conflict(_)) => continue,
             Err(e) => {
-                // The write may have landed with its reply lost: read the
-                // record until it says (our own token means it did).
-                tracing::warn!(job = %accepted.id, error = %e, "claim write unanswered; reading the record to see whether it landed");
-                unsure += 1;
-                continue;
+                self.later(&e, "cannot read the record").await;
+                Err(Settled)
             }
         }
     }
-    let _ = msg
-        .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
-            deliveries,
-        ))))
+
+    /// A delayed job not due yet: its queued record (due at `next_run_at`),
+    /// as the gateway would write it; the next round decides on it (a short
+    /// wait NAKs the ticket with the rest, a long one releases the ticket to
+    /// the job's wake-up).
+    async fn record_delayed(&self) -> Round {
+        let rec = machine::new_record(
+            &self.accepted.id,
+            &self.kind,
+            self.accepted.spec.clone(),
+            self.seq,
+            SystemTime::now(),
+        );
+        match self.shared.jobs.create(&rec).await {
+            Ok(_) => {
+                if let Some(key) = Key::of(&rec) {
+                    if let Err(e) = self.shared.active.put(&key, &rec).await {
+                        tracing::debug!(job = %rec.id, error = %e, "delayed record not indexed; its ticket covers it");
+                    }
+                }
+                tracing::debug!(job = %rec.id, due = ?rec.next_run_at, "delayed job recorded");
+                Round::Again
+            }
+            // Recorded already (the gateway): its record decides.
+            Err(JobsError::Exists(_) | JobsError::Conflict(_)) => Round::Again,
+            Err(e) => self.later(&e, "cannot record the delayed job").await,
+        }
+    }
+
+    /// A new job: its record created claimed by this worker.
+    async fn create_claimed(&self, mine: &mut Option<String>) -> Round {
+        let (id, kind) = (&self.accepted.id, &self.kind);
+        let c = self.shared.claimant(self.seq, OwnerLiveness::Dead);
+        let mut record = machine::claim_new(
+            machine::new_record(id, kind, self.accepted.spec.clone(), self.seq, c.now),
+            &c,
+        );
+        record.traceparent = job_traceparent(self.msg.headers.as_ref(), id, kind);
+        mine.clone_from(&record.claim_token);
+        Round::Wrote(
+            self.shared
+                .jobs
+                .create(&record)
+                .await
+                .map(|r| (r, Box::new(record))),
+            false,
+        )
+    }
+
+    /// A recorded job: what `machine::decide_claim` says of it, with what
+    /// this worker knows of its owner, carried out.
+    async fn decide(
+        &self,
+        current: &Versioned<JobRecord>,
+        mine: &mut Option<String>,
+        suspect: &mut Option<SuspectSlot>,
+    ) -> Round {
+        let Versioned { value, revision } = current;
+        let id = &self.accepted.id;
+        if value.kind != self.kind {
+            // An id reused by a submission of another kind: never
+            // run a job under a handler that is not its own.
+            id_conflict(&self.shared, &self.kind, self.seq, &self.msg, value).await;
+            return Round::Settled;
+        }
+        let owner = if value.status == "running" {
+            self.shared.owner_liveness(value).await
+        } else {
+            OwnerLiveness::Dead
+        };
+        let c = self.shared.claimant_of(self.seq, self.deliveries, owner);
+        match machine::decide_claim(value, &c) {
+            // A suspect may be what kills workers: at most one runs
+            // here at a time. Another worker, or this one once its
+            // suspect ended, takes it; waiting costs it nothing (a
+            // waiting job is never dead-lettered for deliveries).
+            // (Judged on the claim as it would be written: a reclaim
+            // from a gone owner counts that loss too.)
+            ClaimDecision::Claim { ref record, .. }
+                if is_suspect(record.stale_reclaims) && suspect.is_none() =>
+            {
+                match SuspectSlot::take(&self.shared, id) {
+                    Some(s) => {
+                        *suspect = Some(s);
+                        Round::Again
+                    }
+                    None => {
+                        tracing::debug!(job = %id, stale_reclaims = record.stale_reclaims, "a suspect runs here already; handing this suspect to another worker");
+                        self.nak(Duration::from_secs(1)).await
+                    }
+                }
+            }
+            ClaimDecision::Claim {
+                mut record,
+                reclaim,
+            } => {
+                if record.traceparent.is_none() {
+                    record.traceparent = job_traceparent(self.msg.headers.as_ref(), id, &self.kind);
+                }
+                mine.clone_from(&record.claim_token);
+                Round::Wrote(
+                    self.shared
+                        .jobs
+                        .update(&record, *revision)
+                        .await
+                        .map(|r| (r, record)),
+                    reclaim,
+                )
+            }
+            ClaimDecision::Wait(d) => {
+                tracing::debug!(job = %id, delay = ?d, "not runnable yet; NAK with the remaining delay");
+                self.nak(d + Duration::from_millis(20)).await
+            }
+            ClaimDecision::Release => {
+                match timers::release(&self.shared.recovery, value, *revision).await {
+                    Ok(()) => {
+                        tracing::debug!(job = %id, due = ?value.next_run_at, "not due for a while: ticket released to the job's wake-up");
+                        self.ack().await
+                    }
+                    Err(timers::DueError::Jobs(JobsError::Conflict(_))) => Round::Again,
+                    Err(e) => {
+                        self.later(&e, "cannot release the ticket of a delayed job")
+                            .await
+                    }
+                }
+            }
+            ClaimDecision::Settle(why) => {
+                if settle_live(&self.shared, value, &self.msg, &why).await {
+                    return Round::Settled;
+                }
+                // The owner's session ended while the job was
+                // being indexed: decide again, as for a gone owner.
+                Round::Again
+            }
+            ClaimDecision::Cancel(record) => {
+                match self.shared.jobs.update(&record, *revision).await {
+                    Ok(_) => {
+                        cancelled_unclaimed(&self.shared, &record).await;
+                        self.ack().await
+                    }
+                    Err(JobsError::Conflict(_)) => Round::Again,
+                    Err(e) => self.later(&e, "cannot record the cancellation").await,
+                }
+            }
+            ClaimDecision::Poison(d) => {
+                poison(&self.shared, value, &self.msg, d).await;
+                Round::Settled
+            }
+            ClaimDecision::Drop(why) => {
+                // A finished job's ticket that is still here may be
+                // the one its owner kept because its terminal event
+                // was not published (or the owner died between the
+                // two): the event first, then the ack.
+                if let Err(e) = self
+                    .shared
+                    .recovery
+                    .finish_terminal_if_unfinished(value)
+                    .await
+                {
+                    tracing::warn!(job = %id, error = %e, "cannot publish the finished job's terminal event; the ticket comes back");
+                    return self.nak(Duration::from_secs(1)).await;
+                }
+                tracing::debug!(job = %id, why, "ticket has nothing left to do; acking");
+                self.ack().await
+            }
+        }
+    }
+
+    /// The claim landed: the job's earlier index entry goes, the ticket
+    /// becomes a wake-up call, and the attempt runs.
+    async fn act(
+        self,
+        current: Option<Versioned<JobRecord>>,
+        claimed: Versioned<JobRecord>,
+        reclaim: bool,
+        suspect: Option<SuspectSlot>,
+        permit: OwnedSemaphorePermit,
+        claiming: Claiming,
+    ) {
+        let shared = self.shared;
+        // The job's previous index entry (waiting, or an earlier
+        // owner's) goes; its running entry comes with --index-after.
+        if let Some((old, prev)) = current
+            .as_ref()
+            .and_then(|v| Key::of(&v.value).map(|k| (k, v.value.clone())))
+        {
+            let active = shared.active.clone();
+            tokio::spawn(async move {
+                if let Err(e) = active.remove(&old, &prev).await {
+                    tracing::debug!(key = %old.as_string(), error = %e, "old index entry left for the reaper");
+                }
+            });
+        }
+        shared.count_claim(&self.kind, reclaim);
+        // A suspect may kill this process at once, and a reclaim's
+        // ticket may still be acked by its previous owner's late
+        // index task: index either before it runs, so the end of
+        // this session recovers (or dead-letters) it even without
+        // its ticket's wake-up.
+        let indexed = suspect.is_some() || reclaim;
+        if indexed {
+            index_now(&shared, &claimed.value).await;
+        }
+        // The ticket becomes a wake-up call: it comes back by itself
+        // one session timeout from now, unless the job finished or
+        // was indexed (then it is acked first).
+        let _ = self
+            .msg
+            .ack_with(AckKind::Nak(Some(shared.opts.wake_after())))
+            .await;
+        attempt::run_claimed(
+            shared.clone(),
+            claimed,
+            Some(self.msg),
+            permit,
+            attempt::Claimed { reclaim, indexed },
+            Some(claiming),
+        )
         .await;
+        drop(suspect);
+    }
 }
 
 /// A ticket of a job a live owner holds: make sure the job is indexed
@@ -602,323 +709,13 @@ async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
     }
 }
 
-/// A job whose owner is gone after too many stale reclaims: dead-letter it
-/// here (the recovery of its owner's session may not know it: it was never
-/// indexed).
-async fn poison(shared: &Shared, rec: &JobRecord, msg: &jetstream::Message, retry: Duration) {
-    let max = shared.opts.max_stale_reclaims;
-    let reason = format!(
-        "poison: its worker stopped {} times while running it (limit {max}); the job keeps killing or stalling its workers",
-        rec.stale_reclaims
-    );
-    let (epoch, worker) = (rec.epoch, rec.worker_id.clone());
-    let killed = shared
-        .recovery
-        .kill(&rec.id, "poison", &reason, |r| {
-            r.status == "running" && r.epoch == epoch && r.worker_id == worker
-        })
-        .await;
-    match killed {
-        Ok(_) => {
-            let _ = msg.ack().await;
-        }
-        Err(e) => {
-            tracing::warn!(job = %rec.id, error = %e, "cannot dead-letter a poison job yet; retrying");
-            let _ = msg.ack_with(AckKind::Nak(Some(retry))).await;
-        }
-    }
-}
-
-/// A submission reusing the id of a job of another kind: dead-lettered, the
-/// existing job left alone.
-async fn id_conflict(
-    shared: &Shared,
-    kind: &str,
-    seq: u64,
-    msg: &jetstream::Message,
-    rec: &JobRecord,
-) {
-    let message = format!(
-        "job id {:?} already names a job of kind {:?}; a submission of kind {kind:?} cannot reuse it",
-        rec.id, rec.kind
-    );
-    tracing::warn!(job = %rec.id, seq, "{message}");
-    match shared
-        .dlq
-        .reject(
-            kind,
-            Some(&rec.id),
-            "id_conflict",
-            &message,
-            msg.payload.clone(),
-            msg.headers.as_ref(),
-            &format!("rejected:{kind}:{seq}"),
-        )
-        .await
-    {
-        Ok(_) => {
-            let _ = msg.ack().await;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot dead-letter the conflicting submission; retrying");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
-                    delivered(msg),
-                ))))
-                .await;
-        }
-    }
-}
-
 /// Enters a freshly claimed job in the index at once (not after
 /// `--index-after`), for a claim whose ticket may not cover it (a suspect,
 /// a reclaim, a restart reclaim); on failure the ticket's wake-up, if any,
 /// is its only cover (the write is retried by the index task).
-async fn index_now(shared: &Shared, rec: &JobRecord) {
+pub(crate) async fn index_now(shared: &Shared, rec: &JobRecord) {
     let Some(key) = Key::of(rec) else { return };
     if let Err(e) = shared.active.put(&key, rec).await {
         tracing::warn!(job = %rec.id, error = %e, "cannot index a reclaimed job before it runs");
     }
-}
-
-/// How often `msg` has been delivered (this delivery included).
-fn delivered(msg: &jetstream::Message) -> u64 {
-    msg.info().map(|i| i.delivered.max(1) as u64).unwrap_or(1)
-}
-
-/// A bad submission: never crashes the worker, never silently dropped.
-async fn reject(
-    shared: &Shared,
-    kind: &str,
-    seq: u64,
-    msg: &jetstream::Message,
-    rej: spec::Rejected,
-) {
-    shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
-    shared.metrics.rejected(kind);
-    let message = rej.error.to_string();
-    tracing::info!(kind, seq, id = rej.id.as_deref().unwrap_or("-"), error = %message, "rejected submission");
-    if let Some(id) = &rej.id {
-        let rec = machine::rejected_record(id, kind, "rejected", &message, seq, SystemTime::now());
-        match shared.jobs.create(&rec).await {
-            Ok(_) => {
-                let ev = events::event(
-                    id,
-                    0,
-                    "rejected",
-                    Some(&shared.worker_id),
-                    json!({"error": message, "code": rej.error.code(), "kind": kind}),
-                );
-                let _ = shared
-                    .events
-                    .publish(&ev, Some(&format!("{id}:rejected:{seq}")))
-                    .await;
-            }
-            // An existing job keeps its record: a bad duplicate must not
-            // clobber it. But a waiting job whose own ticket this worker
-            // refuses (configuration or version skew) would bounce between
-            // re-enqueues for ever: it is parked once, with the reason.
-            Err(JobsError::Exists(_)) => {
-                let code = rej.error.code();
-                let parked = shared
-                    .jobs
-                    .transition(id, |cur| {
-                        if cur.status != "queued" || (seq != 0 && cur.ticket_seq > seq) {
-                            return Ok(None);
-                        }
-                        machine::park_waiting(
-                            cur,
-                            SystemTime::now(),
-                            "rejected_ticket",
-                            &format!(
-                                "its ticket was refused by worker {}: {message}",
-                                shared.worker_id
-                            ),
-                        )
-                        .map(Some)
-                    })
-                    .await;
-                match parked {
-                    Ok(v) if v.value.status == "parked" => {
-                        tracing::warn!(job = %id, code, "a waiting job's ticket was refused here; the job is parked for review");
-                        let _ = shared.active.reconcile(&v.value).await;
-                        let ev = events::event(
-                            id,
-                            v.value.epoch,
-                            "parked",
-                            Some(&shared.worker_id),
-                            json!({"reason": "rejected_ticket", "message": message, "code": code}),
-                        );
-                        let _ = shared
-                            .events
-                            .publish(&ev, Some(&format!("{id}:parked:rejected:{code}")))
-                            .await;
-                    }
-                    _ => {
-                        tracing::info!(job = %id, "a job with this id exists; its record is left alone")
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot record the rejection; retrying the ticket");
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
-                        delivered(msg),
-                    ))))
-                    .await;
-                return;
-            }
-        }
-    }
-    match shared
-        .dlq
-        .reject(
-            kind,
-            rej.id.as_deref(),
-            rej.error.code(),
-            &message,
-            msg.payload.clone(),
-            msg.headers.as_ref(),
-            // One letter per job and reason, whatever ticket carried it.
-            &match &rej.id {
-                Some(id) => format!("rejected:{kind}:{id}:{}", rej.error.code()),
-                None => format!("rejected:{kind}:{seq}"),
-            },
-        )
-        .await
-    {
-        Ok(_) => {
-            let _ = msg.ack().await;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot dead-letter the rejected submission; retrying");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(machine::transient_retry_delay(
-                    delivered(msg),
-                ))))
-                .await;
-        }
-    }
-}
-
-/// At start with a stable identity: take back, at once, the jobs an earlier
-/// process of this identity held (listed by the index, never by a scan).
-/// Such a takeover writes the session key anew and leaves no end marker for
-/// the earlier process, so nobody else would recover its jobs before a
-/// reaper's sweep: this retries until every one of them is handled.
-pub(crate) async fn restart_reclaim_all(shared: Arc<Shared>) {
-    let mut pause = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-    loop {
-        match restart_reclaim(shared.clone()).await {
-            Ok(0) => return,
-            Ok(left) => tracing::warn!(left, "restart reclaim: jobs of an earlier process of this identity not handled yet; retrying"),
-            Err(e) => tracing::warn!(error = %e, "restart reclaim failed; retrying"),
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(pause.pause()) => {}
-            _ = shared.shutdown.cancelled() => return,
-        }
-    }
-}
-
-/// One pass of [`restart_reclaim_all`]: how many jobs are left for the next.
-pub(crate) async fn restart_reclaim(shared: Arc<Shared>) -> anyhow::Result<usize> {
-    let entries = shared
-        .active
-        .list(leasehold_store::index::Filter::RunningBy(&shared.worker_id))
-        .await?;
-    let mut left = 0;
-    for (_, entry) in entries {
-        if !shared.handlers.contains_key(&entry.kind) {
-            continue;
-        }
-        let cur = match shared.jobs.get(&entry.job).await {
-            Ok(Some(c)) => c,
-            Ok(None) => continue,
-            // One unreadable record never stops the others' reclaim.
-            Err(e) => {
-                tracing::warn!(job = %entry.job, error = %e, "restart reclaim skips this job for now");
-                left += 1;
-                continue;
-            }
-        };
-        let rec = cur.value;
-        if rec.status != "running"
-            || rec.worker_id.as_deref() != Some(shared.worker_id.as_str())
-            || rec.session.as_deref() == Some(shared.session.id.as_str())
-        {
-            continue;
-        }
-        // A ticket of the job is being claimed here right now: that claim
-        // decides (it sees an earlier process's job, as this would).
-        let Some(claiming) = Claiming::new(&shared, &rec.id) else {
-            continue;
-        };
-        // A suspect runs here only if no other suspect does; otherwise it
-        // is re-offered for another worker.
-        // This claim counts the earlier process's loss too.
-        let suspect = if is_suspect(rec.stale_reclaims + 1) {
-            match SuspectSlot::take(&shared, &rec.id) {
-                Some(s) => Some(s),
-                None => {
-                    drop(claiming);
-                    match shared
-                        .recovery
-                        .recover_job(&shared.worker_id, &rec.id, None)
-                        .await
-                    {
-                        Ok(leasehold_store::recovery::Action::Unsure(_)) | Err(_) => left += 1,
-                        Ok(_) => {}
-                    }
-                    continue;
-                }
-            }
-        } else {
-            None
-        };
-        let permit = shared.slots.clone().acquire_owned().await?;
-        let claimant = shared.claimant(0, OwnerLiveness::Dead);
-        let token = claimant.claim_token.clone();
-        let session = shared.session.id.clone();
-        let res = shared
-            .jobs
-            .transition(&rec.id, |cur| {
-                // Still an earlier process's job of this identity?
-                if cur.worker_id.as_deref() != Some(shared.worker_id.as_str())
-                    || cur.status != "running"
-                    || cur.session.as_deref() == Some(session.as_str())
-                {
-                    return Ok(None);
-                }
-                match machine::decide_claim(cur, &claimant) {
-                    ClaimDecision::Claim { record, .. } => Ok(Some(*record)),
-                    _ => Ok(None),
-                }
-            })
-            .await;
-        match res {
-            // Only our own fresh token proves the claim is ours.
-            Ok(v) if v.value.claim_token.as_deref() == Some(token.as_str()) => {
-                tracing::info!(job = %rec.id, epoch = v.value.epoch, "reclaimed at start from an earlier process of this identity");
-                // No ticket covers it: the index must (run_claimed knows).
-                index_now(&shared, &v.value).await;
-                shared.count_claim(&v.value.kind, true);
-                let s = shared.clone();
-                tokio::spawn(async move {
-                    let how = attempt::Claimed {
-                        reclaim: true,
-                        indexed: true,
-                    };
-                    attempt::run_claimed(s, v, None, permit, how, Some(claiming)).await;
-                    drop(suspect);
-                });
-            }
-            Err(e) => {
-                tracing::warn!(job = %rec.id, error = %e, "restart reclaim of this job failed; retrying");
-                left += 1;
-            }
-            _ => {}
-        }
-    }
-    Ok(left)
 }

@@ -36,6 +36,8 @@
 mod attempt;
 pub(crate) mod claim;
 mod pull;
+mod refuse;
+mod restart;
 mod session;
 
 use std::collections::HashMap;
@@ -467,7 +469,7 @@ async fn run(
     ));
     if shared.opts.worker_id.is_some() {
         let s = shared.clone();
-        tokio::spawn(claim::restart_reclaim_all(s));
+        tokio::spawn(restart::restart_reclaim_all(s));
     }
     // Flow control outlives the drain (the jobs still call models) and
     // gives its quota leases back after it.
