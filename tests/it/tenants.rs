@@ -295,11 +295,14 @@ async fn a_tenants_backlog_behind_its_limit_is_never_taken_for_stranded() {
         .await
         .unwrap();
     // The default lane of the same kind delivers tickets later than every
-    // acme one, all the while the acme backlog waits.
+    // acme one, all the while the acme backlog waits. Each takes 20 ms, so
+    // the 4.5 s of the acme backlog is a few hundred of them (1 ms jobs ran
+    // a thousand, and the thousand-and-first status watch found the
+    // server's consumer limit, before the backlog was done).
     let mut n = 0;
     while env.jobs.get(&ids[2]).await.unwrap().map(|v| v.value.status) != Some("completed".into()) {
         let id = env
-            .submit("sleep", json!({"input": {"ms": 1}}), &format!("plain-{n}"))
+            .submit("sleep", json!({"input": {"ms": 20}}), &format!("plain-{n}"))
             .await;
         env.wait_status(&id, "completed", Duration::from_secs(10))
             .await;
