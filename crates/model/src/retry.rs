@@ -300,317 +300,434 @@ impl Generator {
 
     /// Generates one complete response for `req`, retrying at this one
     /// layer. Reports go to `ctx.reporter` and into `reports`.
+    ///
+    /// Each round: the run's own stops (cancel, budget, deadline), then one
+    /// request ([`Generator::send`]: admission, breaker, the call); on a
+    /// failure, first whether it was an attempt at all
+    /// ([`Generator::not_an_attempt`]), then what the failed attempt leads
+    /// to ([`Generator::after_attempt`]).
     pub async fn generate(
         &self,
         req: &ChatRequest,
         ctx: &RunContext,
         reports: &mut Vec<RetryReport>,
     ) -> Result<Generated, GenerationFailure> {
-        let mut model = self.client.config().model.clone();
-        let mut fallback_used: Option<String> = None;
-        let mut attempt = 0u32;
-        let mut total = 0u32;
-        let fail =
-            |error: ModelError, total: u32, ineligible: Option<Ineligible>| GenerationFailure {
-                error,
-                attempts: total,
-                ineligible,
-            };
-        let digest = request_digest(req);
-        let mut downgrades = 0u32;
+        let mut t = Tries {
+            model: self.client.config().model.clone(),
+            ..Tries::default()
+        };
         let flow = Flow::global();
-        let estimate = estimate_tokens(req);
-        // 429s answered by a pause rather than an attempt (bounded, so a
-        // provider that never stops refusing still ends the generation).
-        let mut pauses = 0u32;
-        // Streams the provider cut for another request while it was
-        // learned to serve one at a time: not attempts either (bounded).
-        let mut cuts = 0u32;
         loop {
-            attempt += 1;
-            total += 1;
-            if ctx.cancel.is_cancelled() {
-                return Err(fail(ModelError::Cancelled, total, None));
-            }
-            if let Err(kind) = ctx.budget.lock().expect("budget lock").check() {
-                return Err(fail(ModelError::Budget(kind), total, None));
-            }
-            let deadline = ctx.effective_deadline();
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(fail(ModelError::Deadline, total, None));
-            }
-            let breaker = if fallback_used.is_some() {
-                &self.fallback_breaker
-            } else {
-                &self.breaker
+            t.attempt += 1;
+            t.total += 1;
+            let deadline = match run_stops(ctx) {
+                Ok(d) => d,
+                Err(e) => return Err(t.failure(e, None)),
             };
-            let cfg = self.client.config();
-            let pkey = ProviderKey::new(&cfg.base_url, &model, cfg.api_key.as_deref());
-            flow.configure(&pkey, cfg.concurrency);
-            // Admission first: waiting for the fleet's pause or limits is
-            // not an attempt.
-            let mut permit =
-                match admit(&flow, &pkey, estimate, ctx, deadline, total, reports).await {
-                    Ok(p) => p,
-                    Err(stop) => return Err(fail(stop, total, None)),
-                };
-            let mut state = AttemptState {
-                watcher: ctx.watcher.clone(),
-                on_first_token: Some(permit.first_token_hook()),
-                ..Default::default()
+            let sent = match self.send(req, &t, &flow, ctx, deadline, reports).await {
+                Ok(s) => s,
+                Err(stop) => return Err(t.failure(stop, None)),
             };
-            let mut serving = Serving::Nothing;
-            let was_open = breaker.state() == crate::breaker::BreakerState::Open;
-            let result = match breaker.try_acquire() {
-                Err(retry_after) => Err(ModelError::CircuitOpen {
-                    dependency: breaker.name().to_string(),
-                    retry_after,
-                    cause: breaker.cause(),
-                }),
-                Ok(()) => {
-                    // One model request: its span and its metrics.
-                    let span = spans::chat("openai", &model);
-                    let sent = Instant::now();
-                    let fut = self
-                        .client
-                        .generate_once(req, &model, &mut state)
-                        .instrument(span.clone());
-                    let r = tokio::select! {
-                        biased;
-                        _ = ctx.cancel.cancelled() => Err(ModelError::Cancelled),
-                        r = async {
-                            match deadline {
-                                Some(d) => tokio::time::timeout_at(d, fut).await.unwrap_or(Err(ModelError::Deadline)),
-                                None => fut.await,
-                            }
-                        } => r,
-                    };
-                    record_request(&span, &model, sent.elapsed(), &r);
-                    serving = permit.ended(state.cut_short, r.is_ok(), state.last_chunk);
-                    match &r {
-                        Ok(_) => breaker.record(true),
-                        // The provider serving one request at a time is
-                        // not its failure.
-                        Err(_) if serving.interrupted() => breaker.release(),
-                        Err(e) => match e.class() {
-                            FailureClass::Cancelled | FailureClass::DeadlineExceeded => {
-                                breaker.release()
-                            }
-                            c if c.counts_against_dependency() => {
-                                let cause = format!("{c}: {e}");
-                                breaker.record_failure(digest, &cause);
-                                if !was_open
-                                    && breaker.state() == crate::breaker::BreakerState::Open
-                                {
-                                    flow.breaker_opened(
-                                        &pkey,
-                                        std::time::SystemTime::now() + breaker.cool_down(),
-                                        &cause,
-                                    );
-                                }
-                            }
-                            _ => breaker.record(true),
-                        },
-                    }
-                    r
-                }
-            };
-            let provider = self.client.provider(&model);
-            if let Ok(c) = &result {
-                permit.reconcile(c.usage.prompt_tokens + c.usage.completion_tokens);
-            }
-            drop(permit);
-            let e = match result {
+            let provider = self.client.provider(&t.model);
+            let e = match sent.result {
                 Ok(completion) => {
                     provider.mark_answered();
                     ctx.budget
                         .lock()
                         .expect("budget lock")
-                        .charge(&model, &completion.usage);
+                        .charge(&t.model, &completion.usage);
                     return Ok(Generated {
                         completion,
-                        attempts: total,
-                        fallback_used,
+                        attempts: t.total,
+                        fallback_used: t.fallback_used,
                     });
                 }
-                Err(e) => e,
+                Err(ref e) => e.clone(),
             };
-            let class = e.class();
-            if class == FailureClass::IncompleteGeneration
-                && serving.interrupted()
-                && cuts < MAX_CUTS
-                && eligibility(&state, ctx.cancel.is_cancelled()).is_ok()
+            let next = match self
+                .not_an_attempt(req, ctx, &mut t, &sent, &e, &provider, &flow, reports)
             {
-                // The provider cut this stream for another request of
-                // ours: it serves one at a time. Learning that is not an
-                // attempt; the request goes again at once (it waits for
-                // the slot once the concurrency of 1 applies).
-                cuts += 1;
-                attempt -= 1;
-                observe::model_retry(&class.as_str());
-                ctx.emit(
-                    RetryReport::generation(
-                        cut_reason(&serving, &pkey, &e),
-                        true,
-                        retained_input(&req.messages),
-                        total + 1,
-                        ctx.budget_left(),
-                        class,
-                    )
-                    .at_once(),
-                    reports,
-                );
-                continue;
-            }
-            // A cut the learning would answer, were the concurrency not
-            // set by hand: the report says which setting to change.
-            let set_by_hand = match &serving {
-                Serving::SetByHand {
-                    concurrency,
-                    setting,
-                } => Some(format!(
-                    "; {} cut it for another request (it serves one request at a time), but {setting} sets a concurrency of {concurrency}: set 1",
-                    pkey.label()
-                )),
-                _ => None,
+                Some(n) => n,
+                None => self.after_attempt(req, ctx, &t, &sent, e, &provider, deadline, reports),
             };
-            if class == FailureClass::BadRequest && refuses_shape(&e) {
-                let sent = state.sent_forms.unwrap_or(provider.forms());
-                let message = e.to_string();
-                match provider.downgrade(req, sent, &message) {
-                    Some(d) if downgrades < 3 => {
-                        // The provider will never take this shape: the same
-                        // request in the next form, at once, and not an
-                        // attempt of the generation.
-                        downgrades += 1;
-                        attempt -= 1;
-                        tracing::warn!(provider = %provider.key(), "{d}: {message}");
-                        ctx.emit(
-                            RetryReport::generation(
-                                format!("{class}: {d}: {message}"),
-                                true,
-                                retained_input(&req.messages),
-                                total + 1,
-                                ctx.budget_left(),
-                                class,
-                            )
-                            .at_once(),
-                            reports,
-                        );
-                        continue;
-                    }
-                    Some(_) => {}
-                    None => {
-                        if let Some(hint) = provider.forced_hint(req, sent) {
-                            return Err(fail(
-                                ModelError::Config(format!("{message}; {hint}")),
-                                total,
-                                None,
-                            ));
-                        }
+            match next {
+                Next::Free => t.attempt -= 1,
+                Next::After(delay) => {
+                    if let Err(stop) = ctx.wait(delay).await {
+                        return Err(t.failure(stop, None));
                     }
                 }
-            }
-            if class == FailureClass::QuotaExhausted {
-                // Every worker of the fleet stops asking for a while.
-                let pause = e.retry_after().unwrap_or(QUOTA_PAUSE);
-                flow.cooldown(
-                    &pkey,
-                    std::time::SystemTime::now() + pause,
-                    &format!("{class}: {e}"),
-                );
-            }
-            if class == FailureClass::RateLimited && pauses < MAX_PAUSES {
-                if let Some(ra) = e
-                    .retry_after()
-                    .filter(|ra| !ra.is_zero() && *ra <= self.policy.max_server_delay)
-                {
-                    if eligibility(&state, ctx.cancel.is_cancelled()).is_ok() {
-                        // The provider said when: the fleet waits for it, and
-                        // this call is not an attempt.
-                        pauses += 1;
-                        attempt -= 1;
-                        flow.cooldown(
-                            &pkey,
-                            std::time::SystemTime::now() + ra,
-                            &format!("{class}: {e}"),
-                        );
-                        observe::model_retry(&class.as_str());
-                        continue;
-                    }
+                Next::Fallback(fb) => {
+                    t.model.clone_from(&fb);
+                    t.fallback_used = Some(fb);
+                    t.attempt = 0;
                 }
-            }
-            if !class.is_retryable() {
-                return Err(fail(e, total, None));
-            }
-            observe::model_retry(&class.as_str());
-            let retained = retained_input(&req.messages);
-            let mut report = RetryReport::generation(
-                format!("{class}: {e}{}", set_by_hand.unwrap_or_default()),
-                false,
-                retained.clone(),
-                total + 1,
-                ctx.budget_left(),
-                class,
-            );
-            if let Err(why) = eligibility(&state, ctx.cancel.is_cancelled()) {
-                report.reason = format!("{class}: refused: {why}");
-                report.retained = "nothing: the generation is not repeated".into();
-                ctx.emit(report, reports);
-                return Err(fail(e, total, Some(why)));
-            }
-            if attempt >= self.policy.max_attempts {
-                let fallback = self.client.config().fallback_model.clone();
-                match fallback {
-                    Some(fb) if fallback_used.is_none() && fb != model => {
-                        report.reason = format!("{class}: {attempt} attempts on {model} failed; switching to fallback {fb}");
-                        report.eligible = true;
-                        report.fallback_model = Some(fb.clone());
-                        ctx.emit(report, reports);
-                        model = fb.clone();
-                        fallback_used = Some(fb);
-                        attempt = 0;
-                        continue;
-                    }
-                    _ => {
-                        report.reason = format!(
-                            "{class}: generation attempts exhausted ({attempt} of {})",
-                            self.policy.max_attempts
-                        );
-                        ctx.emit(report, reports);
-                        return Err(fail(
-                            unreachable_is_config(e, &provider, self.client.config()),
-                            total,
-                            None,
-                        ));
-                    }
-                }
-            }
-            let mut delay = self.policy.backoff(attempt);
-            if let Some(ra) = e.retry_after() {
-                if ra > self.policy.max_server_delay {
-                    report.reason = format!(
-                        "{class}: server asks to wait {}, longer than allowed",
-                        humantime::format_duration(ra)
-                    );
-                    ctx.emit(report, reports);
-                    return Err(fail(e, total, None));
-                }
-                delay = delay.max(ra);
-            }
-            if deadline.is_some_and(|d| Instant::now() + delay > d) {
-                report.reason = format!("{class}: the deadline comes before the next attempt");
-                ctx.emit(report, reports);
-                return Err(fail(ModelError::Deadline, total, None));
-            }
-            report.eligible = true;
-            report.delay_ms = Some(delay.as_millis() as u64);
-            ctx.emit(report, reports);
-            if let Err(stop) = ctx.wait(delay).await {
-                return Err(fail(stop, total, None));
+                Next::Fail(e, ineligible) => return Err(t.failure(e, ineligible)),
             }
         }
     }
+
+    /// One request of the generation: admitted by the fleet's flow control
+    /// (waiting for a pause or a limit is not an attempt), through the
+    /// model's circuit breaker, bounded by the cancel and the deadline; the
+    /// breaker and the flow control told how it went. `Err`: the admission
+    /// stopped the generation.
+    async fn send(
+        &self,
+        req: &ChatRequest,
+        t: &Tries,
+        flow: &Arc<Flow>,
+        ctx: &RunContext,
+        deadline: Option<Instant>,
+        reports: &mut Vec<RetryReport>,
+    ) -> Result<Sent, ModelError> {
+        let model = &t.model;
+        let breaker = if t.fallback_used.is_some() {
+            &self.fallback_breaker
+        } else {
+            &self.breaker
+        };
+        let cfg = self.client.config();
+        let pkey = ProviderKey::new(&cfg.base_url, model, cfg.api_key.as_deref());
+        flow.configure(&pkey, cfg.concurrency);
+        let mut permit = admit(
+            flow,
+            &pkey,
+            estimate_tokens(req),
+            ctx,
+            deadline,
+            t.total,
+            reports,
+        )
+        .await?;
+        let mut state = AttemptState {
+            watcher: ctx.watcher.clone(),
+            on_first_token: Some(permit.first_token_hook()),
+            ..Default::default()
+        };
+        let mut serving = Serving::Nothing;
+        let was_open = breaker.state() == crate::breaker::BreakerState::Open;
+        let result = match breaker.try_acquire() {
+            Err(retry_after) => Err(ModelError::CircuitOpen {
+                dependency: breaker.name().to_string(),
+                retry_after,
+                cause: breaker.cause(),
+            }),
+            Ok(()) => {
+                // One model request: its span and its metrics.
+                let span = spans::chat("openai", model);
+                let sent = Instant::now();
+                let fut = self
+                    .client
+                    .generate_once(req, model, &mut state)
+                    .instrument(span.clone());
+                let r = tokio::select! {
+                    biased;
+                    _ = ctx.cancel.cancelled() => Err(ModelError::Cancelled),
+                    r = async {
+                        match deadline {
+                            Some(d) => tokio::time::timeout_at(d, fut).await.unwrap_or(Err(ModelError::Deadline)),
+                            None => fut.await,
+                        }
+                    } => r,
+                };
+                record_request(&span, model, sent.elapsed(), &r);
+                serving = permit.ended(state.cut_short, r.is_ok(), state.last_chunk);
+                match &r {
+                    Ok(_) => breaker.record(true),
+                    // The provider serving one request at a time is
+                    // not its failure.
+                    Err(_) if serving.interrupted() => breaker.release(),
+                    Err(e) => match e.class() {
+                        FailureClass::Cancelled | FailureClass::DeadlineExceeded => {
+                            breaker.release()
+                        }
+                        c if c.counts_against_dependency() => {
+                            let cause = format!("{c}: {e}");
+                            breaker.record_failure(request_digest(req), &cause);
+                            if !was_open && breaker.state() == crate::breaker::BreakerState::Open {
+                                flow.breaker_opened(
+                                    &pkey,
+                                    std::time::SystemTime::now() + breaker.cool_down(),
+                                    &cause,
+                                );
+                            }
+                        }
+                        _ => breaker.record(true),
+                    },
+                }
+                r
+            }
+        };
+        if let Ok(c) = &result {
+            permit.reconcile(c.usage.prompt_tokens + c.usage.completion_tokens);
+        }
+        drop(permit);
+        Ok(Sent {
+            result,
+            state,
+            serving,
+            pkey,
+        })
+    }
+
+    /// A failed request that was no attempt of the generation: the provider
+    /// cut the stream for another of ours (it serves one at a time), it
+    /// refuses the request's form (the next form goes at once), or a 429
+    /// said when to come back (the fleet waits it out). `Some(Next::Free)`
+    /// then, `Some(Next::Fail)` when a form forced by hand can never work;
+    /// `None`: an attempt failed. A quota error pauses its provider key
+    /// for the fleet either way.
+    #[allow(clippy::too_many_arguments)]
+    fn not_an_attempt(
+        &self,
+        req: &ChatRequest,
+        ctx: &RunContext,
+        t: &mut Tries,
+        sent: &Sent,
+        e: &ModelError,
+        provider: &crate::adapt::Provider,
+        flow: &Flow,
+        reports: &mut Vec<RetryReport>,
+    ) -> Option<Next> {
+        let (class, pkey, next_attempt) = (e.class(), &sent.pkey, t.total + 1);
+        let eligible = || eligibility(&sent.state, ctx.cancel.is_cancelled()).is_ok();
+        let at_once = |reason: String| {
+            RetryReport::generation(
+                reason,
+                true,
+                retained_input(&req.messages),
+                next_attempt,
+                ctx.budget_left(),
+                class,
+            )
+            .at_once()
+        };
+        if class == FailureClass::IncompleteGeneration
+            && sent.serving.interrupted()
+            && t.cuts < MAX_CUTS
+            && eligible()
+        {
+            // The provider cut this stream for another request of
+            // ours: it serves one at a time. Learning that is not an
+            // attempt; the request goes again at once (it waits for
+            // the slot once the concurrency of 1 applies).
+            t.cuts += 1;
+            observe::model_retry(&class.as_str());
+            ctx.emit(at_once(cut_reason(&sent.serving, pkey, e)), reports);
+            return Some(Next::Free);
+        }
+        if class == FailureClass::BadRequest && refuses_shape(e) {
+            let forms = sent.state.sent_forms.unwrap_or(provider.forms());
+            let message = e.to_string();
+            match provider.downgrade(req, forms, &message) {
+                Some(d) if t.downgrades < 3 => {
+                    // The provider will never take this shape: the same
+                    // request in the next form, at once, and not an
+                    // attempt of the generation.
+                    t.downgrades += 1;
+                    tracing::warn!(provider = %provider.key(), "{d}: {message}");
+                    ctx.emit(at_once(format!("{class}: {d}: {message}")), reports);
+                    return Some(Next::Free);
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(hint) = provider.forced_hint(req, forms) {
+                        let e = ModelError::Config(format!("{message}; {hint}"));
+                        return Some(Next::Fail(e, None));
+                    }
+                }
+            }
+        }
+        if class == FailureClass::QuotaExhausted {
+            // Every worker of the fleet stops asking for a while.
+            let pause = e.retry_after().unwrap_or(QUOTA_PAUSE);
+            flow.cooldown(
+                pkey,
+                std::time::SystemTime::now() + pause,
+                &format!("{class}: {e}"),
+            );
+        }
+        if class == FailureClass::RateLimited && t.pauses < MAX_PAUSES {
+            let said = e
+                .retry_after()
+                .filter(|ra| !ra.is_zero() && *ra <= self.policy.max_server_delay);
+            if let Some(ra) = said.filter(|_| eligible()) {
+                // The provider said when: the fleet waits for it, and
+                // this call is not an attempt.
+                t.pauses += 1;
+                flow.cooldown(
+                    pkey,
+                    std::time::SystemTime::now() + ra,
+                    &format!("{class}: {e}"),
+                );
+                observe::model_retry(&class.as_str());
+                return Some(Next::Free);
+            }
+        }
+        None
+    }
+
+    /// What a failed attempt leads to: a retry after the policy's backoff
+    /// (or the server's `Retry-After`), the fallback model once the
+    /// attempts on this one ran out, or the generation's failure (not
+    /// retryable, not eligible to repeat, out of attempts, or past the
+    /// deadline). Every retry considered is reported.
+    #[allow(clippy::too_many_arguments)]
+    fn after_attempt(
+        &self,
+        req: &ChatRequest,
+        ctx: &RunContext,
+        t: &Tries,
+        sent: &Sent,
+        e: ModelError,
+        provider: &crate::adapt::Provider,
+        deadline: Option<Instant>,
+        reports: &mut Vec<RetryReport>,
+    ) -> Next {
+        let (class, attempt, model) = (e.class(), t.attempt, &t.model);
+        if !class.is_retryable() {
+            return Next::Fail(e, None);
+        }
+        // A cut the learning would answer, were the concurrency not
+        // set by hand: the report says which setting to change.
+        let set_by_hand = match &sent.serving {
+            Serving::SetByHand {
+                concurrency,
+                setting,
+            } => format!(
+                "; {} cut it for another request (it serves one request at a time), but {setting} sets a concurrency of {concurrency}: set 1",
+                sent.pkey.label()
+            ),
+            _ => String::new(),
+        };
+        observe::model_retry(&class.as_str());
+        let mut report = RetryReport::generation(
+            format!("{class}: {e}{set_by_hand}"),
+            false,
+            retained_input(&req.messages),
+            t.total + 1,
+            ctx.budget_left(),
+            class,
+        );
+        if let Err(why) = eligibility(&sent.state, ctx.cancel.is_cancelled()) {
+            report.reason = format!("{class}: refused: {why}");
+            report.retained = "nothing: the generation is not repeated".into();
+            ctx.emit(report, reports);
+            return Next::Fail(e, Some(why));
+        }
+        if attempt >= self.policy.max_attempts {
+            return match self.client.config().fallback_model.clone() {
+                Some(fb) if t.fallback_used.is_none() && fb != *model => {
+                    report.reason = format!(
+                        "{class}: {attempt} attempts on {model} failed; switching to fallback {fb}"
+                    );
+                    report.eligible = true;
+                    report.fallback_model = Some(fb.clone());
+                    ctx.emit(report, reports);
+                    Next::Fallback(fb)
+                }
+                _ => {
+                    report.reason = format!(
+                        "{class}: generation attempts exhausted ({attempt} of {})",
+                        self.policy.max_attempts
+                    );
+                    ctx.emit(report, reports);
+                    Next::Fail(
+                        unreachable_is_config(e, provider, self.client.config()),
+                        None,
+                    )
+                }
+            };
+        }
+        let mut delay = self.policy.backoff(attempt);
+        if let Some(ra) = e.retry_after() {
+            if ra > self.policy.max_server_delay {
+                report.reason = format!(
+                    "{class}: server asks to wait {}, longer than allowed",
+                    humantime::format_duration(ra)
+                );
+                ctx.emit(report, reports);
+                return Next::Fail(e, None);
+            }
+            delay = delay.max(ra);
+        }
+        if deadline.is_some_and(|d| Instant::now() + delay > d) {
+            report.reason = format!("{class}: the deadline comes before the next attempt");
+            ctx.emit(report, reports);
+            return Next::Fail(ModelError::Deadline, None);
+        }
+        report.eligible = true;
+        report.delay_ms = Some(delay.as_millis() as u64);
+        ctx.emit(report, reports);
+        Next::After(delay)
+    }
+}
+
+/// A generation's counts across its requests.
+#[derive(Default)]
+struct Tries {
+    /// The model asked: the configured one, then the fallback.
+    model: String,
+    fallback_used: Option<String>,
+    /// Attempts on the current model (what `max_attempts` bounds).
+    attempt: u32,
+    /// Requests made: the generation's `attempts`.
+    total: u32,
+    /// Forms the provider refused, each answered by the next at once.
+    downgrades: u32,
+    /// 429s answered by a pause rather than an attempt (bounded, so a
+    /// provider that never stops refusing still ends the generation).
+    pauses: u32,
+    /// Streams the provider cut for another request while it was learned
+    /// to serve one at a time: not attempts either (bounded).
+    cuts: u32,
+}
+
+impl Tries {
+    fn failure(&self, error: ModelError, ineligible: Option<Ineligible>) -> GenerationFailure {
+        GenerationFailure {
+            error,
+            attempts: self.total,
+            ineligible,
+        }
+    }
+}
+
+/// One request's answer, and what was learned sending it.
+struct Sent {
+    result: Result<Completion, ModelError>,
+    state: AttemptState,
+    serving: Serving,
+    pkey: ProviderKey,
+}
+
+/// What follows a failed request.
+enum Next {
+    /// Ask again at once: the request was no attempt.
+    Free,
+    /// Ask again after this delay.
+    After(Duration),
+    /// Ask the fallback model (its attempts start at one).
+    Fallback(String),
+    /// The generation fails.
+    Fail(ModelError, Option<Ineligible>),
+}
+
+/// The run's own stops, checked before each request: cancelled, out of
+/// budget, past the deadline. The deadline, when there is one.
+fn run_stops(ctx: &RunContext) -> Result<Option<Instant>, ModelError> {
+    if ctx.cancel.is_cancelled() {
+        return Err(ModelError::Cancelled);
+    }
+    if let Err(kind) = ctx.budget.lock().expect("budget lock").check() {
+        return Err(ModelError::Budget(kind));
+    }
+    let deadline = ctx.effective_deadline();
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        return Err(ModelError::Deadline);
+    }
+    Ok(deadline)
 }
 
 /// How long a quota error (`insufficient_quota`) pauses its provider key
