@@ -227,41 +227,19 @@ async fn run_attempt(
             r.gate = Some(gate.clone());
         }
     }
-    let claimed_data = json!({
-        "reclaim": reclaim,
-        "attempts": rec.attempts,
-        "stale_reclaims": rec.stale_reclaims,
-        "ticket_seq": rec.ticket_seq,
-        "session": shared.session.id,
-        "traceparent": trace::traceparent_of_current_span(),
-    });
-    let mut fence = None;
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-    for _ in 0..5u32 {
-        match shared
-            .events
-            .claim_marker(&id, rec.epoch, &shared.worker_id, claimed_data.clone())
-            .await
-        {
-            Ok(f) => {
-                fence = Some(f);
-                break;
-            }
-            // A newer owner's marker is already there: this claim is stale
-            // (the process was paused between its claim and this publish).
-            Err(e @ FenceError::Lost { .. }) => {
-                shared.count(AttemptOutcome::OwnershipLost);
-                timer.finish(AttemptOutcome::OwnershipLost);
-                spans::record_error(&tracing::Span::current(), "ownership_lost");
-                ownership_lost(&shared, &rec, &e.to_string()).await;
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(job = %id, error = %e, "cannot publish the claim marker; retrying");
-                tokio::time::sleep(backoff.pause()).await;
-            }
+    let fence = match claim_marker(&shared, &rec, reclaim).await {
+        Marker::Fenced(f) => Some(*f),
+        // A newer owner's marker is already there: this claim is stale
+        // (the process was paused between its claim and this publish).
+        Marker::Stale(e) => {
+            shared.count(AttemptOutcome::OwnershipLost);
+            timer.finish(AttemptOutcome::OwnershipLost);
+            spans::record_error(&tracing::Span::current(), "ownership_lost");
+            ownership_lost(&shared, &rec, &e.to_string()).await;
+            return;
         }
-    }
+        Marker::Unpublished => None,
+    };
     let indexed = Arc::new(AtomicBool::new(indexed));
     let span = tracing::Span::current();
     let timer = StdMutex::new(Some(timer));
@@ -345,33 +323,13 @@ async fn run_attempt(
     let tenant =
         leasehold_core::lane::Lane::of(rec.spec.as_ref().unwrap_or(&Default::default())).tenant;
     let _running = TenantRunning::start(tenant.clone());
-    let mut task = tokio::spawn(
+    let task = tokio::spawn(
         leasehold_model::flow::with_tenant(tenant, async move { handler.run(ctx).await })
             .instrument(tracing::Span::current()),
     );
-    let result = tokio::select! {
-        r = &mut task => Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
-        s = stop_rx.recv() => Err(s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into()))),
-    };
-    let result = match result {
+    let result = match until_stopped(task, &mut stop_rx, &cancel, &cancel_asked).await {
         Ok(r) => r,
-        Err(stop) => {
-            if matches!(stop, Stop::Cancel) {
-                cancel_asked.store(true, Ordering::SeqCst);
-            }
-            cancel.cancel();
-            // Give the handler a moment to reach a safe point, then abort
-            // it; what it produced before it stopped (a partial report)
-            // goes with a cancelled job's end.
-            let partial = match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
-                Ok(Ok(Err(e))) => e.partial,
-                Ok(_) => None,
-                Err(_) => {
-                    task.abort();
-                    let _ = (&mut task).await;
-                    None
-                }
-            };
+        Err((stop, partial)) => {
             done.cancel();
             watchers.abort_all();
             match stop {
@@ -401,6 +359,75 @@ async fn run_attempt(
         }) => a.park(reason, message, step).await,
         Err(err) => a.error(err).await,
     }
+}
+
+/// What publishing an attempt's claim marker came to.
+enum Marker {
+    /// Published: the attempt's fence.
+    Fenced(Box<Fence>),
+    /// A newer owner's marker is there: the claim is stale.
+    Stale(FenceError),
+    /// Not published after a few tries (NATS away): the job is handed back.
+    Unpublished,
+}
+
+/// Publishes the attempt's `claimed` marker, which opens its fence: a few
+/// tries, backing off.
+async fn claim_marker(shared: &Shared, rec: &JobRecord, reclaim: bool) -> Marker {
+    let claimed_data = json!({
+        "reclaim": reclaim,
+        "attempts": rec.attempts,
+        "stale_reclaims": rec.stale_reclaims,
+        "ticket_seq": rec.ticket_seq,
+        "session": shared.session.id,
+        "traceparent": trace::traceparent_of_current_span(),
+    });
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    for _ in 0..5u32 {
+        match shared
+            .events
+            .claim_marker(&rec.id, rec.epoch, &shared.worker_id, claimed_data.clone())
+            .await
+        {
+            Ok(f) => return Marker::Fenced(Box::new(f)),
+            Err(e @ FenceError::Lost { .. }) => return Marker::Stale(e),
+            Err(e) => {
+                tracing::warn!(job = %rec.id, error = %e, "cannot publish the claim marker; retrying");
+                tokio::time::sleep(backoff.pause()).await;
+            }
+        }
+    }
+    Marker::Unpublished
+}
+
+/// Waits for the kind's handler to end, or for a stop. On a stop the
+/// handler is cancelled and given 10 s to reach a safe point, then
+/// aborted; what it produced before it stopped (a partial report) comes
+/// with the stop, for a cancelled job's end.
+async fn until_stopped(
+    mut task: tokio::task::JoinHandle<Result<Outcome, HandlerError>>,
+    stop_rx: &mut mpsc::Receiver<Stop>,
+    cancel: &CancellationToken,
+    cancel_asked: &AtomicBool,
+) -> Result<Result<Outcome, HandlerError>, (Stop, Option<Box<JobResult>>)> {
+    let stop = tokio::select! {
+        r = &mut task => return Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
+        s = stop_rx.recv() => s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into())),
+    };
+    if matches!(stop, Stop::Cancel) {
+        cancel_asked.store(true, Ordering::SeqCst);
+    }
+    cancel.cancel();
+    let partial = match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
+        Ok(Ok(Err(e))) => e.partial,
+        Ok(_) => None,
+        Err(_) => {
+            task.abort();
+            let _ = (&mut task).await;
+            None
+        }
+    };
+    Err((stop, partial))
 }
 
 /// The index task and the stop watcher of one attempt.
