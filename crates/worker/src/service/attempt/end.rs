@@ -1,501 +1,29 @@
-//! One attempt of a claimed job, from the `claimed` marker to the
-//! owner-checked outcome.
-//!
-//! Beside the handler run small watchers, all ended with the attempt:
-//! - the index task: once the job outlives `--index-after`, it is entered
-//!   in the index under its owner and its (held) ticket acked;
-//! - the stop watcher: shutdown hand-back, a cancel request seen by any
-//!   owner write, the attempt deadline (`--attempt-timeout`).
-//!
-//! A cancel notification, lost ownership (seen by a write, a re-check after
-//! the session was away, or a takeover of the identity) arrive as [`Stop`]s
-//! through the attempt's channel. The handler is given its cancel token and
-//! a moment to stop, then aborted; no task of an attempt outlives it.
-//!
-//! Every way out of an attempt writes the record (or finds ownership lost):
-//! a panic anywhere in it requeues the job with the panic's message, so a
-//! live session never holds a job nobody runs.
+//! How an attempt ends: completed, parked, cancelled, handed back, or
+//! failed (retried with backoff, or for good), each persisted through the
+//! owner's gate, its event published, its ticket settled and its index
+//! entry changed in that order; and the stops that write nothing (the
+//! claim lost).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex as StdMutex};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream::AckKind;
 use leasehold_core::machine::{self, Owner, TransitionError};
 use leasehold_core::retry::Backoff;
 use leasehold_core::{JobError, JobRecord};
 use leasehold_proto::JobResult;
-use leasehold_store::events::{self, Fence, FenceError};
+use leasehold_store::events;
 use leasehold_store::index::Key;
 use leasehold_store::{Gate, JobsError, Versioned};
-use leasehold_telemetry::metrics::{AttemptOutcome, AttemptTimer};
-use leasehold_telemetry::{spans, trace};
+use leasehold_telemetry::metrics::AttemptOutcome;
+use leasehold_telemetry::spans;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
-use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
-use super::Shared;
-use crate::handler::{ErrorClass, HandlerError, JobCtx, Outcome};
-
-/// The ticket slot of a running job: a redelivery of its ticket to this
-/// process replaces the held message, so acks go to the live delivery.
-pub(crate) type TicketSlot = Arc<StdMutex<Option<jetstream::Message>>>;
-
-/// A job running in this process.
-pub(crate) struct Running {
-    pub(crate) epoch: u64,
-    /// Stream sequence of the ticket this attempt was claimed on (0: none).
-    pub(crate) ticket_seq: u64,
-    pub(crate) ticket: TicketSlot,
-    pub(crate) stop: mpsc::Sender<Stop>,
-    /// The attempt's gate, once it has one (for re-checks of ownership).
-    pub(crate) gate: Option<Gate>,
-}
-
-/// Why a running attempt must stop before its handler finished.
-#[derive(Debug, Clone)]
-pub(crate) enum Stop {
-    Lost(String),
-    Cancel,
-    Handoff,
-    Deadline,
-}
-
-/// How a claim came about.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Claimed {
-    /// Taken from a previous owner.
-    pub reclaim: bool,
-    /// Entered in the index by the claim, before the attempt runs.
-    pub indexed: bool,
-}
-
-/// Runs one claimed job to an owner-checked outcome. Never leaves the job
-/// held by this process: a panic in the attempt requeues it.
-pub(crate) async fn run_claimed(
-    shared: Arc<Shared>,
-    claimed: Versioned<JobRecord>,
-    msg: Option<jetstream::Message>,
-    permit: OwnedSemaphorePermit,
-    how: Claimed,
-    claiming: Option<super::claim::Claiming>,
-) {
-    let id = claimed.value.id.clone();
-    let epoch = claimed.value.epoch;
-    let msg_seq = msg
-        .as_ref()
-        .and_then(|m| m.info().ok().map(|i| i.stream_sequence))
-        .unwrap_or(0);
-    let ticket: TicketSlot = Arc::new(StdMutex::new(msg));
-    let (stop_tx, stop_rx) = mpsc::channel::<Stop>(8);
-    {
-        let mut running = shared.running.lock().unwrap();
-        if let Some(older) = running.get(&id) {
-            if older.epoch >= epoch {
-                // This process already runs this claim (or a newer one).
-                return;
-            }
-            // An older attempt of ours is fenced off by this claim.
-            let _ = older
-                .stop
-                .try_send(Stop::Lost(format!("reclaimed at epoch {epoch}")));
-        }
-        running.insert(
-            id.clone(),
-            Running {
-                epoch,
-                ticket_seq: msg_seq,
-                ticket: ticket.clone(),
-                stop: stop_tx.clone(),
-                gate: None,
-            },
-        );
-    }
-    // Registered as running: the claim is no longer in flight.
-    drop(claiming);
-    let rec = claimed.value.clone();
-    // The attempt's span: a child of the job's trace (kept in the record),
-    // linked to the previous attempt once its claim marker is read.
-    let span = spans::attempt(&id, &rec.kind, epoch, rec.attempts + 1, &shared.worker_id);
-    if let Some(tp) = rec.traceparent.as_deref() {
-        trace::set_parent_from_traceparent(&span, tp);
-    }
-    let task = tokio::spawn(
-        run_attempt(
-            shared.clone(),
-            claimed,
-            ticket.clone(),
-            how,
-            (stop_tx.clone(), stop_rx),
-        )
-        .instrument(span),
-    );
-    if let Err(e) = task.await {
-        let why = if e.is_panic() {
-            format!("internal error: the attempt panicked: {}", panic_text(e))
-        } else {
-            "internal error: the attempt was aborted".to_string()
-        };
-        tracing::error!(job = %id, epoch, "{why}; requeueing the job");
-        let owner = Owner::of(&rec).expect("a claimed record is running");
-        let gate = Gate::new(shared.jobs.clone(), id.clone(), owner);
-        let error = JobError {
-            class: "retryable".into(),
-            message: why,
-            at: leasehold_core::time::rfc3339(SystemTime::now()),
-        };
-        let res = persist(&shared, &gate, move |r, o, now| {
-            machine::requeue(r, o, now, error.clone(), Duration::from_secs(1))
-        })
-        .await;
-        match res {
-            Ok(_) => settle(&ticket, AckKind::Nak(Some(Duration::from_secs(1)))).await,
-            Err(e) => tracing::warn!(job = %id, error = %e, "cannot requeue after the panic"),
-        }
-    }
-    {
-        let mut running = shared.running.lock().unwrap();
-        if running.get(&id).is_some_and(|r| r.epoch == epoch) {
-            running.remove(&id);
-        }
-    }
-    drop(stop_tx);
-    drop(permit);
-    shared.idle.notify_waiters();
-}
-
-fn panic_text(e: tokio::task::JoinError) -> String {
-    let p = e.into_panic();
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
-}
-
-/// How long an owner keeps trying to publish its job's next ticket.
-const TICKET_PATIENCE: Duration = Duration::from_secs(30);
-
-/// What the outcome paths of one attempt share.
-struct Attempt {
-    shared: Arc<Shared>,
-    rec: JobRecord,
-    gate: Gate,
-    /// `None` when the claim marker could not be published (NATS away):
-    /// then the attempt only hands the job back, with unfenced events.
-    fence: Option<Arc<tokio::sync::Mutex<Fence>>>,
-    ticket: TicketSlot,
-    indexed: Arc<AtomicBool>,
-    started: tokio::time::Instant,
-    /// Times the attempt for the metrics; taken by its outcome.
-    timer: StdMutex<Option<AttemptTimer>>,
-    /// The attempt's span (the current one while the attempt runs).
-    span: tracing::Span,
-}
-
-/// One attempt of a tenant's job in `leasehold_tenant_jobs_running`.
-struct TenantRunning(String);
-
-impl TenantRunning {
-    fn start(tenant: String) -> TenantRunning {
-        leasehold_telemetry::observe::tenant_running(&tenant, 1);
-        TenantRunning(tenant)
-    }
-}
-
-impl Drop for TenantRunning {
-    fn drop(&mut self) {
-        leasehold_telemetry::observe::tenant_running(&self.0, -1);
-    }
-}
-
-async fn run_attempt(
-    shared: Arc<Shared>,
-    claimed: Versioned<JobRecord>,
-    ticket: TicketSlot,
-    Claimed { reclaim, indexed }: Claimed,
-    (stop_tx, mut stop_rx): (mpsc::Sender<Stop>, mpsc::Receiver<Stop>),
-) {
-    let started = tokio::time::Instant::now();
-    let timer = shared.metrics.attempt_started(&claimed.value.kind);
-    let rec = claimed.value.clone();
-    let id = rec.id.clone();
-    let owner = Owner::of(&rec).expect("a claimed record is running");
-    let gate = Gate::claimed(shared.jobs.clone(), claimed, owner).with_session(shared.clock());
-    if let Some(r) = shared.running.lock().unwrap().get_mut(&id) {
-        if r.epoch == rec.epoch {
-            r.gate = Some(gate.clone());
-        }
-    }
-    let fence = match claim_marker(&shared, &rec, reclaim).await {
-        Marker::Fenced(f) => Some(*f),
-        // A newer owner's marker is already there: this claim is stale
-        // (the process was paused between its claim and this publish).
-        Marker::Stale(e) => {
-            shared.count(AttemptOutcome::OwnershipLost);
-            timer.finish(AttemptOutcome::OwnershipLost);
-            spans::record_error(&tracing::Span::current(), "ownership_lost");
-            ownership_lost(&shared, &rec, &e.to_string()).await;
-            return;
-        }
-        Marker::Unpublished => None,
-    };
-    let indexed = Arc::new(AtomicBool::new(indexed));
-    let span = tracing::Span::current();
-    let timer = StdMutex::new(Some(timer));
-    let Some(fence) = fence else {
-        // Without a fence the owner cannot checkpoint safely: give it back.
-        let a = Attempt {
-            shared: shared.clone(),
-            rec,
-            gate,
-            fence: None,
-            ticket,
-            indexed,
-            started,
-            timer,
-            span,
-        };
-        a.hand_back().await;
-        return;
-    };
-    // A reclaim or a retry: the previous attempt's span, one trace.
-    if let Some(tp) = fence
-        .previous_claim()
-        .and_then(|c| c.data_map().get("traceparent").cloned())
-        .and_then(|v| v.as_str().map(str::to_string))
-    {
-        trace::link_to_traceparent(&span, &tp);
-    }
-    let fence = Arc::new(tokio::sync::Mutex::new(fence));
-    let a = Attempt {
-        shared: shared.clone(),
-        rec: rec.clone(),
-        gate: gate.clone(),
-        fence: Some(fence.clone()),
-        ticket: ticket.clone(),
-        indexed: indexed.clone(),
-        started,
-        timer,
-        span,
-    };
-    // An input kept beside the record (over 16 KiB) that is gone fails the
-    // job with the reason: it never runs on an empty value. The payload is
-    // read from its stream's leader (`Jobs::get`), so a miss is not a
-    // replica lagging behind (review G6) but the payload really gone; and a
-    // retry could not help: its fresh ticket would carry the empty input.
-    if rec.input_beside && rec.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
-        a.error(HandlerError::terminal(
-            "the job's input (over 16 KiB, kept beside its record in the payloads bucket) is gone; it is not run on an empty value",
-        ))
-        .await;
-        return;
-    }
-    let input: Value = rec
-        .spec
-        .as_ref()
-        .and_then(|s| serde_json::from_str(&s.input).ok())
-        .unwrap_or(Value::Null);
-    let cancel = CancellationToken::new();
-    let done = CancellationToken::new();
-    let mut watchers = spawn_watchers(&a, stop_tx, &done);
-
-    let Some(handler) = shared.handlers.get(&rec.kind).cloned() else {
-        // The claim path never claims a kind this worker does not serve;
-        // a record that says otherwise is handed back, never run.
-        done.cancel();
-        watchers.abort_all();
-        tracing::error!(job = %id, kind = %rec.kind, "no handler for this kind here; handing it back");
-        a.hand_back().await;
-        return;
-    };
-    let cancel_asked = Arc::new(AtomicBool::new(false));
-    let ctx = JobCtx {
-        record: rec.clone(),
-        input,
-        cancel: cancel.clone(),
-        cancel_asked: cancel_asked.clone(),
-        gate: gate.clone(),
-        fence: fence.clone(),
-        conn: shared.conn.clone(),
-    };
-    // The job's model requests count against its tenant's limits too.
-    let tenant =
-        leasehold_core::lane::Lane::of(rec.spec.as_ref().unwrap_or(&Default::default())).tenant;
-    let _running = TenantRunning::start(tenant.clone());
-    let task = tokio::spawn(
-        leasehold_model::flow::with_tenant(tenant, async move { handler.run(ctx).await })
-            .instrument(tracing::Span::current()),
-    );
-    let result = match until_stopped(task, &mut stop_rx, &cancel, &cancel_asked).await {
-        Ok(r) => r,
-        Err((stop, partial)) => {
-            done.cancel();
-            watchers.abort_all();
-            match stop {
-                Stop::Lost(why) => a.lost(&why).await,
-                Stop::Cancel => a.cancel(partial).await,
-                Stop::Handoff => a.hand_back().await,
-                Stop::Deadline => {
-                    let err = HandlerError::retryable(format!(
-                        "the attempt ran past --attempt-timeout ({})",
-                        leasehold_core::time::format_duration(shared.opts.attempt_timeout)
-                    ));
-                    a.error(err).await;
-                }
-            }
-            return;
-        }
-    };
-    done.cancel();
-    cancel.cancel();
-    watchers.abort_all();
-    match result {
-        Ok(Outcome::Completed(res)) => a.complete(res).await,
-        Ok(Outcome::Parked {
-            reason,
-            message,
-            step,
-        }) => a.park(reason, message, step).await,
-        Err(err) => a.error(err).await,
-    }
-}
-
-/// What publishing an attempt's claim marker came to.
-enum Marker {
-    /// Published: the attempt's fence.
-    Fenced(Box<Fence>),
-    /// A newer owner's marker is there: the claim is stale.
-    Stale(FenceError),
-    /// Not published after a few tries (NATS away): the job is handed back.
-    Unpublished,
-}
-
-/// Publishes the attempt's `claimed` marker, which opens its fence: a few
-/// tries, backing off.
-async fn claim_marker(shared: &Shared, rec: &JobRecord, reclaim: bool) -> Marker {
-    let claimed_data = json!({
-        "reclaim": reclaim,
-        "attempts": rec.attempts,
-        "stale_reclaims": rec.stale_reclaims,
-        "ticket_seq": rec.ticket_seq,
-        "session": shared.session.id,
-        "traceparent": trace::traceparent_of_current_span(),
-    });
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-    for _ in 0..5u32 {
-        match shared
-            .events
-            .claim_marker(&rec.id, rec.epoch, &shared.worker_id, claimed_data.clone())
-            .await
-        {
-            Ok(f) => return Marker::Fenced(Box::new(f)),
-            Err(e @ FenceError::Lost { .. }) => return Marker::Stale(e),
-            Err(e) => {
-                tracing::warn!(job = %rec.id, error = %e, "cannot publish the claim marker; retrying");
-                tokio::time::sleep(backoff.pause()).await;
-            }
-        }
-    }
-    Marker::Unpublished
-}
-
-/// Waits for the kind's handler to end, or for a stop. On a stop the
-/// handler is cancelled and given 10 s to reach a safe point, then
-/// aborted; what it produced before it stopped (a partial report) comes
-/// with the stop, for a cancelled job's end.
-async fn until_stopped(
-    mut task: tokio::task::JoinHandle<Result<Outcome, HandlerError>>,
-    stop_rx: &mut mpsc::Receiver<Stop>,
-    cancel: &CancellationToken,
-    cancel_asked: &AtomicBool,
-) -> Result<Result<Outcome, HandlerError>, (Stop, Option<Box<JobResult>>)> {
-    let stop = tokio::select! {
-        r = &mut task => return Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
-        s = stop_rx.recv() => s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into())),
-    };
-    if matches!(stop, Stop::Cancel) {
-        cancel_asked.store(true, Ordering::SeqCst);
-    }
-    cancel.cancel();
-    let partial = match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
-        Ok(Ok(Err(e))) => e.partial,
-        Ok(_) => None,
-        Err(_) => {
-            task.abort();
-            let _ = (&mut task).await;
-            None
-        }
-    };
-    Err((stop, partial))
-}
-
-/// The index task and the stop watcher of one attempt.
-fn spawn_watchers(
-    a: &Attempt,
-    stop_tx: mpsc::Sender<Stop>,
-    done: &CancellationToken,
-) -> tokio::task::JoinSet<()> {
-    let mut set = tokio::task::JoinSet::new();
-    // Index the job once it outlives --index-after, then settle its ticket.
-    {
-        let (shared, rec, ticket, indexed, done) = (
-            a.shared.clone(),
-            a.rec.clone(),
-            a.ticket.clone(),
-            a.indexed.clone(),
-            done.clone(),
-        );
-        set.spawn(async move {
-            tokio::select! { _ = tokio::time::sleep(shared.opts.index_after) => {}, _ = done.cancelled() => return }
-            let key = Key::of(&rec).expect("running");
-            loop {
-                match shared.active.put(&key, &rec).await {
-                    Ok(()) => break,
-                    Err(e) => {
-                        tracing::warn!(job = %rec.id, error = %e, "cannot index the job; retrying (its ticket still covers it)");
-                        tokio::select! { _ = tokio::time::sleep(Duration::from_secs(1)) => {}, _ = done.cancelled() => return }
-                    }
-                }
-            }
-            indexed.store(true, Ordering::Relaxed);
-            shared.stats.indexed.fetch_add(1, Ordering::Relaxed);
-            // The ticket is acked only while the job is still ours: a task
-            // that ran late (a paused process, a slow index write) may hold
-            // a delivery that is a new owner's wake-up by now.
-            match shared.jobs.get(&rec.id).await {
-                Ok(Some(v)) if still_ours(&v.value, &rec) => settle(&ticket, AckKind::Ack).await,
-                Ok(_) => {
-                    tracing::info!(job = %rec.id, epoch = rec.epoch, "the job moved on before its index write; its ticket is left to the new state");
-                    ticket.lock().unwrap().take();
-                    let _ = shared.active.remove(&key, &rec).await;
-                }
-                Err(e) => {
-                    tracing::debug!(job = %rec.id, error = %e, "cannot read the record after indexing; the ticket's wake-up settles it");
-                }
-            }
-        });
-    }
-    // Stops that come from outside the handler.
-    {
-        let (handoff, cancel_seen, done) =
-            (a.shared.handoff.clone(), a.gate.cancel_seen(), done.clone());
-        let deadline = a.started + a.shared.opts.attempt_timeout;
-        set.spawn(async move {
-            let stop = tokio::select! {
-                _ = handoff.cancelled() => Stop::Handoff,
-                _ = cancel_seen.cancelled() => Stop::Cancel,
-                _ = tokio::time::sleep_until(deadline) => Stop::Deadline,
-                _ = done.cancelled() => return,
-            };
-            let _ = stop_tx.send(stop).await;
-        });
-    }
-    set
-}
+use super::*;
+use crate::handler::{ErrorClass, HandlerError};
 
 impl Attempt {
-    fn run_key(&self) -> Key {
+    pub(super) fn run_key(&self) -> Key {
         Key::Run {
             worker: self.shared.worker_id.clone(),
             job: self.rec.id.clone(),
@@ -504,7 +32,7 @@ impl Attempt {
 
     /// Whether someone may have indexed this job: we did, or it lived long
     /// enough for its ticket's wake-up to reach a worker that settled it.
-    fn maybe_indexed(&self) -> bool {
+    pub(super) fn maybe_indexed(&self) -> bool {
         self.indexed.load(Ordering::Relaxed)
             || self.started.elapsed() + Duration::from_millis(200) >= self.shared.opts.wake_after()
     }
@@ -512,7 +40,7 @@ impl Attempt {
     /// After the record's new state is written: the index follows it.
     /// Whether it does (a failure is repaired by the reaper, or by the
     /// ticket a caller keeps for it).
-    async fn reindex(&self, rec: &JobRecord) -> bool {
+    pub(super) async fn reindex(&self, rec: &JobRecord) -> bool {
         let stale = self.maybe_indexed().then(|| self.run_key());
         let needed = Key::of(rec).is_some();
         if !needed && stale.is_none() {
@@ -527,11 +55,11 @@ impl Attempt {
         }
     }
 
-    async fn publish_event(&self, ty: &str, data: Value, dedupe: Option<String>) {
+    pub(super) async fn publish_event(&self, ty: &str, data: Value, dedupe: Option<String>) {
         let _ = self.try_publish_event(ty, data, dedupe.as_deref()).await;
     }
 
-    async fn try_publish_event(
+    pub(super) async fn try_publish_event(
         &self,
         ty: &str,
         mut data: Value,
@@ -576,7 +104,7 @@ impl Attempt {
     /// (`Recovery::finish_terminal_if_unfinished`, under the same dedupe
     /// id) before it lets go of the job. A kill -9 between the write and
     /// the event leaves the same two pointers.
-    async fn ended_with(&self, rec: &JobRecord, ty: &str, data: Value) {
+    pub(super) async fn ended_with(&self, rec: &JobRecord, ty: &str, data: Value) {
         let id = events::terminal_event_id(rec, ty);
         let mut last = String::new();
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
@@ -597,7 +125,7 @@ impl Attempt {
         settle(&self.ticket, AckKind::Nak(Some(Duration::from_secs(1)))).await;
     }
 
-    async fn complete(&self, res: JobResult) {
+    pub(super) async fn complete(&self, res: JobResult) {
         // An output that is not JSON would make the record unwritable: fail
         // the attempt with a clear error instead.
         if !res.output.is_empty() && serde_json::from_str::<Value>(&res.output).is_err() {
@@ -626,7 +154,7 @@ impl Attempt {
         }
     }
 
-    async fn park(&self, reason: String, message: String, step: Option<String>) {
+    pub(super) async fn park(&self, reason: String, message: String, step: Option<String>) {
         let (r2, m2) = (reason.clone(), message.clone());
         match persist(&self.shared, &self.gate, move |r, o, now| {
             machine::park(r, o, now, &r2, &m2)
@@ -669,13 +197,13 @@ impl Attempt {
 
     /// The owner's outcome write found a cancel request and ended the job
     /// cancelled instead (the machine's rule: cancel is final).
-    async fn cancelled_instead(&self, rec: &JobRecord, instead_of: &str) {
+    pub(super) async fn cancelled_instead(&self, rec: &JobRecord, instead_of: &str) {
         self.ended(AttemptOutcome::Cancelled, None);
         self.ended_with(rec, "cancelled", json!({"instead_of": instead_of}))
             .await;
     }
 
-    async fn cancel(&self, partial: Option<Box<leasehold_proto::JobResult>>) {
+    pub(super) async fn cancel(&self, partial: Option<Box<leasehold_proto::JobResult>>) {
         let end = move |r: &JobRecord, o: &machine::Owner, now: SystemTime| {
             machine::cancel_owned(r, o, now).map(|mut n| {
                 if let Some(p) = &partial {
@@ -700,7 +228,7 @@ impl Attempt {
     /// ([`TICKET_PATIENCE`]; 10 s once shutdown hands jobs back); then the
     /// caller decides (a retry re-queues without a ticket, for the reaper
     /// to replace).
-    async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
+    pub(super) async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
         let mut pause = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let patience = tokio::time::Instant::now() + TICKET_PATIENCE;
         let mut give_up: Option<tokio::time::Instant> = None;
@@ -733,7 +261,7 @@ impl Attempt {
         }
     }
 
-    async fn hand_back(&self) {
+    pub(super) async fn hand_back(&self) {
         let held = self.ticket.lock().unwrap().is_some();
         let seq = if held {
             0
@@ -782,7 +310,7 @@ impl Attempt {
     }
 
     /// Named in the error the stop ends with.
-    fn not_handed_back(&self) {
+    pub(super) fn not_handed_back(&self) {
         self.shared
             .unreturned
             .lock()
@@ -791,7 +319,7 @@ impl Attempt {
     }
 
     /// A failed attempt: requeue with backoff while the budget lasts, else fail.
-    async fn error(&self, err: HandlerError) {
+    pub(super) async fn error(&self, err: HandlerError) {
         let shared = &self.shared;
         let rec = &self.rec;
         let policy = shared.retry.for_spec(rec.spec.as_ref());
@@ -918,7 +446,11 @@ const MISSING_PATIENCE: Duration = Duration::from_secs(30);
 /// process may still own the job: the owner's duty is to write its
 /// outcome, since a live session keeps the job from anyone else. It stops
 /// at a definite answer, or once the hand-back phase of shutdown is over.
-async fn persist<F>(shared: &Shared, gate: &Gate, f: F) -> Result<Versioned<JobRecord>, JobsError>
+pub(super) async fn persist<F>(
+    shared: &Shared,
+    gate: &Gate,
+    f: F,
+) -> Result<Versioned<JobRecord>, JobsError>
 where
     F: Fn(&JobRecord, &Owner, SystemTime) -> Result<JobRecord, TransitionError>,
 {
@@ -952,7 +484,7 @@ where
 impl Attempt {
     /// The attempt's outcome: stats, metrics (duration by outcome) and its
     /// span (`error_type` marks it failed).
-    fn ended(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
+    pub(super) fn ended(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
         // One line per attempt, inside its span (job id, epoch).
         tracing::info!(
             outcome = outcome.as_str(),
@@ -966,7 +498,13 @@ impl Attempt {
     /// A failed attempt's end: its one WARN line, carrying the cause (class
     /// and message) and what happens next, then the same bookkeeping as
     /// [`Attempt::ended`].
-    fn failed_attempt(&self, outcome: AttemptOutcome, class: &str, message: &str, next: &str) {
+    pub(super) fn failed_attempt(
+        &self,
+        outcome: AttemptOutcome,
+        class: &str,
+        message: &str,
+        next: &str,
+    ) {
         tracing::warn!(
             outcome = outcome.as_str(),
             class,
@@ -978,7 +516,7 @@ impl Attempt {
     }
 
     /// Stats, metrics and the span of an attempt that ended.
-    fn finished(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
+    pub(super) fn finished(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
         self.shared.count(outcome);
         if let Some(t) = self.timer.lock().unwrap().take() {
             t.finish(outcome);
@@ -989,12 +527,12 @@ impl Attempt {
         }
     }
 
-    async fn lost(&self, why: &str) {
+    pub(super) async fn lost(&self, why: &str) {
         self.ended(AttemptOutcome::OwnershipLost, Some("ownership_lost"));
         ownership_lost(&self.shared, &self.rec, why).await;
     }
 
-    async fn refused(&self, what: &str, e: JobsError) {
+    pub(super) async fn refused(&self, what: &str, e: JobsError) {
         if e.is_ownership_lost() {
             self.lost(&format!("{what} refused: {e}")).await;
         } else {
@@ -1004,7 +542,7 @@ impl Attempt {
 }
 
 /// Ownership is gone: stop, say so, and never touch the ticket again.
-async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
+pub(super) async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
     tracing::warn!(job = %rec.id, epoch = rec.epoch, worker = %shared.worker_id, "ownership lost: {why}; task cancelled, ticket left alone");
     let ev = events::event(
         &rec.id,
@@ -1018,7 +556,7 @@ async fn ownership_lost(shared: &Shared, rec: &JobRecord, why: &str) {
 
 /// Whether `now` (the record as read) is still the claim `ours` wrote: same
 /// incarnation, same owner process, still running.
-fn still_ours(now: &JobRecord, ours: &JobRecord) -> bool {
+pub(super) fn still_ours(now: &JobRecord, ours: &JobRecord) -> bool {
     now.epoch == ours.epoch
         && now.worker_id == ours.worker_id
         && now.session == ours.session
