@@ -342,39 +342,53 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
         }
         // Busy: fetch from each lane what it was given.
         tracing::debug!(kind, plan = ?plan.iter().map(|(l, t)| (l.tenant.as_str(), l.priority, t.len())).collect::<Vec<_>>(), "pull plan");
-        for (lane, mut tenants) in plan {
-            let want = tenants.len();
-            let mut mine: Vec<OwnedSemaphorePermit> = permits.drain(..want).collect();
-            let c = match lanes.consumer(&shared, &kind, &lane).await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(kind, tenant = %lane.tenant, priority = lane.priority, error = %e, "lane consumer unavailable; the next count tries again");
-                    lanes.waiting.remove(&lane);
-                    lanes.consumers.remove(&lane);
-                    continue;
-                }
-            };
-            let Ok(batch) = c.fetch().max_messages(want).messages().await else {
+        fetch_lanes(&shared, &kind, &mut lanes, plan, permits, &shutdown).await;
+    }
+}
+
+/// Fetches from each lane of `plan` the tickets it was given slots (and
+/// tenant permits) for; a lane whose consumer or fetch fails is counted
+/// again at the next scan.
+async fn fetch_lanes(
+    shared: &Arc<Shared>,
+    kind: &str,
+    lanes: &mut Lanes,
+    plan: Vec<(Lane, Vec<Option<Permit>>)>,
+    mut permits: Vec<OwnedSemaphorePermit>,
+    shutdown: &CancellationToken,
+) {
+    for (lane, mut tenants) in plan {
+        let want = tenants.len();
+        let mut mine: Vec<OwnedSemaphorePermit> = permits.drain(..want).collect();
+        let c = match lanes.consumer(shared, kind, &lane).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(kind, tenant = %lane.tenant, priority = lane.priority, error = %e, "lane consumer unavailable; the next count tries again");
                 lanes.waiting.remove(&lane);
                 lanes.consumers.remove(&lane);
                 continue;
-            };
-            let (got, failed, pending) = take(
-                &shared,
-                &kind,
-                batch,
-                &mut mine,
-                &mut tenants,
-                &shutdown,
-                LOST_PULL_GRACE,
-            )
-            .await;
-            tracing::debug!(kind, tenant = %lane.tenant, want, got, pending, failed, "lane fetched");
-            if failed {
-                lanes.waiting.remove(&lane);
-            } else {
-                lanes.fetched(&lane, want, got, pending);
             }
+        };
+        let Ok(batch) = c.fetch().max_messages(want).messages().await else {
+            lanes.waiting.remove(&lane);
+            lanes.consumers.remove(&lane);
+            continue;
+        };
+        let (got, failed, pending) = take(
+            shared,
+            kind,
+            batch,
+            &mut mine,
+            &mut tenants,
+            shutdown,
+            LOST_PULL_GRACE,
+        )
+        .await;
+        tracing::debug!(kind, tenant = %lane.tenant, want, got, pending, failed, "lane fetched");
+        if failed {
+            lanes.waiting.remove(&lane);
+        } else {
+            lanes.fetched(&lane, want, got, pending);
         }
     }
 }
