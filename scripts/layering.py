@@ -13,6 +13,8 @@ Rules (normal dependencies; dev- and build-dependencies are free):
      alone among the project's crates.
   4. The product never depends on the labs (harness, sim, bench, soak, demo).
   5. Edges the floors allow but the design does not (FORBIDDEN, each with why).
+  6. The labs stand apart: sim, bench, soak and demo live under `labs/`, the
+     product under `crates/` (the harness, test infrastructure, beside it).
 
 `--self-test` breaks each rule in a copy of the graph and fails unless every
 break is reported, so a rule that cannot fire is noticed.
@@ -50,6 +52,8 @@ PURE = {"leasehold-core", "leasehold-transcript", "leasehold-proto"}
 IO_CRATES = {"async-nats", "tokio", "tokio-util", "reqwest", "axum", "hyper"}
 EXAMPLES = {"invoice-agent"}
 LABS = {"leasehold-harness", "leasehold-sim", "leasehold-bench", "leasehold-soak", "leasehold-demo"}
+# The labs that live under labs/ (the harness is the tests' infrastructure).
+LABS_DIR = LABS - {"leasehold-harness"}
 LAB_USERS = LABS | {"leasehold-tests"}
 # Allowed by the floors, refused by the design.
 FORBIDDEN = {
@@ -58,6 +62,8 @@ FORBIDDEN = {
 
 
 def graph_from_cargo():
+    """The normal dependencies of each crate, and the folder it lives in
+    (relative to the workspace root)."""
     out = subprocess.run(
         ["cargo", "metadata", "--format-version", "1", "--no-deps"],
         check=True,
@@ -65,10 +71,26 @@ def graph_from_cargo():
         text=True,
     ).stdout
     meta = json.loads(out)
-    return {
+    root = meta["workspace_root"].rstrip("/") + "/"
+    graph = {
         p["name"]: sorted({d["name"] for d in p["dependencies"] if d["kind"] is None})
         for p in meta["packages"]
     }
+    places = {
+        p["name"]: p["manifest_path"].removeprefix(root).rsplit("/", 1)[0] for p in meta["packages"]
+    }
+    return graph, places
+
+
+def misplaced(places):
+    """Rule 6: the labs under labs/, the product's crates not."""
+    found = []
+    for name, where in sorted(places.items()):
+        if name in LABS_DIR and not where.startswith("labs/"):
+            found.append(f"{name} at {where}: the labs live under labs/")
+        if name not in LABS and where.startswith("labs/"):
+            found.append(f"{name} at {where}: only the labs live under labs/")
+    return found
 
 
 def violations(graph):
@@ -94,7 +116,7 @@ def violations(graph):
     return found
 
 
-def self_test(graph):
+def self_test(graph, places):
     breaks = {
         "upward": ("leasehold-core", "leasehold-store"),
         "sideways": ("leasehold-store", "leasehold-model"),
@@ -115,14 +137,18 @@ def self_test(graph):
     if not any("not placed" in v for v in violations(g)):
         print("layering self-test: an unplaced crate was not reported")
         failed = True
+    for name, where in [("leasehold-sim", "crates/sim"), ("leasehold-core", "labs/core")]:
+        if not misplaced({**places, name: where}):
+            print(f"layering self-test: {name} at {where} was not reported")
+            failed = True
     return failed
 
 
 def main():
-    graph = graph_from_cargo()
-    if "--self-test" in sys.argv[1:] and self_test(graph):
+    graph, places = graph_from_cargo()
+    if "--self-test" in sys.argv[1:] and self_test(graph, places):
         return 1
-    found = violations(graph)
+    found = violations(graph) + misplaced(places)
     for v in found:
         print(f"layering: {v}")
     if found:

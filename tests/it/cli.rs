@@ -185,17 +185,17 @@ async fn worker_help_lists_every_variable_it_reads() {
     let help = String::from_utf8_lossy(&out.stdout);
     let src = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../crates/sim/src/model.rs"
+        "/../labs/sim/src/model.rs"
     ))
     .unwrap()
         + &std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../crates/sim/src/effects.rs"
+            "/../labs/sim/src/effects.rs"
         ))
         .unwrap()
         + &std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../crates/sim/src/model/faults.rs"
+            "/../labs/sim/src/model/faults.rs"
         ))
         .unwrap();
     let mut vars: Vec<&str> = src

@@ -7,9 +7,9 @@
 //! its command-line options. No test sends traffic to a non-loopback
 //! address: refusals happen before connecting.
 
-#[path = "../../../sim/src/effects.rs"]
+#[path = "../../../../labs/sim/src/effects.rs"]
 mod effects;
-#[path = "../../../sim/src/web.rs"]
+#[path = "../../../../labs/sim/src/web.rs"]
 mod web;
 
 mod fetch;

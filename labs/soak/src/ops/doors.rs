@@ -8,7 +8,7 @@
 //!   the create requests per business key. The soak makes it commit then
 //!   hang past the tool's timeout, or commit then die (kill -9 once it
 //!   logged the commit, started again on its journal).
-//! - **Python remote kind**: `soak-py` (crates/soak/py/soak_app.py, the
+//! - **Python remote kind**: `soak-py` (labs/soak/py/soak_app.py, the
 //!   Python SDK behind `LH_REMOTE_KINDS`): a step, an effect to the same
 //!   destination, then two parks, each answered by the soak with its own
 //!   answer; its service killed -9 after the destination committed the
@@ -37,7 +37,7 @@ use super::*;
 
 /// The SDK kind (served by `invoice-worker`).
 pub const SDK_KIND: &str = "invoice";
-/// The Python remote kind (crates/soak/py/soak_app.py).
+/// The Python remote kind (labs/soak/py/soak_app.py).
 pub const PY_KIND: &str = "soak-py";
 /// The kinds of the doors, set up at the start next to the fleet's.
 pub const KINDS: [&str; 2] = [SDK_KIND, PY_KIND];
@@ -359,7 +359,7 @@ impl Ops {
             r.1
         };
         let (py, installed) = python();
-        let here = repo().join("crates/soak/py").display().to_string();
+        let here = repo().join("labs/soak/py").display().to_string();
         let path = if installed {
             here
         } else {
