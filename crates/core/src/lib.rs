@@ -24,5 +24,5 @@ pub mod status;
 pub mod time;
 
 pub use leasehold_proto::{JobError, JobRecord, JobSpec};
-pub use machine::{ClaimDecision, Owner, TransitionError};
+pub use machine::{ClaimDecision, End, Owner, TransitionError};
 pub use status::Status;
