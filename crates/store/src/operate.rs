@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use crate::dlq::{DeadJob, Letter};
 use crate::events::{self, Events};
 use crate::index::Active;
-use crate::work::Work;
+use crate::work::{ticket_first, Work};
 use crate::{jobs, Conn, Jobs, JobsError, Versioned};
 
 /// A refused or failed action, said so that the operator knows what to do.
@@ -139,18 +139,20 @@ where
             "job {id}'s input (over 16 KiB, kept beside its record) is gone from the payloads bucket; nothing changed: requeue it with a corrected submission (`dlq replay SEQ --spec FILE`)"
         )));
     }
-    let ticket = Work::new(conn)
-        .reissue(&base, reason, &format!("{nonce}-{}", cur.revision))
-        .await
-        .map_err(|e| {
-            OpError::context(
-                format!("the ticket of job {id} could not be published; nothing changed: run this again"),
-                e,
-            )
-        })?
-        .seq;
-    let v = jobs
-        .transition(id, |c| {
+    let ticket = async {
+        Work::new(conn)
+            .reissue(&base, reason, &format!("{nonce}-{}", cur.revision))
+            .await
+            .map(|p| p.seq)
+            .map_err(|e| {
+                OpError::context(
+                    format!("the ticket of job {id} could not be published; nothing changed: run this again"),
+                    e,
+                )
+            })
+    };
+    let write = async |ticket: u64| {
+        jobs.transition(id, |c| {
             allowed(c)?;
             let mut r = machine::requeue_fresh(c, SystemTime::now(), ticket)?;
             if let Some(s) = spec {
@@ -160,11 +162,17 @@ where
             Ok(Some(r))
         })
         .await
-        .map_err(|e| explain(e, id))?;
+        .map(|v| Some((v, ticket)))
+        .map_err(|e| explain(e, id))
+    };
     // Waiting again: the index lists it (no longer as parked or dead), so
     // the sweep replaces a ticket a worker dropped before this write.
-    Active::open(conn).await?.reconcile(&v.value).await?;
-    Ok((v, ticket))
+    let index = async |(v, _): &(Versioned<JobRecord>, u64)| {
+        Active::open(conn).await?.reconcile(&v.value).await?;
+        Ok(())
+    };
+    let written = ticket_first(ticket, write, index).await?;
+    Ok(written.expect("a requeue writes or fails"))
 }
 
 /// Refuses anything but a parked job with a message that says what to do.
@@ -347,22 +355,32 @@ pub async fn replay_dead(
                 l.seq
             )));
         }
-        let ticket = Work::new(conn)
-            .reissue(&base, "replay", &format!("{}-0", l.seq))
-            .await
-            .map_err(|e| OpError::context(format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq), e))?
-            .seq;
-        let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)
-            .map_err(|e| explain(JobsError::Transition(e), &id))?;
-        let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
-        Active::open(conn).await?.reconcile(&rec).await?;
-        (
-            Versioned {
-                value: rec,
-                revision,
-            },
-            ticket,
-        )
+        let ticket = async {
+            Work::new(conn)
+                .reissue(&base, "replay", &format!("{}-0", l.seq))
+                .await
+                .map(|p| p.seq)
+                .map_err(|e| OpError::context(format!("the ticket of job {id} could not be published; nothing changed, letter {} kept: run this again", l.seq), e))
+        };
+        let write = async |ticket: u64| {
+            let rec = machine::requeue_fresh(&base, SystemTime::now(), ticket)
+                .map_err(|e| explain(JobsError::Transition(e), &id))?;
+            let revision = jobs.create(&rec).await.map_err(|e| explain(e, &id))?;
+            Ok(Some((
+                Versioned {
+                    value: rec,
+                    revision,
+                },
+                ticket,
+            )))
+        };
+        let index = async |(v, _): &(Versioned<JobRecord>, u64)| {
+            Active::open(conn).await?.reconcile(&v.value).await?;
+            Ok(())
+        };
+        ticket_first(ticket, write, index)
+            .await?
+            .expect("a replay writes or fails")
     };
     let ev = events::event(
         &id,

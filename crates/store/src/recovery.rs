@@ -37,7 +37,7 @@ use crate::events::{self, Events};
 use crate::index::{Active, Filter, Key, Remover};
 use crate::liveness::{Liveness, Unsure, Verdict};
 use crate::sessions::Sessions;
-use crate::work::{Ticket, Work};
+use crate::work::{ticket_first, Ticket, Work};
 use crate::{Conn, Jobs, JobsError, StoreError};
 
 /// How many of a job's latest events go into its dead letter.
@@ -300,43 +300,53 @@ impl Recovery {
                     Err(e) => return Err(jobs_err(e)),
                 },
                 Reoffer::Queued(_) => {
-                    // The ticket first: a queued record always names a
-                    // ticket that was published.
                     let nonce = format!("r{}", cur.revision);
-                    let published = self.work.reissue(&cur.value, "reoffer", &nonce).await?;
-                    let Reoffer::Queued(r) = machine::reoffer_if(
-                        &cur.value,
-                        worker,
-                        live,
-                        overdue,
-                        now,
-                        published.seq,
-                        self.max_stale_reclaims,
-                    ) else {
-                        unreachable!("same record, same decision")
+                    let ticket = async {
+                        self.work
+                            .reissue(&cur.value, "reoffer", &nonce)
+                            .await
+                            .map(|p| p.seq)
                     };
-                    match self.jobs.update(&r, cur.revision).await {
-                        Ok(_) => {
-                            let ev = events::event(
-                                job,
-                                r.epoch,
-                                "progress",
-                                None,
-                                json!({"phase": "recovered", "recovered": true, "reason": "owner_lost", "worker": worker, "ticket_seq": published.seq, "by": self.actor}),
-                            );
-                            let _ = self
-                                .events
-                                .publish(&ev, Some(&format!("{job}:recovered:{}", published.seq)))
-                                .await;
-                            // The notice first (it is lost if the index write
-                            // fails and this returns), then the index.
-                            self.active.sync(&r, Some(&run_key)).await?;
-                            return Ok(Action::Reoffered {
-                                ticket_seq: published.seq,
-                            });
+                    let write = async |seq: u64| {
+                        let Reoffer::Queued(r) = machine::reoffer_if(
+                            &cur.value,
+                            worker,
+                            live,
+                            overdue,
+                            now,
+                            seq,
+                            self.max_stale_reclaims,
+                        ) else {
+                            unreachable!("same record, same decision")
+                        };
+                        match self.jobs.update(&r, cur.revision).await {
+                            Ok(_) => {}
+                            Err(JobsError::Conflict(_)) => return Ok(None),
+                            Err(e) => return Err(jobs_err(e)),
                         }
-                        Err(JobsError::Conflict(_)) => continue,
-                        Err(e) => return Err(jobs_err(e)),
+                        // The notice before the index: it is lost if the
+                        // index write fails and this returns.
+                        let ev = events::event(
+                            job,
+                            r.epoch,
+                            "progress",
+                            None,
+                            json!({"phase": "recovered", "recovered": true, "reason": "owner_lost", "worker": worker, "ticket_seq": seq, "by": self.actor}),
+                        );
+                        let _ = self
+                            .events
+                            .publish(&ev, Some(&format!("{job}:recovered:{seq}")))
+                            .await;
+                        Ok(Some(*r))
+                    };
+                    let index = async |r: &JobRecord| self.active.sync(r, Some(&run_key)).await;
+                    match ticket_first(ticket, write, index).await? {
+                        Some(r) => {
+                            return Ok(Action::Reoffered {
+                                ticket_seq: r.ticket_seq,
+                            })
+                        }
+                        None => continue,
                     }
                 }
             }

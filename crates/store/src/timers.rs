@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::index::{Entry, Key};
 use crate::recovery::Recovery;
-use crate::work::Published;
+use crate::work::{ticket_first, Published};
 use crate::{JobsError, StoreError};
 
 /// How long the marker of a removed wake-up key stays.
@@ -124,31 +124,32 @@ pub async fn reticket(
     revision: u64,
     lost: u64,
 ) -> Result<Option<Published>, DueError> {
-    let published = r
-        .work
-        .reissue(rec, RETICKET, &format!("r{revision}"))
-        .await?;
-    let now = r
-        .jobs
-        .transition(&rec.id, |c| {
-            if c.status != Status::Queued.as_str() || c.ticket_seq > lost {
-                return Ok(None);
+    let nonce = format!("r{revision}");
+    let ticket = async { Ok::<_, DueError>(r.work.reissue(rec, RETICKET, &nonce).await?) };
+    let write = async |published: Published| {
+        let now = r
+            .jobs
+            .transition(&rec.id, |c| {
+                if c.status != Status::Queued.as_str() || c.ticket_seq > lost {
+                    return Ok(None);
+                }
+                let mut n = c.clone();
+                n.ticket_seq = published.seq;
+                n.updated_at = rfc3339(SystemTime::now());
+                Ok(Some(n))
+            })
+            .await?;
+        Ok((now.value.ticket_seq == published.seq).then_some((now.value, published)))
+    };
+    let index = async |(now, _): &(JobRecord, Published)| {
+        if let Some(k) = Key::of(now) {
+            if let Err(e) = r.active.put(&k, now).await {
+                tracing::debug!(job = %rec.id, error = %e, "re-ticketed job's index entry not updated; its record decides");
             }
-            let mut n = c.clone();
-            n.ticket_seq = published.seq;
-            n.updated_at = rfc3339(SystemTime::now());
-            Ok(Some(n))
-        })
-        .await?;
-    if now.value.ticket_seq != published.seq {
-        return Ok(None);
-    }
-    if let Some(k) = Key::of(&now.value) {
-        if let Err(e) = r.active.put(&k, &now.value).await {
-            tracing::debug!(job = %rec.id, error = %e, "re-ticketed job's index entry not updated; its record decides");
         }
-    }
-    Ok(Some(published))
+        Ok(())
+    };
+    Ok(ticket_first(ticket, write, index).await?.map(|(_, p)| p))
 }
 
 /// Wakes `job` if it is due and still without a ticket.

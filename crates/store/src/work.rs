@@ -6,6 +6,7 @@
 //! JSON; their `Nats-Msg-Id` is unique per re-enqueue so the stream's dedupe
 //! window cannot swallow them.
 
+use std::future::Future;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull;
@@ -53,6 +54,29 @@ pub struct Published {
     pub seq: u64,
     /// The stream's dedupe window recognised the message id.
     pub duplicate: bool,
+}
+
+/// The one order of every write that gives a job a new ticket (a retry, a
+/// hand-back, a re-offer, a re-ticket, a resume, a replay): the ticket is
+/// published first, so a queued record never names a ticket that was not;
+/// then `write` writes the record naming it (`None`: the record moved on,
+/// nothing was written); then `index` makes the index follow what was
+/// written (with whatever its caller orders around it: an owner's end
+/// takes its event and its ack there too). A failure at any step leaves
+/// what the steps before it made, each safe alone: a ticket no record
+/// names is settled at its claim, a record the index does not follow yet
+/// is repaired by the sweep, or by its ticket.
+pub async fn ticket_first<T, W, E>(
+    ticket: impl Future<Output = Result<T, E>>,
+    write: impl AsyncFnOnce(T) -> Result<Option<W>, E>,
+    index: impl AsyncFnOnce(&W) -> Result<(), E>,
+) -> Result<Option<W>, E> {
+    let ticket = ticket.await?;
+    let Some(written) = write(ticket).await? else {
+        return Ok(None);
+    };
+    index(&written).await?;
+    Ok(Some(written))
 }
 
 impl Work {
