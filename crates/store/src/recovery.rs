@@ -38,7 +38,7 @@ use crate::index::{Active, Filter, Key, Remover};
 use crate::liveness::{Liveness, Unsure, Verdict};
 use crate::sessions::Sessions;
 use crate::work::{ticket_first, Ticket, Work};
-use crate::{Conn, Jobs, JobsError, StoreError};
+use crate::{Conn, Jobs, JobsError, StoreError, Versioned};
 
 /// How many of a job's latest events go into its dead letter.
 const RECENT_EVENTS: usize = 20;
@@ -103,6 +103,15 @@ pub struct Recovery {
     /// Who acts (`reaper r-..`, `worker w-..`), in events and logs.
     pub actor: String,
     pub max_stale_reclaims: u32,
+}
+
+/// What a re-offer of a running job was decided on.
+struct Reoffering<'a> {
+    worker: &'a str,
+    live: Option<&'a str>,
+    overdue: Option<Duration>,
+    now: SystemTime,
+    run_key: &'a Key,
 }
 
 impl Recovery {
@@ -300,58 +309,80 @@ impl Recovery {
                     Err(e) => return Err(jobs_err(e)),
                 },
                 Reoffer::Queued(_) => {
-                    let nonce = format!("r{}", cur.revision);
-                    let ticket = async {
-                        self.work
-                            .reissue(&cur.value, "reoffer", &nonce)
-                            .await
-                            .map(|p| p.seq)
+                    let at = Reoffering {
+                        worker,
+                        live,
+                        overdue,
+                        now,
+                        run_key: &run_key,
                     };
-                    let write = async |seq: u64| {
-                        let Reoffer::Queued(r) = machine::reoffer_if(
-                            &cur.value,
-                            worker,
-                            live,
-                            overdue,
-                            now,
-                            seq,
-                            self.max_stale_reclaims,
-                        ) else {
-                            unreachable!("same record, same decision")
-                        };
-                        match self.jobs.update(&r, cur.revision).await {
-                            Ok(_) => {}
-                            Err(JobsError::Conflict(_)) => return Ok(None),
-                            Err(e) => return Err(jobs_err(e)),
-                        }
-                        // The notice before the index: it is lost if the
-                        // index write fails and this returns.
-                        let ev = events::event(
-                            job,
-                            r.epoch,
-                            "progress",
-                            None,
-                            json!({"phase": "recovered", "recovered": true, "reason": "owner_lost", "worker": worker, "ticket_seq": seq, "by": self.actor}),
-                        );
-                        let _ = self
-                            .events
-                            .publish(&ev, Some(&format!("{job}:recovered:{seq}")))
-                            .await;
-                        Ok(Some(*r))
-                    };
-                    let index = async |r: &JobRecord| self.active.sync(r, Some(&run_key)).await;
-                    match ticket_first(ticket, write, index).await? {
-                        Some(r) => {
-                            return Ok(Action::Reoffered {
-                                ticket_seq: r.ticket_seq,
-                            })
-                        }
+                    match self.reoffer_queued(job, &cur, at).await? {
+                        Some(ticket_seq) => return Ok(Action::Reoffered { ticket_seq }),
                         None => continue,
                     }
                 }
             }
         }
         Err(StoreError::Nats(format!("job {job} keeps changing")))
+    }
+
+    /// Re-offers the running job `cur` whose owner is gone, its ticket
+    /// first. `None`: the record changed meanwhile (read it again).
+    async fn reoffer_queued(
+        &self,
+        job: &str,
+        cur: &Versioned<JobRecord>,
+        Reoffering {
+            worker,
+            live,
+            overdue,
+            now,
+            run_key,
+        }: Reoffering<'_>,
+    ) -> Result<Option<u64>, StoreError> {
+        let nonce = format!("r{}", cur.revision);
+        let ticket = async {
+            self.work
+                .reissue(&cur.value, "reoffer", &nonce)
+                .await
+                .map(|p| p.seq)
+        };
+        let write = async |seq: u64| {
+            let Reoffer::Queued(r) = machine::reoffer_if(
+                &cur.value,
+                worker,
+                live,
+                overdue,
+                now,
+                seq,
+                self.max_stale_reclaims,
+            ) else {
+                unreachable!("same record, same decision")
+            };
+            match self.jobs.update(&r, cur.revision).await {
+                Ok(_) => {}
+                Err(JobsError::Conflict(_)) => return Ok(None),
+                Err(e) => return Err(jobs_err(e)),
+            }
+            // The notice before the index: it is lost if the
+            // index write fails and this returns.
+            let ev = events::event(
+                job,
+                r.epoch,
+                "progress",
+                None,
+                json!({"phase": "recovered", "recovered": true, "reason": "owner_lost", "worker": worker, "ticket_seq": seq, "by": self.actor}),
+            );
+            let _ = self
+                .events
+                .publish(&ev, Some(&format!("{job}:recovered:{seq}")))
+                .await;
+            Ok(Some(*r))
+        };
+        let index = async |r: &JobRecord| self.active.sync(r, Some(run_key)).await;
+        Ok(ticket_first(ticket, write, index)
+            .await?
+            .map(|r| r.ticket_seq))
     }
 
     /// Marks `id` dead (class `class`) if `still` holds for its record at
