@@ -233,9 +233,10 @@ async fn a_killed_workers_quota_lease_comes_back_within_the_lease_period() {
     let back = killed.elapsed();
     // The lease period (3 s) by the survivor's clock from when it saw the
     // last renewal (up to one of its renewals, 1 s, after it was written),
-    // plus its next renewal (1 s) and the test's polling.
+    // plus its next renewal (1 s), the test's polling, and a second of
+    // scheduling slack: on a loaded 2-core machine a renewal tick slips.
     assert!(
-        back <= Duration::from_millis(5500),
+        back <= Duration::from_millis(6500),
         "quota came back after {back:?}"
     );
     completed(&env, "lease-2", Duration::from_secs(120)).await;
