@@ -17,7 +17,7 @@ use leasehold_store::events::{Events, FenceError};
 use leasehold_store::setup::{self, SetupOptions};
 use leasehold_store::work::Work;
 use leasehold_store::{Conn, Jobs, NatsArgs};
-use leasehold_worker::{Options, Worker};
+use leasehold_worker::Options;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -133,7 +133,7 @@ async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
     o.session_timeout = Duration::from_secs(3);
     o.kinds = vec!["echo".into(), "sleep".into()];
     let stop = CancellationToken::new();
-    let w = Worker::new(o).start(stop.clone()).await.unwrap();
+    let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
     let work = Work::new(&conn);
     let jobs = Jobs::open(&conn).await.unwrap();
     for i in 0..10 {
@@ -304,7 +304,7 @@ async fn worker_reaper_and_cli_start_with_a_node_down_right_after_a_leader_was_k
         let mut o = Options::local(&c.url(), "lh");
         o.kinds = vec!["echo".into(), "sleep".into()];
         let stop = CancellationToken::new();
-        let w = Worker::new(o).start(stop.clone()).await.unwrap();
+        let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
         submit(&work, "echo", json!({"before": true}), "before").await;
         completed_once(&jobs, "before").await;
         stop.cancel();

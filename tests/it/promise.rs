@@ -13,7 +13,7 @@ use leasehold_reaper::{Options as ReaperOptions, Reaper};
 use leasehold_store::dlq::Dlq;
 use leasehold_store::index::{Active, Filter};
 use leasehold_store::setup::SetupOptions;
-use leasehold_worker::{Handler, HandlerError, JobCtx, Outcome, Worker};
+use leasehold_worker::{End, Handler, JobCtx, Worker};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -179,11 +179,11 @@ struct BadOutput;
 
 #[async_trait::async_trait]
 impl Handler for BadOutput {
-    async fn run(&self, _: JobCtx) -> Result<Outcome, HandlerError> {
-        Ok(Outcome::Completed(leasehold_proto::JobResult {
+    async fn run(&self, _: JobCtx) -> End {
+        End::Completed(leasehold_proto::JobResult {
             output: "not json {".into(),
             ..Default::default()
-        }))
+        })
     }
 }
 
@@ -192,7 +192,7 @@ struct Panics;
 
 #[async_trait::async_trait]
 impl Handler for Panics {
-    async fn run(&self, _: JobCtx) -> Result<Outcome, HandlerError> {
+    async fn run(&self, _: JobCtx) -> End {
         panic!("boom")
     }
 }
@@ -700,12 +700,8 @@ struct ParksAtOnce;
 
 #[async_trait::async_trait]
 impl Handler for ParksAtOnce {
-    async fn run(&self, _: JobCtx) -> Result<Outcome, HandlerError> {
-        Ok(Outcome::Parked {
-            reason: "review".into(),
-            message: "a person decides".into(),
-            step: None,
-        })
+    async fn run(&self, _: JobCtx) -> End {
+        End::parked("review", "a person decides")
     }
 }
 

@@ -9,7 +9,7 @@ use leasehold_store::events::Events;
 use leasehold_store::setup::{self, SetupOptions};
 use leasehold_store::work::Work;
 use leasehold_store::{jobs, Conn, Jobs, NatsArgs};
-use leasehold_worker::{Handle, Options, Worker};
+use leasehold_worker::{Handle, Options};
 use tokio_util::sync::CancellationToken;
 
 /// Test timings: short sessions so faults resolve in seconds.
@@ -85,7 +85,7 @@ impl Env {
 
     pub async fn worker_with(&self, o: Options) -> (Handle, CancellationToken) {
         let stop = CancellationToken::new();
-        let h = Worker::new(o).start(stop.clone()).await.unwrap();
+        let h = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
         (h, stop)
     }
 

@@ -1,6 +1,8 @@
 //! [`Error`]: how an attempt of a kind ends when it does not complete.
 
+use leasehold_core::End;
 use leasehold_model::agent::SectionOutcome;
+use leasehold_proto::JobResult;
 
 /// An attempt that did not complete, and what the runtime does about it.
 ///
@@ -129,6 +131,35 @@ impl Error {
                 "{what}: budget exhausted ({kind:?})"
             ))),
             SectionOutcome::Cancelled => Err(Error::Cancelled),
+        }
+    }
+}
+
+impl Error {
+    /// The attempt's [`End`]: the one place a kind's error becomes one.
+    /// `report` is what the attempt set before it stopped (kept as partial
+    /// by a budget's end and a cancel), `step` the step a park asked its
+    /// question from.
+    pub(crate) fn into_end(self, report: Option<crate::Report>, step: Option<String>) -> End {
+        let partial = || {
+            report.map(|r| {
+                Box::new(JobResult {
+                    partial: true,
+                    ..r.into_result(String::new())
+                })
+            })
+        };
+        match self {
+            Error::Retryable(m) => End::retryable(m),
+            Error::RetryAfter { message, after } => End::retryable(message).with_retry_after(after),
+            Error::Terminal(m) => End::terminal(m),
+            Error::Park { reason, message } => End::Parked {
+                reason,
+                message,
+                step,
+            },
+            Error::BudgetExhausted(m) => End::budget_exhausted(m).with_partial(partial()),
+            Error::Cancelled => End::Cancelled { partial: partial() },
         }
     }
 }

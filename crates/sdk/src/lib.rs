@@ -47,6 +47,7 @@
 //!   the job (`journal_mismatch`) instead of running on guessed state.
 
 mod agent;
+mod builtin;
 mod ctx;
 #[doc = include_str!("../../../docs/write-your-own-kind.md")]
 pub mod guide {}
@@ -79,7 +80,7 @@ use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches};
 use leasehold_tools::{EffectsLedger, NoEvents, Toolbox};
-use leasehold_worker::{Handler, HandlerError, JobCtx, Outcome};
+use leasehold_worker::{End, Handler, JobCtx};
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
@@ -136,7 +137,7 @@ struct Tools {
 }
 
 impl Tools {
-    async fn toolbox(&self, job: &JobCtx) -> Result<Option<Arc<Toolbox>>, HandlerError> {
+    async fn toolbox(&self, job: &JobCtx) -> Result<Option<Arc<Toolbox>>, Error> {
         self.toolbox
             .get_or_try_init(|| async {
                 if self.tools.is_empty() {
@@ -144,11 +145,11 @@ impl Tools {
                 }
                 let ledger = EffectsLedger::open(&job.conn.js, &job.conn.layout.effects_bucket())
                     .await
-                    .map_err(|e| HandlerError::retryable(format!("effects ledger: {e}")))?;
+                    .map_err(|e| Error::retryable(format!("effects ledger: {e}")))?;
                 let mut tb = Toolbox::new(Some(ledger), Arc::new(NoEvents));
                 for t in &self.tools {
                     tb.register(t.clone())
-                        .map_err(|e| HandlerError::terminal(format!("tool: {e}")))?;
+                        .map_err(|e| Error::terminal(format!("tool: {e}")))?;
                 }
                 Ok(Some(Arc::new(tb)))
             })
@@ -179,8 +180,11 @@ struct KindHandler {
 
 #[async_trait]
 impl Handler for KindHandler {
-    async fn run(&self, job: JobCtx) -> Result<Outcome, HandlerError> {
-        let tools = self.tools.toolbox(&job).await?;
+    async fn run(&self, job: JobCtx) -> End {
+        let tools = match self.tools.toolbox(&job).await {
+            Ok(t) => t,
+            Err(e) => return e.into_end(None, None),
+        };
         let ctx = Ctx::new(
             job,
             self.kind.version().to_string(),
@@ -189,38 +193,23 @@ impl Handler for KindHandler {
         );
         let r = self.kind.run(&ctx).await;
         let (r, report) = ctx.finish(r).await;
-        let partial = |report: Option<Report>| {
-            report.map(|r| {
-                Box::new(JobResult {
-                    partial: true,
-                    ..r.into_result(String::new())
-                })
-            })
-        };
         match r {
-            Ok(v) => Ok(Outcome::Completed(match report {
+            Ok(v) => End::Completed(match report {
                 Some(rep) => rep.into_result(v.to_string()),
                 None => JobResult {
                     output: v.to_string(),
                     ..Default::default()
                 },
-            })),
-            Err(Error::Park { reason, message }) => Ok(Outcome::Parked {
-                step: ctx.parked_step(&reason, &message),
-                reason,
-                message,
             }),
-            Err(Error::Retryable(m)) => Err(HandlerError::retryable(m)),
-            Err(Error::RetryAfter { message, after }) => {
-                Err(HandlerError::retryable(message).with_retry_after(after))
-            }
-            Err(Error::Terminal(m)) => Err(HandlerError::terminal(m)),
-            Err(Error::BudgetExhausted(m)) => {
-                Err(HandlerError::budget_exhausted(m).with_partial(partial(report)))
-            }
-            Err(Error::Cancelled) => {
-                let keep = ctx.cancel_requested();
-                Err(HandlerError::cancelled().with_partial(partial(report.filter(|_| keep))))
+            Err(e) => {
+                let step = match &e {
+                    Error::Park { reason, message } => ctx.parked_step(reason, message),
+                    _ => None,
+                };
+                // A cancelled attempt keeps its report only when someone asked for the cancel.
+                let report =
+                    report.filter(|_| !matches!(e, Error::Cancelled) || ctx.cancel_requested());
+                e.into_end(report, step)
             }
         }
     }
@@ -407,6 +396,13 @@ impl Worker {
             models.0.insert(name, g);
         }
         let models = Arc::new(models);
+        // The built-in kinds, unless a kind of the same name replaced one;
+        // served when `--kinds` names them.
+        for (name, kind) in builtin::kinds() {
+            if !self.kinds.iter().any(|(n, _)| *n == name) {
+                self.kinds.push((name, kind));
+            }
+        }
         let mut w = leasehold_worker::Worker::new(self.opts);
         for (name, kind) in self.kinds {
             w = w.with_handler(

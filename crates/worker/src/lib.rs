@@ -1,8 +1,8 @@
 //! The stateless leasehold worker.
 //!
 //! - [`config`]: [`Options`], every flag with its `LH_<FLAG>` variable.
-//! - [`handler`]: the [`Handler`] trait workflows implement, and the
-//!   built-in kinds `echo`, `sleep`, `fail`, `crash`.
+//! - [`handler`]: the [`Handler`] an attempt runs through (the SDK gives
+//!   one per kind, the built-in kinds included) and the [`End`] it returns.
 //! - [`service`]: [`Worker::run`]: pull loops bounded by free slots, claims,
 //!   the per-job runner (heartbeat, progress acks, owner-checked outcome) and
 //!   the three-phase shutdown.
@@ -11,7 +11,6 @@
 
 pub mod checkpoint;
 pub mod config;
-pub mod deliver;
 pub mod flow;
 pub mod gateway;
 pub mod handler;
@@ -19,5 +18,6 @@ pub mod process;
 pub mod service;
 
 pub use config::Options;
-pub use handler::{Handler, HandlerError, JobCtx, Outcome};
+pub use handler::{Handler, JobCtx};
+pub use leasehold_core::End;
 pub use service::{Handle, NotHandedBack, Worker};

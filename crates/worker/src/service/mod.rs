@@ -62,7 +62,7 @@ use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::handler::{self, Handler};
+use crate::handler::Handler;
 use crate::Options;
 
 pub(crate) use attempt::Stop;
@@ -176,19 +176,16 @@ fn unreturned(shared: &Shared) -> Vec<String> {
 const START_DEADLINE: Duration = Duration::from_secs(120);
 
 impl Worker {
-    /// A worker with the built-in handlers.
+    /// A worker with no handlers yet ([`Worker::with_handler`]; the SDK's
+    /// worker gives one per kind, the built-in kinds included).
     pub fn new(opts: Options) -> Self {
-        let mut w = Worker {
+        Worker {
             opts,
             handlers: HashMap::new(),
             kinds: Kinds::default(),
             metrics: Metrics::new(),
             readiness: Readiness::new(),
-        };
-        for (k, h) in handler::builtins() {
-            w.handlers.insert(k, h);
         }
-        w
     }
 
     /// Adds (or replaces) the handler of a kind. A kind the built-in

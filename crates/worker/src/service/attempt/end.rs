@@ -1,26 +1,26 @@
-//! How an attempt ends: completed, parked, cancelled, handed back, or
-//! failed (retried with backoff, or for good), each persisted through the
-//! owner's gate, its event published, its ticket settled and its index
-//! entry changed in that order; and the stops that write nothing (the
-//! claim lost).
+//! How an attempt ends: [`Attempt::finish`], the one executor of the
+//! [`End`] a kind returned (completed, parked, failed, cancelled, handed
+//! back), carrying out what the pure [`machine::end`] decided in the order
+//! it gave; and the stop that writes nothing (the claim lost).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::AckKind;
-use leasehold_core::machine::{self, Owner, TransitionError};
+use leasehold_core::machine::{
+    self, Effects, End, EndPolicy, Ended, Owner, Settle, Step, Ticket, TransitionError, KEEP_DELAY,
+};
 use leasehold_core::retry::Backoff;
-use leasehold_core::{JobError, JobRecord};
-use leasehold_proto::JobResult;
+use leasehold_core::JobRecord;
 use leasehold_store::events;
 use leasehold_store::index::Key;
+use leasehold_store::work::ticket_first;
 use leasehold_store::{Gate, JobsError, Versioned};
 use leasehold_telemetry::metrics::AttemptOutcome;
 use leasehold_telemetry::spans;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::handler::{ErrorClass, HandlerError};
 
 impl Attempt {
     pub(super) fn run_key(&self) -> Key {
@@ -96,25 +96,162 @@ impl Attempt {
         }
     }
 
-    /// After a terminal write (`rec`, as written): its event, retried (the
-    /// only pointer a client's stream and retention have to the job's
-    /// end), then the ticket and the index entry. When the event cannot be
-    /// published, both are kept: the ticket comes back and its claim, or
-    /// the index entry's recoverer, publishes the event from the record
-    /// (`Recovery::finish_terminal_if_unfinished`, under the same dedupe
-    /// id) before it lets go of the job. A kill -9 between the write and
-    /// the event leaves the same two pointers.
-    pub(super) async fn ended_with(&self, rec: &JobRecord, ty: &str, data: Value) {
+    /// Carries out an attempt's end: the one executor of what
+    /// [`machine::end`] decided. It publishes what must go before the
+    /// write (a retry's event, a fresh ticket), writes the record through
+    /// the owner's gate, then takes the steps after the write in their
+    /// order, stopping where a step that must not fail did (its ticket is
+    /// then kept, so a claim or a recoverer finishes the end).
+    pub(super) async fn finish(&self, end: End) {
+        let retry = self.shared.retry.for_spec(self.rec.spec.as_ref());
+        let policy = EndPolicy::drawn(&retry, self.rec.attempts, &mut rand::thread_rng());
+        let owner = self.gate.owner.clone();
+        let plan = match machine::end(&self.rec, &owner, SystemTime::now(), &end, &policy) {
+            Ok((_, fx)) => fx,
+            Err(e) => return self.lost(&e.to_string()).await,
+        };
+        if let Some(step) = &plan.before {
+            self.take(&self.rec, std::slice::from_ref(step)).await;
+        }
+        let ticket = self.ticket_for(plan.ticket, policy);
+        let write = async |policy: EndPolicy| {
+            let effects = StdMutex::new(None);
+            let write = |r: &JobRecord, o: &Owner, now: SystemTime| {
+                machine::end(r, o, now, &end, &policy).map(|(n, fx)| {
+                    *effects.lock().unwrap() = Some(fx);
+                    n
+                })
+            };
+            // A hand-back writes once: it runs while the process stops, and
+            // a job it cannot give back is recovered by its session's end.
+            let written = if matches!(end, End::HandedBack) {
+                self.gate.write(write).await
+            } else {
+                persist(&self.shared, &self.gate, write).await
+            };
+            match written {
+                Ok(v) => {
+                    let fx = effects.into_inner().unwrap();
+                    Ok(Some((v, fx.expect("a written end has its effects"))))
+                }
+                Err(e) if matches!(end, End::HandedBack) && !e.is_ownership_lost() => {
+                    tracing::warn!(job = %self.rec.id, error = %e, "hand back failed; the session's end recovers it");
+                    self.not_handed_back();
+                    Err(())
+                }
+                Err(e) => {
+                    self.refused(writing(plan.ended), e).await;
+                    Err(())
+                }
+            }
+        };
+        let after = async |(v, fx): &(Versioned<JobRecord>, Effects)| {
+            self.say(&end, &v.value, fx);
+            self.take(&v.value, &fx.after).await;
+            Ok(())
+        };
+        let _ = ticket_first(ticket, write, after).await;
+    }
+
+    /// The ticket an end needs before its write: none, or a fresh one (the
+    /// policy then names it). `Err` when the end cannot go on without it.
+    async fn ticket_for(&self, need: Ticket, policy: EndPolicy) -> Result<EndPolicy, ()> {
+        let held = self.ticket.lock().unwrap().is_some();
+        let why = match need {
+            Ticket::Held => return Ok(policy),
+            Ticket::Return(_) if held => return Ok(policy),
+            Ticket::Fresh(why) | Ticket::Return(why) => why,
+        };
+        match self.fresh_ticket(why).await {
+            Ok(seq) => Ok(policy.with_ticket(seq)),
+            Err(e) if matches!(need, Ticket::Fresh(_)) => {
+                tracing::warn!(job = %self.rec.id, error = %e, "cannot publish the {why}'s ticket; re-queueing the job without one (the reaper replaces a lost ticket after --stranded-grace)");
+                Ok(policy)
+            }
+            Err(e) => {
+                tracing::warn!(job = %self.rec.id, error = %e, "hand back failed (no ticket); the session's end recovers it");
+                self.not_handed_back();
+                Err(())
+            }
+        }
+    }
+
+    /// The attempt's one log line, its metrics and its span.
+    fn say(&self, end: &End, rec: &JobRecord, fx: &Effects) {
+        let outcome = match fx.ended {
+            Ended::Completed => AttemptOutcome::Completed,
+            Ended::Parked => AttemptOutcome::Parked,
+            Ended::Cancelled => AttemptOutcome::Cancelled,
+            Ended::Retried => AttemptOutcome::Retried,
+            Ended::Failed => AttemptOutcome::Failed,
+            Ended::HandedBack => AttemptOutcome::HandedBack,
+        };
+        let took = leasehold_core::time::human_duration(self.started.elapsed());
+        match (end, &fx.failure) {
+            (_, Some(class)) => {
+                let message = rec.error.as_ref().map_or("", |e| e.message.as_str());
+                tracing::warn!(outcome = outcome.as_str(), class = class.as_str(), error = message, took = %took, "attempt failed; {}", fx.next);
+            }
+            (
+                End::Parked {
+                    reason, message, ..
+                },
+                _,
+            ) if fx.ended == Ended::Parked => {
+                tracing::info!(outcome = outcome.as_str(), reason = %reason, why = %message, took = %took, "attempt ended: {}", fx.next);
+            }
+            _ => tracing::info!(outcome = outcome.as_str(), took = %took, "attempt ended"),
+        }
+        self.finished(outcome, fx.failure.as_deref());
+    }
+
+    /// Takes the steps that follow a write (`rec`, as written), in order.
+    async fn take(&self, rec: &JobRecord, steps: &[Step]) {
+        for step in steps {
+            let kept = match step {
+                Step::Event {
+                    ty,
+                    data,
+                    terminal: false,
+                } => {
+                    self.publish_event(ty, data.clone(), None).await;
+                    false
+                }
+                Step::Event {
+                    ty,
+                    data,
+                    terminal: true,
+                } => !self.terminal_event(rec, ty, data).await,
+                Step::Index { required } => !self.reindex(rec).await && *required,
+                Step::Settle(Settle::Ack) => {
+                    settle(&self.ticket, AckKind::Ack).await;
+                    false
+                }
+                Step::Settle(Settle::Nak(d)) => {
+                    settle(&self.ticket, AckKind::Nak(*d)).await;
+                    false
+                }
+            };
+            if kept {
+                settle(&self.ticket, AckKind::Nak(Some(KEEP_DELAY))).await;
+                return;
+            }
+        }
+    }
+
+    /// A terminal event, retried (the only pointer a client's stream and
+    /// retention have to the job's end). When it cannot be published, the
+    /// ticket comes back and its claim, or the index entry's recoverer,
+    /// publishes it from the record (`Recovery::finish_terminal_if_unfinished`,
+    /// under the same dedupe id) before it lets go of the job. A kill -9
+    /// between the write and the event leaves the same two pointers.
+    async fn terminal_event(&self, rec: &JobRecord, ty: &str, data: &Value) -> bool {
         let id = events::terminal_event_id(rec, ty);
         let mut last = String::new();
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
         for i in 0..TERMINAL_EVENT_TRIES {
             match self.try_publish_event(ty, data.clone(), Some(&id)).await {
-                Ok(()) => {
-                    settle(&self.ticket, AckKind::Ack).await;
-                    self.reindex(rec).await;
-                    return;
-                }
+                Ok(()) => return true,
                 Err(e) => last = e,
             }
             if i + 1 < TERMINAL_EVENT_TRIES {
@@ -122,103 +259,7 @@ impl Attempt {
             }
         }
         tracing::warn!(job = %rec.id, event = ty, error = %last, "the terminal event could not be published; the ticket and the index entry are kept, so a claim or a recoverer publishes it");
-        settle(&self.ticket, AckKind::Nak(Some(Duration::from_secs(1)))).await;
-    }
-
-    pub(super) async fn complete(&self, res: JobResult) {
-        // An output that is not JSON would make the record unwritable: fail
-        // the attempt with a clear error instead.
-        if !res.output.is_empty() && serde_json::from_str::<Value>(&res.output).is_err() {
-            let err = HandlerError::terminal(format!(
-                "the handler's result is not JSON ({} bytes); nothing was recorded",
-                res.output.len()
-            ));
-            return self.error(err).await;
-        }
-        let out = res.clone();
-        match persist(&self.shared, &self.gate, move |r, o, now| {
-            machine::complete(r, o, now, out.clone())
-        })
-        .await
-        {
-            Ok(v) => {
-                self.ended(AttemptOutcome::Completed, None);
-                self.ended_with(
-                    &v.value,
-                    "completed",
-                    json!({"partial": res.partial, "artifact": res.artifact, "digest": res.digest}),
-                )
-                .await;
-            }
-            Err(e) => self.refused("completion", e).await,
-        }
-    }
-
-    pub(super) async fn park(&self, reason: String, message: String, step: Option<String>) {
-        let (r2, m2) = (reason.clone(), message.clone());
-        match persist(&self.shared, &self.gate, move |r, o, now| {
-            machine::park(r, o, now, &r2, &m2)
-        })
-        .await
-        {
-            Ok(v) if v.value.status == "cancelled" => {
-                self.cancelled_instead(&v.value, "park").await
-            }
-            Ok(v) => {
-                tracing::info!(
-                    outcome = AttemptOutcome::Parked.as_str(),
-                    reason = %reason,
-                    why = %message,
-                    took = %leasehold_core::time::human_duration(self.started.elapsed()),
-                    "attempt ended: parked for review (`leasehold review list`)"
-                );
-                self.finished(AttemptOutcome::Parked, None);
-                // The parked entry before the ticket goes: a parked job is
-                // always listed. When it cannot be written, the ticket is
-                // kept: it comes back, and its claim indexes the parked
-                // job before it settles it.
-                let indexed = self.reindex(&v.value).await;
-                self.publish_event(
-                    "parked",
-                    json!({"reason": reason, "message": message, "step": step}),
-                    None,
-                )
-                .await;
-                let keep = if indexed {
-                    AckKind::Ack
-                } else {
-                    AckKind::Nak(Some(Duration::from_secs(1)))
-                };
-                settle(&self.ticket, keep).await;
-            }
-            Err(e) => self.refused("parking", e).await,
-        }
-    }
-
-    /// The owner's outcome write found a cancel request and ended the job
-    /// cancelled instead (the machine's rule: cancel is final).
-    pub(super) async fn cancelled_instead(&self, rec: &JobRecord, instead_of: &str) {
-        self.ended(AttemptOutcome::Cancelled, None);
-        self.ended_with(rec, "cancelled", json!({"instead_of": instead_of}))
-            .await;
-    }
-
-    pub(super) async fn cancel(&self, partial: Option<Box<leasehold_proto::JobResult>>) {
-        let end = move |r: &JobRecord, o: &machine::Owner, now: SystemTime| {
-            machine::cancel_owned(r, o, now).map(|mut n| {
-                if let Some(p) = &partial {
-                    n.result = Some((**p).clone());
-                }
-                n
-            })
-        };
-        match persist(&self.shared, &self.gate, end).await {
-            Ok(v) => {
-                self.ended(AttemptOutcome::Cancelled, None);
-                self.ended_with(&v.value, "cancelled", json!({})).await;
-            }
-            Err(e) => self.refused("cancellation", e).await,
-        }
+        false
     }
 
     /// A new ticket for the job, unless the one this attempt holds can
@@ -261,54 +302,6 @@ impl Attempt {
         }
     }
 
-    pub(super) async fn hand_back(&self) {
-        let held = self.ticket.lock().unwrap().is_some();
-        let seq = if held {
-            0
-        } else {
-            match self.fresh_ticket("handback").await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(job = %self.rec.id, error = %e, "hand back failed (no ticket); the session's end recovers it");
-                    self.not_handed_back();
-                    return;
-                }
-            }
-        };
-        let res = self
-            .gate
-            .write(move |r, o, now| {
-                machine::hand_back(r, o, now).map(|mut n| {
-                    if seq > 0 {
-                        n.ticket_seq = seq;
-                    }
-                    n
-                })
-            })
-            .await;
-        match res {
-            Ok(v) if v.value.status == "cancelled" => {
-                self.ended(AttemptOutcome::Cancelled, None);
-                self.ended_with(&v.value, "cancelled", json!({"while": "hand_back"}))
-                    .await;
-            }
-            Ok(v) => {
-                self.ended(AttemptOutcome::HandedBack, None);
-                tracing::info!(job = %self.rec.id, "handed back");
-                self.reindex(&v.value).await;
-                settle(&self.ticket, AckKind::Nak(None)).await;
-            }
-            Err(e) if e.is_ownership_lost() => {
-                self.ended(AttemptOutcome::OwnershipLost, Some("ownership_lost"));
-                tracing::info!(job = %self.rec.id, "not handed back: ownership already lost")
-            }
-            Err(e) => {
-                tracing::warn!(job = %self.rec.id, error = %e, "hand back failed; the session's end recovers it");
-                self.not_handed_back();
-            }
-        }
-    }
-
     /// Named in the error the stop ends with.
     pub(super) fn not_handed_back(&self) {
         self.shared
@@ -317,121 +310,17 @@ impl Attempt {
             .unwrap()
             .push(self.rec.id.clone());
     }
+}
 
-    /// A failed attempt: requeue with backoff while the budget lasts, else fail.
-    pub(super) async fn error(&self, err: HandlerError) {
-        let shared = &self.shared;
-        let rec = &self.rec;
-        let policy = shared.retry.for_spec(rec.spec.as_ref());
-        let failed = rec.attempts + 1;
-        let at = leasehold_core::time::rfc3339(SystemTime::now());
-        let retry = err.class == ErrorClass::Retryable && policy.allows_another(failed);
-        if retry {
-            // A delay the handler asked for (a remote kind's `retry` op) is
-            // the least one; the backoff stands when it is longer.
-            let delay = policy
-                .delay(rec.attempts, &mut rand::thread_rng())
-                .max(err.retry_after.unwrap_or_default());
-            self.publish_event(
-                "retry",
-                json!({"scope": "job", "reason": err.message, "eligible": true, "retained": "completed checkpoints", "attempt": failed, "budget_left": policy.max_attempts - failed, "delay_ms": delay.as_millis() as u64, "asked_delay_ms": err.retry_after.map(|d| d.as_millis() as u64)}),
-                None,
-            )
-            .await;
-            // Each retry gets a fresh ticket: retries never spend the
-            // deliveries of one ticket, so --max-attempts cannot run into
-            // the consumer's max deliveries.
-            // Without one (the publish failed for good), the job is still
-            // re-queued: a waiting job whose ticket is gone gets a fresh
-            // one from the reaper after --stranded-grace. Leaving it
-            // running under this live session would strand it.
-            let seq = match self.fresh_ticket("retry").await {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    tracing::warn!(job = %rec.id, error = %e, "cannot publish the retry's ticket; re-queueing the job without one (the reaper replaces a lost ticket after --stranded-grace)");
-                    None
-                }
-            };
-            let error = JobError {
-                class: "retryable".into(),
-                message: err.message.clone(),
-                at,
-            };
-            match persist(shared, &self.gate, move |r, o, now| {
-                machine::requeue(r, o, now, error.clone(), delay).map(|mut n| {
-                    if let Some(seq) = seq {
-                        n.ticket_seq = seq;
-                    }
-                    n
-                })
-            })
-            .await
-            {
-                Ok(v) if v.value.status == "cancelled" => {
-                    self.ended(AttemptOutcome::Cancelled, None);
-                    self.ended_with(&v.value, "cancelled", json!({"while": "retry"}))
-                        .await;
-                }
-                Ok(v) => {
-                    self.failed_attempt(
-                        AttemptOutcome::Retried,
-                        "retryable",
-                        &err.message,
-                        &format!(
-                            "retrying in {} ({} of {} attempts failed)",
-                            leasehold_core::time::human_duration(delay),
-                            failed,
-                            policy.max_attempts
-                        ),
-                    );
-                    self.reindex(&v.value).await;
-                    // The fresh ticket is the job's now.
-                    settle(&self.ticket, AckKind::Ack).await;
-                }
-                Err(e) => self.refused("requeue", e).await,
-            }
-        } else {
-            let (class, message) = match err.class {
-                ErrorClass::Retryable => (
-                    "exhausted".to_string(),
-                    format!(
-                        "{} (retry budget of {} attempts exhausted)",
-                        err.message, policy.max_attempts
-                    ),
-                ),
-                _ => (err.class_name().to_string(), err.message.clone()),
-            };
-            let error = JobError {
-                class: class.clone(),
-                message: message.clone(),
-                at,
-            };
-            let partial = err.partial.clone();
-            match persist(shared, &self.gate, move |r, o, now| {
-                machine::fail(r, o, now, error.clone()).map(|mut n| {
-                    if let Some(p) = &partial {
-                        n.result = Some((**p).clone());
-                    }
-                    n
-                })
-            })
-            .await
-            {
-                Ok(v) if v.value.status == "cancelled" => {
-                    self.cancelled_instead(&v.value, "failure").await
-                }
-                Ok(v) => {
-                    self.failed_attempt(AttemptOutcome::Failed, &class, &message, "the job failed");
-                    self.ended_with(
-                        &v.value,
-                        "failed",
-                        json!({"class": class, "message": message, "attempts": failed}),
-                    )
-                    .await;
-                }
-                Err(e) => self.refused("failure", e).await,
-            }
-        }
+/// The write an end is, as a refusal names it.
+fn writing(ended: Ended) -> &'static str {
+    match ended {
+        Ended::Completed => "completion",
+        Ended::Parked => "parking",
+        Ended::Cancelled => "cancellation",
+        Ended::Retried => "requeue",
+        Ended::Failed => "failure",
+        Ended::HandedBack => "hand back",
     }
 }
 
@@ -482,39 +371,6 @@ where
 }
 
 impl Attempt {
-    /// The attempt's outcome: stats, metrics (duration by outcome) and its
-    /// span (`error_type` marks it failed).
-    pub(super) fn ended(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
-        // One line per attempt, inside its span (job id, epoch).
-        tracing::info!(
-            outcome = outcome.as_str(),
-            error = error_type,
-            took = %leasehold_core::time::human_duration(self.started.elapsed()),
-            "attempt ended"
-        );
-        self.finished(outcome, error_type);
-    }
-
-    /// A failed attempt's end: its one WARN line, carrying the cause (class
-    /// and message) and what happens next, then the same bookkeeping as
-    /// [`Attempt::ended`].
-    pub(super) fn failed_attempt(
-        &self,
-        outcome: AttemptOutcome,
-        class: &str,
-        message: &str,
-        next: &str,
-    ) {
-        tracing::warn!(
-            outcome = outcome.as_str(),
-            class,
-            error = message,
-            took = %leasehold_core::time::human_duration(self.started.elapsed()),
-            "attempt failed; {next}"
-        );
-        self.finished(outcome, Some(class));
-    }
-
     /// Stats, metrics and the span of an attempt that ended.
     pub(super) fn finished(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
         self.shared.count(outcome);
@@ -528,7 +384,8 @@ impl Attempt {
     }
 
     pub(super) async fn lost(&self, why: &str) {
-        self.ended(AttemptOutcome::OwnershipLost, Some("ownership_lost"));
+        tracing::info!(outcome = AttemptOutcome::OwnershipLost.as_str(), error = "ownership_lost", took = %leasehold_core::time::human_duration(self.started.elapsed()), "attempt ended");
+        self.finished(AttemptOutcome::OwnershipLost, Some("ownership_lost"));
         ownership_lost(&self.shared, &self.rec, why).await;
     }
 

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind};
-use leasehold_core::machine::{self, Owner};
+use leasehold_core::machine::{self, End, Owner};
 use leasehold_core::retry::Backoff;
 use leasehold_core::{JobError, JobRecord};
 use leasehold_proto::JobResult;
@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::Shared;
-use crate::handler::{HandlerError, JobCtx, Outcome};
+use crate::handler::JobCtx;
 
 mod end;
 
@@ -261,7 +261,7 @@ async fn run_attempt(
             timer,
             span,
         };
-        a.hand_back().await;
+        a.finish(End::HandedBack).await;
         return;
     };
     // A reclaim or a retry: the previous attempt's span, one trace.
@@ -290,7 +290,7 @@ async fn run_attempt(
     // replica lagging behind (review G6) but the payload really gone; and a
     // retry could not help: its fresh ticket would carry the empty input.
     if rec.input_beside && rec.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
-        a.error(HandlerError::terminal(
+        a.finish(End::terminal(
             "the job's input (over 16 KiB, kept beside its record in the payloads bucket) is gone; it is not run on an empty value",
         ))
         .await;
@@ -311,7 +311,7 @@ async fn run_attempt(
         done.cancel();
         watchers.abort_all();
         tracing::error!(job = %id, kind = %rec.kind, "no handler for this kind here; handing it back");
-        a.hand_back().await;
+        a.finish(End::HandedBack).await;
         return;
     };
     let cancel_asked = Arc::new(AtomicBool::new(false));
@@ -339,14 +339,14 @@ async fn run_attempt(
             watchers.abort_all();
             match stop {
                 Stop::Lost(why) => a.lost(&why).await,
-                Stop::Cancel => a.cancel(partial).await,
-                Stop::Handoff => a.hand_back().await,
+                Stop::Cancel => a.finish(End::Cancelled { partial }).await,
+                Stop::Handoff => a.finish(End::HandedBack).await,
                 Stop::Deadline => {
-                    let err = HandlerError::retryable(format!(
+                    let end = End::retryable(format!(
                         "the attempt ran past --attempt-timeout ({})",
                         leasehold_core::time::format_duration(shared.opts.attempt_timeout)
                     ));
-                    a.error(err).await;
+                    a.finish(end).await;
                 }
             }
             return;
@@ -355,15 +355,7 @@ async fn run_attempt(
     done.cancel();
     cancel.cancel();
     watchers.abort_all();
-    match result {
-        Ok(Outcome::Completed(res)) => a.complete(res).await,
-        Ok(Outcome::Parked {
-            reason,
-            message,
-            step,
-        }) => a.park(reason, message, step).await,
-        Err(err) => a.error(err).await,
-    }
+    a.finish(result).await;
 }
 
 /// What publishing an attempt's claim marker came to.
@@ -410,13 +402,13 @@ async fn claim_marker(shared: &Shared, rec: &JobRecord, reclaim: bool) -> Marker
 /// aborted; what it produced before it stopped (a partial report) comes
 /// with the stop, for a cancelled job's end.
 async fn until_stopped(
-    mut task: tokio::task::JoinHandle<Result<Outcome, HandlerError>>,
+    mut task: tokio::task::JoinHandle<End>,
     stop_rx: &mut mpsc::Receiver<Stop>,
     cancel: &CancellationToken,
     cancel_asked: &AtomicBool,
-) -> Result<Result<Outcome, HandlerError>, (Stop, Option<Box<JobResult>>)> {
+) -> Result<End, (Stop, Option<Box<JobResult>>)> {
     let stop = tokio::select! {
-        r = &mut task => return Ok(r.unwrap_or_else(|e| Err(HandlerError::retryable(format!("handler panicked: {e}"))))),
+        r = &mut task => return Ok(r.unwrap_or_else(|e| End::retryable(format!("handler panicked: {e}")))),
         s = stop_rx.recv() => s.unwrap_or(Stop::Lost("the attempt's stop channel closed".into())),
     };
     if matches!(stop, Stop::Cancel) {
@@ -424,7 +416,7 @@ async fn until_stopped(
     }
     cancel.cancel();
     let partial = match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
-        Ok(Ok(Err(e))) => e.partial,
+        Ok(Ok(end)) => end.into_partial(),
         Ok(_) => None,
         Err(_) => {
             task.abort();

@@ -1,0 +1,170 @@
+//! The built-in kinds, written against the SDK like any user's kind:
+//! `echo`, `sleep`, `fail` and `crash` for tests, the demo and benchmarks,
+//! and `deliver`, the demo of the effects ledger. Every worker built with
+//! [`crate::Worker`] has them; it serves the ones its `--kinds` name.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_tools::{CallCtx, CollectEvents, Disposition, NoEvents, Toolbox, ToolboxConfig};
+use serde_json::{json, Value};
+use tokio::sync::OnceCell;
+
+use crate::{async_trait, Ctx, Error, Kind};
+
+/// The built-in kinds by name.
+pub(crate) fn kinds() -> Vec<(String, Arc<dyn Kind>)> {
+    vec![
+        ("echo".into(), Arc::new(Echo) as Arc<dyn Kind>),
+        ("sleep".into(), Arc::new(Sleep)),
+        ("fail".into(), Arc::new(Fail)),
+        ("crash".into(), Arc::new(Crash)),
+        ("deliver".into(), Arc::new(Deliver::default())),
+    ]
+}
+
+/// Sleeps `ms` milliseconds, or until the attempt must stop.
+async fn nap(ctx: &Ctx, ms: u64) -> Result<(), Error> {
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_millis(ms)) => Ok(()),
+        _ = ctx.cancelled().cancelled() => Err(Error::Cancelled),
+    }
+}
+
+fn number(ctx: &Ctx, field: &str) -> Option<u64> {
+    ctx.input_json().get(field).and_then(Value::as_u64)
+}
+
+/// `echo`: the result is the input.
+struct Echo;
+
+#[async_trait]
+impl Kind for Echo {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        Ok(ctx.input_json().clone())
+    }
+}
+
+/// `sleep`: input `{"ms": N}`; sleeps (the runner heartbeats meanwhile).
+struct Sleep;
+
+#[async_trait]
+impl Kind for Sleep {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let ms = number(ctx, "ms").unwrap_or(0);
+        nap(ctx, ms).await?;
+        Ok(json!({"slept_ms": ms}))
+    }
+}
+
+/// `fail`: input `{"class": "retryable"|"terminal", "times": N, "ms": M}`:
+/// runs for M milliseconds (default 0), then fails while fewer than N
+/// attempts have failed, then succeeds. `{"class": "park"}` parks the job
+/// for a person instead, and completes once resumed (when the job already
+/// has a `parked` event).
+struct Fail;
+
+#[async_trait]
+impl Kind for Fail {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let ms = number(ctx, "ms").unwrap_or(0);
+        if ms > 0 {
+            nap(ctx, ms).await?;
+        }
+        let class = ctx.input_json().get("class").and_then(Value::as_str);
+        if class == Some("park") {
+            let parked = ctx
+                .events()
+                .events
+                .last_of_type(ctx.id(), "parked")
+                .await
+                .map_err(|e| Error::retryable(format!("reading the job's events: {e}")))?;
+            return match parked {
+                None => Err(Error::park("injected", "a park for review (test kind)")),
+                Some(_) => Ok(json!({"resumed": true})),
+            };
+        }
+        let times = number(ctx, "times").unwrap_or(u64::MAX);
+        let failed = u64::from(ctx.failed_attempts());
+        if failed < times {
+            let m = format!("injected failure {} of {times}", failed + 1);
+            return Err(match class {
+                Some("terminal") => Error::terminal(m),
+                _ => Error::retryable(m),
+            });
+        }
+        Ok(json!({"failed_attempts": failed}))
+    }
+}
+
+/// `crash`: aborts the worker process (for poison-job and crash tests).
+struct Crash;
+
+#[async_trait]
+impl Kind for Crash {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        tracing::warn!(job = %ctx.id(), "crash job: aborting this worker process");
+        std::process::abort();
+    }
+}
+
+/// `deliver`: input `{"title": T, "document": D}`; it calls the built-in
+/// `publish` tool once under the step id `deliver#0`, so every attempt and
+/// every reclaim of the job uses the same idempotency key: a delivery whose
+/// outcome is unknown is reconciled at the destination before anything
+/// runs again, and an unknowable outcome parks the job instead of
+/// guessing. The effect runs only after a fenced write proved this attempt
+/// still owns the job ([`Ctx::owner_guard`]). Its toolbox is built on first
+/// use.
+#[derive(Default)]
+struct Deliver {
+    toolbox: OnceCell<Toolbox>,
+}
+
+impl Deliver {
+    async fn toolbox(&self, ctx: &Ctx) -> Result<&Toolbox, Error> {
+        self.toolbox
+            .get_or_try_init(|| async {
+                let cfg = ToolboxConfig::from_env()
+                    .map_err(|e| Error::terminal(format!("tool configuration: {e}")))?;
+                let ledger = ctx.effects_ledger().await?;
+                Toolbox::builtin(&cfg, Some(ledger), Arc::new(NoEvents))
+                    .map_err(|e| Error::terminal(format!("toolbox: {e}")))
+            })
+            .await
+    }
+}
+
+#[async_trait]
+impl Kind for Deliver {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let tb = self.toolbox(ctx).await?;
+        let input = ctx.input_json();
+        let text = |f: &str, or: &'static str| input.get(f).and_then(Value::as_str).unwrap_or(or);
+        let args = json!({"title": text("title", "untitled"), "document": text("document", "")});
+        let call = CallCtx::new(ctx.id(), "deliver#0", ctx.epoch())
+            .of_incarnation(&ctx.record().created_at)
+            .guarded(ctx.owner_guard());
+        let events = CollectEvents::new();
+        let res = tokio::select! {
+            r = tb.call_with(&call, "publish", &args, &events) => r,
+            _ = ctx.cancelled().cancelled() => return Err(Error::Cancelled),
+        };
+        for ev in events.events() {
+            let _ = ctx
+                .job()
+                .emit("tool", serde_json::to_value(&ev).unwrap_or_default())
+                .await;
+        }
+        match res {
+            Ok(out) => Ok(json!({"key": out.key, "outcome": out.outcome, "value": out.value})),
+            Err(e) => Err(match e.disposition() {
+                Disposition::Park => Error::park(e.class(), e.to_string()),
+                // Not the owner any more: nothing ran, nothing to write.
+                Disposition::Stop => Error::Cancelled,
+                Disposition::Retry => Error::retryable(e.to_string()),
+                _ => Error::terminal(e.to_string()),
+            }),
+        }
+    }
+}
