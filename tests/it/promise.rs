@@ -826,3 +826,63 @@ async fn a_kill_between_the_terminal_write_and_its_event_still_ends_the_job() {
     stop_r.cancel();
     r.wait().await.unwrap();
 }
+
+// Issue 31: an attempt's end publishes what goes before its record write
+// (a retry's event and its fresh ticket), then writes the record. A worker
+// killed in between leaves a ticket that no record names yet and a record
+// still `running` under a session that is gone: the job is reclaimed once,
+// its lost failure is run again, and it completes exactly once.
+#[tokio::test]
+async fn a_kill_between_a_retrys_ticket_and_its_record_runs_the_job_once_more() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(
+        &["--worker-id", "dies-mid-retry"],
+        &[("NATS_URL", proxy.url())],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    env.submit(
+        "fail",
+        json!({"input": {"class": "retryable", "times": 1, "ms": 1500}}),
+        "mid-retry",
+    )
+    .await;
+    // Indexed: the attempt writes nothing more to its record until its end.
+    env.wait_indexed("mid-retry", Duration::from_secs(10)).await;
+    let hold = proxy.hold("$KV.lh_jobs.>");
+    tokio::time::timeout(Duration::from_secs(20), hold.triggered())
+        .await
+        .expect("the owner tried to write its retry");
+    let tickets = proxy.published(&format!("{}.submit.fail", env.prefix));
+    assert_eq!(tickets, 1, "the retry's ticket went out before its record");
+    a.kill9();
+    proxy.cut();
+    let before = env.jobs.get("mid-retry").await.unwrap().unwrap().value;
+    assert_eq!(
+        (before.status.as_str(), before.attempts, before.epoch),
+        ("running", 0, 1),
+        "the retry's record write never landed"
+    );
+    let (r, stop_r) = start_reaper(&env).await;
+    let (w, stop_w) = env.worker().await;
+    let done = env
+        .wait_status("mid-retry", "completed", Duration::from_secs(60))
+        .await;
+    // The lost failure ran again (attempt 1 at epoch 2), then the retry.
+    assert_eq!(done.attempts, 1, "{done:?}");
+    assert_eq!(done.stale_reclaims, 1, "reclaimed once: {done:?}");
+    let events = env.events_of("mid-retry").await;
+    let completed = events.iter().filter(|e| e.r#type == "completed").count();
+    assert_eq!(completed, 1, "completed exactly once: {events:?}");
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.r#type == "completed")
+            .all(|e| e.epoch == done.epoch),
+        "only the last owner completed it: {events:?}"
+    );
+    stop_w.cancel();
+    w.wait().await.unwrap();
+    stop_r.cancel();
+    r.wait().await.unwrap();
+}
