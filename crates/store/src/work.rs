@@ -485,19 +485,23 @@ impl Work {
         kinds: &leasehold_core::spec::Kinds,
         max_bytes: usize,
         traceparent: impl Fn(&HeaderMap, &str, &str) -> Option<String>,
-    ) -> serde_json::Value {
+    ) -> Enqueued {
         use leasehold_core::{machine, spec};
-        use serde_json::json;
         let ticket = match self.get(seq).await {
             Ok(Some(t)) => t,
             // Consumed already (its claim made the record), or never stored.
-            Ok(None) => return json!({"seq": seq, "created": false, "outcome": "gone"}),
+            Ok(None) => return Enqueued::Gone,
             Err(e) => {
-                return json!({"seq": seq, "created": false, "outcome": "error", "error": e.to_string()})
+                return Enqueued::Error {
+                    id: None,
+                    error: e.to_string(),
+                }
             }
         };
         if let Some(id) = ticket.headers.get(JOB_ID_HEADER) {
-            return json!({"seq": seq, "id": id.as_str(), "created": false, "outcome": "reissued"});
+            return Enqueued::Reissued {
+                id: id.as_str().into(),
+            };
         }
         let hint = ticket_job_id(Some(&ticket.headers));
         let ct = content_type(Some(&ticket.headers));
@@ -512,7 +516,10 @@ impl Work {
         let accepted = match spec::decode(sub, kinds, max_bytes) {
             Ok(a) => a,
             Err(rej) => {
-                return json!({"seq": seq, "id": rej.id, "created": false, "outcome": "invalid", "error": rej.error.to_string()})
+                return Enqueued::Invalid {
+                    id: rej.id,
+                    error: rej.error.to_string(),
+                }
             }
         };
         let mut rec = machine::new_record(
@@ -530,14 +537,156 @@ impl Work {
                         tracing::debug!(job = %rec.id, error = %e, "queued record not indexed; its ticket covers it");
                     }
                 }
-                json!({"seq": seq, "id": rec.id, "created": true, "status": "queued"})
+                Enqueued::Created { id: rec.id }
             }
-            Err(crate::JobsError::Exists(_)) => {
-                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "exists"})
+            Err(crate::JobsError::Exists(_)) => Enqueued::Exists { id: rec.id },
+            Err(e) => Enqueued::Error {
+                id: Some(rec.id),
+                error: e.to_string(),
+            },
+        }
+    }
+}
+
+/// What [`Work::record_ticket`] did with a stored ticket: the answer on
+/// `lh.enqueued.<seq>`, written in one place ([`Enqueued::answer`]) and
+/// read in one ([`Enqueued::of_answer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Enqueued {
+    /// The queued record was written (and listed as waiting).
+    Created { id: String },
+    /// The record exists already (a claim or an earlier answer made it).
+    Exists { id: String },
+    /// A ticket leasehold re-issued: its record exists.
+    Reissued { id: String },
+    /// Consumed already (its claim made the record), or never stored.
+    Gone,
+    /// The ticket does not decode: its claim records the rejection.
+    Invalid { id: Option<String>, error: String },
+    /// The store did not answer; the claim writes the record.
+    Error { id: Option<String>, error: String },
+}
+
+impl Enqueued {
+    /// The outcome word of an answer that created nothing.
+    fn outcome(&self) -> Option<&'static str> {
+        match self {
+            Enqueued::Created { .. } => None,
+            Enqueued::Exists { .. } => Some("exists"),
+            Enqueued::Reissued { .. } => Some("reissued"),
+            Enqueued::Gone => Some("gone"),
+            Enqueued::Invalid { .. } => Some("invalid"),
+            Enqueued::Error { .. } => Some("error"),
+        }
+    }
+
+    /// The answer as JSON: `{"seq", "id", "created": true, "status":
+    /// "queued"}`, or `{"seq", "id"?, "created": false, "outcome", "error"?}`.
+    ///
+    /// ```
+    /// use leasehold_store::work::Enqueued;
+    /// let a = Enqueued::Exists { id: "j1".into() }.answer(Some(7));
+    /// assert_eq!(a["outcome"], "exists");
+    /// assert_eq!(Enqueued::of_answer(&a), Enqueued::Exists { id: "j1".into() });
+    /// ```
+    pub fn answer(&self, seq: Option<u64>) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        if let Some(seq) = seq {
+            m.insert("seq".into(), seq.into());
+        }
+        let (id, error) = match self {
+            Enqueued::Created { id } | Enqueued::Exists { id } | Enqueued::Reissued { id } => {
+                (Some(id.as_str()), None)
             }
-            Err(e) => {
-                json!({"seq": seq, "id": rec.id, "created": false, "outcome": "error", "error": e.to_string()})
+            Enqueued::Gone => (None, None),
+            Enqueued::Invalid { id, error } | Enqueued::Error { id, error } => {
+                (id.as_deref(), Some(error.as_str()))
             }
+        };
+        if let Some(id) = id {
+            m.insert("id".into(), id.into());
+        }
+        match self.outcome() {
+            None => {
+                m.insert("created".into(), true.into());
+                m.insert("status".into(), "queued".into());
+            }
+            Some(o) => {
+                m.insert("created".into(), false.into());
+                m.insert("outcome".into(), o.into());
+            }
+        }
+        if let Some(e) = error {
+            m.insert("error".into(), e.into());
+        }
+        serde_json::Value::Object(m)
+    }
+
+    /// An answer read back; one that says nothing known is an error.
+    pub fn of_answer(v: &serde_json::Value) -> Enqueued {
+        let id = v["id"].as_str().map(str::to_string);
+        let error = v["error"]
+            .as_str()
+            .unwrap_or("an answer without an outcome")
+            .to_string();
+        let named = |f: fn(String) -> Enqueued| match &id {
+            Some(id) => f(id.clone()),
+            None => Enqueued::Error {
+                id: None,
+                error: format!("an answer without a job id: {v}"),
+            },
+        };
+        if v["created"] == true {
+            return named(|id| Enqueued::Created { id });
+        }
+        match v["outcome"].as_str() {
+            Some("exists") => named(|id| Enqueued::Exists { id }),
+            Some("reissued") => named(|id| Enqueued::Reissued { id }),
+            Some("gone") => Enqueued::Gone,
+            Some("invalid") => Enqueued::Invalid { id, error },
+            _ => Enqueued::Error { id, error },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Enqueued;
+    use serde_json::json;
+
+    #[test]
+    fn every_enqueued_answer_reads_back_as_itself_in_the_documented_shape() {
+        let all = [
+            Enqueued::Created { id: "a".into() },
+            Enqueued::Exists { id: "a".into() },
+            Enqueued::Reissued { id: "a".into() },
+            Enqueued::Gone,
+            Enqueued::Invalid {
+                id: Some("a".into()),
+                error: "bad".into(),
+            },
+            Enqueued::Error {
+                id: None,
+                error: "away".into(),
+            },
+        ];
+        for e in all {
+            assert_eq!(Enqueued::of_answer(&e.answer(Some(3))), e);
+        }
+        assert_eq!(
+            Enqueued::Created { id: "a".into() }.answer(Some(3)),
+            json!({"seq": 3, "id": "a", "created": true, "status": "queued"})
+        );
+        assert_eq!(
+            Enqueued::Gone.answer(Some(3)),
+            json!({"seq": 3, "created": false, "outcome": "gone"})
+        );
+        // An answer that says nothing known is an error, never a success.
+        for bad in [json!({}), json!({"created": true}), json!("text")] {
+            assert!(
+                matches!(Enqueued::of_answer(&bad), Enqueued::Error { .. }),
+                "{bad}"
+            );
         }
     }
 }

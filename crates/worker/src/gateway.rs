@@ -28,7 +28,7 @@ use leasehold_core::machine;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_store::dlq::Dlq;
 use leasehold_store::events::{self, Events};
-use leasehold_store::work::{self, Work};
+use leasehold_store::work::{self, Enqueued, Work};
 use leasehold_store::{Conn, Jobs, JobsError};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -130,8 +130,8 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
             }
             Some(m) = enqueued.next() => {
                 let reply = match l.seq_of_enqueued_subject(&m.subject) {
-                    Some(seq) => gw.record_ticket(seq).await,
-                    None => json!({"created": false, "outcome": "invalid", "error": format!("{} names no ticket sequence", m.subject)}),
+                    Some(seq) => gw.record_ticket(seq).await.answer(Some(seq)),
+                    None => Enqueued::Invalid { id: None, error: format!("{} names no ticket sequence", m.subject) }.answer(None),
                 };
                 if let Some(r) = m.reply {
                     let _ = conn.client.publish(r, reply.to_string().into()).await;
@@ -219,7 +219,7 @@ pub struct Gateway {
 impl Gateway {
     /// [`Work::record_ticket`] with this worker's kinds, size limit and
     /// trace choice.
-    async fn record_ticket(&self, seq: u64) -> serde_json::Value {
+    async fn record_ticket(&self, seq: u64) -> Enqueued {
         self.work
             .record_ticket(
                 &self.jobs,

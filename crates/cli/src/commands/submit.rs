@@ -18,7 +18,7 @@ use std::io::Read;
 
 use anyhow::Context as _;
 use leasehold_core::spec::{self, Kinds, Submission};
-use leasehold_store::work::Work;
+use leasehold_store::work::{Enqueued, Work};
 use leasehold_store::{Conn, NatsArgs};
 use prost::Message as _;
 
@@ -286,10 +286,9 @@ async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) {
     match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
         Ok(Ok(m)) => {
             let answer: serde_json::Value = serde_json::from_slice(&m.payload).unwrap_or_default();
-            if answer["outcome"] == "error" {
+            if let Enqueued::Error { error, .. } = Enqueued::of_answer(&answer) {
                 eprintln!(
-                    "note: job {id} is queued; its record is not written yet ({}): it appears when a worker claims the job",
-                    answer["error"].as_str().unwrap_or("unknown error")
+                    "note: job {id} is queued; its record is not written yet ({error}): it appears when a worker claims the job"
                 );
             }
         }
@@ -310,14 +309,20 @@ async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) {
                         )
                         .await
                 }
-                (Err(e), _) | (_, Err(e)) => {
-                    serde_json::json!({"created": false, "outcome": "error", "error": e.to_string()})
-                }
+                (Err(e), _) | (_, Err(e)) => Enqueued::Error {
+                    id: None,
+                    error: e.to_string(),
+                },
             };
-            if made["created"] != true && made["outcome"] != "exists" {
+            let why = match made {
+                Enqueued::Created { .. } | Enqueued::Exists { .. } => None,
+                Enqueued::Invalid { error, .. } | Enqueued::Error { error, .. } => Some(error),
+                Enqueued::Reissued { .. } => Some("reissued".to_string()),
+                Enqueued::Gone => Some("gone".to_string()),
+            };
+            if let Some(why) = why {
                 eprintln!(
-                    "note: no worker is running and job {id}'s record could not be written here ({}): it waits in the queue, and its record appears when a worker claims it",
-                    made["error"].as_str().or(made["outcome"].as_str()).unwrap_or("unknown")
+                    "note: no worker is running and job {id}'s record could not be written here ({why}): it waits in the queue, and its record appears when a worker claims it"
                 );
             }
         }
