@@ -28,7 +28,9 @@ async fn request_cancel_quietly(env: &Env, id: &str) {
                 machine::CancelOutcome::Requested(n) | machine::CancelOutcome::Cancelled(n) => {
                     Ok(Some(n))
                 }
-                machine::CancelOutcome::Unchanged(_) => Ok(None),
+                machine::CancelOutcome::AlreadyRequested | machine::CancelOutcome::Unchanged(_) => {
+                    Ok(None)
+                }
             }
         })
         .await

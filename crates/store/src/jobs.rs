@@ -688,12 +688,12 @@ pub async fn cancel(
                     outcome = Some("requested");
                     Ok(Some(r))
                 }
-                machine::CancelOutcome::Unchanged(why) => {
-                    outcome = Some(if why.contains("already requested") {
-                        "already_requested"
-                    } else {
-                        "unchanged"
-                    });
+                machine::CancelOutcome::AlreadyRequested => {
+                    outcome = Some("already_requested");
+                    Ok(None)
+                }
+                machine::CancelOutcome::Unchanged(_) => {
+                    outcome = Some("unchanged");
                     Ok(None)
                 }
             }

@@ -444,7 +444,9 @@ pub enum CancelOutcome {
     Cancelled(JobRecord),
     /// Is running: `cancel_requested` set; the owner stops within one heartbeat.
     Requested(JobRecord),
-    /// Already requested, or already terminal: nothing to write.
+    /// Running, and asked to be cancelled already: nothing to write.
+    AlreadyRequested,
+    /// Already terminal (the message says which): nothing to write.
     Unchanged(String),
 }
 
@@ -464,9 +466,7 @@ pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome,
             r.updated_at = rfc3339(now);
             Ok(CancelOutcome::Cancelled(r))
         }
-        Some(Status::Running) if rec.cancel_requested => Ok(CancelOutcome::Unchanged(
-            "cancellation already requested".into(),
-        )),
+        Some(Status::Running) if rec.cancel_requested => Ok(CancelOutcome::AlreadyRequested),
         Some(Status::Running) => {
             let mut r = rec.clone();
             r.cancel_requested = true;

@@ -277,6 +277,10 @@ fn cancellation_queued_running_terminal() {
         panic!()
     };
     assert!(r.cancel_requested);
+    assert_eq!(
+        request_cancel(&r, t(1)).unwrap(),
+        CancelOutcome::AlreadyRequested
+    );
     // The owner is still the owner after a cancel request.
     let c = cancel_owned(&r, &Owner::of(&a).unwrap(), t(2)).unwrap();
     assert_eq!(c.status, "cancelled");
