@@ -48,9 +48,15 @@ pub enum JobsError {
     Transition(#[from] TransitionError),
     #[error("job {id} has an unreadable record: {message}")]
     Corrupt { id: String, message: String },
-    /// NATS did not answer or failed: transient, retry later.
-    #[error("NATS: {0}")]
-    Nats(String),
+    /// NATS did not answer or failed: transient, retry later. The cause
+    /// is kept as the error's source.
+    #[error("NATS: {context}: {source}")]
+    Nats {
+        /// What was being done (`read job j1`).
+        context: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The owner's session was not confirmed recently enough to act on it
     /// (the process was paused, or cut off from NATS): wait for a renewal.
     #[error("this worker's session was last confirmed {0:?} ago; not acting until it is renewed")]
@@ -58,6 +64,17 @@ pub enum JobsError {
 }
 
 impl JobsError {
+    /// NATS failed while doing `context`, for the reason `source`.
+    pub fn nats(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> JobsError {
+        JobsError::Nats {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
     pub fn is_ownership_lost(&self) -> bool {
         matches!(
             self,
@@ -69,7 +86,7 @@ impl JobsError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            JobsError::Nats(_) | JobsError::Conflict(_) | JobsError::SessionStale(_)
+            JobsError::Nats { .. } | JobsError::Conflict(_) | JobsError::SessionStale(_)
         )
     }
 }
@@ -158,9 +175,7 @@ impl Jobs {
                 match self.payloads.create(&key, spec.input.clone().into()).await {
                     Ok(_) => {}
                     Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
-                    Err(e) => {
-                        return Err(JobsError::Nats(format!("store input of {}: {e}", rec.id)))
-                    }
+                    Err(e) => return Err(JobsError::nats(format!("store input of {}", rec.id), e)),
                 }
                 rec.input_beside = true;
             }
@@ -171,7 +186,7 @@ impl Jobs {
                 self.payloads
                     .put(&key, out.output.clone().into())
                     .await
-                    .map_err(|e| JobsError::Nats(format!("store output of {}: {e}", rec.id)))?;
+                    .map_err(|e| JobsError::nats(format!("store output of {}", rec.id), e))?;
                 rec.output_beside = true;
             }
         }
@@ -197,7 +212,7 @@ impl Jobs {
                 Ok(m) if crate::is_removal(&m.headers) => Ok(None),
                 Ok(m) => Ok(Some(String::from_utf8_lossy(&m.payload).into_owned())),
                 Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-                Err(e) => Err(JobsError::Nats(format!("read {key}: {e}"))),
+                Err(e) => Err(JobsError::nats(format!("read {key}"), e)),
             }
         };
         if rec.input_beside {
@@ -254,7 +269,7 @@ impl Jobs {
         {
             Ok(m) => m,
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
-            Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),
+            Err(e) => return Err(JobsError::nats(format!("read job {id}"), e)),
         };
         if crate::is_removal(&m.headers) {
             return Ok(None);
@@ -279,11 +294,10 @@ impl Jobs {
             Err(e) if server_error_code(&e) == Some(WRONG_LAST_SEQUENCE_CONSTANT) => {
                 Err(JobsError::Conflict(rec.id.clone()))
             }
-            Err(e) => Err(JobsError::Nats(format!(
-                "create job {}: {}",
-                rec.id,
-                full_hint(&e)
-            ))),
+            Err(e) => Err(JobsError::nats(
+                format!("create job {}", rec.id),
+                full_hint(&e),
+            )),
         }
     }
 
@@ -300,17 +314,18 @@ impl Jobs {
             .put_prefix
             .clone()
             .unwrap_or_else(|| self.kv.prefix.clone());
-        let nats = |e: &dyn std::fmt::Display| JobsError::Nats(format!("seed records: {e}"));
+        let nats =
+            |e: async_nats::jetstream::context::PublishError| JobsError::nats("seed records", e);
         let mut acks = Vec::with_capacity(recs.len());
         for r in recs {
             acks.push(
                 js.publish(format!("{prefix}{}", r.id), encode(r)?)
                     .await
-                    .map_err(|e| nats(&e))?,
+                    .map_err(nats)?,
             );
         }
         for a in acks {
-            a.await.map_err(|e| nats(&e))?;
+            a.await.map_err(nats)?;
         }
         Ok(())
     }
@@ -330,11 +345,10 @@ impl Jobs {
                 tracing::debug!(job = %rec.id, "spurious 10164 on update; re-reading");
                 Err(JobsError::Conflict(rec.id.clone()))
             }
-            Err(e) => Err(JobsError::Nats(format!(
-                "update job {}: {}",
-                rec.id,
-                full_hint(&e)
-            ))),
+            Err(e) => Err(JobsError::nats(
+                format!("update job {}", rec.id),
+                full_hint(&e),
+            )),
         }
     }
 
@@ -377,12 +391,12 @@ impl Jobs {
             .kv
             .keys()
             .await
-            .map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
+            .map_err(|e| JobsError::nats("list jobs", e))?;
         // A key updated while the listing runs can be delivered twice.
         let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
         while let Some(k) = keys.next().await {
-            let k = k.map_err(|e| JobsError::Nats(format!("list jobs: {e}")))?;
+            let k = k.map_err(|e| JobsError::nats("list jobs", e))?;
             if seen.insert(k.clone()) {
                 out.push(k);
             }
@@ -416,10 +430,10 @@ impl Jobs {
             .kv
             .history(id)
             .await
-            .map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
+            .map_err(|e| JobsError::nats(format!("history of {id}"), e))?;
         let mut out = Vec::new();
         while let Some(e) = h.next().await {
-            let e = e.map_err(|e| JobsError::Nats(format!("history of {id}: {e}")))?;
+            let e = e.map_err(|e| JobsError::nats(format!("history of {id}"), e))?;
             if e.operation == kv::Operation::Put {
                 out.push(Versioned {
                     value: decode(id, &e.value)?,
@@ -458,7 +472,7 @@ impl Jobs {
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
                 return Ok(None)
             }
-            Err(e) => return Err(JobsError::Nats(format!("read job {id}: {e}"))),
+            Err(e) => return Err(JobsError::nats(format!("read job {id}"), e)),
         };
         if crate::is_removal(&m.headers) {
             return Ok(Some((m.sequence, None)));
@@ -475,7 +489,7 @@ impl Jobs {
         self.kv
             .watch_with_history(id)
             .await
-            .map_err(|e| JobsError::Nats(format!("watch {id}: {e}")))
+            .map_err(|e| JobsError::nats(format!("watch {id}"), e))
     }
 
     /// A watch of every record written from now on (not the bucket's
@@ -484,7 +498,7 @@ impl Jobs {
         self.kv
             .watch(">")
             .await
-            .map_err(|e| JobsError::Nats(format!("watch jobs: {e}")))
+            .map_err(|e| JobsError::nats("watch jobs", e))
     }
 
     /// A watch of every change to any record.
@@ -492,7 +506,7 @@ impl Jobs {
         self.kv
             .watch_all()
             .await
-            .map_err(|e| JobsError::Nats(format!("watch jobs: {e}")))
+            .map_err(|e| JobsError::nats("watch jobs", e))
     }
 }
 
@@ -733,5 +747,23 @@ pub async fn cancel(
             json!({"id": id, "recorded": false, "outcome": "error", "error": e.to_string()}),
             None,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::JobsError;
+
+    #[test]
+    fn a_nats_failure_keeps_its_cause_as_the_source_and_stays_transient() {
+        let cause = std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out");
+        let e = JobsError::nats("read job j1", cause);
+        assert_eq!(e.to_string(), "NATS: read job j1: timed out");
+        assert!(e.is_transient());
+        let source = std::error::Error::source(&e).expect("the cause is kept");
+        let io = source
+            .downcast_ref::<std::io::Error>()
+            .expect("as the error it was");
+        assert_eq!(io.kind(), std::io::ErrorKind::TimedOut);
     }
 }

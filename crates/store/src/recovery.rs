@@ -551,7 +551,7 @@ impl Recovery {
 
 fn jobs_err(e: JobsError) -> StoreError {
     match e {
-        JobsError::Nats(m) => StoreError::Nats(m),
+        JobsError::Nats { context, source } => StoreError::Nats(format!("{context}: {source}")),
         other => StoreError::Nats(other.to_string()),
     }
 }

@@ -15,7 +15,7 @@ use leasehold_core::JobRecord;
 use leasehold_store::events;
 use leasehold_store::index::Key;
 use leasehold_store::work::ticket_first;
-use leasehold_store::{Gate, JobsError, Versioned};
+use leasehold_store::{Gate, JobsError, StoreError, Versioned};
 use leasehold_telemetry::metrics::AttemptOutcome;
 use leasehold_telemetry::spans;
 use serde_json::{json, Value};
@@ -269,36 +269,32 @@ impl Attempt {
     /// ([`TICKET_PATIENCE`]; 10 s once shutdown hands jobs back); then the
     /// caller decides (a retry re-queues without a ticket, for the reaper
     /// to replace).
-    pub(super) async fn fresh_ticket(&self, reason: &str) -> Result<u64, JobsError> {
+    pub(super) async fn fresh_ticket(&self, reason: &str) -> Result<u64, StoreError> {
         let mut pause = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let patience = tokio::time::Instant::now() + TICKET_PATIENCE;
         let mut give_up: Option<tokio::time::Instant> = None;
         loop {
-            if tokio::time::Instant::now() >= patience {
-                return Err(JobsError::Nats(format!(
-                    "no ticket could be published in {TICKET_PATIENCE:?}"
-                )));
-            }
-            match self
+            let e = match self
                 .shared
                 .work
                 .reissue(&self.rec, reason, &self.rec.epoch.to_string())
                 .await
             {
                 Ok(p) => return Ok(p.seq),
-                Err(e) if e.is_transient() => {
-                    if self.shared.handoff.is_cancelled() {
-                        let end = *give_up
-                            .get_or_insert(tokio::time::Instant::now() + Duration::from_secs(10));
-                        if tokio::time::Instant::now() >= end {
-                            return Err(JobsError::Nats(e.to_string()));
-                        }
-                    }
-                    tracing::warn!(job = %self.rec.id, error = %e, "cannot publish the job's next ticket yet; retrying");
-                    tokio::time::sleep(pause.pause()).await;
-                }
-                Err(e) => return Err(JobsError::Nats(e.to_string())),
+                Err(e) if !e.is_transient() => return Err(e),
+                Err(e) => e,
+            };
+            let now = tokio::time::Instant::now();
+            let handing_back = self
+                .shared
+                .handoff
+                .is_cancelled()
+                .then(|| *give_up.get_or_insert(now + Duration::from_secs(10)));
+            if now >= patience || handing_back.is_some_and(|end| now >= end) {
+                return Err(e);
             }
+            tracing::warn!(job = %self.rec.id, error = %e, "cannot publish the job's next ticket yet; retrying");
+            tokio::time::sleep(pause.pause()).await;
         }
     }
 
