@@ -966,13 +966,20 @@ async fn the_console_reads_as_lh_console_and_acts_only_through_an_operator_conne
     );
 
     // The consoles' reads needed nothing the user lacks: the only refusals
-    // of lh-console are the three above.
-    let denied: Vec<_> = s
-        .violations()
-        .into_iter()
-        .filter(|(u, _)| u == "lh-console")
-        .map(|(_, subj)| subj)
-        .collect();
+    // of lh-console are the three above. The server writes each to its log
+    // as it refuses it; the harness reads the log a moment later.
+    let console_denied = || -> Vec<String> {
+        s.violations()
+            .into_iter()
+            .filter(|(u, _)| u == "lh-console")
+            .map(|(_, subj)| subj)
+            .collect()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while console_denied().len() < 3 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let denied = console_denied();
     assert_eq!(
         denied,
         ["lh.submit.echo", "$KV.lh_jobs.c-done", "lh.cancel.c-done"],

@@ -293,7 +293,11 @@ impl NatsServer {
 
     /// The server's log so far (permission violations are logged here).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+        // Lossy: a log line quoting a client's bytes is not always UTF-8,
+        // and one such line must not hide the whole log.
+        std::fs::read(self.dir.path().join("server.log"))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
     }
 
     /// Starts a single server whose storage lives in `dir` (kept after drop).
