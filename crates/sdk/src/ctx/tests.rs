@@ -1,0 +1,34 @@
+//! Tests of which answer a park takes.
+
+use super::shared::answer_of;
+use super::*;
+use serde_json::json;
+
+fn m(v: Value) -> serde_json::Map<String, Value> {
+    v.as_object().unwrap().clone()
+}
+
+#[test]
+fn an_answer_is_taken_only_by_the_park_it_names_after_that_park() {
+    let p0 = Some((10, m(json!({"reason": "approve-1", "step": "park#0"}))));
+    let a0 = Some((11, m(json!({"answer": {"ok": 1}, "step": "park#0"}))));
+    assert_eq!(
+        answer_of("park#0", p0.clone(), a0.clone()),
+        Some(json!({"ok": 1}))
+    );
+    // The second park of the run: the first answer is not its own.
+    assert_eq!(answer_of("park#1", p0.clone(), a0.clone()), None);
+    // Parked again at park#1 after the first answer: still not its own.
+    let p1 = Some((12, m(json!({"reason": "approve-2", "step": "park#1"}))));
+    assert_eq!(answer_of("park#1", p1.clone(), a0), None);
+    // An answer older than its park is never used.
+    let old = Some((9, m(json!({"answer": 1, "step": "park#0"}))));
+    assert_eq!(answer_of("park#0", p0.clone(), old), None);
+    // An answer naming no step (written before answers named steps,
+    // or for a park no step asked) is nobody's.
+    let bare = Some((13, m(json!({"answer": 1}))));
+    assert_eq!(answer_of("park#1", p1.clone(), bare), None);
+    let a1 = Some((13, m(json!({"answer": 2, "step": "park#1"}))));
+    assert_eq!(answer_of("park#1", p1, a1), Some(json!(2)));
+    assert_eq!(answer_of("park#0", None, None), None);
+}
