@@ -1,3 +1,6 @@
+//! Tests of the flow control: limits, pauses and slots, slices below one
+//! request a second, local shares, and the concurrency learned from cuts.
+
 use super::*;
 
 #[tokio::test]

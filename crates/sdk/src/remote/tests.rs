@@ -1,3 +1,6 @@
+//! Tests of remote kinds: their settings, the request signature, the bounded
+//! toolbox cache and a recording op checked against the journal.
+
 #[test]
 fn a_kind_may_name_its_own_token_and_secret_variables() {
     let mut o = crate::Options::local("nats://127.0.0.1:4222", "lh");

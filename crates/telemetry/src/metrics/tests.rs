@@ -1,3 +1,5 @@
+//! Tests of the worker's and the reaper's series as a scrape shows them.
+
 use super::*;
 use std::collections::BTreeMap;
 use std::time::Duration;

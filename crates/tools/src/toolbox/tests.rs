@@ -1,3 +1,5 @@
+//! Tests of the toolbox's configuration, its read backoff and its events.
+
 use super::*;
 use std::collections::HashMap;
 use std::time::Duration;
