@@ -64,7 +64,6 @@ impl Failure {
 /// use leasehold_core::machine::{End, Failure};
 /// let e = End::budget_exhausted("tokens ran out");
 /// assert!(matches!(e, End::Failed { class: Failure::Budget, .. }));
-/// assert_eq!(e.class(), "budget_exhausted");
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub enum End {
@@ -150,17 +149,6 @@ impl End {
         match self {
             End::Failed { partial, .. } | End::Cancelled { partial } => partial,
             _ => None,
-        }
-    }
-    /// The end as one low-cardinality word: `completed`, `parked`,
-    /// `retryable`, `terminal`, `budget_exhausted`, `cancelled`, `handed_back`.
-    pub fn class(&self) -> &'static str {
-        match self {
-            End::Completed(_) => "completed",
-            End::Parked { .. } => "parked",
-            End::Failed { class, .. } => class.as_str(),
-            End::Cancelled { .. } => "cancelled",
-            End::HandedBack => "handed_back",
         }
     }
 }
