@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use leasehold_harness::{bin_path, wait_for_jetstream, NatsServer};
+use leasehold_harness::{bin_path, wait_for_jetstream, FaultProxy, NatsServer};
 
 use crate::support::Env;
 
@@ -46,6 +46,25 @@ async fn setup_is_idempotent_and_workers_name_what_is_missing() {
             "{out}"
         );
     }
+}
+
+/// The server makes the event stream but its answer is lost (the
+/// client's request times out): setup waits for the server, tries again,
+/// finds the stream there and finishes; the stream is asked for once.
+// The fault proxy runs in this test's runtime: it needs threads of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_whose_answer_was_lost_finds_what_it_made_and_finishes() {
+    let s = NatsServer::start();
+    wait_for_jetstream(&s.url(), Duration::from_secs(10)).await;
+    let proxy = FaultProxy::start(&s.url()).await;
+    let create = "$JS.API.STREAM.CREATE.LH_EVENTS";
+    proxy.mute_reply_to(create, 1);
+    let (code, out, err) = cli(&proxy.url(), &["setup"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("NATS unavailable; retrying"), "{err}");
+    assert_eq!(proxy.published(create), 1, "the stream was asked for again");
+    let (code, out, err) = cli(&s.url(), &["setup", "--check"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
 }
 
 #[tokio::test]

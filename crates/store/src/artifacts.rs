@@ -158,7 +158,7 @@ impl Artifacts {
             }
         }
         // The last try may still be on the way: its chunks stay.
-        Err(StoreError::Nats(format!(
+        Err(StoreError::failed(format!(
             "artifact {}: its meta kept changing",
             a.name
         )))
@@ -193,7 +193,7 @@ impl Artifacts {
         }
         let digest = format!("SHA-256={}", URL_SAFE.encode(Sha256::digest(&data)));
         if data.len() != info.size || info.digest.as_ref().is_some_and(|d| *d != digest) {
-            return Err(StoreError::Nats(format!(
+            return Err(StoreError::failed(format!(
                 "artifact {name}: read {} bytes ({digest}), its meta says {} ({:?})",
                 data.len(),
                 info.size,

@@ -169,7 +169,7 @@ impl Dlq {
             let Ok(Some(Ok(m))) =
                 tokio::time::timeout(std::time::Duration::from_secs(10), msgs.next()).await
             else {
-                return Err(StoreError::Nats("reading the DLQ stalled".into()));
+                return Err(StoreError::failed("reading the DLQ stalled"));
             };
             let info = m.info().map_err(|e| StoreError::nats("DLQ info", e))?;
             pending = info.pending;
@@ -236,7 +236,7 @@ impl Dlq {
             let Ok(Some(Ok(m))) =
                 tokio::time::timeout(std::time::Duration::from_secs(10), msgs.next()).await
             else {
-                return Err(StoreError::Nats("reading the DLQ stalled".into()));
+                return Err(StoreError::failed("reading the DLQ stalled"));
             };
             let info = m.info().map_err(|e| StoreError::nats("DLQ info", e))?;
             pending = info.pending;

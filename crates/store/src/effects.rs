@@ -239,7 +239,7 @@ pub async fn purge_job(
             continue;
         }
         let owner = serde_json::from_slice::<BusinessKeyOwner>(&found.value)
-            .map_err(|e| StoreError::Nats(format!("entry {bk_id} is not a ledger value: {e}")))?;
+            .map_err(|e| StoreError::nats(&format!("entry {bk_id} is not a ledger value"), e))?;
         // Only a business key this job's effect owns: another job's
         // (taken over, or its own effect of the same business key) stays.
         if owner.job_id != job_id || ledger_key(job_id, &owner.effect_key) != key {

@@ -155,7 +155,7 @@ impl Events {
             {
                 Some(b) => data.extend_from_slice(&b),
                 None => {
-                    return Err(StoreError::Nats(format!(
+                    return Err(StoreError::failed(format!(
                         "event data {id} of job {} is missing chunk {i}",
                         ev.job_id
                     )))
@@ -492,7 +492,7 @@ impl Events {
         while pending > 0 {
             let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
             let Ok(Some(Ok(m))) = next else {
-                return Err(StoreError::Nats(format!(
+                return Err(StoreError::failed(format!(
                     "reading events of {filter} stalled"
                 )));
             };

@@ -117,7 +117,7 @@ impl FlowStore {
         match self.limits.entry(id).await {
             Ok(Some(e)) if e.operation == kv::Operation::Put => serde_json::from_slice(&e.value)
                 .map(Some)
-                .map_err(|err| StoreError::Nats(format!("limits {id} are unreadable: {err}"))),
+                .map_err(|err| StoreError::nats(&format!("limits {id} are unreadable"), err)),
             Ok(_) => Ok(None),
             Err(e) => Err(StoreError::nats("read limits", e)),
         }

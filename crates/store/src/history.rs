@@ -410,7 +410,7 @@ pub async fn note_end(
     let rec = match jobs.get(&ev.job_id).await {
         Ok(v) => v.map(|v| v.value),
         Err(crate::JobsError::Corrupt { .. }) => None,
-        Err(e) => return Err(StoreError::Nats(format!("read job {}: {e}", ev.job_id))),
+        Err(e) => return Err(StoreError::nats(&format!("read job {}", ev.job_id), e)),
     };
     // A record that moved on (replayed since) still names the job's kind,
     // tenant and submission; its error is another end's.

@@ -359,7 +359,7 @@ impl Active {
         while pending > 0 {
             let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
             let Ok(Some(Ok(m))) = next else {
-                return Err(StoreError::Nats(format!(
+                return Err(StoreError::failed(format!(
                     "scanning the index ({pattern}) stalled"
                 )));
             };

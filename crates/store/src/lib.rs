@@ -29,6 +29,7 @@
 //! setup`); any other failure is [`StoreError::Unavailable`] (a leader
 //! election, a restarting node), retried at start by [`retry_unavailable`].
 
+pub mod answer;
 pub mod artifacts;
 pub mod connect;
 pub mod dlq;
@@ -71,13 +72,44 @@ pub enum StoreError {
     /// full): nothing was stored; try again later.
     #[error("the stream is full: {0}")]
     QueueFull(String),
-    #[error("{0}")]
-    Nats(String),
+    /// A NATS request failed: what was being done, and the client's or the
+    /// server's error as it came (`source`, kept for its kind and code;
+    /// none when the store itself found the failure).
+    #[error("{context}{}", .source.as_ref().map(|s| format!(": {s}")).unwrap_or_default())]
+    Nats {
+        context: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
 }
 
 impl StoreError {
-    pub(crate) fn nats(context: &str, e: impl std::fmt::Display) -> Self {
-        StoreError::Nats(format!("{context}: {e}"))
+    /// A failed NATS request while doing `context`, its error kept as the source.
+    pub fn nats(context: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Nats {
+            context: context.to_string(),
+            source: Some(e.into()),
+        }
+    }
+
+    /// A job-record error outside the record path: a NATS failure keeps its
+    /// source; anything else (a corrupt record) is told in words.
+    pub(crate) fn from_jobs(e: JobsError) -> Self {
+        match e {
+            JobsError::Nats { context, source } => StoreError::Nats {
+                context,
+                source: Some(source),
+            },
+            other => StoreError::failed(other.to_string()),
+        }
+    }
+
+    /// A failure the store found itself (no client error behind it).
+    pub fn failed(what: impl Into<String>) -> Self {
+        StoreError::Nats {
+            context: what.into(),
+            source: None,
+        }
     }
 
     /// Worth trying again (the server did not answer, or failed, or a
@@ -85,7 +117,7 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            StoreError::Unavailable(_) | StoreError::Nats(_) | StoreError::QueueFull(_)
+            StoreError::Unavailable(_) | StoreError::Nats { .. } | StoreError::QueueFull(_)
         )
     }
 }
@@ -93,37 +125,11 @@ impl StoreError {
 /// Whether `err` says a stream, consumer or bucket does not exist (the
 /// server's definite answer), as opposed to a failure to answer.
 pub fn is_not_found(err: &(dyn std::error::Error + 'static)) -> bool {
-    use async_nats::jetstream::context::{
-        ConsumerInfoError, ConsumerInfoErrorKind, GetStreamError, GetStreamErrorKind,
-    };
     use async_nats::jetstream::ErrorCode;
-    let not_found = |c: ErrorCode| {
-        matches!(
-            c,
-            ErrorCode::STREAM_NOT_FOUND | ErrorCode::CONSUMER_NOT_FOUND
-        )
-    };
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = cur {
-        if let Some(g) = e.downcast_ref::<GetStreamError>() {
-            if let GetStreamErrorKind::JetStream(js) = g.kind() {
-                return not_found(js.error_code());
-            }
-        }
-        if let Some(c) = e.downcast_ref::<ConsumerInfoError>() {
-            if matches!(
-                c.kind(),
-                ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
-            ) {
-                return true;
-            }
-        }
-        if let Some(js) = e.downcast_ref::<async_nats::jetstream::Error>() {
-            return not_found(js.error_code());
-        }
-        cur = e.source();
-    }
-    false
+    matches!(
+        answer::answer_of(err),
+        answer::Answer::Code(c) if c == ErrorCode::STREAM_NOT_FOUND.0 || c == ErrorCode::CONSUMER_NOT_FOUND.0
+    )
 }
 
 /// Maps a lookup error of `what` to `Missing` or `Unavailable`.
@@ -182,14 +188,10 @@ where
 /// wrong-last-sequence in clusters) arrives as a generic error whose code is
 /// only visible here.
 pub fn server_error_code(err: &(dyn std::error::Error + 'static)) -> Option<u64> {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = cur {
-        if let Some(js) = e.downcast_ref::<async_nats::jetstream::Error>() {
-            return Some(js.error_code().0);
-        }
-        cur = e.source();
+    match answer::answer_of(err) {
+        answer::Answer::Code(c) => Some(c),
+        _ => None,
     }
-    None
 }
 
 /// A stream at its message limit (discard new): 10077; at its byte limit: 10078.

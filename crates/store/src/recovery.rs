@@ -163,7 +163,7 @@ impl Recovery {
             tracing::warn!(worker, actor = %self.actor, reoffered = report.reoffered, cancelled = report.cancelled, poisoned = report.poisoned, "recovered the jobs of an ended session");
         }
         if !failed.is_empty() {
-            return Err(StoreError::Nats(format!(
+            return Err(StoreError::failed(format!(
                 "{} job(s) of worker {worker} not recovered yet: {}",
                 failed.len(),
                 failed.join("; ")
@@ -212,7 +212,7 @@ impl Recovery {
             job: job.into(),
         };
         for _ in 0..8 {
-            let Some(cur) = self.jobs.get(job).await.map_err(jobs_err)? else {
+            let Some(cur) = self.jobs.get(job).await.map_err(StoreError::from_jobs)? else {
                 // No record, so no epoch to judge by but the one we were asked about.
                 let by = epoch.map_or(Remover::Anyone, Remover::Epoch);
                 self.active.remove(&run_key, by).await?;
@@ -306,7 +306,7 @@ impl Recovery {
                         return Ok(Action::Cancelled);
                     }
                     Err(JobsError::Conflict(_)) => continue,
-                    Err(e) => return Err(jobs_err(e)),
+                    Err(e) => return Err(StoreError::from_jobs(e)),
                 },
                 Reoffer::Queued(_) => {
                     let at = Reoffering {
@@ -323,7 +323,7 @@ impl Recovery {
                 }
             }
         }
-        Err(StoreError::Nats(format!("job {job} keeps changing")))
+        Err(StoreError::failed(format!("job {job} keeps changing")))
     }
 
     /// Re-offers the running job `cur` whose owner is gone, its ticket
@@ -362,7 +362,7 @@ impl Recovery {
             match self.jobs.update(&r, cur.revision).await {
                 Ok(_) => {}
                 Err(JobsError::Conflict(_)) => return Ok(None),
-                Err(e) => return Err(jobs_err(e)),
+                Err(e) => return Err(StoreError::from_jobs(e)),
             }
             // The notice before the index: it is lost if the
             // index write fails and this returns.
@@ -410,7 +410,7 @@ impl Recovery {
                 machine::mark_dead(cur, SystemTime::now(), class, reason).map(Some)
             })
             .await
-            .map_err(jobs_err)?;
+            .map_err(StoreError::from_jobs)?;
         if v.value.status != Status::Dead.as_str() {
             return Ok(Killed::No);
         }
@@ -546,13 +546,6 @@ impl Recovery {
         }
         tracing::info!(job = %rec.id, class, dlq_seq, "dead-lettered");
         Ok(dlq_seq)
-    }
-}
-
-fn jobs_err(e: JobsError) -> StoreError {
-    match e {
-        JobsError::Nats { context, source } => StoreError::Nats(format!("{context}: {source}")),
-        other => StoreError::Nats(other.to_string()),
     }
 }
 

@@ -358,7 +358,7 @@ impl Retention {
             Ok(c) => c,
             // An unreadable record is left for an operator.
             Err(crate::JobsError::Corrupt { .. }) => return Ok(false),
-            Err(e) => return Err(StoreError::Nats(e.to_string())),
+            Err(e) => return Err(StoreError::from_jobs(e)),
         };
         let Some(cur) = cur else {
             // No record (an earlier pass removed it and stopped before the
@@ -431,7 +431,7 @@ impl Retention {
         let finished = match self.jobs.get(id).await {
             Ok(Some(cur)) => status_of(&cur.value).is_some_and(|s| s.is_terminal()),
             Ok(None) | Err(crate::JobsError::Corrupt { .. }) => false,
-            Err(e) => return Err(StoreError::Nats(e.to_string())),
+            Err(e) => return Err(StoreError::from_jobs(e)),
         };
         if !finished {
             return Ok(false);
@@ -462,7 +462,7 @@ impl Retention {
             }
         }
         match &self.effects {
-            Some(purge) => purge(id.to_string()).await.map_err(StoreError::Nats)?,
+            Some(purge) => purge(id.to_string()).await.map_err(StoreError::failed)?,
             None => {
                 let b = l.effects_bucket();
                 self.purge_subject(&format!("KV_{b}"), format!("$KV.{b}.{id}.>"))

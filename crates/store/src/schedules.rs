@@ -94,7 +94,7 @@ impl Schedules {
         match self.kv.entry(name).await {
             Ok(Some(e)) if e.operation == kv::Operation::Put => {
                 let entry = serde_json::from_slice(&e.value).map_err(|err| {
-                    StoreError::Nats(format!("schedule {name} is unreadable: {err}"))
+                    StoreError::nats(&format!("schedule {name} is unreadable"), err)
                 })?;
                 Ok(Some((entry, e.revision)))
             }

@@ -41,14 +41,14 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         .js
         .get_stream_no_info(l.work_stream())
         .await
-        .map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
+        .map_err(|e| StoreError::nats("work stream", e))?;
     let mut subjects = stream
         .info_with_subjects(l.submit_wildcard())
         .await
-        .map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
+        .map_err(|e| StoreError::nats("work stream", e))?;
     let mut tickets: BTreeMap<String, u64> = BTreeMap::new();
     while let Some(x) = futures::StreamExt::next(&mut subjects).await {
-        let (subject, n) = x.map_err(|e| StoreError::Nats(format!("work stream: {e}")))?;
+        let (subject, n) = x.map_err(|e| StoreError::nats("work stream", e))?;
         if let Some(kind) = l.kind_of_submit_subject(&subject) {
             // Every lane of the kind counts.
             *tickets.entry(kind.to_string()).or_default() += n as u64;

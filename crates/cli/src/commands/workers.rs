@@ -24,9 +24,9 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         .kv()
         .keys()
         .await
-        .map_err(|e| StoreError::Nats(format!("sessions: {e}")))?;
+        .map_err(|e| StoreError::nats("sessions", e))?;
     while let Some(k) = keys.next().await {
-        ids.push(k.map_err(|e| StoreError::Nats(format!("sessions: {e}")))?);
+        ids.push(k.map_err(|e| StoreError::nats("sessions", e))?);
     }
     ids.sort();
     let mut rows = Vec::new();

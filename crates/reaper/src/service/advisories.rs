@@ -201,7 +201,7 @@ impl Inner {
                 let worker = rec.worker_id.clone().unwrap_or_default();
                 let a = r.recover_job(&worker, &id, None).await?;
                 if let Action::Unsure(why) = &a {
-                    return Err(ReaperError::Store(StoreError::Nats(format!(
+                    return Err(ReaperError::Store(StoreError::failed(format!(
                         "job {id}: {why}"
                     ))));
                 }

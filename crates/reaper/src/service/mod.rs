@@ -255,11 +255,11 @@ impl Reaper {
             .client
             .subscribe(conn.layout.reaper_metrics_subject())
             .await
-            .map_err(|e| StoreError::Nats(format!("subscribe to metrics requests: {e}")))?;
+            .map_err(|e| StoreError::nats("subscribe to metrics requests", e))?;
         conn.client
             .flush()
             .await
-            .map_err(|e| StoreError::Nats(format!("flush: {e}")))?;
+            .map_err(|e| StoreError::nats("flush", e))?;
         tracing::info!(
             reaper_id,
             max_stale_reclaims = opts.max_stale_reclaims,

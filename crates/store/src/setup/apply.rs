@@ -3,16 +3,19 @@
 
 use super::*;
 
-/// A failed write of setup: a server whose JetStream storage limit is
-/// below the bounds is told what to change.
-pub(super) fn setup_error(what: &str, e: &dyn std::fmt::Display) -> StoreError {
-    let text = e.to_string();
-    if text.contains("10047") {
-        StoreError::Config(format!(
-            "setup {what}: the server's JetStream storage limit (max_file_store) is smaller than the bounds asked for; lower them ({BOUND_FLAGS}) or raise the server's limit ({text})"
-        ))
-    } else {
-        StoreError::Nats(format!("setup {what}: {text}"))
+/// A failed write of setup, told by what the server answered: a server
+/// whose JetStream storage limit is below the bounds is told what to
+/// change; a server that did not answer is [`StoreError::Unavailable`]
+/// (setup as a whole is tried again, see [`super::ensure_with`]).
+pub(super) fn setup_error(what: &str, e: &(dyn std::error::Error + 'static)) -> StoreError {
+    match crate::answer::answer_of(e) {
+        crate::answer::Answer::Code(NO_ROOM) => StoreError::Config(format!(
+            "setup {what}: the server's JetStream storage limit (max_file_store) is smaller than the bounds asked for; lower them ({BOUND_FLAGS}) or raise the server's limit ({e})"
+        )),
+        crate::answer::Answer::NoAnswer => {
+            StoreError::Unavailable(format!("setup {what}: {e}"))
+        }
+        _ => StoreError::nats(&format!("setup {what}"), e.to_string()),
     }
 }
 
@@ -124,7 +127,7 @@ pub(super) fn keep_fitted(cur: Option<&stream::Config>, fit: bool, asked: i64, w
 
 /// How setup tells a failed write: the message names the object; a server
 /// whose storage limit is below the bounds gets what to change.
-pub(super) type ErrFn = dyn Fn(&str, &dyn std::fmt::Display) -> StoreError + Sync;
+pub(super) type ErrFn = dyn Fn(&str, &(dyn std::error::Error + 'static)) -> StoreError + Sync;
 
 /// A field that differs: (field, as the server has it, as wanted).
 pub(super) type Drift = Vec<(String, String, String)>;
@@ -196,7 +199,7 @@ pub(super) async fn apply_fitted(
             // Too big for the server's storage limit: a default bound
             // is halved and tried again.
             Err(e) if fit && bytes / 2 >= FIT_FLOOR && no_room(&*e) => bytes /= 2,
-            Err(e) => return Err(err(&t.what, &e)),
+            Err(e) => return Err(err(&t.what, &*e)),
         }
     };
     Ok(Change {

@@ -292,11 +292,24 @@ impl Change {
 /// returns one [`Change`] per object. The order is the safe one: the
 /// streams, the buckets and the object store first, the work stream (which
 /// accepts submissions) once everything else exists, its consumers last.
+///
+/// A server that does not answer (a request timed out, JetStream has no
+/// leader yet) is waited for up to [`SETUP_PATIENCE`], the whole setup
+/// tried again: each step reads what is there first, so a write that
+/// landed before its answer was lost is found, not made twice. A definite
+/// refusal stops at once.
 pub async fn ensure_with(
     conn: &Conn,
     o: &SetupOptions,
     mode: Mode,
 ) -> Result<Vec<Change>, StoreError> {
+    crate::retry_unavailable("setup", SETUP_PATIENCE, || ensure_once(conn, o, mode)).await
+}
+
+/// How long setup waits for a server that does not answer.
+pub const SETUP_PATIENCE: Duration = Duration::from_secs(30);
+
+async fn ensure_once(conn: &Conn, o: &SetupOptions, mode: Mode) -> Result<Vec<Change>, StoreError> {
     let (l, js) = (&conn.layout, &conn.js);
     let err = setup_error;
     // The byte bounds, fitted as a whole before anything is created.
@@ -379,7 +392,7 @@ pub struct SetUp {
 /// first work consumer's config).
 pub async fn settings_set_up(conn: &Conn) -> Result<SetUp, StoreError> {
     let l = &conn.layout;
-    let err = |name: &str, e: &dyn std::fmt::Display| {
+    let err = |name: &str, e: &(dyn std::error::Error + 'static)| {
         StoreError::Unavailable(format!("stream {name}: {e}"))
     };
     let js = &conn.js;
@@ -601,7 +614,7 @@ pub async fn ping(js: &jetstream::Context) -> Result<(), StoreError> {
     match js.query_account().await {
         Ok(_) => Ok(()),
         // Nobody serves the JetStream API here: it is not enabled.
-        Err(e) if e.kind() == AccountErrorKind::JetStreamUnavailable => Err(StoreError::Nats(
+        Err(e) if e.kind() == AccountErrorKind::JetStreamUnavailable => Err(StoreError::failed(
             format!("JetStream is not available on this server ({e}); start nats-server with -js"),
         )),
         // A timeout or an error during a leader election: try again.

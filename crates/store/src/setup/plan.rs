@@ -369,12 +369,12 @@ pub(super) fn fitted(asked: i64, fit: bool, k: u32) -> i64 {
     }
 }
 
-/// Whether a failed create or update was refused for lack of storage (10047).
+/// The JetStream code of a create or update refused for lack of storage.
+pub(super) const NO_ROOM: u64 = 10047;
+
+/// Whether a failed create or update was refused for lack of storage.
 pub(super) fn no_room(e: &(dyn std::error::Error + 'static)) -> bool {
-    let t = e.to_string();
-    crate::server_error_code(e) == Some(10047)
-        || t.contains("10047")
-        || t.contains("insufficient storage")
+    crate::server_error_code(e) == Some(NO_ROOM)
 }
 
 /// Works out every byte bound before anything is created. On a layout
@@ -417,7 +417,7 @@ pub(super) async fn plan_bounds(
             continue;
         }
         let name = b.stream(l);
-        let unavailable = |w: &str, e: &dyn std::fmt::Display| {
+        let unavailable = |w: &str, e: &(dyn std::error::Error + 'static)| {
             StoreError::Unavailable(format!("stream {w}: {e}"))
         };
         if let Some(c) = current_config(js, &name, &format!("stream {name}"), &unavailable).await? {
@@ -535,12 +535,13 @@ pub(super) async fn can_reserve(
     };
     match conn.js.create_stream(probe).await {
         Ok(_) => {
-            conn.js.delete_stream(l.work_stream()).await.map_err(|e| {
-                StoreError::Nats(format!("setup: removing the reservation probe: {e}"))
-            })?;
+            conn.js
+                .delete_stream(l.work_stream())
+                .await
+                .map_err(|e| setup_error("(removing the reservation probe)", &e))?;
             Ok(true)
         }
         Err(e) if no_room(&e) => Ok(false),
-        Err(e) => Err(StoreError::Nats(format!("setup: reserving storage: {e}"))),
+        Err(e) => Err(setup_error("(reserving storage)", &e)),
     }
 }
