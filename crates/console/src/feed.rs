@@ -194,139 +194,14 @@ impl Feed {
             cache: cache.clone(),
             metrics: metrics.clone(),
         };
-        let kv = active.kv().clone();
-        let idx = index.clone();
-        tokio::spawn(async move {
-            loop {
-                // An empty bucket delivers nothing to wait for.
-                let empty = match kv.status().await {
-                    Ok(st) => st.values() == 0,
-                    Err(_) => false,
-                };
-                if empty {
-                    *idx.write().expect("index lock") = Some(IndexView::default());
-                }
-                match kv.watch_with_history(">").await {
-                    Ok(mut w) => {
-                        let mut map = IndexView::default();
-                        let mut live = empty;
-                        while let Some(e) = w.next().await {
-                            let Ok(e) = e else { break };
-                            if Key::parse(&e.key).is_none() {
-                                if !live && e.delta == 0 {
-                                    *idx.write().expect("index lock") =
-                                        Some(std::mem::take(&mut map));
-                                    live = true;
-                                }
-                                continue;
-                            }
-                            let put = e.operation == async_nats::jetstream::kv::Operation::Put;
-                            let entry = put
-                                .then(|| serde_json::from_slice::<Entry>(&e.value).ok())
-                                .flatten();
-                            if live {
-                                let mut g = idx.write().expect("index lock");
-                                let m = g.get_or_insert_with(IndexView::default);
-                                match entry {
-                                    Some(en) => m.insert(e.key.clone(), en),
-                                    None => m.remove(&e.key),
-                                };
-                            } else {
-                                match entry {
-                                    Some(en) => map.insert(e.key.clone(), en),
-                                    None => map.remove(&e.key),
-                                };
-                                if e.delta == 0 {
-                                    *idx.write().expect("index lock") =
-                                        Some(std::mem::take(&mut map));
-                                    live = true;
-                                }
-                            }
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "index watch failed; again in 1s"),
-                }
-                // Until the watch is back, pages read the index itself.
-                *idx.write().expect("index lock") = None;
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
-        let cache2 = cache.clone();
-        let metrics = metrics.clone();
-        let jobs = jobs.clone();
-        tokio::spawn(async move {
-            loop {
-                match jobs.watch_new().await {
-                    Ok(mut w) => {
-                        while let Some(e) = w.next().await {
-                            let Ok(e) = e else { break };
-                            if e.operation != async_nats::jetstream::kv::Operation::Put {
-                                continue;
-                            }
-                            if let Ok(r) = jobs::decode(&e.key, &e.value) {
-                                let r = Arc::new(r);
-                                let mut c = cache2.lock().expect("cache lock");
-                                if c.contains(&r.id) || !TERMINAL.contains(&r.status.as_str()) {
-                                    c.put(r.clone(), e.revision, e.value.len());
-                                    gauges(&metrics, &c);
-                                }
-                                drop(c);
-                                let _ = tx.send(r);
-                            }
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "record watch failed; again in 1s"),
-                }
-                // Writes missed until the watch is back would leave cached records stale.
-                {
-                    let mut c = cache2.lock().expect("cache lock");
-                    c.clear();
-                    gauges(&metrics, &c);
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
-        let events = events.clone();
-        tokio::spawn(async move {
-            let mut last_seq = 0u64;
-            loop {
-                let since = SystemTime::now() - WINDOW;
-                match events.follow_types_since(TERMINAL, since).await {
-                    Ok(mut s) => {
-                        while let Some(x) = s.next().await {
-                            let Ok((seq, ev)) = x else { break };
-                            if seq <= last_seq {
-                                continue;
-                            }
-                            last_seq = seq;
-                            let data = ev.data_map();
-                            let kind = data
-                                .get("kind")
-                                .and_then(|v| v.as_str())
-                                .unwrap_or("")
-                                .to_string();
-                            let at = leasehold_core::time::parse_rfc3339(&ev.at)
-                                .unwrap_or_else(SystemTime::now);
-                            let mut q = finished.lock().expect("finished lock");
-                            q.push_back(Finished {
-                                id: ev.job_id.clone(),
-                                kind,
-                                status: ev.r#type.clone(),
-                                at,
-                            });
-                            let horizon = SystemTime::now() - WINDOW;
-                            while q.len() > KEEP || q.front().is_some_and(|f| f.at < horizon) {
-                                q.pop_front();
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "terminal events feed failed; again in 1s")
-                    }
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
+        tokio::spawn(follow_index(active.kv().clone(), index.clone()));
+        tokio::spawn(follow_records(
+            jobs.clone(),
+            cache.clone(),
+            metrics.clone(),
+            tx,
+        ));
+        tokio::spawn(follow_finished(events.clone(), finished.clone()));
         Ok(f)
     }
 
@@ -409,6 +284,148 @@ impl Feed {
     pub fn counts(&self) -> Option<Counts> {
         let g = self.index.read().expect("index lock");
         Some(g.as_ref()?.counts())
+    }
+}
+
+/// Keeps `idx` the index of active jobs as its KV watch has it (`None`
+/// while the watch is down: pages read the index itself then).
+async fn follow_index(
+    kv: async_nats::jetstream::kv::Store,
+    idx: Arc<std::sync::RwLock<Option<IndexView>>>,
+) {
+    loop {
+        // An empty bucket delivers nothing to wait for.
+        let empty = match kv.status().await {
+            Ok(st) => st.values() == 0,
+            Err(_) => false,
+        };
+        if empty {
+            *idx.write().expect("index lock") = Some(IndexView::default());
+        }
+        match kv.watch_with_history(">").await {
+            Ok(mut w) => {
+                let mut map = IndexView::default();
+                let mut live = empty;
+                while let Some(e) = w.next().await {
+                    let Ok(e) = e else { break };
+                    if Key::parse(&e.key).is_none() {
+                        if !live && e.delta == 0 {
+                            *idx.write().expect("index lock") = Some(std::mem::take(&mut map));
+                            live = true;
+                        }
+                        continue;
+                    }
+                    let put = e.operation == async_nats::jetstream::kv::Operation::Put;
+                    let entry = put
+                        .then(|| serde_json::from_slice::<Entry>(&e.value).ok())
+                        .flatten();
+                    if live {
+                        let mut g = idx.write().expect("index lock");
+                        let m = g.get_or_insert_with(IndexView::default);
+                        match entry {
+                            Some(en) => m.insert(e.key.clone(), en),
+                            None => m.remove(&e.key),
+                        };
+                    } else {
+                        match entry {
+                            Some(en) => map.insert(e.key.clone(), en),
+                            None => map.remove(&e.key),
+                        };
+                        if e.delta == 0 {
+                            *idx.write().expect("index lock") = Some(std::mem::take(&mut map));
+                            live = true;
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "index watch failed; again in 1s"),
+        }
+        // Until the watch is back, pages read the index itself.
+        *idx.write().expect("index lock") = None;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Keeps the cache's records current from the record watch and sends
+/// each record written to the page streams.
+async fn follow_records(
+    jobs: Jobs,
+    cache2: Arc<Mutex<RecordCache>>,
+    metrics: ConsoleMetrics,
+    tx: broadcast::Sender<Arc<JobRecord>>,
+) {
+    loop {
+        match jobs.watch_new().await {
+            Ok(mut w) => {
+                while let Some(e) = w.next().await {
+                    let Ok(e) = e else { break };
+                    if e.operation != async_nats::jetstream::kv::Operation::Put {
+                        continue;
+                    }
+                    if let Ok(r) = jobs::decode(&e.key, &e.value) {
+                        let r = Arc::new(r);
+                        let mut c = cache2.lock().expect("cache lock");
+                        if c.contains(&r.id) || !TERMINAL.contains(&r.status.as_str()) {
+                            c.put(r.clone(), e.revision, e.value.len());
+                            gauges(&metrics, &c);
+                        }
+                        drop(c);
+                        let _ = tx.send(r);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "record watch failed; again in 1s"),
+        }
+        // Writes missed until the watch is back would leave cached records stale.
+        {
+            let mut c = cache2.lock().expect("cache lock");
+            c.clear();
+            gauges(&metrics, &c);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Keeps `finished` the jobs that ended in the last [`WINDOW`] (at most
+/// [`KEEP`]), from the terminal events.
+async fn follow_finished(events: Events, finished: Arc<Mutex<VecDeque<Finished>>>) {
+    let mut last_seq = 0u64;
+    loop {
+        let since = SystemTime::now() - WINDOW;
+        match events.follow_types_since(TERMINAL, since).await {
+            Ok(mut s) => {
+                while let Some(x) = s.next().await {
+                    let Ok((seq, ev)) = x else { break };
+                    if seq <= last_seq {
+                        continue;
+                    }
+                    last_seq = seq;
+                    let data = ev.data_map();
+                    let kind = data
+                        .get("kind")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("")
+                        .to_string();
+                    let at =
+                        leasehold_core::time::parse_rfc3339(&ev.at).unwrap_or_else(SystemTime::now);
+                    let mut q = finished.lock().expect("finished lock");
+                    q.push_back(Finished {
+                        id: ev.job_id.clone(),
+                        kind,
+                        status: ev.r#type.clone(),
+                        at,
+                    });
+                    let horizon = SystemTime::now() - WINDOW;
+                    while q.len() > KEEP || q.front().is_some_and(|f| f.at < horizon) {
+                        q.pop_front();
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "terminal events feed failed; again in 1s")
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

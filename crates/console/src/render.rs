@@ -157,149 +157,11 @@ pub fn describe(ev: &JobEvent) -> String {
             )
         }
         "heartbeat_lost" => format!("claim lost{who}: {}", esc(s(&d, "reason"))),
-        "retry" => {
-            let retained = d.get("retained").map(|v| v.to_string()).unwrap_or_default();
-            format!(
-                "<b class=\"warn\">retry</b> scope <b>{}</b>: {} {}{}{}",
-                esc(s(&d, "scope")),
-                esc(s(&d, "reason")),
-                if s(&d, "class").is_empty() {
-                    String::new()
-                } else {
-                    format!("[{}] ", esc(s(&d, "class")))
-                },
-                if retained.is_empty() || retained == "null" {
-                    String::new()
-                } else {
-                    format!("retained: {} ", esc(&retained))
-                },
-                if n(&d, "delay_ms").is_empty() {
-                    String::new()
-                } else {
-                    format!("after {} ms", esc(&n(&d, "delay_ms")))
-                },
-            )
-        }
-        "phase" => {
-            let p = d.get("payload").and_then(Value::as_object);
-            let extra = match (s(&d, "phase"), p) {
-                ("final", Some(p)) => {
-                    format!(" section {} {}", esc(&n(p, "index")), esc(s(p, "title")))
-                }
-                ("artifact", Some(p)) => format!(" {}", esc(s(p, "name"))),
-                ("delivered", Some(p)) => format!(
-                    " key {} ({})",
-                    esc(&short_key(s(p, "key"))),
-                    esc(s(p, "outcome"))
-                ),
-                ("outline", Some(p)) => format!(" {}", esc(s(p, "title"))),
-                _ => String::new(),
-            };
-            format!("phase <b>{}</b>{extra}", esc(s(&d, "phase")))
-        }
-        "section" => {
-            let p = d
-                .get("payload")
-                .and_then(Value::as_object)
-                .cloned()
-                .unwrap_or_default();
-            format!(
-                "section expert {} #{} <b>{}</b>: {}{}",
-                esc(&n(&p, "expert")),
-                esc(&n(&p, "index")),
-                esc(s(&p, "title")),
-                esc(s(&p, "status")),
-                if s(&p, "content").is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({} chars)", s(&p, "content").len())
-                }
-            )
-        }
-        "journal" => {
-            let entry = d
-                .get("entry")
-                .and_then(Value::as_object)
-                .cloned()
-                .unwrap_or_default();
-            let what = match entry
-                .get("message")
-                .and_then(|m| m.get("role"))
-                .and_then(Value::as_str)
-            {
-                Some("assistant") => {
-                    let m = &entry["message"];
-                    let calls = m
-                        .get("tool_calls")
-                        .and_then(Value::as_array)
-                        .map_or(0, Vec::len);
-                    let chars = m.get("content").and_then(Value::as_str).map_or(0, str::len);
-                    if calls > 0 {
-                        format!("model call: {calls} tool call(s) proposed")
-                    } else {
-                        format!("model call: answer, {chars} chars")
-                    }
-                }
-                Some("tool") => format!(
-                    "tool result, {} chars",
-                    entry["message"]
-                        .get("content")
-                        .and_then(Value::as_str)
-                        .map_or(0, str::len)
-                ),
-                Some(r) => format!("{r} message"),
-                None if entry.contains_key("messages") => format!(
-                    "thread (re)started, generation {}, {} messages",
-                    esc(&n(&entry, "generation")),
-                    entry["messages"].as_array().map_or(0, Vec::len)
-                ),
-                None => "entry".into(),
-            };
-            format!(
-                "journal expert {} #{}: {what}",
-                esc(&n(&d, "expert")),
-                esc(&n(&d, "index"))
-            )
-        }
-        "model" => {
-            let at = if d.contains_key("step") {
-                format!("step {}", esc(s(&d, "step")))
-            } else if d.contains_key("phase") {
-                match d.get("index").and_then(Value::as_u64) {
-                    Some(i) => format!("{} #{i}", esc(s(&d, "phase"))),
-                    None => esc(s(&d, "phase")),
-                }
-            } else {
-                format!("expert {} #{}", esc(&n(&d, "expert")), esc(&n(&d, "index")))
-            };
-            let outcome = s(&d, "outcome");
-            format!(
-                "model <b>{}</b> {at}: <span class=\"tokens\">{} in / {} out tokens{}</span>, <span class=\"duration\">{} ms</span>{}{}{}",
-                esc(s(&d, "model")),
-                esc(&n(&d, "tokens_in")),
-                esc(&n(&d, "tokens_out")),
-                if d.get("estimated").and_then(Value::as_bool) == Some(true) {
-                    " (estimated)"
-                } else {
-                    ""
-                },
-                esc(&n(&d, "duration_ms")),
-                match outcome {
-                    "ok" => String::new(),
-                    "tool_calls" => format!(", asked for {} tool call(s)", esc(&n(&d, "tool_calls"))),
-                    o => format!(", <b class=\"bad\">{}</b>", esc(o)),
-                },
-                match d.get("attempts").and_then(Value::as_u64) {
-                    Some(a) if a > 1 => format!(" after {a} attempts"),
-                    _ => String::new(),
-                },
-                if s(&d, "fallback").is_empty() {
-                    String::new()
-                } else {
-                    format!(" (fallback {})", esc(s(&d, "fallback")))
-                }
-            )
-        }
+        "retry" => describe_retry(&d),
+        "phase" => describe_phase(&d),
+        "section" => describe_section(&d),
+        "journal" => describe_journal(&d),
+        "model" => describe_model(&d),
         "tool" => format!(
             "tool <b>{}</b> {} step {} key {}{}{}",
             esc(s(&d, "tool")),
@@ -317,23 +179,7 @@ pub fn describe(ev: &JobEvent) -> String {
                 format!(" ({})", esc(s(&d, "error")))
             }
         ),
-        "progress" => {
-            let mut parts = Vec::new();
-            for k in [
-                "phase",
-                "sections_done",
-                "sections_total",
-                "skipped",
-                "ticket_seq",
-                "dlq_seq",
-            ] {
-                if let Some(v) = d.get(k) {
-                    parts.push(format!("{k} {}", esc(&n(&d, k)).trim_matches('"')));
-                    let _ = v;
-                }
-            }
-            format!("progress {}", parts.join(", "))
-        }
+        "progress" => describe_progress(&d),
         "action" => format!(
             "<b class=\"act\">{}</b> by <b>{}</b> via {}{}",
             esc(s(&d, "action")),
@@ -371,6 +217,178 @@ pub fn describe(ev: &JobEvent) -> String {
         ),
         other => format!("{}{who}", esc(other)),
     }
+}
+
+/// The line of a `retry` event.
+fn describe_retry(d: &serde_json::Map<String, Value>) -> String {
+    let retained = d.get("retained").map(|v| v.to_string()).unwrap_or_default();
+    format!(
+        "<b class=\"warn\">retry</b> scope <b>{}</b>: {} {}{}{}",
+        esc(s(d, "scope")),
+        esc(s(d, "reason")),
+        if s(d, "class").is_empty() {
+            String::new()
+        } else {
+            format!("[{}] ", esc(s(d, "class")))
+        },
+        if retained.is_empty() || retained == "null" {
+            String::new()
+        } else {
+            format!("retained: {} ", esc(&retained))
+        },
+        if n(d, "delay_ms").is_empty() {
+            String::new()
+        } else {
+            format!("after {} ms", esc(&n(d, "delay_ms")))
+        },
+    )
+}
+
+/// The line of a `phase` event.
+fn describe_phase(d: &serde_json::Map<String, Value>) -> String {
+    let p = d.get("payload").and_then(Value::as_object);
+    let extra = match (s(d, "phase"), p) {
+        ("final", Some(p)) => {
+            format!(" section {} {}", esc(&n(p, "index")), esc(s(p, "title")))
+        }
+        ("artifact", Some(p)) => format!(" {}", esc(s(p, "name"))),
+        ("delivered", Some(p)) => format!(
+            " key {} ({})",
+            esc(&short_key(s(p, "key"))),
+            esc(s(p, "outcome"))
+        ),
+        ("outline", Some(p)) => format!(" {}", esc(s(p, "title"))),
+        _ => String::new(),
+    };
+    format!("phase <b>{}</b>{extra}", esc(s(d, "phase")))
+}
+
+/// The line of a `section` event.
+fn describe_section(d: &serde_json::Map<String, Value>) -> String {
+    let p = d
+        .get("payload")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    format!(
+        "section expert {} #{} <b>{}</b>: {}{}",
+        esc(&n(&p, "expert")),
+        esc(&n(&p, "index")),
+        esc(s(&p, "title")),
+        esc(s(&p, "status")),
+        if s(&p, "content").is_empty() {
+            String::new()
+        } else {
+            format!(" ({} chars)", s(&p, "content").len())
+        }
+    )
+}
+
+/// The line of a `journal` event.
+fn describe_journal(d: &serde_json::Map<String, Value>) -> String {
+    let entry = d
+        .get("entry")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    let what = match entry
+        .get("message")
+        .and_then(|m| m.get("role"))
+        .and_then(Value::as_str)
+    {
+        Some("assistant") => {
+            let m = &entry["message"];
+            let calls = m
+                .get("tool_calls")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len);
+            let chars = m.get("content").and_then(Value::as_str).map_or(0, str::len);
+            if calls > 0 {
+                format!("model call: {calls} tool call(s) proposed")
+            } else {
+                format!("model call: answer, {chars} chars")
+            }
+        }
+        Some("tool") => format!(
+            "tool result, {} chars",
+            entry["message"]
+                .get("content")
+                .and_then(Value::as_str)
+                .map_or(0, str::len)
+        ),
+        Some(r) => format!("{r} message"),
+        None if entry.contains_key("messages") => format!(
+            "thread (re)started, generation {}, {} messages",
+            esc(&n(&entry, "generation")),
+            entry["messages"].as_array().map_or(0, Vec::len)
+        ),
+        None => "entry".into(),
+    };
+    format!(
+        "journal expert {} #{}: {what}",
+        esc(&n(d, "expert")),
+        esc(&n(d, "index"))
+    )
+}
+
+/// The line of a `model` event.
+fn describe_model(d: &serde_json::Map<String, Value>) -> String {
+    let at = if d.contains_key("step") {
+        format!("step {}", esc(s(d, "step")))
+    } else if d.contains_key("phase") {
+        match d.get("index").and_then(Value::as_u64) {
+            Some(i) => format!("{} #{i}", esc(s(d, "phase"))),
+            None => esc(s(d, "phase")),
+        }
+    } else {
+        format!("expert {} #{}", esc(&n(d, "expert")), esc(&n(d, "index")))
+    };
+    let outcome = s(d, "outcome");
+    format!(
+        "model <b>{}</b> {at}: <span class=\"tokens\">{} in / {} out tokens{}</span>, <span class=\"duration\">{} ms</span>{}{}{}",
+        esc(s(d, "model")),
+        esc(&n(d, "tokens_in")),
+        esc(&n(d, "tokens_out")),
+        if d.get("estimated").and_then(Value::as_bool) == Some(true) {
+            " (estimated)"
+        } else {
+            ""
+        },
+        esc(&n(d, "duration_ms")),
+        match outcome {
+            "ok" => String::new(),
+            "tool_calls" => format!(", asked for {} tool call(s)", esc(&n(d, "tool_calls"))),
+            o => format!(", <b class=\"bad\">{}</b>", esc(o)),
+        },
+        match d.get("attempts").and_then(Value::as_u64) {
+            Some(a) if a > 1 => format!(" after {a} attempts"),
+            _ => String::new(),
+        },
+        if s(d, "fallback").is_empty() {
+            String::new()
+        } else {
+            format!(" (fallback {})", esc(s(d, "fallback")))
+        }
+    )
+}
+
+/// The line of a `progress` event.
+fn describe_progress(d: &serde_json::Map<String, Value>) -> String {
+    let mut parts = Vec::new();
+    for k in [
+        "phase",
+        "sections_done",
+        "sections_total",
+        "skipped",
+        "ticket_seq",
+        "dlq_seq",
+    ] {
+        if let Some(v) = d.get(k) {
+            parts.push(format!("{k} {}", esc(&n(d, k)).trim_matches('"')));
+            let _ = v;
+        }
+    }
+    format!("progress {}", parts.join(", "))
 }
 
 /// A key shown short: its first 12 characters (not bytes: a kind's key

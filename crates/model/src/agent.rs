@@ -159,6 +159,18 @@ pub enum RetryMode {
     NaiveWholeTurn,
 }
 
+impl RetryMode {
+    /// What a cold retry keeps, as its report says.
+    fn cold_retains(self) -> &'static str {
+        match self {
+            RetryMode::WarmThenCold => {
+                "section prompt and rolling context only (new thread generation)"
+            }
+            RetryMode::NaiveWholeTurn => "nothing: whole turn restarted from the prompt",
+        }
+    }
+}
+
 /// Section policy.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SectionPolicy {
@@ -256,6 +268,27 @@ struct Run {
     seen_calls: HashMap<(String, String), u32>,
 }
 
+/// The outcome `err` ends the section with, or `None` when the section
+/// tries again.
+fn ending(err: &ModelError, class: FailureClass, reason: &str) -> Option<SectionOutcome> {
+    let reason = reason.to_string();
+    Some(match class.action() {
+        Action::Terminal => SectionOutcome::Failed { class, reason },
+        Action::Park => SectionOutcome::Parked { class, reason },
+        Action::Stop => match err {
+            ModelError::RetryRefused { .. } => SectionOutcome::Skipped { reason },
+            ModelError::Budget(kind) => SectionOutcome::BudgetExhausted { kind: *kind },
+            ModelError::Deadline => SectionOutcome::BudgetExhausted {
+                kind: BudgetKind::WallTime,
+            },
+            _ => SectionOutcome::Cancelled,
+        },
+        Action::Retry | Action::RepairContext | Action::ReAsk | Action::ReturnToModel => {
+            return None
+        }
+    })
+}
+
 impl SectionRunner {
     pub fn new(generator: Arc<Generator>, tools: Arc<dyn ToolExecutor>) -> Self {
         SectionRunner {
@@ -304,21 +337,8 @@ impl SectionRunner {
             };
             let class = err.class();
             let reason = format!("{class}: {err}");
-            match class.action() {
-                Action::Terminal => return finish(run, SectionOutcome::Failed { class, reason }),
-                Action::Park => return finish(run, SectionOutcome::Parked { class, reason }),
-                Action::Stop => {
-                    let outcome = match err {
-                        ModelError::RetryRefused { .. } => SectionOutcome::Skipped { reason },
-                        ModelError::Budget(kind) => SectionOutcome::BudgetExhausted { kind },
-                        ModelError::Deadline => SectionOutcome::BudgetExhausted {
-                            kind: BudgetKind::WallTime,
-                        },
-                        _ => SectionOutcome::Cancelled,
-                    };
-                    return finish(run, outcome);
-                }
-                Action::Retry | Action::RepairContext | Action::ReAsk | Action::ReturnToModel => {}
+            if let Some(outcome) = ending(&err, class, &reason) {
+                return finish(run, outcome);
             }
             if let ModelError::CircuitOpen { .. } = err {
                 // Fast failure: the breaker's cool-down is the wait.
@@ -342,17 +362,13 @@ impl SectionRunner {
                         run.thread.messages = messages;
                         self.hook.on_thread(&run.thread);
                         ctx.emit(
-                            RetryReport {
-                                scope: RetryScope::Warm,
-                                reason: reason.clone(),
-                                eligible: true,
-                                retained,
+                            RetryReport::scoped(
+                                RetryScope::Warm,
+                                (reason.clone(), true, retained),
                                 attempt,
                                 budget_left,
-                                class: Some(class),
-                                delay_ms: None,
-                                fallback_model: None,
-                            },
+                                class,
+                            ),
                             &mut run.reports,
                         );
                         continue;
@@ -360,17 +376,17 @@ impl SectionRunner {
                     Err(why) => {
                         warm_used = self.policy.max_warm;
                         ctx.emit(
-                            RetryReport {
-                                scope: RetryScope::Warm,
-                                reason: format!("{reason}; warm refused: {why}"),
-                                eligible: false,
-                                retained: "nothing".into(),
+                            RetryReport::scoped(
+                                RetryScope::Warm,
+                                (
+                                    format!("{reason}; warm refused: {why}"),
+                                    false,
+                                    "nothing".into(),
+                                ),
                                 attempt,
                                 budget_left,
-                                class: Some(class),
-                                delay_ms: None,
-                                fallback_model: None,
-                            },
+                                class,
+                            ),
                             &mut run.reports,
                         );
                     }
@@ -392,47 +408,25 @@ impl SectionRunner {
                 };
                 run.seen_calls.clear();
                 self.hook.on_thread(&run.thread);
-                let retained = match self.policy.mode {
-                    RetryMode::WarmThenCold => {
-                        "section prompt and rolling context only (new thread generation)"
-                            .to_string()
-                    }
-                    RetryMode::NaiveWholeTurn => {
-                        "nothing: whole turn restarted from the prompt".to_string()
-                    }
-                };
+                let retained = self.policy.mode.cold_retains().to_string();
                 ctx.emit(
-                    RetryReport {
-                        scope: RetryScope::Cold,
-                        reason,
-                        eligible: true,
-                        retained,
+                    RetryReport::scoped(
+                        RetryScope::Cold,
+                        (reason, true, retained),
                         attempt,
-                        budget_left: ctx.budget_left(),
-                        class: Some(class),
-                        delay_ms: None,
-                        fallback_model: None,
-                    },
+                        ctx.budget_left(),
+                        class,
+                    ),
                     &mut run.reports,
                 );
                 continue;
             }
-            ctx.emit(
-                RetryReport {
-                    scope: RetryScope::Cold,
-                    reason: format!(
-                        "{reason}; section retries exhausted ({warm_used} warm, {cold_used} cold)"
-                    ),
-                    eligible: false,
-                    retained: "nothing".into(),
-                    attempt,
-                    budget_left: ctx.budget_left(),
-                    class: Some(class),
-                    delay_ms: None,
-                    fallback_model: None,
-                },
-                &mut run.reports,
-            );
+            let why =
+                format!("{reason}; section retries exhausted ({warm_used} warm, {cold_used} cold)");
+            let r = (why, false, "nothing".to_string());
+            let report =
+                RetryReport::scoped(RetryScope::Cold, r, attempt, ctx.budget_left(), class);
+            ctx.emit(report, &mut run.reports);
             return finish(
                 run,
                 SectionOutcome::Skipped {

@@ -183,7 +183,6 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     }
     let conn = nats.connect("leasehold-cli limits").await?;
     let store = FlowStore::open(&conn).await?;
-    let now = || rfc3339(std::time::SystemTime::now());
     match args.cmd {
         Cmd::List { json } => list(&store, json).await,
         Cmd::Set {
@@ -194,40 +193,12 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             weight,
             ..
         } => {
-            let (model_id, info, tenant) = match key.expect("resolved") {
-                Target::Provider(id, info) => (id, info, None),
-                Target::Tenant(t) => (tenant_model_key(&t), None, Some(t)),
+            let model = Limits {
+                rpm,
+                tpm,
+                concurrency,
             };
-            let mut out = json!({"set": true});
-            if rpm.is_some() || tpm.is_some() || concurrency.is_some() {
-                let mut e = store.get_limits(&model_id).await?.unwrap_or_default();
-                e.limits.rpm = rpm.or(e.limits.rpm);
-                e.limits.tpm = tpm.or(e.limits.tpm);
-                e.limits.concurrency = concurrency.or(e.limits.concurrency);
-                e.provider = info.or(e.provider);
-                e.updated_at = now();
-                store.set_limits(&model_id, &e).await?;
-                out["id"] = json!(model_id);
-                out["limits"] = json!(e.limits);
-                if tenant.is_none() {
-                    out["provider"] = json!(e.provider);
-                }
-            }
-            if let Some(t) = &tenant {
-                out["tenant"] = json!(t);
-                if jobs.is_some() || weight.is_some() {
-                    let id = tenant_jobs_key(t);
-                    let mut e = store.get_limits(&id).await?.unwrap_or_default();
-                    e.limits.concurrency = jobs.or(e.limits.concurrency);
-                    e.weight = weight.or(e.weight);
-                    e.updated_at = now();
-                    store.set_limits(&id, &e).await?;
-                    out["jobs"] = json!(e.limits.concurrency);
-                    out["weight"] = json!(e.weight.unwrap_or(1));
-                }
-            }
-            println!("{out}");
-            Ok(0)
+            set(&store, key.expect("resolved"), model, jobs, weight).await
         }
         Cmd::Clear {
             rpm,
@@ -237,83 +208,145 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             weight,
             ..
         } => {
-            let (model_id, tenant) = match key.expect("resolved") {
-                Target::Provider(id, _) => (id, None),
-                Target::Tenant(t) => (tenant_model_key(&t), Some(t)),
-            };
-            let some_model = rpm || tpm || concurrency;
-            let some_jobs = jobs || weight;
-            let everything = !some_model && !some_jobs;
-            let mut found = false;
-            let mut out = json!({"cleared": true});
-            if tenant.is_none() && (concurrency || everything) {
-                if let Some((l, _)) = store.get_learned(&model_id).await? {
-                    store.forget(&model_id).await?;
-                    found = true;
-                    out["id"] = json!(model_id);
-                    out["learned_cleared"] =
-                        json!({"concurrency": l.concurrency, "reason": l.reason});
-                }
-            }
-            if some_model || everything {
-                if let Some(mut e) = store.get_limits(&model_id).await? {
-                    found = true;
-                    if everything {
-                        e.limits = Limits::default();
-                    }
-                    if rpm {
-                        e.limits.rpm = None;
-                    }
-                    if tpm {
-                        e.limits.tpm = None;
-                    }
-                    if concurrency {
-                        e.limits.concurrency = None;
-                    }
-                    if e.limits.is_empty() {
-                        store.clear_limits(&model_id).await?;
-                    } else {
-                        e.updated_at = now();
-                        store.set_limits(&model_id, &e).await?;
-                    }
-                    out["id"] = json!(model_id);
-                    out["limits"] = json!(e.limits);
-                }
-            }
-            if let Some(t) = &tenant {
-                out["tenant"] = json!(t);
-                let id = tenant_jobs_key(t);
-                if some_jobs || everything {
-                    if let Some(mut e) = store.get_limits(&id).await? {
-                        found = true;
-                        if jobs || everything {
-                            e.limits.concurrency = None;
-                        }
-                        if weight || everything {
-                            e.weight = None;
-                        }
-                        if e.limits.is_empty() && e.weight.is_none() {
-                            store.clear_limits(&id).await?;
-                        } else {
-                            e.updated_at = now();
-                            store.set_limits(&id, &e).await?;
-                        }
-                        out["jobs"] = json!(e.limits.concurrency);
-                        out["weight"] = json!(e.weight.unwrap_or(1));
-                    }
-                }
-            }
-            if !found {
-                match &tenant {
-                    Some(t) => eprintln!("error: tenant {t} has no limits or weight (see `leasehold limits list`)"),
-                    None => eprintln!("error: provider key {model_id} has no limits (see `leasehold limits list`)"),
-                }
-                return Ok(1);
-            }
-            println!("{out}");
-            Ok(0)
+            let model = [rpm, tpm, concurrency];
+            clear(&store, key.expect("resolved"), model, [jobs, weight]).await
         }
     }
+}
+
+/// `limits set`: the limits given replace those kept; a tenant's jobs
+/// limit and weight are its own entry.
+async fn set(
+    store: &FlowStore,
+    key: Target,
+    model: Limits,
+    jobs: Option<u64>,
+    weight: Option<u32>,
+) -> anyhow::Result<i32> {
+    let now = || rfc3339(std::time::SystemTime::now());
+    let (model_id, info, tenant) = match key {
+        Target::Provider(id, info) => (id, info, None),
+        Target::Tenant(t) => (tenant_model_key(&t), None, Some(t)),
+    };
+    let mut out = json!({"set": true});
+    if !model.is_empty() {
+        let mut e = store.get_limits(&model_id).await?.unwrap_or_default();
+        e.limits.rpm = model.rpm.or(e.limits.rpm);
+        e.limits.tpm = model.tpm.or(e.limits.tpm);
+        e.limits.concurrency = model.concurrency.or(e.limits.concurrency);
+        e.provider = info.or(e.provider);
+        e.updated_at = now();
+        store.set_limits(&model_id, &e).await?;
+        out["id"] = json!(model_id);
+        out["limits"] = json!(e.limits);
+        if tenant.is_none() {
+            out["provider"] = json!(e.provider);
+        }
+    }
+    if let Some(t) = &tenant {
+        out["tenant"] = json!(t);
+        if jobs.is_some() || weight.is_some() {
+            let id = tenant_jobs_key(t);
+            let mut e = store.get_limits(&id).await?.unwrap_or_default();
+            e.limits.concurrency = jobs.or(e.limits.concurrency);
+            e.weight = weight.or(e.weight);
+            e.updated_at = now();
+            store.set_limits(&id, &e).await?;
+            out["jobs"] = json!(e.limits.concurrency);
+            out["weight"] = json!(e.weight.unwrap_or(1));
+        }
+    }
+    println!("{out}");
+    Ok(0)
+}
+
+/// `limits clear`: the limits named (`[rpm, tpm, concurrency]` of the
+/// model entry, `[jobs, weight]` of a tenant's), or everything when none is.
+async fn clear(
+    store: &FlowStore,
+    key: Target,
+    [rpm, tpm, concurrency]: [bool; 3],
+    [jobs, weight]: [bool; 2],
+) -> anyhow::Result<i32> {
+    let now = || rfc3339(std::time::SystemTime::now());
+    let (model_id, tenant) = match key {
+        Target::Provider(id, _) => (id, None),
+        Target::Tenant(t) => (tenant_model_key(&t), Some(t)),
+    };
+    let some_model = rpm || tpm || concurrency;
+    let some_jobs = jobs || weight;
+    let everything = !some_model && !some_jobs;
+    let mut found = false;
+    let mut out = json!({"cleared": true});
+    if tenant.is_none() && (concurrency || everything) {
+        if let Some((l, _)) = store.get_learned(&model_id).await? {
+            store.forget(&model_id).await?;
+            found = true;
+            out["id"] = json!(model_id);
+            out["learned_cleared"] = json!({"concurrency": l.concurrency, "reason": l.reason});
+        }
+    }
+    if some_model || everything {
+        if let Some(mut e) = store.get_limits(&model_id).await? {
+            found = true;
+            if everything {
+                e.limits = Limits::default();
+            }
+            if rpm {
+                e.limits.rpm = None;
+            }
+            if tpm {
+                e.limits.tpm = None;
+            }
+            if concurrency {
+                e.limits.concurrency = None;
+            }
+            if e.limits.is_empty() {
+                store.clear_limits(&model_id).await?;
+            } else {
+                e.updated_at = now();
+                store.set_limits(&model_id, &e).await?;
+            }
+            out["id"] = json!(model_id);
+            out["limits"] = json!(e.limits);
+        }
+    }
+    if let Some(t) = &tenant {
+        out["tenant"] = json!(t);
+        let id = tenant_jobs_key(t);
+        if some_jobs || everything {
+            if let Some(mut e) = store.get_limits(&id).await? {
+                found = true;
+                if jobs || everything {
+                    e.limits.concurrency = None;
+                }
+                if weight || everything {
+                    e.weight = None;
+                }
+                if e.limits.is_empty() && e.weight.is_none() {
+                    store.clear_limits(&id).await?;
+                } else {
+                    e.updated_at = now();
+                    store.set_limits(&id, &e).await?;
+                }
+                out["jobs"] = json!(e.limits.concurrency);
+                out["weight"] = json!(e.weight.unwrap_or(1));
+            }
+        }
+    }
+    if !found {
+        match &tenant {
+            Some(t) => {
+                eprintln!("error: tenant {t} has no limits or weight (see `leasehold limits list`)")
+            }
+            None => eprintln!(
+                "error: provider key {model_id} has no limits (see `leasehold limits list`)"
+            ),
+        }
+        return Ok(1);
+    }
+    println!("{out}");
+    Ok(0)
 }
 
 async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {

@@ -71,8 +71,21 @@ impl RetryReport {
         budget_left: BudgetLeft,
         class: FailureClass,
     ) -> Self {
+        let r = (reason, eligible, retained);
+        Self::scoped(RetryScope::Generation, r, attempt, budget_left, class)
+    }
+
+    /// A report of `scope`: (reason, eligible, retained), with no delay and
+    /// no fallback.
+    pub fn scoped(
+        scope: RetryScope,
+        (reason, eligible, retained): (String, bool, String),
+        attempt: u32,
+        budget_left: BudgetLeft,
+        class: FailureClass,
+    ) -> Self {
         RetryReport {
-            scope: RetryScope::Generation,
+            scope,
             reason,
             eligible,
             retained,

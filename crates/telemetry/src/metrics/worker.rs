@@ -113,6 +113,141 @@ struct WorkerInner {
     tenant_tickets: Family<TenantKindLabels, Gauge>,
 }
 
+impl WorkerInner {
+    /// The families of jobs, attempts and the session.
+    fn register_jobs(&self, r: &mut Registry) {
+        let f = self;
+        r.register(
+            "leasehold_jobs_claimed",
+            "Claims won by this worker (reclaims included), by kind",
+            f.claimed.clone(),
+        );
+        r.register("leasehold_jobs_reclaimed", "Claims of a job whose previous owner lost it (expired lease or session, or this identity's earlier process), by kind", f.reclaimed.clone());
+        r.register(
+            "leasehold_jobs_rejected",
+            "Submissions rejected by this worker (recorded and dead-lettered), by kind",
+            f.rejected.clone(),
+        );
+        r.register(
+            "leasehold_jobs_completed",
+            "Attempts that completed their job, by kind",
+            f.completed.clone(),
+        );
+        r.register(
+            "leasehold_jobs_retried",
+            "Attempts that failed retryably and re-queued their job with a backoff, by kind",
+            f.retried.clone(),
+        );
+        r.register(
+            "leasehold_jobs_failed",
+            "Attempts that failed their job for good, by kind",
+            f.failed.clone(),
+        );
+        r.register(
+            "leasehold_jobs_cancelled",
+            "Attempts stopped by a cancel request, by kind",
+            f.cancelled.clone(),
+        );
+        r.register(
+            "leasehold_jobs_parked",
+            "Attempts that parked their job for a person, by kind",
+            f.parked.clone(),
+        );
+        r.register(
+            "leasehold_jobs_handed_back",
+            "Attempts released at shutdown after the drain timeout, by kind",
+            f.handed_back.clone(),
+        );
+        r.register(
+            "leasehold_jobs_ownership_lost",
+            "Attempts stopped because another owner took the job over, by kind",
+            f.ownership_lost.clone(),
+        );
+        r.register_with_unit(
+            "leasehold_attempt_duration",
+            "Duration of attempts from claim to outcome, by kind and outcome",
+            Unit::Seconds,
+            f.attempt_duration.clone(),
+        );
+        r.register(
+            "leasehold_jobs_in_flight",
+            "Attempts running on this worker now, by kind",
+            f.in_flight.clone(),
+        );
+        r.register(
+            "leasehold_session_renewals",
+            "Session renewals by outcome (ok, failed, lost)",
+            f.renewals.clone(),
+        );
+        r.register_collector(Box::new(SessionLag(f.last_renewal.clone())));
+    }
+
+    /// The families the model, tool, flow and checkpoint layers report into.
+    fn register_layers(&self, r: &mut Registry) {
+        let f = self;
+        r.register(
+            "leasehold_model_requests",
+            "Model requests by model and outcome (ok or the failure class)",
+            f.model_requests.clone(),
+        );
+        r.register(
+            "leasehold_model_tokens",
+            "Tokens by model and direction (input, output)",
+            f.model_tokens.clone(),
+        );
+        r.register(
+            "leasehold_model_retries",
+            "Generation retry decisions by failure class",
+            f.model_retries.clone(),
+        );
+        r.register("leasehold_flow_requests", "Model requests by flow control's admission: admitted, waited (admitted after waiting), refused (gave up waiting)", f.flow_admissions.clone());
+        r.register(
+            "leasehold_flow_pauses",
+            "Provider keys paused for the fleet, by kind: cooldown (429 or quota) or breaker",
+            f.flow_pauses.clone(),
+        );
+        r.register(
+            "leasehold_flow_limit",
+            "A provider key's fleet-wide limit (rpm, tpm per minute; concurrency)",
+            f.flow_limit.clone(),
+        );
+        r.register("leasehold_flow_slice", "This worker's leased slice of a provider key's limit (rpm, tpm per minute; concurrency)", f.flow_slice.clone());
+        r.register(
+            "leasehold_tenant_jobs_running",
+            "Jobs of a tenant running an attempt on this worker",
+            f.tenant_running.clone(),
+        );
+        r.register("leasehold_tenant_tickets", "Tickets of a tenant in a kind's lanes (queued or running), as this worker last counted them; the default tenant at the default priority is the kind's consumer's queue", f.tenant_tickets.clone());
+        r.register_with_unit(
+            "leasehold_model_request_duration",
+            "Duration of model requests, by model",
+            Unit::Seconds,
+            f.model_duration.clone(),
+        );
+        r.register(
+            "leasehold_tool_calls",
+            "Tool calls by tool and outcome (ok, error, refused)",
+            f.tool_calls.clone(),
+        );
+        r.register(
+            "leasehold_effects",
+            "Side effects by tool and outcome (executed, replayed, reconciled, parked)",
+            f.effects.clone(),
+        );
+        r.register_with_unit(
+            "leasehold_checkpoint_flush_duration",
+            "Duration of one checkpoint flush (a batch of events and its progress write)",
+            Unit::Seconds,
+            f.flush_duration.clone(),
+        );
+        r.register(
+            "leasehold_checkpoint_events",
+            "Checkpoint events made durable by flushes",
+            f.flushed_events.clone(),
+        );
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -121,205 +256,46 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
+        let mut inner = WorkerInner {
+            registry: Arc::default(),
+            claimed: Family::default(),
+            reclaimed: Family::default(),
+            rejected: Family::default(),
+            completed: Family::default(),
+            retried: Family::default(),
+            failed: Family::default(),
+            cancelled: Family::default(),
+            parked: Family::default(),
+            handed_back: Family::default(),
+            ownership_lost: Family::default(),
+            attempt_duration: HistogramFamily::<KindOutcomeLabels>::new_with_constructor(
+                attempt_buckets,
+            ),
+            in_flight: Family::default(),
+            renewals: Family::default(),
+            last_renewal: Arc::new(Mutex::new(None)),
+            model_requests: Family::default(),
+            model_tokens: Family::default(),
+            model_retries: Family::default(),
+            flow_admissions: Family::default(),
+            flow_pauses: Family::default(),
+            flow_limit: Family::default(),
+            flow_slice: Family::default(),
+            tenant_running: Family::default(),
+            tenant_tickets: Family::default(),
+            model_duration: HistogramFamily::<ModelLabel>::new_with_constructor(model_buckets),
+            tool_calls: Family::default(),
+            effects: Family::default(),
+            flush_duration: flush_buckets(),
+            flushed_events: Counter::default(),
+        };
         let mut r = Registry::default();
         build_info(&mut r, "leasehold-worker");
-        let counter = |r: &mut Registry, name: &str, help: &str| {
-            let f = Family::<KindLabel, Counter>::default();
-            r.register(name, help, f.clone());
-            f
-        };
-        let claimed = counter(
-            &mut r,
-            "leasehold_jobs_claimed",
-            "Claims won by this worker (reclaims included), by kind",
-        );
-        let reclaimed = counter(
-            &mut r,
-            "leasehold_jobs_reclaimed",
-            "Claims of a job whose previous owner lost it (expired lease or session, or this identity's earlier process), by kind",
-        );
-        let rejected = counter(
-            &mut r,
-            "leasehold_jobs_rejected",
-            "Submissions rejected by this worker (recorded and dead-lettered), by kind",
-        );
-        let completed = counter(
-            &mut r,
-            "leasehold_jobs_completed",
-            "Attempts that completed their job, by kind",
-        );
-        let retried = counter(
-            &mut r,
-            "leasehold_jobs_retried",
-            "Attempts that failed retryably and re-queued their job with a backoff, by kind",
-        );
-        let failed = counter(
-            &mut r,
-            "leasehold_jobs_failed",
-            "Attempts that failed their job for good, by kind",
-        );
-        let cancelled = counter(
-            &mut r,
-            "leasehold_jobs_cancelled",
-            "Attempts stopped by a cancel request, by kind",
-        );
-        let parked = counter(
-            &mut r,
-            "leasehold_jobs_parked",
-            "Attempts that parked their job for a person, by kind",
-        );
-        let handed_back = counter(
-            &mut r,
-            "leasehold_jobs_handed_back",
-            "Attempts released at shutdown after the drain timeout, by kind",
-        );
-        let ownership_lost = counter(
-            &mut r,
-            "leasehold_jobs_ownership_lost",
-            "Attempts stopped because another owner took the job over, by kind",
-        );
-        let attempt_duration =
-            HistogramFamily::<KindOutcomeLabels>::new_with_constructor(attempt_buckets);
-        r.register_with_unit(
-            "leasehold_attempt_duration",
-            "Duration of attempts from claim to outcome, by kind and outcome",
-            Unit::Seconds,
-            attempt_duration.clone(),
-        );
-        let in_flight = Family::<KindLabel, Gauge>::default();
-        r.register(
-            "leasehold_jobs_in_flight",
-            "Attempts running on this worker now, by kind",
-            in_flight.clone(),
-        );
-        let renewals = Family::<OutcomeLabel, Counter>::default();
-        r.register(
-            "leasehold_session_renewals",
-            "Session renewals by outcome (ok, failed, lost)",
-            renewals.clone(),
-        );
-        let last_renewal = Arc::new(Mutex::new(None));
-        r.register_collector(Box::new(SessionLag(last_renewal.clone())));
-        let model_requests = Family::<ModelOutcomeLabels, Counter>::default();
-        r.register(
-            "leasehold_model_requests",
-            "Model requests by model and outcome (ok or the failure class)",
-            model_requests.clone(),
-        );
-        let model_tokens = Family::<ModelDirectionLabels, Counter>::default();
-        r.register(
-            "leasehold_model_tokens",
-            "Tokens by model and direction (input, output)",
-            model_tokens.clone(),
-        );
-        let model_retries = Family::<ClassLabel, Counter>::default();
-        r.register(
-            "leasehold_model_retries",
-            "Generation retry decisions by failure class",
-            model_retries.clone(),
-        );
-        let flow_admissions = Family::<ModelOutcomeLabels, Counter>::default();
-        r.register(
-            "leasehold_flow_requests",
-            "Model requests by flow control's admission: admitted, waited (admitted after waiting), refused (gave up waiting)",
-            flow_admissions.clone(),
-        );
-        let flow_pauses = Family::<FlowPauseLabels, Counter>::default();
-        r.register(
-            "leasehold_flow_pauses",
-            "Provider keys paused for the fleet, by kind: cooldown (429 or quota) or breaker",
-            flow_pauses.clone(),
-        );
-        let flow_limit =
-            Family::<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-        r.register(
-            "leasehold_flow_limit",
-            "A provider key's fleet-wide limit (rpm, tpm per minute; concurrency)",
-            flow_limit.clone(),
-        );
-        let flow_slice =
-            Family::<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-        r.register(
-            "leasehold_flow_slice",
-            "This worker's leased slice of a provider key's limit (rpm, tpm per minute; concurrency)",
-            flow_slice.clone(),
-        );
-        let tenant_running = Family::<TenantLabel, Gauge>::default();
-        r.register(
-            "leasehold_tenant_jobs_running",
-            "Jobs of a tenant running an attempt on this worker",
-            tenant_running.clone(),
-        );
-        let tenant_tickets = Family::<TenantKindLabels, Gauge>::default();
-        r.register(
-            "leasehold_tenant_tickets",
-            "Tickets of a tenant in a kind's lanes (queued or running), as this worker last counted them; the default tenant at the default priority is the kind's consumer's queue",
-            tenant_tickets.clone(),
-        );
-        let model_duration = HistogramFamily::<ModelLabel>::new_with_constructor(model_buckets);
-        r.register_with_unit(
-            "leasehold_model_request_duration",
-            "Duration of model requests, by model",
-            Unit::Seconds,
-            model_duration.clone(),
-        );
-        let tool_calls = Family::<ToolOutcomeLabels, Counter>::default();
-        r.register(
-            "leasehold_tool_calls",
-            "Tool calls by tool and outcome (ok, error, refused)",
-            tool_calls.clone(),
-        );
-        let effects = Family::<ToolOutcomeLabels, Counter>::default();
-        r.register(
-            "leasehold_effects",
-            "Side effects by tool and outcome (executed, replayed, reconciled, parked)",
-            effects.clone(),
-        );
-        let flush_duration = flush_buckets();
-        r.register_with_unit(
-            "leasehold_checkpoint_flush_duration",
-            "Duration of one checkpoint flush (a batch of events and its progress write)",
-            Unit::Seconds,
-            flush_duration.clone(),
-        );
-        let flushed_events = Counter::default();
-        r.register(
-            "leasehold_checkpoint_events",
-            "Checkpoint events made durable by flushes",
-            flushed_events.clone(),
-        );
+        inner.register_jobs(&mut r);
+        inner.register_layers(&mut r);
+        inner.registry = Arc::new(r);
         Metrics {
-            inner: Arc::new(WorkerInner {
-                registry: Arc::new(r),
-                claimed,
-                reclaimed,
-                rejected,
-                completed,
-                retried,
-                failed,
-                cancelled,
-                parked,
-                handed_back,
-                ownership_lost,
-                attempt_duration,
-                in_flight,
-                renewals,
-                last_renewal,
-                model_requests,
-                model_tokens,
-                model_retries,
-                model_duration,
-                tool_calls,
-                effects,
-                flush_duration,
-                flushed_events,
-                flow_admissions,
-                flow_pauses,
-                flow_limit,
-                flow_slice,
-                tenant_running,
-                tenant_tickets,
-            }),
+            inner: Arc::new(inner),
         }
     }
 

@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+use futures::StreamExt;
+use tokio::time::Instant;
+
 use leasehold_model::{
     function_tool, AttemptState, BreakerConfig, Budget, ChatRequest, Completion, Delta,
     FailureClass, GenerationPolicy, Generator, ModelClient, ModelConfig, ModelError, RunContext,
@@ -248,115 +251,64 @@ async fn context_error(cfg: &ModelConfig, chars: usize) -> Probe {
     }
 }
 
-/// How the server serves two requests at once: a long answer streamed,
-/// and once its first token came a second, short one. The second's
-/// first token while the first still streams (tokens of the first come
-/// after it): `parallel`; only after the first's last token:
-/// `serialized` (it waited); the first's stream ended
-/// before its finish reason once the second was sent: `interrupts`
-/// (llama-cpp-python's `interrupt_requests`: research's experts would
-/// cut each other's sections).
-async fn concurrency(cfg: &ModelConfig) -> Probe {
-    use futures::StreamExt;
-    use tokio::time::Instant;
-    let cfg = ModelConfig {
-        stream: true,
-        ..cfg.clone()
+/// One stream's tokens (when each came), finish reason and end.
+struct Seen {
+    tokens: Vec<Instant>,
+    finish: Option<String>,
+    /// The server ended the stream itself (`[DONE]`).
+    done: bool,
+    ended: Instant,
+    error: Option<String>,
+}
+/// Reads one answer's stream, telling `on_first` at its first token.
+async fn read(
+    client: &ModelClient,
+    req: &ChatRequest,
+    model: &str,
+    mut on_first: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Seen {
+    let mut seen = Seen {
+        tokens: Vec::new(),
+        finish: None,
+        done: false,
+        ended: Instant::now(),
+        error: None,
     };
-    let client = match ModelClient::new(cfg.clone()) {
-        Ok(c) => c,
-        Err(e) => return Probe::of_error(&e),
-    };
-    let long = ChatRequest {
-        messages: vec![Message::user(
-            "Write a long story about a lighthouse keeper and the ships she watches, in at least four paragraphs.",
-        )],
-        max_tokens: Some(256),
-        ..Default::default()
-    };
-    let short = ChatRequest {
-        messages: vec![Message::user("Say ok.")],
-        max_tokens: Some(8),
-        ..Default::default()
-    };
-    /// One stream's tokens (when each came), finish reason and end.
-    struct Seen {
-        tokens: Vec<Instant>,
-        finish: Option<String>,
-        /// The server ended the stream itself (`[DONE]`).
-        done: bool,
-        ended: Instant,
-        error: Option<String>,
-    }
-    async fn read(
-        client: &ModelClient,
-        req: &ChatRequest,
-        model: &str,
-        mut on_first: Option<tokio::sync::oneshot::Sender<()>>,
-    ) -> Seen {
-        let mut seen = Seen {
-            tokens: Vec::new(),
-            finish: None,
-            done: false,
-            ended: Instant::now(),
-            error: None,
-        };
-        let mut st = AttemptState::default();
-        match client.stream(req, model, &mut st).await {
-            Err(e) => seen.error = Some(e.to_string()),
-            Ok(mut s) => {
-                while let Some(d) = s.next().await {
-                    match d {
-                        Ok(Delta::Content(t)) if !t.is_empty() => {
-                            seen.tokens.push(Instant::now());
-                            if let Some(tx) = on_first.take() {
-                                let _ = tx.send(());
-                            }
+    let mut st = AttemptState::default();
+    match client.stream(req, model, &mut st).await {
+        Err(e) => seen.error = Some(e.to_string()),
+        Ok(mut s) => {
+            while let Some(d) = s.next().await {
+                match d {
+                    Ok(Delta::Content(t)) if !t.is_empty() => {
+                        seen.tokens.push(Instant::now());
+                        if let Some(tx) = on_first.take() {
+                            let _ = tx.send(());
                         }
-                        Ok(Delta::ToolCall { .. }) => seen.tokens.push(Instant::now()),
-                        Ok(Delta::Finish(r)) => seen.finish = Some(r),
-                        Ok(Delta::Done) => {
-                            seen.done = true;
-                            break;
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            seen.error = Some(e.to_string());
-                            break;
-                        }
+                    }
+                    Ok(Delta::ToolCall { .. }) => seen.tokens.push(Instant::now()),
+                    Ok(Delta::Finish(r)) => seen.finish = Some(r),
+                    Ok(Delta::Done) => {
+                        seen.done = true;
+                        break;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        seen.error = Some(e.to_string());
+                        break;
                     }
                 }
             }
         }
-        seen.ended = Instant::now();
-        seen
     }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let model = cfg.model.clone();
-    let first = read(&client, &long, &model, Some(tx));
-    let second = async {
-        rx.await.ok()?;
-        let sent = Instant::now();
-        Some((sent, read(&client, &short, &model, None).await))
-    };
-    let Ok((a, b)) = tokio::time::timeout(
-        Duration::from_secs(120),
-        futures::future::join(first, second),
-    )
-    .await
-    else {
-        return Probe::of("failed", "the two requests did not end within 120 s");
-    };
+    seen.ended = Instant::now();
+    seen
+}
+
+/// What the two streams' times say: `parallel`, `serialized`,
+/// `interrupts`, or `failed` with why nothing can be judged.
+fn judge(a: &Seen, sent: Instant, b: &Seen) -> Probe {
     let ms = |d: Duration| d.as_millis();
-    let Some((sent, b)) = b else {
-        return Probe::of(
-            "failed",
-            match a.error {
-                Some(e) => format!("the first request failed before its first token: {e}"),
-                None => "the first answer had no token: nothing to judge".into(),
-            },
-        );
-    };
     let after = a.tokens.iter().filter(|t| **t > sent).count();
     let one_at_a_time = Some("LH_MODEL_CONCURRENCY=1".to_string());
     if a.finish.is_none() && a.done && a.ended >= sent {
@@ -418,6 +370,63 @@ async fn concurrency(cfg: &ModelConfig) -> Probe {
         ),
         set: one_at_a_time,
     }
+}
+
+/// How the server serves two requests at once: a long answer streamed,
+/// and once its first token came a second, short one. The second's
+/// first token while the first still streams (tokens of the first come
+/// after it): `parallel`; only after the first's last token:
+/// `serialized` (it waited); the first's stream ended
+/// before its finish reason once the second was sent: `interrupts`
+/// (llama-cpp-python's `interrupt_requests`: research's experts would
+/// cut each other's sections).
+async fn concurrency(cfg: &ModelConfig) -> Probe {
+    let cfg = ModelConfig {
+        stream: true,
+        ..cfg.clone()
+    };
+    let client = match ModelClient::new(cfg.clone()) {
+        Ok(c) => c,
+        Err(e) => return Probe::of_error(&e),
+    };
+    let long = ChatRequest {
+        messages: vec![Message::user(
+            "Write a long story about a lighthouse keeper and the ships she watches, in at least four paragraphs.",
+        )],
+        max_tokens: Some(256),
+        ..Default::default()
+    };
+    let short = ChatRequest {
+        messages: vec![Message::user("Say ok.")],
+        max_tokens: Some(8),
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let model = cfg.model.clone();
+    let first = read(&client, &long, &model, Some(tx));
+    let second = async {
+        rx.await.ok()?;
+        let sent = Instant::now();
+        Some((sent, read(&client, &short, &model, None).await))
+    };
+    let Ok((a, b)) = tokio::time::timeout(
+        Duration::from_secs(120),
+        futures::future::join(first, second),
+    )
+    .await
+    else {
+        return Probe::of("failed", "the two requests did not end within 120 s");
+    };
+    let Some((sent, b)) = b else {
+        return Probe::of(
+            "failed",
+            match a.error {
+                Some(e) => format!("the first request failed before its first token: {e}"),
+                None => "the first answer had no token: nothing to judge".into(),
+            },
+        );
+    };
+    judge(&a, sent, &b)
 }
 
 pub async fn all(
