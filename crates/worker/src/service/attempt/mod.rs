@@ -18,12 +18,12 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use leasehold_core::machine::{self, End, Owner};
+use leasehold_core::machine::{End, Owner};
 use leasehold_core::retry::Backoff;
-use leasehold_core::{JobError, JobRecord};
+use leasehold_core::JobRecord;
 use leasehold_proto::JobResult;
 use leasehold_store::events::{Fence, FenceError};
 use leasehold_store::index::Key;
@@ -41,7 +41,7 @@ use crate::handler::JobCtx;
 mod end;
 
 pub(crate) use end::settle;
-use end::{ownership_lost, persist, still_ours};
+use end::{ownership_lost, still_ours};
 
 /// The ticket slot of a running job: a redelivery of its ticket to this
 /// process replaces the held message, so acks go to the live delivery.
@@ -142,22 +142,24 @@ pub(crate) async fn run_claimed(
         } else {
             "internal error: the attempt was aborted".to_string()
         };
-        tracing::error!(job = %id, epoch, "{why}; requeueing the job");
+        tracing::error!(job = %id, epoch, "{why}; ending the attempt as a retryable failure");
+        // The attempt's own state went with its task: the end is carried
+        // out unfenced, by the same executor as every other end (the
+        // retry budget, ticket first, then record, then index).
         let owner = Owner::of(&rec).expect("a claimed record is running");
-        let gate = Gate::new(shared.jobs.clone(), id.clone(), owner);
-        let error = JobError {
-            class: "retryable".into(),
-            message: why,
-            at: leasehold_core::time::rfc3339(SystemTime::now()),
+        let a = Attempt {
+            shared: shared.clone(),
+            rec: rec.clone(),
+            gate: Gate::new(shared.jobs.clone(), id.clone(), owner),
+            fence: None,
+            ticket: ticket.clone(),
+            // It may have been indexed under this worker: the run key goes.
+            indexed: Arc::new(AtomicBool::new(true)),
+            started: tokio::time::Instant::now(),
+            timer: StdMutex::new(None),
+            span: tracing::Span::current(),
         };
-        let res = persist(&shared, &gate, move |r, o, now| {
-            machine::requeue(r, o, now, error.clone(), Duration::from_secs(1))
-        })
-        .await;
-        match res {
-            Ok(_) => settle(&ticket, AckKind::Nak(Some(Duration::from_secs(1)))).await,
-            Err(e) => tracing::warn!(job = %id, error = %e, "cannot requeue after the panic"),
-        }
+        a.finish(End::retryable(why)).await;
     }
     {
         let mut running = shared.running.lock().unwrap();
