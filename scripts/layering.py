@@ -34,6 +34,7 @@ FLOORS = {
     "leasehold-store": 2,
     "leasehold-model": 2,
     "leasehold-tools": 3,
+    "leasehold-agent": 4,
     "leasehold-worker": 4,
     "leasehold-reaper": 4,
     "leasehold": 5,
@@ -57,6 +58,7 @@ LABS_DIR = LABS - {"leasehold-harness"}
 LAB_USERS = LABS | {"leasehold-tests"}
 # Allowed by the floors, refused by the design.
 FORBIDDEN = {
+    ("leasehold-tools", "leasehold-model"): "the toolbox does not know the model; the agent crate adapts one to the other (AgentTools)",
     ("leasehold-reaper", "leasehold-tools"): "the reaper purges the ledger's data through store (store::effects::purge_job)",
 }
 

@@ -22,10 +22,10 @@ use std::sync::Arc;
 use leasehold_transcript::{compact, sanitize, CompactionPolicy, Message, Thread, Verdict};
 use serde::{Deserialize, Serialize};
 
-use crate::budget::BudgetKind;
-use crate::error::{Action, FailureClass, ModelError};
-use crate::retry::{Generator, RetryReport, RetryScope, RunContext};
-use crate::wire::ChatRequest;
+use leasehold_model::{
+    Action, BudgetKind, ChatRequest, FailureClass, Generator, ModelError, RetryReport, RetryScope,
+    RunContext,
+};
 
 /// What a tool call came to.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -526,7 +526,7 @@ impl SectionRunner {
                 // A refused generation retry ends the section attempt for
                 // good: regenerating would repeat what was already shown or
                 // done.
-                Some(why) if why != crate::retry::Ineligible::Cancelled => {
+                Some(why) if why != leasehold_model::Ineligible::Cancelled => {
                     ModelError::RetryRefused {
                         why,
                         cause: f.error.to_string(),

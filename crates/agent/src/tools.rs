@@ -6,11 +6,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use leasehold_model::agent::{ToolExecutor, ToolOutcome};
+use crate::runner::{ToolExecutor, ToolOutcome};
 use serde_json::Value;
 
-use crate::events::{CollectEvents, ToolEvents};
-use crate::{CallCtx, Disposition, EffectGuard, Toolbox};
+use leasehold_tools::{CallCtx, CollectEvents, Disposition, EffectGuard, ToolEvents, Toolbox};
 
 /// Some of a toolbox's tools, offered to one conversation of one job.
 pub struct AgentTools {

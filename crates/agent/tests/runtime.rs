@@ -2,6 +2,8 @@
 //! budgets, and the section runner's warm and cold retries, against a real
 //! socket.
 
+// The model crate's test server and helpers, shared, not copied.
+#[path = "../../model/tests/common/mod.rs"]
 mod common;
 
 use std::future::Future;
@@ -11,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use leasehold_model::agent::{
+use leasehold_agent::{
     RetryMode, SectionInput, SectionOutcome, SectionPolicy, SectionRunner, ToolExecutor,
     ToolOutcome, TranscriptHook,
 };
@@ -433,10 +435,10 @@ async fn section_completes_with_tool_loop_and_hook() {
 
 #[tokio::test]
 async fn each_model_call_is_reported_once_with_its_usage_and_duration() {
-    struct Calls(Mutex<Vec<leasehold_model::agent::ModelCall>>);
+    struct Calls(Mutex<Vec<leasehold_agent::ModelCall>>);
     impl TranscriptHook for Calls {
         fn on_message(&self, _: u32, _: &Message) {}
-        fn on_model_call(&self, c: &leasehold_model::agent::ModelCall) {
+        fn on_model_call(&self, c: &leasehold_agent::ModelCall) {
             self.0.lock().unwrap().push(c.clone());
         }
     }

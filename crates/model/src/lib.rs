@@ -8,7 +8,6 @@
 //!   exponential backoff and full jitter, restart eligibility, circuit
 //!   breaker, optional fallback model), reporting [`RetryReport`]s.
 //! - [`Budget`]: per-job steps, tokens, wall time and cost.
-//! - [`agent`]: the section runner with warm and cold retries.
 //! - [`flow`]: admission of every model request against the fleet's
 //!   provider limits and pauses (cooldowns, open breakers).
 //! - [`adapt`]: what a provider accepts (structured-output and tool-calling
@@ -18,7 +17,6 @@
 //! retries are off and the client returns every failure as it found it.
 
 pub mod adapt;
-pub mod agent;
 mod breaker;
 mod budget;
 mod client;

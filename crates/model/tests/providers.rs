@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use leasehold_model::adapt::TEXT_TOOL_LINE;
-use leasehold_model::agent::{
+use leasehold_agent::{
     SectionInput, SectionOutcome, SectionPolicy, SectionRunner, ToolExecutor, ToolOutcome,
 };
+use leasehold_model::adapt::TEXT_TOOL_LINE;
 use leasehold_model::{
     BreakerConfig, BreakerState, Budget, ChatRequest, CollectingReporter, FailureClass,
     GenerationPolicy, Generator, ModelClient, ModelConfig, RunContext, StructuredMode, ToolsMode,

@@ -10,15 +10,15 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex as StdMutex};
 
-use leasehold_model::agent::{
-    NoTools, SectionInput, SectionPolicy, SectionRunner, ToolExecutor, TranscriptHook,
+use leasehold_agent::{
+    AgentTools, NoTools, SectionInput, SectionPolicy, SectionRunner, ToolExecutor, TranscriptHook,
 };
 use leasehold_model::{
     BreakerConfig, Budget, BudgetLimits, GenerationPolicy, Generator, ModelClient, RetryReport,
     RetryReporter, RunContext,
 };
 use leasehold_store::events::{Events, FenceError};
-use leasehold_tools::{AgentTools, OwnerGuard, Toolbox};
+use leasehold_tools::{OwnerGuard, Toolbox};
 use leasehold_transcript::{Message, Thread};
 use leasehold_worker::JobCtx;
 use serde::{Deserialize, Serialize};
@@ -249,7 +249,7 @@ impl TranscriptHook for Journal {
     fn before_generation(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(self.out.flushed())
     }
-    fn on_model_call(&self, call: &leasehold_model::agent::ModelCall) {
+    fn on_model_call(&self, call: &leasehold_agent::ModelCall) {
         self.out
             .push("model", call.tagged(json!({"step": self.step})));
     }

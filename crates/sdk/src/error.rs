@@ -1,7 +1,7 @@
 //! [`Error`]: how an attempt of a kind ends when it does not complete.
 
+use leasehold_agent::SectionOutcome;
 use leasehold_core::End;
-use leasehold_model::agent::SectionOutcome;
 use leasehold_proto::JobResult;
 
 /// An attempt that did not complete, and what the runtime does about it.

@@ -39,11 +39,11 @@
 //! # Ok(()) }
 //! ```
 
-pub use leasehold_core::time::{env_duration, format_duration};
-pub use leasehold_model::agent::{
-    ModelCall, NoHook, NoTools, SectionInput, SectionOutcome, SectionPolicy, SectionResult,
-    SectionRunner, ToolExecutor, TranscriptHook,
+pub use leasehold_agent::{
+    AgentTools, ModelCall, NoHook, NoTools, SectionInput, SectionOutcome, SectionPolicy,
+    SectionResult, SectionRunner, ToolExecutor, TranscriptHook,
 };
+pub use leasehold_core::time::{env_duration, format_duration};
 /// What a [`Budget`] has used (the model layer's; the record's is
 /// [`crate::BudgetUsed`]).
 pub use leasehold_model::BudgetUsed as Spent;
@@ -52,8 +52,8 @@ pub use leasehold_model::{
     ModelConfig, PriceTable, RetryReport, RetryReporter, RunContext, MODEL_ENV_VARS,
 };
 pub use leasehold_tools::{
-    step_id, AgentTools, CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, ToolEvent,
-    ToolEvents, Toolbox, ToolboxConfig, TOOL_ENV_VARS,
+    step_id, CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, ToolEvent, ToolEvents,
+    Toolbox, ToolboxConfig, TOOL_ENV_VARS,
 };
 pub use leasehold_transcript::{Message, Thread};
 pub use leasehold_worker::checkpoint::{FlushStats, Lost, ProgressUpdate, Retries};

@@ -54,7 +54,6 @@
 //! this process created or took over the key's `in_flight` entry, and after
 //! the call's guard (when it has one) proved ownership.
 
-mod agent_tools;
 mod builtin;
 mod error;
 mod events;
@@ -67,7 +66,6 @@ mod schema;
 mod tool;
 mod toolbox;
 
-pub use agent_tools::AgentTools;
 pub use builtin::fetch::{FetchConfig, FetchTool};
 pub use builtin::publish::{PublishConfig, PublishTool};
 pub use builtin::search::{SearchConfig, SearchTool};

@@ -8,9 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use leasehold_model::agent::{
-    SectionInput, SectionOutcome, SectionRunner, ToolExecutor, ToolOutcome,
-};
+use leasehold_agent::{SectionInput, SectionOutcome, SectionRunner, ToolExecutor, ToolOutcome};
 use leasehold_model::{
     function_tool, AttemptState, BreakerConfig, Budget, ChatRequest, CollectingReporter, Generated,
     GenerationFailure, GenerationPolicy, Generator, ModelClient, ModelConfig, RetryReport,
@@ -285,8 +283,8 @@ async fn sim_header_faults_and_structured_output() {
 async fn sim_naive_whole_turn_retry_repeats_tools_that_warm_retry_keeps() {
     let mut executed = Vec::new();
     for mode in [
-        leasehold_model::agent::RetryMode::WarmThenCold,
-        leasehold_model::agent::RetryMode::NaiveWholeTurn,
+        leasehold_agent::RetryMode::WarmThenCold,
+        leasehold_agent::RetryMode::NaiveWholeTurn,
     ] {
         // Request 3 (the section write after search and fetch) is cut.
         let sim = Sim::start(Some(json!({"rules":[{"kind":"cut","nth":[3]}]})));

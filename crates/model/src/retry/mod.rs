@@ -235,7 +235,8 @@ impl RunContext {
         }
     }
 
-    pub(crate) fn emit(&self, r: RetryReport, into: &mut Vec<RetryReport>) {
+    /// Reports a retry decision to the run's reporter and keeps it in `into`.
+    pub fn emit(&self, r: RetryReport, into: &mut Vec<RetryReport>) {
         // Debug: the decision is also a `retry` event, and the attempt's end
         // (one WARN when it fails) carries the cause.
         tracing::debug!(scope = ?r.scope, eligible = r.eligible, attempt = r.attempt, reason = %r.reason, "retry decision");
