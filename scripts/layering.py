@@ -31,6 +31,7 @@ FLOORS = {
     "leasehold-telemetry": 0,
     "leasehold-harness": 0,
     "leasehold-core": 1,
+    "leasehold-flow": 1,
     "leasehold-store": 2,
     "leasehold-model": 2,
     "leasehold-tools": 3,

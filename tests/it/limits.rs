@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use leasehold_core::flow::{provider_key, Limits};
+use leasehold_flow::{provider_key, Limits};
 use leasehold_harness::Proc;
 use leasehold_store::flow::{FlowStore, PauseKind};
 use serde_json::{json, Value};
@@ -328,8 +328,8 @@ struct InFlight {
 
 /// `n` tasks asking `flow` for `key` over and over, each request 20 ms.
 fn demand(
-    flow: std::sync::Arc<leasehold_model::flow::Flow>,
-    key: leasehold_model::flow::ProviderKey,
+    flow: std::sync::Arc<leasehold_flow::Flow>,
+    key: leasehold_flow::ProviderKey,
     n: usize,
     seen: std::sync::Arc<InFlight>,
     stop: tokio_util::sync::CancellationToken,
@@ -343,8 +343,8 @@ fn demand(
                     Ok(p) => p,
                     Err(w) => {
                         let wake = match w {
-                            leasehold_model::flow::Wait::Paused { at, .. } => at,
-                            leasehold_model::flow::Wait::Limited { retry, .. } => retry,
+                            leasehold_flow::Wait::Paused { at, .. } => at,
+                            leasehold_flow::Wait::Limited { retry, .. } => retry,
                         };
                         tokio::select! {
                             _ = stop.cancelled() => return,
@@ -373,14 +373,14 @@ async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
     use std::sync::atomic::Ordering::SeqCst;
     use std::sync::Arc;
     let env = Env::new().await;
-    let key = leasehold_model::flow::ProviderKey::new("http://partitioned.invalid/v1", "m", None);
+    let key = leasehold_flow::ProviderKey::new("http://partitioned.invalid/v1", "m", None);
     FlowStore::open(&env.conn)
         .await
         .unwrap()
         .set_limits(
             &key.id,
             &leasehold_store::flow::LimitEntry {
-                limits: leasehold_core::flow::Limits {
+                limits: leasehold_flow::Limits {
                     rpm: None,
                     tpm: None,
                     concurrency: Some(8),
@@ -401,7 +401,7 @@ async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
             .connect(name)
             .await
             .unwrap();
-        let flow = Arc::new(leasehold_model::flow::Flow::new());
+        let flow = Arc::new(leasehold_flow::Flow::new());
         leasehold_worker::flow::start_with(flow.clone(), conn, name.to_string(), stop.clone());
         let s = Arc::new(InFlight::default());
         demand(flow.clone(), key.clone(), 16, s.clone(), stop.clone());
@@ -497,7 +497,7 @@ async fn chat(http: &reqwest::Client, sim: &str) -> (u16, Option<u64>) {
 }
 
 /// Sets `limits` on `key` in `lh_limits`.
-async fn set_limits(env: &Env, key: &leasehold_model::flow::ProviderKey, limits: Limits) {
+async fn set_limits(env: &Env, key: &leasehold_flow::ProviderKey, limits: Limits) {
     FlowStore::open(&env.conn)
         .await
         .unwrap()
@@ -529,7 +529,7 @@ async fn fleet_against_the_sim(
     use std::sync::Arc;
     let env = Env::new().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_LIMIT", format!("sim-1:rpm={rpm},burst=1"))]).await;
-    let key = leasehold_model::flow::ProviderKey::new(&format!("{sim}/v1"), "sim-1", None);
+    let key = leasehold_flow::ProviderKey::new(&format!("{sim}/v1"), "sim-1", None);
     set_limits(
         &env,
         &key,
@@ -548,7 +548,7 @@ async fn fleet_against_the_sim(
             .connect(&name)
             .await
             .unwrap();
-        let flow = Arc::new(leasehold_model::flow::Flow::new());
+        let flow = Arc::new(leasehold_flow::Flow::new());
         leasehold_worker::flow::start_with(flow.clone(), conn, name, stop.clone());
         for _ in 0..2 {
             let (flow, key, stop, http, sim) = (
@@ -564,8 +564,8 @@ async fn fleet_against_the_sim(
                         Ok(p) => p,
                         Err(w) => {
                             let wake = match w {
-                                leasehold_model::flow::Wait::Paused { at, .. } => at,
-                                leasehold_model::flow::Wait::Limited { retry, .. } => retry,
+                                leasehold_flow::Wait::Paused { at, .. } => at,
+                                leasehold_flow::Wait::Limited { retry, .. } => retry,
                             };
                             tokio::select! {
                                 _ = stop.cancelled() => return,
@@ -675,7 +675,7 @@ async fn a_lease_written_by_a_clock_behind_is_honoured_while_it_renews() {
     use std::sync::atomic::Ordering::SeqCst;
     use std::sync::Arc;
     let env = Env::new().await;
-    let key = leasehold_model::flow::ProviderKey::new("http://skewed.invalid/v1", "m", None);
+    let key = leasehold_flow::ProviderKey::new("http://skewed.invalid/v1", "m", None);
     set_limits(
         &env,
         &key,
@@ -705,7 +705,7 @@ async fn a_lease_written_by_a_clock_behind_is_honoured_while_it_renews() {
         .connect("fast")
         .await
         .unwrap();
-    let flow = Arc::new(leasehold_model::flow::Flow::new());
+    let flow = Arc::new(leasehold_flow::Flow::new());
     leasehold_worker::flow::start_with(flow.clone(), conn, "fast".into(), stop.clone());
     let seen = Arc::new(InFlight::default());
     demand(flow.clone(), key.clone(), 8, seen.clone(), stop.clone());
@@ -758,7 +758,7 @@ async fn a_worker_that_never_got_a_lease_takes_a_share_not_the_whole_limit() {
     use std::sync::atomic::Ordering::SeqCst;
     use std::sync::Arc;
     let env = Env::new().await;
-    let key = leasehold_model::flow::ProviderKey::new("http://unwritable.invalid/v1", "m", None);
+    let key = leasehold_flow::ProviderKey::new("http://unwritable.invalid/v1", "m", None);
     set_limits(
         &env,
         &key,
@@ -800,7 +800,7 @@ async fn a_worker_that_never_got_a_lease_takes_a_share_not_the_whole_limit() {
         .connect("refused")
         .await
         .unwrap();
-    let flow = Arc::new(leasehold_model::flow::Flow::new());
+    let flow = Arc::new(leasehold_flow::Flow::new());
     leasehold_worker::flow::start_with(flow.clone(), conn, "refused".into(), stop.clone());
     let seen = Arc::new(InFlight::default());
     demand(flow.clone(), key.clone(), 8, seen.clone(), stop.clone());

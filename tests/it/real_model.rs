@@ -30,9 +30,9 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use leasehold_core::JobRecord;
+use leasehold_flow::LEARN_AFTER;
 use leasehold_harness::llama::{ChatRecorder, ChatRequest, LlamaServer, ModelVenv, MODEL_ALIAS};
 use leasehold_harness::Proc;
-use leasehold_model::flow::LEARN_AFTER;
 use leasehold_proto::JobEvent;
 use serde_json::{json, Value};
 

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use leasehold_core::flow::provider_key;
+use leasehold_flow::provider_key;
 use leasehold_proto::JobEvent;
 use leasehold_store::flow::FlowStore;
 use serde_json::{json, Value};

@@ -85,7 +85,7 @@ pub async fn run(app: Arc<App>) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut events: Option<Boxed<(u64, JobEvent)>> = None;
-    let mut pauses: Option<Boxed<(PauseKind, String, leasehold_core::flow::Pause)>> = None;
+    let mut pauses: Option<Boxed<(PauseKind, String, leasehold_flow::Pause)>> = None;
     let mut flow = Flow::default();
     let mut cooling = Cooling::new();
     loop {
@@ -140,7 +140,7 @@ async fn open_events(app: &App) -> Option<Boxed<(u64, JobEvent)>> {
 }
 
 /// The watch of the pauses in `lh_flow`.
-async fn open_pauses(app: &App) -> Option<Boxed<(PauseKind, String, leasehold_core::flow::Pause)>> {
+async fn open_pauses(app: &App) -> Option<Boxed<(PauseKind, String, leasehold_flow::Pause)>> {
     let r = async {
         let f = FlowStore::open(&app.conn).await?;
         f.watch_pauses().await

@@ -9,12 +9,10 @@
 //! - [`lane`]: tenants and priorities: the lane a job waits in, and which lane goes next.
 //! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
 //! - [`schedule`]: recurring schedules: cron expressions and which tick fires.
-//! - [`flow`]: provider limits, the lease record splitting them between workers, cooldowns.
 //! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`).
 //!
 //! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing.
 
-pub mod flow;
 pub mod lane;
 pub mod machine;
 pub mod retry;

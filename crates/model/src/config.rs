@@ -136,7 +136,7 @@ pub struct ModelConfig {
     pub max_tokens: Option<u32>,
     /// Requests this process sends the provider at once (`None`: as many
     /// as asked, or what flow control learned or the fleet set; see
-    /// [`crate::flow`]).
+    /// [`leasehold_flow`]).
     #[serde(default)]
     pub concurrency: Option<u64>,
 }

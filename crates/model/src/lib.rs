@@ -8,8 +8,8 @@
 //!   exponential backoff and full jitter, restart eligibility, circuit
 //!   breaker, optional fallback model), reporting [`RetryReport`]s.
 //! - [`Budget`]: per-job steps, tokens, wall time and cost.
-//! - [`flow`]: admission of every model request against the fleet's
-//!   provider limits and pauses (cooldowns, open breakers).
+//! - Every request is admitted first by `leasehold_flow::Flow` against the
+//!   fleet's provider limits and pauses (cooldowns, open breakers).
 //! - [`adapt`]: what a provider accepts (structured-output and tool-calling
 //!   forms, learned from its refusals or forced) and requests shaped for it.
 //!
@@ -22,7 +22,6 @@ mod budget;
 mod client;
 mod config;
 mod error;
-pub mod flow;
 mod retry;
 mod wire;
 

@@ -16,7 +16,7 @@ use std::time::SystemTime;
 
 use async_nats::jetstream::kv;
 use futures::{Stream, StreamExt};
-use leasehold_core::flow::{Learned, LeaseRecord, Limits, Pause, ProviderInfo};
+use leasehold_flow::{Learned, LeaseRecord, Limits, Pause, ProviderInfo};
 use serde::{Deserialize, Serialize};
 
 use crate::{Conn, StoreError};

@@ -1,5 +1,5 @@
 //! The fleet's side of flow control: connects the process's
-//! [`leasehold_model::flow::Flow`] (which admits every model request) to
+//! [`leasehold_flow::Flow`] (which admits every model request) to
 //! the `lh_limits` and `lh_flow` buckets.
 //!
 //! - A watch of the limits and of the pauses feeds `Flow` (a limit set by
@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use leasehold_core::flow::{Learned, Pause, Renewals, Slice};
-use leasehold_model::flow::{Flow, Outbound};
+use leasehold_flow::{Flow, Outbound};
+use leasehold_flow::{Learned, Pause, Renewals, Slice};
 use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
 use leasehold_store::{Conn, StoreError};
 use leasehold_telemetry::observe;
@@ -141,7 +141,7 @@ fn apply(flow: &Flow, c: FlowChange) {
     match c {
         FlowChange::Limits(id, entry) => {
             tracing::info!(provider = %id, limits = ?entry.as_ref().map(|e| e.limits), "provider limits");
-            if let Some((tenant, "jobs")) = leasehold_core::flow::tenant_of_key(&id) {
+            if let Some((tenant, "jobs")) = leasehold_flow::tenant_of_key(&id) {
                 flow.set_weight(tenant, entry.as_ref().and_then(|e| e.weight));
             }
             flow.set_limits(&id, entry.map(|e| e.limits));
@@ -284,8 +284,8 @@ async fn renew(
     store: &FlowStore,
     flow: &Flow,
     me: &str,
-    key: &leasehold_model::flow::ProviderKey,
-    limits: &leasehold_core::flow::Limits,
+    key: &leasehold_flow::ProviderKey,
+    limits: &leasehold_flow::Limits,
     want: Slice,
     seen: &mut Renewals,
     renewals: &mut Counter,

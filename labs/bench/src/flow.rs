@@ -18,8 +18,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold_core::flow::Limits;
-use leasehold_model::flow::{Flow, ProviderKey, Wait};
+use leasehold_flow::Limits;
+use leasehold_flow::{Flow, ProviderKey, Wait};
 use leasehold_store::flow::{FlowStore, LimitEntry};
 use leasehold_store::setup::SetupOptions;
 use leasehold_store::NatsArgs;

@@ -382,9 +382,8 @@ async fn sim_two_sections_on_a_server_that_interrupts_learn_one_at_a_time() {
         "{reasons:#?}"
     );
     assert!(reasons.iter().all(|r| r.contains("not an attempt")));
-    let key =
-        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    let flow = leasehold_model::flow::Flow::global();
+    let key = leasehold_flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    let flow = leasehold_flow::Flow::global();
     assert_eq!(flow.learned(&key.id).map(|l| l.concurrency), Some(1));
 }
 
@@ -421,9 +420,8 @@ async fn sim_a_concurrency_set_by_hand_is_never_moved_by_cuts() {
         "{reports:#?}"
     );
     assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
-    let key =
-        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    let flow = leasehold_model::flow::Flow::global();
+    let key = leasehold_flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    let flow = leasehold_flow::Flow::global();
     assert_eq!(flow.learned(&key.id), None, "nothing learned");
     assert_eq!(
         flow.limits(&key.id).and_then(|l| l.concurrency),
@@ -461,9 +459,8 @@ async fn sim_a_stream_that_just_stops_is_not_taken_for_one_at_a_time() {
         "three cuts, each an attempt: {reports:#?}"
     );
     assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
-    let key =
-        leasehold_model::flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    assert_eq!(leasehold_model::flow::Flow::global().learned(&key.id), None);
+    let key = leasehold_flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
+    assert_eq!(leasehold_flow::Flow::global().learned(&key.id), None);
 }
 
 /// Two generations of the same request at once through `g`, and the retry

@@ -20,10 +20,8 @@
 //! model requests of its jobs (entries `tenant.<name>.jobs` and
 //! `tenant.<name>.model`).
 
-use leasehold_core::flow::{
-    provider_key, tenant_jobs_key, tenant_model_key, tenant_of_key, Limits,
-};
 use leasehold_core::time::rfc3339;
+use leasehold_flow::{provider_key, tenant_jobs_key, tenant_model_key, tenant_of_key, Limits};
 use leasehold_store::flow::{now_ms, FlowStore, PauseKind};
 use leasehold_store::NatsArgs;
 use serde_json::json;
@@ -119,7 +117,7 @@ fn parse_weight(v: &str) -> Result<u32, String> {
 
 /// What `set` and `clear` change.
 enum Target {
-    Provider(String, Option<leasehold_core::flow::ProviderInfo>),
+    Provider(String, Option<leasehold_flow::ProviderInfo>),
     Tenant(String),
 }
 
@@ -131,9 +129,7 @@ fn resolve(k: &Key) -> anyhow::Result<Target> {
     resolve_provider(k).map(|(id, info)| Target::Provider(id, info))
 }
 
-fn resolve_provider(
-    k: &Key,
-) -> anyhow::Result<(String, Option<leasehold_core::flow::ProviderInfo>)> {
+fn resolve_provider(k: &Key) -> anyhow::Result<(String, Option<leasehold_flow::ProviderInfo>)> {
     if let Some(id) = &k.id {
         if id.len() != 16 || !id.chars().all(|c| c.is_ascii_hexdigit()) {
             anyhow::bail!(
@@ -372,7 +368,7 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
         if !rec.provider.base_url.is_empty() {
             r["provider"] = json!(rec.provider);
         }
-        let held = |f: fn(&leasehold_core::flow::Slice) -> f64| {
+        let held = |f: fn(&leasehold_flow::Slice) -> f64| {
             rec.leases.values().map(|l| f(&l.held)).sum::<f64>()
         };
         r["workers"] = json!(rec.leases.len());

@@ -15,8 +15,8 @@ use super::*;
 use crate::breaker::CircuitBreaker;
 use crate::client::{AttemptState, Completion, ModelClient};
 use crate::error::{FailureClass, ModelError};
-use crate::flow::{Flow, ProviderKey, Serving, Wait, LEARN_AFTER};
 use crate::wire::ChatRequest;
+use leasehold_flow::{Flow, ProviderKey, Serving, Wait, LEARN_AFTER};
 
 /// The generation retry loop around one client and its breakers.
 pub struct Generator {
@@ -535,10 +535,10 @@ async fn admit(
     deadline: Option<Instant>,
     total: u32,
     reports: &mut Vec<RetryReport>,
-) -> Result<crate::flow::Permit, ModelError> {
+) -> Result<leasehold_flow::Permit, ModelError> {
     let mut waited = false;
     let mut reported: Option<std::time::SystemTime> = None;
-    let tenant = crate::flow::current_tenant();
+    let tenant = leasehold_flow::current_tenant();
     loop {
         let wake = match flow.try_admit_for(key, tenant.as_deref(), estimate) {
             Ok(p) => {

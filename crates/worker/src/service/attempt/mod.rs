@@ -331,7 +331,7 @@ async fn run_attempt(
         leasehold_core::lane::Lane::of(rec.spec.as_ref().unwrap_or(&Default::default())).tenant;
     let _running = TenantRunning::start(tenant.clone());
     let task = tokio::spawn(
-        leasehold_model::flow::with_tenant(tenant, async move { handler.run(ctx).await })
+        leasehold_flow::with_tenant(tenant, async move { handler.run(ctx).await })
             .instrument(tracing::Span::current()),
     );
     let result = match until_stopped(task, &mut stop_rx, &cancel, &cancel_asked).await {

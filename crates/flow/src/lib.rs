@@ -1,4 +1,16 @@
-//! Flow control: every model request of the process is admitted here first.
+//! `leasehold-flow`: fleet-wide flow control, in one crate.
+//!
+//! - [`limits`]: the pure part: provider and tenant limits, the lease record
+//!   that splits them between workers, the request grid, fair shares.
+//! - [`Flow`]: admission. Every model request of the process, and every job
+//!   of a limited tenant, is admitted here first.
+//!
+//! The fleet's coordination over NATS (the limits bucket, leases, pauses)
+//! is the store's adapter (`store::flow::FlowStore`) and the worker's loop;
+//! nothing here does I/O.
+//!
+//! ## Admission
+//!
 //!
 //! One [`Flow`] per process ([`Flow::global`]) knows, per provider key
 //! (base URL + model + a hash of the credential: [`ProviderKey`]):
@@ -22,7 +34,7 @@
 //!
 //! A bucket holds one second of its slice, never more: a slice below one
 //! request per second sends on its slots of the fleet's request grid
-//! ([`leasehold_core::flow::Grid`]), or without one (a local share)
+//! ([`crate::limits::Grid`]), or without one (a local share)
 //! spaces its requests `1 / slice` apart, so it never holds a request in
 //! hand that it is not owed.
 //!
@@ -40,7 +52,7 @@
 //! ([`Outbound::Learned`]) and then split by the leases like any limit. A
 //! concurrency set by hand (`leasehold limits set --concurrency` for the
 //! fleet, [`Flow::configure`] from `LH_MODEL_CONCURRENCY` for this process)
-//! always wins over the learned one ([`leasehold_core::flow::concurrency_of`]).
+//! always wins over the learned one ([`crate::limits::concurrency_of`]).
 //!
 //! Tenants are limited the same way: a key `tenant.<name>.jobs` whose
 //! concurrency is the tenant's running jobs (admitted by the worker before
@@ -53,18 +65,17 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::flow::{
-    concurrency_of, ConcurrencySource, Grid, Learned, Limits, ProviderInfo, Slice,
-};
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
 mod admit;
+pub mod limits;
 mod permit;
 mod serving;
 #[cfg(test)]
 mod tests;
 
+pub use limits::*;
 pub use permit::Permit;
 pub use serving::{sign, Serving, Sign, LEARN_AFTER, READ_SKEW};
 
@@ -77,7 +88,7 @@ pub struct ProviderKey {
 
 impl ProviderKey {
     pub fn new(base_url: &str, model: &str, credential: Option<&str>) -> ProviderKey {
-        let (id, info) = leasehold_core::flow::provider_key(base_url, model, credential);
+        let (id, info) = crate::limits::provider_key(base_url, model, credential);
         ProviderKey { id, info }
     }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::flow::{Grid, Limits, ProviderInfo, Slice};
+use crate::limits::{Grid, Limits, ProviderInfo, Slice};
 use tokio::time::Instant;
 
 use super::{
@@ -154,7 +154,7 @@ impl Flow {
         tokens: u64,
     ) -> Result<Permit, Wait> {
         let tkey = tenant
-            .map(leasehold_core::flow::tenant_model_key)
+            .map(crate::limits::tenant_model_key)
             .filter(|id| self.limits(id).is_some())
             .map(|id| ProviderKey {
                 id,
