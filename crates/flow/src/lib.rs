@@ -12,7 +12,8 @@
 //! ## Admission
 //!
 //!
-//! One [`Flow`] per process ([`Flow::global`]) knows, per provider key
+//! One [`Flow`] per worker (made by the worker and handed to every run's
+//! `RunContext`: no process global) knows, per provider key
 //! (base URL + model + a hash of the credential: [`ProviderKey`]):
 //! - a **pause** (a cooldown after a 429 with `Retry-After` or a quota
 //!   error, or an open circuit breaker), seen here or by any worker of the
@@ -62,7 +63,7 @@
 //! too ([`Flow::set_weight`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, Notify};
@@ -271,12 +272,6 @@ impl Flow {
             outbound: Mutex::new(None),
             changed: Notify::new(),
         }
-    }
-
-    /// The process's one flow control.
-    pub fn global() -> Arc<Flow> {
-        static FLOW: OnceLock<Arc<Flow>> = OnceLock::new();
-        FLOW.get_or_init(|| Arc::new(Flow::new())).clone()
     }
 
     /// Starts handing fleet-wide pauses to a coordinator (the previous one

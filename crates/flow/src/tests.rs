@@ -1,6 +1,8 @@
 //! Tests of the flow control: limits, pauses and slots, slices below one
 //! request a second, local shares, and the concurrency learned from cuts.
 
+use std::sync::Arc;
+
 use super::*;
 
 #[tokio::test]

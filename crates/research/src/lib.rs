@@ -333,6 +333,7 @@ impl<'a> Job<'a> {
                 tags,
             }),
             watcher: None,
+            flow: self.ctx.flow(),
         }
     }
 

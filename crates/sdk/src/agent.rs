@@ -397,6 +397,7 @@ pub(crate) async fn run(
     };
     let mut ctx = RunContext::new(Budget::new(spec.limits.clone(), Default::default()));
     ctx.cancel = job.cancel.clone();
+    ctx.flow = job.flow.clone();
     ctx.reporter = Arc::new(Reports {
         out: out.clone(),
         step: step.to_string(),

@@ -30,6 +30,8 @@
 //!     budget: Arc::new(Mutex::new(Budget::new(BudgetLimits::default(), PriceTable::default()))),
 //!     reporter: Arc::new(NoReports),
 //!     watcher: None,
+//!     // The worker's flow control: the fleet's limits and pauses apply.
+//!     flow: ctx.flow(),
 //! };
 //! let input = SectionInput { system: "You write.".into(), section_prompt: "Write a haiku.".into(), ..Default::default() };
 //! let result = runner.run(input, &run).await;
@@ -44,6 +46,8 @@ pub use leasehold_agent::{
     SectionResult, SectionRunner, ToolExecutor, TranscriptHook,
 };
 pub use leasehold_core::time::{env_duration, format_duration};
+/// A worker's flow control (`RunContext::flow`; a job's is `Ctx::flow`).
+pub use leasehold_flow::Flow;
 /// What a [`Budget`] has used (the model layer's; the record's is
 /// [`crate::BudgetUsed`]).
 pub use leasehold_model::BudgetUsed as Spent;

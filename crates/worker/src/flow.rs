@@ -51,12 +51,12 @@ const TICK: Duration = Duration::from_millis(100);
 /// the leases back). A layout without the flow buckets runs with local
 /// limits only, and says so.
 pub fn start(
+    flow: Arc<Flow>,
     conn: Conn,
     worker_id: String,
     local_fraction: Option<f64>,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let flow = Flow::global();
     flow.set_local_fraction(local_fraction);
     start_with(flow, conn, worker_id, shutdown)
 }

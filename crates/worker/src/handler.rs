@@ -37,6 +37,9 @@ pub struct JobCtx {
     /// This owner's fenced event publisher.
     pub fence: Arc<Mutex<Fence>>,
     pub conn: Conn,
+    /// The worker's flow control: a run's model requests are admitted by it
+    /// (`RunContext::flow`), so the fleet's limits and pauses apply.
+    pub flow: std::sync::Arc<leasehold_flow::Flow>,
 }
 
 impl JobCtx {

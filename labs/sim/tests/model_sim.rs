@@ -383,8 +383,7 @@ async fn sim_two_sections_on_a_server_that_interrupts_learn_one_at_a_time() {
     );
     assert!(reasons.iter().all(|r| r.contains("not an attempt")));
     let key = leasehold_flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    let flow = leasehold_flow::Flow::global();
-    assert_eq!(flow.learned(&key.id).map(|l| l.concurrency), Some(1));
+    assert_eq!(ctx.flow.learned(&key.id).map(|l| l.concurrency), Some(1));
 }
 
 /// A concurrency set by hand (LH_MODEL_CONCURRENCY) above 1 is never moved
@@ -411,7 +410,7 @@ async fn sim_a_concurrency_set_by_hand_is_never_moved_by_cuts() {
         ..Default::default()
     };
     let g = Arc::new(Generator::new(client, policy, BreakerConfig::default()));
-    let (_a, _b, reports) = two_at_once(&g).await;
+    let (_a, _b, reports, flow) = two_at_once(&g).await;
     assert!(!reports.is_empty(), "the server cut a stream");
     assert!(
         reports.iter().any(|r| r.reason.contains(
@@ -421,7 +420,6 @@ async fn sim_a_concurrency_set_by_hand_is_never_moved_by_cuts() {
     );
     assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
     let key = leasehold_flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    let flow = leasehold_flow::Flow::global();
     assert_eq!(flow.learned(&key.id), None, "nothing learned");
     assert_eq!(
         flow.limits(&key.id).and_then(|l| l.concurrency),
@@ -451,7 +449,7 @@ async fn sim_a_stream_that_just_stops_is_not_taken_for_one_at_a_time() {
         policy,
         BreakerConfig::default(),
     ));
-    let (a, b, reports) = two_at_once(&g).await;
+    let (a, b, reports, flow) = two_at_once(&g).await;
     assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
     assert_eq!(
         reports.len(),
@@ -460,17 +458,18 @@ async fn sim_a_stream_that_just_stops_is_not_taken_for_one_at_a_time() {
     );
     assert!(reports.iter().all(|r| !r.reason.contains("not an attempt")));
     let key = leasehold_flow::ProviderKey::new(&sim.client().config().base_url, "sim-1", None);
-    assert_eq!(leasehold_flow::Flow::global().learned(&key.id), None);
+    assert_eq!(flow.learned(&key.id), None);
 }
 
-/// Two generations of the same request at once through `g`, and the retry
-/// reports they made.
+/// Two generations of the same request at once through `g` (one run's
+/// flow control), the retry reports they made, and that flow control.
 async fn two_at_once(
     g: &Arc<Generator>,
 ) -> (
     Result<Generated, GenerationFailure>,
     Result<Generated, GenerationFailure>,
     Vec<RetryReport>,
+    Arc<leasehold_flow::Flow>,
 ) {
     let mut ctx = RunContext::new(Budget::unlimited());
     let rep = Arc::new(CollectingReporter::default());
@@ -484,5 +483,5 @@ async fn two_at_once(
         async move { g.generate(&req, &ctx, &mut Vec::new()).await }
     };
     let (a, b) = futures::future::join(gen(), gen()).await;
-    (a, b, rep.take())
+    (a, b, rep.take(), ctx.flow.clone())
 }

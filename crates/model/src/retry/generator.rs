@@ -70,7 +70,7 @@ impl Generator {
             model: self.client.config().model.clone(),
             ..Tries::default()
         };
-        let flow = Flow::global();
+        let flow = ctx.flow.clone();
         loop {
             t.attempt += 1;
             t.total += 1;

@@ -9,6 +9,7 @@
 //! server-stated `Retry-After`, and cancellation or the deadline interrupt
 //! it. Every decision to retry or not is a [`RetryReport`].
 
+use leasehold_flow::Flow;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -209,9 +210,15 @@ pub struct RunContext {
     pub budget: Arc<Mutex<Budget>>,
     pub reporter: Arc<dyn RetryReporter>,
     pub watcher: Option<Watcher>,
+    /// The flow control every request of this run is admitted by: the
+    /// worker's (`JobCtx::flow`) for a job's runs, so the fleet's limits
+    /// and pauses apply; [`RunContext::new`] makes one of the run's own.
+    pub flow: Arc<Flow>,
 }
 
 impl RunContext {
+    /// A run with `budget`, no deadline, no reporter, and a flow control of
+    /// its own (set [`RunContext::flow`] to the worker's inside a job).
     pub fn new(budget: Budget) -> Self {
         RunContext {
             cancel: CancellationToken::new(),
@@ -219,6 +226,7 @@ impl RunContext {
             budget: Arc::new(Mutex::new(budget)),
             reporter: Arc::new(NoopReporter),
             watcher: None,
+            flow: Arc::new(Flow::new()),
         }
     }
 

@@ -425,6 +425,13 @@ impl Ctx {
         &self.job.input
     }
 
+    /// The worker's flow control, for a [`RunContext`](crate::runtime::RunContext)
+    /// of this job (`run.flow = ctx.flow()`): its model requests are then
+    /// admitted against the fleet's limits and pauses.
+    pub fn flow(&self) -> std::sync::Arc<leasehold_flow::Flow> {
+        self.job().flow.clone()
+    }
+
     /// Fires when the attempt must stop (cancelled, ownership lost, shutdown).
     /// Long work should select on it; steps and tool calls already do.
     ///

@@ -290,6 +290,7 @@ impl Worker {
             "worker starting"
         );
         let shared = Arc::new(Shared {
+            flow: Arc::new(leasehold_flow::Flow::new()),
             jobs: recovery.jobs.clone(),
             events: Events::new(&conn),
             dlq: Dlq::new(&conn),
@@ -378,6 +379,9 @@ pub(crate) struct Shared {
     pub(crate) stats: Arc<Stats>,
     pub(crate) metrics: Metrics,
     pub(crate) readiness: Readiness,
+    /// This worker's flow control (every model request and limited job is
+    /// admitted by it), fed by the coordinator in `crate::flow`.
+    pub(crate) flow: Arc<leasehold_flow::Flow>,
     /// The process's shutdown (fired by the session when another process
     /// took over this identity).
     pub(crate) shutdown: CancellationToken,
@@ -472,6 +476,7 @@ async fn run(
     // gives its quota leases back after it.
     let flow_stop = CancellationToken::new();
     let flow = crate::flow::start(
+        shared.flow.clone(),
         shared.conn.clone(),
         shared.worker_id.clone(),
         shared.opts.flow_local_share,

@@ -214,7 +214,7 @@ async fn arrivals(shared: &Shared, kind: &str) -> Option<async_nats::Subscriber>
 }
 
 pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToken) {
-    let flow = Flow::global();
+    let flow = shared.flow.clone();
     let mut arrived = arrivals(&shared, &kind).await;
     // Tenants' limits apply from the first job.
     flow.wait_loaded(Duration::from_secs(5)).await;

@@ -325,6 +325,7 @@ async fn run_attempt(
         gate: gate.clone(),
         fence: fence.clone(),
         conn: shared.conn.clone(),
+        flow: shared.flow.clone(),
     };
     // The job's model requests count against its tenant's limits too.
     let tenant =
