@@ -35,6 +35,7 @@ FLOORS = {
     "leasehold-store": 2,
     "leasehold-model": 2,
     "leasehold-tools": 3,
+    "leasehold-operate": 3,
     "leasehold-agent": 4,
     "leasehold-worker": 4,
     "leasehold-reaper": 4,

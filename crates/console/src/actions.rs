@@ -1,7 +1,7 @@
 //! Actions: each asks for confirmation (`GET /confirm?action=...` renders
 //! what will happen and a form), is done by `POST /actions/{action}` (the
 //! CSRF field, the operator's permission), goes through the same function
-//! as the CLI's command ([`leasehold_store::operate`]) on the operator
+//! as the CLI's command ([`leasehold_operate`]) on the operator
 //! connection, and is recorded as an `action` event naming the caller.
 
 use std::collections::HashMap;
@@ -12,7 +12,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Form;
-use leasehold_store::operate::{self, Action};
+use leasehold_operate::{self as operate, Action};
 use serde_json::{json, Value};
 
 use crate::app::{App, Failure};

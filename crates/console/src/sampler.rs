@@ -181,7 +181,7 @@ async fn gauges(app: &App, cooling: &Cooling, reads: &mut u64) -> Option<Gauges>
     g.queue_by_kind = bounded(kinds);
     g.queue_by_lane = bounded(lanes);
     *reads += 1;
-    let sessions = match leasehold_store::fleet::live_sessions(&app.sessions).await {
+    let sessions = match leasehold_operate::fleet::live_sessions(&app.sessions).await {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!(error = %e, "charts: the sessions did not answer");

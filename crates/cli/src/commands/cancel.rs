@@ -10,8 +10,9 @@
 //! submitter's may not, and NATS refuses the write: then nothing was
 //! recorded, and the command says so and exits 1.
 
+use leasehold_operate as operate;
 use leasehold_store::index::Filter;
-use leasehold_store::{operate, NatsArgs};
+use leasehold_store::NatsArgs;
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]

@@ -15,8 +15,9 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::Context as _;
 use leasehold_core::spec;
+use leasehold_operate as operate;
 use leasehold_store::dlq::{DeadJob, Dlq, Letter};
-use leasehold_store::{operate, Conn, Jobs, NatsArgs};
+use leasehold_store::{Conn, Jobs, NatsArgs};
 use serde_json::{json, Value};
 
 #[derive(clap::Args, Debug)]

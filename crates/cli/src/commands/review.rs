@@ -10,8 +10,9 @@
 //! the reviewer's reason (error class `review`).
 
 use leasehold_core::{JobRecord, Status};
+use leasehold_operate as operate;
 use leasehold_store::index::{Active, Filter};
-use leasehold_store::{operate, Jobs, NatsArgs};
+use leasehold_store::{Jobs, NatsArgs};
 use serde_json::{json, Value};
 
 #[derive(clap::Args, Debug)]

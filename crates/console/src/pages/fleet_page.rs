@@ -24,7 +24,7 @@ use super::{bad, html, only, sse, Q};
 pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
     app.metrics.fleet_reads.inc();
     let u = |e: leasehold_store::StoreError| Failure::unavailable(e, false);
-    let sessions = leasehold_store::fleet::live_sessions(&app.sessions)
+    let sessions = leasehold_operate::fleet::live_sessions(&app.sessions)
         .await
         .map_err(u)?;
     let counts = match app.feed.counts() {
@@ -34,11 +34,13 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
             crate::feed::count(all.iter().map(|(_, e)| e))
         }
     };
-    let queue = leasehold_store::fleet::queue(&app.conn).await.map_err(u)?;
-    let dead = leasehold_store::fleet::dead_letters_by_kind(&app.conn)
+    let queue = leasehold_operate::fleet::queue(&app.conn)
         .await
         .map_err(u)?;
-    let reapers = leasehold_store::fleet::reaper_metrics(&app.conn, Duration::from_millis(300))
+    let dead = leasehold_operate::fleet::dead_letters_by_kind(&app.conn)
+        .await
+        .map_err(u)?;
+    let reapers = leasehold_operate::fleet::reaper_metrics(&app.conn, Duration::from_millis(300))
         .await
         .map_err(u)?;
     let crate::feed::Counts { in_flight, by_kind } = counts;

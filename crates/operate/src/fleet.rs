@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use crate::sessions::{Current, SessionInfo, Sessions};
-use crate::{Conn, StoreError};
+use leasehold_store::sessions::{Current, SessionInfo, Sessions};
+use leasehold_store::{Conn, StoreError};
 
 /// The work queue: tickets per kind, totals and limits.
 #[derive(Debug, Clone, Default, serde::Serialize)]

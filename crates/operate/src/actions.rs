@@ -13,11 +13,11 @@ use leasehold_core::machine::{self, status_of, TransitionError};
 use leasehold_core::{JobRecord, JobSpec, Status};
 use serde_json::{json, Value};
 
-use crate::dlq::{DeadJob, Letter};
-use crate::events::{self, Events};
-use crate::index::Active;
-use crate::work::{ticket_first, Work};
-use crate::{jobs, Conn, Jobs, JobsError, Versioned};
+use leasehold_store::dlq::{DeadJob, Letter};
+use leasehold_store::events::{self, Events};
+use leasehold_store::index::Active;
+use leasehold_store::work::{ticket_first, Work};
+use leasehold_store::{jobs, Conn, Jobs, JobsError, Versioned};
 
 /// A refused or failed action, said so that the operator knows what to do.
 #[derive(Debug, thiserror::Error)]
@@ -30,8 +30,8 @@ impl OpError {
     }
 }
 
-impl From<crate::StoreError> for OpError {
-    fn from(e: crate::StoreError) -> Self {
+impl From<leasehold_store::StoreError> for OpError {
+    fn from(e: leasehold_store::StoreError) -> Self {
         OpError(e.to_string())
     }
 }
@@ -132,7 +132,7 @@ where
     allowed(&cur.value).map_err(|e| explain(JobsError::Transition(e), id))?;
     let mut base = cur.value.clone();
     if let Some(s) = spec {
-        crate::jobs::replace_spec(&mut base, s);
+        leasehold_store::jobs::replace_spec(&mut base, s);
     }
     if base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
         return Err(OpError(format!(
@@ -157,7 +157,7 @@ where
             let mut r = machine::requeue_fresh(c, SystemTime::now(), ticket)?;
             if let Some(s) = spec {
                 // The record's own flags and key were for the old input.
-                crate::jobs::replace_spec(&mut r, s);
+                leasehold_store::jobs::replace_spec(&mut r, s);
             }
             Ok(Some(r))
         })
@@ -347,7 +347,7 @@ pub async fn replay_dead(
         // its ticket first too.
         let mut base = body.record.clone();
         if let Some(spec) = &new_spec {
-            crate::jobs::replace_spec(&mut base, spec);
+            leasehold_store::jobs::replace_spec(&mut base, spec);
         }
         if base.input_beside && base.spec.as_ref().is_none_or(|s| s.input.is_empty()) {
             return Err(OpError(format!(
@@ -454,7 +454,7 @@ pub async fn replay_rejected(
         Some(b) => (bytes::Bytes::from(b), Some("application/json".to_string())),
         None => (
             l.payload.clone(),
-            crate::work::content_type(Some(&l.headers)),
+            leasehold_store::work::content_type(Some(&l.headers)),
         ),
     };
     let verdict = validate_submission(&l.kind, &payload, l.job_id.as_deref(), ct.as_deref());
