@@ -313,6 +313,31 @@ impl Work {
         })
     }
 
+    /// Waits, at most `patience`, until the work stream's last message on
+    /// `subject` is `payload`: once it is, the stream has stored the
+    /// submission and sent its publish ack, so a reply published after
+    /// this reaches the submitter's inbox after the ack (the gateway's
+    /// second reply). Whether it was seen (a ticket already consumed, or
+    /// one newer on the subject, is not).
+    pub async fn wait_stored(&self, subject: &str, payload: &[u8], patience: Duration) -> bool {
+        let end = tokio::time::Instant::now() + patience;
+        let mut backoff = leasehold_core::retry::Backoff::new(
+            Duration::from_millis(5),
+            Duration::from_millis(100),
+        );
+        while tokio::time::Instant::now() < end {
+            if let Ok(stream) = self.stream().await {
+                if let Ok(m) = stream.get_last_raw_message_by_subject(subject).await {
+                    if m.payload.as_ref() == payload {
+                        return true;
+                    }
+                }
+            }
+            tokio::time::sleep(backoff.pause()).await;
+        }
+        false
+    }
+
     /// The ticket at `seq`, if it is still in the stream.
     pub async fn get(&self, seq: u64) -> Result<Option<Ticket>, StoreError> {
         match self.stream().await?.get_raw_message(seq).await {

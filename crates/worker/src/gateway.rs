@@ -270,10 +270,17 @@ impl Gateway {
             // tell a waiting submitter now.
             if let (Err(rej), Some(reply), false) = (&result, &m.reply, ours) {
                 if !matches!(rej.error, spec::SubmitError::InvalidId(ref s) if s.is_empty()) {
-                    let _ = conn
-                        .client
-                        .publish(reply.clone(), error_reply(rej.id.as_deref(), &rej.error))
-                        .await;
+                    // The second reply: sent once the stream holds the
+                    // ticket, so it never beats the stream's ack to a
+                    // submitter that takes the first reply as its ack.
+                    let (work, client) = (self.work.clone(), conn.client.clone());
+                    let (reply, body) = (reply.clone(), error_reply(rej.id.as_deref(), &rej.error));
+                    let (subject, payload) = (m.subject.to_string(), m.payload.clone());
+                    tokio::spawn(async move {
+                        work.wait_stored(&subject, &payload, SECOND_REPLY_PATIENCE)
+                            .await;
+                        let _ = client.publish(reply, body).await;
+                    });
                 }
             }
             return;
@@ -345,6 +352,11 @@ impl Gateway {
         }
     }
 }
+
+/// How long the gateway waits for the stream to hold a bad submission
+/// before it sends its error anyway (a ticket consumed at once is never
+/// seen as the subject's last message).
+const SECOND_REPLY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn error_reply(id: Option<&str>, e: &spec::SubmitError) -> Bytes {
     json!({"error": {"code": 400, "class": "rejected", "reason": e.code(), "description": e.to_string()}, "id": id, "status": "rejected"})
