@@ -813,3 +813,64 @@ async fn an_agent_journal_entry_whose_puback_is_lost_is_tried_again_and_the_jour
         "the muted entry was tried again"
     );
 }
+
+/// A kind that checkpoints three notes and waits until they are durable.
+struct Notes;
+
+#[leasehold::async_trait]
+impl Kind for Notes {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let cp = ctx.checkpoints();
+        for n in 0..3 {
+            cp.event("note", json!({"n": n}));
+        }
+        cp.barrier().await.map_err(|_| Error::Cancelled)?;
+        Ok(json!({"notes": 3}))
+    }
+}
+
+/// The value of `family` (its samples summed) in a worker's metrics text.
+fn metric_sum(text: &str, family: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(family) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// No process-wide observer: two workers in one process each count what
+/// their own jobs report (here the checkpoint flushes of a job only the
+/// first serves) in their own metrics, and nothing of the other's.
+#[tokio::test]
+async fn two_workers_in_one_process_count_their_own_jobs_in_their_own_metrics() {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("notes".into());
+    let env = Env::with(o).await;
+    let stop = CancellationToken::new();
+    let mut opts = env.opts();
+    opts.kinds = vec!["notes".into()];
+    let a = leasehold::Worker::new(opts)
+        .kind("notes", Notes)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    // The second serves another kind: the job can only run on the first.
+    let mut opts = env.opts();
+    opts.kinds = vec!["echo".into()];
+    let b = leasehold::Worker::new(opts)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("notes", json!({"input": {}}), "notes-1").await;
+    let rec = env
+        .wait_status("notes-1", "completed", Duration::from_secs(20))
+        .await;
+    assert_eq!(rec.status, "completed");
+    let family = "leasehold_checkpoint_events_total";
+    let (ta, tb) = (a.metrics.encode(), b.metrics.encode());
+    assert!(metric_sum(&ta, family) >= 3.0, "{ta}");
+    assert_eq!(metric_sum(&tb, family), 0.0, "{tb}");
+    stop.cancel();
+}

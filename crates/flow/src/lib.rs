@@ -63,8 +63,10 @@
 //! too ([`Flow::set_weight`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
+
+use leasehold_telemetry::observe::Observer;
 
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
@@ -243,6 +245,9 @@ pub struct Flow {
     local_fraction: Mutex<Option<f64>>,
     outbound: Mutex<Option<mpsc::UnboundedSender<Outbound>>>,
     changed: Notify,
+    /// Where admissions, pauses and (through each run's context) model
+    /// requests are counted: the worker's metrics.
+    observer: Arc<dyn Observer>,
 }
 
 /// The refill a bucket holds at most: one second of its rate (so a
@@ -260,8 +265,15 @@ const SLOT_LATENESS: f64 = 0.5;
 const FIRST_LEASE_GRACE: Duration = Duration::from_secs(2);
 
 impl Flow {
+    /// A flow control that counts nothing ([`Flow::observed`] counts).
     pub fn new() -> Flow {
+        Flow::observed(leasehold_telemetry::observe::none())
+    }
+
+    /// A flow control reporting to `observer` (a worker's metrics).
+    pub fn observed(observer: Arc<dyn Observer>) -> Flow {
         Flow {
+            observer,
             loaded: tokio::sync::watch::channel(false).0,
             weights: Mutex::new(HashMap::new()),
             keys: Mutex::new(HashMap::new()),
@@ -272,6 +284,11 @@ impl Flow {
             outbound: Mutex::new(None),
             changed: Notify::new(),
         }
+    }
+
+    /// What this flow control reports to (the worker's metrics, or nothing).
+    pub fn observer(&self) -> &dyn Observer {
+        self.observer.as_ref()
     }
 
     /// Starts handing fleet-wide pauses to a coordinator (the previous one
@@ -487,7 +504,7 @@ impl Flow {
             if s.pause.as_ref().is_none_or(|p| p.1 < until) {
                 s.pause = Some((Instant::now() + left, until, reason.to_string(), breaker));
                 s.stats.cooldowns += 1;
-                leasehold_telemetry::observe::flow_pause(
+                self.observer.flow_pause(
                     &s.key.info.model,
                     if breaker { "breaker" } else { "cooldown" },
                 );

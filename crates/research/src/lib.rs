@@ -189,7 +189,8 @@ impl<'a> Job<'a> {
             Some(ledger),
             Arc::new(ToolSink(flusher.clone())),
         )
-        .map_err(|e| Error::terminal(e.to_string()))?;
+        .map_err(|e| Error::terminal(e.to_string()))?
+        .observed(ctx.observer());
         let versions = Versions {
             workflow: WORKFLOW_VERSION.into(),
             prompt: report::prompt_version(),

@@ -146,7 +146,8 @@ impl Tools {
                 let ledger = EffectsLedger::open(&job.conn.js, &job.conn.layout.effects_bucket())
                     .await
                     .map_err(|e| Error::retryable(format!("effects ledger: {e}")))?;
-                let mut tb = Toolbox::new(Some(ledger), Arc::new(NoEvents));
+                let mut tb =
+                    Toolbox::new(Some(ledger), Arc::new(NoEvents)).observed(job.observer.clone());
                 for t in &self.tools {
                     tb.register(t.clone())
                         .map_err(|e| Error::terminal(format!("tool: {e}")))?;

@@ -1,18 +1,13 @@
 //! The observer facade: how library crates (model, tools, research) report
 //! what the metrics count without knowing about Prometheus.
 //!
-//! The binary installs one [`Observer`] per process (the worker installs its
-//! [`crate::metrics::Metrics`]); library code calls the free functions here,
-//! which go to that observer, or nowhere before one is installed (tests,
-//! the CLI). Every method has an empty default, so an observer implements
-//! only what it needs and new events do not break implementors.
-//!
-//! This is a facade on purpose: the model client and the toolbox are built
-//! deep inside the research workflow, and metrics are per process anyway
-//! (one `/metrics` per process), so threading a handle through every
-//! constructor would buy nothing but churn. Worker- and reaper-level
-//! counters, which tests want per instance, take an explicit
-//! `Arc<Metrics>` instead.
+//! A worker hands its [`crate::metrics::Metrics`] as an [`Observer`] to what
+//! reports on its behalf: its flow control (and through it each run's model
+//! requests: `RunContext::flow`), the toolboxes of its jobs, their
+//! checkpoint flushers. No process global: two workers in one process count
+//! apart. Made outside a worker, each reports to [`none`]. Every method has
+//! an empty default, so an observer implements only what it needs and new
+//! events do not break implementors.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -108,72 +103,10 @@ pub struct NoObserver;
 
 impl Observer for NoObserver {}
 
-static GLOBAL: OnceLock<Arc<dyn Observer>> = OnceLock::new();
-
-/// Installs the process's observer. Only the first call wins (returns
-/// `false` afterwards): in-process tests that start several workers share
-/// the first one's.
-pub fn install(observer: Arc<dyn Observer>) -> bool {
-    GLOBAL.set(observer).is_ok()
-}
-
-/// The installed observer, or one that drops everything.
-pub fn global() -> &'static dyn Observer {
-    static NONE: NoObserver = NoObserver;
-    match GLOBAL.get() {
-        Some(o) => o.as_ref(),
-        None => &NONE,
-    }
-}
-
-/// See [`Observer::model_request`].
-pub fn model_request(r: &ModelRequest<'_>) {
-    global().model_request(r)
-}
-
-/// See [`Observer::model_retry`].
-pub fn model_retry(class: &str) {
-    global().model_retry(class)
-}
-
-/// See [`Observer::tool_call`].
-pub fn tool_call(tool: &str, outcome: ToolOutcome) {
-    global().tool_call(tool, outcome)
-}
-
-/// See [`Observer::effect`].
-pub fn effect(tool: &str, outcome: EffectOutcome) {
-    global().effect(tool, outcome)
-}
-
-/// See [`Observer::flow_admission`].
-pub fn flow_admission(model: &str, outcome: &str) {
-    global().flow_admission(model, outcome)
-}
-
-/// See [`Observer::flow_pause`].
-pub fn flow_pause(model: &str, kind: &str) {
-    global().flow_pause(model, kind)
-}
-
-/// See [`Observer::flow_limit`].
-pub fn flow_limit(model: &str, limit: &str, fleet: f64, slice: f64) {
-    global().flow_limit(model, limit, fleet, slice)
-}
-
-/// See [`Observer::tenant_running`].
-pub fn tenant_running(tenant: &str, delta: i64) {
-    global().tenant_running(tenant, delta)
-}
-
-/// See [`Observer::tenant_tickets`].
-pub fn tenant_tickets(kind: &str, tenant: &str, n: u64) {
-    global().tenant_tickets(kind, tenant, n)
-}
-
-/// See [`Observer::checkpoint_flush`].
-pub fn checkpoint_flush(elapsed: Duration, events: usize) {
-    global().checkpoint_flush(elapsed, events)
+/// An observer that drops everything, as an `Arc` (what a flow control,
+/// a toolbox or a flusher made outside a worker reports to).
+pub fn none() -> Arc<dyn Observer> {
+    Arc::new(NoObserver)
 }
 
 type Flush = Box<dyn Fn() + Send + Sync>;

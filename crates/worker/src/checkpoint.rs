@@ -163,6 +163,8 @@ struct Shared {
     /// attempt stops (nothing after it may be persisted out of order).
     refused: Arc<std::sync::Mutex<Option<String>>>,
     stats: Arc<FlushStats>,
+    /// Where each flush is counted.
+    observer: Arc<dyn leasehold_telemetry::observe::Observer>,
 }
 
 impl Shared {
@@ -190,15 +192,18 @@ impl Flusher {
         gate: Gate,
         cancel: CancellationToken,
     ) -> (Flusher, tokio_util::task::AbortOnDropHandle<()>) {
-        Self::start_checked(fence, gate, cancel, &[])
+        let none = leasehold_telemetry::observe::none();
+        Self::start_checked(fence, gate, cancel, &[], none)
     }
 
-    /// [`Flusher::start`], refusing events of the `reserved` types.
+    /// [`Flusher::start`], refusing events of the `reserved` types and
+    /// counting its flushes in `observer` (the worker's metrics: `JobCtx::observer`).
     pub fn start_checked(
         fence: Arc<Mutex<Fence>>,
         gate: Gate,
         cancel: CancellationToken,
         reserved: &'static [&'static str],
+        observer: Arc<dyn leasehold_telemetry::observe::Observer>,
     ) -> (Flusher, tokio_util::task::AbortOnDropHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let f = Flusher {
@@ -215,6 +220,7 @@ impl Flusher {
             lost: f.lost.clone(),
             refused: f.refused.clone(),
             stats: f.stats.clone(),
+            observer,
         };
         let task = tokio::spawn(run(shared, rx, fence, gate, cancel));
         (f, tokio_util::task::AbortOnDropHandle::new(task))
@@ -381,7 +387,7 @@ async fn run(
             f.published.fetch_max(top, Ordering::SeqCst);
         }
         if ok && (durable > 0 || wrote) {
-            leasehold_telemetry::observe::checkpoint_flush(started.elapsed(), durable);
+            f.observer.checkpoint_flush(started.elapsed(), durable);
         }
         for b in barriers {
             let _ = b.send(ok);

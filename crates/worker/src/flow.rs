@@ -33,7 +33,6 @@ use leasehold_flow::{Flow, Outbound};
 use leasehold_flow::{Learned, Pause, Renewals, Slice};
 use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
 use leasehold_store::{Conn, StoreError};
-use leasehold_telemetry::observe;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -337,7 +336,8 @@ async fn renew(
                     ),
                 ] {
                     if fleet.is_finite() && fleet < u64::MAX as f64 {
-                        observe::flow_limit(&key.info.model, name, fleet, slice);
+                        flow.observer()
+                            .flow_limit(&key.info.model, name, fleet, slice);
                     }
                 }
                 return Ok(got != Slice::default());

@@ -40,6 +40,9 @@ pub struct JobCtx {
     /// The worker's flow control: a run's model requests are admitted by it
     /// (`RunContext::flow`), so the fleet's limits and pauses apply.
     pub flow: std::sync::Arc<leasehold_flow::Flow>,
+    /// The worker's metrics, for what reports on the job's behalf (its
+    /// toolbox, its checkpoint flusher).
+    pub observer: std::sync::Arc<dyn leasehold_telemetry::observe::Observer>,
 }
 
 impl JobCtx {

@@ -2,11 +2,10 @@
 //! `leasehold-worker` and every worker built with the `leasehold` crate.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use leasehold_telemetry::http::{self, HttpState};
 use leasehold_telemetry::metrics::Metrics;
-use leasehold_telemetry::{observe, stop, Readiness};
+use leasehold_telemetry::{stop, Readiness};
 use tokio_util::sync::CancellationToken;
 
 use crate::service::{NotHandedBack, Worker};
@@ -19,8 +18,6 @@ use crate::service::{NotHandedBack, Worker};
 /// draining) and `/metrics` there.
 pub async fn run(worker: Worker, http_listen: Option<SocketAddr>) -> anyhow::Result<()> {
     let metrics = Metrics::new();
-    // The model, tool and research layers report through the process's observer.
-    observe::install(Arc::new(metrics.clone()));
     let readiness = Readiness::new();
     if let Some(addr) = http_listen {
         let state = HttpState::new(readiness.clone(), metrics.registry());

@@ -185,7 +185,7 @@ impl Generator {
                         }
                     } => r,
                 };
-                record_request(&span, model, sent.elapsed(), &r);
+                record_request(ctx.flow.observer(), &span, model, sent.elapsed(), &r);
                 serving = permit.ended(state.cut_short, r.is_ok(), state.last_chunk);
                 match &r {
                     Ok(_) => breaker.record(true),
@@ -267,7 +267,7 @@ impl Generator {
             // attempt; the request goes again at once (it waits for
             // the slot once the concurrency of 1 applies).
             t.cuts += 1;
-            observe::model_retry(&class.as_str());
+            ctx.flow.observer().model_retry(&class.as_str());
             ctx.emit(at_once(cut_reason(&sent.serving, pkey, e)), reports);
             return Some(Next::Free);
         }
@@ -315,7 +315,7 @@ impl Generator {
                     std::time::SystemTime::now() + ra,
                     &format!("{class}: {e}"),
                 );
-                observe::model_retry(&class.as_str());
+                ctx.flow.observer().model_retry(&class.as_str());
                 return Some(Next::Free);
             }
         }
@@ -355,7 +355,7 @@ impl Generator {
             ),
             _ => String::new(),
         };
-        observe::model_retry(&class.as_str());
+        ctx.flow.observer().model_retry(&class.as_str());
         let mut report = RetryReport::generation(
             format!("{class}: {e}{set_by_hand}"),
             false,
@@ -544,9 +544,9 @@ async fn admit(
             Ok(p) => {
                 if waited {
                     flow.count(&key.id, true, false);
-                    observe::flow_admission(&key.info.model, "waited");
+                    flow.observer().flow_admission(&key.info.model, "waited");
                 }
-                observe::flow_admission(&key.info.model, "admitted");
+                flow.observer().flow_admission(&key.info.model, "admitted");
                 return Ok(p);
             }
             Err(Wait::Paused {
@@ -599,7 +599,7 @@ async fn admit(
         waited = true;
         if deadline.is_some_and(|d| wake > d) {
             flow.count(&key.id, false, true);
-            observe::flow_admission(&key.info.model, "refused");
+            flow.observer().flow_admission(&key.info.model, "refused");
             return Err(ModelError::Deadline);
         }
         tokio::select! {
@@ -616,6 +616,7 @@ async fn admit(
 
 /// A model request's outcome on its `chat` span and in the metrics.
 fn record_request(
+    observer: &dyn observe::Observer,
     span: &tracing::Span,
     model: &str,
     elapsed: Duration,
@@ -627,7 +628,7 @@ fn record_request(
             spans::record_usage(span, input, output);
             spans::record_response_model(span, &c.model);
             spans::record_finish_reasons(span, &[c.finish_reason.as_str()]);
-            observe::model_request(&observe::ModelRequest {
+            observer.model_request(&observe::ModelRequest {
                 model,
                 outcome: "ok",
                 input_tokens: input,
@@ -638,7 +639,7 @@ fn record_request(
         Err(e) => {
             let class = e.class().as_str();
             spans::record_error(span, &class);
-            observe::model_request(&observe::ModelRequest {
+            observer.model_request(&observe::ModelRequest {
                 model,
                 outcome: &class,
                 input_tokens: 0,

@@ -238,6 +238,7 @@ impl Ctx {
                     self.job.gate.clone(),
                     self.job.cancel.clone(),
                     RESERVED,
+                    self.job.observer.clone(),
                 )
             })
             .0
@@ -430,6 +431,12 @@ impl Ctx {
     /// admitted against the fleet's limits and pauses.
     pub fn flow(&self) -> std::sync::Arc<leasehold_flow::Flow> {
         self.job().flow.clone()
+    }
+
+    /// The worker's metrics as an observer, for a toolbox of this job
+    /// (`Toolbox::observed`): its calls and effects are counted there.
+    pub fn observer(&self) -> std::sync::Arc<dyn leasehold_telemetry::observe::Observer> {
+        self.job().observer.clone()
     }
 
     /// Fires when the attempt must stop (cancelled, ownership lost, shutdown).

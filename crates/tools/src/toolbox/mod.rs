@@ -143,6 +143,8 @@ pub struct Toolbox {
     events: Arc<dyn ToolEvents>,
     faults: Arc<Faults>,
     retry: RetryPolicy,
+    /// Where each call and effect is counted (the worker's metrics).
+    observer: Arc<dyn observe::Observer>,
 }
 
 /// Emits events of one call.
@@ -200,7 +202,15 @@ impl Toolbox {
             events,
             faults: Arc::new(Faults::default()),
             retry: RetryPolicy::default(),
+            observer: observe::none(),
         }
+    }
+
+    /// Counts its calls and effects in `observer` (a job's toolbox: the
+    /// worker's metrics, `JobCtx::observer`); a new toolbox counts nothing.
+    pub fn observed(mut self, observer: Arc<dyn observe::Observer>) -> Self {
+        self.observer = observer;
+        self
     }
 
     /// The built-in tools (`search`, `fetch`, `publish`) configured by `config`.
@@ -319,7 +329,7 @@ impl Toolbox {
         };
         if let Some(e) = effect {
             spans::record_effect(&span, e.as_str());
-            observe::effect(name, e);
+            self.observer.effect(name, e);
         }
         let outcome = match &r {
             Ok(_) => observe::ToolOutcome::Ok,
@@ -332,7 +342,7 @@ impl Toolbox {
                 }
             }
         };
-        observe::tool_call(name, outcome);
+        self.observer.tool_call(name, outcome);
         r
     }
 

@@ -290,7 +290,9 @@ impl Worker {
             "worker starting"
         );
         let shared = Arc::new(Shared {
-            flow: Arc::new(leasehold_flow::Flow::new()),
+            flow: Arc::new(leasehold_flow::Flow::observed(Arc::new(
+                self.metrics.clone(),
+            ))),
             jobs: recovery.jobs.clone(),
             events: Events::new(&conn),
             dlq: Dlq::new(&conn),

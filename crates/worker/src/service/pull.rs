@@ -85,7 +85,12 @@ impl Lanes {
                     self.waiting.insert(lane.clone());
                 }
                 for (t, n) in per_tenant {
-                    leasehold_telemetry::observe::tenant_tickets(kind, t, n);
+                    leasehold_telemetry::observe::Observer::tenant_tickets(
+                        &shared.metrics,
+                        kind,
+                        t,
+                        n,
+                    );
                 }
             }
             Err(e) => {

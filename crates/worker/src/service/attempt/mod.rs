@@ -29,6 +29,7 @@ use leasehold_store::events::{Fence, FenceError};
 use leasehold_store::index::Key;
 use leasehold_store::{Gate, Versioned};
 use leasehold_telemetry::metrics::{AttemptOutcome, AttemptTimer};
+use leasehold_telemetry::observe::Observer as _;
 use leasehold_telemetry::{spans, trace};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
@@ -201,18 +202,18 @@ struct Attempt {
 }
 
 /// One attempt of a tenant's job in `leasehold_tenant_jobs_running`.
-struct TenantRunning(String);
+struct TenantRunning(String, leasehold_telemetry::metrics::Metrics);
 
 impl TenantRunning {
-    fn start(tenant: String) -> TenantRunning {
-        leasehold_telemetry::observe::tenant_running(&tenant, 1);
-        TenantRunning(tenant)
+    fn start(tenant: String, metrics: &leasehold_telemetry::metrics::Metrics) -> TenantRunning {
+        metrics.tenant_running(&tenant, 1);
+        TenantRunning(tenant, metrics.clone())
     }
 }
 
 impl Drop for TenantRunning {
     fn drop(&mut self) {
-        leasehold_telemetry::observe::tenant_running(&self.0, -1);
+        self.1.tenant_running(&self.0, -1);
     }
 }
 
@@ -326,11 +327,12 @@ async fn run_attempt(
         fence: fence.clone(),
         conn: shared.conn.clone(),
         flow: shared.flow.clone(),
+        observer: Arc::new(shared.metrics.clone()),
     };
     // The job's model requests count against its tenant's limits too.
     let tenant =
         leasehold_core::lane::Lane::of(rec.spec.as_ref().unwrap_or(&Default::default())).tenant;
-    let _running = TenantRunning::start(tenant.clone());
+    let _running = TenantRunning::start(tenant.clone(), &shared.metrics);
     let task = tokio::spawn(
         leasehold_flow::with_tenant(tenant, async move { handler.run(ctx).await })
             .instrument(tracing::Span::current()),
