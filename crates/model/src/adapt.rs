@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use leasehold_transcript::{Message, ToolCall};
 use serde::{Deserialize, Serialize};
@@ -187,25 +187,42 @@ impl std::fmt::Display for Downgrade {
     }
 }
 
-impl Provider {
-    /// The process's one record of this provider.
-    pub fn shared(
+/// What the clients that share it know of each provider (by base URL,
+/// model and modes): one per worker, shared by every client of its kinds
+/// ([`crate::ModelClient::sharing`]), so a form learned from one job's
+/// refusal, or an answer seen once, holds for the next job. No process
+/// global: a [`crate::ModelClient::new`] has one of its own.
+#[derive(Default)]
+pub struct Providers(Mutex<HashMap<String, Arc<Provider>>>);
+
+impl std::fmt::Debug for Providers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |m| m.len());
+        write!(f, "Providers({n} known)")
+    }
+}
+
+impl Providers {
+    /// The record of this provider.
+    pub fn get(
+        &self,
         base_url: &str,
         model: &str,
         structured: StructuredMode,
         tools: ToolsMode,
     ) -> Arc<Provider> {
-        static ALL: OnceLock<Mutex<HashMap<String, Arc<Provider>>>> = OnceLock::new();
         let key = format!(
             "{} {model} {structured:?} {tools:?}",
             base_url.trim_end_matches('/')
         );
-        let mut all = ALL.get_or_init(Default::default).lock().expect("providers");
+        let mut all = self.0.lock().expect("providers");
         all.entry(key.clone())
             .or_insert_with(|| Arc::new(Provider::new(key, structured, tools)))
             .clone()
     }
+}
 
+impl Provider {
     /// A record of its own (tests, `model check`'s probes).
     pub fn new(key: String, structured: StructuredMode, tools: ToolsMode) -> Provider {
         Provider {

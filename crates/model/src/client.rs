@@ -23,7 +23,7 @@ use leasehold_transcript::{Message, ToolCall};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::adapt::{self, Provider, StructuredForm, ToolsForm};
+use crate::adapt::{self, Provider, Providers, StructuredForm, ToolsForm};
 use crate::config::ModelConfig;
 use crate::error::{classify, http_error, ErrorBody, ModelError};
 use crate::wire::{ChatRequest, Chunk, FullResponse, Usage};
@@ -141,6 +141,9 @@ impl std::fmt::Display for Transport {
 pub struct ModelClient {
     http: reqwest::Client,
     cfg: ModelConfig,
+    /// What is known of the providers it talks to (shared with the other
+    /// clients of a worker's kind through [`ModelClient::sharing`]).
+    providers: Arc<Providers>,
 }
 
 impl ModelClient {
@@ -151,16 +154,29 @@ impl ModelClient {
             .retry(reqwest::retry::never())
             .build()
             .map_err(|e| ModelError::Config(e.to_string()))?;
-        Ok(ModelClient { http, cfg })
+        Ok(ModelClient {
+            http,
+            cfg,
+            providers: Arc::default(),
+        })
+    }
+
+    /// Shares what `providers` knows (and learns) of each provider with
+    /// the other clients holding it (a worker's kind makes one client per
+    /// job; its provider records outlive the job).
+    pub fn sharing(mut self, providers: Arc<Providers>) -> Self {
+        self.providers = providers;
+        self
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
-    /// What this process knows of the provider serving `model`.
+    /// What this client (and those sharing its records) knows of the
+    /// provider serving `model`.
     pub fn provider(&self, model: &str) -> Arc<Provider> {
-        Provider::shared(
+        self.providers.get(
             &self.cfg.base_url,
             model,
             self.cfg.structured,

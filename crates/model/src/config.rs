@@ -16,7 +16,7 @@
 //! | `concurrency` | none (learned) | `LH_MODEL_CONCURRENCY` (requests this process sends the provider at once; 1 for a server that serves one at a time) |
 //!
 //! `auto` adapts to the provider (see [`crate::adapt`]): it starts with the
-//! richest form and moves down, once per process, when the provider refuses
+//! richest form and moves down, once for the clients sharing its records (a worker's kind), when the provider refuses
 //! a request's shape.
 //!
 //! The timeouts are per phase rather than one total, because a long answer

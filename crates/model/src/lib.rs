@@ -25,7 +25,7 @@ mod error;
 mod retry;
 mod wire;
 
-pub use adapt::{Provider, StructuredForm, StructuredMode, ToolsForm, ToolsMode};
+pub use adapt::{Provider, Providers, StructuredForm, StructuredMode, ToolsForm, ToolsMode};
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker};
 pub use budget::{Budget, BudgetKind, BudgetLeft, BudgetLimits, BudgetUsed, Price, PriceTable};
 pub use client::{AttemptState, Completion, Delta, ModelClient, Watcher};

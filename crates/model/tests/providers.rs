@@ -78,10 +78,24 @@ async fn llama_like() -> TestServer {
     .await
 }
 
+/// What one generator learned of a provider holds for every client
+/// sharing its records (a worker's kind shares one `Providers`), and for
+/// no other: there is no process-wide registry.
 #[tokio::test]
-async fn a_refused_json_schema_moves_to_json_object_once_for_the_process() {
+async fn a_refused_json_schema_moves_to_json_object_once_for_the_clients_sharing_its_records() {
     let s = llama_like().await;
-    let g = generator_of(s.config(), 3);
+    let records = Arc::new(leasehold_model::Providers::default());
+    let sharing = |cfg: ModelConfig| {
+        Generator::new(
+            ModelClient::new(cfg).unwrap().sharing(records.clone()),
+            policy(3),
+            BreakerConfig {
+                min_calls: 1000,
+                ..Default::default()
+            },
+        )
+    };
+    let g = sharing(s.config());
     let (ctx, rep) = ctx();
     let out = g.generate(&schema_req(), &ctx, &mut vec![]).await.unwrap();
     assert_eq!(out.completion.content, r#"{"title":"Leases"}"#);
@@ -97,13 +111,21 @@ async fn a_refused_json_schema_moves_to_json_object_once_for_the_process() {
     assert!(reports[0]
         .reason
         .contains("json_schema refused; json_object from now on"));
-    // Another generator of the same provider in this process starts there.
-    let g2 = generator_of(s.config(), 3);
+    // Another generator sharing the records starts there.
+    let g2 = sharing(s.config());
     g2.generate(&schema_req(), &ctx, &mut vec![]).await.unwrap();
     assert_eq!(s.hits(), 3);
     assert_eq!(
         s.requests.lock().unwrap()[2]["response_format"]["type"],
         "json_object"
+    );
+    // One with records of its own learns for itself: refused once more.
+    let g3 = generator_of(s.config(), 3);
+    g3.generate(&schema_req(), &ctx, &mut vec![]).await.unwrap();
+    assert_eq!(s.hits(), 5, "its own refusal, then its answer");
+    assert_eq!(
+        s.requests.lock().unwrap()[3]["response_format"]["type"],
+        "json_schema"
     );
 }
 

@@ -3,7 +3,8 @@
 //! every bad value refused with its variable's name.
 
 use leasehold::runtime::{
-    format_duration, BreakerConfig, GenerationPolicy, ModelConfig, SectionPolicy, ToolboxConfig,
+    format_duration, BreakerConfig, GenerationPolicy, ModelConfig, Providers, SectionPolicy,
+    ToolboxConfig,
 };
 use leasehold::Error;
 
@@ -62,6 +63,10 @@ pub struct ResearchConfig {
     pub generation: GenerationPolicy,
     pub breaker: BreakerConfig,
     pub crash_at: Option<CrashPoint>,
+    /// What the worker's research jobs know of the model provider (a form
+    /// learned from a refusal, an answer seen once): made with the
+    /// configuration, so every job of a worker that was given it shares it.
+    pub providers: std::sync::Arc<Providers>,
 }
 
 impl ResearchConfig {
@@ -130,6 +135,7 @@ impl ResearchConfig {
             generation,
             breaker,
             crash_at,
+            providers: Default::default(),
         })
     }
 }

@@ -201,7 +201,9 @@ impl<'a> Job<'a> {
             "{}|{}|{}|{}",
             versions.workflow, versions.prompt, versions.model, versions.tools
         );
-        let client = ModelClient::new(model).map_err(|e| Error::terminal(e.to_string()))?;
+        let client = ModelClient::new(model)
+            .map_err(|e| Error::terminal(e.to_string()))?
+            .sharing(cfg.providers.clone());
         let generator = Arc::new(Generator::new(
             client,
             cfg.generation.clone(),

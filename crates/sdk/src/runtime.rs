@@ -53,7 +53,7 @@ pub use leasehold_flow::Flow;
 pub use leasehold_model::BudgetUsed as Spent;
 pub use leasehold_model::{
     BreakerConfig, Budget, BudgetKind, BudgetLimits, GenerationPolicy, Generator, ModelClient,
-    ModelConfig, PriceTable, RetryReport, RetryReporter, RunContext, MODEL_ENV_VARS,
+    ModelConfig, PriceTable, Providers, RetryReport, RetryReporter, RunContext, MODEL_ENV_VARS,
 };
 pub use leasehold_tools::{
     step_id, CallCtx, Disposition, EffectsLedger, OwnerGuard, ToolError, ToolEvent, ToolEvents,

@@ -75,7 +75,10 @@ async fn main() {
         // A model endpoint that does not answer is worth saying at start,
         // not only in each job's error; the worker serves anyway (the
         // endpoint may come up later).
+        // It shares the research jobs' provider records: an answer here
+        // tells their first failed connection apart from a wrong URL.
         if let Ok(client) = ModelClient::new(research.model.clone()) {
+            let client = client.sharing(research.providers.clone());
             tokio::spawn(async move {
                 if let Err(why) = client.reachable(std::time::Duration::from_secs(5)).await {
                     tracing::warn!("model endpoint check at start: {why} (research jobs will fail with this cause until it answers)");
