@@ -347,3 +347,38 @@ pub(super) fn fitted_note(got: i64, asked: i64) -> Option<String> {
         )
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use async_nats::jetstream::context::{CreateStreamError, CreateStreamErrorKind};
+
+    use super::*;
+
+    fn refused(code: u64) -> CreateStreamError {
+        let js: async_nats::jetstream::Error = serde_json::from_value(serde_json::json!({
+            "code": 500, "err_code": code, "description": "refused"
+        }))
+        .unwrap();
+        CreateStreamError::new(CreateStreamErrorKind::JetStream(js))
+    }
+
+    #[test]
+    fn a_write_nobody_answered_is_unavailable_and_a_refusal_is_not() {
+        let e = setup_error(
+            "LH_EVENTS",
+            &CreateStreamError::new(CreateStreamErrorKind::TimedOut),
+        );
+        assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+        // Too little storage: what to change.
+        let e = setup_error("LH_EVENTS", &refused(NO_ROOM));
+        assert!(
+            matches!(&e, StoreError::Config(m) if m.contains("max_file_store")),
+            "{e:?}"
+        );
+        assert!(no_room(&refused(NO_ROOM)) && !no_room(&refused(10058)));
+        // Any other refusal is the server's definite answer: not retried.
+        let e = setup_error("LH_EVENTS", &refused(10058));
+        assert!(matches!(e, StoreError::Nats { .. }), "{e:?}");
+        assert!(e.to_string().starts_with("setup LH_EVENTS: "), "{e}");
+    }
+}
