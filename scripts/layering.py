@@ -12,7 +12,9 @@ Rules (normal dependencies; dev- and build-dependencies are free):
   3. A user's code touches only the SDK: the examples depend on `leasehold`
      alone among the project's crates.
   4. The product never depends on the labs (harness, sim, bench, soak, demo).
-  5. Edges the floors allow but the design does not (FORBIDDEN, each with why).
+  5. Edges the floors allow but the design does not (FORBIDDEN, each with why),
+     and crates whose project dependencies are a fixed list (ONLY: core on
+     proto and time alone).
   6. The labs stand apart: sim, bench, soak and demo live under `labs/`, the
      product under `crates/` (the harness, test infrastructure, beside it).
 
@@ -27,6 +29,7 @@ import sys
 # Floor of each crate: a crate may depend on crates of strictly lower floors.
 FLOORS = {
     "leasehold-proto": 0,
+    "leasehold-time": 0,
     "leasehold-transcript": 0,
     "leasehold-telemetry": 0,
     "leasehold-harness": 0,
@@ -51,7 +54,7 @@ FLOORS = {
     "invoice-agent": 6,
     "leasehold-tests": 8,
 }
-PURE = {"leasehold-core", "leasehold-transcript", "leasehold-proto"}
+PURE = {"leasehold-core", "leasehold-transcript", "leasehold-proto", "leasehold-time"}
 IO_CRATES = {"async-nats", "tokio", "tokio-util", "reqwest", "axum", "hyper"}
 EXAMPLES = {"invoice-agent"}
 LABS = {"leasehold-harness", "leasehold-sim", "leasehold-bench", "leasehold-soak", "leasehold-demo"}
@@ -62,6 +65,11 @@ LAB_USERS = LABS | {"leasehold-tests"}
 FORBIDDEN = {
     ("leasehold-tools", "leasehold-model"): "the toolbox does not know the model; the agent crate adapts one to the other (AgentTools)",
     ("leasehold-reaper", "leasehold-tools"): "the reaper purges the ledger's data through store (store::effects::purge_job)",
+    ("leasehold-model", "leasehold-core"): "the model client does not know the job protocol; what they share (time, backoff) is leasehold-time",
+}
+# Crates whose project dependencies are exactly these (a superset is a break).
+ONLY = {
+    "leasehold-core": {"leasehold-proto", "leasehold-time"},
 }
 
 
@@ -117,6 +125,8 @@ def violations(graph):
                 found.append(f"{name} -> {d}: the product never depends on the labs")
             if (name, d) in FORBIDDEN:
                 found.append(f"{name} -> {d}: {FORBIDDEN[(name, d)]}")
+            if name in ONLY and d in ours and d not in ONLY[name]:
+                found.append(f"{name} -> {d}: {name} depends on {' and '.join(sorted(ONLY[name]))} alone")
     return found
 
 
@@ -128,6 +138,8 @@ def self_test(graph, places):
         "sdk only": ("invoice-agent", "leasehold-core"),
         "labs": ("leasehold-console", "leasehold-sim"),
         "forbidden": ("leasehold-reaper", "leasehold-tools"),
+        "model knows core": ("leasehold-model", "leasehold-core"),
+        "core alone": ("leasehold-core", "leasehold-telemetry"),
     }
     failed = False
     for rule, (name, dep) in breaks.items():

@@ -9,9 +9,11 @@
 //! - [`lane`]: tenants and priorities: the lane a job waits in, and which lane goes next.
 //! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
 //! - [`schedule`]: recurring schedules: cron expressions and which tick fires.
-//! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`).
+//! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`):
+//!   the `leasehold-time` crate, re-exported.
 //!
-//! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing.
+//! Architecture invariant: `cargo tree -p leasehold-core -i async-nats` finds nothing;
+//! it depends on `proto` and `time` alone, both pure.
 
 pub mod lane;
 pub mod machine;
@@ -19,7 +21,7 @@ pub mod retry;
 pub mod schedule;
 pub mod spec;
 pub mod status;
-pub mod time;
+pub use leasehold_time as time;
 
 pub use leasehold_proto::{JobError, JobRecord, JobSpec};
 pub use machine::{ClaimDecision, End, Owner, TransitionError};

@@ -23,7 +23,7 @@
 //! that keeps streaming is healthy while a silent connection is not.
 //!
 //! [`ModelConfig::from_env`] validates every value (durations with
-//! `leasehold_core::time::parse_duration`, the base URL as an absolute
+//! `leasehold_time::parse_duration`, the base URL as an absolute
 //! `http(s)` URL, `LH_MODEL_STREAM` as a boolean), so a worker can read it
 //! once at start and refuse to run with a bad one. [`ENV_VARS`] lists the
 //! variables for `--help`.
@@ -236,9 +236,7 @@ impl ModelConfig {
             ("LH_MODEL_FIRST_BYTE_TIMEOUT", &mut c.first_byte_timeout),
             ("LH_MODEL_IDLE_TIMEOUT", &mut c.idle_timeout),
         ] {
-            if let Some(v) =
-                leasehold_core::time::env_duration(get, k).map_err(ModelError::Config)?
-            {
+            if let Some(v) = leasehold_time::env_duration(get, k).map_err(ModelError::Config)? {
                 if v.is_zero() {
                     return Err(ModelError::Config(format!("{k}: must be longer than 0")));
                 }
@@ -319,7 +317,7 @@ mod humantime_serde_dur {
     }
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let s = String::deserialize(d)?;
-        leasehold_core::time::parse_duration(&s).map_err(serde::de::Error::custom)
+        leasehold_time::parse_duration(&s).map_err(serde::de::Error::custom)
     }
 }
 

@@ -565,7 +565,7 @@ async fn admit(
                     let reason = format!(
                         "waiting for provider {} until {} ({what}: {reason})",
                         key.label(),
-                        leasehold_core::time::rfc3339(until)
+                        leasehold_time::rfc3339(until)
                     );
                     tracing::info!(provider = %key.label(), "{reason}");
                     ctx.emit(

@@ -195,7 +195,7 @@ impl Default for GenerationPolicy {
 impl GenerationPolicy {
     /// Full jitter: uniform in `[0, min(cap, base * 2^(attempt-1))]`.
     pub fn backoff(&self, attempt: u32) -> Duration {
-        use leasehold_core::retry::{capped_exponential, full_jitter};
+        use leasehold_time::backoff::{capped_exponential, full_jitter};
         let ceiling = capped_exponential(self.base, self.cap, attempt.saturating_sub(1));
         full_jitter(ceiling, &mut rand::thread_rng())
     }

@@ -1,4 +1,6 @@
-//! Timestamps (RFC 3339 UTC, millisecond precision) and human durations.
+//! Time for every leasehold crate, pure and without a clock of its own:
+//! timestamps (RFC 3339 UTC, millisecond precision), human durations, and
+//! the backoff maths every retry loop shares ([`backoff`]).
 //!
 //! Every duration the project reads, from a flag or an environment variable
 //! of any binary, goes through [`parse_duration`], so one syntax holds
@@ -6,6 +8,12 @@
 //! `7d`). A bare number is refused (except `0`): `LH_MODEL_IDLE_TIMEOUT=30`
 //! could mean seconds or milliseconds, and guessing wrong by a factor of a
 //! thousand is worse than asking for the unit at start.
+//!
+//! A crate of its own so that the model client and the job protocol share
+//! it without the client knowing the protocol (`leasehold-core` re-exports
+//! it as `leasehold_core::time`).
+
+pub mod backoff;
 
 use std::time::{Duration, SystemTime};
 
