@@ -85,6 +85,60 @@ async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
     stop.cancel();
 }
 
+/// A delayed job's queued record is made by one function whoever makes it:
+/// a submitter that asks the gateway (`leasehold submit`), or the claim of
+/// a ticket published by a plain NATS client that asks nobody. Both keep
+/// the trace the submission named, and both are listed as waiting.
+#[tokio::test]
+async fn a_delayed_jobs_record_keeps_its_trace_whether_the_gateway_or_its_claim_makes_it() {
+    let env = Env::new().await;
+    let (_w, stop) = env.worker().await;
+    let url = env.url();
+    let sent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let run_at = rfc3339(SystemTime::now() + Duration::from_secs(60));
+    // A plain publish: no `lh.enqueued` ask, so the claim records it.
+    let spec = json!({"input": {"n": 1}, "run_at": run_at});
+    env.work
+        .submit_traced(
+            "echo",
+            spec.to_string().into(),
+            Some("later-raw"),
+            None,
+            Some(sent),
+        )
+        .await
+        .unwrap();
+    // Through the CLI, which asks the gateway for the record.
+    let (code, out, err) = cli(
+        &url,
+        &[
+            "submit",
+            "echo",
+            r#"{"input":{"n":2}}"#,
+            "--run-at",
+            &run_at,
+            "--id",
+            "later-cli",
+            "--traceparent",
+            sent,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    for id in ["later-raw", "later-cli"] {
+        let rec = env
+            .wait_for(id, Duration::from_secs(10), |r| r.status == "queued")
+            .await;
+        assert_eq!(rec.traceparent.as_deref(), Some(sent), "{id}: {rec:?}");
+        assert_eq!(rec.next_run_at.as_deref(), Some(run_at.as_str()), "{id}");
+    }
+    let (_, out, _) = cli(&url, &["list", "--status", "queued", "--json"]).await;
+    for id in ["later-raw", "later-cli"] {
+        assert!(out.contains(id), "list shows {id} waiting: {out}");
+    }
+    stop.cancel();
+}
+
 #[tokio::test]
 async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
     let env = Env::new().await;

@@ -511,7 +511,6 @@ impl Work {
         max_bytes: usize,
         traceparent: impl Fn(&HeaderMap, &str, &str) -> Option<String>,
     ) -> Enqueued {
-        use leasehold_core::{machine, spec};
         let ticket = match self.get(seq).await {
             Ok(Some(t)) => t,
             // Consumed already (its claim made the record), or never stored.
@@ -538,7 +537,8 @@ impl Work {
             stream_seq: seq,
             received_at: ticket.stored_at,
         };
-        let accepted = match spec::decode(sub, kinds, max_bytes) {
+        let subject = self.layout.lane_subject(&ticket.kind, &ticket.lane);
+        let accepted = match decode_ticket(&self.layout, &subject, sub, kinds, max_bytes) {
             Ok(a) => a,
             Err(rej) => {
                 return Enqueued::Invalid {
@@ -547,30 +547,49 @@ impl Work {
                 }
             }
         };
-        let mut rec = machine::new_record(
-            &accepted.id,
-            &ticket.kind,
-            accepted.spec,
-            seq,
-            std::time::SystemTime::now(),
-        );
-        rec.traceparent = traceparent(&ticket.headers, &accepted.id, &ticket.kind);
-        match jobs.create(&rec).await {
-            Ok(_) => {
-                if let Some(key) = crate::index::Key::of(&rec) {
-                    if let Err(e) = active.put(&key, &rec).await {
-                        tracing::debug!(job = %rec.id, error = %e, "queued record not indexed; its ticket covers it");
-                    }
-                }
-                Enqueued::Created { id: rec.id }
-            }
-            Err(crate::JobsError::Exists(_)) => Enqueued::Exists { id: rec.id },
+        let tp = traceparent(&ticket.headers, &accepted.id, &ticket.kind);
+        let id = accepted.id.clone();
+        match create_queued(jobs, active, accepted, &ticket.kind, seq, tp).await {
+            Ok(_) => Enqueued::Created { id },
+            Err(crate::JobsError::Exists(_)) => Enqueued::Exists { id },
             Err(e) => Enqueued::Error {
-                id: Some(rec.id),
+                id: Some(id),
                 error: e.to_string(),
             },
         }
     }
+}
+
+/// The queued record of a stored ticket, created if absent and listed in
+/// the index as waiting (the claim removes the entry; an entry that cannot
+/// be written is left to the ticket, which covers the job). The one maker
+/// of a record from a ticket that is not claimed at once: the gateway's
+/// answer to a submitter ([`Work::record_ticket`]) and a claim that finds
+/// its job not due yet both call it, so the two records are the same
+/// (`traceparent` included).
+pub async fn create_queued(
+    jobs: &crate::Jobs,
+    active: &crate::index::Active,
+    accepted: spec::Accepted,
+    kind: &str,
+    seq: u64,
+    traceparent: Option<String>,
+) -> Result<JobRecord, crate::JobsError> {
+    let mut rec = leasehold_core::machine::new_record(
+        &accepted.id,
+        kind,
+        accepted.spec,
+        seq,
+        std::time::SystemTime::now(),
+    );
+    rec.traceparent = traceparent;
+    jobs.create(&rec).await?;
+    if let Some(key) = crate::index::Key::of(&rec) {
+        if let Err(e) = active.put(&key, &rec).await {
+            tracing::debug!(job = %rec.id, error = %e, "queued record not indexed; its ticket covers it");
+        }
+    }
+    Ok(rec)
 }
 
 /// What [`Work::record_ticket`] did with a stored ticket: the answer on

@@ -247,6 +247,19 @@ impl Gateway {
             kinds,
             ..
         } = self;
+        // A ticket leasehold itself published (a re-offer, a retry, a replay)
+        // names its job in Lh-Job-Id; its publisher waits for the stream's
+        // ack on that inbox, and an answer from here would race it.
+        let ours = m
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(work::JOB_ID_HEADER).is_some());
+        // A stored ticket is judged by its claim (and by `record_ticket`
+        // when a submitter asks): it is decoded here only when a waiting
+        // submitter can be told at once.
+        if stream_has_it && (ours || m.reply.is_none()) {
+            return;
+        }
         let hint = work::ticket_job_id(m.headers.as_ref());
         let ct = work::content_type(m.headers.as_ref());
         let sub = Submission {
@@ -258,17 +271,10 @@ impl Gateway {
             received_at: SystemTime::now(),
         };
         let result = work::decode_ticket(&conn.layout, &m.subject, sub, kinds, usize::MAX);
-        // A ticket leasehold itself published (a re-offer, a retry, a replay)
-        // names its job in Lh-Job-Id; its publisher waits for the stream's
-        // ack on that inbox, and an answer from here would race it.
-        let ours = m
-            .headers
-            .as_ref()
-            .is_some_and(|h| h.get(work::JOB_ID_HEADER).is_some());
         if stream_has_it {
             // The ticket is stored; its consumer records any rejection. Only
             // tell a waiting submitter now.
-            if let (Err(rej), Some(reply), false) = (&result, &m.reply, ours) {
+            if let (Err(rej), Some(reply)) = (&result, &m.reply) {
                 if !matches!(rej.error, spec::SubmitError::InvalidId(ref s) if s.is_empty()) {
                     // The second reply: sent once the stream holds the
                     // ticket, so it never beats the stream's ack to a

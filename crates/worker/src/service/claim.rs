@@ -430,20 +430,19 @@ impl Delivery {
     /// wait NAKs the ticket with the rest, a long one releases the ticket to
     /// the job's wake-up).
     async fn record_delayed(&self) -> Round {
-        let rec = machine::new_record(
-            &self.accepted.id,
-            &self.kind,
-            self.accepted.spec.clone(),
+        let (id, kind) = (&self.accepted.id, &self.kind);
+        let tp = job_traceparent(self.msg.headers.as_ref(), id, kind);
+        match work::create_queued(
+            &self.shared.jobs,
+            &self.shared.active,
+            self.accepted.clone(),
+            kind,
             self.seq,
-            SystemTime::now(),
-        );
-        match self.shared.jobs.create(&rec).await {
-            Ok(_) => {
-                if let Some(key) = Key::of(&rec) {
-                    if let Err(e) = self.shared.active.put(&key, &rec).await {
-                        tracing::debug!(job = %rec.id, error = %e, "delayed record not indexed; its ticket covers it");
-                    }
-                }
+            tp,
+        )
+        .await
+        {
+            Ok(rec) => {
                 tracing::debug!(job = %rec.id, due = ?rec.next_run_at, "delayed job recorded");
                 Round::Again
             }
