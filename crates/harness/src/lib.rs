@@ -83,12 +83,45 @@ pub fn kill_children() {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
+/// A free TCP port on 127.0.0.1 for a server a test starts, never handed
+/// out twice by this process, and below the kernel's ephemeral range.
+///
+/// Why not `bind(":0")`: a killed server is restarted on its own port (a
+/// cluster node's peers and clients know it), and while it is down an
+/// ephemeral port is anyone's: the next `bind(":0")` of another test, or
+/// the local end of any outgoing connection, may take it, and the restart
+/// fails with "address in use". Ports below the ephemeral range are never
+/// chosen by the kernel, and the ones this process has handed out are
+/// skipped; a port another process holds is found taken and skipped too.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free loopback port")
+    static NEXT: Mutex<Option<u16>> = Mutex::new(None);
+    let (low, high) = own_port_range();
+    let span = high - low;
+    let mut next = NEXT.lock().unwrap();
+    // Start at a place of this process's own, so two test processes at
+    // once (a soak beside a suite) seldom walk the same ports.
+    let mut p = next.unwrap_or(low + (std::process::id() % u32::from(span)) as u16);
+    for _ in 0..span {
+        let port = p;
+        p = if p + 1 >= high { low } else { p + 1 };
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            *next = Some(p);
+            return port;
+        }
+    }
+    panic!("no free loopback port in {low}..{high}")
+}
+
+/// The ports [`free_port`] hands out: the 16,384 below the kernel's
+/// ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`; 32768 when
+/// it cannot be read), never below 1024.
+fn own_port_range() -> (u16, u16) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let high = ephemeral_low.max(2048);
+    (high.saturating_sub(16_384).max(1024), high)
 }
 
 /// The Chromium to drive: `LH_CHROMIUM`, else the first of `chromium`,
@@ -132,4 +165,25 @@ pub fn bin_path(name: &str) -> PathBuf {
         p.display()
     );
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ports handed out are distinct, bindable, and never the kernel's
+    /// own (so no `bind(":0")` and no outgoing connection takes a stopped
+    /// server's port before its restart).
+    #[test]
+    fn free_ports_are_distinct_and_below_the_ephemeral_range() {
+        let (low, high) = own_port_range();
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let distinct: BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "a port handed out twice");
+        for p in &ports {
+            assert!((low..high).contains(p), "{p} outside {low}..{high}");
+        }
+        let ephemeral = TcpListener::bind("127.0.0.1:0").unwrap();
+        assert!(ephemeral.local_addr().unwrap().port() >= high);
+    }
 }
