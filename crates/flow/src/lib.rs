@@ -73,6 +73,7 @@ use tokio::time::Instant;
 
 mod admit;
 pub mod limits;
+pub mod metrics;
 mod permit;
 mod serving;
 #[cfg(test)]

@@ -22,6 +22,7 @@ mod budget;
 mod client;
 mod config;
 mod error;
+pub mod metrics;
 mod retry;
 mod wire;
 

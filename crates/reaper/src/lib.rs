@@ -42,5 +42,5 @@ mod schedules;
 pub mod service;
 
 pub use config::Options;
-pub use metrics::Metrics;
-pub use service::{Handle, Reaper, ReaperError, Stats};
+pub use metrics::{FleetSnapshot, Metrics, ReaperMetrics, Stats};
+pub use service::{Handle, Reaper, ReaperError};

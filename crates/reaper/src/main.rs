@@ -6,9 +6,9 @@
 //! (every series labelled `replica=<reaper id>`).
 
 use clap::{CommandFactory, FromArgMatches};
+use leasehold_reaper::ReaperMetrics;
 use leasehold_reaper::{Options, Reaper};
 use leasehold_telemetry::http::{self, HttpState};
-use leasehold_telemetry::metrics::ReaperMetrics;
 use leasehold_telemetry::{redact_text, stop, trace, Readiness};
 use tokio_util::sync::CancellationToken;
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use leasehold_store::retention::Retention;
 use tokio_util::sync::CancellationToken;
 
-use crate::service::Stats;
+use crate::metrics::Stats;
 use crate::Options;
 
 /// Terminal events read per class per pass; a full pass runs again at once.

@@ -3,12 +3,13 @@
 //! - [`logs`]: stderr logs, `LH_LOG_FORMAT=text|json`, `RUST_LOG`, `NO_COLOR`.
 //! - [`redact_url`], [`redact_text`], [`Secret`]: credentials never reach a
 //!   log line.
-//! - [`metrics`] (feature `metrics`): [`metrics::Metrics`] for a worker,
-//!   [`metrics::ReaperMetrics`] for a reaper replica, on a
-//!   `prometheus-client` registry.
-//! - [`observe`]: the facade through which library crates (model, tools,
-//!   research) report model requests, tool calls, effects and checkpoint
-//!   flushes without depending on Prometheus.
+//! - [`metrics`] (feature `metrics`): the Prometheus plumbing (the
+//!   exposition, the build info); each crate registers the families it
+//!   counts on the registry its process passes in.
+//! - [`observe`]: the facade through which library code (flow, model, tools,
+//!   research) reports model requests, tool calls, effects and checkpoint
+//!   flushes to the worker that runs it, which counts each in the family
+//!   its crate registered.
 //! - [`Readiness`] and [`http`] (feature `http`): `/healthz`, `/readyz`,
 //!   `/metrics`.
 //! - [`stop`] (feature `process`): the phased stop on SIGTERM/SIGINT

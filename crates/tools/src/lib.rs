@@ -61,6 +61,7 @@ mod faults;
 mod guard;
 mod key;
 mod ledger;
+pub mod metrics;
 mod netguard;
 mod schema;
 mod tool;

@@ -14,6 +14,7 @@ pub mod config;
 pub mod flow;
 pub mod gateway;
 pub mod handler;
+pub mod metrics;
 pub mod process;
 pub mod service;
 

@@ -3,8 +3,8 @@
 
 use std::net::SocketAddr;
 
+use crate::metrics::Metrics;
 use leasehold_telemetry::http::{self, HttpState};
-use leasehold_telemetry::metrics::Metrics;
 use leasehold_telemetry::{stop, Readiness};
 use tokio_util::sync::CancellationToken;
 

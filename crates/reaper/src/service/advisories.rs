@@ -126,7 +126,6 @@ impl Inner {
         match self.max_deliveries(&adv).await {
             Ok(()) => {
                 self.stats.advisories.fetch_add(1, Ordering::Relaxed);
-                self.prom.advisories(1);
                 let _ = msg.ack().await;
             }
             Err(e) => {
@@ -185,7 +184,6 @@ impl Inner {
                 .await?
             {
                 self.stats.max_deliveries.fetch_add(1, Ordering::Relaxed);
-                self.prom.dead_lettered("max_deliveries", 1);
                 r.finish(&rec, Some(&ticket), Some(seq)).await?;
             }
             return Ok(());
@@ -213,7 +211,7 @@ impl Inner {
                     }
                     tracing::info!(job = %id, seq, worker, "ticket past max deliveries of a job its live owner runs: indexed under its owner and deleted, the job goes on");
                 }
-                self.stats.count(&a, &self.prom);
+                self.stats.count(&a);
                 r.work.delete(seq).await?;
                 Ok(())
             }

@@ -36,7 +36,7 @@
 //! run at once.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -54,7 +54,6 @@ use leasehold_store::sessions::{Ping, Runs, SessionInfo};
 use leasehold_store::timers::{self, DueError};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
-use leasehold_telemetry::metrics::{FleetSnapshot, ReaperMetrics};
 use leasehold_telemetry::Readiness;
 use serde::Deserialize;
 use serde_json::json;
@@ -73,7 +72,7 @@ use schedules::schedules_loop;
 use sweep::{sweep_loop, Unclaimed};
 
 use crate::decide::{self, RunningAction};
-use crate::metrics::{Counters, Metrics, Queue, Tally};
+use crate::metrics::{FleetSnapshot, Metrics, Queue, ReaperMetrics, Stats, Tally};
 use crate::Options;
 
 /// How long start-up waits for an unavailable NATS before giving up.
@@ -113,55 +112,6 @@ impl ReaperError {
             ReaperError::Store(e) => e.is_transient(),
             ReaperError::Jobs(e) => e.is_transient(),
             _ => false,
-        }
-    }
-}
-
-/// Counters of one reaper process (for tests, metrics and logs).
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub sweeps: AtomicU64,
-    /// Jobs this replica dead-lettered as poison.
-    pub poison: AtomicU64,
-    /// Jobs this replica turned `dead` after max deliveries (its CAS won).
-    pub max_deliveries: AtomicU64,
-    /// Jobs this replica re-offered (its write won).
-    pub recoveries: AtomicU64,
-    /// Advisories processed and acked.
-    pub advisories: AtomicU64,
-    /// Sessions this replica ended after "no responders".
-    pub sessions_ended_fast: AtomicU64,
-    /// Index entries whose record disagreed, repaired.
-    pub index_repairs: AtomicU64,
-    /// Waiting jobs whose ticket was lost or stuck, given a fresh one.
-    pub tickets_replaced: AtomicU64,
-    /// Finished jobs removed after their retention.
-    pub forgotten: AtomicU64,
-}
-
-impl Stats {
-    fn counters(&self) -> Counters {
-        Counters {
-            sweeps: self.sweeps.load(Ordering::Relaxed),
-            recoveries: self.recoveries.load(Ordering::Relaxed),
-            poison: self.poison.load(Ordering::Relaxed),
-            max_deliveries: self.max_deliveries.load(Ordering::Relaxed),
-            sessions_ended_fast: self.sessions_ended_fast.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Counts a recovery action here and in the replica's metrics.
-    fn count(&self, a: &Action, prom: &ReaperMetrics) {
-        match a {
-            Action::Reoffered { .. } | Action::Cancelled => {
-                self.recoveries.fetch_add(1, Ordering::Relaxed);
-                prom.recovered(1);
-            }
-            Action::Poisoned => {
-                self.poison.fetch_add(1, Ordering::Relaxed);
-                prom.dead_lettered("poison", 1);
-            }
-            Action::Nothing(_) | Action::Unsure(_) => {}
         }
     }
 }
@@ -286,16 +236,17 @@ impl Reaper {
             .unwrap_or_default()
             .iter()
             .fold(Kinds::default(), |k, name| k.with_open(name));
+        let prom = self
+            .prom
+            .clone()
+            .unwrap_or_else(|| ReaperMetrics::new(&reaper_id));
         let inner = Arc::new(Inner {
             recovery: Arc::new(recovery),
             conn,
             id: reaper_id.clone(),
-            stats: Arc::new(Stats::default()),
+            stats: prom.stats(),
             metrics: metrics_tx,
-            prom: self
-                .prom
-                .clone()
-                .unwrap_or_else(|| ReaperMetrics::new(&reaper_id)),
+            prom,
             readiness: self.readiness.clone(),
             kinds,
             verify_cursor: std::sync::Mutex::new(String::new()),

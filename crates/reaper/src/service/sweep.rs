@@ -102,7 +102,7 @@ pub(super) async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                 inner.metrics.send_replace(m);
             }
             Err(e) => {
-                inner.prom.sweep_failed();
+                inner.stats.sweep_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "sweep failed; trying again at the next interval")
             }
         }
@@ -151,7 +151,7 @@ impl Inner {
                         RunningAction::OwnerGone => r
                             .recover_job(worker, job, None)
                             .await
-                            .map(|a| self.stats.count(&a, &self.prom))
+                            .map(|a| self.stats.count(&a))
                             .map_err(Into::into),
                         RunningAction::Overdue => {
                             tracing::warn!(
@@ -161,7 +161,7 @@ impl Inner {
                             );
                             r.recover_job(worker, job, Some(self.opts.clock_skew))
                                 .await
-                                .map(|a| self.stats.count(&a, &self.prom))
+                                .map(|a| self.stats.count(&a))
                                 .map_err(Into::into)
                         }
                     }
@@ -279,7 +279,7 @@ impl Inner {
                             "its live owner does not run it; re-offered"
                         );
                     }
-                    self.stats.count(&a, &self.prom)
+                    self.stats.count(&a)
                 }
                 Err(e) => tracing::warn!(job, error = %e, "cannot re-offer an unrun job"),
             }
@@ -395,7 +395,6 @@ impl Inner {
             }
             self.stats.tickets_replaced.fetch_add(1, Ordering::Relaxed);
             self.stats.recoveries.fetch_add(1, Ordering::Relaxed);
-            self.prom.recovered(1);
             tracing::warn!(
                 job,
                 lost_ticket = lost,

@@ -18,6 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::metrics::AttemptOutcome;
 use async_nats::jetstream::{self, AckKind};
 use leasehold_core::machine::{self, ClaimDecision, Claimant, OwnerLiveness};
 use leasehold_core::spec::{self, Submission};
@@ -27,7 +28,6 @@ use leasehold_store::index::Key;
 use leasehold_store::liveness::Verdict;
 use leasehold_store::{timers, work};
 use leasehold_store::{JobsError, Versioned};
-use leasehold_telemetry::metrics::AttemptOutcome;
 use leasehold_telemetry::{spans, trace};
 use serde_json::json;
 use tokio::sync::OwnedSemaphorePermit;

@@ -45,6 +45,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
+use crate::metrics::{AttemptOutcome, Metrics};
 use anyhow::Context as _;
 use leasehold_core::retry::RetryPolicy;
 use leasehold_core::spec::Kinds;
@@ -56,7 +57,6 @@ use leasehold_store::recovery::{self, Recovery};
 use leasehold_store::sessions::{SessionClock, Sessions};
 use leasehold_store::work::Work;
 use leasehold_store::{retry_unavailable, setup, Conn, Jobs};
-use leasehold_telemetry::metrics::{AttemptOutcome, Metrics};
 use leasehold_telemetry::Readiness;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;

@@ -24,10 +24,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::metrics::Renewal;
 use futures::StreamExt;
 use leasehold_core::time::rfc3339;
 use leasehold_store::sessions::{Current, Ping, SessionClock, SessionError, SessionInfo};
-use leasehold_telemetry::metrics::Renewal;
 use tokio_util::sync::CancellationToken;
 
 use super::{Shared, Stop};

@@ -6,6 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
+use crate::metrics::AttemptOutcome;
 use async_nats::jetstream::AckKind;
 use leasehold_core::machine::{
     self, Effects, End, EndPolicy, Ended, Owner, Settle, Step, Ticket, TransitionError, KEEP_DELAY,
@@ -16,7 +17,6 @@ use leasehold_store::events;
 use leasehold_store::index::Key;
 use leasehold_store::work::ticket_first;
 use leasehold_store::{Gate, JobsError, StoreError, Versioned};
-use leasehold_telemetry::metrics::AttemptOutcome;
 use leasehold_telemetry::spans;
 use serde_json::{json, Value};
 

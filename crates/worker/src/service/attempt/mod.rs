@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
+use crate::metrics::{AttemptOutcome, AttemptTimer};
 use async_nats::jetstream::{self, AckKind};
 use leasehold_core::machine::{End, Owner};
 use leasehold_core::retry::Backoff;
@@ -28,7 +29,6 @@ use leasehold_proto::JobResult;
 use leasehold_store::events::{Fence, FenceError};
 use leasehold_store::index::Key;
 use leasehold_store::{Gate, Versioned};
-use leasehold_telemetry::metrics::{AttemptOutcome, AttemptTimer};
 use leasehold_telemetry::observe::Observer as _;
 use leasehold_telemetry::{spans, trace};
 use serde_json::{json, Value};
@@ -202,10 +202,10 @@ struct Attempt {
 }
 
 /// One attempt of a tenant's job in `leasehold_tenant_jobs_running`.
-struct TenantRunning(String, leasehold_telemetry::metrics::Metrics);
+struct TenantRunning(String, crate::metrics::Metrics);
 
 impl TenantRunning {
-    fn start(tenant: String, metrics: &leasehold_telemetry::metrics::Metrics) -> TenantRunning {
+    fn start(tenant: String, metrics: &crate::metrics::Metrics) -> TenantRunning {
         metrics.tenant_running(&tenant, 1);
         TenantRunning(tenant, metrics.clone())
     }

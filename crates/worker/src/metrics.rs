@@ -1,24 +1,75 @@
-//! A worker's metrics ([`Metrics`]): jobs, attempts and their timer, session
-//! renewals, and what the model and tool layers report as its [`Observer`].
+//! A worker's metrics ([`Metrics`]): the families the worker counts itself
+//! (jobs, attempts and their timer, session renewals, tenants, checkpoint
+//! flushes) and, registered by the crates that count them on the same
+//! registry, the model's ([`ModelMetrics`]), flow control's
+//! ([`FlowMetrics`]) and the tools' ([`ToolMetrics`]). The worker hands
+//! itself as the [`Observer`] to what reports on its behalf (its flow, its
+//! jobs' toolboxes and flushers, each run's generator), and each report
+//! goes to the family of the crate that made it. The full list with types,
+//! labels and meaning is in docs/reference.md ("Metrics").
+//!
+//! Label values stay low-cardinality: kinds, outcomes, failure classes,
+//! model and tool names. Never a job id.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use leasehold_flow::metrics::FlowMetrics;
+use leasehold_model::metrics::ModelMetrics;
+use leasehold_telemetry::metrics::{build_info, encode};
+use leasehold_telemetry::observe::{EffectOutcome, ModelRequest, Observer, ToolOutcome};
+use leasehold_tools::metrics::ToolMetrics;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::observe::{EffectOutcome, ModelRequest, Observer, ToolOutcome};
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
 
-use super::{
-    attempt_buckets, build_info, encode, flush_buckets, model_buckets, ClassLabel, FlowLimitLabels,
-    FlowPauseLabels, HistogramFamily, KindLabel, KindOutcomeLabels, ModelDirectionLabels,
-    ModelLabel, ModelOutcomeLabels, OutcomeLabel, TenantKindLabels, TenantLabel, ToolOutcomeLabels,
-};
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindOutcomeLabels {
+    kind: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabel {
+    tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantKindLabels {
+    kind: String,
+    tenant: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// 50 ms to 2 h: attempts range from an echo to a long research job.
+fn attempt_buckets() -> Histogram {
+    Histogram::new([
+        0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+        7200.0,
+    ])
+}
+
+/// 1 ms to 10 s: one flusher batch (publishes and a gate write).
+fn flush_buckets() -> Histogram {
+    Histogram::new([
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ])
+}
 
 /// How an attempt ended. Each outcome has its own `leasehold_jobs_*_total`
 /// counter and is the `outcome` label of the attempt duration histogram.
@@ -97,20 +148,14 @@ struct WorkerInner {
     in_flight: Family<KindLabel, Gauge>,
     renewals: Family<OutcomeLabel, Counter>,
     last_renewal: Arc<Mutex<Option<Instant>>>,
-    model_requests: Family<ModelOutcomeLabels, Counter>,
-    model_tokens: Family<ModelDirectionLabels, Counter>,
-    model_retries: Family<ClassLabel, Counter>,
-    model_duration: HistogramFamily<ModelLabel>,
-    tool_calls: Family<ToolOutcomeLabels, Counter>,
-    effects: Family<ToolOutcomeLabels, Counter>,
     flush_duration: Histogram,
     flushed_events: Counter,
-    flow_admissions: Family<ModelOutcomeLabels, Counter>,
-    flow_pauses: Family<FlowPauseLabels, Counter>,
-    flow_limit: Family<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    flow_slice: Family<FlowLimitLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     tenant_running: Family<TenantLabel, Gauge>,
     tenant_tickets: Family<TenantKindLabels, Gauge>,
+    /// Registered by the crates that count them.
+    model: ModelMetrics,
+    flow: FlowMetrics,
+    tools: ToolMetrics,
 }
 
 impl WorkerInner {
@@ -182,58 +227,16 @@ impl WorkerInner {
         r.register_collector(Box::new(SessionLag(f.last_renewal.clone())));
     }
 
-    /// The families the model, tool, flow and checkpoint layers report into.
+    /// The tenant and checkpoint families (what the worker counts of its
+    /// lanes and its flushers).
     fn register_layers(&self, r: &mut Registry) {
         let f = self;
-        r.register(
-            "leasehold_model_requests",
-            "Model requests by model and outcome (ok or the failure class)",
-            f.model_requests.clone(),
-        );
-        r.register(
-            "leasehold_model_tokens",
-            "Tokens by model and direction (input, output)",
-            f.model_tokens.clone(),
-        );
-        r.register(
-            "leasehold_model_retries",
-            "Generation retry decisions by failure class",
-            f.model_retries.clone(),
-        );
-        r.register("leasehold_flow_requests", "Model requests by flow control's admission: admitted, waited (admitted after waiting), refused (gave up waiting)", f.flow_admissions.clone());
-        r.register(
-            "leasehold_flow_pauses",
-            "Provider keys paused for the fleet, by kind: cooldown (429 or quota) or breaker",
-            f.flow_pauses.clone(),
-        );
-        r.register(
-            "leasehold_flow_limit",
-            "A provider key's fleet-wide limit (rpm, tpm per minute; concurrency)",
-            f.flow_limit.clone(),
-        );
-        r.register("leasehold_flow_slice", "This worker's leased slice of a provider key's limit (rpm, tpm per minute; concurrency)", f.flow_slice.clone());
         r.register(
             "leasehold_tenant_jobs_running",
             "Jobs of a tenant running an attempt on this worker",
             f.tenant_running.clone(),
         );
         r.register("leasehold_tenant_tickets", "Tickets of a tenant in a kind's lanes (queued or running), as this worker last counted them; the default tenant at the default priority is the kind's consumer's queue", f.tenant_tickets.clone());
-        r.register_with_unit(
-            "leasehold_model_request_duration",
-            "Duration of model requests, by model",
-            Unit::Seconds,
-            f.model_duration.clone(),
-        );
-        r.register(
-            "leasehold_tool_calls",
-            "Tool calls by tool and outcome (ok, error, refused)",
-            f.tool_calls.clone(),
-        );
-        r.register(
-            "leasehold_effects",
-            "Side effects by tool and outcome (executed, replayed, reconciled, parked)",
-            f.effects.clone(),
-        );
         r.register_with_unit(
             "leasehold_checkpoint_flush_duration",
             "Duration of one checkpoint flush (a batch of events and its progress write)",
@@ -255,8 +258,20 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// A worker's metrics on a registry of their own, served by
+    /// [`Metrics::registry`].
     pub fn new() -> Self {
-        let mut inner = WorkerInner {
+        let mut r = Registry::default();
+        build_info(&mut r, "leasehold-worker");
+        let mut m = Self::register(&mut r);
+        Arc::get_mut(&mut m.inner).expect("not shared yet").registry = Arc::new(r);
+        m
+    }
+
+    /// Registers the worker's families, and the model's, flow control's and
+    /// the tools' (each crate registers its own), on `r`.
+    pub fn register(r: &mut Registry) -> Self {
+        let inner = WorkerInner {
             registry: Arc::default(),
             claimed: Family::default(),
             reclaimed: Family::default(),
@@ -274,26 +289,16 @@ impl Metrics {
             in_flight: Family::default(),
             renewals: Family::default(),
             last_renewal: Arc::new(Mutex::new(None)),
-            model_requests: Family::default(),
-            model_tokens: Family::default(),
-            model_retries: Family::default(),
-            flow_admissions: Family::default(),
-            flow_pauses: Family::default(),
-            flow_limit: Family::default(),
-            flow_slice: Family::default(),
             tenant_running: Family::default(),
             tenant_tickets: Family::default(),
-            model_duration: HistogramFamily::<ModelLabel>::new_with_constructor(model_buckets),
-            tool_calls: Family::default(),
-            effects: Family::default(),
             flush_duration: flush_buckets(),
             flushed_events: Counter::default(),
+            model: ModelMetrics::register(r),
+            flow: FlowMetrics::register(r),
+            tools: ToolMetrics::register(r),
         };
-        let mut r = Registry::default();
-        build_info(&mut r, "leasehold-worker");
-        inner.register_jobs(&mut r);
-        inner.register_layers(&mut r);
-        inner.registry = Arc::new(r);
+        inner.register_jobs(r);
+        inner.register_layers(r);
         Metrics {
             inner: Arc::new(inner),
         }
@@ -383,57 +388,31 @@ impl Metrics {
 
 impl Observer for Metrics {
     fn model_request(&self, r: &ModelRequest<'_>) {
-        let i = &self.inner;
-        i.model_requests
-            .get_or_create(&ModelOutcomeLabels {
-                model: r.model.to_string(),
-                outcome: r.outcome.to_string(),
-            })
-            .inc();
-        for (direction, n) in [("input", r.input_tokens), ("output", r.output_tokens)] {
-            if n > 0 {
-                i.model_tokens
-                    .get_or_create(&ModelDirectionLabels {
-                        model: r.model.to_string(),
-                        direction: direction.to_string(),
-                    })
-                    .inc_by(n);
-            }
-        }
-        i.model_duration
-            .get_or_create(&ModelLabel {
-                model: r.model.to_string(),
-            })
-            .observe(r.elapsed.as_secs_f64());
+        self.inner.model.request(r);
+    }
+
+    fn model_retry(&self, class: &str) {
+        self.inner.model.retry(class);
     }
 
     fn flow_admission(&self, model: &str, outcome: &str) {
-        self.inner
-            .flow_admissions
-            .get_or_create(&ModelOutcomeLabels {
-                model: model.to_string(),
-                outcome: outcome.to_string(),
-            })
-            .inc();
+        self.inner.flow.admission(model, outcome);
     }
 
     fn flow_pause(&self, model: &str, kind: &str) {
-        self.inner
-            .flow_pauses
-            .get_or_create(&FlowPauseLabels {
-                model: model.to_string(),
-                kind: kind.to_string(),
-            })
-            .inc();
+        self.inner.flow.pause(model, kind);
     }
 
     fn flow_limit(&self, model: &str, limit: &str, fleet: f64, slice: f64) {
-        let l = FlowLimitLabels {
-            model: model.to_string(),
-            limit: limit.to_string(),
-        };
-        self.inner.flow_limit.get_or_create(&l).set(fleet);
-        self.inner.flow_slice.get_or_create(&l).set(slice);
+        self.inner.flow.limit(model, limit, fleet, slice);
+    }
+
+    fn tool_call(&self, tool: &str, outcome: ToolOutcome) {
+        self.inner.tools.call(tool, outcome);
+    }
+
+    fn effect(&self, tool: &str, outcome: EffectOutcome) {
+        self.inner.tools.effect(tool, outcome);
     }
 
     fn tenant_running(&self, tenant: &str, delta: i64) {
@@ -453,35 +432,6 @@ impl Observer for Metrics {
                 tenant: tenant.to_string(),
             })
             .set(n as i64);
-    }
-
-    fn model_retry(&self, class: &str) {
-        self.inner
-            .model_retries
-            .get_or_create(&ClassLabel {
-                class: class.to_string(),
-            })
-            .inc();
-    }
-
-    fn tool_call(&self, tool: &str, outcome: ToolOutcome) {
-        self.inner
-            .tool_calls
-            .get_or_create(&ToolOutcomeLabels {
-                tool: tool.to_string(),
-                outcome: outcome.as_str().to_string(),
-            })
-            .inc();
-    }
-
-    fn effect(&self, tool: &str, outcome: EffectOutcome) {
-        self.inner
-            .effects
-            .get_or_create(&ToolOutcomeLabels {
-                tool: tool.to_string(),
-                outcome: outcome.as_str().to_string(),
-            })
-            .inc();
     }
 
     fn checkpoint_flush(&self, elapsed: Duration, events: usize) {
@@ -540,5 +490,190 @@ impl Collector for SessionLag {
             lag.metric_type(),
         )?;
         lag.encode(metric)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The worker's series, and those its crates register on its registry,
+    //! as a scrape shows them.
+    use super::*;
+
+    /// The value of the sample line that starts with `prefix` (name and labels).
+    fn sample(text: &str, prefix: &str) -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[test]
+    fn worker_counters_histograms_and_gauges() {
+        let m = Metrics::new();
+        m.claimed("echo");
+        m.claimed("echo");
+        m.reclaimed("echo");
+        m.rejected("research");
+        let t = m.attempt_started("echo");
+        let running = m.encode();
+        assert_eq!(
+            sample(&running, "leasehold_jobs_in_flight{kind=\"echo\"}"),
+            Some(1.0)
+        );
+        t.finish(AttemptOutcome::Completed);
+        m.attempt_finished("echo", AttemptOutcome::Retried, Duration::from_millis(70));
+        drop(m.attempt_started("sleep")); // a panicked task: gauge back, nothing else
+        let text = m.encode();
+        assert_eq!(
+            sample(&text, "leasehold_jobs_claimed_total{kind=\"echo\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            sample(&text, "leasehold_jobs_reclaimed_total{kind=\"echo\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "leasehold_jobs_rejected_total{kind=\"research\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "leasehold_jobs_completed_total{kind=\"echo\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "leasehold_jobs_retried_total{kind=\"echo\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "leasehold_jobs_in_flight{kind=\"echo\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "leasehold_jobs_in_flight{kind=\"sleep\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "leasehold_attempt_duration_seconds_count{kind=\"echo\",outcome=\"retried\"}"
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "leasehold_attempt_duration_seconds_bucket{le=\"0.1\",kind=\"echo\",outcome=\"retried\"}"
+            ),
+            Some(1.0),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE leasehold_attempt_duration_seconds histogram"));
+        assert!(text.contains("leasehold_build_info{service=\"leasehold-worker\""));
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn session_lag_appears_after_the_first_renewal() {
+        let m = Metrics::new();
+        assert!(!m.encode().contains("leasehold_session_renewal_lag"));
+        m.session_renewal(Renewal::Failed);
+        assert!(!m.encode().contains("leasehold_session_renewal_lag"));
+        m.session_renewal(Renewal::Ok);
+        std::thread::sleep(Duration::from_millis(20));
+        let text = m.encode();
+        let lag = sample(&text, "leasehold_session_renewal_lag_seconds").expect("lag");
+        assert!((0.02..5.0).contains(&lag), "{lag}");
+        assert!(text.contains("# TYPE leasehold_session_renewal_lag_seconds gauge"));
+        assert_eq!(
+            sample(
+                &text,
+                "leasehold_session_renewals_total{outcome=\"failed\"}"
+            ),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn observer_events_land_in_the_worker_families() {
+        let m = Metrics::new();
+        let o: &dyn Observer = &m;
+        o.model_request(&ModelRequest {
+            model: "sim-1",
+            outcome: "ok",
+            input_tokens: 120,
+            output_tokens: 30,
+            elapsed: Duration::from_millis(400),
+        });
+        o.model_request(&ModelRequest {
+            model: "sim-1",
+            outcome: "rate_limited",
+            input_tokens: 0,
+            output_tokens: 0,
+            elapsed: Duration::from_millis(5),
+        });
+        o.model_retry("rate_limited");
+        o.tool_call("search", ToolOutcome::Ok);
+        o.tool_call("fetch", ToolOutcome::Refused);
+        o.effect("publish", EffectOutcome::Replayed);
+        o.checkpoint_flush(Duration::from_millis(3), 4);
+        o.flow_admission("sim-1", "admitted");
+        o.flow_admission("sim-1", "admitted");
+        o.flow_admission("sim-1", "waited");
+        o.flow_pause("sim-1", "cooldown");
+        o.flow_limit("sim-1", "rpm", 600.0, 150.0);
+        let text = m.encode();
+        for (prefix, v) in [
+            (
+                "leasehold_model_requests_total{model=\"sim-1\",outcome=\"ok\"}",
+                1.0,
+            ),
+            (
+                "leasehold_model_requests_total{model=\"sim-1\",outcome=\"rate_limited\"}",
+                1.0,
+            ),
+            (
+                "leasehold_model_tokens_total{model=\"sim-1\",direction=\"input\"}",
+                120.0,
+            ),
+            (
+                "leasehold_model_tokens_total{model=\"sim-1\",direction=\"output\"}",
+                30.0,
+            ),
+            ("leasehold_model_retries_total{class=\"rate_limited\"}", 1.0),
+            (
+                "leasehold_model_request_duration_seconds_count{model=\"sim-1\"}",
+                2.0,
+            ),
+            (
+                "leasehold_tool_calls_total{tool=\"search\",outcome=\"ok\"}",
+                1.0,
+            ),
+            (
+                "leasehold_tool_calls_total{tool=\"fetch\",outcome=\"refused\"}",
+                1.0,
+            ),
+            (
+                "leasehold_effects_total{tool=\"publish\",outcome=\"replayed\"}",
+                1.0,
+            ),
+            ("leasehold_checkpoint_flush_duration_seconds_count", 1.0),
+            ("leasehold_checkpoint_events_total", 4.0),
+            (
+                "leasehold_flow_requests_total{model=\"sim-1\",outcome=\"admitted\"}",
+                2.0,
+            ),
+            (
+                "leasehold_flow_requests_total{model=\"sim-1\",outcome=\"waited\"}",
+                1.0,
+            ),
+            (
+                "leasehold_flow_pauses_total{model=\"sim-1\",kind=\"cooldown\"}",
+                1.0,
+            ),
+            ("leasehold_flow_limit{model=\"sim-1\",limit=\"rpm\"}", 600.0),
+            ("leasehold_flow_slice{model=\"sim-1\",limit=\"rpm\"}", 150.0),
+        ] {
+            assert_eq!(sample(&text, prefix), Some(v), "{prefix}\n{text}");
+        }
     }
 }

@@ -1,19 +1,36 @@
-//! A reaper replica's metrics ([`ReaperMetrics`]): its sweeps and recoveries,
-//! and the fleet-wide view each sweep saw ([`FleetSnapshot`]).
+//! A reaper replica's Prometheus metrics ([`ReaperMetrics`]): its counters,
+//! read at each scrape from the one [`Stats`] the replica counts in (the
+//! same atomics its JSON snapshot reads), its sweeps' durations, and the
+//! fleet-wide view each sweep saw ([`FleetSnapshot`]).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::metrics::counter::Counter;
+use leasehold_telemetry::metrics::{build_info, encode};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::{build_info, encode, sweep_buckets, ClassLabel, KindLabel};
+use super::Stats;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+/// 1 ms to 5 min: one reaper sweep over the active index.
+fn sweep_buckets() -> Histogram {
+    Histogram::new([
+        0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0,
+    ])
+}
 
 /// What one sweep saw across the whole fleet (every replica sees the same
 /// records, so every replica exports the same values within one interval).
@@ -50,12 +67,8 @@ pub struct ReaperMetrics {
 #[derive(Debug)]
 struct ReaperInner {
     registry: Arc<Registry>,
-    sweeps: Counter,
-    sweep_failures: Counter,
+    stats: Arc<Stats>,
     sweep_duration: Histogram,
-    recoveries: Counter,
-    dead_lettered: Family<ClassLabel, Counter>,
-    advisories: Counter,
     jobs: Gauge,
     queue_depth: Gauge,
     queue_bytes: Gauge,
@@ -79,42 +92,14 @@ impl ReaperMetrics {
             Cow::Owned(replica.to_string()),
         )));
         build_info(&mut r, "leasehold-reaper");
-        let sweeps = Counter::default();
-        r.register(
-            "leasehold_reaper_sweeps",
-            "Sweeps this replica completed",
-            sweeps.clone(),
-        );
-        let sweep_failures = Counter::default();
-        r.register(
-            "leasehold_reaper_sweep_failures",
-            "Sweeps this replica could not complete",
-            sweep_failures.clone(),
-        );
+        let stats = Arc::new(Stats::default());
+        r.register_collector(Box::new(Counted(stats.clone())));
         let sweep_duration = sweep_buckets();
         r.register_with_unit(
             "leasehold_reaper_sweep_duration",
             "Duration of this replica's sweeps",
             Unit::Seconds,
             sweep_duration.clone(),
-        );
-        let recoveries = Counter::default();
-        r.register(
-            "leasehold_reaper_recoveries",
-            "Stranded jobs this replica re-offered (a new ticket)",
-            recoveries.clone(),
-        );
-        let dead_lettered = Family::<ClassLabel, Counter>::default();
-        r.register(
-            "leasehold_reaper_dead_lettered",
-            "Jobs this replica dead-lettered, by class (poison, max_deliveries)",
-            dead_lettered.clone(),
-        );
-        let advisories = Counter::default();
-        r.register(
-            "leasehold_reaper_advisories",
-            "Max-deliveries advisories this replica processed",
-            advisories.clone(),
         );
         let jobs = Gauge::default();
         r.register(
@@ -182,12 +167,8 @@ impl ReaperMetrics {
         ReaperMetrics {
             inner: Arc::new(ReaperInner {
                 registry: Arc::new(r),
-                sweeps,
-                sweep_failures,
+                stats,
                 sweep_duration,
-                recoveries,
-                dead_lettered,
-                advisories,
                 jobs,
                 queue_depth,
                 queue_bytes,
@@ -210,34 +191,15 @@ impl ReaperMetrics {
         encode(&self.inner.registry)
     }
 
-    /// A sweep completed in `elapsed`.
+    /// The replica's counters: what it counts in is what a scrape and its
+    /// JSON snapshot read.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.inner.stats.clone()
+    }
+
+    /// A sweep (counted in [`Stats::sweeps`] by the sweep) took `elapsed`.
     pub fn sweep_finished(&self, elapsed: Duration) {
-        self.inner.sweeps.inc();
         self.inner.sweep_duration.observe(elapsed.as_secs_f64());
-    }
-
-    pub fn sweep_failed(&self) {
-        self.inner.sweep_failures.inc();
-    }
-
-    /// `n` stranded jobs re-offered by this replica.
-    pub fn recovered(&self, n: u64) {
-        self.inner.recoveries.inc_by(n);
-    }
-
-    /// `n` jobs dead-lettered by this replica with `class`.
-    pub fn dead_lettered(&self, class: &str, n: u64) {
-        self.inner
-            .dead_lettered
-            .get_or_create(&ClassLabel {
-                class: class.to_string(),
-            })
-            .inc_by(n);
-    }
-
-    /// `n` max-deliveries advisories processed and acked.
-    pub fn advisories(&self, n: u64) {
-        self.inner.advisories.inc_by(n);
     }
 
     /// Sets the fleet gauges from one sweep.
@@ -265,5 +227,143 @@ impl ReaperMetrics {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
         i.last_sweep.set(now.as_secs_f64());
+    }
+}
+
+/// The counters of [`Stats`], encoded at each scrape.
+#[derive(Debug)]
+struct Counted(Arc<Stats>);
+
+impl Collector for Counted {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.0;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        for (name, help, value) in [
+            (
+                "leasehold_reaper_sweeps",
+                "Sweeps this replica completed",
+                load(&s.sweeps),
+            ),
+            (
+                "leasehold_reaper_sweep_failures",
+                "Sweeps this replica could not complete",
+                load(&s.sweep_failures),
+            ),
+            (
+                "leasehold_reaper_recoveries",
+                "Stranded jobs this replica re-offered (a new ticket)",
+                load(&s.recoveries),
+            ),
+            (
+                "leasehold_reaper_advisories",
+                "Max-deliveries advisories this replica processed",
+                load(&s.advisories),
+            ),
+        ] {
+            let c = ConstCounter::new(value);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        let c = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "leasehold_reaper_dead_lettered",
+            "Jobs this replica dead-lettered, by class (poison, max_deliveries)",
+            None,
+            c.metric_type(),
+        )?;
+        for (class, n) in [
+            ("poison", load(&s.poison)),
+            ("max_deliveries", load(&s.max_deliveries)),
+        ] {
+            if n > 0 {
+                let labels = [("class", class)];
+                ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The reaper's series as a scrape shows them.
+    use super::*;
+
+    /// The value of the sample line that starts with `prefix` (name and labels).
+    fn sample(text: &str, prefix: &str) -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[test]
+    fn reaper_series_carry_the_replica_label() {
+        let m = ReaperMetrics::new("r-1");
+        // What the replica counts in its Stats is what a scrape reads.
+        let stats = m.stats();
+        stats.sweeps.fetch_add(1, Ordering::Relaxed);
+        m.sweep_finished(Duration::from_millis(12));
+        stats.recoveries.fetch_add(2, Ordering::Relaxed);
+        stats.poison.fetch_add(1, Ordering::Relaxed);
+        stats.advisories.fetch_add(3, Ordering::Relaxed);
+        let mut s = FleetSnapshot {
+            jobs: 10,
+            queued: Some(4),
+            queue_bytes: 2048,
+            queue_max_msgs: 1000,
+            queue_max_bytes: 1 << 20,
+            in_flight: 6,
+            parked: 1,
+            oldest_in_flight_age: Some(Duration::from_secs(90)),
+            dead_letters: BTreeMap::from([("research".into(), 2), ("echo".into(), 1)]),
+        };
+        m.fleet(&s);
+        let text = m.encode();
+        for (prefix, v) in [
+            ("leasehold_reaper_sweeps_total{replica=\"r-1\"}", 1.0),
+            (
+                "leasehold_reaper_sweep_duration_seconds_count{replica=\"r-1\"}",
+                1.0,
+            ),
+            ("leasehold_reaper_recoveries_total{replica=\"r-1\"}", 2.0),
+            (
+                "leasehold_reaper_dead_lettered_total{replica=\"r-1\",class=\"poison\"}",
+                1.0,
+            ),
+            ("leasehold_reaper_advisories_total{replica=\"r-1\"}", 3.0),
+            ("leasehold_fleet_jobs{replica=\"r-1\"}", 10.0),
+            ("leasehold_fleet_queue_depth{replica=\"r-1\"}", 4.0),
+            ("leasehold_fleet_queue_bytes{replica=\"r-1\"}", 2048.0),
+            (
+                "leasehold_fleet_queue_limit_messages{replica=\"r-1\"}",
+                1000.0,
+            ),
+            (
+                "leasehold_fleet_queue_limit_bytes{replica=\"r-1\"}",
+                1048576.0,
+            ),
+            ("leasehold_fleet_jobs_in_flight{replica=\"r-1\"}", 6.0),
+            ("leasehold_fleet_jobs_parked{replica=\"r-1\"}", 1.0),
+            (
+                "leasehold_fleet_oldest_in_flight_age_seconds{replica=\"r-1\"}",
+                90.0,
+            ),
+            (
+                "leasehold_fleet_dead_letters{replica=\"r-1\",kind=\"echo\"}",
+                1.0,
+            ),
+        ] {
+            assert_eq!(sample(&text, prefix), Some(v), "{prefix}\n{text}");
+        }
+        // A purged kind goes away; an unknown queue depth is left alone.
+        s.dead_letters.remove("echo");
+        s.queued = None;
+        m.fleet(&s);
+        let text = m.encode();
+        assert!(!text.contains("kind=\"echo\""), "{text}");
+        assert_eq!(
+            sample(&text, "leasehold_fleet_queue_depth{replica=\"r-1\"}"),
+            Some(4.0)
+        );
     }
 }

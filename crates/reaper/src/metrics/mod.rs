@@ -1,13 +1,21 @@
 //! The reaper's exported metrics: one snapshot per sweep, logged, kept on the
 //! [`crate::Handle`], and served as JSON on `<prefix>.reaper.metrics`
-//! (`nats req lh.reaper.metrics ''`). Fleet figures come from the index of
-//! active jobs and the streams' own counts, never from reading every record.
+//! (`nats req lh.reaper.metrics ''`), and the same counters ([`Stats`])
+//! scraped as Prometheus series ([`ReaperMetrics`], `prometheus.rs`). Fleet
+//! figures come from the index of active jobs and the streams' own counts,
+//! never from reading every record.
+
+mod prometheus;
+
+pub use prometheus::{FleetSnapshot, ReaperMetrics};
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use leasehold_core::time::rfc3339;
 use leasehold_store::index::{Entry, Key};
+use leasehold_store::recovery::Action;
 use serde::{Deserialize, Serialize};
 
 use crate::decide::since;
@@ -126,6 +134,56 @@ pub struct Queue {
     pub bytes: u64,
     pub max_msgs: u64,
     pub max_bytes: u64,
+}
+
+/// Counters of one reaper process: what its JSON snapshot, its Prometheus
+/// scrape ([`ReaperMetrics`]), its logs and tests read. Counted once, here.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub sweeps: AtomicU64,
+    /// Sweeps this replica could not complete.
+    pub sweep_failures: AtomicU64,
+    /// Jobs this replica dead-lettered as poison.
+    pub poison: AtomicU64,
+    /// Jobs this replica turned `dead` after max deliveries (its CAS won).
+    pub max_deliveries: AtomicU64,
+    /// Jobs this replica re-offered (its write won).
+    pub recoveries: AtomicU64,
+    /// Advisories processed and acked.
+    pub advisories: AtomicU64,
+    /// Sessions this replica ended after "no responders".
+    pub sessions_ended_fast: AtomicU64,
+    /// Index entries whose record disagreed, repaired.
+    pub index_repairs: AtomicU64,
+    /// Waiting jobs whose ticket was lost or stuck, given a fresh one.
+    pub tickets_replaced: AtomicU64,
+    /// Finished jobs removed after their retention.
+    pub forgotten: AtomicU64,
+}
+
+impl Stats {
+    pub(crate) fn counters(&self) -> Counters {
+        Counters {
+            sweeps: self.sweeps.load(Ordering::Relaxed),
+            recoveries: self.recoveries.load(Ordering::Relaxed),
+            poison: self.poison.load(Ordering::Relaxed),
+            max_deliveries: self.max_deliveries.load(Ordering::Relaxed),
+            sessions_ended_fast: self.sessions_ended_fast.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts a recovery action.
+    pub(crate) fn count(&self, a: &Action) {
+        match a {
+            Action::Reoffered { .. } | Action::Cancelled => {
+                self.recoveries.fetch_add(1, Ordering::Relaxed);
+            }
+            Action::Poisoned => {
+                self.poison.fetch_add(1, Ordering::Relaxed);
+            }
+            Action::Nothing(_) | Action::Unsure(_) => {}
+        }
+    }
 }
 
 /// This replica's counters at one moment.
