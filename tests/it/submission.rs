@@ -627,39 +627,3 @@ async fn an_unknown_kind_on_a_lane_subject_is_rejected_and_its_bytes_kept() {
     stop.cancel();
     w.wait().await.unwrap();
 }
-
-/// A ticket leasehold re-issued (here a retry's) names a job it has
-/// recorded: its claim reads that record first and never tries a create
-/// bound to fail. Counted at the worker's connection: a job that fails
-/// once and then completes writes its record exactly twice more than a
-/// job that completes at once (the retry's requeue and the second claim).
-#[tokio::test]
-async fn a_retrys_ticket_is_claimed_from_its_record_without_a_create_bound_to_fail() {
-    use leasehold_harness::proxy::FaultProxy;
-    let env = Env::new().await;
-    let proxy = FaultProxy::start(&env.url()).await;
-    let w = env.worker_proc(&[], &[("NATS_URL", proxy.url())]);
-    crate::support::wait_log(&w, "worker starting", Duration::from_secs(10)).await;
-    let writes = |id: &str| proxy.published(&format!("$KV.{}.{id}", env.conn.layout.jobs_bucket()));
-    let once =
-        json!({"input": {"class": "retryable", "times": 1}, "retry": {"base_ms": 1, "cap_ms": 1}});
-    env.submit("fail", once, "retried").await;
-    env.submit(
-        "fail",
-        json!({"input": {"class": "retryable", "times": 0}}),
-        "at-once",
-    )
-    .await;
-    let r = env
-        .wait_status("retried", "completed", Duration::from_secs(20))
-        .await;
-    assert_eq!(r.epoch, 2, "claimed twice: {r:?}");
-    env.wait_status("at-once", "completed", Duration::from_secs(20))
-        .await;
-    let (retried, at_once) = (writes("retried"), writes("at-once"));
-    assert_eq!(
-        retried,
-        at_once + 2,
-        "record writes: {retried} for the retried job, {at_once} for the one that completed at once"
-    );
-}

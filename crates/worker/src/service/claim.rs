@@ -239,14 +239,7 @@ struct Delivery {
     seq: u64,
     /// Its delivery count (1 the first time).
     deliveries: u64,
-    /// Judged against this worker's kinds and limits (a ticket re-issued
-    /// for a recorded job too: a stricter worker refuses it, and its job
-    /// parks; see `refuse.rs`).
     accepted: spec::Accepted,
-    /// Published by leasehold for a job it has recorded (a retry, a
-    /// re-offer, a resume, a replay: `Lh-Job-Id`), so the claim reads that
-    /// record first instead of trying a create bound to fail.
-    reissued: bool,
 }
 
 /// The ticket was settled (acked, NAKed or dead-lettered): nothing is left
@@ -314,10 +307,6 @@ async fn accept(shared: Arc<Shared>, msg: jetstream::Message) -> Option<Delivery
             return None;
         }
     };
-    let reissued = msg
-        .headers
-        .as_ref()
-        .is_some_and(|h| h.get(work::JOB_ID_HEADER).is_some());
     let mut slot = Some(msg);
     if attach(&shared, &accepted.id, seq, &mut slot) {
         return None;
@@ -329,15 +318,13 @@ async fn accept(shared: Arc<Shared>, msg: jetstream::Message) -> Option<Delivery
         seq,
         deliveries,
         accepted,
-        reissued,
     })
 }
 
 impl Delivery {
-    /// The claim loop: read the record (not in the first round of a
-    /// submission: most are new jobs, so the create is tried first), decide,
-    /// write at the revision read; a conflict or an unanswered write reads
-    /// again.
+    /// The claim loop: read the record (not in the first round: most
+    /// tickets are new jobs, so the create is tried first), decide, write
+    /// at the revision read; a conflict or an unanswered write reads again.
     async fn claim(self, permit: OwnedSemaphorePermit, claiming: Claiming) {
         // The token of our own claim, kept across rounds: a claim whose reply
         // was lost is recognised on the next read as ours.
@@ -351,7 +338,7 @@ impl Delivery {
             if unsure > 0 {
                 tokio::time::sleep(Duration::from_millis(200) * unsure.min(10)).await;
             }
-            let current = if round == 0 && !self.reissued {
+            let current = if round == 0 {
                 None
             } else {
                 match self.read().await {
