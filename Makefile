@@ -129,9 +129,10 @@ soak: setup build
 ## soak-ci: the short soak `make test` runs, about six minutes: one server
 ## with every fault kind, then the cluster with its own (node kills of
 ## stream leaders and followers, step-downs) and a partition, then the busy
-## profile on one server (every slot busy with long jobs, poison jobs, worker
-## kills; its last long jobs start near the end and poison jobs still
-## kill workers, restarting them, so it may need up to 240 s to settle),
+## profile on one server (every slot busy with long jobs, here 8-20 s long
+## where `make soak` runs 20-60 s ones, poison jobs, worker kills; its last
+## long jobs start near the end and poison jobs still kill workers,
+## restarting them, so it may need up to 240 s to settle),
 ## then the operators profile on one server (reviews resumed and cancelled,
 ## dead letters replayed, a kind added live and pruned, ids reused after a
 ## short retention, all during the default's faults; and the doors: the Rust
@@ -152,7 +153,7 @@ soak-ci: build python-sdk
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \
 		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile busy --seed $$(( $(SOAK_CI_SEED) + 2 )) --seconds 60 \
-		--quiesce-timeout 240s --out $(SOAK_OUT) || rc=$$?; \
+		--long-jobs 8s-20s --quiesce-timeout 240s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile operators --seed $$(( $(SOAK_CI_SEED) + 3 )) --seconds 60 \
 		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	{ set +x; } 2>/dev/null; \

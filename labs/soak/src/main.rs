@@ -66,7 +66,7 @@ use crate::profile::{Knobs, Profile};
         Profiles (--profile) put the fleet where users put it; each sets the defaults of the options \
         below (an option given on the command line wins):\n\
         - default: the above, exactly as before profiles (a seed replays the same plan).\n\
-        - busy: long sleep jobs (20-60 s) sized to the fleet's slots (workers x concurrency, 10% more \
+        - busy: long sleep jobs (20-60 s, or --long-jobs) sized to the fleet's slots (workers x concurrency, 10% more \
         lanes than slots) to keep slot use above 90% (measured and reported), worker 1 with 2 slots for \
         6 kinds (--concurrency 2,4), a few poison jobs (kind crash, which aborts its worker; the soak \
         starts a crashed worker again at once under its identity), the mix at 0.25/s, and the default's \
@@ -174,6 +174,12 @@ struct Args {
     /// run, at most 8]; 0 runs the busy fleet without them.
     #[arg(long)]
     poison_jobs: Option<usize>,
+    /// Profiles with long jobs (busy, nats-restart, rolling): their length,
+    /// uniform in MIN-MAX (`8s-20s`) [default: 20s-60s]. The last of them
+    /// end at most half of MAX after the run (30 s by default), so shorter
+    /// jobs settle sooner (`make soak-ci` runs the busy fleet with 8s-20s).
+    #[arg(long, value_parser = parse_range, value_name = "MIN-MAX")]
+    long_jobs: Option<(Duration, Duration)>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -209,6 +215,13 @@ impl Args {
             "--poison-jobs: only the busy profile plans poison jobs"
         );
         k.poison_jobs = self.poison_jobs.or(k.poison_jobs);
+        if let Some((min, max)) = self.long_jobs {
+            let Some(long) = k.long.as_mut() else {
+                anyhow::bail!("--long-jobs: only busy, nats-restart and rolling plan long jobs");
+            };
+            long.ms = (min.as_millis() as u64, max.as_millis() as u64);
+            long.tail_ms = long.ms.1 / 2;
+        }
         Ok(k)
     }
 
@@ -226,8 +239,28 @@ impl Args {
             (None, Some(x)) => s.push_str(&format!(" --seconds {x}")),
             _ => {}
         }
+        if let Some((min, max)) = self.long_jobs {
+            s.push_str(&format!(
+                " --long-jobs {}-{}",
+                leasehold_core::time::format_duration(min),
+                leasehold_core::time::format_duration(max)
+            ));
+        }
         s
     }
+}
+
+/// `8s-20s`: two durations, the first not above the second, the first at
+/// least a second.
+fn parse_range(s: &str) -> Result<(Duration, Duration), String> {
+    let (a, b) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s:?}: write MIN-MAX, like 8s-20s"))?;
+    let (min, max) = (parse_duration(a)?, parse_duration(b)?);
+    if min < Duration::from_secs(1) || min > max {
+        return Err(format!("{s:?}: MIN must be at least 1s and not above MAX"));
+    }
+    Ok((min, max))
 }
 
 fn say(s: impl AsRef<str>) {
@@ -1261,6 +1294,41 @@ mod tests {
             assert_eq!(doc(7, run, &k, &[]), doc(7, run, &k, &[]), "{p}");
             assert_ne!(doc(7, run, &k, &[]), doc(8, run, &k, &[]), "{p}");
         }
+    }
+
+    #[test]
+    fn long_jobs_can_be_shortened_and_still_fill_every_slot() {
+        let k = knobs(&["--profile", "busy", "--long-jobs", "8s-20s"]);
+        let run = Duration::from_secs(60);
+        let plan = plan::plan_jobs(20260503, run, &k);
+        let long: Vec<(u64, u64)> = plan
+            .iter()
+            .filter(|j| long_job(&j.id))
+            .map(|j| (j.at_ms, j.spec["input"]["ms"].as_u64().unwrap()))
+            .collect();
+        let end = run.as_millis() as u64;
+        for &(at, ms) in &long {
+            assert!((8_000..=20_000).contains(&ms), "{ms}");
+            assert!(
+                at + ms <= end + 10_000,
+                "{at} + {ms}: ends within half the longest"
+            );
+        }
+        for t in (2_000..end).step_by(1000) {
+            let n = long
+                .iter()
+                .filter(|(at, ms)| *at <= t && t < at + ms)
+                .count();
+            assert!(n >= k.slots(), "{n} long jobs at {t} ms");
+        }
+        for bad in ["20s-8s", "500ms-2s", "8s", "8-20"] {
+            assert!(parse_range(bad).is_err(), "{bad}");
+        }
+        let default = Args::try_parse_from(["soak", "--long-jobs", "8s-20s"]).unwrap();
+        assert!(
+            default.knobs().is_err(),
+            "the default profile plans no long jobs"
+        );
     }
 
     #[test]
