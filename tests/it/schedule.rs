@@ -131,6 +131,11 @@ async fn a_delayed_jobs_record_keeps_its_trace_whether_the_gateway_or_its_claim_
             .await;
         assert_eq!(rec.traceparent.as_deref(), Some(sent), "{id}: {rec:?}");
         assert_eq!(rec.next_run_at.as_deref(), Some(run_at.as_str()), "{id}");
+        // The entry follows the record's create.
+        env.wait_listed(id, "waiting", Duration::from_secs(10), |k| {
+            matches!(k, leasehold_store::index::Key::Wait { .. })
+        })
+        .await;
     }
     let (_, out, _) = cli(&url, &["list", "--status", "queued", "--json"]).await;
     for id in ["later-raw", "later-cli"] {

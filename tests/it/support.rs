@@ -169,21 +169,32 @@ impl Env {
 
     /// Waits until the index of active jobs lists `id` as running.
     pub async fn wait_indexed(&self, id: &str, timeout: Duration) {
+        use leasehold_store::index::Key;
+        self.wait_listed(id, "running", timeout, |k| matches!(k, Key::Run { .. }))
+            .await
+    }
+
+    /// Waits until the index of active jobs lists `id` under a key `pred`
+    /// accepts (`what` names it in the failure).
+    pub async fn wait_listed(
+        &self,
+        id: &str,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&leasehold_store::index::Key) -> bool,
+    ) {
         let active = leasehold_store::index::Active::open(&self.conn)
             .await
             .unwrap();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let keys = active.keys_of(id).await.unwrap();
-            if keys
-                .iter()
-                .any(|k| matches!(k, leasehold_store::index::Key::Run { .. }))
-            {
+            if keys.iter().any(&pred) {
                 return;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "job {id} never indexed as running"
+                "job {id} never indexed as {what}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
