@@ -498,14 +498,7 @@ mod tests {
     //! The worker's series, and those its crates register on its registry,
     //! as a scrape shows them.
     use super::*;
-
-    /// The value of the sample line that starts with `prefix` (name and labels).
-    fn sample(text: &str, prefix: &str) -> Option<f64> {
-        text.lines()
-            .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-    }
+    use leasehold_telemetry::metrics::value_of as sample;
 
     #[test]
     fn worker_counters_histograms_and_gauges() {

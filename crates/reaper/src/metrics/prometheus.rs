@@ -287,14 +287,7 @@ impl Collector for Counted {
 mod tests {
     //! The reaper's series as a scrape shows them.
     use super::*;
-
-    /// The value of the sample line that starts with `prefix` (name and labels).
-    fn sample(text: &str, prefix: &str) -> Option<f64> {
-        text.lines()
-            .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-    }
+    use leasehold_telemetry::metrics::value_of as sample;
 
     #[test]
     fn reaper_series_carry_the_replica_label() {

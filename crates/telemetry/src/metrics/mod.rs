@@ -36,3 +36,26 @@ pub fn build_info(registry: &mut Registry, service: &str) {
         ]),
     );
 }
+
+/// The value of `series` (its name and labels, as the exposition writes
+/// them: `leasehold_jobs_claimed_total{kind="echo"}`) in an exposition
+/// from [`encode`]; `None` when no such sample is there. What a scrape
+/// reader does, for tests of the crates that register families.
+///
+/// ```
+/// use leasehold_telemetry::metrics::value_of;
+/// let text = "leasehold_x_total{kind=\"echo\"} 3\nleasehold_x_total{kind=\"echo2\"} 5\n";
+/// assert_eq!(value_of(text, r#"leasehold_x_total{kind="echo"}"#), Some(3.0));
+/// assert_eq!(value_of(text, r#"leasehold_x_total{kind="echo2"}"#), Some(5.0));
+/// assert_eq!(value_of(text, "leasehold_x_total"), None, "a whole series, not a prefix");
+/// ```
+pub fn value_of(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find(|l| {
+            l.strip_prefix(series)
+                .is_some_and(|rest| rest.starts_with(' '))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
