@@ -1296,31 +1296,42 @@ mod tests {
         }
     }
 
-    #[test]
-    fn long_jobs_can_be_shortened_and_still_fill_every_slot() {
-        let k = knobs(&["--profile", "busy", "--long-jobs", "8s-20s"]);
-        let run = Duration::from_secs(60);
-        let plan = plan::plan_jobs(20260503, run, &k);
+    /// Checks a plan's long jobs: each is `ms` long and ends at most
+    /// `tail_ms` after the run, and at every second of the run at least as
+    /// many are planned to be in flight as the fleet has slots.
+    fn long_jobs_fill_every_slot(
+        plan: &[plan::JobPlan],
+        run: Duration,
+        k: &Knobs,
+        ms: std::ops::RangeInclusive<u64>,
+        tail_ms: u64,
+    ) {
         let long: Vec<(u64, u64)> = plan
             .iter()
             .filter(|j| long_job(&j.id))
             .map(|j| (j.at_ms, j.spec["input"]["ms"].as_u64().unwrap()))
             .collect();
         let end = run.as_millis() as u64;
-        for &(at, ms) in &long {
-            assert!((8_000..=20_000).contains(&ms), "{ms}");
-            assert!(
-                at + ms <= end + 10_000,
-                "{at} + {ms}: ends within half the longest"
-            );
+        for &(at, len) in &long {
+            assert!(ms.contains(&len), "{len}");
+            assert!(at + len <= end + tail_ms, "{at} + {len}");
         }
         for t in (2_000..end).step_by(1000) {
             let n = long
                 .iter()
-                .filter(|(at, ms)| *at <= t && t < at + ms)
+                .filter(|(at, len)| *at <= t && t < at + len)
                 .count();
             assert!(n >= k.slots(), "{n} long jobs at {t} ms");
         }
+    }
+
+    #[test]
+    fn long_jobs_can_be_shortened_and_still_fill_every_slot() {
+        let k = knobs(&["--profile", "busy", "--long-jobs", "8s-20s"]);
+        let run = Duration::from_secs(60);
+        let plan = plan::plan_jobs(20260503, run, &k);
+        // The last end within half of the longest.
+        long_jobs_fill_every_slot(&plan, run, &k, 8_000..=20_000, 10_000);
         for bad in ["20s-8s", "500ms-2s", "8s", "8-20"] {
             assert!(parse_range(bad).is_err(), "{bad}");
         }
@@ -1337,26 +1348,8 @@ mod tests {
         let run = Duration::from_secs(70);
         let plan = plan::plan_jobs(20260503, run, &k);
         assert!(plan.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
-        let long: Vec<(u64, u64)> = plan
-            .iter()
-            .filter(|j| long_job(&j.id))
-            .map(|j| (j.at_ms, j.spec["input"]["ms"].as_u64().unwrap()))
-            .collect();
-        let end = run.as_millis() as u64;
-        for &(at, ms) in &long {
-            assert!((20_000..=60_000).contains(&ms), "{ms}");
-            assert!(at + ms <= end + 30_000, "{at} + {ms}");
-        }
-        // At every second of the run, at least as many long jobs are
-        // planned to be in flight as the fleet has slots (14).
         assert_eq!(k.slots(), 14);
-        for t in (2_000..end).step_by(1000) {
-            let n = long
-                .iter()
-                .filter(|(at, ms)| *at <= t && t < at + ms)
-                .count();
-            assert!(n >= k.slots(), "{n} long jobs at {t} ms");
-        }
+        long_jobs_fill_every_slot(&plan, run, &k, 20_000..=60_000, 30_000);
         let poison: Vec<_> = plan.iter().filter(|j| j.kind == "crash").collect();
         assert_eq!(poison.len(), 2);
         assert!(poison
