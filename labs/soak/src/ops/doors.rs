@@ -709,9 +709,15 @@ impl Ops {
                         break;
                     }
                     answered.push(a);
-                    // The resumed job leaves `parked` before it can park again.
+                    // The resumed job leaves this park: it is claimed again
+                    // (a later epoch) before it can park at the next gate,
+                    // which may take less than one look at the record, so
+                    // a later park counts as leaving this one.
+                    let epoch = r.epoch;
                     let _ = self
-                        .wait_for(&id, |r| r.is_some_and(|r| r.status != "parked"))
+                        .wait_for(&id, |r| {
+                            r.is_some_and(|r| r.status != "parked" || r.epoch > epoch)
+                        })
                         .await;
                 }
                 Ok(Some(r)) if r.status == "completed" => break,
