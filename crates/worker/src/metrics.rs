@@ -123,9 +123,9 @@ impl Renewal {
     }
 }
 
-/// A worker's metrics. Create one per process, serve
-/// [`Metrics::registry`] on `/metrics`, and install it as the process's
-/// [`Observer`] so the model and tool layers report into it.
+/// A worker's metrics. Create one per worker, serve [`Metrics::registry`]
+/// on `/metrics`, and hand it as the [`Observer`] to what reports on the
+/// worker's behalf (its flow, its jobs' toolboxes and flushers).
 #[derive(Clone, Debug)]
 pub struct Metrics {
     inner: Arc<WorkerInner>,
@@ -259,20 +259,16 @@ impl Default for Metrics {
 
 impl Metrics {
     /// A worker's metrics on a registry of their own, served by
-    /// [`Metrics::registry`].
+    /// [`Metrics::registry`]: the build info, the worker's families, and
+    /// the model's, flow control's and the tools', each registered by its
+    /// crate on that registry.
     pub fn new() -> Self {
         let mut r = Registry::default();
         build_info(&mut r, "leasehold-worker");
-        let mut m = Self::register(&mut r);
-        Arc::get_mut(&mut m.inner).expect("not shared yet").registry = Arc::new(r);
-        m
-    }
-
-    /// Registers the worker's families, and the model's, flow control's and
-    /// the tools' (each crate registers its own), on `r`.
-    pub fn register(r: &mut Registry) -> Self {
         let inner = WorkerInner {
-            registry: Arc::default(),
+            model: ModelMetrics::register(&mut r),
+            flow: FlowMetrics::register(&mut r),
+            tools: ToolMetrics::register(&mut r),
             claimed: Family::default(),
             reclaimed: Family::default(),
             rejected: Family::default(),
@@ -293,12 +289,14 @@ impl Metrics {
             tenant_tickets: Family::default(),
             flush_duration: flush_buckets(),
             flushed_events: Counter::default(),
-            model: ModelMetrics::register(r),
-            flow: FlowMetrics::register(r),
-            tools: ToolMetrics::register(r),
+            registry: Arc::default(),
         };
-        inner.register_jobs(r);
-        inner.register_layers(r);
+        inner.register_jobs(&mut r);
+        inner.register_layers(&mut r);
+        let inner = WorkerInner {
+            registry: Arc::new(r),
+            ..inner
+        };
         Metrics {
             inner: Arc::new(inner),
         }
