@@ -627,3 +627,31 @@ async fn an_unknown_kind_on_a_lane_subject_is_rejected_and_its_bytes_kept() {
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+/// A spec `leasehold submit` accepts but the fleet refuses (here: over the
+/// workers' `--max-submission-bytes`, under the command's own limit) is an
+/// error at once, exit 2 with the fleet's reason, not a silent success; the
+/// job is still recorded rejected and its bytes kept as a dead letter.
+#[tokio::test]
+async fn a_submission_the_fleet_refuses_fails_the_submit_command_with_its_reason() {
+    let env = Env::new().await;
+    let mut o = env.opts();
+    o.max_submission_bytes = 64;
+    let (_w, stop) = env.worker_with(o).await;
+    let big = json!({"input": {"text": "x".repeat(200)}}).to_string();
+    let (code, out, err) = crate::support::cli(
+        &env.url(),
+        &["submit", "echo", &big, "--id", "too-big-for-the-fleet"],
+    )
+    .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("the fleet refused job too-big-for-the-fleet") && err.contains("64"),
+        "the reason, with the fleet's limit: {err}"
+    );
+    let r = env
+        .wait_status("too-big-for-the-fleet", "rejected", Duration::from_secs(10))
+        .await;
+    assert!(r.error.is_some(), "{r:?}");
+    stop.cancel();
+}

@@ -251,7 +251,12 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         }
         eprintln!("duplicate: job {id} was already submitted; this is the same job");
     } else {
-        announce(&conn, &id, &a.kind, published.seq).await;
+        if let Some(refused) = announce(&conn, &id, &a.kind, published.seq).await {
+            eprintln!(
+                "error: the fleet refused job {id}: {refused}; the worker that takes its ticket records the job rejected and keeps its bytes as a dead letter (`leasehold dlq list`)"
+            );
+            return Ok(2);
+        }
     }
     if a.wait {
         // One JSON document on stdout (the record names the id), so the
@@ -277,19 +282,23 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
 }
 
 /// Asks a worker to create the queued record of the ticket at `seq`; what
-/// cannot be done now is done by the ticket's claim, so nothing here fails
-/// the submission.
-async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) {
+/// cannot be done now is done by the ticket's claim. Returns why the fleet
+/// refused the submission (a worker's judgement stricter than this
+/// command's own: a smaller `--max-submission-bytes`, a lane it refuses),
+/// the one answer that fails the submission.
+async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) -> Option<String> {
     let ask = conn
         .client
         .request(conn.layout.enqueued_subject(seq), "".into());
     match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
         Ok(Ok(m)) => {
             let answer: serde_json::Value = serde_json::from_slice(&m.payload).unwrap_or_default();
-            if let Enqueued::Error { error, .. } = Enqueued::of_answer(&answer) {
-                eprintln!(
+            match Enqueued::of_answer(&answer) {
+                Enqueued::Invalid { error, .. } => return Some(error),
+                Enqueued::Error { error, .. } => eprintln!(
                     "note: job {id} is queued; its record is not written yet ({error}): it appears when a worker claims the job"
-                );
+                ),
+                _ => {}
             }
         }
         Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
@@ -333,6 +342,7 @@ async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) {
             eprintln!("note: job {id} is queued; no worker confirmed its record within 5s: it appears when a worker claims the job");
         }
     }
+    None
 }
 
 #[cfg(test)]
