@@ -126,7 +126,7 @@ soak: setup build
 		$(if $(or $(SOAK_SINGLE),$(filter nats-restart,$(SOAK_PROFILE))),,--cluster) \
 		--minutes $(SOAK_MINUTES) $(if $(SOAK_SEED),--seed $(SOAK_SEED)) --out $(SOAK_OUT)
 
-## soak-ci: the short soak `make test` runs, about nine minutes: one server
+## soak-ci: the short soak `make test` runs, about six minutes: one server
 ## with every fault kind, then the cluster with its own (node kills of
 ## stream leaders and followers, step-downs) and a partition, then the busy
 ## profile on one server (every slot busy with long jobs, here 8-20 s long
