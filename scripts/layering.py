@@ -17,6 +17,10 @@ Rules (normal dependencies; dev- and build-dependencies are free):
      proto and time alone).
   6. The labs stand apart: sim, bench, soak and demo live under `labs/`, the
      product under `crates/` (the harness, test infrastructure, beside it).
+  7. The integration tests see the engine through the testkit: `tests/`
+     depends (normally or as dev-dependencies) on the public crates (the SDK
+     `leasehold`, the protocol `leasehold-proto`), the harness and the
+     testkit, and on no other crate of ours.
 
 `--self-test` breaks each rule in a copy of the graph and fails unless every
 break is reported, so a rule that cannot fire is noticed.
@@ -52,14 +56,15 @@ FLOORS = {
     "leasehold-bench": 6,
     "leasehold-soak": 6,
     "invoice-agent": 6,
-    "leasehold-tests": 8,
+    "leasehold-testkit": 8,
+    "leasehold-tests": 9,
 }
 PURE = {"leasehold-core", "leasehold-transcript", "leasehold-proto", "leasehold-time"}
 IO_CRATES = {"async-nats", "tokio", "tokio-util", "reqwest", "axum", "hyper"}
 EXAMPLES = {"invoice-agent"}
-LABS = {"leasehold-harness", "leasehold-sim", "leasehold-bench", "leasehold-soak", "leasehold-demo"}
+LABS = {"leasehold-harness", "leasehold-testkit", "leasehold-sim", "leasehold-bench", "leasehold-soak", "leasehold-demo"}
 # The labs that live under labs/ (the harness is the tests' infrastructure).
-LABS_DIR = LABS - {"leasehold-harness"}
+LABS_DIR = LABS - {"leasehold-harness", "leasehold-testkit"}
 LAB_USERS = LABS | {"leasehold-tests"}
 # Allowed by the floors, refused by the design.
 FORBIDDEN = {
@@ -67,6 +72,9 @@ FORBIDDEN = {
     ("leasehold-reaper", "leasehold-tools"): "the reaper purges the ledger's data through store (store::effects::purge_job)",
     ("leasehold-model", "leasehold-core"): "the model client does not know the job protocol; what they share (time, backoff) is leasehold-time",
 }
+# What `tests/` may depend on among our crates, dev-dependencies included.
+TESTS = "leasehold-tests"
+TESTS_SEE = {"leasehold", "leasehold-proto", "leasehold-harness", "leasehold-testkit"}
 # Crates whose project dependencies are exactly these (a superset is a break).
 ONLY = {
     "leasehold-core": {"leasehold-proto", "leasehold-time"},
@@ -74,8 +82,9 @@ ONLY = {
 
 
 def graph_from_cargo():
-    """The normal dependencies of each crate, and the folder it lives in
-    (relative to the workspace root)."""
+    """The normal dependencies of each crate, the dependencies of every kind
+    of `tests/`, and the folder each crate lives in (relative to the
+    workspace root)."""
     out = subprocess.run(
         ["cargo", "metadata", "--format-version", "1", "--no-deps"],
         check=True,
@@ -91,7 +100,20 @@ def graph_from_cargo():
     places = {
         p["name"]: p["manifest_path"].removeprefix(root).rsplit("/", 1)[0] for p in meta["packages"]
     }
-    return graph, places
+    tests = sorted(
+        {d["name"] for p in meta["packages"] if p["name"] == TESTS for d in p["dependencies"]}
+    )
+    return graph, tests, places
+
+
+def tests_reach(tests, ours):
+    """Rule 7: `tests/` reaches the engine through the testkit alone."""
+    return [
+        f"{TESTS} -> {d}: the tests see the engine through leasehold-testkit "
+        f"(they may depend on {', '.join(sorted(TESTS_SEE))})"
+        for d in tests
+        if d in ours and d not in TESTS_SEE
+    ]
 
 
 def misplaced(places):
@@ -130,7 +152,7 @@ def violations(graph):
     return found
 
 
-def self_test(graph, places):
+def self_test(graph, tests, places):
     breaks = {
         "upward": ("leasehold-core", "leasehold-store"),
         "sideways": ("leasehold-store", "leasehold-model"),
@@ -153,6 +175,9 @@ def self_test(graph, places):
     if not any("not placed" in v for v in violations(g)):
         print("layering self-test: an unplaced crate was not reported")
         failed = True
+    if not tests_reach(tests + ["leasehold-store"], set(graph)):
+        print(f"layering self-test: {TESTS} -> leasehold-store was not reported")
+        failed = True
     for name, where in [("leasehold-sim", "crates/sim"), ("leasehold-core", "labs/core")]:
         if not misplaced({**places, name: where}):
             print(f"layering self-test: {name} at {where} was not reported")
@@ -161,10 +186,10 @@ def self_test(graph, places):
 
 
 def main():
-    graph, places = graph_from_cargo()
-    if "--self-test" in sys.argv[1:] and self_test(graph, places):
+    graph, tests, places = graph_from_cargo()
+    if "--self-test" in sys.argv[1:] and self_test(graph, tests, places):
         return 1
-    found = violations(graph) + misplaced(places)
+    found = violations(graph) + misplaced(places) + tests_reach(tests, set(graph))
     for v in found:
         print(f"layering: {v}")
     if found:

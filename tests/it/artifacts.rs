@@ -1,10 +1,10 @@
 //! Artifacts are created if absent, never overwritten, and read back by the
 //! object store like any other object.
 
-use leasehold_store::artifacts::{Artifacts, NewArtifact, Written};
+use leasehold_testkit::doors::artifacts::{Artifacts, NewArtifact, Written};
 use tokio::io::AsyncReadExt;
 
-use crate::support::Env;
+use leasehold_testkit::Fleet;
 
 async fn read(a: &Artifacts, name: &str) -> Vec<u8> {
     let mut obj = a.store().get(name).await.unwrap();
@@ -15,7 +15,7 @@ async fn read(a: &Artifacts, name: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn an_artifact_is_created_once_and_the_second_writer_adopts_it() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let a = Artifacts::open(&env.conn).await.unwrap();
     // Several chunks (the object store's chunk is 128 KiB).
     let first: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();

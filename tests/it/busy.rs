@@ -5,28 +5,23 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use leasehold_core::JobSpec;
 use leasehold_harness::FaultProxy;
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::record::JobSpec;
+use leasehold_testkit::SetupOptions;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::{wait_log, Env, SESSION};
+use leasehold_testkit::{wait_log, Fleet, SESSION};
 
-async fn reaper(env: &Env, max_stale_reclaims: u32) -> CancellationToken {
-    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
-    o.stranded_grace = Duration::from_millis(500);
+async fn reaper(env: &Fleet, max_stale_reclaims: u32) -> CancellationToken {
+    let mut o = env.reaper_opts();
     o.max_stale_reclaims = max_stale_reclaims;
-    let stop = CancellationToken::new();
-    let _h = Reaper::new(o).start(stop.clone()).await.unwrap();
-    stop
+    env.reaper_with(o).await.1
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill9_on_a_busy_fleet_runs_its_jobs_again_at_once_wherever_a_slot_is_free() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let stop_reaper = reaper(&env, 3).await;
     // A is full with three 4 s jobs.
     let mut a = env.worker_proc(
@@ -94,7 +89,7 @@ async fn a_kill9_on_a_busy_fleet_runs_its_jobs_again_at_once_wherever_a_slot_is_
     }
     // The long jobs were never disturbed.
     for id in ["long-b", "long-c"] {
-        let r = env.jobs.get(id).await.unwrap().unwrap().value;
+        let r = env.record(id).await.unwrap();
         assert_eq!(
             (r.status.as_str(), r.epoch, r.stale_reclaims),
             ("running", 1, 0)
@@ -107,7 +102,7 @@ async fn a_kill9_on_a_busy_fleet_runs_its_jobs_again_at_once_wherever_a_slot_is_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_job_is_dead_within_its_bound_and_takes_no_healthy_job_with_it() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let max = 2;
     let stop_r1 = reaper(&env, max).await;
     let stop_r2 = reaper(&env, max).await;
@@ -152,7 +147,7 @@ async fn a_poison_job_is_dead_within_its_bound_and_takes_no_healthy_job_with_it(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_suspect_is_never_dead_lettered_for_its_deliveries() {
     // Three deliveries at most per ticket, so waiting spends them fast.
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         ack_wait: Duration::from_secs(1),
         max_deliver: 3,
         ..SetupOptions::default()
@@ -162,7 +157,7 @@ async fn a_waiting_suspect_is_never_dead_lettered_for_its_deliveries() {
     // Two suspects (each lost two workers before): one worker runs one
     // suspect at a time, so the second waits, its ticket NAKed each second.
     for (id, ms) in [("sus-1", 6000), ("sus-2", 10)] {
-        let mut rec = leasehold_core::machine::new_record(
+        let mut rec = leasehold_testkit::record::new_record(
             id,
             "sleep",
             JobSpec {
@@ -206,7 +201,7 @@ async fn a_waiting_suspect_is_never_dead_lettered_for_its_deliveries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_end_is_acked_only_when_every_job_of_it_was_recovered() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut a = env.worker_proc(&["--worker-id", "end-a"], &[]);
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
     env.submit("sleep", json!({"input": {"ms": 3000}}), "end-1")
@@ -222,7 +217,7 @@ async fn a_session_end_is_acked_only_when_every_job_of_it_was_recovered() {
     let ticket = format!("{}.submit.sleep", env.prefix);
     proxy.drop_matching(&ticket);
     let mut o = env.opts();
-    o.nats = leasehold_store::NatsArgs::local(proxy.url(), &env.prefix);
+    o.nats = leasehold_testkit::doors::layout::NatsArgs::local(proxy.url(), &env.prefix);
     let (b, stop) = env.worker_with(o).await;
     a.kill9();
     // The ended session's re-offer was tried (and its ticket dropped).

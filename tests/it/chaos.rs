@@ -6,21 +6,10 @@
 use std::time::Duration;
 
 use leasehold_harness::FaultProxy;
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::SetupOptions;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
-use crate::support::{wait_log, Env};
-
-async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken) {
-    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
-    o.stranded_grace = Duration::from_millis(500);
-    let stop = CancellationToken::new();
-    let h = Reaper::new(o).start(stop.clone()).await.unwrap();
-    (h, stop)
-}
+use leasehold_testkit::{wait_log, Fleet};
 
 /// Found by `leasehold-soak --seed 8 --cluster --seconds 60`: a `fail` job
 /// whose attempt failed while a node was being killed stayed `running` for
@@ -34,7 +23,7 @@ async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken
 /// default) would free it.
 #[tokio::test]
 async fn a_retry_whose_ticket_cannot_be_published_does_not_leave_the_job_running() {
-    let env = Env::with(SetupOptions::default()).await;
+    let env = Fleet::with(SetupOptions::default()).await;
     let proxy = FaultProxy::start(&env.url()).await;
     let a = env.worker_proc(&["--worker-id", "retry-a"], &[("NATS_URL", proxy.url())]);
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
@@ -58,7 +47,7 @@ async fn a_retry_whose_ticket_cannot_be_published_does_not_leave_the_job_running
     proxy.clear();
     // Everything a recovery could need is there: the owner (alive and well
     // connected), a second worker, a reaper.
-    let r = start_reaper(&env).await;
+    let r = env.reaper().await;
     let (b, stop) = env.worker().await;
     let done = env
         .wait_status("retry-lost", "completed", Duration::from_secs(60))
@@ -87,7 +76,7 @@ async fn a_retry_whose_ticket_cannot_be_published_does_not_leave_the_job_running
 /// in the proxy when the connection is cut; the client reconnects at once.
 #[tokio::test]
 async fn a_top_up_fetch_lost_with_its_connection_does_not_stall_the_worker() {
-    let env = Env::with(SetupOptions::default()).await;
+    let env = Fleet::with(SetupOptions::default()).await;
     let proxy = FaultProxy::start(&env.url()).await;
     let mut a = env.worker_proc(&["--worker-id", "fetch-a"], &[("NATS_URL", proxy.url())]);
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;

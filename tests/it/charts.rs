@@ -8,12 +8,12 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use leasehold_core::JobRecord;
-use leasehold_store::index::{Active, Key};
+use leasehold::JobRecord;
+use leasehold_testkit::doors::index::Key;
 use serde_json::{json, Value};
 
 use crate::console::{http, spawn_console, Browser};
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 /// The console's chart JSON.
 async fn charts(base: &str) -> Value {
@@ -70,7 +70,7 @@ fn chart_env() -> Vec<(&'static str, String)> {
 /// worker's slots are in use.
 #[tokio::test]
 async fn charts_count_completed_failures_by_class_and_queue_depth_as_waves_run() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(
         &[],
         &[
@@ -188,7 +188,7 @@ async fn charts_count_completed_failures_by_class_and_queue_depth_as_waves_run()
 /// and its caption change without a reload (the page's live fragment).
 #[tokio::test]
 async fn charts_move_on_the_fleet_page_in_a_browser_under_load() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[("LH_CONCURRENCY", "4".into())]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &chart_env()).await;
@@ -241,7 +241,7 @@ async fn charts_move_on_the_fleet_page_in_a_browser_under_load() {
 /// is the ring's size.
 #[tokio::test]
 async fn charts_sample_costs_the_same_with_0_and_20000_active_jobs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let console = spawn_console(&env, &chart_env()).await;
     let per_sample = || async {
         // Three samples' worth of reads, measured between two metric reads.
@@ -280,7 +280,7 @@ async fn charts_sample_costs_the_same_with_0_and_20000_active_jobs() {
         .len();
     // 20,000 running jobs in the index, written 256 at a time.
     const N: usize = 20_000;
-    let active = Active::open(&env.conn).await.unwrap();
+    let active = env.active().await;
     let mut pending = futures::stream::FuturesUnordered::new();
     for i in 0..N {
         let active = active.clone();
@@ -291,7 +291,7 @@ async fn charts_sample_costs_the_same_with_0_and_20000_active_jobs() {
                 status: "running".into(),
                 worker_id: Some(format!("w-{}", i % 8)),
                 epoch: 1,
-                created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+                created_at: leasehold_testkit::record::now(),
                 ..Default::default()
             };
             active.put(&Key::of(&r).unwrap(), &r).await.unwrap();

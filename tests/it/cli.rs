@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use leasehold_harness::{bin_path, wait_for_jetstream, FaultProxy, NatsServer};
 
-use crate::support::Env;
+use leasehold_testkit::Fleet;
 
 /// Runs the CLI without blocking the test's runtime (in-process workers share it).
 async fn cli(url: &str, args: &[&str]) -> (i32, String, String) {
@@ -171,14 +171,8 @@ async fn test_kinds_are_served_only_with_the_dev_switch() {
 async fn worker_help_lists_every_variable_it_reads() {
     let (code, help) = worker_with_env(&["--help"], &[]).await;
     assert_eq!(code, 0, "{help}");
-    let vars = leasehold_research::ENV_VARS
-        .iter()
-        .chain(leasehold_model::MODEL_ENV_VARS)
-        .chain(leasehold_tools::TOOL_ENV_VARS)
-        .map(|(k, _)| *k)
-        .chain(["NATS_URL", "LH_PREFIX", "LH_KINDS", "LH_DEV_KINDS"])
-        // Issue 24: the log and trace variables were missing.
-        .chain(leasehold_telemetry::ENV_VARS.iter().map(|(k, _)| *k));
+    // Issue 24: the log and trace variables were missing.
+    let vars = leasehold_testkit::doors::worker_env_vars();
     for k in vars {
         assert!(help.contains(k), "--help does not mention {k}:\n{help}");
     }
@@ -189,7 +183,7 @@ async fn worker_help_lists_every_variable_it_reads() {
         .await
         .unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
-    for (k, _) in leasehold_telemetry::ENV_VARS {
+    for k in leasehold_testkit::doors::telemetry_env_vars() {
         assert!(
             help.contains(k),
             "reaper --help does not mention {k}:\n{help}"
@@ -237,7 +231,7 @@ async fn worker_help_lists_every_variable_it_reads() {
 
 #[tokio::test]
 async fn cli_submit_wait_status_list_result_cancel() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let url = env.url();
     let (code, out, err) = cli(
@@ -389,8 +383,8 @@ async fn transcript_repair_exit_codes_say_warm_cold_or_unreadable() {
 
 #[tokio::test]
 async fn model_check_and_tool_call_through_the_workers_layers() {
-    let env = Env::new().await;
-    let (_sim, base) = crate::support::spawn_sim(&[]).await;
+    let env = Fleet::start().await;
+    let (_sim, base) = leasehold_testkit::spawn_sim(&[]).await;
     let model_env = [("LH_MODEL_BASE_URL", format!("{base}/v1"))];
     let (code, out, err) = cli_with(
         &["model", "check", "--prompt", "Say hello."],
@@ -402,7 +396,7 @@ async fn model_check_and_tool_call_through_the_workers_layers() {
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["outcome"], "complete", "{report}");
     // A model that cuts the stream before its terminal event: incomplete, retried.
-    let (_bad, bad_base) = crate::support::spawn_sim(&[
+    let (_bad, bad_base) = leasehold_testkit::spawn_sim(&[
         ("LH_SIM_FAULT_RATE", "1".into()),
         ("LH_SIM_FAULT_KINDS", "cut".into()),
     ])
@@ -632,8 +626,8 @@ async fn setup_fits_its_default_bounds_to_a_small_server_and_never_lowers_an_exp
 async fn tool_call_of_one_step_with_other_arguments_is_refused() {
     // A write's identity is its job, step and tool: a warm retry whose model
     // re-words the call must not make a second effect.
-    let env = Env::new().await;
-    let (_sim, base) = crate::support::spawn_sim(&[]).await;
+    let env = Fleet::start().await;
+    let (_sim, base) = leasehold_testkit::spawn_sim(&[]).await;
     let tool_env = [
         ("NATS_URL", env.url()),
         ("LH_PUBLISH_URL", format!("{base}/effects")),
@@ -822,7 +816,7 @@ async fn adding_a_kind_keeps_every_setting_it_was_not_asked_to_change() {
 // ran once a worker came back.
 #[tokio::test]
 async fn a_job_submitted_while_no_worker_runs_is_visible_and_cancellable_at_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     for id in ["nw-1", "nw-2"] {
         let (code, out, err) = cli(
@@ -853,10 +847,7 @@ async fn a_job_submitted_while_no_worker_runs_is_visible_and_cancellable_at_once
         .wait_status("nw-2", "completed", Duration::from_secs(10))
         .await;
     assert_eq!(done.epoch, 1, "one claim of the record the submit wrote");
-    assert_eq!(
-        env.jobs.get("nw-1").await.unwrap().unwrap().value.status,
-        "cancelled"
-    );
+    assert_eq!(env.record("nw-1").await.unwrap().status, "cancelled");
     stop.cancel();
     w.wait().await.unwrap();
 }
@@ -923,14 +914,14 @@ async fn setup_that_cannot_reserve_the_layout_creates_nothing_and_says_how_much_
 // bound is raised every one of them runs.
 #[tokio::test]
 async fn a_full_job_records_bucket_holds_jobs_back_and_loses_none() {
-    let o = leasehold_store::setup::SetupOptions {
+    let o = leasehold_testkit::SetupOptions {
         jobs_max_bytes: 48 << 10,
-        fit: leasehold_store::setup::Fit::EXACT,
-        ..leasehold_store::setup::SetupOptions::default()
+        fit: leasehold_testkit::doors::layout::Fit::EXACT,
+        ..leasehold_testkit::SetupOptions::default()
     };
-    let env = Env::with(o.clone()).await;
+    let env = Fleet::with(o.clone()).await;
     let w = env.worker_proc(&[], &[]);
-    crate::support::wait_log(&w, "worker starting", Duration::from_secs(10)).await;
+    leasehold_testkit::wait_log(&w, "worker starting", Duration::from_secs(10)).await;
     let n = 80;
     for i in 0..n {
         env.submit(
@@ -940,7 +931,7 @@ async fn a_full_job_records_bucket_holds_jobs_back_and_loses_none() {
         )
         .await;
     }
-    crate::support::wait_log(
+    leasehold_testkit::wait_log(
         &w,
         "the job records' bucket is full",
         Duration::from_secs(30),
@@ -962,9 +953,9 @@ async fn a_full_job_records_bucket_holds_jobs_back_and_loses_none() {
         done < n,
         "the bucket filled before every job ran ({done} of {n})"
     );
-    leasehold_store::setup::ensure(
+    leasehold_testkit::doors::layout::ensure(
         &env.conn,
-        &leasehold_store::setup::SetupOptions {
+        &leasehold_testkit::SetupOptions {
             jobs_max_bytes: 64 << 20,
             ..o
         },
@@ -980,7 +971,7 @@ async fn a_full_job_records_bucket_holds_jobs_back_and_loses_none() {
 // Issue 24: `watch` on a mistyped id waited for ever, silently.
 #[tokio::test]
 async fn watch_refuses_an_unknown_id_unless_told_to_wait_for_it() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     let (code, out, err) = cli(&url, &["watch", "no-such-job"]).await;
     assert_eq!(code, 1, "{out}{err}");
@@ -1001,7 +992,7 @@ async fn watch_refuses_an_unknown_id_unless_told_to_wait_for_it() {
 // `result --wait`.
 #[tokio::test]
 async fn result_says_what_happened_and_can_wait_for_the_end() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let url = env.url();
     env.submit(
@@ -1034,7 +1025,7 @@ async fn result_says_what_happened_and_can_wait_for_the_end() {
 // Issue 24: `cancel` of an unknown or finished job printed only JSON.
 #[tokio::test]
 async fn cancel_of_an_unknown_or_finished_job_says_why() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let url = env.url();
     let (code, out, err) = cli(&url, &["cancel", "never-was"]).await;
@@ -1055,7 +1046,7 @@ async fn cancel_of_an_unknown_or_finished_job_says_why() {
 // the reference (and a malformed spec) say 2: bad input is bad usage.
 #[tokio::test]
 async fn unreadable_submissions_exit_2_like_any_bad_input() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     for args in [
         vec!["submit", "echo", "--input", "{not json"],
@@ -1071,7 +1062,7 @@ async fn unreadable_submissions_exit_2_like_any_bad_input() {
 // Issue 24: the NATS CLI was the only way to see a job's event history.
 #[tokio::test]
 async fn events_show_a_jobs_history_and_follow_it_to_its_end() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let url = env.url();
     let (code, _, err) = cli(&url, &["events", "nobody"]).await;
@@ -1113,7 +1104,7 @@ async fn events_show_a_jobs_history_and_follow_it_to_its_end() {
 // Issue 24: live workers and fleet counts were only visible with the NATS CLI.
 #[tokio::test]
 async fn workers_and_stats_show_the_fleet() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let url = env.url();
     env.submit(
@@ -1151,7 +1142,7 @@ async fn workers_and_stats_show_the_fleet() {
 // matching nothing an error.
 #[tokio::test]
 async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     for id in ["bulk-a1", "bulk-a2", "bulk-b1"] {
         let (code, _, err) = cli(&url, &["submit", "echo", r#"{"input":{}}"#, "--id", id]).await;
@@ -1205,7 +1196,7 @@ async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
             .unwrap();
     }
     let (_w, stop) = env.worker().await;
-    let dlq = leasehold_store::dlq::Dlq::new(&env.conn);
+    let dlq = leasehold_testkit::doors::dlq::Dlq::new(&env.conn);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     while dlq.count().await.unwrap() < 2 {
         assert!(tokio::time::Instant::now() < deadline, "no dead letters");
@@ -1236,7 +1227,7 @@ async fn bulk_cancel_and_dead_letter_replay_and_purge_by_filter() {
 // JSON lines) and messages on stderr.
 #[tokio::test]
 async fn every_command_takes_json_and_prints_only_json_on_stdout() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     let (_w, stop) = env.worker().await;
     let (code, _, err) = cli(

@@ -12,17 +12,18 @@
 
 use std::time::Duration;
 
+use leasehold::Options;
 use leasehold_harness::{wait_for_jetstream, Cluster, Proc};
-use leasehold_store::events::{Events, FenceError};
-use leasehold_store::setup::{self, SetupOptions};
-use leasehold_store::work::Work;
-use leasehold_store::{Conn, Jobs, NatsArgs};
-use leasehold_worker::Options;
+use leasehold_testkit::doors::layout::Events;
+use leasehold_testkit::doors::layout::Work;
+use leasehold_testkit::doors::layout::{ensure, SetupOptions};
+use leasehold_testkit::doors::layout::{Conn, Jobs, NatsArgs};
+use leasehold_testkit::doors::owner::FenceError;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::wait_log;
+use leasehold_testkit::wait_log;
 
 /// One cluster at a time in this test binary.
 static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -48,7 +49,7 @@ async fn cluster() -> (Cluster, Conn) {
         ..SetupOptions::default()
     };
     eventually("setup at R3", || async {
-        setup::ensure(&conn, &o).await.map_err(|e| e.to_string())
+        ensure(&conn, &o).await.map_err(|e| e.to_string())
     })
     .await;
     (c, conn)
@@ -430,10 +431,10 @@ async fn a_record_read_is_never_older_than_its_last_write_even_from_a_node_catch
     let ids: Vec<String> = (0..N).map(|i| format!("r-{i}")).collect();
     let input = json!({"pad": "x".repeat(8 << 10)}).to_string();
     for id in &ids {
-        let rec = leasehold_core::machine::new_record(
+        let rec = leasehold_testkit::record::new_record(
             id,
             "echo",
-            leasehold_core::JobSpec {
+            leasehold_testkit::record::JobSpec {
                 id: Some(id.clone()),
                 input: input.clone(),
                 ..Default::default()
@@ -443,7 +444,7 @@ async fn a_record_read_is_never_older_than_its_last_write_even_from_a_node_catch
         );
         eventually(&format!("create {id}"), || async {
             match jobs.create(&rec).await {
-                Ok(_) | Err(leasehold_store::JobsError::Exists(_)) => Ok(()),
+                Ok(_) | Err(leasehold_testkit::doors::layout::JobsError::Exists(_)) => Ok(()),
                 Err(e) => Err(e.to_string()),
             }
         })
@@ -477,7 +478,10 @@ async fn a_record_read_is_never_older_than_its_last_write_even_from_a_node_catch
         async_nats::connect(&url).await.map_err(|e| e.to_string())
     })
     .await;
-    let there = Conn::new(there, leasehold_store::Layout::new("lh").unwrap());
+    let there = Conn::new(
+        there,
+        leasehold_testkit::doors::layout::Layout::new("lh").unwrap(),
+    );
     let near = eventually("open the records there", || async {
         Jobs::open(&there).await.map_err(|e| e.to_string())
     })
@@ -523,10 +527,10 @@ async fn a_large_input_read_is_never_missing_even_from_a_node_catching_up() {
     let ids: Vec<String> = (0..N).map(|i| format!("p-{i}")).collect();
     let input = json!({"pad": "x".repeat(20 << 10)}).to_string();
     for id in &ids {
-        let rec = leasehold_core::machine::new_record(
+        let rec = leasehold_testkit::record::new_record(
             id,
             "echo",
-            leasehold_core::JobSpec {
+            leasehold_testkit::record::JobSpec {
                 id: Some(id.clone()),
                 input: input.clone(),
                 ..Default::default()
@@ -536,7 +540,7 @@ async fn a_large_input_read_is_never_missing_even_from_a_node_catching_up() {
         );
         eventually(&format!("create {id}"), || async {
             match jobs.create(&rec).await {
-                Ok(_) | Err(leasehold_store::JobsError::Exists(_)) => Ok(()),
+                Ok(_) | Err(leasehold_testkit::doors::layout::JobsError::Exists(_)) => Ok(()),
                 Err(e) => Err(e.to_string()),
             }
         })
@@ -554,7 +558,10 @@ async fn a_large_input_read_is_never_missing_even_from_a_node_catching_up() {
         async_nats::connect(&url).await.map_err(|e| e.to_string())
     })
     .await;
-    let there = Conn::new(there, leasehold_store::Layout::new("lh").unwrap());
+    let there = Conn::new(
+        there,
+        leasehold_testkit::doors::layout::Layout::new("lh").unwrap(),
+    );
     let near = eventually("open the records there", || async {
         Jobs::open(&there).await.map_err(|e| e.to_string())
     })

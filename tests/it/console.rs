@@ -8,13 +8,13 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use leasehold_harness::Proc;
-use leasehold_store::dlq::Dlq;
+use leasehold_testkit::doors::dlq::Dlq;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::{spawn_sim, wait_log, Env};
+use leasehold_testkit::{spawn_sim, wait_log, Fleet};
 
 /// A running console and its base URL.
 pub struct Console {
@@ -22,7 +22,7 @@ pub struct Console {
     pub base: String,
 }
 
-pub async fn spawn_console(env: &Env, extra: &[(&'static str, String)]) -> Console {
+pub async fn spawn_console(env: &Fleet, extra: &[(&'static str, String)]) -> Console {
     let mut e: Vec<(&'static str, String)> =
         vec![("NATS_URL", env.url()), ("LH_PREFIX", env.prefix.clone())];
     e.extend(extra.iter().cloned());
@@ -52,7 +52,7 @@ pub async fn start_console(env: &[(&'static str, String)]) -> (Proc, String) {
 
 /// The research worker's environment against the sim at `sim`.
 fn research_env(sim: &str) -> Vec<(&'static str, String)> {
-    crate::support::research_env(sim, &format!("{sim}/v1"), "research,echo,sleep")
+    leasehold_testkit::research_env(sim, &format!("{sim}/v1"), "research,echo,sleep")
 }
 
 pub(crate) fn http() -> reqwest::Client {
@@ -384,13 +384,31 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
             .await;
         assert_eq!(ok, json!(true), "no element {selector} to click");
     }
+
+    /// Confirms the action whose confirmation the page is asking for, and
+    /// waits for its answer (`what` names it in a failure).
+    pub(crate) async fn confirm(&mut self, what: &str) {
+        self.wait(
+            "document.querySelector('#confirm')",
+            Duration::from_secs(10),
+            "the confirmation",
+        )
+        .await;
+        self.click("#confirm").await;
+        self.wait(
+            "document.querySelector('#done')",
+            Duration::from_secs(15),
+            what,
+        )
+        .await;
+    }
 }
 
 // ---------------------------------------------------------------------------
 
 #[tokio::test]
 async fn console_in_a_browser_shows_a_research_job_progress_live_and_its_reclaim_after_a_kill9() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim, _rules) = slow_sim("reclaim", 4).await;
     let renv = research_env(&sim);
     let mut w1 = env.worker_proc(&[], &renv);
@@ -469,7 +487,7 @@ async fn console_in_a_browser_shows_a_research_job_progress_live_and_its_reclaim
 
 #[tokio::test]
 async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_letter() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -481,19 +499,7 @@ async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_l
         .await;
     b.goto(&format!("{}/jobs/nap-ui", console.base)).await;
     b.click("#cancel").await;
-    b.wait(
-        "document.querySelector('#confirm')",
-        Duration::from_secs(10),
-        "the confirmation",
-    )
-    .await;
-    b.click("#confirm").await;
-    b.wait(
-        "document.querySelector('#done')",
-        Duration::from_secs(15),
-        "the action's answer",
-    )
-    .await;
+    b.confirm("the action's answer").await;
     let r = env
         .wait_status("nap-ui", "cancelled", Duration::from_secs(10))
         .await;
@@ -513,11 +519,11 @@ async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_l
         status: "dead".into(),
         epoch: 4,
         stale_reclaims: 4,
-        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
-        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        created_at: leasehold_testkit::record::now(),
+        updated_at: leasehold_testkit::record::now(),
         ..Default::default()
     };
-    rec.spec = Some(leasehold_core::JobSpec {
+    rec.spec = Some(leasehold_testkit::record::JobSpec {
         input: json!({"back": true}).to_string(),
         ..Default::default()
     });
@@ -534,19 +540,7 @@ async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_l
         .unwrap();
     b.goto(&format!("{}/dlq", console.base)).await;
     b.click(&format!("tr[data-seq=\"{seq}\"] a.replay")).await;
-    b.wait(
-        "document.querySelector('#confirm')",
-        Duration::from_secs(10),
-        "the confirmation",
-    )
-    .await;
-    b.click("#confirm").await;
-    b.wait(
-        "document.querySelector('#done')",
-        Duration::from_secs(15),
-        "the replay's answer",
-    )
-    .await;
+    b.confirm("the replay's answer").await;
     let done = env
         .wait_status("dead-ui", "completed", Duration::from_secs(20))
         .await;
@@ -565,7 +559,7 @@ async fn console_in_a_browser_cancels_a_job_with_its_button_and_replays_a_dead_l
 /// gives back follow their live parts again.
 #[tokio::test]
 async fn console_in_a_browser_loads_30_pages_with_the_back_forward_cache_on() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -706,7 +700,7 @@ pub(crate) async fn sse_until(
 
 #[tokio::test]
 async fn console_client_stream_resumed_with_last_event_id_gets_exactly_the_events_after_it() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim, _rules) = slow_sim("resume", 2).await;
     let w = env.worker_proc(&[], &research_env(&sim));
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
@@ -786,7 +780,7 @@ async fn console_client_stream_resumed_with_last_event_id_gets_exactly_the_event
 
 #[tokio::test]
 async fn console_client_stream_says_when_a_reclaim_supersedes_progress() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim, _rules) = slow_sim("supersede", 3).await;
     let renv = research_env(&sim);
     let mut w1 = env.worker_proc(&[], &renv);
@@ -833,7 +827,7 @@ const KEY: &str = "sk-console-secret-4242424242";
 
 #[tokio::test]
 async fn console_auth_refuses_every_action_without_the_token_and_renders_no_secret() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[("LH_API_KEY", KEY.into())]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(
@@ -922,16 +916,7 @@ async fn console_auth_refuses_every_action_without_the_token_and_renders_no_secr
         .await
         .unwrap();
     assert_eq!(r.status(), 403, "a cookie's action without the CSRF field");
-    assert_eq!(
-        env.jobs
-            .get("nap-auth")
-            .await
-            .unwrap()
-            .unwrap()
-            .value
-            .status,
-        "running"
-    );
+    assert_eq!(env.record("nap-auth").await.unwrap().status, "running");
     // No secret in any page, read-only or operator.
     for tok in [READ, OP] {
         for path in [
@@ -989,7 +974,7 @@ async fn console_auth_refuses_every_action_without_the_token_and_renders_no_secr
 
 #[tokio::test]
 async fn console_answers_bad_input_with_clear_errors() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let console = spawn_console(&env, &[("LH_CONSOLE_PAGE_MAX", "100".into())]).await;
     let c = http();
     let b = &console.base;
@@ -1021,7 +1006,7 @@ async fn console_answers_bad_input_with_clear_errors() {
         id: "e-bad".into(),
         kind: "echo".into(),
         status: "queued".into(),
-        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        created_at: leasehold_testkit::record::now(),
         ..Default::default()
     };
     rec.updated_at = rec.created_at.clone();
@@ -1048,7 +1033,7 @@ async fn console_answers_bad_input_with_clear_errors() {
 
 #[tokio::test]
 async fn console_fleet_shows_workers_slots_queue_reapers_and_dead_letters_and_updates_live() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(
         &[],
         &[
@@ -1123,7 +1108,7 @@ async fn console_fleet_shows_workers_slots_queue_reapers_and_dead_letters_and_up
 
 #[tokio::test]
 async fn console_timeline_shows_each_model_call_of_a_research_job_with_its_tokens_and_duration() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let w = env.worker_proc(&[], &research_env(&sim));
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
@@ -1201,7 +1186,7 @@ async fn console_timeline_shows_each_model_call_of_a_research_job_with_its_token
 
 #[tokio::test]
 async fn console_in_a_browser_replays_a_rejected_submission_corrected_and_refuses_it_unchanged() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -1249,10 +1234,7 @@ async fn console_in_a_browser_replays_a_rejected_submission_corrected_and_refuse
     )
     .await;
     assert!(dlq.get(seq).await.unwrap().is_some(), "the letter stays");
-    assert_eq!(
-        env.jobs.get("bad-ui").await.unwrap().unwrap().value.status,
-        "rejected"
-    );
+    assert_eq!(env.record("bad-ui").await.unwrap().status, "rejected");
 
     // Corrected in the textarea: replayed, run under the same id, the
     // letter gone, the action recorded.
@@ -1319,7 +1301,7 @@ async fn raw_http(base: &str, req: &str) -> (u16, String, String) {
 /// `Secure` behind TLS.
 #[tokio::test]
 async fn console_without_auth_refuses_a_rebound_host_and_is_never_framed() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -1374,7 +1356,7 @@ Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnect
     .await;
     assert_eq!(st, 403, "{body}");
     assert!(body.starts_with('{'), "JSON for /v1/: {body}");
-    let r = env.jobs.get("nap-rebind").await.unwrap().unwrap().value;
+    let r = env.record("nap-rebind").await.unwrap();
     assert_eq!(r.status, "running");
     assert!(!r.cancel_requested, "nothing was cancelled");
 
@@ -1412,7 +1394,7 @@ Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnect
 /// `lh.events.*.>`): one read-only GET would read or stream every job.
 #[tokio::test]
 async fn console_refuses_ids_that_would_be_wildcards_with_400() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -1483,7 +1465,7 @@ async fn console_refuses_ids_that_would_be_wildcards_with_400() {
 /// live stream.
 #[tokio::test]
 async fn console_shows_a_tool_event_with_a_non_ascii_key() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -1494,7 +1476,7 @@ async fn console_shows_a_tool_event_with_a_non_ascii_key() {
     // As a kind's ctx would publish it: a key of 2-byte characters whose
     // 12th byte falls inside one.
     let key = "ключ-идемпотентности-заказа-42";
-    let ev = leasehold_store::events::event(
+    let ev = leasehold_testkit::record::event(
         "key-utf8",
         1,
         "tool",
@@ -1532,7 +1514,7 @@ async fn console_shows_a_tool_event_with_a_non_ascii_key() {
 /// and holds a consumer.
 #[tokio::test]
 async fn console_client_stream_resumed_after_the_end_ends_again() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -1574,7 +1556,7 @@ async fn console_client_stream_resumed_after_the_end_ends_again() {
 /// client gets it, in order, once the data is there.
 #[tokio::test]
 async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(&[], &[]);
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
@@ -1590,7 +1572,7 @@ async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet(
         .unwrap();
     assert_eq!(r.status(), 200);
     // The event names data whose chunk is not written yet.
-    let ev = leasehold_store::events::event(
+    let ev = leasehold_testkit::record::event(
         "sse-ref",
         1,
         "tool",
@@ -1598,8 +1580,13 @@ async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet(
         json!({"data_ref": "sse-ref-late", "chunks": 1, "bytes": 20}),
     );
     let seq = env.events.publish(&ev, None).await.unwrap();
-    let after =
-        leasehold_store::events::event("sse-ref", 1, "phase", Some("w"), json!({"phase": "after"}));
+    let after = leasehold_testkit::record::event(
+        "sse-ref",
+        1,
+        "phase",
+        Some("w"),
+        json!({"phase": "after"}),
+    );
     let next = env.events.publish(&after, None).await.unwrap();
     // The console has met the missing chunk...
     wait_log(
@@ -1633,7 +1620,7 @@ async fn console_client_stream_reads_again_an_event_whose_data_is_not_there_yet(
 /// (the whole history took one per batch).
 #[tokio::test]
 async fn console_job_page_reads_the_events_it_shows_not_the_whole_history() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = leasehold_harness::proxy::FaultProxy::start(&env.url()).await;
     let console =
         start_console(&[("NATS_URL", proxy.url()), ("LH_PREFIX", env.prefix.clone())]).await;
@@ -1643,14 +1630,14 @@ async fn console_job_page_reads_the_events_it_shows_not_the_whole_history() {
         kind: "echo".into(),
         status: "running".into(),
         epoch: 1,
-        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
-        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        created_at: leasehold_testkit::record::now(),
+        updated_at: leasehold_testkit::record::now(),
         ..Default::default()
     };
     env.jobs.create(&rec).await.unwrap();
     let evs: Vec<_> = (0..4000)
         .map(|i| {
-            leasehold_store::events::event(
+            leasehold_testkit::record::event(
                 "long-story",
                 1,
                 "phase",
@@ -1709,20 +1696,20 @@ async fn console_job_page_reads_the_events_it_shows_not_the_whole_history() {
 /// reclaim, not a retry.
 #[tokio::test]
 async fn console_job_page_resumed_after_a_claim_names_a_later_reclaim() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let console = spawn_console(&env, &[]).await;
     let rec = JobRecord {
         id: "resumed-tl".into(),
         kind: "echo".into(),
         status: "running".into(),
         epoch: 2,
-        created_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
-        updated_at: leasehold_core::time::rfc3339(std::time::SystemTime::now()),
+        created_at: leasehold_testkit::record::now(),
+        updated_at: leasehold_testkit::record::now(),
         ..Default::default()
     };
     env.jobs.create(&rec).await.unwrap();
     let ev = |epoch, ty: &str, data: Value| {
-        leasehold_store::events::event("resumed-tl", epoch, ty, Some("w"), data)
+        leasehold_testkit::record::event("resumed-tl", epoch, ty, Some("w"), data)
     };
     let first = env
         .events
@@ -1776,16 +1763,16 @@ async fn console_job_page_resumed_after_a_claim_names_a_later_reclaim() {
 /// running).
 #[tokio::test]
 async fn console_in_a_browser_runs_a_bulk_cancel_and_its_page_follows_it_to_the_end() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let _deaf = env
         .conn
         .client
         .subscribe(env.conn.layout.cancel_subject("*"))
         .await
         .unwrap();
-    let now = leasehold_core::time::rfc3339(std::time::SystemTime::now());
+    let now = leasehold_testkit::record::now();
     for i in 0..3 {
-        env.put_indexed(&JobRecord {
+        env.seed_record(&JobRecord {
             id: format!("bb-{i}"),
             kind: "echo".into(),
             status: "queued".into(),
@@ -1819,13 +1806,7 @@ async fn console_in_a_browser_runs_a_bulk_cancel_and_its_page_follows_it_to_the_
     )
     .await;
     for i in 0..3 {
-        let r = env
-            .jobs
-            .get(&format!("bb-{i}"))
-            .await
-            .unwrap()
-            .unwrap()
-            .value;
+        let r = env.record(&format!("bb-{i}")).await.unwrap();
         assert_eq!(r.status, "cancelled");
     }
 }

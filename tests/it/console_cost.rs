@@ -7,13 +7,13 @@
 
 use std::time::{Duration, Instant};
 
-use leasehold_core::JobRecord;
-use leasehold_store::dlq::Dlq;
+use leasehold::JobRecord;
+use leasehold_testkit::doors::dlq::Dlq;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::console::{http, spawn_console, sse_until, start_console};
-use crate::support::Env;
+use leasehold_testkit::Fleet;
 
 /// A metric's value from the console's `/metrics` (0 when absent).
 pub(crate) async fn metric(base: &str, auth: Option<&str>, name: &str) -> f64 {
@@ -29,7 +29,7 @@ pub(crate) async fn metric(base: &str, auth: Option<&str>, name: &str) -> f64 {
 }
 
 fn now() -> String {
-    leasehold_core::time::rfc3339(std::time::SystemTime::now())
+    leasehold_testkit::record::now()
 }
 
 fn record(id: &str, status: &str) -> JobRecord {
@@ -53,7 +53,7 @@ fn record(id: &str, status: &str) -> JobRecord {
 #[tokio::test]
 async fn console_fleet_live_reads_the_store_once_a_period_however_many_tabs_follow() {
     const TABS: usize = 12;
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = leasehold_harness::proxy::FaultProxy::start(&env.url()).await;
     let (_proc, base) = start_console(&[
         ("NATS_URL", proxy.url()),
@@ -125,10 +125,10 @@ async fn console_fleet_live_reads_the_store_once_a_period_however_many_tabs_foll
 #[tokio::test]
 async fn console_job_page_tabs_cost_one_consumer_each() {
     const TABS: usize = 5;
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let console = spawn_console(&env, &[]).await;
     let rec = record("tabbed", "running");
-    env.put_indexed(&rec).await;
+    env.seed_record(&rec).await;
     let layout = env.conn.layout.clone();
     let consumers = || {
         let js = env.conn.js.clone();
@@ -206,7 +206,7 @@ async fn console_job_page_tabs_cost_one_consumer_each() {
 /// caller is not; a stream whose client went away gives its slot back.
 #[tokio::test]
 async fn console_caps_each_callers_live_streams_and_frees_a_slot_when_its_client_goes() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let console = spawn_console(
         &env,
         &[
@@ -215,7 +215,7 @@ async fn console_caps_each_callers_live_streams_and_frees_a_slot_when_its_client
         ],
     )
     .await;
-    env.put_indexed(&record("capped", "running")).await;
+    env.seed_record(&record("capped", "running")).await;
     let c = http();
     let open = |user: &'static str, path: &'static str| {
         c.get(format!("{}{path}", console.base))
@@ -263,13 +263,13 @@ async fn console_caps_each_callers_live_streams_and_frees_a_slot_when_its_client
 #[tokio::test]
 async fn console_record_cache_stays_within_its_byte_bound_and_shows_evicted_jobs() {
     const BOUND: usize = 16 * 1024;
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let console = spawn_console(&env, &[("LH_CONSOLE_RECORD_CACHE_BYTES", "16KiB".into())]).await;
     // 40 running jobs of about 2 KiB each: 80 KiB of records.
     for i in 0..40 {
         let mut r = record(&format!("big-{i:02}"), "running");
         r.worker_id = Some(format!("w-{}", "x".repeat(2000)));
-        env.put_indexed(&r).await;
+        env.seed_record(&r).await;
     }
     let c = http();
     for round in 0..2 {
@@ -354,7 +354,7 @@ fn data<'a>(page: &'a str, name: &str) -> &'a str {
 #[tokio::test]
 async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_progress() {
     const JOBS: usize = 16;
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // Hears every cancel, answers none.
     let _deaf = env
         .conn
@@ -363,10 +363,10 @@ async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_prog
         .await
         .unwrap();
     for i in 0..JOBS {
-        env.put_indexed(&record(&format!("bc-{i:02}"), "queued"))
+        env.seed_record(&record(&format!("bc-{i:02}"), "queued"))
             .await;
     }
-    env.put_indexed(&record("other-1", "queued")).await;
+    env.seed_record(&record("other-1", "queued")).await;
     let console = spawn_console(&env, &[("LH_CONSOLE_BULK_MAX", "1".into())]).await;
     let c = http();
     let confirm = c
@@ -463,7 +463,7 @@ async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_prog
         !page.contains("data-refresh"),
         "an ended action's page stays"
     );
-    let other = env.jobs.get("other-1").await.unwrap().unwrap().value;
+    let other = env.record("other-1").await.unwrap();
     assert_eq!(other.status, "queued", "a job the filter did not match");
 }
 
@@ -473,11 +473,11 @@ async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_prog
 #[tokio::test]
 async fn console_bulk_replay_reads_dead_letters_a_page_at_a_time() {
     const LETTERS: usize = 250;
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let dlq = Dlq::new(&env.conn);
     for i in 0..LETTERS {
         let mut rec = record(&format!("dl-{i:03}"), "dead");
-        rec.spec = Some(leasehold_core::JobSpec {
+        rec.spec = Some(leasehold_testkit::record::JobSpec {
             input: json!({"i": i}).to_string(),
             ..Default::default()
         });
@@ -531,7 +531,7 @@ async fn console_bulk_replay_reads_dead_letters_a_page_at_a_time() {
         3.0
     );
     assert_eq!(dlq.count().await.unwrap(), 0, "every letter replayed");
-    let r = env.jobs.get("dl-249").await.unwrap().unwrap().value;
+    let r = env.record("dl-249").await.unwrap();
     assert_eq!(r.status, "queued");
 }
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::{spawn_sim, Env};
+use leasehold_testkit::{spawn_sim, Fleet};
 
 async fn sink_count(base: &str) -> u64 {
     let v: serde_json::Value = reqwest::get(format!("{base}/effects/count"))
@@ -18,7 +18,7 @@ async fn sink_count(base: &str) -> u64 {
 
 #[tokio::test]
 async fn worker_killed_between_in_flight_and_done_reconciles_to_one_effect() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // The sink records the first delivery, then hangs past the client's timeout.
     let (_sim, base) = spawn_sim(&[
         ("LH_SIM_EFFECTS_FAULTS", "commit_then_timeout:1".into()),
@@ -39,7 +39,7 @@ async fn worker_killed_between_in_flight_and_done_reconciles_to_one_effect() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
         let entry = effects
-            .get(leasehold_tools::ledger_key("once", &key))
+            .get(leasehold_testkit::doors::ledger::ledger_key("once", &key))
             .await
             .unwrap();
         let in_flight = entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("in_flight"));
@@ -65,7 +65,7 @@ async fn worker_killed_between_in_flight_and_done_reconciles_to_one_effect() {
     );
     assert_eq!(sink_count(&base).await, 1, "exactly one effect at the sink");
     let entry = effects
-        .get(leasehold_tools::ledger_key("once", &key))
+        .get(leasehold_testkit::doors::ledger::ledger_key("once", &key))
         .await
         .unwrap()
         .unwrap();
@@ -86,7 +86,7 @@ async fn worker_killed_between_in_flight_and_done_reconciles_to_one_effect() {
 
 #[tokio::test]
 async fn an_unknowable_outcome_parks_the_job_with_its_reason() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A destination that does not deduplicate: the first delivery hangs past
     // the client's timeout and the worker dies meanwhile. The lookup by key
     // finds nothing, but without deduplication a second delivery could still
@@ -109,7 +109,7 @@ async fn an_unknowable_outcome_parks_the_job_with_its_reason() {
     let effects = env.conn.js.get_key_value("lh_effects").await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     while effects
-        .get(leasehold_tools::ledger_key("unsure", &key))
+        .get(leasehold_testkit::doors::ledger::ledger_key("unsure", &key))
         .await
         .unwrap()
         .is_none()
@@ -162,8 +162,8 @@ async fn wait_in_flight(effects: &async_nats::jetstream::kv::Store, within: Dura
 async fn a_parked_effect_outlives_the_ledger_retention_and_reconciles_on_resume() {
     // The ledger's retention is far shorter than the time the job stays
     // parked: the job's entries must outlive it all the same.
-    let env = Env::with(leasehold_store::setup::SetupOptions {
-        ack_wait: crate::support::ACK_WAIT,
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
+        ack_wait: leasehold_testkit::ACK_WAIT,
         effects_retention: Duration::from_secs(2),
         ..Default::default()
     })
@@ -186,7 +186,7 @@ async fn a_parked_effect_outlives_the_ledger_retention_and_reconciles_on_resume(
     let args = json!({"title": "t", "document": "lands late"});
     env.submit("deliver", json!({"input": args}), "late").await;
     wait_in_flight(&effects, Duration::from_secs(15)).await;
-    crate::support::wait_log(&sim, "commit_late: holding", Duration::from_secs(15)).await;
+    leasehold_testkit::wait_log(&sim, "commit_late: holding", Duration::from_secs(15)).await;
     a.kill9();
     // The next owner finds no record at a destination that cannot dedupe:
     // the outcome is uncertain and the job waits for a person.
@@ -215,7 +215,7 @@ async fn a_parked_effect_outlives_the_ledger_retention_and_reconciles_on_resume(
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (code, out, err) = crate::support::cli(&env.url(), &["review", "resume", "late"]).await;
+    let (code, out, err) = leasehold_testkit::cli(&env.url(), &["review", "resume", "late"]).await;
     assert_eq!(code, 0, "{out}{err}");
     let r = env
         .wait_for("late", Duration::from_secs(20), |r| {
@@ -238,7 +238,7 @@ async fn setup_upgrades_an_existing_ledger_to_entries_that_never_expire() {
     // per-message TTLs, so `Nats-TTL: never` would be refused.
     let server = leasehold_harness::NatsServer::start();
     leasehold_harness::wait_for_jetstream(&server.url(), Duration::from_secs(10)).await;
-    let conn = leasehold_store::NatsArgs::local(server.url(), "lh")
+    let conn = leasehold_testkit::doors::layout::NatsArgs::local(server.url(), "lh")
         .connect("test")
         .await
         .unwrap();
@@ -251,7 +251,7 @@ async fn setup_upgrades_an_existing_ledger_to_entries_that_never_expire() {
         })
         .await
         .unwrap();
-    let refused = leasehold_tools::EffectsLedger::open(&conn.js, "lh_effects")
+    let refused = leasehold_testkit::doors::ledger::EffectsLedger::open(&conn.js, "lh_effects")
         .await
         .err()
         .expect("an old ledger bucket is refused");
@@ -259,26 +259,26 @@ async fn setup_upgrades_an_existing_ledger_to_entries_that_never_expire() {
         refused.to_string().contains("run `leasehold setup`"),
         "{refused}"
     );
-    leasehold_store::setup::ensure(&conn, &Default::default())
+    leasehold_testkit::doors::layout::ensure(&conn, &Default::default())
         .await
         .unwrap();
     let mut s = conn.js.get_stream("KV_lh_effects").await.unwrap();
     let cfg = s.info().await.unwrap().config.clone();
     assert!(cfg.allow_message_ttl, "{cfg:?}");
-    let ledger = leasehold_tools::EffectsLedger::open(&conn.js, "lh_effects")
+    let ledger = leasehold_testkit::doors::ledger::EffectsLedger::open(&conn.js, "lh_effects")
         .await
         .unwrap();
-    let tb = leasehold_tools::Toolbox::builtin(
-        &leasehold_tools::ToolboxConfig::with_base_url("http://127.0.0.1:9"),
+    let tb = leasehold_testkit::doors::ledger::Toolbox::builtin(
+        &leasehold_testkit::doors::ledger::ToolboxConfig::with_base_url("http://127.0.0.1:9"),
         Some(ledger),
-        std::sync::Arc::new(leasehold_tools::NoEvents),
+        std::sync::Arc::new(leasehold_testkit::doors::ledger::NoEvents),
     )
     .unwrap();
     // A write is recorded (and, its destination unreachable, withdrawn):
     // the ledger accepts its never-expiring entries.
     let err = tb
         .call(
-            &leasehold_tools::CallCtx::new("j", "publish#0", 1),
+            &leasehold_testkit::doors::ledger::CallCtx::new("j", "publish#0", 1),
             "publish",
             &json!({"title": "t", "document": "d"}),
         )
@@ -296,7 +296,7 @@ async fn setup_upgrades_an_existing_ledger_to_entries_that_never_expire() {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_recorded_before_a_write_effects_proof_stops_the_effect() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, base) = spawn_sim(&[]).await;
     let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
     let tools = [
@@ -305,7 +305,7 @@ async fn a_cancel_recorded_before_a_write_effects_proof_stops_the_effect() {
         ("NATS_URL", proxy.url()),
     ];
     let a = env.worker_proc(&[], &tools);
-    crate::support::wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    leasehold_testkit::wait_log(&a, "worker starting", Duration::from_secs(10)).await;
     let hold = proxy.hold("$JS.API.DIRECT.GET.KV_lh_effects.>");
     let args = json!({"title": "t", "document": "never, once cancelled"});
     env.submit("deliver", json!({"input": args}), "cancel-first")
@@ -333,7 +333,7 @@ async fn a_cancel_recorded_before_a_write_effects_proof_stops_the_effect() {
 
 /// The idempotency key of a `deliver` job's one write, from its record's
 /// incarnation.
-async fn deliver_key(env: &Env, id: &str) -> String {
+async fn deliver_key(env: &Fleet, id: &str) -> String {
     let r = env.wait_for(id, Duration::from_secs(15), |_| true).await;
-    leasehold_tools::incarnation_key(id, &r.created_at, "deliver#0", "publish")
+    leasehold_testkit::doors::ledger::incarnation_key(id, &r.created_at, "deliver#0", "publish")
 }

@@ -5,23 +5,23 @@
 
 use std::time::Duration;
 
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use leasehold_harness::Proc;
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::SetupOptions;
 use serde_json::{json, Value};
 
-use crate::support::*;
+use leasehold_testkit::*;
 
-async fn env() -> Env {
+async fn env() -> Fleet {
     let mut o = SetupOptions {
         ack_wait: ACK_WAIT,
         ..SetupOptions::default()
     };
     o.kinds.push("invoice".into());
-    Env::with(o).await
+    Fleet::with(o).await
 }
 
-fn worker(env: &Env, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
+fn worker(env: &Fleet, sim: &str, extra: &[(&'static str, &str)]) -> Proc {
     let mut e = env.proc_env();
     e.push(("LH_KINDS", "invoice".into()));
     e.push(("INVOICE_ACCOUNTING_URL", sim.to_string()));
@@ -47,7 +47,7 @@ async fn arm(sim: &str, mode: &str, times: u32) {
     .await;
 }
 
-async fn submit(env: &Env, id: &str, extra: Value) {
+async fn submit(env: &Fleet, id: &str, extra: Value) {
     let mut input = json!({"email": {"from": "billing@acme.example", "body": "Hello,\nInvoice F-17 from ACME: 1,200.00 EUR, due in 30 days."}});
     if let (Some(i), Some(e)) = (input.as_object_mut(), extra.as_object()) {
         i.extend(e.clone());
@@ -55,7 +55,7 @@ async fn submit(env: &Env, id: &str, extra: Value) {
     env.submit("invoice", json!({"input": input}), id).await;
 }
 
-async fn ended(env: &Env, id: &str) -> JobRecord {
+async fn ended(env: &Fleet, id: &str) -> JobRecord {
     env.wait_for(id, Duration::from_secs(40), |r| {
         matches!(
             r.status.as_str(),

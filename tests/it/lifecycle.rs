@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::Env;
+use leasehold_testkit::Fleet;
 
 #[tokio::test]
 async fn retryable_errors_requeue_with_backoff_then_complete() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     env.submit(
         "fail",
@@ -52,7 +52,7 @@ async fn retryable_errors_requeue_with_backoff_then_complete() {
 
 #[tokio::test]
 async fn terminal_errors_are_never_retried_and_budgets_run_out() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     env.submit(
         "fail",
@@ -82,7 +82,7 @@ async fn terminal_errors_are_never_retried_and_budgets_run_out() {
     w.wait().await.unwrap();
 }
 
-async fn cancel(env: &Env, id: &str) -> serde_json::Value {
+async fn cancel(env: &Fleet, id: &str) -> serde_json::Value {
     let m = env
         .conn
         .client
@@ -94,7 +94,7 @@ async fn cancel(env: &Env, id: &str) -> serde_json::Value {
 
 #[tokio::test]
 async fn cancellation_while_queued_running_and_in_backoff() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // Queued: nobody runs it yet; the cancel is answered through the CLI's
     // direct path semantics (same transition) by a worker's gateway below.
     let (w, stop) = env.worker().await;
@@ -128,7 +128,7 @@ async fn cancellation_while_queued_running_and_in_backoff() {
     let (w2, stop2) = env.worker_with(o).await;
     env.submit("sleep", json!({"input": {"ms": 1}}), "queued")
         .await;
-    let rec = leasehold_core::machine::new_record(
+    let rec = leasehold_testkit::record::new_record(
         "queued",
         "sleep",
         Default::default(),
@@ -154,22 +154,16 @@ async fn cancellation_while_queued_running_and_in_backoff() {
     env.wait_status("sentinel", "completed", Duration::from_secs(10))
         .await;
     for id in ["queued", "backoff"] {
-        let r = env.jobs.get(id).await.unwrap().unwrap().value;
+        let r = env.record(id).await.unwrap();
         assert_eq!(r.status, "cancelled", "{id}");
     }
     assert_eq!(
-        env.jobs
-            .get("backoff")
-            .await
-            .unwrap()
-            .unwrap()
-            .value
-            .attempts,
+        env.record("backoff").await.unwrap().attempts,
         1,
         "never retried"
     );
     assert_eq!(
-        env.jobs.get("queued").await.unwrap().unwrap().value.epoch,
+        env.record("queued").await.unwrap().epoch,
         0,
         "never claimed"
     );
@@ -179,7 +173,7 @@ async fn cancellation_while_queued_running_and_in_backoff() {
 
 #[tokio::test]
 async fn a_large_input_and_output_live_beside_a_small_record() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let big = "x".repeat(200_000);
     env.submit("echo", json!({"input": {"text": big}}), "big")
@@ -189,7 +183,7 @@ async fn a_large_input_and_output_live_beside_a_small_record() {
         .await;
     // The record as read through the store is whole...
     assert!(done.input_beside && done.output_beside);
-    let v = env.jobs.get("big").await.unwrap().unwrap().value;
+    let v = env.record("big").await.unwrap();
     assert!(v.spec.as_ref().unwrap().input.contains(&big));
     assert!(v.result.as_ref().unwrap().output.contains(&big));
     // ...while what every write stores stays small.
@@ -211,7 +205,7 @@ async fn a_large_input_and_output_live_beside_a_small_record() {
 // output likewise printed `null`. A missing payload is an error.
 #[tokio::test]
 async fn a_missing_payload_is_an_error_never_an_empty_value() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let payloads = env.conn.js.get_key_value("lh_payloads").await.unwrap();
     // An output kept beside its record, then gone: `result` says so.
     let (w, stop) = env.worker().await;
@@ -240,10 +234,10 @@ async fn a_missing_payload_is_an_error_never_an_empty_value() {
     w.wait().await.unwrap();
     // An input kept beside a queued record, then gone: the job fails with
     // the reason instead of running on nothing.
-    let mut rec = leasehold_core::machine::new_record(
+    let mut rec = leasehold_testkit::record::new_record(
         "big-in",
         "echo",
-        leasehold_core::JobSpec {
+        leasehold_testkit::record::JobSpec {
             input: json!({"text": big}).to_string(),
             ..Default::default()
         },

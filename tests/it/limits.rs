@@ -4,14 +4,14 @@
 
 use std::time::{Duration, Instant};
 
-use leasehold_flow::{provider_key, Limits};
 use leasehold_harness::Proc;
-use leasehold_store::flow::{FlowStore, PauseKind};
+use leasehold_testkit::doors::flow::{provider_key, Limits};
+use leasehold_testkit::doors::flow::{FlowStore, PauseKind};
 use serde_json::{json, Value};
 
-use crate::support::*;
+use leasehold_testkit::*;
 
-async fn submit_research(env: &Env, id: &str) {
+async fn submit_research(env: &Fleet, id: &str) {
     env.submit(
         "research",
         json!({"input": {"topic": format!("flow control {id}"), "experts": 2, "sections": 2}}),
@@ -20,7 +20,7 @@ async fn submit_research(env: &Env, id: &str) {
     .await;
 }
 
-async fn completed(env: &Env, id: &str, within: Duration) {
+async fn completed(env: &Fleet, id: &str, within: Duration) {
     let rec = env
         .wait_for(id, within, |r| {
             matches!(
@@ -46,7 +46,7 @@ fn key_of(sim: &str) -> String {
 /// spends an attempt or fails for it.
 #[tokio::test]
 async fn a_429_storm_is_one_fleet_wide_cooldown_and_spends_no_attempts() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_LIMIT", "sim-1:rpm=300,burst=1".into())]).await;
     let _w: Vec<Proc> = (0..4)
         .map(|_| research_worker(&env, &sim, &format!("{sim}/v1"), &[]))
@@ -104,7 +104,7 @@ async fn a_429_storm_is_one_fleet_wide_cooldown_and_spends_no_attempts() {
 /// applies without a restart; `limits list` shows it with its leases.
 #[tokio::test]
 async fn limits_set_and_lowered_at_run_time_keep_the_fleet_under_them() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[
         ("LH_SIM_LIMIT", "sim-1:concurrency=2".into()),
         ("LH_SIM_TOKEN_DELAY_MS", "2".into()),
@@ -189,7 +189,7 @@ async fn limits_set_and_lowered_at_run_time_keep_the_fleet_under_them() {
 /// for it is granted it by then.
 #[tokio::test]
 async fn a_killed_workers_quota_lease_comes_back_within_the_lease_period() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "40".into())]).await;
     let id = key_of(&sim);
     let (code, out, err) = cli(&env.url(), &["limits", "set", &id, "--concurrency", "1"]).await;
@@ -201,7 +201,7 @@ async fn a_killed_workers_quota_lease_comes_back_within_the_lease_period() {
         async move {
             let (rec, _) = store.lease(&id).await.unwrap();
             rec.leases.get(who).is_some_and(|l| {
-                l.held.concurrency == 1 && l.until_ms > leasehold_store::flow::now_ms()
+                l.held.concurrency == 1 && l.until_ms > leasehold_testkit::doors::flow::now_ms()
             })
         }
     };
@@ -246,7 +246,7 @@ async fn a_killed_workers_quota_lease_comes_back_within_the_lease_period() {
 /// written.
 #[tokio::test]
 async fn malformed_limits_are_refused_clearly() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     for (args, needle) in [
         (
             vec![
@@ -328,8 +328,8 @@ struct InFlight {
 
 /// `n` tasks asking `flow` for `key` over and over, each request 20 ms.
 fn demand(
-    flow: std::sync::Arc<leasehold_flow::Flow>,
-    key: leasehold_flow::ProviderKey,
+    flow: std::sync::Arc<leasehold_testkit::doors::flow::Flow>,
+    key: leasehold_testkit::doors::flow::ProviderKey,
     n: usize,
     seen: std::sync::Arc<InFlight>,
     stop: tokio_util::sync::CancellationToken,
@@ -343,8 +343,8 @@ fn demand(
                     Ok(p) => p,
                     Err(w) => {
                         let wake = match w {
-                            leasehold_flow::Wait::Paused { at, .. } => at,
-                            leasehold_flow::Wait::Limited { retry, .. } => retry,
+                            leasehold_testkit::doors::flow::Wait::Paused { at, .. } => at,
+                            leasehold_testkit::doors::flow::Wait::Limited { retry, .. } => retry,
                         };
                         tokio::select! {
                             _ = stop.cancelled() => return,
@@ -372,15 +372,19 @@ fn demand(
 async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
     use std::sync::atomic::Ordering::SeqCst;
     use std::sync::Arc;
-    let env = Env::new().await;
-    let key = leasehold_flow::ProviderKey::new("http://partitioned.invalid/v1", "m", None);
+    let env = Fleet::start().await;
+    let key = leasehold_testkit::doors::flow::ProviderKey::new(
+        "http://partitioned.invalid/v1",
+        "m",
+        None,
+    );
     FlowStore::open(&env.conn)
         .await
         .unwrap()
         .set_limits(
             &key.id,
-            &leasehold_store::flow::LimitEntry {
-                limits: leasehold_flow::Limits {
+            &leasehold_testkit::doors::flow::LimitEntry {
+                limits: leasehold_testkit::doors::flow::Limits {
                     rpm: None,
                     tpm: None,
                     concurrency: Some(8),
@@ -397,12 +401,7 @@ async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
     let mut seen = Vec::new();
     let mut flows = Vec::new();
     for (name, url) in [("pa", proxy.url()), ("pb", env.url())] {
-        let conn = leasehold_store::NatsArgs::local(url, "lh")
-            .connect(name)
-            .await
-            .unwrap();
-        let flow = Arc::new(leasehold_flow::Flow::new());
-        leasehold_worker::flow::start_with(flow.clone(), conn, name.to_string(), stop.clone());
+        let flow = env.flow_node(&url, name, stop.clone()).await;
         let s = Arc::new(InFlight::default());
         demand(flow.clone(), key.clone(), 16, s.clone(), stop.clone());
         seen.push(s);
@@ -411,7 +410,7 @@ async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
     let store = FlowStore::open(&env.conn).await.unwrap();
     let both_hold = || async {
         let (rec, _) = store.lease(&key.id).await.unwrap();
-        let now = leasehold_store::flow::now_ms();
+        let now = leasehold_testkit::doors::flow::now_ms();
         ["pa", "pb"].iter().all(|w| {
             rec.leases
                 .get(*w)
@@ -443,7 +442,7 @@ async fn nats_away_during_a_lease_falls_back_to_a_safe_local_share() {
         if rec
             .leases
             .get("pa")
-            .is_none_or(|l| l.until_ms <= leasehold_store::flow::now_ms())
+            .is_none_or(|l| l.until_ms <= leasehold_testkit::doors::flow::now_ms())
         {
             break;
         }
@@ -497,13 +496,17 @@ async fn chat(http: &reqwest::Client, sim: &str) -> (u16, Option<u64>) {
 }
 
 /// Sets `limits` on `key` in `lh_limits`.
-async fn set_limits(env: &Env, key: &leasehold_flow::ProviderKey, limits: Limits) {
+async fn set_limits(
+    env: &Fleet,
+    key: &leasehold_testkit::doors::flow::ProviderKey,
+    limits: Limits,
+) {
     FlowStore::open(&env.conn)
         .await
         .unwrap()
         .set_limits(
             &key.id,
-            &leasehold_store::flow::LimitEntry {
+            &leasehold_testkit::doors::flow::LimitEntry {
                 limits,
                 provider: Some(key.info.clone()),
                 weight: None,
@@ -526,10 +529,9 @@ async fn fleet_against_the_sim(
     warm: Duration,
     window: Duration,
 ) -> (u64, u64, f64) {
-    use std::sync::Arc;
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_LIMIT", format!("sim-1:rpm={rpm},burst=1"))]).await;
-    let key = leasehold_flow::ProviderKey::new(&format!("{sim}/v1"), "sim-1", None);
+    let key = leasehold_testkit::doors::flow::ProviderKey::new(&format!("{sim}/v1"), "sim-1", None);
     set_limits(
         &env,
         &key,
@@ -544,12 +546,7 @@ async fn fleet_against_the_sim(
     let http = reqwest::Client::new();
     for w in 0..workers {
         let name = format!("fw{w:02}");
-        let conn = leasehold_store::NatsArgs::local(env.url(), "lh")
-            .connect(&name)
-            .await
-            .unwrap();
-        let flow = Arc::new(leasehold_flow::Flow::new());
-        leasehold_worker::flow::start_with(flow.clone(), conn, name, stop.clone());
+        let flow = env.flow_node(&env.url(), &name, stop.clone()).await;
         for _ in 0..2 {
             let (flow, key, stop, http, sim) = (
                 flow.clone(),
@@ -564,8 +561,10 @@ async fn fleet_against_the_sim(
                         Ok(p) => p,
                         Err(w) => {
                             let wake = match w {
-                                leasehold_flow::Wait::Paused { at, .. } => at,
-                                leasehold_flow::Wait::Limited { retry, .. } => retry,
+                                leasehold_testkit::doors::flow::Wait::Paused { at, .. } => at,
+                                leasehold_testkit::doors::flow::Wait::Limited { retry, .. } => {
+                                    retry
+                                }
                             };
                             tokio::select! {
                                 _ = stop.cancelled() => return,
@@ -633,7 +632,7 @@ async fn a_slice_below_one_request_a_second_is_kept_without_bursts_over_16_worke
 /// 400 ms, as a worker whose wall clock is `behind_ms` behind writes it
 /// (`until_ms` by that clock), until `stop`.
 fn skewed_writer(
-    env: &Env,
+    env: &Fleet,
     key: &str,
     who: &'static str,
     concurrency: u64,
@@ -653,7 +652,7 @@ fn skewed_writer(
             v["leases"][who] = json!({
                 "held": slots,
                 "want": slots,
-                "until_ms": leasehold_store::flow::now_ms() - behind_ms + 3000,
+                "until_ms": leasehold_testkit::doors::flow::now_ms() - behind_ms + 3000,
                 "renewal": renewal,
             });
             let rec = serde_json::from_value(v).unwrap();
@@ -674,8 +673,9 @@ fn skewed_writer(
 async fn a_lease_written_by_a_clock_behind_is_honoured_while_it_renews() {
     use std::sync::atomic::Ordering::SeqCst;
     use std::sync::Arc;
-    let env = Env::new().await;
-    let key = leasehold_flow::ProviderKey::new("http://skewed.invalid/v1", "m", None);
+    let env = Fleet::start().await;
+    let key =
+        leasehold_testkit::doors::flow::ProviderKey::new("http://skewed.invalid/v1", "m", None);
     set_limits(
         &env,
         &key,
@@ -701,12 +701,7 @@ async fn a_lease_written_by_a_clock_behind_is_honoured_while_it_renews() {
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let conn = leasehold_store::NatsArgs::local(env.url(), "lh")
-        .connect("fast")
-        .await
-        .unwrap();
-    let flow = Arc::new(leasehold_flow::Flow::new());
-    leasehold_worker::flow::start_with(flow.clone(), conn, "fast".into(), stop.clone());
+    let flow = env.flow_node(&env.url(), "fast", stop.clone()).await;
     let seen = Arc::new(InFlight::default());
     demand(flow.clone(), key.clone(), 8, seen.clone(), stop.clone());
     let held = || async {
@@ -757,8 +752,9 @@ async fn a_lease_written_by_a_clock_behind_is_honoured_while_it_renews() {
 async fn a_worker_that_never_got_a_lease_takes_a_share_not_the_whole_limit() {
     use std::sync::atomic::Ordering::SeqCst;
     use std::sync::Arc;
-    let env = Env::new().await;
-    let key = leasehold_flow::ProviderKey::new("http://unwritable.invalid/v1", "m", None);
+    let env = Fleet::start().await;
+    let key =
+        leasehold_testkit::doors::flow::ProviderKey::new("http://unwritable.invalid/v1", "m", None);
     set_limits(
         &env,
         &key,
@@ -796,12 +792,7 @@ async fn a_worker_that_never_got_a_lease_takes_a_share_not_the_whole_limit() {
     // Room for the update's headers, not for another lease.
     cfg.max_message_size = size as i32 + 120;
     env.conn.js.update_stream(cfg).await.unwrap();
-    let conn = leasehold_store::NatsArgs::local(env.url(), "lh")
-        .connect("refused")
-        .await
-        .unwrap();
-    let flow = Arc::new(leasehold_flow::Flow::new());
-    leasehold_worker::flow::start_with(flow.clone(), conn, "refused".into(), stop.clone());
+    let flow = env.flow_node(&env.url(), "refused", stop.clone()).await;
     let seen = Arc::new(InFlight::default());
     demand(flow.clone(), key.clone(), 8, seen.clone(), stop.clone());
     // Past the first lease's grace (2 s): on its local share.

@@ -5,40 +5,29 @@
 use std::time::Duration;
 
 use leasehold_harness::FaultProxy;
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
-use leasehold_store::index::{Active, Filter, Key};
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::doors::index::{Active, Filter, Key};
+use leasehold_testkit::SetupOptions;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 /// An environment made by a plain `leasehold setup`, but with a consumer ack
 /// wait three times the default session timeout (an earlier release's
 /// default, 30 s): a recovery well within it did not wait for a redelivery.
-async fn default_env() -> Env {
-    Env::with(SetupOptions {
+async fn default_env() -> Fleet {
+    Fleet::with(SetupOptions {
         ack_wait: Duration::from_secs(30),
         ..SetupOptions::default()
     })
     .await
 }
 
-async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken) {
-    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
-    o.stranded_grace = Duration::from_millis(500);
-    let stop = CancellationToken::new();
-    let h = Reaper::new(o).start(stop.clone()).await.unwrap();
-    (h, stop)
-}
-
-async fn active(env: &Env) -> Active {
-    Active::open(&env.conn).await.unwrap()
+async fn active(env: &Fleet) -> Active {
+    env.active().await
 }
 
 /// Tickets left in the work stream.
-async fn tickets(env: &Env) -> u64 {
+async fn tickets(env: &Fleet) -> u64 {
     let mut s = env
         .conn
         .js
@@ -89,7 +78,7 @@ async fn a_reaper_notices_a_killed_worker_long_before_its_default_session_ends()
     // about a second; its jobs move once the process still does not answer
     // a settle time later (a worker only reconnecting keeps them, G4).
     let mut a = env.worker_proc(&[], &[("LH_SESSION_TIMEOUT", "10s".into())]);
-    let r = start_reaper(&env).await;
+    let r = env.reaper().await;
     env.submit("sleep", json!({"input": {"ms": 6000}}), "fast")
         .await;
     env.wait_status("fast", "running", Duration::from_secs(15))
@@ -102,7 +91,7 @@ async fn a_reaper_notices_a_killed_worker_long_before_its_default_session_ends()
         .await;
     let took = t0.elapsed();
     let bound = Duration::from_secs(1)
-        + leasehold_store::liveness::SETTLE_AFTER_RECONNECT
+        + leasehold_testkit::doors::owner::SETTLE_AFTER_RECONNECT
         + Duration::from_secs(2);
     assert!(
         took < bound,
@@ -138,8 +127,8 @@ async fn two_reapers_reoffer_a_dead_sessions_jobs_exactly_once() {
     }
     // Every ticket settled: the running jobs live on A's session alone.
     assert_eq!(tickets(&env).await, 0);
-    let r1 = start_reaper(&env).await;
-    let r2 = start_reaper(&env).await;
+    let r1 = env.reaper().await;
+    let r2 = env.reaper().await;
     a.kill9();
     for id in &ids {
         let q = env.wait_status(id, "queued", Duration::from_secs(15)).await;
@@ -253,7 +242,7 @@ async fn a_partitioned_worker_loses_its_jobs_and_comes_back_without_writing() {
         history[claim_b..].iter().all(|v| v.value.epoch == 2),
         "no write of A's epoch after B's claim"
     );
-    assert_eq!(env.jobs.get("cut-off").await.unwrap().unwrap().value, done);
+    assert_eq!(env.record("cut-off").await.unwrap(), done);
     // A serves new work on its restored session.
     env.submit("echo", json!({"input": {"back": true}}), "after-partition")
         .await;
@@ -272,7 +261,7 @@ async fn a_partitioned_worker_loses_its_jobs_and_comes_back_without_writing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ticket_whose_worker_died_before_claiming_runs_within_a_session_timeout() {
     let defaults = SetupOptions::default();
-    let env = Env::with(defaults.clone()).await;
+    let env = Fleet::with(defaults.clone()).await;
     let proxy = FaultProxy::start(&env.url()).await;
     let mut a = env.worker_proc(&["--worker-id", "died-a"], &[("NATS_URL", proxy.url())]);
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
@@ -330,7 +319,7 @@ async fn a_worker_killed_between_the_claim_and_its_index_entry_is_recovered() {
         .await;
     hold.triggered().await;
     a.kill9();
-    let rec = env.jobs.get("between").await.unwrap().unwrap().value;
+    let rec = env.record("between").await.unwrap();
     assert_eq!(rec.status, "running", "the claim landed");
     assert!(active(&env)
         .await
@@ -404,7 +393,7 @@ async fn a_worker_killed_between_completion_and_its_index_removal_leaves_nothing
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let rec = env.jobs.get("stale-entry").await.unwrap().unwrap().value;
+    let rec = env.record("stale-entry").await.unwrap();
     assert_eq!((rec.status.as_str(), rec.epoch), ("completed", 1));
     stop.cancel();
     b.wait().await.unwrap();
@@ -418,7 +407,7 @@ async fn a_hundred_thousand_finished_records_cost_the_active_paths_nothing() {
     let n = 100_000;
     let mut pending = futures::stream::FuturesUnordered::new();
     for i in 0..n {
-        let mut r = leasehold_core::machine::new_record(
+        let mut r = leasehold_testkit::record::new_record(
             &format!("old-{i}"),
             "echo",
             Default::default(),
@@ -444,7 +433,7 @@ async fn a_hundred_thousand_finished_records_cost_the_active_paths_nothing() {
     let t0 = tokio::time::Instant::now();
     let (w, stop) = env.worker_with(o).await;
     let started = t0.elapsed();
-    let r = start_reaper(&env).await;
+    let r = env.reaper().await;
     for i in 0..20 {
         env.submit("echo", json!({"input": {"i": i}}), &format!("new-{i}"))
             .await;
@@ -504,7 +493,7 @@ async fn a_job_its_live_owner_does_not_run_is_reoffered() {
     // A record exactly like the one the live worker holds, for a job it
     // does not run, indexed under it, with no ticket: what the soak's
     // refused write left behind.
-    let held = env.jobs.get("held").await.unwrap().unwrap().value;
+    let held = env.record("held").await.unwrap();
     let mut ghost = held.clone();
     ghost.id = "ghost".into();
     ghost.kind = "echo".into();
@@ -526,7 +515,7 @@ async fn a_job_its_live_owner_does_not_run_is_reoffered() {
     .unwrap();
     // Re-offered, it runs again wherever a slot is free.
     let (b, bstop) = env.worker().await;
-    let (r, rstop) = start_reaper(&env).await;
+    let (r, rstop) = env.reaper().await;
     let done = env
         .wait_status("ghost", "completed", Duration::from_secs(30))
         .await;
@@ -560,7 +549,7 @@ async fn a_job_its_live_owner_does_not_run_is_reoffered() {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_index_write_of_a_paused_owner_leaves_the_new_owners_cover_alone() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let a = env.worker_proc(&["--worker-id", "late-a"], &[("NATS_URL", proxy.url())]);
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
@@ -629,9 +618,9 @@ async fn a_late_index_write_of_a_paused_owner_leaves_the_new_owners_cover_alone(
 // delete the entry a later incarnation wrote under the same key.
 #[tokio::test]
 async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let idx = active(&env).await;
-    let mut rec = leasehold_core::JobRecord {
+    let mut rec = leasehold::JobRecord {
         id: "reborn".into(),
         kind: "sleep".into(),
         status: "queued".into(),
@@ -644,7 +633,7 @@ async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
     };
     idx.put(&key, &rec).await.unwrap();
     // Someone who knew the job at epoch 1 leaves epoch 2's entry alone.
-    idx.remove(&key, leasehold_store::index::Remover::Epoch(1))
+    idx.remove(&key, leasehold_testkit::doors::index::Remover::Epoch(1))
         .await
         .unwrap();
     assert_eq!(idx.keys_of("reborn").await.unwrap(), vec![key.clone()]);
@@ -657,12 +646,12 @@ async fn an_index_removal_never_deletes_a_later_incarnations_entry() {
     keys.sort();
     assert!(keys.contains(&key), "epoch 2's entry kept: {keys:?}");
     // Who knows epoch 2 (or does not care) removes it.
-    idx.remove(&key, leasehold_store::index::Remover::Epoch(2))
+    idx.remove(&key, leasehold_testkit::doors::index::Remover::Epoch(2))
         .await
         .unwrap();
     assert!(!idx.keys_of("reborn").await.unwrap().contains(&key));
     // Removing what is not there is no error.
-    idx.remove(&key, leasehold_store::index::Remover::Anyone)
+    idx.remove(&key, leasehold_testkit::doors::index::Remover::Anyone)
         .await
         .unwrap();
 }
@@ -687,7 +676,7 @@ async fn a_worker_cut_off_for_a_moment_keeps_its_jobs() {
         ],
     );
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
-    let r = start_reaper(&env).await;
+    let r = env.reaper().await;
     env.submit("sleep", json!({"input": {"ms": 30000}}), "blinker")
         .await;
     env.wait_for("blinker", Duration::from_secs(15), |r| {
@@ -729,7 +718,7 @@ async fn a_worker_cut_off_for_a_moment_keeps_its_jobs() {
     .await;
     // Past every look the watcher and the sweep take at the end.
     tokio::time::sleep(Duration::from_secs(8)).await;
-    let rec = env.jobs.get("blinker").await.unwrap().unwrap().value;
+    let rec = env.record("blinker").await.unwrap();
     assert_eq!(
         (
             rec.status.as_str(),

@@ -33,7 +33,6 @@ mod search;
 mod serial;
 mod shutdown;
 mod submission;
-mod support;
 mod tenants;
 mod watch;
 mod waterfall;

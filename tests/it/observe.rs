@@ -7,7 +7,7 @@ use std::time::Duration;
 use leasehold_harness::Proc;
 use serde_json::{json, Value};
 
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 /// The address a process's HTTP server bound (`--http-listen 127.0.0.1:0`),
 /// from its start-up log line (text or JSON).
@@ -82,7 +82,7 @@ async fn scrape_until(addr: &str, series: &str, min: f64) -> String {
 
 #[tokio::test]
 async fn a_live_worker_serves_probes_and_metrics_and_is_not_ready_while_draining() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(
         &["--http-listen", "127.0.0.1:0"],
         &[("LH_DRAIN_TIMEOUT", "30s".into())],
@@ -137,13 +137,7 @@ async fn a_live_worker_serves_probes_and_metrics_and_is_not_ready_while_draining
     assert!(v["reason"].as_str().unwrap().contains("draining"), "{body}");
     assert_eq!(get(&addr, "/healthz").await.0, 200, "alive while draining");
     assert_eq!(
-        env.jobs
-            .get("obs-long")
-            .await
-            .unwrap()
-            .unwrap()
-            .value
-            .status,
+        env.record("obs-long").await.unwrap().status,
         "running",
         "the drain lets the job run"
     );
@@ -151,8 +145,8 @@ async fn a_live_worker_serves_probes_and_metrics_and_is_not_ready_while_draining
 
 #[tokio::test]
 async fn two_reaper_replicas_each_export_their_own_counters_and_the_fleet_view() {
-    let env = Env::new().await;
-    let mut q = leasehold_core::machine::new_record(
+    let env = Fleet::start().await;
+    let mut q = leasehold_testkit::record::new_record(
         "obs-parked",
         "echo",
         Default::default(),
@@ -160,7 +154,7 @@ async fn two_reaper_replicas_each_export_their_own_counters_and_the_fleet_view()
         std::time::SystemTime::now(),
     );
     q.status = "parked".into();
-    env.put_indexed(&q).await;
+    env.seed_record(&q).await;
     let reaper = |id: &str| {
         Proc::spawn(
             "leasehold-reaper",
@@ -192,7 +186,7 @@ async fn two_reaper_replicas_each_export_their_own_counters_and_the_fleet_view()
             // The work queue's limit: what "queue full" will be measured by.
             (
                 "leasehold_fleet_queue_limit_messages",
-                leasehold_store::setup::SetupOptions::default().work_max_msgs as f64,
+                leasehold_testkit::SetupOptions::default().work_max_msgs as f64,
             ),
         ] {
             assert_eq!(
@@ -214,7 +208,7 @@ async fn two_reaper_replicas_each_export_their_own_counters_and_the_fleet_view()
 
 #[tokio::test]
 async fn json_logs_carry_span_context_and_never_a_credential() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // Credentials in every URL the worker logs, and an API key.
     let nats = env.url().replace("nats://", "nats://lh-user:nats-s3cret@");
     let w = env.worker_proc(
@@ -290,7 +284,7 @@ async fn json_logs_carry_span_context_and_never_a_credential() {
 
 #[tokio::test]
 async fn text_logs_at_info_give_one_warn_per_failed_attempt_with_short_prefixes() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let w = env.worker_proc(
         &[],
         &[
@@ -354,7 +348,7 @@ async fn text_logs_at_info_give_one_warn_per_failed_attempt_with_short_prefixes(
 
 #[tokio::test]
 async fn an_idle_reaper_logs_nothing_at_info_while_it_sweeps() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let p = Proc::spawn(
         "leasehold-reaper",
         &["--reaper-id", "idle"],
@@ -376,7 +370,7 @@ async fn an_idle_reaper_logs_nothing_at_info_while_it_sweeps() {
         .await
         .ok()?
         .ok()?;
-        serde_json::from_slice::<leasehold_reaper::Metrics>(&m.payload)
+        serde_json::from_slice::<leasehold_testkit::doors::reaper::Metrics>(&m.payload)
             .ok()
             .map(|m| m.sweeps)
     };

@@ -3,13 +3,13 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::machine::{self, ClaimDecision, Claimant, Owner, OwnerLiveness};
-use leasehold_core::JobSpec;
-use leasehold_store::events::FenceError;
-use leasehold_store::{Gate, JobsError};
+use leasehold_testkit::doors::owner::FenceError;
+use leasehold_testkit::doors::owner::{machine, ClaimDecision, Claimant, Owner, OwnerLiveness};
+use leasehold_testkit::doors::owner::{Gate, JobsError};
+use leasehold_testkit::record::JobSpec;
 use serde_json::json;
 
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 /// A claimant that takes the recorded owner as `owner`.
 fn claimant(worker: &str, owner: OwnerLiveness) -> Claimant<'_> {
@@ -29,7 +29,7 @@ fn claimant(worker: &str, owner: OwnerLiveness) -> Claimant<'_> {
 
 /// Claims `id` as `worker` through the real KV; `None` when the decision is not a claim.
 async fn try_claim(
-    env: &Env,
+    env: &Fleet,
     id: &str,
     worker: &str,
     owner: OwnerLiveness,
@@ -50,7 +50,7 @@ async fn try_claim(
 
 #[tokio::test]
 async fn two_workers_race_to_claim_one_job_exactly_one_wins() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     for round in 0..20 {
         let id = format!("race-{round}");
         env.jobs
@@ -85,14 +85,14 @@ async fn two_workers_race_to_claim_one_job_exactly_one_wins() {
             winners += usize::from(t.await.unwrap());
         }
         assert_eq!(winners, 1, "round {round}: exactly one claim must win");
-        let rec = env.jobs.get(&id).await.unwrap().unwrap().value;
+        let rec = env.record(&id).await.unwrap();
         assert_eq!((rec.status.as_str(), rec.epoch), ("running", 1));
     }
 }
 
 #[tokio::test]
 async fn a_fleet_runs_each_job_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut workers = Vec::new();
     for _ in 0..3 {
         workers.push(env.worker().await);
@@ -129,7 +129,7 @@ async fn a_fleet_runs_each_job_once() {
 
 #[tokio::test]
 async fn same_worker_reclaiming_its_job_fences_its_older_task() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     env.jobs
         .create(&machine::new_record(
             "self",
@@ -170,13 +170,13 @@ async fn same_worker_reclaiming_its_job_fences_its_older_task() {
         .write(|r, o, now| machine::complete(r, o, now, Default::default()))
         .await
         .unwrap();
-    let rec = env.jobs.get("self").await.unwrap().unwrap().value;
+    let rec = env.record("self").await.unwrap();
     assert_eq!((rec.status.as_str(), rec.stale_reclaims), ("completed", 1));
 }
 
 #[tokio::test]
 async fn stale_owners_events_are_refused_by_the_server() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut a = env
         .events
         .claim_marker("fenced", 1, "a", json!({}))
@@ -208,7 +208,8 @@ async fn stale_owners_events_are_refused_by_the_server() {
         ),
     }
     // An informational event from a non-owner does not fence the owner out.
-    let info = leasehold_store::events::event("fenced", 1, "heartbeat_lost", Some("a"), json!({}));
+    let info =
+        leasehold_testkit::record::event("fenced", 1, "heartbeat_lost", Some("a"), json!({}));
     env.events.publish(&info, None).await.unwrap();
     b.publish("section", json!({"n": 2})).await.unwrap();
     let evs = env.events.read("fenced").await.unwrap();
@@ -222,7 +223,7 @@ async fn stale_owners_events_are_refused_by_the_server() {
         vec![(1, 1), (2, 2)],
         "exactly the owners' checkpoints were stored"
     );
-    let coherent = leasehold_store::events::coherent(&evs);
+    let coherent = leasehold_testkit::doors::owner::coherent(&evs);
     assert!(coherent
         .iter()
         .all(|e| e.epoch == 2 || e.r#type != "heartbeat_lost"));
@@ -230,7 +231,7 @@ async fn stale_owners_events_are_refused_by_the_server() {
 
 #[tokio::test]
 async fn delayed_worker_paused_past_its_session_can_never_write() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut a = env.worker_proc(&["--worker-id", "worker-a"], &[]);
     env.submit("sleep", json!({"input": {"ms": 3000}}), "delayed")
         .await;
@@ -252,7 +253,7 @@ async fn delayed_worker_paused_past_its_session_can_never_write() {
     a.cont();
     wait_log(&a, "ownership lost", Duration::from_secs(10)).await;
     // A kept running and tried to write; nothing it did landed.
-    let after = env.jobs.get("delayed").await.unwrap().unwrap().value;
+    let after = env.record("delayed").await.unwrap();
     assert_eq!(after, done, "B's result stands");
     let history = env.jobs.history("delayed").await.unwrap();
     assert_eq!(
@@ -285,7 +286,7 @@ async fn delayed_worker_paused_past_its_session_can_never_write() {
 
 #[tokio::test]
 async fn killed_worker_is_reclaimed_after_its_session_ends() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut a = env.worker_proc(&[], &[]);
     env.submit("sleep", json!({"input": {"ms": 1500}}), "killed")
         .await;
@@ -306,7 +307,7 @@ async fn killed_worker_is_reclaimed_after_its_session_ends() {
 
 #[tokio::test]
 async fn sigterm_hands_running_jobs_back_at_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A long session: only an explicit handoff lets B take over quickly.
     let mut a = env.worker_proc(&[], &[("LH_SESSION_TIMEOUT", "60s".into())]);
     env.submit("sleep", json!({"input": {"ms": 1500}}), "handoff")
@@ -347,7 +348,7 @@ async fn sigterm_hands_running_jobs_back_at_once() {
 
 #[tokio::test]
 async fn stable_identity_restart_reclaims_at_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let extra = [("LH_SESSION_TIMEOUT", "60s".into())];
     let mut a = env.worker_proc(&["--worker-id", "pod-1"], &extra);
     env.submit("sleep", json!({"input": {"ms": 2000}}), "restart")
@@ -379,7 +380,7 @@ async fn stable_identity_restart_reclaims_at_once() {
 
 #[tokio::test]
 async fn a_paused_worker_holds_no_work_hostage() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let a = env.worker_proc(&[], &[]);
     // Let A's pull loops start, then freeze it with its pulls outstanding.
     wait_log(&a, "worker starting", Duration::from_secs(10)).await;
@@ -413,7 +414,7 @@ async fn a_paused_worker_holds_no_work_hostage() {
 
 #[tokio::test]
 async fn a_worker_never_runs_more_jobs_than_its_slots() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut o = env.opts();
     o.concurrency = 2;
     o.kinds = vec!["sleep".into()];
@@ -437,7 +438,7 @@ async fn a_worker_never_runs_more_jobs_than_its_slots() {
         .unwrap()
         .unwrap()
         .unwrap();
-        let r = leasehold_store::jobs::decode(&e.key, &e.value).unwrap();
+        let r = leasehold_testkit::record::decode(&e.key, &e.value).unwrap();
         if r.status == "running" {
             running.insert(r.id.clone());
         } else {
@@ -460,7 +461,7 @@ async fn a_worker_never_runs_more_jobs_than_its_slots() {
 
 #[tokio::test]
 async fn an_event_larger_than_a_nats_message_is_kept_beside_and_read_back_whole() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut f = env
         .events
         .claim_marker("big-journal", 1, "a", json!({}))
@@ -496,7 +497,7 @@ async fn an_event_larger_than_a_nats_message_is_kept_beside_and_read_back_whole(
 /// job with no ticket and no session end left to recover it.)
 #[tokio::test]
 async fn an_owner_whose_session_ends_while_its_ticket_is_settled_is_still_recovered() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let bucket = env.conn.layout.active_bucket();
     let id = "settling";
     let index_key = format!("$KV.{bucket}.run.worker-a.{id}");
@@ -579,7 +580,7 @@ async fn an_owner_whose_session_ends_while_its_ticket_is_settled_is_still_recove
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        env.jobs.get(id).await.unwrap().unwrap().value.epoch,
+        env.record(id).await.unwrap().epoch,
         1,
         "nobody recovered the job from the session's end: the moment is the one meant"
     );

@@ -9,11 +9,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use futures::StreamExt;
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use leasehold_harness::{bin_path, NatsServer, Proc};
-use leasehold_store::{jobs, Conn, Jobs, NatsArgs};
+use leasehold_testkit::doors::layout::{Conn, Jobs, NatsArgs};
 
-use crate::support::wait_log;
+use leasehold_testkit::wait_log;
 
 const ROLES: [&str; 5] = ["submitter", "worker", "reaper", "operator", "console"];
 
@@ -171,7 +171,7 @@ async fn wait_record(
         while let Some(e) = w.next().await {
             let e = e.unwrap();
             if e.operation == async_nats::jetstream::kv::Operation::Put {
-                let r = jobs::decode(id, &e.value).unwrap();
+                let r = leasehold_testkit::record::decode(id, &e.value).unwrap();
                 if pred(&r) {
                     return r;
                 }
@@ -352,7 +352,9 @@ async fn each_binary_does_its_job_under_its_roles_user() {
         .await;
     assert_eq!(code, 0, "{err}");
     let running = wait_record(&jobs, "p-3", "running", |r| r.status == "running").await;
-    let active = leasehold_store::index::Active::open(&op).await.unwrap();
+    let active = leasehold_testkit::doors::index::Active::open(&op)
+        .await
+        .unwrap();
     for _ in 0..100 {
         if !active.keys_of("p-3").await.unwrap().is_empty() {
             break;
@@ -464,7 +466,7 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     let (code, _, err) = s.cli("operator", &["setup", "--kinds", "echo"]).await;
     assert_eq!(code, 0, "{err}");
     let jobs = Jobs::open(&op).await.unwrap();
-    let rec = leasehold_core::machine::new_record(
+    let rec = leasehold_testkit::record::new_record(
         "x-1",
         "echo",
         Default::default(),
@@ -475,8 +477,8 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     // A finished job with an artifact (over one chunk), for `result`.
     let doc: String = (0..40_000).map(|i| format!("line {i}\n")).collect();
     finished_with_report(&op, &jobs, "x-3", &doc).await;
-    let events = leasehold_store::events::Events::new(&op);
-    let ev = leasehold_store::events::event("x-1", 0, "claimed", None, serde_json::json!({}));
+    let events = leasehold_testkit::doors::layout::Events::new(&op);
+    let ev = leasehold_testkit::record::event("x-1", 0, "claimed", None, serde_json::json!({}));
     events.publish(&ev, None).await.unwrap();
 
     // A submitter reads records but may not write one.
@@ -802,7 +804,9 @@ async fn the_console_reads_as_lh_console_and_acts_only_through_an_operator_conne
     let http = reqwest::Client::new();
     // The running job is listed once it is indexed (after --index-after),
     // and the console's watch of the index follows within moments.
-    let index = leasehold_store::index::Active::open(&op).await.unwrap();
+    let index = leasehold_testkit::doors::index::Active::open(&op)
+        .await
+        .unwrap();
     let mut w = index.kv().watch_with_history(">").await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), async {
         while let Some(e) = w.next().await {
@@ -990,17 +994,17 @@ async fn the_console_reads_as_lh_console_and_acts_only_through_an_operator_conne
 /// A completed job `id` whose result is the document `doc`, stored as
 /// `<id>/report.md` (written by the operator's connection `op`).
 async fn finished_with_report(
-    op: &leasehold_store::Conn,
-    jobs: &leasehold_store::Jobs,
+    op: &leasehold_testkit::doors::layout::Conn,
+    jobs: &leasehold_testkit::doors::layout::Jobs,
     id: &str,
     doc: &str,
 ) {
     let name = format!("{id}/report.md");
-    leasehold_store::artifacts::Artifacts::open(op)
+    leasehold_testkit::doors::artifacts::Artifacts::open(op)
         .await
         .unwrap()
         .create(
-            leasehold_store::artifacts::NewArtifact {
+            leasehold_testkit::doors::artifacts::NewArtifact {
                 name: name.clone(),
                 ..Default::default()
             },
@@ -1008,7 +1012,7 @@ async fn finished_with_report(
         )
         .await
         .unwrap();
-    let mut done = leasehold_core::machine::new_record(
+    let mut done = leasehold_testkit::record::new_record(
         id,
         "echo",
         Default::default(),

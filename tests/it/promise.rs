@@ -6,22 +6,21 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
-use leasehold_core::machine;
-use leasehold_core::JobSpec;
 use leasehold_harness::{bin_path, FaultProxy};
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
-use leasehold_store::dlq::Dlq;
-use leasehold_store::index::{Active, Filter};
-use leasehold_store::setup::SetupOptions;
-use leasehold_worker::{End, Handler, JobCtx, Worker};
+use leasehold_testkit::doors::engine::{End, Handler, JobCtx, Worker};
+use leasehold_testkit::doors::index::Filter;
+use leasehold_testkit::doors::owner::machine;
+use leasehold_testkit::doors::reaper::Handle;
+use leasehold_testkit::record::JobSpec;
+use leasehold_testkit::SetupOptions;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::{wait_log, Env, ACK_WAIT};
+use leasehold_testkit::{wait_log, Fleet, ACK_WAIT};
 
 /// Sets `cancel_requested` straight in the record, as a request whose
 /// notification never reached the owner (or came from an older binary).
-async fn request_cancel_quietly(env: &Env, id: &str) {
+async fn request_cancel_quietly(env: &Fleet, id: &str) {
     env.jobs
         .transition(id, |r| {
             match machine::request_cancel(r, SystemTime::now())? {
@@ -37,27 +36,19 @@ async fn request_cancel_quietly(env: &Env, id: &str) {
         .unwrap();
 }
 
-async fn start_reaper(env: &Env) -> (leasehold_reaper::Handle, CancellationToken) {
-    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
+async fn start_reaper(env: &Fleet) -> (Handle, CancellationToken) {
+    let mut o = env.reaper_opts();
     o.stranded_grace = Duration::from_millis(1500);
-    let stop = CancellationToken::new();
-    (Reaper::new(o).start(stop.clone()).await.unwrap(), stop)
+    env.reaper_with(o).await
 }
 
-async fn letters(env: &Env, id: &str) -> usize {
-    Dlq::new(&env.conn)
-        .list()
-        .await
-        .unwrap()
-        .iter()
-        .filter(|l| l.job_id.as_deref() == Some(id))
-        .count()
+async fn letters(env: &Fleet, id: &str) -> usize {
+    env.letters_of(id).await.len()
 }
 
 #[tokio::test]
 async fn a_cancel_request_is_never_undone_by_a_retry_a_hand_back_or_a_reclaim() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A retry: the request lands while the attempt runs; the attempt then
     // fails with a retryable error, and the requeue cancels instead.
     let (w, stop) = env.worker().await;
@@ -127,8 +118,8 @@ async fn a_cancel_request_is_never_undone_by_a_retry_a_hand_back_or_a_reclaim() 
         SystemTime::now(),
     );
     q.cancel_requested = true;
-    q.next_run_at = Some(leasehold_core::time::rfc3339(SystemTime::now()));
-    env.put_indexed(&q).await;
+    q.next_run_at = Some(leasehold_testkit::record::now());
+    env.seed_record(&q).await;
     env.work.reissue(&q, "test", "1").await.unwrap();
     let r = env
         .wait_for("c-claim", Duration::from_secs(10), |r| r.status != "queued")
@@ -140,7 +131,7 @@ async fn a_cancel_request_is_never_undone_by_a_retry_a_hand_back_or_a_reclaim() 
 
 #[tokio::test]
 async fn a_long_job_restarted_under_its_identity_is_never_killed_by_max_deliveries() {
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         ack_wait: ACK_WAIT,
         max_deliver: 3,
         ..SetupOptions::default()
@@ -201,7 +192,7 @@ impl Handler for Panics {
 
 #[tokio::test]
 async fn no_failure_inside_an_attempt_leaves_the_job_held_by_a_live_worker() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let stop = CancellationToken::new();
     let w = Worker::new(env.opts())
         .with_handler("echo", std::sync::Arc::new(BadOutput))
@@ -247,14 +238,14 @@ async fn no_failure_inside_an_attempt_leaves_the_job_held_by_a_live_worker() {
     other.worker_id = Some("gone".into());
     other.session = Some("gone".into());
     other.epoch = 1;
-    env.put_indexed(&other).await;
+    env.seed_record(&other).await;
     env.submit("echo", json!({"input": {}}), "reused").await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while letters(&env, "reused").await == 0 {
         assert!(tokio::time::Instant::now() < deadline, "no dead letter");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let after = env.jobs.get("reused").await.unwrap().unwrap().value;
+    let after = env.record("reused").await.unwrap();
     assert_eq!((after.kind.as_str(), after.epoch), ("research", 1));
     stop.cancel();
     w.wait().await.unwrap();
@@ -262,7 +253,7 @@ async fn no_failure_inside_an_attempt_leaves_the_job_held_by_a_live_worker() {
 
 #[tokio::test]
 async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         ack_wait: ACK_WAIT,
         max_deliver: 2,
         ..SetupOptions::default()
@@ -270,15 +261,8 @@ async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
     .await;
     // A waiting job (its record says so, its index lists it) and its ticket.
     let p = env
-        .work
-        .submit(
-            "echo",
-            json!({"input": {"n": 1}}).to_string().into(),
-            Some("lost-adv"),
-            None,
-        )
-        .await
-        .unwrap();
+        .ticket("echo", json!({"input": {"n": 1}}), "lost-adv")
+        .await;
     let mut q = machine::new_record(
         "lost-adv",
         "echo",
@@ -286,11 +270,11 @@ async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
             input: json!({"n": 1}).to_string(),
             ..Default::default()
         },
-        p.seq,
+        p,
         SystemTime::now(),
     );
-    q.next_run_at = Some(leasehold_core::time::rfc3339(SystemTime::now()));
-    env.put_indexed(&q).await;
+    q.next_run_at = Some(leasehold_testkit::record::now());
+    env.seed_record(&q).await;
     // Something NAKs it until the server gives up on it (it notices at the
     // next delivery attempt, so keep pulling until the advisory is out)...
     let consumer = env.work.consumer("echo").await.unwrap();
@@ -325,7 +309,7 @@ async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
         .await
         .unwrap();
     assert!(
-        env.work.get(p.seq).await.unwrap().is_some(),
+        env.work.get(p).await.unwrap().is_some(),
         "the ticket stays, never delivered again"
     );
     let r = start_reaper(&env).await;
@@ -333,9 +317,9 @@ async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
     let done = env
         .wait_status("lost-adv", "completed", Duration::from_secs(20))
         .await;
-    assert!(done.ticket_seq > p.seq, "it ran on a fresh ticket");
+    assert!(done.ticket_seq > p, "it ran on a fresh ticket");
     assert!(
-        env.work.get(p.seq).await.unwrap().is_none(),
+        env.work.get(p).await.unwrap().is_none(),
         "the stuck ticket is gone"
     );
     stop.cancel();
@@ -346,7 +330,7 @@ async fn a_ticket_past_max_deliveries_whose_advisory_was_lost_is_replaced() {
 
 #[tokio::test]
 async fn a_job_may_retry_more_often_than_one_ticket_may_be_delivered() {
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         ack_wait: ACK_WAIT,
         max_deliver: 3,
         ..SetupOptions::default()
@@ -373,7 +357,7 @@ async fn a_job_may_retry_more_often_than_one_ticket_may_be_delivered() {
 
 #[tokio::test]
 async fn an_unreadable_record_is_skipped_and_reported_never_stopping_recovery() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A running job of a gone worker, indexed, and beside it a record that
     // does not decode, also indexed as that worker's.
     let mut good = machine::new_record(
@@ -390,14 +374,13 @@ async fn an_unreadable_record_is_skipped_and_reported_never_stopping_recovery() 
     good.worker_id = Some("gone".into());
     good.session = Some("s".into());
     good.epoch = 1;
-    env.put_indexed(&good).await;
+    env.seed_record(&good).await;
     let mut bad = good.clone();
     bad.id = "garbled".into();
-    Active::open(&env.conn)
+    env.active()
         .await
-        .unwrap()
         .put(
-            &leasehold_store::index::Key::Run {
+            &leasehold_testkit::doors::index::Key::Run {
                 worker: "gone".into(),
                 job: "garbled".into(),
             },
@@ -437,7 +420,7 @@ async fn an_unreadable_record_is_skipped_and_reported_never_stopping_recovery() 
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_a_claim_in_flight_hands_the_job_back_at_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let mut a = env.worker_proc(
         &[],
@@ -495,7 +478,7 @@ async fn sigterm_with_a_claim_in_flight_hands_the_job_back_at_once() {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_reply_was_lost_is_recognised_by_its_own_token() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let a = env.worker_proc(
         &[],
@@ -537,7 +520,7 @@ async fn a_claim_whose_reply_was_lost_is_recognised_by_its_own_token() {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_reclaim_and_the_old_ticket_claim_a_job_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let extra = [
         ("NATS_URL", proxy.url()),
@@ -593,7 +576,7 @@ async fn restart_reclaim_and_the_old_ticket_claim_a_job_once() {
 
 #[tokio::test]
 async fn a_ticket_refused_for_configuration_skew_parks_its_job_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A waiting job (backing off) whose ticket a strict worker refuses.
     let big = "x".repeat(200);
     let mut q = machine::new_record(
@@ -606,8 +589,8 @@ async fn a_ticket_refused_for_configuration_skew_parks_its_job_once() {
         0,
         SystemTime::now(),
     );
-    q.next_run_at = Some(leasehold_core::time::rfc3339(SystemTime::now()));
-    env.put_indexed(&q).await;
+    q.next_run_at = Some(leasehold_testkit::record::now());
+    env.seed_record(&q).await;
     env.work.reissue(&q, "retry", "1").await.unwrap();
     let mut o = env.opts();
     o.max_submission_bytes = 64;
@@ -624,13 +607,7 @@ async fn a_ticket_refused_for_configuration_skew_parks_its_job_once() {
     }
     assert_eq!(letters(&env, "skewed").await, 1);
     assert_eq!(
-        Active::open(&env.conn)
-            .await
-            .unwrap()
-            .list(Filter::Parked)
-            .await
-            .unwrap()
-            .len(),
+        env.active().await.list(Filter::Parked).await.unwrap().len(),
         1
     );
     stop.cancel();
@@ -648,7 +625,7 @@ async fn a_ticket_refused_for_configuration_skew_parks_its_job_once() {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminal_write_whose_answer_was_lost_is_recognised_as_the_owners() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
     // No renewal falls inside the muted window below.
     let a = env.worker_proc(
@@ -714,7 +691,7 @@ impl Handler for ParksAtOnce {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fast_park_whose_index_write_failed_is_listed_all_the_same() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let mut o = env.opts();
     o.nats.url = proxy.url();
@@ -741,7 +718,7 @@ async fn a_fast_park_whose_index_write_failed_is_listed_all_the_same() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let active = Active::open(&env.conn).await.unwrap();
+    let active = env.active().await;
     assert!(
         active.list(Filter::Parked).await.unwrap().is_empty(),
         "the park entry's write was lost"
@@ -773,7 +750,7 @@ async fn a_fast_park_whose_index_write_failed_is_listed_all_the_same() {
 // job back to a claim or a recoverer that publishes the event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_between_the_terminal_write_and_its_event_still_ends_the_job() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let mut a = env.worker_proc(
         &["--worker-id", "dies-at-end"],
@@ -787,15 +764,13 @@ async fn a_kill_between_the_terminal_write_and_its_event_still_ends_the_job() {
         .await
         .expect("the owner published its completed event");
     a.kill9();
-    let done = env.jobs.get("end-lost").await.unwrap().unwrap().value;
+    let done = env.record("end-lost").await.unwrap();
     assert_eq!(done.status, "completed", "the terminal write came first");
     // Another worker and a reaper; retention short enough to see the job go.
     let (w, stop_w) = env.worker().await;
-    let mut o = ReaperOptions::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
+    let mut o = env.reaper_opts();
     o.retention = Duration::from_secs(2);
-    let stop_r = CancellationToken::new();
-    let r = Reaper::new(o).start(stop_r.clone()).await.unwrap();
+    let (r, stop_r) = env.reaper_with(o).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let completed = loop {
         let n = env
@@ -836,7 +811,7 @@ async fn a_kill_between_the_terminal_write_and_its_event_still_ends_the_job() {
 // its lost failure is run again, and it completes exactly once.
 #[tokio::test]
 async fn a_kill_between_a_retrys_ticket_and_its_record_runs_the_job_once_more() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let proxy = FaultProxy::start(&env.url()).await;
     let mut a = env.worker_proc(
         &["--worker-id", "dies-mid-retry"],
@@ -859,7 +834,7 @@ async fn a_kill_between_a_retrys_ticket_and_its_record_runs_the_job_once_more() 
     assert_eq!(tickets, 1, "the retry's ticket went out before its record");
     a.kill9();
     proxy.cut();
-    let before = env.jobs.get("mid-retry").await.unwrap().unwrap().value;
+    let before = env.record("mid-retry").await.unwrap();
     assert_eq!(
         (before.status.as_str(), before.attempts, before.epoch),
         ("running", 0, 1),

@@ -4,17 +4,17 @@
 
 use std::time::{Duration, Instant};
 
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use serde_json::{json, Value};
 use tokio::io::AsyncReadExt;
 
-use crate::support::*;
+use leasehold_testkit::*;
 
 async fn sim_json_stats(sim: &str) -> Value {
     sim_json(sim, "GET", "/stats", None).await
 }
 
-async fn submit_research(env: &Env, id: &str, topic: &str) {
+async fn submit_research(env: &Fleet, id: &str, topic: &str) {
     env.submit(
         "research",
         json!({"input": {"topic": topic, "experts": 2, "sections": 2}}),
@@ -23,7 +23,7 @@ async fn submit_research(env: &Env, id: &str, topic: &str) {
     .await;
 }
 
-async fn ended(env: &Env, id: &str, within: Duration) -> JobRecord {
+async fn ended(env: &Fleet, id: &str, within: Duration) -> JobRecord {
     env.wait_for(id, within, |r| {
         matches!(
             r.status.as_str(),
@@ -33,7 +33,7 @@ async fn ended(env: &Env, id: &str, within: Duration) -> JobRecord {
     .await
 }
 
-async fn artifact(env: &Env, rec: &JobRecord) -> String {
+async fn artifact(env: &Fleet, rec: &JobRecord) -> String {
     let name = rec.result.clone().unwrap().artifact.unwrap();
     let store = env
         .conn
@@ -57,7 +57,7 @@ fn retry_reasons(events: &[leasehold_proto::JobEvent]) -> Vec<String> {
 
 #[tokio::test]
 async fn research_on_a_server_that_refuses_json_schema_uses_json_object_from_its_first_refusal() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_PROVIDER", "llama-cpp".into())]).await;
     let _w = research_worker(&env, &sim, &format!("{sim}/v1"), &[]);
     submit_research(&env, "r-llama", "lease-based ownership").await;
@@ -105,7 +105,7 @@ async fn research_on_a_server_that_refuses_json_schema_uses_json_object_from_its
 
 #[tokio::test]
 async fn research_on_a_server_without_tool_calling_runs_its_tools_through_the_text_protocol() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_PROVIDER", "llama-cpp".into())]).await;
     let _w = research_worker(
         &env,
@@ -131,7 +131,7 @@ async fn research_on_a_server_without_tool_calling_runs_its_tools_through_the_te
 
 #[tokio::test]
 async fn a_forced_form_and_bad_mode_values_are_clear_errors() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_PROVIDER", "llama-cpp".into())]).await;
     // Bad values stop the worker at start, naming the variable.
     for (k, v) in [
@@ -176,7 +176,7 @@ async fn a_forced_form_and_bad_mode_values_are_clear_errors() {
 
 /// A job against a misconfigured endpoint ends within 10 s, failed, with
 /// the cause and the setting to change.
-async fn ends_with_its_cause(env: &Env, sim: &str, model_base: &str, id: &str, cause: &[&str]) {
+async fn ends_with_its_cause(env: &Fleet, sim: &str, model_base: &str, id: &str, cause: &[&str]) {
     let mut w = research_worker(env, sim, model_base, &[]);
     let started = Instant::now();
     submit_research(env, id, "t").await;
@@ -199,7 +199,7 @@ async fn ends_with_its_cause(env: &Env, sim: &str, model_base: &str, id: &str, c
 
 #[tokio::test]
 async fn misconfigured_model_endpoints_end_the_job_within_seconds_with_their_cause() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     // Nothing listens there.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -235,7 +235,7 @@ async fn misconfigured_model_endpoints_end_the_job_within_seconds_with_their_cau
 
 #[tokio::test]
 async fn one_prompt_that_always_fails_neither_opens_the_breaker_nor_slows_the_other_jobs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let rules = std::env::temp_dir().join(format!("lh-poison-{}.json", std::process::id()));
     std::fs::write(
         &rules,

@@ -29,14 +29,14 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use leasehold_core::JobRecord;
-use leasehold_flow::LEARN_AFTER;
+use leasehold::JobRecord;
 use leasehold_harness::llama::{ChatRecorder, ChatRequest, LlamaServer, ModelVenv, MODEL_ALIAS};
 use leasehold_harness::Proc;
 use leasehold_proto::JobEvent;
+use leasehold_testkit::doors::flow::LEARN_AFTER;
 use serde_json::{json, Value};
 
-use crate::support::{spawn_sim, Env};
+use leasehold_testkit::{spawn_sim, Fleet};
 
 /// Longest a research job of this tier may take before it counts as a hang.
 const JOB_WITHIN: Duration = Duration::from_secs(300);
@@ -61,7 +61,7 @@ fn venv() -> ModelVenv {
 /// One test's world: nats-server, the simulator (web and effects), the
 /// llama server and the recorder in front of it.
 struct Lab {
-    env: Env,
+    env: Fleet,
     _sim: Proc,
     sim_url: String,
     llama: LlamaServer,
@@ -75,7 +75,7 @@ impl Lab {
             .await
             .unwrap_or_else(|e| panic!("the real-model tier cannot run: {e}"));
         let rec = ChatRecorder::start(&llama.addr()).await;
-        let env = Env::new().await;
+        let env = Fleet::start().await;
         let (sim, sim_url) = spawn_sim(&[]).await;
         Lab {
             env,

@@ -7,33 +7,17 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
-use leasehold_core::machine;
-use leasehold_core::time::rfc3339;
-use leasehold_core::{JobRecord, JobSpec};
 use leasehold_harness::{bin_path, Proc};
-use leasehold_reaper::{Handle, Options, Reaper};
-use leasehold_store::dlq::{Dlq, Letter};
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::doors::dlq::Dlq;
+use leasehold_testkit::doors::owner::machine;
+use leasehold_testkit::doors::reaper::Handle;
+use leasehold_testkit::record::rfc3339;
+use leasehold_testkit::record::{JobRecord, JobSpec};
+use leasehold_testkit::SetupOptions;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::{Env, ACK_WAIT};
-
-fn reaper_opts(env: &Env) -> Options {
-    let mut o = Options::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
-    o.stranded_grace = Duration::from_millis(500);
-    o
-}
-
-async fn reaper(env: &Env) -> (Handle, CancellationToken) {
-    let stop = CancellationToken::new();
-    let h = Reaper::new(reaper_opts(env))
-        .start(stop.clone())
-        .await
-        .unwrap();
-    (h, stop)
-}
+use leasehold_testkit::{Fleet, ACK_WAIT};
 
 async fn stop_reaper((h, stop): (Handle, CancellationToken)) {
     stop.cancel();
@@ -67,17 +51,7 @@ fn abandoned(
     r
 }
 
-async fn letters_of(env: &Env, id: &str) -> Vec<Letter> {
-    Dlq::new(&env.conn)
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|l| l.job_id.as_deref() == Some(id))
-        .collect()
-}
-
-async fn dead_events_of(env: &Env, id: &str) -> usize {
+async fn dead_events_of(env: &Fleet, id: &str) -> usize {
     env.events_of(id)
         .await
         .iter()
@@ -86,7 +60,7 @@ async fn dead_events_of(env: &Env, id: &str) -> usize {
 }
 
 /// Runs the CLI; returns (exit code, stdout, stderr).
-async fn cli(env: &Env, args: &[&str]) -> (i32, String, String) {
+async fn cli(env: &Fleet, args: &[&str]) -> (i32, String, String) {
     let out = tokio::process::Command::new(bin_path("leasehold"))
         .args(args)
         .env("NATS_URL", env.url())
@@ -104,10 +78,10 @@ async fn cli(env: &Env, args: &[&str]) -> (i32, String, String) {
 
 #[tokio::test]
 async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A running record whose worker and ticket are both gone (ticket 4242
     // never existed), and a queued record that never had a ticket.
-    env.put_indexed(&abandoned("stranded-run", "echo", json!({"n": 1}), 4242, 0))
+    env.seed_record(&abandoned("stranded-run", "echo", json!({"n": 1}), 4242, 0))
         .await;
     let mut q = machine::new_record(
         "stranded-queued",
@@ -117,9 +91,9 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
         SystemTime::now() - Duration::from_secs(30),
     );
     q.spec.as_mut().unwrap().id = Some("stranded-queued".into());
-    env.put_indexed(&q).await;
+    env.seed_record(&q).await;
     let (w, stop_w) = env.worker().await;
-    let r = reaper(&env).await;
+    let r = env.reaper().await;
     let run = env
         .wait_status("stranded-run", "completed", Duration::from_secs(15))
         .await;
@@ -155,33 +129,26 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
 
 #[tokio::test]
 async fn ticket_past_max_deliveries_is_dead_lettered_once() {
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         ack_wait: ACK_WAIT,
         max_deliver: 2,
         ..SetupOptions::default()
     })
     .await;
-    let r = reaper(&env).await;
+    let r = env.reaper().await;
     // One job never claimed (no record), one with a queued record: no
     // worker runs; a test consumer NAKs each ticket until the server gives up.
     env.submit("echo", json!({"input": {"n": 1}}), "md-unclaimed")
         .await;
     let t2 = env
-        .work
-        .submit(
-            "echo",
-            json!({"input": {"n": 2}}).to_string().into(),
-            Some("md-queued"),
-            None,
-        )
-        .await
-        .unwrap();
+        .ticket("echo", json!({"input": {"n": 2}}), "md-queued")
+        .await;
     env.jobs
         .create(&machine::new_record(
             "md-queued",
             "echo",
             spec(json!({"n": 2})),
-            t2.seq,
+            t2,
             SystemTime::now(),
         ))
         .await
@@ -214,7 +181,7 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
     // gets a fresh ticket, the old one deleted.
     let fresh = env
         .wait_for("md-queued", Duration::from_secs(10), |r| {
-            r.status == "queued" && r.ticket_seq > t2.seq
+            r.status == "queued" && r.ticket_seq > t2
         })
         .await;
     for id in ["md-unclaimed"] {
@@ -229,7 +196,7 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let letters = letters_of(&env, id).await;
+        let letters = env.letters_of(id).await;
         assert_eq!(letters.len(), 1, "{id}: exactly one dead letter");
         assert_eq!(letters[0].class, "max_deliveries");
         let body: serde_json::Value = serde_json::from_slice(&letters[0].payload).unwrap();
@@ -245,7 +212,7 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
         "each ticket was delivered max_deliver (2) times"
     );
     assert!(
-        env.work.get(1).await.unwrap().is_none() && env.work.get(t2.seq).await.unwrap().is_none(),
+        env.work.get(1).await.unwrap().is_none() && env.work.get(t2).await.unwrap().is_none(),
         "tickets deleted"
     );
     // The waiting job runs from its fresh ticket once a worker comes.
@@ -260,7 +227,7 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
         m.changed().await.unwrap();
     }
     assert!(
-        letters_of(&env, "md-queued").await.is_empty(),
+        env.letters_of("md-queued").await.is_empty(),
         "never dead-lettered"
     );
     assert_eq!(
@@ -272,31 +239,22 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
 
 #[tokio::test]
 async fn two_reapers_act_on_each_job_exactly_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // Stranded jobs (tickets lost) beside the poison ones: both replicas
     // see them, one ticket each must come out.
     let stranded: Vec<String> = (0..4).map(|i| format!("lost-{i}")).collect();
     for (i, id) in stranded.iter().enumerate() {
-        env.put_indexed(&abandoned(id, "echo", json!({"i": i}), 900 + i as u64, 0))
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 900 + i as u64, 0))
             .await;
     }
     let ids: Vec<String> = (0..8).map(|i| format!("poison-{i}")).collect();
     for id in &ids {
-        let p = env
-            .work
-            .submit(
-                "sleep",
-                json!({"input": {"ms": 1}}).to_string().into(),
-                Some(id),
-                None,
-            )
-            .await
-            .unwrap();
-        env.put_indexed(&abandoned(id, "sleep", json!({"ms": 1}), p.seq, 3))
+        let p = env.ticket("sleep", json!({"input": {"ms": 1}}), id).await;
+        env.seed_record(&abandoned(id, "sleep", json!({"ms": 1}), p, 3))
             .await;
     }
-    let a = reaper(&env).await;
-    let b = reaper(&env).await;
+    let a = env.reaper().await;
+    let b = env.reaper().await;
     for id in &ids {
         let rec = env.wait_status(id, "dead", Duration::from_secs(10)).await;
         assert_eq!(rec.error.as_ref().unwrap().class, "poison");
@@ -309,7 +267,7 @@ async fn two_reapers_act_on_each_job_exactly_once() {
     }
     for id in &ids {
         assert_eq!(
-            letters_of(&env, id).await.len(),
+            env.letters_of(id).await.len(),
             1,
             "{id}: exactly one dead letter"
         );
@@ -318,7 +276,7 @@ async fn two_reapers_act_on_each_job_exactly_once() {
             1,
             "{id}: exactly one dead event"
         );
-        let rec = env.jobs.get(id).await.unwrap().unwrap().value;
+        let rec = env.record(id).await.unwrap();
         assert!(
             env.work.get(rec.ticket_seq).await.unwrap().is_none(),
             "{id}: ticket deleted"
@@ -389,7 +347,7 @@ async fn two_reapers_act_on_each_job_exactly_once() {
 
 /// Keeps `n` worker processes alive, restarting those that die, until cancelled.
 fn supervise(
-    env: &Env,
+    env: &Fleet,
     n: usize,
     extra: Vec<(&'static str, String)>,
     stop: CancellationToken,
@@ -419,7 +377,7 @@ fn supervise(
 
 #[tokio::test]
 async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let stop = CancellationToken::new();
     // Several slots per worker: a crash takes down every job of its process.
     // A worker runs one suspect (two stale reclaims or more) at a time, so
@@ -430,7 +388,7 @@ async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
         ("LH_CONCURRENCY", "4".to_string()),
     ];
     let fleet = supervise(&env, 3, extra, stop.clone());
-    let r = reaper(&env).await;
+    let r = env.reaper().await;
     env.submit("crash", json!({"input": {}}), "crasher").await;
     let others: Vec<String> = (0..12).map(|i| format!("bystander-{i}")).collect();
     for (i, id) in others.iter().enumerate() {
@@ -460,11 +418,7 @@ async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
     let mut m = r.0.metrics_watch();
     m.changed().await.unwrap();
     m.changed().await.unwrap();
-    assert_eq!(
-        letters_of(&env, "crasher").await.len(),
-        1,
-        "one dead letter"
-    );
+    assert_eq!(env.letters_of("crasher").await.len(), 1, "one dead letter");
     assert_eq!(dead_events_of(&env, "crasher").await, 1);
     stop.cancel();
     let deaths = fleet.await.unwrap();
@@ -477,24 +431,17 @@ async fn crash_job_becomes_poison_while_the_fleet_finishes_the_rest() {
 
 #[tokio::test]
 async fn dlq_replay_completes_the_job_with_a_fresh_budget() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let p = env
-        .work
-        .submit(
-            "echo",
-            json!({"input": {"v": 7}}).to_string().into(),
-            Some("replayed"),
-            None,
-        )
-        .await
-        .unwrap();
-    env.put_indexed(&abandoned("replayed", "echo", json!({"v": 7}), p.seq, 3))
+        .ticket("echo", json!({"input": {"v": 7}}), "replayed")
         .await;
-    let r = reaper(&env).await;
+    env.seed_record(&abandoned("replayed", "echo", json!({"v": 7}), p, 3))
+        .await;
+    let r = env.reaper().await;
     env.wait_status("replayed", "dead", Duration::from_secs(10))
         .await;
     stop_reaper(r).await;
-    let letters = letters_of(&env, "replayed").await;
+    let letters = env.letters_of("replayed").await;
     assert_eq!(letters.len(), 1);
     let seq = letters[0].seq.to_string();
 
@@ -532,19 +479,19 @@ async fn dlq_replay_completes_the_job_with_a_fresh_budget() {
 
 #[tokio::test]
 async fn review_resume_and_fail_parked_jobs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     for id in ["parked-a", "parked-b"] {
         let mut r = machine::new_record(id, "echo", spec(json!({"id": id})), 0, SystemTime::now());
         r.spec.as_mut().unwrap().id = Some(id.into());
         r.status = "parked".into();
         r.epoch = 1;
         r.parked_reason = Some("uncertain_effect".into());
-        r.error = Some(leasehold_core::JobError {
+        r.error = Some(leasehold_testkit::record::JobError {
             class: "uncertain_effect".into(),
             message: "publish may have happened".into(),
             at: rfc3339(SystemTime::now()),
         });
-        env.put_indexed(&r).await;
+        env.seed_record(&r).await;
     }
     let (code, out, err) = cli(&env, &["review", "list"]).await;
     assert_eq!(code, 0, "{err}");
@@ -578,7 +525,7 @@ async fn review_resume_and_fail_parked_jobs() {
     )
     .await;
     assert_eq!(code, 0, "{err}");
-    let failed = env.jobs.get("parked-b").await.unwrap().unwrap().value;
+    let failed = env.record("parked-b").await.unwrap();
     assert_eq!(failed.status, "failed");
     assert_eq!(failed.error.unwrap().message, "operator declined");
     // Only parked jobs can be resumed or failed; the error says what to do.
@@ -591,7 +538,7 @@ async fn review_resume_and_fail_parked_jobs() {
 
 #[tokio::test]
 async fn dlq_replay_of_a_rejected_submission_resends_its_raw_bytes() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     // A worker with a tiny size limit rejects the submission...
     let mut o = env.opts();
     o.max_submission_bytes = 16;
@@ -607,7 +554,7 @@ async fn dlq_replay_of_a_rejected_submission_resends_its_raw_bytes() {
     assert!(rejected.error.unwrap().message.contains("16"));
     stop_strict.cancel();
     strict.wait().await.unwrap();
-    let letters = letters_of(&env, "too-big").await;
+    let letters = env.letters_of("too-big").await;
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].class, "rejected");
     assert_eq!(
@@ -634,7 +581,7 @@ async fn dlq_replay_of_a_rejected_submission_resends_its_raw_bytes() {
         json!({"text": "more than sixteen bytes"}).to_string()
     );
     assert!(
-        letters_of(&env, "too-big").await.is_empty(),
+        env.letters_of("too-big").await.is_empty(),
         "the replayed letter is deleted"
     );
     stop_w.cancel();
@@ -643,10 +590,10 @@ async fn dlq_replay_of_a_rejected_submission_resends_its_raw_bytes() {
 
 #[tokio::test]
 async fn reaper_binary_serves_metrics_and_stops_on_sigterm() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut q = machine::new_record("waiting", "echo", spec(json!({})), 0, SystemTime::now());
     q.status = "parked".into();
-    env.put_indexed(&q).await;
+    env.seed_record(&q).await;
     let mut p = Proc::spawn(
         "leasehold-reaper",
         &["--reaper-id", "reaper-bin"],
@@ -670,7 +617,8 @@ async fn reaper_binary_serves_metrics_and_stops_on_sigterm() {
         )
         .await;
         if let Ok(Ok(m)) = reply {
-            let m: leasehold_reaper::Metrics = serde_json::from_slice(&m.payload).unwrap();
+            let m: leasehold_testkit::doors::reaper::Metrics =
+                serde_json::from_slice(&m.payload).unwrap();
             if m.sweeps > 0 {
                 break m;
             }
@@ -690,7 +638,7 @@ async fn reaper_binary_serves_metrics_and_stops_on_sigterm() {
 
 #[tokio::test]
 async fn dlq_list_pages_and_filters_on_the_server_without_payloads() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let dlq = Dlq::new(&env.conn);
     for i in 0..5 {
         let kind = if i % 2 == 0 { "echo" } else { "sleep" };
@@ -729,7 +677,7 @@ async fn dlq_list_pages_and_filters_on_the_server_without_payloads() {
 // dedupe: the raw submission was gone.
 #[tokio::test]
 async fn dlq_replay_never_loses_a_letter_whose_bytes_are_still_refused() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop_w) = env.worker().await;
     env.work
         .submit("echo", "{\"input\":[1,2".into(), Some("bad-1"), None)
@@ -739,7 +687,7 @@ async fn dlq_replay_never_loses_a_letter_whose_bytes_are_still_refused() {
         .await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let letters = loop {
-        let l = letters_of(&env, "bad-1").await;
+        let l = env.letters_of("bad-1").await;
         if !l.is_empty() {
             break l;
         }
@@ -759,12 +707,12 @@ async fn dlq_replay_never_loses_a_letter_whose_bytes_are_still_refused() {
         err.contains("--spec") && err.contains("--force") && err.contains("kept"),
         "{err}"
     );
-    assert_eq!(letters_of(&env, "bad-1").await.len(), 1);
+    assert_eq!(env.letters_of("bad-1").await.len(), 1);
     // Forced: sent, rejected again, and the letter is still there.
     let (code, out, err) = cli(&env, &["dlq", "replay", &seq, "--force", "--wait", "2s"]).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("\"letter_deleted\":false"), "{out}");
-    let kept = letters_of(&env, "bad-1").await;
+    let kept = env.letters_of("bad-1").await;
     assert!(
         kept.iter().any(|l| l.seq == letters[0].seq),
         "the original letter stays: {kept:?}"
@@ -783,7 +731,8 @@ async fn dlq_replay_never_loses_a_letter_whose_bytes_are_still_refused() {
         .wait_status("bad-1", "completed", Duration::from_secs(10))
         .await;
     assert_eq!(done.result.unwrap().output, r#"{"list":[1,2]}"#);
-    assert!(!letters_of(&env, "bad-1")
+    assert!(!env
+        .letters_of("bad-1")
         .await
         .iter()
         .any(|l| l.seq == letters[0].seq));
@@ -794,31 +743,26 @@ async fn dlq_replay_never_loses_a_letter_whose_bytes_are_still_refused() {
 // A replayed submission that no worker takes keeps its letter.
 #[tokio::test]
 async fn dlq_replay_keeps_the_letter_until_a_worker_accepts_the_job() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut o = env.opts();
     o.max_submission_bytes = 16;
     let (strict, stop_strict) = env.worker_with(o).await;
-    env.work
-        .submit(
-            "echo",
-            json!({"input": {"text": "more than sixteen bytes"}})
-                .to_string()
-                .into(),
-            Some("no-taker"),
-            None,
-        )
-        .await
-        .unwrap();
+    env.ticket(
+        "echo",
+        json!({"input": {"text": "more than sixteen bytes"}}),
+        "no-taker",
+    )
+    .await;
     env.wait_status("no-taker", "rejected", Duration::from_secs(10))
         .await;
     stop_strict.cancel();
     strict.wait().await.unwrap();
-    let seq = letters_of(&env, "no-taker").await[0].seq.to_string();
+    let seq = env.letters_of("no-taker").await[0].seq.to_string();
     let (code, out, err) = cli(&env, &["dlq", "replay", &seq, "--wait", "1s"]).await;
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("kept"), "{err}");
     assert!(out.contains("\"letter_deleted\":false"), "{out}");
-    assert_eq!(letters_of(&env, "no-taker").await.len(), 1);
+    assert_eq!(env.letters_of("no-taker").await.len(), 1);
     // The job is queued and indexed meanwhile; a worker runs it, and a
     // second replay (safe: the resubmission is recognised) lets it go.
     let (w, stop_w) = env.worker().await;
@@ -836,28 +780,21 @@ async fn dlq_replay_keeps_the_letter_until_a_worker_accepts_the_job() {
 // run again once there is room.
 #[tokio::test]
 async fn dlq_replay_into_a_full_queue_leaves_the_dead_job_and_its_letter() {
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         work_max_msgs: 1,
         ..SetupOptions::default()
     })
     .await;
-    let p = env
-        .work
-        .submit(
-            "echo",
-            json!({"input": {"v": 1}}).to_string().into(),
-            Some("full-replay"),
-            None,
-        )
-        .await
-        .unwrap();
-    env.put_indexed(&abandoned("full-replay", "echo", json!({"v": 1}), p.seq, 3))
+    let seq = env
+        .ticket("echo", json!({"input": {"v": 1}}), "full-replay")
         .await;
-    let r = reaper(&env).await;
+    env.seed_record(&abandoned("full-replay", "echo", json!({"v": 1}), seq, 3))
+        .await;
+    let r = env.reaper().await;
     env.wait_status("full-replay", "dead", Duration::from_secs(10))
         .await;
     stop_reaper(r).await;
-    let seq = letters_of(&env, "full-replay").await[0].seq.to_string();
+    let seq = env.letters_of("full-replay").await[0].seq.to_string();
     // The queue's one place is taken.
     env.work
         .submit("echo", "{\"input\":{}}".into(), Some("occupant"), None)
@@ -866,17 +803,8 @@ async fn dlq_replay_into_a_full_queue_leaves_the_dead_job_and_its_letter() {
     let (code, _, err) = cli(&env, &["dlq", "replay", &seq]).await;
     assert_ne!(code, 0, "{err}");
     assert!(err.contains("kept") && err.contains("again"), "{err}");
-    assert_eq!(
-        env.jobs
-            .get("full-replay")
-            .await
-            .unwrap()
-            .unwrap()
-            .value
-            .status,
-        "dead"
-    );
-    assert_eq!(letters_of(&env, "full-replay").await.len(), 1);
+    assert_eq!(env.record("full-replay").await.unwrap().status, "dead");
+    assert_eq!(env.letters_of("full-replay").await.len(), 1);
     // Room again: the same command works.
     let (w, stop_w) = env.worker().await;
     env.wait_status("occupant", "completed", Duration::from_secs(10))
@@ -896,7 +824,7 @@ async fn dlq_replay_into_a_full_queue_leaves_the_dead_job_and_its_letter() {
 // same command works once there is room.
 #[tokio::test]
 async fn review_resume_into_a_full_queue_leaves_the_job_parked_and_can_be_run_again() {
-    let env = Env::with(SetupOptions {
+    let env = Fleet::with(SetupOptions {
         work_max_msgs: 1,
         ..SetupOptions::default()
     })
@@ -905,7 +833,7 @@ async fn review_resume_into_a_full_queue_leaves_the_job_parked_and_can_be_run_ag
     r.status = "parked".into();
     r.epoch = 1;
     r.parked_reason = Some("uncertain_effect".into());
-    env.put_indexed(&r).await;
+    env.seed_record(&r).await;
     env.work
         .submit("echo", "{\"input\":{}}".into(), Some("occupant"), None)
         .await
@@ -916,7 +844,7 @@ async fn review_resume_into_a_full_queue_leaves_the_job_parked_and_can_be_run_ag
         err.contains("nothing changed") && err.contains("again"),
         "{err}"
     );
-    let now = env.jobs.get("held").await.unwrap().unwrap().value;
+    let now = env.record("held").await.unwrap();
     assert_eq!((now.status.as_str(), now.ticket_seq), ("parked", 0));
     let (w, stop_w) = env.worker().await;
     env.wait_status("occupant", "completed", Duration::from_secs(10))
@@ -938,12 +866,13 @@ async fn review_resume_into_a_full_queue_leaves_the_job_parked_and_can_be_run_ag
 // already under that key.
 #[tokio::test]
 async fn dlq_replay_with_a_corrected_spec_runs_the_corrected_input_of_a_large_input_job() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop_w) = env.worker().await;
     let pad = "p".repeat(20 << 10);
-    let recovery = leasehold_store::recovery::Recovery::open(&env.conn, "test-reaper".into(), 2)
-        .await
-        .unwrap();
+    let recovery =
+        leasehold_testkit::doors::history::Recovery::open(&env.conn, "test-reaper".into(), 2)
+            .await
+            .unwrap();
     // Both shapes of correction: a small input (kept in the record) and a
     // large one (kept beside it, like the original).
     let cases = [
@@ -968,7 +897,7 @@ async fn dlq_replay_with_a_corrected_spec_runs_the_corrected_input_of_a_large_in
             .kill(id, "poison", "crashed its workers", |_| true)
             .await
             .unwrap();
-        let letter = letters_of(&env, id).await;
+        let letter = env.letters_of(id).await;
         assert_eq!(letter.len(), 1, "{letter:?}");
         let file = std::env::temp_dir().join(format!("lh-g5-{id}-{}.json", std::process::id()));
         std::fs::write(&file, json!({ "input": fixed }).to_string()).unwrap();
@@ -994,7 +923,7 @@ async fn dlq_replay_with_a_corrected_spec_runs_the_corrected_input_of_a_large_in
             "{id} ran the input it was corrected to"
         );
         // Read back, the record holds the corrected input, whole.
-        let rec = env.jobs.get(id).await.unwrap().unwrap().value;
+        let rec = env.record(id).await.unwrap();
         let input: serde_json::Value = serde_json::from_str(&rec.spec.unwrap().input).unwrap();
         assert_eq!(&input, fixed);
     }

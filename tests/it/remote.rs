@@ -18,13 +18,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use leasehold_harness::{free_port, Proc};
 use leasehold_proto::JobEvent;
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::SetupOptions;
 use serde_json::{json, Value};
 
-use crate::support::*;
+use leasehold_testkit::*;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -153,7 +153,7 @@ async fn bad_service() -> (Proc, String) {
     (p, format!("http://127.0.0.1:{port}"))
 }
 
-async fn env() -> Env {
+async fn env() -> Fleet {
     let mut o = SetupOptions {
         ack_wait: ACK_WAIT,
         ..SetupOptions::default()
@@ -171,12 +171,12 @@ async fn env() -> Env {
         ]
         .map(String::from),
     );
-    Env::with(o).await
+    Fleet::with(o).await
 }
 
 /// A `leasehold-worker` serving `echo` and the remote kinds `remote`
 /// (`NAME=URL,...`).
-fn worker(env: &Env, remote: &str, extra: &[(&'static str, &str)]) -> Proc {
+fn worker(env: &Fleet, remote: &str, extra: &[(&'static str, &str)]) -> Proc {
     let mut e: Vec<(&'static str, String)> = vec![
         ("LH_KINDS", "echo".into()),
         ("LH_REMOTE_KINDS", remote.to_string()),
@@ -217,7 +217,7 @@ async fn booked(sim: &str, n: usize) {
     }
 }
 
-async fn submit_invoice(env: &Env, id: &str, extra: Value) {
+async fn submit_invoice(env: &Fleet, id: &str, extra: Value) {
     let mut input = json!({"email": {"from": "billing@acme.example", "body": "Hello,\nInvoice F-17 from ACME: 1,200.00 EUR, due in 30 days."}});
     if let (Some(i), Some(e)) = (input.as_object_mut(), extra.as_object()) {
         i.extend(e.clone());
@@ -225,7 +225,7 @@ async fn submit_invoice(env: &Env, id: &str, extra: Value) {
     env.submit("invoice", json!({"input": input}), id).await;
 }
 
-async fn ended(env: &Env, id: &str) -> JobRecord {
+async fn ended(env: &Fleet, id: &str) -> JobRecord {
     env.wait_for(id, Duration::from_secs(45), |r| {
         matches!(
             r.status.as_str(),
@@ -500,7 +500,7 @@ async fn remote_an_unknown_protocol_version_fails_at_once_with_a_clear_error() {
 
 // ---- the conformance suite ------------------------------------------------
 
-async fn conformance_env(sdk: Sdk) -> (Env, Proc, u16, String) {
+async fn conformance_env(sdk: Sdk) -> (Fleet, Proc, u16, String) {
     let env = env().await;
     let port = free_port();
     let s = service(sdk, port, "http://127.0.0.1:9", &[]).await;
@@ -508,7 +508,7 @@ async fn conformance_env(sdk: Sdk) -> (Env, Proc, u16, String) {
     (env, s, port, remote)
 }
 
-async fn submit_conf(env: &Env, id: &str, input: Value) {
+async fn submit_conf(env: &Fleet, id: &str, input: Value) {
     env.submit("conformance", json!({"input": input}), id).await;
 }
 
@@ -772,7 +772,7 @@ async fn conformance_a_retry_waits_queued_for_its_delay_without_a_slot(sdk: Sdk)
     let due = rec
         .next_run_at
         .as_deref()
-        .and_then(leasehold_core::time::parse_rfc3339)
+        .and_then(leasehold_testkit::record::parse_rfc3339)
         .expect("a due time");
     let ahead = due
         .duration_since(std::time::SystemTime::now())
@@ -1134,7 +1134,7 @@ async fn generate_runs_the_model_in_the_worker_and_is_recorded_once(sdk: Sdk) {
         ..SetupOptions::default()
     };
     o.kinds.push("writer".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let port = free_port();
     let _s = service(sdk, port, &sim, &[]).await;
@@ -1174,7 +1174,7 @@ async fn a_kill_9_of_the_worker_during_generate_repeats_only_the_model_call(sdk:
         ..SetupOptions::default()
     };
     o.kinds.push("writer".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     // Paced tokens: the answer takes a while to stream.
     let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "40".into())]).await;
     let port = free_port();
@@ -1228,7 +1228,7 @@ async fn generate_with_tools_reads_directly_and_writes_once(sdk: Sdk) {
         ..SetupOptions::default()
     };
     o.kinds.push("scout".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "20".into())]).await;
     let dir = tempfile::tempdir().unwrap();
     let archive = dir.path().join("archive.jsonl");
@@ -1272,17 +1272,23 @@ async fn generate_with_tools_reads_directly_and_writes_once(sdk: Sdk) {
         "a stable idempotency key: {key}"
     );
     // The write went through the ledger, under the key the tool was sent.
-    let ledger =
-        leasehold_tools::EffectsLedger::open(&env.conn.js, &env.conn.layout.effects_bucket())
-            .await
-            .unwrap();
+    let ledger = leasehold_testkit::doors::ledger::EffectsLedger::open(
+        &env.conn.js,
+        &env.conn.layout.effects_bucket(),
+    )
+    .await
+    .unwrap();
     let (entry, _) = ledger
         .get("scout-1", key)
         .await
         .unwrap()
         .expect("the write's ledger entry");
     assert_eq!(entry.tool, "fetch", "{entry:?}");
-    assert_eq!(entry.state, leasehold_tools::EffectState::Done, "{entry:?}");
+    assert_eq!(
+        entry.state,
+        leasehold_testkit::doors::ledger::EffectState::Done,
+        "{entry:?}"
+    );
     assert_eq!(entry.result.as_ref(), Some(&filed["result"]), "{entry:?}");
     let st = steps(&env.events_of("scout-1").await);
     assert_eq!(st, ["topic#0", "generate:generate#0"], "each once: {st:?}");

@@ -9,26 +9,26 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use leasehold_harness::Proc;
 use leasehold_proto::JobEvent;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 /// Model calls of one clean run with 2 experts x 2 sections.
 const CLEAN_CALLS: u64 = 16;
 
 struct Lab {
-    env: Env,
+    env: Fleet,
     sim: Proc,
     addr: String,
 }
 
 impl Lab {
     async fn new(sim_env: &[(&str, String)]) -> Lab {
-        let env = Env::new().await;
+        let env = Fleet::start().await;
         let mut e = vec![("LH_SIM_TOKEN_DELAY_MS", "0".to_string())];
         e.extend(sim_env.iter().map(|(k, v)| (*k, v.clone())));
         let sim = Proc::spawn("leasehold-sim", &["--listen", "127.0.0.1:0"], &e);
@@ -118,7 +118,7 @@ impl Lab {
 }
 
 fn sha256_hex(s: &str) -> String {
-    leasehold_research::report::sha256_hex(s)
+    leasehold_testkit::doors::report_sha256_hex(s)
 }
 
 /// Waits until a process has exited (a crash point aborted it).
@@ -329,7 +329,7 @@ async fn research_corrupted_checkpoint_walks_back() {
             .find(|e| e.r#type == "phase" && e.data_map()["phase"] == "outline")
             .unwrap();
         let fp = good.data_map()["v"].clone();
-        let ev = leasehold_store::events::event(
+        let ev = leasehold_testkit::record::event(
             id,
             good.epoch,
             "phase",
@@ -565,16 +565,16 @@ async fn research_kill_after_journaled_model_responses() {
 /// stop timeout drops everything) aborts it.
 #[tokio::test]
 async fn the_checkpoint_flusher_never_outlives_its_attempt() {
-    use leasehold_core::machine::Owner;
-    use leasehold_worker::checkpoint::Flusher;
+    use leasehold_testkit::doors::owner::Flusher;
+    use leasehold_testkit::doors::owner::Owner;
     use std::sync::Arc;
-    let env = crate::support::Env::new().await;
+    let env = leasehold_testkit::Fleet::start().await;
     let owner = Owner {
         worker_id: "w".into(),
         claim_token: "t".into(),
         epoch: 1,
     };
-    let dead_within = |fence: Arc<tokio::sync::Mutex<leasehold_store::events::Fence>>| async move {
+    let dead_within = |fence: Arc<tokio::sync::Mutex<leasehold_testkit::doors::owner::Fence>>| async move {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while Arc::strong_count(&fence) > 1 {
             assert!(
@@ -591,7 +591,8 @@ async fn the_checkpoint_flusher_never_outlives_its_attempt() {
                 .await
                 .unwrap(),
         ));
-        let gate = leasehold_store::Gate::new(env.jobs.clone(), "fl", owner.clone());
+        let gate =
+            leasehold_testkit::doors::owner::Gate::new(env.jobs.clone(), "fl", owner.clone());
         let (flusher, handle) = Flusher::start(
             fence.clone(),
             gate,
@@ -653,7 +654,7 @@ async fn research_paused_owner_neither_overwrites_the_artifact_nor_delivers_agai
         Some(sha256_hex(&doc).as_str()),
         "the stored artifact is the one the record names (A did not overwrite it)"
     );
-    let now = lab.env.jobs.get(id).await.unwrap().unwrap().value;
+    let now = lab.env.record(id).await.unwrap();
     assert_eq!(now.status, "completed");
     assert_eq!(now.epoch, 2);
     lab.env
@@ -722,20 +723,11 @@ async fn research_transcripts_can_go_before_the_job() {
     let count = |evs: &[JobEvent], ty: &str| evs.iter().filter(|e| e.r#type == ty).count();
     assert!(count(&before, "journal") > 0 && count(&before, "tool") > 0);
     // Full retention off, transcripts dropped as soon as the job finished.
-    let mut o = <leasehold_reaper::Options as clap::Parser>::parse_from([
-        "leasehold-reaper",
-        "--retention",
-        "0s",
-        "--transcript-retention",
-        "0s",
-    ]);
-    o.nats = leasehold_store::NatsArgs::local(lab.env.url(), &lab.env.prefix);
+    let mut o = lab
+        .env
+        .reaper_args(&["--retention", "0s", "--transcript-retention", "0s"]);
     o.interval = Duration::from_millis(200);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let reaper = leasehold_reaper::Reaper::new(o)
-        .start(stop.clone())
-        .await
-        .unwrap();
+    let (reaper, stop) = lab.env.reaper_with(o).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     let after = loop {
         let evs = lab.env.events_of("r-tx").await;
@@ -753,7 +745,7 @@ async fn research_transcripts_can_go_before_the_job() {
     for ty in ["claimed", "phase", "section", "completed"] {
         assert_eq!(count(&after, ty), count(&before, ty), "{ty} events kept");
     }
-    assert_eq!(lab.env.jobs.get("r-tx").await.unwrap().unwrap().value, rec);
+    assert_eq!(lab.env.record("r-tx").await.unwrap(), rec);
     let doc = lab.artifact(&rec).await;
     assert!(doc.contains("## Appendix A: Sources"));
     stop.cancel();
@@ -1021,7 +1013,7 @@ async fn a_cancelled_research_job_keeps_a_partial_report() {
         .await;
     first_section(&lab, "r-part").await;
     let url = lab.env.url();
-    let (code, out, err) = crate::support::cli(&url, &["cancel", "r-part"]).await;
+    let (code, out, err) = leasehold_testkit::cli(&url, &["cancel", "r-part"]).await;
     assert_eq!(code, 0, "{out}{err}");
     let r = lab
         .env
@@ -1039,7 +1031,7 @@ async fn a_cancelled_research_job_keeps_a_partial_report() {
         doc.contains("Partial report: the job was cancelled"),
         "{doc}"
     );
-    let (code, out, err) = crate::support::cli(&url, &["result", "r-part"]).await;
+    let (code, out, err) = leasehold_testkit::cli(&url, &["result", "r-part"]).await;
     assert_eq!(code, 1, "{err}");
     assert!(out.contains("Partial report"), "{out}");
     assert!(

@@ -3,30 +3,25 @@
 
 use std::time::Duration;
 
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::Env;
+use leasehold_testkit::Fleet;
 
 async fn reaper(
-    env: &Env,
+    env: &Fleet,
     retention: &str,
     per_kind: &[&str],
-) -> (leasehold_reaper::Handle, CancellationToken) {
-    let mut args = vec!["leasehold-reaper", "--retention", retention];
+) -> (leasehold_testkit::doors::reaper::Handle, CancellationToken) {
+    let mut args = vec!["--retention", retention];
     let joined = per_kind.join(",");
     if !per_kind.is_empty() {
         args.extend(["--retention-kind", joined.as_str()]);
     }
-    let mut o = <ReaperOptions as clap::Parser>::parse_from(args);
-    o.nats = leasehold_store::NatsArgs::local(env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
-    let stop = CancellationToken::new();
-    (Reaper::new(o).start(stop.clone()).await.unwrap(), stop)
+    env.reaper_with(env.reaper_args(&args)).await
 }
 
-async fn gone(env: &Env, id: &str, within: Duration) {
+async fn gone(env: &Fleet, id: &str, within: Duration) {
     let deadline = tokio::time::Instant::now() + within;
     while env.jobs.get(id).await.unwrap().is_some() {
         assert!(
@@ -41,8 +36,8 @@ async fn gone(env: &Env, id: &str, within: Duration) {
 async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_start_again() {
     // A dedupe window shorter than the retention, as in production (1 h
     // against 7 days): the id may come back once both passed.
-    let env = Env::with(leasehold_store::setup::SetupOptions {
-        ack_wait: crate::support::ACK_WAIT,
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
+        ack_wait: leasehold_testkit::ACK_WAIT,
         dedupe_window: Duration::from_secs(1),
         ..Default::default()
     })
@@ -69,7 +64,7 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
     with_artifact.result.as_mut().unwrap().artifact = Some("ret-1/report.md".into());
     env.jobs.update(&with_artifact, v.revision).await.unwrap();
     // A parked job is unfinished: kept whatever its age.
-    let mut parked = leasehold_core::machine::new_record(
+    let mut parked = leasehold_testkit::record::new_record(
         "kept-parked",
         "echo",
         Default::default(),
@@ -77,7 +72,7 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
         std::time::SystemTime::now() - Duration::from_secs(3600),
     );
     parked.status = "parked".into();
-    env.put_indexed(&parked).await;
+    env.seed_record(&parked).await;
     assert!(!env.events_of("ret-1").await.is_empty());
 
     let r = reaper(&env, "2s", &[]).await;
@@ -118,15 +113,8 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
     );
 
     // The id starts a new life: nothing of the old one is there.
-    env.work
-        .submit(
-            "echo",
-            json!({"input": {"life": 2}}).to_string().into(),
-            Some("ret-1"),
-            None,
-        )
-        .await
-        .unwrap();
+    env.ticket("echo", json!({"input": {"life": 2}}), "ret-1")
+        .await;
     let again = env
         .wait_status("ret-1", "completed", Duration::from_secs(10))
         .await;
@@ -141,7 +129,7 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
 
 #[tokio::test]
 async fn retention_can_differ_by_kind() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     env.submit("echo", json!({"input": {}}), "short-lived")
         .await;
@@ -171,18 +159,18 @@ async fn retention_can_differ_by_kind() {
 // job now stays as long as its letter may be replayed.
 #[tokio::test]
 async fn a_dead_job_is_kept_as_long_as_its_dead_letter_lives() {
-    let env = Env::with(leasehold_store::setup::SetupOptions {
-        ack_wait: crate::support::ACK_WAIT,
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
+        ack_wait: leasehold_testkit::ACK_WAIT,
         dlq_max_age: Duration::from_secs(5),
         ..Default::default()
     })
     .await;
     let big = "z".repeat(40_000);
     for (id, status) in [("ended-dead", "dead"), ("ended-failed", "failed")] {
-        let mut rec = leasehold_core::machine::new_record(
+        let mut rec = leasehold_testkit::record::new_record(
             id,
             "echo",
-            leasehold_core::JobSpec {
+            leasehold_testkit::record::JobSpec {
                 input: json!({"text": big}).to_string(),
                 ..Default::default()
             },
@@ -193,7 +181,7 @@ async fn a_dead_job_is_kept_as_long_as_its_dead_letter_lives() {
         rec.epoch = 1;
         env.jobs.externalize(&mut rec).await.unwrap();
         env.jobs.create(&rec).await.unwrap();
-        let ev = leasehold_store::events::event(id, 1, status, None, json!({"kind": "echo"}));
+        let ev = leasehold_testkit::record::event(id, 1, status, None, json!({"kind": "echo"}));
         env.events.publish(&ev, None).await.unwrap();
     }
     // A document the failed job stored before it failed: its result names
@@ -235,7 +223,7 @@ async fn a_dead_job_is_kept_as_long_as_its_dead_letter_lives() {
 // forgotten job and `leasehold submit` said "this is the same job".
 #[tokio::test]
 async fn a_reused_id_swallowed_by_the_dedupe_window_is_an_error_not_a_duplicate() {
-    let env = Env::new().await; // dedupe window: 1 h
+    let env = Fleet::start().await; // dedupe window: 1 h
     let (w, stop) = env.worker().await;
     let submit = |id: &'static str| {
         let url = env.url();
@@ -279,13 +267,13 @@ async fn a_reused_id_swallowed_by_the_dedupe_window_is_an_error_not_a_duplicate(
 // one's result: the new document was never delivered.
 #[tokio::test]
 async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
-    let env = Env::with(leasehold_store::setup::SetupOptions {
-        ack_wait: crate::support::ACK_WAIT,
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
+        ack_wait: leasehold_testkit::ACK_WAIT,
         dedupe_window: Duration::from_secs(1),
         ..Default::default()
     })
     .await;
-    let (_sim, base) = crate::support::spawn_sim(&[]).await;
+    let (_sim, base) = leasehold_testkit::spawn_sim(&[]).await;
     let _w = env.worker_proc(
         &[],
         &[
@@ -298,10 +286,11 @@ async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
     let one = env
         .wait_status("rd-1", "completed", Duration::from_secs(20))
         .await;
-    let ledger = leasehold_store::effects::open(&env.conn.js, &env.conn.layout.effects_bucket())
-        .await
-        .unwrap();
-    let first = leasehold_store::effects::scan_prefix(&env.conn.js, &ledger, "rd-1")
+    let ledger =
+        leasehold_testkit::doors::ledger::open(&env.conn.js, &env.conn.layout.effects_bucket())
+            .await
+            .unwrap();
+    let first = leasehold_testkit::doors::ledger::scan_prefix(&env.conn.js, &ledger, "rd-1")
         .await
         .unwrap();
     assert!(!first.is_empty(), "the delivery wrote its ledger entries");
@@ -309,7 +298,7 @@ async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
     gone(&env, "rd-1", Duration::from_secs(15)).await;
     // The reaper purged the job's ledger entries (through store, knowing
     // no tools) before the record: nothing of the first life is left.
-    let left = leasehold_store::effects::scan_prefix(&env.conn.js, &ledger, "rd-1")
+    let left = leasehold_testkit::doors::ledger::scan_prefix(&env.conn.js, &ledger, "rd-1")
         .await
         .unwrap();
     assert!(left.is_empty(), "ledger entries left: {left:?}");
@@ -330,7 +319,7 @@ async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
         .map(|e| e["body"]["document"].as_str().unwrap())
         .collect();
     assert_eq!(docs, ["first life", "second life"], "{sink}");
-    let out = |r: &leasehold_core::JobRecord| -> serde_json::Value {
+    let out = |r: &leasehold::JobRecord| -> serde_json::Value {
         serde_json::from_str(&r.result.as_ref().unwrap().output).unwrap()
     };
     assert_ne!(out(&one)["key"], out(&two)["key"]);
@@ -347,7 +336,7 @@ async fn a_reused_id_delivers_its_own_document_never_the_earlier_jobs_result() {
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reaper_killed_in_the_middle_of_forgetting_a_job_leaves_it_for_the_next() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     env.submit("echo", json!({"input": {}}), "half-forgotten")
         .await;
@@ -400,7 +389,7 @@ async fn a_reaper_killed_in_the_middle_of_forgetting_a_job_leaves_it_for_the_nex
 // the id's next job.
 #[tokio::test]
 async fn events_after_the_terminal_event_go_with_the_job() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     env.submit("echo", json!({"input": {"late": 1}}), "late-ev")
         .await;
@@ -427,7 +416,7 @@ async fn events_after_the_terminal_event_go_with_the_job() {
             json!({"action": "cancel", "by": "ops", "via": "console"}),
         ),
     ] {
-        let ev = leasehold_store::events::event("late-ev", done.epoch, ty, Some("stale-w"), data);
+        let ev = leasehold_testkit::record::event("late-ev", done.epoch, ty, Some("stale-w"), data);
         env.events.publish(&ev, None).await.unwrap();
     }
     let types: Vec<String> = env
@@ -470,11 +459,11 @@ async fn events_after_the_terminal_event_go_with_the_job() {
 // was submitted again, deleted the new job's entry when it resumed.
 #[tokio::test]
 async fn a_paused_remover_of_an_earlier_incarnation_keeps_the_reused_ids_entry() {
-    use leasehold_store::index::{Active, Key};
-    let env = Env::new().await;
+    use leasehold_testkit::doors::index::Key;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     // What the paused remover read: the earlier incarnation, dead at epoch 5.
-    let mut old = leasehold_core::machine::new_record(
+    let mut old = leasehold_testkit::record::new_record(
         "reused",
         "sleep",
         Default::default(),
@@ -492,7 +481,7 @@ async fn a_paused_remover_of_an_earlier_incarnation_keeps_the_reused_ids_entry()
     .await;
     env.wait_status("reused", "queued", Duration::from_secs(10))
         .await;
-    let active = Active::open(&env.conn).await.unwrap();
+    let active = env.active().await;
     let wait = Key::Wait {
         job: "reused".into(),
     };
@@ -510,7 +499,7 @@ async fn a_paused_remover_of_an_earlier_incarnation_keeps_the_reused_ids_entry()
         "the new incarnation's entry was removed by a remover of the old one"
     );
     // Its own incarnation's remover still removes it.
-    let cur = env.jobs.get("reused").await.unwrap().unwrap().value;
+    let cur = env.record("reused").await.unwrap();
     let mut finished = cur.clone();
     finished.epoch += 1;
     active.remove(&wait, &finished).await.unwrap();

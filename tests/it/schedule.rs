@@ -4,21 +4,19 @@
 
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::time::{parse_rfc3339, rfc3339};
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
+use leasehold_testkit::doors::reaper::Options as ReaperOptions;
+use leasehold_testkit::record::{parse_rfc3339, rfc3339};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use leasehold_harness::Proc;
 
-use crate::support::{cli, Env};
+use leasehold_testkit::{cli, Fleet};
 
-async fn reaper(env: &Env) -> CancellationToken {
+async fn reaper(env: &Fleet) -> CancellationToken {
     let mut o = ReaperOptions::local(&env.url(), &env.prefix);
     o.interval = Duration::from_millis(200);
-    let stop = CancellationToken::new();
-    let _h = Reaper::new(o).start(stop.clone()).await.unwrap();
-    stop
+    env.reaper_with(o).await.1
 }
 
 fn status_json(out: &str) -> serde_json::Value {
@@ -27,7 +25,7 @@ fn status_json(out: &str) -> serde_json::Value {
 
 #[tokio::test]
 async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     let url = env.url();
     let before = SystemTime::now();
@@ -61,10 +59,7 @@ async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
     assert!(out.contains("later-1"), "list shows the waiting job: {out}");
     // Still queued shortly before it is due.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(
-        env.jobs.get("later-1").await.unwrap().unwrap().value.status,
-        "queued"
-    );
+    assert_eq!(env.record("later-1").await.unwrap().status, "queued");
     let done = env
         .wait_status("later-1", "completed", Duration::from_secs(15))
         .await;
@@ -91,7 +86,7 @@ async fn a_delayed_job_is_queued_with_its_due_time_and_runs_only_then() {
 /// the trace the submission named, and both are listed as waiting.
 #[tokio::test]
 async fn a_delayed_jobs_record_keeps_its_trace_whether_the_gateway_or_its_claim_makes_it() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     let url = env.url();
     let sent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -133,7 +128,7 @@ async fn a_delayed_jobs_record_keeps_its_trace_whether_the_gateway_or_its_claim_
         assert_eq!(rec.next_run_at.as_deref(), Some(run_at.as_str()), "{id}");
         // The entry follows the record's create.
         env.wait_listed(id, "waiting", Duration::from_secs(10), |k| {
-            matches!(k, leasehold_store::index::Key::Wait { .. })
+            matches!(k, leasehold_testkit::doors::index::Key::Wait { .. })
         })
         .await;
     }
@@ -146,7 +141,7 @@ async fn a_delayed_jobs_record_keeps_its_trace_whether_the_gateway_or_its_claim_
 
 #[tokio::test]
 async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     let url = env.url();
     let (code, out, err) = cli(
@@ -169,7 +164,7 @@ async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
         .await;
     // Past its due time it is still cancelled and was never claimed.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let rec = env.jobs.get("later-c").await.unwrap().unwrap().value;
+    let rec = env.record("later-c").await.unwrap();
     assert_eq!(
         (rec.status.as_str(), rec.epoch),
         ("cancelled", 0),
@@ -187,7 +182,7 @@ async fn a_delayed_job_cancelled_before_it_is_due_never_runs() {
 
 #[tokio::test]
 async fn a_long_delay_costs_its_ticket_at_most_two_deliveries_and_is_never_dead_lettered() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     let stop_reaper = reaper(&env).await;
     // Published raw, as any NATS client would: the worker's claim records it.
@@ -213,7 +208,7 @@ async fn a_long_delay_costs_its_ticket_at_most_two_deliveries_and_is_never_dead_
         info.num_ack_pending, 0,
         "the ticket was released to the job's wake-up, not held for its wait"
     );
-    let rec = env.jobs.get("later-long").await.unwrap().unwrap().value;
+    let rec = env.record("later-long").await.unwrap();
     assert_eq!((rec.status.as_str(), rec.epoch), ("queued", 0), "{rec:?}");
     let (_, out, _) = cli(&env.url(), &["dlq", "list", "--json"]).await;
     assert!(!out.contains("later-long"), "dead-lettered: {out}");
@@ -229,7 +224,7 @@ async fn a_long_delay_costs_its_ticket_at_most_two_deliveries_and_is_never_dead_
 /// gets one ticket.
 #[tokio::test]
 async fn delayed_jobs_hold_no_ack_pending_slot_and_still_run_at_their_time() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let stream = env
         .conn
         .js
@@ -296,7 +291,7 @@ async fn delayed_jobs_hold_no_ack_pending_slot_and_still_run_at_their_time() {
 
 #[tokio::test]
 async fn bad_run_times_are_refused_with_exit_2_and_the_reason() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     let past = rfc3339(SystemTime::now() - Duration::from_secs(600));
     let far = rfc3339(SystemTime::now() + Duration::from_secs(400 * 86_400));
@@ -351,7 +346,7 @@ fn unix(t: SystemTime) -> u64 {
 
 #[tokio::test]
 async fn bad_schedules_are_refused_with_their_exit_code_and_reason() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (
@@ -429,7 +424,7 @@ async fn bad_schedules_are_refused_with_their_exit_code_and_reason() {
 
 #[tokio::test]
 async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a_tick() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     let url = env.url();
     let renv = vec![
@@ -441,8 +436,8 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     ];
     let mut r1 = Proc::spawn("leasehold-reaper", &[], &renv);
     let r2 = Proc::spawn("leasehold-reaper", &[], &renv);
-    crate::support::wait_log(&r1, "sweep", Duration::from_secs(20)).await;
-    crate::support::wait_log(&r2, "sweep", Duration::from_secs(20)).await;
+    leasehold_testkit::wait_log(&r1, "sweep", Duration::from_secs(20)).await;
+    leasehold_testkit::wait_log(&r2, "sweep", Duration::from_secs(20)).await;
     let added = SystemTime::now();
     let (code, out, err) = cli(
         &url,
@@ -532,7 +527,7 @@ async fn a_delayed_job_that_fails_once_is_retried_and_completes() {
     // the record's next_run_at decides). That a run time more than 5m old
     // is not refused on a retry is by construction (`Work::reissue`), not
     // shown here: that would take 5 minutes.
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     env.submit(
         "fail",
@@ -551,7 +546,7 @@ async fn a_delayed_job_that_fails_once_is_retried_and_completes() {
 // refused when added, naming the kinds set up.
 #[tokio::test]
 async fn a_schedule_of_a_kind_not_set_up_is_refused() {
-    let env = Env::with(leasehold_store::setup::SetupOptions {
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
         kinds: vec!["echo".into()],
         ..Default::default()
     })
@@ -583,12 +578,11 @@ async fn a_schedule_of_a_kind_not_set_up_is_refused() {
 /// than at the next sweep, and each once.
 #[tokio::test]
 async fn a_seconds_schedule_fires_every_tick_at_its_time_whatever_the_sweep_interval() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     let o = ReaperOptions::local(&env.url(), &env.prefix);
     assert_eq!(o.interval, Duration::from_secs(10));
-    let stop_reaper = CancellationToken::new();
-    let reaper = Reaper::new(o).start(stop_reaper.clone()).await.unwrap();
+    let (reaper, stop_reaper) = env.reaper_with(o).await;
     let added = SystemTime::now();
     let (code, out, err) = cli(
         &env.url(),

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold::{Ctx, Error, Kind};
-use leasehold_store::setup::SetupOptions;
+use leasehold_testkit::SetupOptions;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::support::*;
+use leasehold_testkit::*;
 
 /// What the test kind does in each attempt (the "code" of that attempt).
 #[derive(Default)]
@@ -68,13 +68,13 @@ impl Kind for Steps {
     }
 }
 
-async fn run(mode: &str) -> (Env, Arc<Script>, leasehold_core::JobRecord) {
+async fn run(mode: &str) -> (Fleet, Arc<Script>, leasehold::JobRecord) {
     let mut o = SetupOptions {
         ack_wait: ACK_WAIT,
         ..SetupOptions::default()
     };
     o.kinds.push("steps".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let script = Arc::new(Script::default());
     let mut opts = env.opts();
     opts.kinds = vec!["steps".into()];
@@ -201,7 +201,7 @@ async fn an_agent_call_runs_the_users_tools_and_is_not_repeated_once_recorded() 
         ..SetupOptions::default()
     };
     o.kinds.push("researcher".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let (searches, fetches) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
     let mut opts = env.opts();
@@ -289,7 +289,7 @@ async fn a_budget_exhausted_agent_ends_budget_exhausted_as_research_does() {
         ..SetupOptions::default()
     };
     o.kinds.push("onestep".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let mut opts = env.opts();
     opts.kinds = vec!["onestep".into()];
@@ -342,10 +342,10 @@ async fn a_kill_9_during_an_agent_call_repeats_at_most_the_model_call_in_flight(
         ..SetupOptions::default()
     };
     o.kinds.push("agent-test".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     // Paced tokens: the section's answer takes a while to stream.
     let (_sim, sim) = spawn_sim(&[("LH_SIM_TOKEN_DELAY_MS", "15".into())]).await;
-    let worker = |env: &Env| {
+    let worker = |env: &Fleet| {
         let mut e = env.proc_env();
         e.push(("LH_KINDS", "agent-test".into()));
         e.push(("SIM_URL", sim.clone()));
@@ -476,7 +476,7 @@ async fn a_kind_checkpoints_itself_resumes_from_its_events_and_names_its_documen
         ..SetupOptions::default()
     };
     o.kinds.push("chapters".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let mut opts = env.opts();
     opts.kinds = vec!["chapters".into()];
     opts.retry_base = Duration::from_millis(10);
@@ -570,7 +570,7 @@ async fn a_second_park_asks_again_and_never_takes_the_first_parks_answer() {
         ..SetupOptions::default()
     };
     o.kinds.push("gates".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let mut opts = env.opts();
     opts.kinds = vec!["gates".into()];
     let stop = CancellationToken::new();
@@ -656,12 +656,12 @@ async fn a_step_record_whose_puback_is_lost_is_tried_again_not_the_jobs_end() {
         ..SetupOptions::default()
     };
     o.kinds.push("three".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
     let step = format!("{}.events.three-1.step", env.prefix);
     proxy.mute_reply_to(&step, 2);
     let mut opts = env.opts();
-    opts.nats = leasehold_store::NatsArgs::local(proxy.url(), &env.prefix);
+    opts.nats = leasehold_testkit::doors::layout::NatsArgs::local(proxy.url(), &env.prefix);
     opts.kinds = vec!["three".into()];
     let ran = Arc::new([AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0)]);
     let stop = CancellationToken::new();
@@ -727,7 +727,7 @@ async fn a_step_inside_a_steps_closure_fails_at_once_naming_both() {
         ..SetupOptions::default()
     };
     o.kinds.push("nested".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let mut opts = env.opts();
     opts.kinds = vec!["nested".into()];
     let stop = CancellationToken::new();
@@ -762,13 +762,13 @@ async fn an_agent_journal_entry_whose_puback_is_lost_is_tried_again_and_the_jour
         ..SetupOptions::default()
     };
     o.kinds.push("researcher".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
     let agent = format!("{}.events.ag-mute.agent", env.prefix);
     proxy.mute_reply_to(&agent, 1);
     let mut opts = env.opts();
-    opts.nats = leasehold_store::NatsArgs::local(proxy.url(), &env.prefix);
+    opts.nats = leasehold_testkit::doors::layout::NatsArgs::local(proxy.url(), &env.prefix);
     opts.kinds = vec!["researcher".into()];
     let model = leasehold::ModelConfig {
         base_url: format!("{sim}/v1"),
@@ -847,7 +847,7 @@ async fn two_workers_in_one_process_count_their_own_jobs_in_their_own_metrics() 
         ..SetupOptions::default()
     };
     o.kinds.push("notes".into());
-    let env = Env::with(o).await;
+    let env = Fleet::with(o).await;
     let stop = CancellationToken::new();
     let mut opts = env.opts();
     opts.kinds = vec!["notes".into()];

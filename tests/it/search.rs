@@ -9,28 +9,26 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::consumer;
 use futures::StreamExt;
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use leasehold_harness::Proc;
-use leasehold_reaper::{Options as ReaperOptions, Reaper};
-use leasehold_store::history::{self, Entry, Query, QueryText};
-use leasehold_store::recovery::Recovery;
+use leasehold_testkit::doors::history::Recovery;
+use leasehold_testkit::doors::history::{history, Entry, Query, QueryText};
+use leasehold_testkit::doors::reaper::Options as ReaperOptions;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::console::{spawn_console, Browser};
-use crate::support::{cli, wait_log, Env};
+use leasehold_testkit::{cli, wait_log, Fleet};
 
-async fn reaper(env: &Env) -> CancellationToken {
+async fn reaper(env: &Fleet) -> CancellationToken {
     let mut o = ReaperOptions::local(&env.url(), &env.prefix);
     o.interval = Duration::from_millis(300);
-    let stop = CancellationToken::new();
-    let _h = Reaper::new(o).start(stop.clone()).await.unwrap();
-    stop
+    env.reaper_with(o).await.1
 }
 
 /// Follows the history stream (an ordered consumer: each entry as it is
 /// stored) until it holds `n` entries; all of them by sequence.
-async fn wait_history(env: &Env, n: usize, timeout: Duration) -> Vec<(u64, Entry)> {
+async fn wait_history(env: &Fleet, n: usize, timeout: Duration) -> Vec<(u64, Entry)> {
     let s = env
         .conn
         .js
@@ -62,7 +60,7 @@ async fn wait_history(env: &Env, n: usize, timeout: Duration) -> Vec<(u64, Entry
 }
 
 /// How many entries the stream holds now.
-async fn history_len(env: &Env) -> u64 {
+async fn history_len(env: &Fleet) -> u64 {
     let mut s = env
         .conn
         .js
@@ -74,7 +72,7 @@ async fn history_len(env: &Env) -> u64 {
 
 /// Waits until the historian has nothing left to handle (its consumer has
 /// no pending or unacked event), so no entry can still come.
-async fn historian_idle(env: &Env, timeout: Duration) {
+async fn historian_idle(env: &Fleet, timeout: Duration) {
     let s = env
         .conn
         .js
@@ -99,7 +97,7 @@ async fn historian_idle(env: &Env, timeout: Duration) {
     }
 }
 
-async fn cancel(env: &Env, id: &str) {
+async fn cancel(env: &Fleet, id: &str) {
     env.conn
         .client
         .request(format!("lh.cancel.{id}"), "".into())
@@ -120,7 +118,7 @@ fn ids(p: &history::Page) -> Vec<String> {
     v
 }
 
-async fn search(env: &Env, t: QueryText) -> history::Page {
+async fn search(env: &Fleet, t: QueryText) -> history::Page {
     let q = Query::parse(&t, SystemTime::now()).unwrap();
     history::search(&env.conn, &q).await.unwrap()
 }
@@ -141,7 +139,7 @@ async fn boundary() -> SystemTime {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_way_a_job_ends_leaves_one_entry_and_searches_find_exactly_theirs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let stop_r = reaper(&env).await;
     let (w, stop) = env.worker().await;
     // Completed (two tenants), failed (the built-in `fail` kind), rejected
@@ -186,7 +184,7 @@ async fn every_way_a_job_ends_leaves_one_entry_and_searches_find_exactly_theirs(
         status: "dead".into(),
         epoch: 2,
         stale_reclaims: 3,
-        created_at: leasehold_core::time::rfc3339(SystemTime::now()),
+        created_at: leasehold_testkit::record::now(),
         error: Some(leasehold_proto::JobError {
             class: "poison".into(),
             message: "crashed its workers 3 times".into(),
@@ -315,7 +313,7 @@ async fn every_way_a_job_ends_leaves_one_entry_and_searches_find_exactly_theirs(
     env.submit("echo", json!({"input": {}, "tenant": "acme"}), "later")
         .await;
     wait_history(&env, 9, Duration::from_secs(30)).await;
-    let at = |t| leasehold_core::time::rfc3339(t);
+    let at = |t| leasehold_testkit::record::rfc3339(t);
     let p = search(
         &env,
         QueryText {
@@ -415,7 +413,7 @@ async fn every_way_a_job_ends_leaves_one_entry_and_searches_find_exactly_theirs(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reaper_killed_mid_stream_leaves_no_gap_and_no_duplicate() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env
         .worker_with({
             let mut o = env.opts();
@@ -461,7 +459,7 @@ async fn a_reaper_killed_mid_stream_leaves_no_gap_and_no_duplicate() {
 fn next_second(t: SystemTime) -> (String, SystemTime) {
     let secs = t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs() + 1;
     let at = SystemTime::UNIX_EPOCH + Duration::from_secs(secs);
-    let s = leasehold_core::time::rfc3339(at);
+    let s = leasehold_testkit::record::rfc3339(at);
     (s[..19].to_string(), at)
 }
 
@@ -474,7 +472,7 @@ async fn pass(at: SystemTime) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_in_a_browser_searches_the_history_by_time_range() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let stop_r = reaper(&env).await;
     let (w, stop) = env.worker().await;
     let console = spawn_console(&env, &[]).await;

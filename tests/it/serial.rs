@@ -10,12 +10,12 @@
 
 use std::time::Duration;
 
-use leasehold_flow::provider_key;
 use leasehold_proto::JobEvent;
-use leasehold_store::flow::FlowStore;
+use leasehold_testkit::doors::flow::provider_key;
+use leasehold_testkit::doors::flow::FlowStore;
 use serde_json::{json, Value};
 
-use crate::support::*;
+use leasehold_testkit::*;
 
 /// Streams long enough that two experts overlap (a section is a few
 /// hundred tokens, a tool proposal a handful of chunks).
@@ -33,7 +33,7 @@ fn key_of(sim: &str) -> String {
     provider_key(&format!("{sim}/v1"), "sim-1", None).0
 }
 
-async fn submit_two_by_two(env: &Env, id: &str) {
+async fn submit_two_by_two(env: &Fleet, id: &str) {
     env.submit(
         "research",
         json!({"input": {"topic": format!("one request at a time {id}"), "experts": 2, "sections": 2}}),
@@ -44,7 +44,7 @@ async fn submit_two_by_two(env: &Env, id: &str) {
 
 /// The job's record once it ended, completed with nothing skipped and no
 /// attempt spent; and its events, up to its `completed` event.
-async fn completed_whole(env: &Env, id: &str) -> Vec<JobEvent> {
+async fn completed_whole(env: &Fleet, id: &str) -> Vec<JobEvent> {
     let rec = env
         .wait_for(id, Duration::from_secs(90), |r| {
             matches!(
@@ -78,7 +78,7 @@ async fn stats(sim: &str) -> Value {
     sim_json(sim, "GET", "/stats", None).await
 }
 
-async fn limits_row(env: &Env, id: &str) -> Value {
+async fn limits_row(env: &Fleet, id: &str) -> Value {
     let (code, out, err) = cli(&env.url(), &["limits", "list", "--json"]).await;
     assert_eq!(code, 0, "{err}");
     out.lines()
@@ -94,7 +94,7 @@ async fn limits_row(env: &Env, id: &str) -> Value {
 /// reason, and `limits clear --concurrency` forgets it.
 #[tokio::test]
 async fn serial_two_experts_on_a_server_that_interrupts_lose_no_section() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = interrupting_sim().await;
     let _w = research_worker(&env, &sim, &format!("{sim}/v1"), &[("LH_WORKER_ID", "w-a")]);
     submit_two_by_two(&env, "ser-1").await;
@@ -148,7 +148,7 @@ async fn serial_two_experts_on_a_server_that_interrupts_lose_no_section() {
 /// them, so the server (which would cut any overlap) cuts nothing more.
 #[tokio::test]
 async fn serial_a_fleet_of_two_learns_the_limit_from_one_workers_evidence() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = interrupting_sim().await;
     let base = format!("{sim}/v1");
     let one_job = ("LH_CONCURRENCY", "1");
@@ -197,7 +197,7 @@ async fn serial_a_fleet_of_two_learns_the_limit_from_one_workers_evidence() {
 /// nothing learned. A bad value stops the worker at start, naming it.
 #[tokio::test]
 async fn serial_model_concurrency_set_by_hand_and_bad_values() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = interrupting_sim().await;
     let base = format!("{sim}/v1");
     for v in ["0", "two", "-1", "1.5"] {

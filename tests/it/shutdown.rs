@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use leasehold_harness::Proc;
 use serde_json::json;
 
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 const DRAIN: Duration = Duration::from_millis(500);
 const HAND_BACK: Duration = Duration::from_secs(2);
@@ -36,7 +36,7 @@ async fn exit_of(mut p: Proc, t0: Instant, patience: Duration) -> (Proc, Option<
 }
 
 async fn stopped_during(outage: Outage) {
-    let mut env = Env::new().await;
+    let mut env = Fleet::start().await;
     let worker = env.worker_proc(
         &["--worker-id", "stopping"],
         &[
@@ -153,7 +153,7 @@ async fn a_worker_and_a_reaper_stopped_while_nats_hangs_exit_within_their_bound(
 /// A second signal does not wait for the first one's drain.
 #[tokio::test]
 async fn a_second_sigterm_exits_at_once() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let worker = env.worker_proc(&[], &[("LH_DRAIN_TIMEOUT", "30s".into())]);
     wait_log(&worker, "worker starting", Duration::from_secs(20)).await;
     env.submit("sleep", json!({"input": {"ms": 20000}}), "long")
@@ -274,7 +274,7 @@ async fn a_soak_stopped_by_a_signal_leaves_no_process_behind() {
 /// after its drain timeout instead of waiting for it.
 #[tokio::test]
 async fn a_console_with_an_open_event_stream_stops_within_its_bound() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_w, stop) = env.worker().await;
     env.submit("sleep", json!({"input": {"ms": 60000}}), "watched")
         .await;

@@ -7,11 +7,11 @@ use futures::StreamExt;
 use prost::Message as _;
 use serde_json::json;
 
-use crate::support::Env;
+use leasehold_testkit::Fleet;
 
 #[tokio::test]
 async fn ids_dedupe_and_protobuf() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     // Header id; the same id twice is one job.
     env.submit("echo", json!({"input": {"x": 1}}), "dup").await;
@@ -82,18 +82,10 @@ async fn ids_dedupe_and_protobuf() {
     );
     // Beyond the dedupe window the record's existence still makes it one job:
     // a late duplicate ticket of a completed job is dropped, not re-run.
-    env.work
-        .submit(
-            "echo",
-            json!({"input": {"x": 3}}).to_string().into(),
-            Some("dup2"),
-            None,
-        )
-        .await
-        .unwrap();
+    env.ticket("echo", json!({"input": {"x": 3}}), "dup2").await;
     env.wait_status("dup2", "completed", Duration::from_secs(10))
         .await;
-    let late = leasehold_core::machine::new_record(
+    let late = leasehold_testkit::record::new_record(
         "dup2",
         "echo",
         Default::default(),
@@ -119,7 +111,7 @@ async fn ids_dedupe_and_protobuf() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(env.jobs.get("dup2").await.unwrap().unwrap().value.epoch, 1);
+    assert_eq!(env.record("dup2").await.unwrap().epoch, 1);
     stop.cancel();
     w.wait().await.unwrap();
 }
@@ -134,7 +126,7 @@ struct Bad {
 
 #[tokio::test]
 async fn every_bad_submission_is_rejected_precisely_and_kept() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env
         .worker_with({
             let mut o = env.opts();
@@ -231,7 +223,7 @@ async fn every_bad_submission_is_rejected_precisely_and_kept() {
         );
     }
     // The raw bytes are kept byte for byte in lh.dlq.<kind>.
-    let dlq = leasehold_store::dlq::Dlq::new(&env.conn);
+    let dlq = leasehold_testkit::doors::dlq::Dlq::new(&env.conn);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let letters = loop {
         let l = dlq.list().await.unwrap();
@@ -278,7 +270,7 @@ async fn every_bad_submission_is_rejected_precisely_and_kept() {
 
 #[tokio::test]
 async fn request_reply_submitters_get_the_error_in_the_reply() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     // Unknown kind: nothing stores it, so the gateway's error is the reply.
     let reply = env
@@ -342,8 +334,8 @@ async fn request_reply_submitters_get_the_error_in_the_reply() {
 
 #[tokio::test]
 async fn a_full_work_queue_refuses_with_a_clear_error_and_loses_nothing() {
-    let env = Env::with(leasehold_store::setup::SetupOptions {
-        ack_wait: crate::support::ACK_WAIT,
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
+        ack_wait: leasehold_testkit::ACK_WAIT,
         work_max_msgs: 3,
         ..Default::default()
     })
@@ -415,10 +407,10 @@ async fn leaseholds_own_tickets_get_the_streams_ack_never_the_gateways_answer() 
     // is published by leasehold itself, which waits for the stream's ack on
     // the same inbox: the gateway must stay silent, or its answer races the
     // ack (a quarter of the time, before this was fixed).
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     for i in 0..40 {
-        let rec = leasehold_core::machine::new_record(
+        let rec = leasehold_testkit::record::new_record(
             &format!("own-{i}"),
             "echo",
             Default::default(),
@@ -438,11 +430,11 @@ async fn leaseholds_own_tickets_get_the_streams_ack_never_the_gateways_answer() 
 // although the stream stored them.
 #[tokio::test]
 async fn a_kind_set_up_on_a_running_fleet_is_accepted_by_every_gateway() {
-    let only_echo = leasehold_store::setup::SetupOptions {
+    let only_echo = leasehold_testkit::SetupOptions {
         kinds: vec!["echo".into()],
-        ..leasehold_store::setup::SetupOptions::default()
+        ..leasehold_testkit::SetupOptions::default()
     };
-    let env = Env::with(only_echo.clone()).await;
+    let env = Fleet::with(only_echo.clone()).await;
     let mut o = env.opts();
     o.kinds = vec!["echo".into()];
     let (echo_w, stop_echo) = env.worker_with(o).await;
@@ -450,11 +442,11 @@ async fn a_kind_set_up_on_a_running_fleet_is_accepted_by_every_gateway() {
     env.submit("echo", json!({"input": {}}), "before").await;
     env.wait_status("before", "completed", Duration::from_secs(10))
         .await;
-    let both = leasehold_store::setup::SetupOptions {
+    let both = leasehold_testkit::SetupOptions {
         kinds: vec!["echo".into(), "sleep".into()],
         ..only_echo
     };
-    leasehold_store::setup::ensure(&env.conn, &both)
+    leasehold_testkit::doors::layout::ensure(&env.conn, &both)
         .await
         .unwrap();
     let mut o = env.opts();
@@ -483,16 +475,16 @@ async fn a_kind_set_up_on_a_running_fleet_is_accepted_by_every_gateway() {
 // dedupe window the new job's retry ticket was swallowed.
 #[tokio::test]
 async fn a_reissued_ticket_is_deduped_per_incarnation_of_its_id() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let t = std::time::SystemTime::now();
-    let earlier = leasehold_core::machine::new_record(
+    let earlier = leasehold_testkit::record::new_record(
         "again",
         "echo",
         Default::default(),
         1,
         t - Duration::from_secs(60),
     );
-    let later = leasehold_core::machine::new_record("again", "echo", Default::default(), 1, t);
+    let later = leasehold_testkit::record::new_record("again", "echo", Default::default(), 1, t);
     let a = env.work.reissue(&earlier, "retry", "1").await.unwrap();
     let rerun = env.work.reissue(&earlier, "retry", "1").await.unwrap();
     assert!(
@@ -511,9 +503,9 @@ async fn a_reissued_ticket_is_deduped_per_incarnation_of_its_id() {
 // record holding the id) for a submission refused to its face.
 #[tokio::test]
 async fn a_kind_not_set_up_is_refused_with_the_kinds_set_up_and_keeps_nothing() {
-    let env = Env::with(leasehold_store::setup::SetupOptions {
+    let env = Fleet::with(leasehold_testkit::SetupOptions {
         kinds: vec!["echo".into()],
-        ..leasehold_store::setup::SetupOptions::default()
+        ..leasehold_testkit::SetupOptions::default()
     })
     .await;
     let mut o = env.opts();
@@ -543,7 +535,7 @@ async fn a_kind_not_set_up_is_refused_with_the_kinds_set_up_and_keeps_nothing() 
         env.jobs.get("not-set-up").await.unwrap().is_none(),
         "no record holds the id"
     );
-    let letters = leasehold_store::dlq::Dlq::new(&env.conn)
+    let letters = leasehold_testkit::doors::dlq::Dlq::new(&env.conn)
         .list()
         .await
         .unwrap();
@@ -557,7 +549,7 @@ async fn a_kind_not_set_up_is_refused_with_the_kinds_set_up_and_keeps_nothing() 
 // (`lh.submit.<unknown>.<tenant>.<priority>`) reached nobody and vanished.
 #[tokio::test]
 async fn an_unknown_kind_on_a_lane_subject_is_rejected_and_its_bytes_kept() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let cases = [
         ("lh.submit.nosuchkind.acme.2", Some("lane-kind")),
@@ -588,7 +580,7 @@ async fn an_unknown_kind_on_a_lane_subject_is_rejected_and_its_bytes_kept() {
         assert!(err.message.contains("unknown kind"), "{id}: {err:?}");
     }
     // Every one is a dead letter carrying its bytes.
-    let dlq = leasehold_store::dlq::Dlq::new(&env.conn);
+    let dlq = leasehold_testkit::doors::dlq::Dlq::new(&env.conn);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let letters = loop {
         let l = dlq.list().await.unwrap();
@@ -634,12 +626,12 @@ async fn an_unknown_kind_on_a_lane_subject_is_rejected_and_its_bytes_kept() {
 /// job is still recorded rejected and its bytes kept as a dead letter.
 #[tokio::test]
 async fn a_submission_the_fleet_refuses_fails_the_submit_command_with_its_reason() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut o = env.opts();
     o.max_submission_bytes = 64;
     let (_w, stop) = env.worker_with(o).await;
     let big = json!({"input": {"text": "x".repeat(200)}}).to_string();
-    let (code, out, err) = crate::support::cli(
+    let (code, out, err) = leasehold_testkit::cli(
         &env.url(),
         &["submit", "echo", &big, "--id", "too-big-for-the-fleet"],
     )

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use leasehold_core::time::parse_rfc3339;
 use leasehold_harness::Proc;
+use leasehold_testkit::record::parse_rfc3339;
 use serde_json::json;
 
-use crate::support::*;
+use leasehold_testkit::*;
 
 fn sleep_job(tenant: &str, priority: Option<i32>, ms: u64) -> serde_json::Value {
     let mut s = json!({"input": {"ms": ms}, "tenant": tenant});
@@ -20,7 +20,7 @@ fn sleep_job(tenant: &str, priority: Option<i32>, ms: u64) -> serde_json::Value 
 }
 
 /// When a completed job's record was last written: its completion.
-async fn finished_at(env: &Env, id: &str) -> std::time::SystemTime {
+async fn finished_at(env: &Fleet, id: &str) -> std::time::SystemTime {
     let r = env
         .wait_status(id, "completed", Duration::from_secs(60))
         .await;
@@ -28,7 +28,7 @@ async fn finished_at(env: &Env, id: &str) -> std::time::SystemTime {
 }
 
 /// The time of a job's first event of type `ty`.
-async fn first_at(env: &Env, id: &str, ty: &str) -> std::time::SystemTime {
+async fn first_at(env: &Fleet, id: &str, ty: &str) -> std::time::SystemTime {
     // A read right after the record's write may not see the events yet.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -44,7 +44,7 @@ async fn first_at(env: &Env, id: &str, ty: &str) -> std::time::SystemTime {
     }
 }
 
-fn workers(env: &Env, n: usize, slots: usize) -> Vec<Proc> {
+fn workers(env: &Fleet, n: usize, slots: usize) -> Vec<Proc> {
     (0..n)
         .map(|_| env.worker_proc(&[], &[("LH_CONCURRENCY", slots.to_string())]))
         .collect()
@@ -56,7 +56,7 @@ fn workers(env: &Env, n: usize, slots: usize) -> Vec<Proc> {
 /// would finish all 120 first).
 #[tokio::test]
 async fn a_quiet_tenant_is_served_within_its_share_whatever_a_noisy_one_queued() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     for i in 0..120 {
         env.submit(
             "sleep",
@@ -103,7 +103,7 @@ async fn a_quiet_tenant_is_served_within_its_share_whatever_a_noisy_one_queued()
 /// priority-1 job first.
 #[tokio::test]
 async fn priority_orders_a_tenants_own_jobs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     for i in 0..5 {
         env.submit(
             "sleep",
@@ -134,7 +134,7 @@ async fn priority_orders_a_tenants_own_jobs() {
 /// other tenant's jobs run beside it.
 #[tokio::test]
 async fn a_tenant_at_its_running_jobs_limit_waits_while_another_runs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (code, out, err) = cli(
         &env.url(),
         &["limits", "set", "--tenant", "capped", "--jobs", "1"],
@@ -194,7 +194,7 @@ async fn a_tenant_at_its_running_jobs_limit_waits_while_another_runs() {
 /// belongs.
 #[tokio::test]
 async fn malformed_tenants_priorities_and_weights_are_refused() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let url = env.url();
     let input = r#"{"ms":1}"#;
     for (args, needle) in [
@@ -270,7 +270,7 @@ async fn malformed_tenants_priorities_and_weights_are_refused() {
 /// they run in the order submitted.
 #[tokio::test]
 async fn a_tenants_backlog_behind_its_limit_is_never_taken_for_stranded() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (code, out, err) = cli(
         &env.url(),
         &["limits", "set", "--tenant", "acme", "--jobs", "1"],
@@ -286,14 +286,9 @@ async fn a_tenants_backlog_behind_its_limit_is_never_taken_for_stranded() {
         assert_eq!(code, 0, "{out}{err}");
     }
     let _w = workers(&env, 1, 8);
-    let mut o = leasehold_reaper::Options::local(&env.url(), &env.prefix);
-    o.interval = Duration::from_millis(300);
+    let mut o = env.reaper_opts();
     o.stranded_grace = Duration::from_secs(1);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let reaper = leasehold_reaper::Reaper::new(o)
-        .start(stop.clone())
-        .await
-        .unwrap();
+    let (reaper, stop) = env.reaper_with(o).await;
     // The default lane of the same kind delivers tickets later than every
     // acme one, all the while the acme backlog waits. Each takes 20 ms, so
     // the 4.5 s of the acme backlog is a few hundred of them (1 ms jobs ran

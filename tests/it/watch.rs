@@ -7,11 +7,11 @@ use std::time::Duration;
 use leasehold_harness::Proc;
 use serde_json::json;
 
-use crate::support::{wait_log, Env};
+use leasehold_testkit::{wait_log, Fleet};
 
 /// `leasehold watch ID --wait-for-id` as a child process whose output goes
 /// to a file (so its stdout is not a terminal).
-fn watch(env: &Env, id: &str) -> Proc {
+fn watch(env: &Fleet, id: &str) -> Proc {
     Proc::spawn(
         "leasehold",
         &["watch", id, "--wait-for-id"],
@@ -37,7 +37,7 @@ async fn exit_code(p: &mut Proc, timeout: Duration) -> i32 {
 
 #[tokio::test]
 async fn off_a_terminal_each_change_is_a_plain_line_printed_while_the_job_runs() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     // Fails twice, each attempt 1.5 s long, then completes.
     let id = env
@@ -56,7 +56,7 @@ async fn off_a_terminal_each_change_is_a_plain_line_printed_while_the_job_runs()
         Duration::from_secs(20),
     )
     .await;
-    let now = env.jobs.get(&id).await.unwrap().unwrap().value;
+    let now = env.record(&id).await.unwrap();
     assert_ne!(
         now.status,
         "completed",
@@ -103,7 +103,7 @@ async fn off_a_terminal_each_change_is_a_plain_line_printed_while_the_job_runs()
 
 #[tokio::test]
 async fn a_failed_job_ends_with_its_class_message_duration_and_what_to_run() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let id = env
         .submit(
@@ -137,7 +137,7 @@ async fn a_failed_job_ends_with_its_class_message_duration_and_what_to_run() {
 
 #[tokio::test]
 async fn a_parked_job_is_shown_parked_with_its_reason() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let id = env
         .submit("fail", json!({"input": {"class": "park"}}), "w-park")
@@ -162,7 +162,7 @@ async fn a_parked_job_is_shown_parked_with_its_reason() {
 
 #[tokio::test]
 async fn ctrl_c_ends_a_watch_at_once_with_130_and_the_job_goes_on() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (w, stop) = env.worker().await;
     let id = env
         .submit("sleep", json!({"input": {"ms": 60000}}), "w-int")
@@ -181,7 +181,7 @@ async fn ctrl_c_ends_a_watch_at_once_with_130_and_the_job_goes_on() {
         "{}",
         p.output()
     );
-    let now = env.jobs.get(&id).await.unwrap().unwrap().value;
+    let now = env.record(&id).await.unwrap();
     assert_eq!(now.status, "running");
     stop.cancel();
     w.wait().await.unwrap();
@@ -189,7 +189,7 @@ async fn ctrl_c_ends_a_watch_at_once_with_130_and_the_job_goes_on() {
 
 #[tokio::test]
 async fn a_queued_job_says_how_many_tickets_of_its_kind_are_in_the_queue() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let mut o = env.opts();
     o.concurrency = 1;
     let (w, stop) = env.worker_with(o).await;
@@ -200,7 +200,7 @@ async fn a_queued_job_says_how_many_tickets_of_its_kind_are_in_the_queue() {
     env.wait_indexed(&busy, Duration::from_secs(20)).await;
     // Two more, with their queued records written at submit.
     for id in ["w-next", "w-last"] {
-        let (code, out, err) = crate::support::cli(
+        let (code, out, err) = leasehold_testkit::cli(
             &env.url(),
             &["submit", "sleep", "--id", id, "--input", r#"{"ms":100}"#],
         )

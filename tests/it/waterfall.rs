@@ -6,16 +6,16 @@
 
 use std::time::{Duration, SystemTime};
 
-use leasehold_core::JobRecord;
+use leasehold::JobRecord;
 use serde_json::json;
 
 use crate::console::{http, spawn_console, Browser};
 use crate::research::exited;
-use crate::support::{research_env, spawn_sim, Env};
+use leasehold_testkit::{research_env, spawn_sim, Fleet};
 
 #[tokio::test]
 async fn waterfall_in_a_browser_marks_the_model_call_a_kill9_mid_section_repeated() {
-    let env = Env::new().await;
+    let env = Fleet::start().await;
     let (_sim, sim) = spawn_sim(&[]).await;
     let mut renv = research_env(&sim, &format!("{sim}/v1"), "research");
     // The first journaled response is a tool proposal whose tool never
@@ -101,8 +101,8 @@ fn long_job(id: &str, n: usize, from_ms: u64) -> Vec<leasehold_proto::JobEvent> 
                 k if k % 2 == 1 => ("model", json!({"model": "sim-1", "tokens_in": 900, "tokens_out": 200, "duration_ms": 300, "first_token_ms": 40, "outcome": "ok", "expert": k % 4 / 2, "index": k / 2000})),
                 k => ("journal", json!({"expert": k % 4 / 2, "index": k / 2000, "entry": {"op": "message", "generation": 0, "message": {"role": "assistant", "content": "text"}}})),
             };
-            let mut e = leasehold_store::events::event(id, 1, ty, Some("w-1"), data);
-            e.at = leasehold_core::time::rfc3339(t0 + Duration::from_millis(k * 350));
+            let mut e = leasehold_testkit::record::event(id, 1, ty, Some("w-1"), data);
+            e.at = leasehold_testkit::record::rfc3339(t0 + Duration::from_millis(k * 350));
             e
         })
         .collect()
@@ -115,8 +115,8 @@ async fn events_read(base: &str) -> u64 {
 
 #[tokio::test]
 async fn waterfall_of_10000_events_is_small_and_a_refresh_reads_only_the_new_ones() {
-    let env = Env::new().await;
-    let now = leasehold_core::time::rfc3339(SystemTime::now());
+    let env = Fleet::start().await;
+    let now = leasehold_testkit::record::now();
     let rec = JobRecord {
         id: "wf-long".into(),
         kind: "research".into(),

@@ -1,11 +1,15 @@
-//! Shared setup: a server, the layout, workers, and waiting on records.
+//! A fleet for one test: a server, the layout, workers and reapers, and
+//! waiting on records.
 
 use std::time::Duration;
 
 use futures::StreamExt;
 use leasehold_core::JobRecord;
 use leasehold_harness::{wait_for_jetstream, NatsServer, Proc};
+use leasehold_reaper::Reaper;
+use leasehold_store::dlq::{Dlq, Letter};
 use leasehold_store::events::Events;
+use leasehold_store::index::Active;
 use leasehold_store::setup::{self, SetupOptions};
 use leasehold_store::work::Work;
 use leasehold_store::{jobs, Conn, Jobs, NatsArgs};
@@ -18,7 +22,9 @@ pub const SESSION: Duration = Duration::from_secs(2);
 /// Jobs are indexed (and their tickets settled) this long after the claim.
 pub const INDEX_AFTER: Duration = Duration::from_millis(300);
 
-pub struct Env {
+/// One test's fleet: a real `nats-server` with leasehold's layout, and
+/// the handles a test reads it through.
+pub struct Fleet {
     pub server: NatsServer,
     pub prefix: String,
     pub conn: Conn,
@@ -27,8 +33,9 @@ pub struct Env {
     pub work: Work,
 }
 
-impl Env {
-    pub async fn new() -> Env {
+impl Fleet {
+    /// A server and the layout with the test timings.
+    pub async fn start() -> Fleet {
         Self::with(SetupOptions {
             ack_wait: ACK_WAIT,
             ..SetupOptions::default()
@@ -36,7 +43,8 @@ impl Env {
         .await
     }
 
-    pub async fn with(o: SetupOptions) -> Env {
+    /// A server and the layout made with `o`.
+    pub async fn with(o: SetupOptions) -> Fleet {
         // In-process workers and reapers log to the test's output when
         // RUST_LOG is set (shown for failing tests).
         if std::env::var_os("RUST_LOG").is_some() {
@@ -53,7 +61,7 @@ impl Env {
             .await
             .unwrap();
         setup::ensure(&conn, &o).await.unwrap();
-        Env {
+        Fleet {
             jobs: Jobs::open(&conn).await.unwrap(),
             events: Events::new(&conn),
             work: Work::new(&conn),
@@ -122,6 +130,22 @@ impl Env {
         id.to_string()
     }
 
+    /// Publishes a job's ticket as any NATS client would, and nothing else
+    /// (a test makes up the record); its sequence in the work stream.
+    pub async fn ticket(&self, kind: &str, spec: serde_json::Value, id: &str) -> u64 {
+        self.ticket_bytes(kind, spec.to_string().into_bytes(), id)
+            .await
+    }
+
+    /// [`Fleet::ticket`] with any bytes as the spec (a malformed one, say).
+    pub async fn ticket_bytes(&self, kind: &str, spec: Vec<u8>, id: &str) -> u64 {
+        self.work
+            .submit(kind, spec.into(), Some(id), None)
+            .await
+            .unwrap()
+            .seq
+    }
+
     /// Waits (on a KV watch, not by polling) until `pred` holds for the record.
     pub async fn wait_for(
         &self,
@@ -155,16 +179,94 @@ impl Env {
         }
     }
 
-    /// Writes a record as the product leaves it: the record, then its entry
-    /// in the index of active jobs (for records made up by a test).
-    pub async fn put_indexed(&self, rec: &JobRecord) {
-        self.jobs.create(rec).await.unwrap();
-        leasehold_store::index::Active::open(&self.conn)
+    /// The job's record now, if it has one.
+    pub async fn record(&self, id: &str) -> Option<JobRecord> {
+        self.jobs.get(id).await.unwrap().map(|v| v.value)
+    }
+
+    /// A second connection to this fleet's server (or to `url`, another
+    /// node or a proxy in front of it), named `name`.
+    pub async fn connect(&self, url: &str, name: &str) -> leasehold_store::Conn {
+        NatsArgs::local(url.to_string(), &self.prefix)
+            .connect(name)
             .await
             .unwrap()
-            .reconcile(rec)
+    }
+
+    /// A node's view of fleet-wide flow control, as a worker process named
+    /// `name` keeps it, connected at `url` (this fleet's server, or a proxy
+    /// in front of it) until `stop` is cancelled.
+    pub async fn flow_node(
+        &self,
+        url: &str,
+        name: &str,
+        stop: CancellationToken,
+    ) -> std::sync::Arc<leasehold_flow::Flow> {
+        let flow = std::sync::Arc::new(leasehold_flow::Flow::new());
+        let conn = self.connect(url, name).await;
+        leasehold_worker::flow::start_with(flow.clone(), conn, name.to_string(), stop);
+        flow
+    }
+
+    /// The index of active jobs.
+    pub async fn active(&self) -> Active {
+        Active::open(&self.conn).await.unwrap()
+    }
+
+    /// The dead letters of one job.
+    pub async fn letters_of(&self, id: &str) -> Vec<Letter> {
+        Dlq::new(&self.conn)
+            .list()
             .await
-            .unwrap();
+            .unwrap()
+            .into_iter()
+            .filter(|l| l.job_id.as_deref() == Some(id))
+            .collect()
+    }
+
+    /// A reaper's options with the test timings: a sweep every 300 ms, a
+    /// stranded job re-offered after 500 ms.
+    pub fn reaper_opts(&self) -> leasehold_reaper::Options {
+        let mut o = leasehold_reaper::Options::local(&self.url(), &self.prefix);
+        o.interval = Duration::from_millis(300);
+        o.stranded_grace = Duration::from_millis(500);
+        o
+    }
+
+    /// A reaper's options parsed from its command line (`args`, as
+    /// `leasehold-reaper` takes them), pointed at this fleet, with a sweep
+    /// every 300 ms.
+    pub fn reaper_args(&self, args: &[&str]) -> leasehold_reaper::Options {
+        use clap::Parser;
+        let mut o = leasehold_reaper::Options::parse_from(
+            std::iter::once("leasehold-reaper").chain(args.iter().copied()),
+        );
+        o.nats = NatsArgs::local(self.url(), &self.prefix);
+        o.interval = Duration::from_millis(300);
+        o
+    }
+
+    /// A reaper with the test timings, running in this process.
+    pub async fn reaper(&self) -> (leasehold_reaper::Handle, CancellationToken) {
+        self.reaper_with(self.reaper_opts()).await
+    }
+
+    /// A reaper with `o`, running in this process until the token is
+    /// cancelled.
+    pub async fn reaper_with(
+        &self,
+        o: leasehold_reaper::Options,
+    ) -> (leasehold_reaper::Handle, CancellationToken) {
+        let stop = CancellationToken::new();
+        let h = Reaper::new(o).start(stop.clone()).await.unwrap();
+        (h, stop)
+    }
+
+    /// Writes a record as the product leaves it: the record, then its entry
+    /// in the index of active jobs (for records made up by a test).
+    pub async fn seed_record(&self, rec: &JobRecord) {
+        self.jobs.create(rec).await.unwrap();
+        self.active().await.reconcile(rec).await.unwrap();
     }
 
     /// Waits until the index of active jobs lists `id` as running.
@@ -183,9 +285,7 @@ impl Env {
         timeout: Duration,
         pred: impl Fn(&leasehold_store::index::Key) -> bool,
     ) {
-        let active = leasehold_store::index::Active::open(&self.conn)
-            .await
-            .unwrap();
+        let active = self.active().await;
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let keys = active.keys_of(id).await.unwrap();
@@ -319,7 +419,7 @@ pub fn research_env(sim: &str, model_base: &str, kinds: &str) -> Vec<(&'static s
 /// A worker process serving `research` against `model_base` (the sim
 /// serves the web and the effects sink either way), with `extra` variables.
 pub fn research_worker(
-    env: &Env,
+    env: &Fleet,
     sim: &str,
     model_base: &str,
     extra: &[(&'static str, &str)],
