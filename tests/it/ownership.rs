@@ -1,6 +1,5 @@
 //! The ownership protocol: claims, sessions, fencing, reclaims, handoff.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use leasehold_testkit::doors::owner::FenceError;
@@ -118,7 +117,7 @@ async fn a_fleet_runs_each_job_once() {
     }
     let claimed: u64 = workers
         .iter()
-        .map(|(h, _)| h.stats.claimed.load(Ordering::Relaxed))
+        .map(|(h, _)| h.metrics.total(leasehold::Count::Claimed))
         .sum();
     assert_eq!(claimed, 40);
     for (h, stop) in workers {

@@ -260,10 +260,15 @@ async fn every_bad_submission_is_rejected_precisely_and_kept() {
     env.submit("echo", json!({"input": {}}), "after-bad").await;
     env.wait_status("after-bad", "completed", Duration::from_secs(10))
         .await;
-    assert_eq!(
-        w.stats.rejected.load(std::sync::atomic::Ordering::Relaxed),
-        9
-    );
+    // Counted once, in the worker's metrics, which the snapshot reads.
+    assert_eq!(w.metrics.total(leasehold::Count::Rejected), 9);
+    let scrape = w.metrics.encode();
+    for line in [
+        "leasehold_jobs_rejected_total{kind=\"echo\"} 8",
+        "leasehold_jobs_rejected_total{kind=\"sleep\"} 1",
+    ] {
+        assert!(scrape.contains(line), "{line} not in\n{scrape}");
+    }
     stop.cancel();
     w.wait().await.unwrap();
 }

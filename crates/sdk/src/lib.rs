@@ -93,6 +93,7 @@ pub use futures::future::BoxFuture;
 pub use leasehold_core::JobRecord;
 pub use leasehold_proto::{BudgetUsed, JobEvent, JobResult, Versions};
 pub use leasehold_tools::{ExecCtx, Reconcile, Tool, ToolError, ToolKind, ToolSpec};
+pub use leasehold_worker::metrics::{AttemptOutcome, Count};
 pub use leasehold_worker::{Handle, Options};
 pub use records::{ArtifactStore, EventLog, NewDocument, Report, StoredArtifact};
 pub use remote::{hmac_sha256, signature, RemoteConfig, RemoteKind, PROTOCOL, SIGNATURE_HEADER};

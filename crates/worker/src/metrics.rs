@@ -71,6 +71,24 @@ fn flush_buckets() -> Histogram {
     ])
 }
 
+/// What a worker counts, read back as a process total by
+/// [`Metrics::total`] (summed over the kinds it counted them for): the
+/// Prometheus families are the only counters, so a snapshot and a scrape
+/// never disagree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// Claims won (reclaims among them).
+    Claimed,
+    /// Claims that took a job over from an owner that lost it.
+    Reclaimed,
+    /// Submissions rejected.
+    Rejected,
+    /// Attempts (or jobs cancelled before they ran) that ended so.
+    Ended(AttemptOutcome),
+    /// Session writes that landed (its creation and its renewals).
+    Renewals,
+}
+
 /// How an attempt ended. Each outcome has its own `leasehold_jobs_*_total`
 /// counter and is the `outcome` label of the attempt duration histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -152,6 +170,9 @@ struct WorkerInner {
     flushed_events: Counter,
     tenant_running: Family<TenantLabel, Gauge>,
     tenant_tickets: Family<TenantKindLabels, Gauge>,
+    /// Every kind a per-kind counter was made for, so [`Metrics::total`]
+    /// can sum a family (prometheus-client does not list a family's labels).
+    kinds: Mutex<std::collections::BTreeSet<String>>,
     /// Registered by the crates that count them.
     model: ModelMetrics,
     flow: FlowMetrics,
@@ -251,6 +272,20 @@ impl WorkerInner {
     }
 }
 
+impl WorkerInner {
+    fn outcome_family(&self, outcome: AttemptOutcome) -> &Family<KindLabel, Counter> {
+        match outcome {
+            AttemptOutcome::Completed => &self.completed,
+            AttemptOutcome::Retried => &self.retried,
+            AttemptOutcome::Failed => &self.failed,
+            AttemptOutcome::Cancelled => &self.cancelled,
+            AttemptOutcome::Parked => &self.parked,
+            AttemptOutcome::HandedBack => &self.handed_back,
+            AttemptOutcome::OwnershipLost => &self.ownership_lost,
+        }
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -289,6 +324,7 @@ impl Metrics {
             tenant_tickets: Family::default(),
             flush_duration: flush_buckets(),
             flushed_events: Counter::default(),
+            kinds: Mutex::default(),
             registry: Arc::default(),
         };
         inner.register_jobs(&mut r);
@@ -312,32 +348,60 @@ impl Metrics {
         encode(&self.inner.registry)
     }
 
-    fn kind(kind: &str) -> KindLabel {
+    /// The label of `kind`'s counters (noted for [`Metrics::total`]).
+    fn kind(&self, kind: &str) -> KindLabel {
+        let mut kinds = self.inner.kinds.lock().expect("kinds");
+        if !kinds.contains(kind) {
+            kinds.insert(kind.to_string());
+        }
         KindLabel {
             kind: kind.to_string(),
         }
     }
 
+    /// The process's total of `c` (the families summed over every kind).
+    pub fn total(&self, c: Count) -> u64 {
+        let i = &self.inner;
+        if c == Count::Renewals {
+            let ok = OutcomeLabel {
+                outcome: Renewal::Ok.as_str().to_string(),
+            };
+            return i.renewals.get(&ok).map_or(0, |c| c.get());
+        }
+        let family = match c {
+            Count::Claimed => &i.claimed,
+            Count::Reclaimed => &i.reclaimed,
+            Count::Rejected => &i.rejected,
+            Count::Ended(o) => i.outcome_family(o),
+            Count::Renewals => unreachable!("answered above"),
+        };
+        let kinds = i.kinds.lock().expect("kinds").clone();
+        kinds
+            .into_iter()
+            .filter_map(|kind| family.get(&KindLabel { kind }).map(|c| c.get()))
+            .sum()
+    }
+
     /// A claim won (count a reclaim with [`Metrics::reclaimed`] too).
     pub fn claimed(&self, kind: &str) {
-        self.inner.claimed.get_or_create(&Self::kind(kind)).inc();
+        self.inner.claimed.get_or_create(&self.kind(kind)).inc();
     }
 
     /// A claim that took the job over from an owner that lost it.
     pub fn reclaimed(&self, kind: &str) {
-        self.inner.reclaimed.get_or_create(&Self::kind(kind)).inc();
+        self.inner.reclaimed.get_or_create(&self.kind(kind)).inc();
     }
 
     /// A submission rejected (decoded badly, too large, invalid).
     pub fn rejected(&self, kind: &str) {
-        self.inner.rejected.get_or_create(&Self::kind(kind)).inc();
+        self.inner.rejected.get_or_create(&self.kind(kind)).inc();
     }
 
     /// Starts timing an attempt and counts it in flight until
     /// [`AttemptTimer::finish`] (or until the timer is dropped, which
     /// records nothing else: a panicked task).
     pub fn attempt_started(&self, kind: &str) -> AttemptTimer {
-        self.inner.in_flight.get_or_create(&Self::kind(kind)).inc();
+        self.inner.in_flight.get_or_create(&self.kind(kind)).inc();
         AttemptTimer {
             metrics: self.clone(),
             kind: kind.to_string(),
@@ -345,22 +409,22 @@ impl Metrics {
         }
     }
 
+    /// A job of `kind` ended so without an attempt to time (cancelled
+    /// before it ran): its outcome counter alone.
+    pub fn ended(&self, kind: &str, outcome: AttemptOutcome) {
+        self.inner
+            .outcome_family(outcome)
+            .get_or_create(&self.kind(kind))
+            .inc();
+    }
+
     /// An attempt ended: its outcome counter and the duration histogram.
     /// ([`AttemptTimer::finish`] calls this; call it directly only for an
     /// attempt timed elsewhere.)
     pub fn attempt_finished(&self, kind: &str, outcome: AttemptOutcome, duration: Duration) {
-        let i = &self.inner;
-        let family = match outcome {
-            AttemptOutcome::Completed => &i.completed,
-            AttemptOutcome::Retried => &i.retried,
-            AttemptOutcome::Failed => &i.failed,
-            AttemptOutcome::Cancelled => &i.cancelled,
-            AttemptOutcome::Parked => &i.parked,
-            AttemptOutcome::HandedBack => &i.handed_back,
-            AttemptOutcome::OwnershipLost => &i.ownership_lost,
-        };
-        family.get_or_create(&Self::kind(kind)).inc();
-        i.attempt_duration
+        self.ended(kind, outcome);
+        self.inner
+            .attempt_duration
             .get_or_create(&KindOutcomeLabels {
                 kind: kind.to_string(),
                 outcome: outcome.as_str().to_string(),
@@ -465,7 +529,7 @@ impl Drop for AttemptTimer {
         self.metrics
             .inner
             .in_flight
-            .get_or_create(&Metrics::kind(&self.kind))
+            .get_or_create(&self.metrics.kind(&self.kind))
             .dec();
     }
 }
@@ -561,6 +625,41 @@ mod tests {
         assert!(text.contains("# TYPE leasehold_attempt_duration_seconds histogram"));
         assert!(text.contains("leasehold_build_info{service=\"leasehold-worker\""));
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn totals_are_the_families_summed_over_kinds() {
+        let m = Metrics::new();
+        assert_eq!(m.total(Count::Claimed), 0);
+        m.claimed("echo");
+        m.claimed("sleep");
+        m.claimed("sleep");
+        m.reclaimed("sleep");
+        m.rejected("echo");
+        m.ended("echo", AttemptOutcome::Cancelled);
+        m.attempt_finished("sleep", AttemptOutcome::Cancelled, Duration::ZERO);
+        m.session_renewal(Renewal::Ok);
+        m.session_renewal(Renewal::Failed);
+        assert_eq!(m.total(Count::Claimed), 3);
+        assert_eq!(m.total(Count::Reclaimed), 1);
+        assert_eq!(m.total(Count::Rejected), 1);
+        assert_eq!(m.total(Count::Ended(AttemptOutcome::Cancelled)), 2);
+        assert_eq!(m.total(Count::Ended(AttemptOutcome::Completed)), 0);
+        assert_eq!(m.total(Count::Renewals), 1);
+        // What the snapshot reads is what a scrape shows.
+        let text = m.encode();
+        assert_eq!(
+            sample(&text, "leasehold_jobs_cancelled_total{kind=\"echo\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "leasehold_attempt_duration_seconds_count{kind=\"echo\",outcome=\"cancelled\"}"
+            ),
+            None,
+            "a job cancelled before it ran had no attempt to time"
+        );
     }
 
     #[test]

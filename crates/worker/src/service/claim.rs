@@ -689,7 +689,7 @@ async fn settle_live(
 
 /// A job cancelled by its claim (the request came before it could run).
 async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
-    shared.count(AttemptOutcome::Cancelled);
+    shared.metrics.ended(&rec.kind, AttemptOutcome::Cancelled);
     let ev = events::event(
         &rec.id,
         rec.epoch,

@@ -45,7 +45,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use crate::metrics::{AttemptOutcome, Metrics};
+use crate::metrics::Metrics;
 use anyhow::Context as _;
 use leasehold_core::retry::RetryPolicy;
 use leasehold_core::spec::Kinds;
@@ -67,25 +67,15 @@ use crate::Options;
 
 pub(crate) use attempt::Stop;
 
-/// Counters of one worker process (for tests, the demo and benchmarks).
+/// Counters of one worker process that Prometheus does not carry. Claims,
+/// rejections, outcomes and renewals are counted once, in the worker's
+/// [`Metrics`] families: read them with [`Metrics::total`].
 #[derive(Debug, Default)]
 pub struct Stats {
-    pub claimed: AtomicU64,
-    pub reclaimed: AtomicU64,
-    pub completed: AtomicU64,
-    pub failed: AtomicU64,
-    pub requeued: AtomicU64,
-    pub rejected: AtomicU64,
-    pub ownership_lost: AtomicU64,
-    pub handed_back: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub parked: AtomicU64,
     /// Tickets acked at once because a live owner held their job.
     pub settled: AtomicU64,
     /// Jobs entered in the index of active jobs by their owner.
     pub indexed: AtomicU64,
-    /// Session renewals (the process's only periodic liveness write).
-    pub session_renewals: AtomicU64,
     /// Times the session key was found gone and written again.
     pub session_restored: AtomicU64,
 }
@@ -390,29 +380,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Counts an attempt's (or an unclaimed job's) outcome in the stats.
-    /// The metrics get it from the attempt's timer.
-    pub(crate) fn count(&self, outcome: AttemptOutcome) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let s = &self.stats;
-        match outcome {
-            AttemptOutcome::Completed => s.completed.fetch_add(1, Relaxed),
-            AttemptOutcome::Retried => s.requeued.fetch_add(1, Relaxed),
-            AttemptOutcome::Failed => s.failed.fetch_add(1, Relaxed),
-            AttemptOutcome::Cancelled => s.cancelled.fetch_add(1, Relaxed),
-            AttemptOutcome::Parked => s.parked.fetch_add(1, Relaxed),
-            AttemptOutcome::HandedBack => s.handed_back.fetch_add(1, Relaxed),
-            AttemptOutcome::OwnershipLost => s.ownership_lost.fetch_add(1, Relaxed),
-        };
-    }
-
-    /// A claim won: stats and metrics.
+    /// A claim won.
     pub(crate) fn count_claim(&self, kind: &str, reclaim: bool) {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.stats.claimed.fetch_add(1, Relaxed);
         self.metrics.claimed(kind);
         if reclaim {
-            self.stats.reclaimed.fetch_add(1, Relaxed);
             self.metrics.reclaimed(kind);
         }
     }

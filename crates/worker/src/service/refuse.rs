@@ -2,7 +2,6 @@
 //! another kind, a poison job's ticket: each dead-lettered, never dropped
 //! silently, never crashing the worker.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind};
@@ -23,7 +22,6 @@ pub(super) async fn reject(
     msg: &jetstream::Message,
     rej: spec::Rejected,
 ) {
-    shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
     shared.metrics.rejected(kind);
     let message = rej.error.to_string();
     tracing::info!(kind, seq, id = rej.id.as_deref().unwrap_or("-"), error = %message, "rejected submission");

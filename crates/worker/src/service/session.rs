@@ -177,10 +177,6 @@ pub(crate) async fn begin(shared: &Arc<Shared>) -> anyhow::Result<async_nats::Su
     };
     s.revision.store(rev, Ordering::Relaxed);
     s.clock.confirm();
-    shared
-        .stats
-        .session_renewals
-        .fetch_add(1, Ordering::Relaxed);
     shared.metrics.session_renewal(Renewal::Ok);
     Ok(sub)
 }
@@ -238,10 +234,6 @@ pub(crate) async fn renew_loop(shared: Arc<Shared>, stop: CancellationToken) {
             Ok(rev) => {
                 s.revision.store(rev, Ordering::Relaxed);
                 s.clock.confirm();
-                shared
-                    .stats
-                    .session_renewals
-                    .fetch_add(1, Ordering::Relaxed);
                 shared.metrics.session_renewal(Renewal::Ok);
                 if stale {
                     reverify(&shared).await;

@@ -369,7 +369,6 @@ where
 impl Attempt {
     /// Stats, metrics and the span of an attempt that ended.
     pub(super) fn finished(&self, outcome: AttemptOutcome, error_type: Option<&str>) {
-        self.shared.count(outcome);
         if let Some(t) = self.timer.lock().unwrap().take() {
             t.finish(outcome);
         }

@@ -240,7 +240,6 @@ async fn run_attempt(
         // A newer owner's marker is already there: this claim is stale
         // (the process was paused between its claim and this publish).
         Marker::Stale(e) => {
-            shared.count(AttemptOutcome::OwnershipLost);
             timer.finish(AttemptOutcome::OwnershipLost);
             spans::record_error(&tracing::Span::current(), "ownership_lost");
             ownership_lost(&shared, &rec, &e.to_string()).await;
