@@ -2,7 +2,9 @@
 //! user builds one, serving the test kind `agent-test`: one `ctx.agent`
 //! call with the user's own `search` and `fetch` tools against the
 //! simulator (`SIM_URL`) and its model (`SIM_URL/v1`). For the tests that
-//! kill it in the middle of the conversation.
+//! kill it in the middle of the conversation. And `nap`: a step, a durable
+//! sleep of `input.ms`, a step (tests/it/timers.rs), for the tests that
+//! kill it, or the whole fleet, while the job sleeps.
 
 use std::time::Duration;
 
@@ -87,13 +89,15 @@ impl Kind for AgentTest {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let sim = std::env::var("SIM_URL")?;
+    // The agent's model and tools (unused by `nap`).
+    let sim = std::env::var("SIM_URL").unwrap_or_else(|_| "http://127.0.0.1:9".into());
     let model = ModelConfig {
         base_url: format!("{sim}/v1"),
         ..Default::default()
     };
     leasehold::Worker::from_env()
         .kind("agent-test", AgentTest)
+        .kind("nap", leasehold_tests::Nap)
         .model("sim", model)
         .tool(Web::new("search", &sim))
         .tool(Web::new("fetch", &sim))

@@ -34,5 +34,6 @@ mod serial;
 mod shutdown;
 mod submission;
 mod tenants;
+mod timers;
 mod watch;
 mod waterfall;

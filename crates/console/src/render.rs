@@ -210,6 +210,12 @@ pub fn describe(ev: &JobEvent) -> String {
             esc(s(&d, "reason")),
             esc(s(&d, "message"))
         ),
+        "waiting" => format!(
+            "<b class=\"warn\">waiting</b>{who} for {} until {} ({}), held by no worker",
+            esc(s(&d, "for")),
+            esc(s(&d, "until")),
+            esc(s(&d, "step"))
+        ),
         "dead" => format!(
             "<b class=\"bad\">dead</b>: {} {}",
             esc(s(&d, "class")),

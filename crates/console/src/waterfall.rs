@@ -238,6 +238,7 @@ impl Builder {
             "completed" | "failed" | "cancelled" | "dead" | "rejected" => self.terminal(ev, &d, at),
             "heartbeat_lost" => self.hint = Some("claim lost".into()),
             "parked" => self.parked(seq, ev, &d, at),
+            "waiting" => self.waiting(seq, ev, &d, at),
             "answer" => self.close_wait(at),
             "retry" => self.retry(seq, ev, &d, at),
             "phase" => self.phase(seq, ev, &d, at),
@@ -397,6 +398,24 @@ impl Builder {
         }
         let why = format!("parked: {} {}", s(d, "reason"), s(d, "message"));
         let i = self.wait(wait_bar("parked", at, None, seq, ev.epoch, why.trim()));
+        self.open_wait = Some(i);
+    }
+
+    /// A durable timer: the attempt ended, and no worker holds the job
+    /// until its time (the bar ends at the next claim).
+    fn waiting(&mut self, seq: u64, ev: &JobEvent, d: &Map<String, Value>, at: f64) {
+        if let Some(a) = self.w.attempts.last_mut() {
+            a.end.get_or_insert(at);
+            a.ended = "waiting".into();
+        }
+        let why = format!(
+            "waiting for {} until {} ({}), held by no worker",
+            s(d, "for"),
+            s(d, "until"),
+            s(d, "step")
+        );
+        let until = seconds(s(d, "until"));
+        let i = self.wait(wait_bar("waiting", at, until, seq, ev.epoch, &why));
         self.open_wait = Some(i);
     }
 

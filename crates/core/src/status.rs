@@ -15,10 +15,13 @@ pub enum Status {
     Rejected,
     Parked,
     Dead,
+    /// Waiting for a time (a durable timer, `ctx.sleep`): no worker holds
+    /// it; its wake-up gives it a ticket when the time comes.
+    Waiting,
 }
 
 impl Status {
-    pub const ALL: [Status; 8] = [
+    pub const ALL: [Status; 9] = [
         Status::Queued,
         Status::Running,
         Status::Completed,
@@ -27,6 +30,7 @@ impl Status {
         Status::Rejected,
         Status::Parked,
         Status::Dead,
+        Status::Waiting,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -39,6 +43,7 @@ impl Status {
             Status::Rejected => "rejected",
             Status::Parked => "parked",
             Status::Dead => "dead",
+            Status::Waiting => "waiting",
         }
     }
 

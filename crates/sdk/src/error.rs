@@ -39,6 +39,17 @@ pub enum Error {
         /// What a person needs to know (and, for `ctx.park`, the question).
         message: String,
     },
+    /// Wait until `until`, holding no worker: what [`crate::Ctx::sleep`]
+    /// returns the first time (let it propagate with `?`). The attempt ends,
+    /// the job is `waiting`, and at its time it runs again on any worker,
+    /// where the same `sleep` (step `step`) returns `Ok`.
+    #[error("waiting until {} ({step})", leasehold_core::time::rfc3339(*until))]
+    Wait {
+        /// When the job wakes.
+        until: std::time::SystemTime,
+        /// The step that waits (`sleep#0`).
+        step: String,
+    },
     /// A budget of the job (steps, tokens, wall time, cost) ran out: never
     /// retried; a [`crate::Report`] set by the attempt is kept as partial.
     #[error("{0}")]
@@ -79,7 +90,7 @@ impl Error {
     }
     /// The class as one low-cardinality word, for a span's `error.type` or
     /// a log: `retryable` (with or without a delay), `terminal`, `parked`,
-    /// `budget_exhausted`, `cancelled`.
+    /// `waiting`, `budget_exhausted`, `cancelled`.
     ///
     /// ```
     /// assert_eq!(leasehold::Error::park("approval", "ok?").class(), "parked");
@@ -89,6 +100,7 @@ impl Error {
             Error::Retryable(_) | Error::RetryAfter { .. } => "retryable",
             Error::Terminal(_) => "terminal",
             Error::Park { .. } => "parked",
+            Error::Wait { .. } => "waiting",
             Error::BudgetExhausted(_) => "budget_exhausted",
             Error::Cancelled => "cancelled",
         }
@@ -158,6 +170,7 @@ impl Error {
                 message,
                 step,
             },
+            Error::Wait { until, step } => End::Waiting { until, step },
             Error::BudgetExhausted(m) => End::budget_exhausted(m).with_partial(partial()),
             Error::Cancelled => End::Cancelled { partial: partial() },
         }

@@ -85,9 +85,21 @@ fn removable(value: &[u8], by: Remover<'_>) -> bool {
 /// One index key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Key {
-    Run { worker: String, job: String },
-    Wait { job: String },
-    Park { job: String },
+    Run {
+        worker: String,
+        job: String,
+    },
+    Wait {
+        job: String,
+    },
+    Park {
+        job: String,
+    },
+    /// A `waiting` job: held by nobody until what it waits for (a time)
+    /// comes; its wake-up is the `due.<job>` key beside it.
+    Hold {
+        job: String,
+    },
 }
 
 impl Key {
@@ -96,10 +108,11 @@ impl Key {
             Key::Run { worker, job } => format!("run.{worker}.{job}"),
             Key::Wait { job } => format!("wait.{job}"),
             Key::Park { job } => format!("park.{job}"),
+            Key::Hold { job } => format!("hold.{job}"),
         }
     }
 
-    /// Parses `run.<w>.<job>`, `wait.<job>`, `park.<job>`.
+    /// Parses `run.<w>.<job>`, `wait.<job>`, `park.<job>`, `hold.<job>`.
     pub fn parse(s: &str) -> Option<Key> {
         let mut it = s.splitn(3, '.');
         match (it.next()?, it.next()?, it.next()) {
@@ -109,13 +122,14 @@ impl Key {
             }),
             ("wait", job, None) => Some(Key::Wait { job: job.into() }),
             ("park", job, None) => Some(Key::Park { job: job.into() }),
+            ("hold", job, None) => Some(Key::Hold { job: job.into() }),
             _ => None,
         }
     }
 
     pub fn job(&self) -> &str {
         match self {
-            Key::Run { job, .. } | Key::Wait { job } | Key::Park { job } => job,
+            Key::Run { job, .. } | Key::Wait { job } | Key::Park { job } | Key::Hold { job } => job,
         }
     }
 
@@ -129,6 +143,7 @@ impl Key {
             }),
             Status::Queued => Some(Key::Wait { job }),
             Status::Parked => Some(Key::Park { job }),
+            Status::Waiting => Some(Key::Hold { job }),
             _ => None,
         }
     }
@@ -185,6 +200,8 @@ pub enum Filter<'a> {
     RunningBy(&'a str),
     Waiting,
     Parked,
+    /// `waiting` jobs (held by nobody until their time).
+    Held,
 }
 
 /// The index bucket.
@@ -307,6 +324,7 @@ impl Active {
             format!("run.*.{job}"),
             format!("wait.{job}"),
             format!("park.{job}"),
+            format!("hold.{job}"),
         ] {
             for (k, _) in self.scan(&f).await? {
                 out.push(k);
@@ -323,6 +341,7 @@ impl Active {
             Filter::RunningBy(w) => format!("run.{w}.*"),
             Filter::Waiting => "wait.*".to_string(),
             Filter::Parked => "park.*".to_string(),
+            Filter::Held => "hold.*".to_string(),
         };
         let mut v = self.scan(&pattern).await?;
         v.sort_by(|a, b| a.1.job.cmp(&b.1.job).then(a.0.cmp(&b.0)));
@@ -394,6 +413,7 @@ mod tests {
             },
             Key::Wait { job: "j".into() },
             Key::Park { job: "j".into() },
+            Key::Hold { job: "j".into() },
         ] {
             assert_eq!(Key::parse(&k.as_string()), Some(k));
         }

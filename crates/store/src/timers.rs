@@ -20,8 +20,10 @@
 //! kept. A waker stopped half-way leaves the key, and the next waker (any
 //! process, after a restart too) finishes.
 //!
-//! The keys and the loop know nothing about why a job waits: a later
-//! durable timer (a step that sleeps) can use them as they are.
+//! The keys and the loop know nothing about why a job waits: a delayed
+//! job (`queued`, its ticket released) and a durable timer (`waiting`, a
+//! step that sleeps) are woken alike; a waiting job becomes `queued` on
+//! its fresh ticket (`machine::wake`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};
@@ -29,7 +31,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use leasehold_core::time::{parse_rfc3339, rfc3339, until};
-use leasehold_core::{JobRecord, Status};
+use leasehold_core::{machine, JobRecord, Status};
 use tokio_util::sync::CancellationToken;
 
 use crate::index::{Entry, Key};
@@ -130,6 +132,9 @@ pub async fn reticket(
         let now = r
             .jobs
             .transition(&rec.id, |c| {
+                if c.status == Status::Waiting.as_str() {
+                    return Ok(machine::wake(c, SystemTime::now(), published.seq));
+                }
                 if c.status != Status::Queued.as_str() || c.ticket_seq > lost {
                     return Ok(None);
                 }
@@ -141,11 +146,13 @@ pub async fn reticket(
             .await?;
         Ok((now.value.ticket_seq == published.seq).then_some((now.value, published)))
     };
+    // A woken job's `hold` entry gives way to its `wait` entry.
+    let held = (rec.status == Status::Waiting.as_str()).then(|| Key::Hold {
+        job: rec.id.clone(),
+    });
     let index = async |(now, _): &(JobRecord, Published)| {
-        if let Some(k) = Key::of(now) {
-            if let Err(e) = r.active.put(&k, now).await {
-                tracing::debug!(job = %rec.id, error = %e, "re-ticketed job's index entry not updated; its record decides");
-            }
+        if let Err(e) = r.active.sync(now, held.as_ref()).await {
+            tracing::debug!(job = %rec.id, error = %e, "re-ticketed job's index entry not updated; its record decides");
         }
         Ok(())
     };
@@ -158,7 +165,9 @@ pub async fn wake(r: &Recovery, job: &str) -> Result<Woken, DueError> {
         return Ok(Woken::Nothing);
     };
     let rec = &cur.value;
-    if rec.status != Status::Queued.as_str() || rec.ticket_seq != 0 {
+    let waits = rec.status == Status::Waiting.as_str()
+        || (rec.status == Status::Queued.as_str() && rec.ticket_seq == 0);
+    if !waits {
         return Ok(Woken::Nothing);
     }
     let wait = until(SystemTime::now(), rec.next_run_at.as_deref());

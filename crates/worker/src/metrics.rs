@@ -100,6 +100,8 @@ pub enum AttemptOutcome {
     Cancelled,
     /// Needs a person (`leasehold review`).
     Parked,
+    /// Waits, holding no worker, for a time (a durable timer).
+    Waited,
     /// Released at shutdown after the drain timeout.
     HandedBack,
     /// Another owner took over (lease or session lost); the task was stopped.
@@ -114,6 +116,7 @@ impl AttemptOutcome {
             AttemptOutcome::Failed => "failed",
             AttemptOutcome::Cancelled => "cancelled",
             AttemptOutcome::Parked => "parked",
+            AttemptOutcome::Waited => "waited",
             AttemptOutcome::HandedBack => "handed_back",
             AttemptOutcome::OwnershipLost => "ownership_lost",
         }
@@ -160,6 +163,7 @@ struct WorkerInner {
     failed: Family<KindLabel, Counter>,
     cancelled: Family<KindLabel, Counter>,
     parked: Family<KindLabel, Counter>,
+    waited: Family<KindLabel, Counter>,
     handed_back: Family<KindLabel, Counter>,
     ownership_lost: Family<KindLabel, Counter>,
     attempt_duration: HistogramFamily<KindOutcomeLabels>,
@@ -218,6 +222,11 @@ impl WorkerInner {
             "leasehold_jobs_parked",
             "Attempts that parked their job for a person, by kind",
             f.parked.clone(),
+        );
+        r.register(
+            "leasehold_jobs_waited",
+            "Attempts that ended to wait, holding no worker, for a time (a durable timer), by kind",
+            f.waited.clone(),
         );
         r.register(
             "leasehold_jobs_handed_back",
@@ -280,6 +289,7 @@ impl WorkerInner {
             AttemptOutcome::Failed => &self.failed,
             AttemptOutcome::Cancelled => &self.cancelled,
             AttemptOutcome::Parked => &self.parked,
+            AttemptOutcome::Waited => &self.waited,
             AttemptOutcome::HandedBack => &self.handed_back,
             AttemptOutcome::OwnershipLost => &self.ownership_lost,
         }
@@ -312,6 +322,7 @@ impl Metrics {
             failed: Family::default(),
             cancelled: Family::default(),
             parked: Family::default(),
+            waited: Family::default(),
             handed_back: Family::default(),
             ownership_lost: Family::default(),
             attempt_duration: HistogramFamily::<KindOutcomeLabels>::new_with_constructor(

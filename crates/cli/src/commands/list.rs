@@ -10,8 +10,9 @@ use leasehold_store::NatsArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Only jobs in this status. `queued`, `running` and `parked` are read
-    /// from the index of active jobs; a finished status needs `--finished`
+    /// Only jobs in this status. `queued`, `running`, `parked` and
+    /// `waiting` (a durable timer: until when, and its step, are shown) are
+    /// read from the index of active jobs; a finished status needs `--finished`
     /// (the history) or `--all`.
     #[arg(long)]
     pub(crate) status: Option<String>,
@@ -217,6 +218,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             (Some(Status::Running), None) => Filter::Running,
             (Some(Status::Queued), None) => Filter::Waiting,
             (Some(Status::Parked), None) => Filter::Parked,
+            (Some(Status::Waiting), None) => Filter::Held,
             _ => Filter::All,
         };
         let mut entries = active.list(filter).await?;
@@ -263,10 +265,18 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             "WORKER"
         );
         for r in &recs {
-            let err = r.error.as_ref().map_or("-".to_string(), |e| {
-                let m: String = e.message.chars().take(60).collect();
-                format!("{}: {m}", e.class)
-            });
+            let err = match (r.status == Status::Waiting.as_str(), &r.error) {
+                (true, _) => format!(
+                    "waits until {} ({})",
+                    r.next_run_at.as_deref().unwrap_or("?"),
+                    r.waiting_step.as_deref().unwrap_or("?")
+                ),
+                (false, Some(e)) => {
+                    let m: String = e.message.chars().take(60).collect();
+                    format!("{}: {m}", e.class)
+                }
+                (false, None) => "-".to_string(),
+            };
             println!(
                 "{:<w$} {:<10} {:<10} {:>5} {:>8} {:<14} {:>8} {:>6} {:>7}  {:<16} {}",
                 r.id,
@@ -278,7 +288,11 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
                 r.attempts,
                 r.epoch,
                 r.stale_reclaims,
-                r.worker_id.as_deref().unwrap_or("-"),
+                if r.status == Status::Waiting.as_str() {
+                    "-"
+                } else {
+                    r.worker_id.as_deref().unwrap_or("-")
+                },
                 err
             );
         }

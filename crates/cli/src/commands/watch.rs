@@ -466,8 +466,19 @@ fn state_of(rec: &JobRecord, queue: Option<u64>) -> String {
             s
         }
         "parked" => parked_line(rec),
+        "waiting" => waiting_line(rec),
         other => other.to_string(),
     }
+}
+
+/// `waiting for time until <t> (<step>), held by no worker`.
+fn waiting_line(rec: &JobRecord) -> String {
+    format!(
+        "waiting for {} until {} ({}), held by no worker",
+        rec.waiting_for.as_deref().unwrap_or("time"),
+        rec.next_run_at.as_deref().unwrap_or("?"),
+        rec.waiting_step.as_deref().unwrap_or("?")
+    )
 }
 
 /// `parked: <reason>: <message>`.
@@ -679,6 +690,18 @@ mod tests {
         );
         r.status = "dead".into();
         assert!(summary(&r).ends_with("→ leasehold dlq list"));
+    }
+
+    #[test]
+    fn a_waiting_job_says_for_what_until_when_and_which_step() {
+        let mut r = rec("waiting");
+        r.waiting_for = Some("time".into());
+        r.next_run_at = Some("2026-12-06T10:00:00Z".into());
+        r.waiting_step = Some("sleep#0".into());
+        assert_eq!(
+            state_of(&r, Some(3)),
+            "waiting for time until 2026-12-06T10:00:00Z (sleep#0), held by no worker"
+        );
     }
 
     #[test]

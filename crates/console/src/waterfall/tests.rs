@@ -538,3 +538,42 @@ fn the_picture_marks_the_repeat_names_both_workers_and_links_each_bar() {
     assert!(svg.contains("data-worker=\"w-a\"") && svg.contains("data-worker=\"w-b\""));
     assert!(svg.contains("<a href=\"#ev-10\">"), "{svg}");
 }
+
+#[test]
+fn a_durable_timer_ends_its_attempt_and_waits_in_its_own_bar_until_the_next_claim() {
+    let t = |ms: u64| {
+        leasehold_core::time::rfc3339(
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(1_790_000_000_000 + ms),
+        )
+    };
+    let w = Waterfall::from_events(&seqd(vec![
+        claim(1, "w-a", 0, 0, 0, false),
+        ev(
+            1,
+            "step",
+            "w-a",
+            10,
+            json!({"i": 0, "id": "before#0", "result": 1}),
+        ),
+        ev(
+            1,
+            "waiting",
+            "w-a",
+            20,
+            json!({"for": "time", "until": t(60_000), "step": "sleep#0"}),
+        ),
+        claim(2, "w-b", 60_050, 0, 0, false),
+    ]));
+    assert_eq!(w.attempts.len(), 2);
+    assert_eq!(w.attempts[0].ended, "waiting");
+    let bar = w
+        .waits
+        .iter()
+        .find(|b| b.label == "waiting")
+        .expect("a waiting bar");
+    assert_eq!(bar.kind, Kind::Wait);
+    assert!(bar.detail.contains("sleep#0") && bar.detail.contains("held by no worker"));
+    // It ends at the claim that woke it, not at the time it asked for.
+    let end = bar.end.unwrap();
+    assert!(end - bar.start > 59.0, "{bar:?}");
+}

@@ -121,6 +121,10 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
         // index write failed kept its ticket for this), so `review list`
         // always shows it.
         Status::Parked => ClaimDecision::Settle("job is parked for review".into()),
+        // A waiting job's ticket kept by an owner that could not write its
+        // wake-up (or died before its ack): the wake-up is written, then
+        // the ticket acked; the job runs at its time.
+        Status::Waiting => ClaimDecision::Release,
         Status::Queued if rec.cancel_requested => {
             ClaimDecision::Cancel(Box::new(cancelled(rec, c.now, "cancelled before it ran")))
         }

@@ -23,13 +23,17 @@
 //!   follow at once.
 //! - a hand-back: a ticket first (the held delivery, or a fresh one), the
 //!   record, the index, then the held delivery NAKed back.
+//! - waiting (a durable timer): the record (no ticket, no owner), its index
+//!   entry, its wake-up, then the event, then the ack. The entry and the
+//!   wake-up are required: when either cannot be written the ticket is
+//!   kept, and its claim (which finds the job waiting) writes the wake-up.
 
 use std::time::{Duration, SystemTime};
 
 use leasehold_proto::JobResult;
 use serde_json::{json, Value};
 
-use super::{cancel_owned, complete, fail, hand_back, park, requeue, Owner, TransitionError};
+use super::{cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError};
 use crate::retry::RetryPolicy;
 use crate::status::Status;
 use crate::time::{human_duration, rfc3339};
@@ -95,6 +99,10 @@ pub enum End {
     /// Given back unfinished (shutdown, no fence, a kind not served here):
     /// runnable at once, no attempt spent.
     HandedBack,
+    /// Wait, holding no worker, until `until` (a durable timer of step
+    /// `step`); no attempt spent. The job runs again at its time, on any
+    /// worker, and its step takes the wait as done.
+    Waiting { until: SystemTime, step: String },
 }
 
 impl End {
@@ -190,6 +198,7 @@ impl EndPolicy {
 pub enum Ended {
     Completed,
     Parked,
+    Waiting,
     Cancelled,
     Retried,
     Failed,
@@ -239,6 +248,9 @@ pub enum Step {
         required: bool,
     },
     Settle(Settle),
+    /// The job's wake-up at its `next_run_at` (the `due.<job>` key every
+    /// worker and reaper watches). Required, as a required index entry is.
+    Wake,
 }
 
 /// How long a kept ticket waits before it comes back.
@@ -346,6 +358,31 @@ pub fn end(
                     Step::Settle(Settle::Ack),
                 ],
                 next: "parked for review (`leasehold review list`)".into(),
+            };
+            Ok((r, fx))
+        }
+        End::Waiting { until, step } => {
+            let r = wait(rec, owner, now, *until, step)?;
+            if is_cancelled(&r) {
+                return Ok(cancelled_instead(r, json!({"instead_of": "wait"})));
+            }
+            let at = rfc3339(*until);
+            let fx = Effects {
+                ended: Ended::Waiting,
+                failure: None,
+                ticket: Ticket::Held,
+                before: None,
+                after: vec![
+                    Step::Index { required: true },
+                    Step::Wake,
+                    Step::Event {
+                        ty: "waiting",
+                        data: json!({"for": "time", "until": at, "step": step}),
+                        terminal: false,
+                    },
+                    Step::Settle(Settle::Ack),
+                ],
+                next: format!("waiting until {at} ({step}); no worker holds it meanwhile"),
             };
             Ok((r, fx))
         }
@@ -542,6 +579,7 @@ mod tests {
                 Step::Index { required } => format!("index{}", if *required { "!" } else { "" }),
                 Step::Settle(Settle::Ack) => "ack".into(),
                 Step::Settle(Settle::Nak(_)) => "nak".into(),
+                Step::Wake => "wake!".into(),
             })
             .collect()
     }
@@ -580,6 +618,8 @@ mod tests {
             (0, false, End::cancelled(),                  "cancelled", E::Cancelled,  T::Held,             cancelled),
             (0, false, End::HandedBack,                   "queued",    E::HandedBack, T::Return("handback"), &["index", "nak"]),
             (0, true,  End::HandedBack,                   "cancelled", E::Cancelled,  T::Held,             cancelled),
+            (0, false, nap(),                             "waiting",   E::Waiting,    T::Held,             &["index!", "wake!", "waiting", "ack"]),
+            (0, true,  nap(),                             "cancelled", E::Cancelled,  T::Held,             cancelled),
         ];
         for (i, (attempts, cancel, e, status, ended, ticket, steps)) in
             table.into_iter().enumerate()
@@ -602,6 +642,46 @@ mod tests {
                 "{row}"
             );
         }
+    }
+
+    fn nap() -> End {
+        End::Waiting {
+            until: now() + Duration::from_secs(3600),
+            step: "sleep#0".into(),
+        }
+    }
+
+    #[test]
+    fn a_wait_holds_no_ticket_spends_no_attempt_and_names_its_step_and_time() {
+        let (rec, owner) = running(1, false);
+        let (r, fx) = end(&rec, &owner, now(), &nap(), &policy()).unwrap();
+        assert_eq!(r.status, "waiting");
+        assert_eq!((r.attempts, r.ticket_seq), (1, 0));
+        let at = rfc3339(now() + Duration::from_secs(3600));
+        assert_eq!(r.next_run_at.as_deref(), Some(at.as_str()));
+        assert_eq!(r.waiting_for.as_deref(), Some("time"));
+        assert_eq!(r.waiting_step.as_deref(), Some("sleep#0"));
+        assert_eq!(r.waiting_until.as_deref(), Some(at.as_str()));
+        let Some(Step::Event { data, .. }) = fx.after.get(2) else {
+            panic!("the waiting event")
+        };
+        assert_eq!(
+            data,
+            &json!({"for": "time", "until": at, "step": "sleep#0"})
+        );
+        // Its time comes: queued on the waker's ticket, the wait forgotten.
+        let woken = crate::machine::wake(&r, now(), 77).unwrap();
+        assert_eq!((woken.status.as_str(), woken.ticket_seq), ("queued", 77));
+        // What it waited for is over; which step waited, and until when,
+        // stays for the next attempt's step.
+        assert_eq!(woken.waiting_for, None);
+        assert_eq!(woken.waiting_step.as_deref(), Some("sleep#0"));
+        assert_eq!(woken.waiting_until.as_deref(), Some(at.as_str()));
+        assert_eq!(woken.epoch, r.epoch);
+        assert!(
+            crate::machine::wake(&woken, now(), 78).is_none(),
+            "woken once"
+        );
     }
 
     #[test]
@@ -654,6 +734,7 @@ mod tests {
             End::retryable("x"),
             End::HandedBack,
             End::cancelled(),
+            nap(),
         ] {
             assert!(end(&rec, &owner, now(), &e, &policy()).is_err(), "{e:?}");
         }

@@ -408,6 +408,51 @@ pub fn park(
     Ok(r)
 }
 
+/// Owner ends the attempt to wait for time `until` at step `step` (a
+/// durable timer): the job is `waiting`, held by nobody, with no ticket
+/// (its wake-up gives it one at `until`); no attempt is spent.
+pub fn wait(
+    rec: &JobRecord,
+    owner: &Owner,
+    now: SystemTime,
+    until: SystemTime,
+    step: &str,
+) -> Result<JobRecord, TransitionError> {
+    let mut r = owned(rec, owner, now)?;
+    if rec.cancel_requested {
+        return Ok(cancelled(
+            &r,
+            now,
+            "cancelled on request (instead of waiting)",
+        ));
+    }
+    r.status = Status::Waiting.as_str().into();
+    r.next_run_at = Some(rfc3339(until));
+    r.waiting_for = Some("time".into());
+    r.waiting_step = Some(step.into());
+    r.waiting_until = r.next_run_at.clone();
+    r.ticket_seq = 0;
+    release(&mut r);
+    Ok(r)
+}
+
+/// A waiting job whose time came: `queued` on ticket `ticket_seq` (which
+/// its waker published first), due now. `None` when the job is not
+/// waiting (it moved on; nothing to write). `waiting_step` and
+/// `waiting_until` stay: the next attempt's step reads its wait as done
+/// from the record it claims.
+pub fn wake(rec: &JobRecord, now: SystemTime, ticket_seq: u64) -> Option<JobRecord> {
+    if status_of(rec) != Some(Status::Waiting) {
+        return None;
+    }
+    let mut r = rec.clone();
+    r.status = Status::Queued.as_str().into();
+    r.ticket_seq = ticket_seq;
+    r.waiting_for = None;
+    r.updated_at = rfc3339(now);
+    Some(r)
+}
+
 /// A waiting job whose ticket this worker cannot accept (configuration or
 /// version skew: too large here, a field it does not know) is parked for a
 /// person with the reason, instead of bouncing between re-enqueues.
@@ -453,11 +498,13 @@ pub enum CancelOutcome {
 /// A cancellation request (not owner-side: anyone may ask).
 pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome, TransitionError> {
     match status_of(rec) {
-        Some(s @ (Status::Queued | Status::Parked)) => {
+        Some(s @ (Status::Queued | Status::Parked | Status::Waiting)) => {
             let mut r = rec.clone();
             r.status = Status::Cancelled.as_str().into();
             r.cancel_requested = true;
             r.parked_reason = None;
+            r.waiting_for = None;
+            r.waiting_step = None;
             r.error = Some(JobError {
                 class: "cancelled".into(),
                 message: format!("cancelled while {s}"),
@@ -477,7 +524,7 @@ pub fn request_cancel(rec: &JobRecord, now: SystemTime) -> Result<CancelOutcome,
         _ => Err(TransitionError::NotAllowed {
             status: rec.status.clone(),
             action: "cancel",
-            allowed: "queued, parked or running",
+            allowed: "queued, parked, waiting or running",
         }),
     }
 }

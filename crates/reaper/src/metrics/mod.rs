@@ -49,6 +49,9 @@ pub struct Metrics {
     pub oldest_in_flight_job: Option<String>,
     /// Jobs parked for a person (`leasehold review list`).
     pub parked: u64,
+    /// Jobs waiting, holding no worker, for a time (a durable timer).
+    #[serde(default)]
+    pub waiting: u64,
     /// Worker sessions alive at the sweep.
     pub sessions: u64,
     /// Dead letters in the DLQ stream, by kind (its subjects).
@@ -88,6 +91,7 @@ impl Tally {
                 }
             }
             Key::Park { .. } => self.m.parked += 1,
+            Key::Hold { .. } => self.m.waiting += 1,
         }
     }
 

@@ -49,6 +49,8 @@ pub struct FleetSnapshot {
     /// Jobs queued or running.
     pub in_flight: u64,
     pub parked: u64,
+    /// Jobs waiting, holding no worker, for a time.
+    pub waiting: u64,
     /// Age of the oldest queued or running job (zero when there is none).
     pub oldest_in_flight_age: Option<Duration>,
     /// Dead letters held in the dead-letter stream, by job kind.
@@ -76,6 +78,7 @@ struct ReaperInner {
     queue_max_bytes: Gauge,
     in_flight: Gauge,
     parked: Gauge,
+    waiting: Gauge,
     oldest_age: Gauge<f64, AtomicU64>,
     dead_letters: Family<KindLabel, Gauge>,
     last_sweep: Gauge<f64, AtomicU64>,
@@ -145,6 +148,12 @@ impl ReaperMetrics {
             "Jobs parked for a person",
             parked.clone(),
         );
+        let waiting = Gauge::default();
+        r.register(
+            "leasehold_fleet_jobs_waiting",
+            "Jobs waiting, holding no worker, for a time (a durable timer)",
+            waiting.clone(),
+        );
         let oldest_age = Gauge::<f64, AtomicU64>::default();
         r.register_with_unit(
             "leasehold_fleet_oldest_in_flight_age",
@@ -176,6 +185,7 @@ impl ReaperMetrics {
                 queue_max_bytes,
                 in_flight,
                 parked,
+                waiting,
                 oldest_age,
                 dead_letters,
                 last_sweep,
@@ -214,6 +224,7 @@ impl ReaperMetrics {
         i.queue_max_bytes.set(gauge_of(s.queue_max_bytes));
         i.in_flight.set(gauge_of(s.in_flight));
         i.parked.set(gauge_of(s.parked));
+        i.waiting.set(gauge_of(s.waiting));
         i.oldest_age
             .set(s.oldest_in_flight_age.unwrap_or_default().as_secs_f64());
         // Kinds that disappeared (purged) disappear from the export too.
@@ -307,6 +318,7 @@ mod tests {
             queue_max_bytes: 1 << 20,
             in_flight: 6,
             parked: 1,
+            waiting: 2,
             oldest_in_flight_age: Some(Duration::from_secs(90)),
             dead_letters: BTreeMap::from([("research".into(), 2), ("echo".into(), 1)]),
         };
@@ -337,6 +349,7 @@ mod tests {
             ),
             ("leasehold_fleet_jobs_in_flight{replica=\"r-1\"}", 6.0),
             ("leasehold_fleet_jobs_parked{replica=\"r-1\"}", 1.0),
+            ("leasehold_fleet_jobs_waiting{replica=\"r-1\"}", 2.0),
             (
                 "leasehold_fleet_oldest_in_flight_age_seconds{replica=\"r-1\"}",
                 90.0,

@@ -94,6 +94,7 @@ pub(super) async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                     queue_max_bytes: m.queue_max_bytes,
                     in_flight: m.in_flight,
                     parked: m.parked,
+                    waiting: m.waiting,
                     oldest_in_flight_age: m
                         .oldest_in_flight_age_s
                         .map(|a| Duration::from_secs_f64(a.max(0.0))),

@@ -30,7 +30,7 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use shared::{answer_for, call_tool, emit_once, record_step};
+pub(crate) use shared::{answer_for, call_tool, emit_once, record_step, waited_until};
 
 /// The checkpoint flusher of an attempt: queue fenced events and progress
 /// without waiting, wait for durability when it matters
@@ -45,6 +45,7 @@ const RESERVED: &[&str] = &[
     "completed",
     "failed",
     "parked",
+    "waiting",
     "cancelled",
     "progress",
     "step",
@@ -614,6 +615,64 @@ impl Ctx {
             }
         })
         .await
+    }
+
+    /// Waits `d`, holding no worker: a durable timer. The first time, the
+    /// attempt ends (this returns [`Error::Wait`]: propagate it with `?`),
+    /// the job is `waiting` (`leasehold list --status waiting`), its slot
+    /// is free, and its wake-up gives it a ticket at its time, on any
+    /// worker: a kill -9 or a restart of the whole fleet meanwhile changes
+    /// nothing. The resumed attempt replays the steps before it and this
+    /// `sleep` returns `Ok` (recorded as step `sleep#n`, so later attempts
+    /// pass it at once). The wait starts when it is recorded; a job
+    /// reclaimed before that waits the whole `d` from its new attempt.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// ctx.call("send_reminder", serde_json::json!({"to": "ACME"})).await?;
+    /// ctx.sleep(std::time::Duration::from_secs(3 * 24 * 3600)).await?;
+    /// // Three days later, on whichever worker is free.
+    /// # Ok(()) }
+    /// ```
+    pub async fn sleep(&self, d: std::time::Duration) -> Result<(), Error> {
+        self.wait_for_time(|now| now + d).await
+    }
+
+    /// Waits until `t`, holding no worker ([`Ctx::sleep`] to a time). A
+    /// time already past returns at once (and is recorded as a step).
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let at = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+    /// ctx.sleep_until(at).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn sleep_until(&self, t: std::time::SystemTime) -> Result<(), Error> {
+        self.wait_for_time(|_| t).await
+    }
+
+    /// The step of [`Ctx::sleep`] and [`Ctx::sleep_until`]: the time its
+    /// recorded wait named (or `due(now)` the first time); done once it
+    /// has passed, else the attempt ends to wait for it.
+    async fn wait_for_time(
+        &self,
+        due: impl FnOnce(std::time::SystemTime) -> std::time::SystemTime,
+    ) -> Result<(), Error> {
+        let job = &self.job;
+        let _: String = self
+            .step_with_id("sleep", |step| async move {
+                let now = std::time::SystemTime::now();
+                let until = match waited_until(&job.record, &step) {
+                    Some(t) => t,
+                    None => due(now),
+                };
+                if until <= now {
+                    return Ok(leasehold_core::time::rfc3339(until));
+                }
+                Err(Error::Wait { until, step })
+            })
+            .await?;
+        Ok(())
     }
 
     /// A tool-calling conversation with a registered model and tools, as

@@ -98,6 +98,24 @@ pub(crate) async fn answer_for(job: &JobCtx, step: &str) -> Result<Option<Value>
     Ok(answer_of(step, parked, answer))
 }
 
+/// The time the wait of step `step` named, if this step waited: the
+/// record this attempt claimed names the step that waited last and its
+/// time (`waiting_step`, `waiting_until`, kept when its wake-up queued the
+/// job). The record, not an event: a wait whose event was never
+/// published (its owner died after the write) still counts. The one rule
+/// of [`Ctx::sleep`] and of a remote kind's `sleep` op.
+pub(crate) fn waited_until(
+    rec: &leasehold_core::JobRecord,
+    step: &str,
+) -> Option<std::time::SystemTime> {
+    if rec.waiting_step.as_deref() != Some(step) {
+        return None;
+    }
+    rec.waiting_until
+        .as_deref()
+        .and_then(leasehold_core::time::parse_rfc3339)
+}
+
 /// [`answer_for`]'s decision, from the last `parked` and `answer` events
 /// (stream sequence, data).
 pub(super) fn answer_of(

@@ -32,3 +32,25 @@ fn an_answer_is_taken_only_by_the_park_it_names_after_that_park() {
     assert_eq!(answer_of("park#1", p1, a1), Some(json!(2)));
     assert_eq!(answer_of("park#0", None, None), None);
 }
+
+#[test]
+fn a_sleep_takes_the_time_only_its_own_wait_named() {
+    let at = "2026-12-06T10:00:00Z";
+    let rec = JobRecord {
+        waiting_until: Some(at.into()),
+        waiting_step: Some("sleep#0".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        waited_until(&rec, "sleep#0"),
+        leasehold_core::time::parse_rfc3339(at)
+    );
+    // The next sleep of the run starts its own wait.
+    assert_eq!(waited_until(&rec, "sleep#1"), None);
+    // A record that names no time is no wait.
+    let bare = JobRecord {
+        waiting_step: Some("sleep#0".into()),
+        ..Default::default()
+    };
+    assert_eq!(waited_until(&bare, "sleep#0"), None);
+}

@@ -181,6 +181,7 @@ impl Attempt {
         let outcome = match fx.ended {
             Ended::Completed => AttemptOutcome::Completed,
             Ended::Parked => AttemptOutcome::Parked,
+            Ended::Waiting => AttemptOutcome::Waited,
             Ended::Cancelled => AttemptOutcome::Cancelled,
             Ended::Retried => AttemptOutcome::Retried,
             Ended::Failed => AttemptOutcome::Failed,
@@ -223,6 +224,15 @@ impl Attempt {
                     terminal: true,
                 } => !self.terminal_event(rec, ty, data).await,
                 Step::Index { required } => !self.reindex(rec).await && *required,
+                Step::Wake => {
+                    match leasehold_store::timers::set(&self.shared.recovery, rec).await {
+                        Ok(()) => false,
+                        Err(e) => {
+                            tracing::warn!(job = %rec.id, error = %e, "cannot write the wake-up; the ticket comes back and its claim writes it");
+                            true
+                        }
+                    }
+                }
                 Step::Settle(Settle::Ack) => {
                     settle(&self.ticket, AckKind::Ack).await;
                     false
@@ -313,6 +323,7 @@ fn writing(ended: Ended) -> &'static str {
     match ended {
         Ended::Completed => "completion",
         Ended::Parked => "parking",
+        Ended::Waiting => "wait",
         Ended::Cancelled => "cancellation",
         Ended::Retried => "requeue",
         Ended::Failed => "failure",

@@ -1,0 +1,195 @@
+//! Durable timers (`ctx.sleep`): a sleeping job holds no worker, is
+//! `waiting` and listed, and wakes at its time on any worker, across a
+//! kill -9, a restart of the whole fleet (every worker and the NATS
+//! server), and a worker killed after its write and before its wake-up.
+
+use std::time::{Duration, SystemTime};
+
+use leasehold_harness::{wait_for_jetstream, FaultProxy, Proc};
+use leasehold_testkit::doors::index::Key;
+use leasehold_testkit::record::parse_rfc3339;
+use leasehold_testkit::{wait_log, Fleet, SetupOptions, ACK_WAIT};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+fn layout() -> SetupOptions {
+    let mut o = SetupOptions {
+        ack_wait: ACK_WAIT,
+        ..SetupOptions::default()
+    };
+    o.kinds.push("nap".into());
+    o
+}
+
+/// A worker process serving `nap` (the SDK's test worker), connected at `url`.
+fn nap_worker(env: &Fleet, url: &str, name: &str) -> Proc {
+    let mut e = env.proc_env();
+    e.push(("LH_KINDS", "nap".into()));
+    e.push(("NATS_URL", url.to_string()));
+    Proc::spawn("sdk-agent-worker", &["--worker-id", name], &e)
+}
+
+/// How many times step `step` of `id` was recorded.
+async fn recorded(env: &Fleet, id: &str, step: &str) -> usize {
+    env.events_of(id)
+        .await
+        .iter()
+        .filter(|e| e.r#type == "step" && e.data_map()["id"] == step)
+        .count()
+}
+
+fn ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// What every sleeping job's end shows: it ran `after` once its time had
+/// come, each step once, and waited once.
+async fn slept_once(env: &Fleet, id: &str, until: SystemTime) {
+    let done = env.record(id).await.unwrap();
+    assert_eq!(done.status, "completed", "{done:?}");
+    let out: serde_json::Value =
+        serde_json::from_str(&done.result.as_ref().unwrap().output).unwrap();
+    assert!(
+        out["after_ms"].as_u64().unwrap() >= ms(until),
+        "woke before its time: {out} (until {})",
+        ms(until)
+    );
+    assert!(out["before_ms"].as_u64().unwrap() < ms(until), "{out}");
+    assert_eq!(
+        recorded(env, id, "before#0").await,
+        1,
+        "the step before ran once"
+    );
+    assert_eq!(recorded(env, id, "sleep#0").await, 1);
+    assert_eq!(recorded(env, id, "after#0").await, 1);
+    assert!(
+        env.active().await.keys_of(id).await.unwrap().is_empty(),
+        "a finished job leaves no index entry"
+    );
+}
+
+#[tokio::test]
+async fn a_sleeping_job_holds_no_slot_is_listed_waiting_and_wakes_at_its_time() {
+    let env = Fleet::with(layout()).await;
+    let mut o = env.opts();
+    o.kinds = vec!["nap".into(), "echo".into()];
+    o.concurrency = 1;
+    let stop = CancellationToken::new();
+    let w = leasehold::Worker::new(o)
+        .kind("nap", leasehold_tests::Nap)
+        .start(stop.clone())
+        .await
+        .unwrap();
+    env.submit("nap", json!({"input": {"ms": 3000}}), "nap-1")
+        .await;
+    let asleep = env
+        .wait_status("nap-1", "waiting", Duration::from_secs(10))
+        .await;
+    assert_eq!(asleep.waiting_for.as_deref(), Some("time"));
+    assert_eq!(asleep.waiting_step.as_deref(), Some("sleep#0"));
+    assert_eq!(asleep.session, None, "no worker holds a sleeping job");
+    assert_eq!(asleep.ticket_seq, 0, "a sleeping job holds no ticket");
+    let until = parse_rfc3339(asleep.next_run_at.as_deref().unwrap()).unwrap();
+    assert!(until > SystemTime::now() + Duration::from_secs(1));
+    env.wait_listed("nap-1", "held", Duration::from_secs(5), |k| {
+        matches!(k, Key::Hold { .. })
+    })
+    .await;
+    let waited = env
+        .wait_event("nap-1", "waiting", Duration::from_secs(5))
+        .await;
+    let ev = waited.last().unwrap().data_map();
+    assert_eq!(
+        (ev["for"].as_str(), ev["step"].as_str()),
+        (Some("time"), Some("sleep#0"))
+    );
+
+    // Its one slot is free: another job runs while it sleeps.
+    env.submit("echo", json!({"input": {"n": 1}}), "meanwhile")
+        .await;
+    env.wait_status("meanwhile", "completed", Duration::from_secs(10))
+        .await;
+    assert_eq!(env.record("nap-1").await.unwrap().status, "waiting");
+
+    env.wait_status("nap-1", "completed", Duration::from_secs(15))
+        .await;
+    slept_once(&env, "nap-1", until).await;
+    assert_eq!(
+        w.metrics
+            .total(leasehold::Count::Ended(leasehold::AttemptOutcome::Waited)),
+        1
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_sleep_survives_a_kill9_and_a_restart_of_the_whole_fleet() {
+    let mut env = Fleet::with(layout()).await;
+    let mut a = nap_worker(&env, &env.url(), "nap-a");
+    wait_log(&a, "worker starting", Duration::from_secs(20)).await;
+    env.submit("nap", json!({"input": {"ms": 5000}}), "nap-fleet")
+        .await;
+    let asleep = env
+        .wait_status("nap-fleet", "waiting", Duration::from_secs(15))
+        .await;
+    let until = parse_rfc3339(asleep.next_run_at.as_deref().unwrap()).unwrap();
+    env.wait_event("nap-fleet", "waiting", Duration::from_secs(5))
+        .await;
+    // Every process goes: the worker (kill -9), then the server.
+    a.kill9();
+    env.server.kill();
+    env.server.restart();
+    wait_for_jetstream(&env.url(), Duration::from_secs(20)).await;
+    let _b = nap_worker(&env, &env.url(), "nap-b");
+    env.wait_status("nap-fleet", "completed", Duration::from_secs(30))
+        .await;
+    slept_once(&env, "nap-fleet", until).await;
+}
+
+/// The moment that matters: the owner wrote `waiting` and its index entry,
+/// and died before its wake-up (`due.<job>`) was written. Its ticket was
+/// never acked: its next delivery finds the job waiting, writes the
+/// wake-up, and the job wakes at the time it first asked for.
+#[tokio::test]
+async fn a_worker_killed_before_its_wake_up_was_written_leaves_the_ticket_to_write_it() {
+    let env = Fleet::with(layout()).await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let hold = proxy.hold("$KV.lh_active.due.>");
+    let mut a = nap_worker(&env, &proxy.url(), "nap-a");
+    wait_log(&a, "worker starting", Duration::from_secs(20)).await;
+    env.submit("nap", json!({"input": {"ms": 3000}}), "nap-cut")
+        .await;
+    tokio::time::timeout(Duration::from_secs(15), hold.triggered())
+        .await
+        .expect("the owner reached its wake-up write");
+    a.kill9();
+    let asleep = env.record("nap-cut").await.unwrap();
+    assert_eq!(asleep.status, "waiting");
+    let until = parse_rfc3339(asleep.next_run_at.as_deref().unwrap()).unwrap();
+    assert!(
+        env.active()
+            .await
+            .kv()
+            .get("due.nap-cut")
+            .await
+            .unwrap()
+            .is_none(),
+        "no wake-up was written"
+    );
+    let _b = nap_worker(&env, &env.url(), "nap-b");
+    let done = env
+        .wait_status("nap-cut", "completed", Duration::from_secs(30))
+        .await;
+    slept_once(&env, "nap-cut", until).await;
+    // It slept once, for the time it first asked: its wait was the
+    // record's, not an event's (none was published).
+    let out: serde_json::Value = serde_json::from_str(&done.result.unwrap().output).unwrap();
+    assert!(
+        out["after_ms"].as_u64().unwrap() < ms(until) + 5_000,
+        "slept twice: {out} (until {})",
+        ms(until)
+    );
+}
