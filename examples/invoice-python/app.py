@@ -242,7 +242,8 @@ def conformance(ctx: Ctx) -> Any:
     ``slow_epoch`` only when given), ``pad`` (bytes
     of padding in each step's result), ``fail`` (a message: fail terminal
     at the end), ``retry_ms`` (the first attempt ends with a retry asking
-    for that delay, after the steps)."""
+    for that delay, after the steps), ``sleep_ms`` (a durable sleep after
+    the steps)."""
     inp = ctx.input or {}
     n = int(inp.get("steps", 2))
     total = 0
@@ -260,6 +261,8 @@ def conformance(ctx: Ctx) -> Any:
             return r
 
         total += ctx.step(name, work)["i"]
+    if inp.get("sleep_ms") is not None:
+        ctx.sleep(int(inp["sleep_ms"]) / 1000)
     if inp.get("fail"):
         raise Fail(str(inp["fail"]))
     if inp.get("retry_ms") is not None and ctx.job.attempt == 1:

@@ -219,7 +219,8 @@ app.kind("scout", async (ctx) => {
 // epoch <e>` and sleeps `slow_s`, in epoch `slow_epoch` only when given),
 // `pad` (bytes of padding in each step's result), `fail` (a message: fail
 // terminal at the end), `retry_ms` (the first attempt ends with a retry
-// asking for that delay, after the steps).
+// asking for that delay, after the steps), `sleep_ms` (a durable sleep
+// after the steps).
 app.kind("conformance", async (ctx) => {
   const inp = ctx.input ?? {};
   const n = Number(inp.steps ?? 2);
@@ -239,6 +240,7 @@ app.kind("conformance", async (ctx) => {
     });
     total += r.i;
   }
+  if (inp.sleep_ms !== undefined && inp.sleep_ms !== null) await ctx.sleep(Number(inp.sleep_ms));
   if (inp.fail) throw new Fail(String(inp.fail));
   if (inp.retry_ms !== undefined && inp.retry_ms !== null && ctx.job.attempt === 1) {
     throw new Retry("the conformance kind asks for a retry", Number(inp.retry_ms));

@@ -83,6 +83,11 @@ export declare class Ctx<I = any> {
    * (`leasehold review resume ID --answer JSON`). A second park of the run
    * asks again: it never gets the first one's answer. */
   park<T = any>(reason: string, question: string): Promise<T>;
+  /** A durable timer: waits `ms` holding no worker (the job is `waiting`;
+   * any worker resumes it at its time), recorded as the step `sleep#n`. */
+  sleep(ms: number): Promise<void>;
+  /** `sleep` until the time `at`; a time already past resolves at once. */
+  sleepUntil(at: Date): Promise<void>;
 }
 
 /** Ends the job as failed (terminal: never retried). */

@@ -812,6 +812,39 @@ async fn conformance_a_retry_waits_queued_for_its_delay_without_a_slot(sdk: Sdk)
     );
 }
 
+/// The `sleep` op: the job waits holding no worker (its one slot runs the
+/// next job meanwhile), wakes at its time and resumes from its journal:
+/// each step recorded once.
+async fn conformance_a_sleep_waits_without_a_slot_and_resumes_at_its_time(sdk: Sdk) {
+    let (env, _s, _port, remote) = conformance_env(sdk).await;
+    let _w = worker(&env, &remote, &[("LH_CONCURRENCY", "1")]);
+    submit_conf(&env, "conf-sleep", json!({"steps": 2, "sleep_ms": 3000})).await;
+    let asleep = env
+        .wait_status("conf-sleep", "waiting", Duration::from_secs(20))
+        .await;
+    assert_eq!(
+        asleep.waiting_step.as_deref(),
+        Some("sleep#0"),
+        "{asleep:?}"
+    );
+    let until = asleep
+        .next_run_at
+        .as_deref()
+        .and_then(leasehold_testkit::record::parse_rfc3339)
+        .expect("a wake-up time");
+    submit_conf(&env, "conf-awake", json!({"steps": 1})).await;
+    let other = ended(&env, "conf-awake").await;
+    assert_eq!(other.status, "completed", "{other:?}");
+    assert_eq!(env.record("conf-sleep").await.unwrap().status, "waiting");
+    let done = ended(&env, "conf-sleep").await;
+    assert_eq!(done.status, "completed", "{done:?}");
+    assert!(std::time::SystemTime::now() >= until);
+    assert_eq!(output(&done)["sum"], 1);
+    assert_eq!(done.attempts, 0, "a sleep spends no attempt: {done:?}");
+    let st = steps(&env.events_of("conf-sleep").await);
+    assert_eq!(st, ["count#0", "count#1", "sleep#0"], "each once: {st:?}");
+}
+
 // ---- the protocol's schemas -----------------------------------------------
 
 fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
@@ -1540,6 +1573,8 @@ both_sdks! {
         => conformance_an_oversized_journal_is_paged,
     remote_conformance_a_retry_waits_queued_for_its_delay_without_a_slot
         => conformance_a_retry_waits_queued_for_its_delay_without_a_slot,
+    remote_conformance_a_sleep_waits_without_a_slot_and_resumes_at_its_time
+        => conformance_a_sleep_waits_without_a_slot_and_resumes_at_its_time,
     remote_sdk_answers_match_the_schemas => sdk_answers_match_the_schemas,
     remote_a_signed_service_serves_a_signed_worker_and_refuses_another
         => a_signed_service_serves_a_signed_worker_and_refuses_another,

@@ -71,6 +71,39 @@ class Replay(unittest.TestCase):
         r = invoke("j7", full, inp={"retry": True})
         self.assertEqual((r["op"], r["delay_ms"]), ("retry", 5))
 
+    def test_sleep_asks_for_a_durable_timer_once_and_returns_once_recorded(self):
+        import datetime
+
+        sleepy = App(version="1")
+
+        @sleepy.kind("k")
+        def nap(ctx: Ctx):
+            ctx.sleep(1.5)
+            ctx.sleep_until(datetime.datetime(2030, 1, 2, 3, 4, 5, 6000, tzinfo=datetime.timezone.utc))
+            return {"done": True}
+
+        def call(entries):
+            body = {
+                "protocol": 1,
+                "type": "invoke",
+                "job": {"id": "s1", "kind": "k", "input": {}, "epoch": 1, "attempt": 1, "deadline": None},
+                "journal": {"from": 0, "total": len(entries), "entries": entries, "next_cursor": None},
+            }
+            return sleepy.invoke(body)[1]
+
+        op = call([])
+        self.assertEqual((op["op"], op["index"], op["id"], op["ms"]), ("sleep", 0, "sleep#0", 1500))
+        s0 = e(0, "sleep#0", "2026-12-06T10:00:00.000Z")
+        op = call([s0])
+        self.assertEqual((op["op"], op["id"], op["until"]), ("sleep", "sleep#1", "2030-01-02T03:04:05.006Z"))
+        self.assertNotIn("ms", op)
+        op = call([s0, e(1, "sleep#1", "2030-01-02T03:04:05.006Z")])
+        self.assertEqual((op["op"], op["output"]), ("complete", {"done": True}))
+        with self.assertRaises(TypeError):
+            Ctx.sleep(None, -1)  # type: ignore[arg-type]
+        with self.assertRaises(TypeError):
+            Ctx.sleep_until(None, datetime.datetime(2030, 1, 1))  # type: ignore[arg-type]
+
     def test_a_recorded_step_under_another_name_is_a_mismatch_naming_both(self):
         op = invoke("m1", [e(0, "x#0", 1)])
         self.assertEqual(op["op"], "journal_mismatch")

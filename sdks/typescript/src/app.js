@@ -252,6 +252,33 @@ export class Ctx {
     if (r.hit) return r.value;
     return this._answer({ op: "park", index: r.index, id: sid, reason: String(reason), question: String(question) });
   }
+
+  /** A durable timer: waits `ms` holding no worker. The first time, the
+   * attempt ends and the job is `waiting` (no slot, no attempt spent); at
+   * its time any worker calls the service again and this `sleep` resolves
+   * (recorded as step `sleep#n`). The wait starts when the worker records it. */
+  async sleep(ms) {
+    if (typeof ms !== "number" || !Number.isFinite(ms) || ms < 0) {
+      throw new TypeError(`sleep: ms must be a number >= 0, not ${JSON.stringify(ms)}`);
+    }
+    return this._sleep({ ms: Math.floor(ms) });
+  }
+
+  /** `sleep` until the time `at` (a Date); a time already past resolves at once. */
+  async sleepUntil(at) {
+    if (!(at instanceof Date) || Number.isNaN(at.getTime())) {
+      throw new TypeError(`sleepUntil: a valid Date, not ${String(at)}`);
+    }
+    return this._sleep({ until: at.toISOString() });
+  }
+
+  _sleep(when) {
+    const sid = this._id("sleep");
+    const r = this._replay(sid);
+    if (r.wait) return never();
+    if (r.hit) return undefined;
+    return this._answer({ op: "sleep", index: r.index, id: sid, ...when });
+  }
 }
 
 /** A promise that never settles: an operation whose call is answered. */

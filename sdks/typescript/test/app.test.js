@@ -132,6 +132,28 @@ test("effect, generate and park ops carry their fields; recorded ones return the
   assert.deepEqual(op.output, { r: { id: 9 }, g: g0.result, a: { approve: true } });
 });
 
+test("sleep asks the worker for a durable timer once, and returns once it is recorded", async () => {
+  const app = new App();
+  app.kind("k", async (ctx) => {
+    await ctx.sleep(1500);
+    await ctx.sleepUntil(new Date("2030-01-02T03:04:05.006Z"));
+    return { done: true };
+  });
+  let [, op] = await app.invoke(call());
+  assert.deepEqual(op, { op: "sleep", index: 0, id: "sleep#0", ms: 1500, protocol: 1, version: "1" });
+  const s0 = { index: 0, id: "sleep#0", result: "2026-12-06T10:00:00.000Z" };
+  [, op] = await app.invoke(call([s0], { job: { id: "j-s" } }));
+  assert.deepEqual([op.op, op.id, op.until], ["sleep", "sleep#1", "2030-01-02T03:04:05.006Z"]);
+  [, op] = await app.invoke(call([s0, { index: 1, id: "sleep#1", result: "2030-01-02T03:04:05.006Z" }], { job: { id: "j-s2" } }));
+  assert.deepEqual(op.output, { done: true });
+  const bad = new App();
+  bad.kind("k", (ctx) => ctx.sleep(-1));
+  [, op] = await bad.invoke(call());
+  // A bug in the kind's code, like any thrown error: retried, with its message.
+  assert.equal(op.op, "retry");
+  assert.match(op.message, /sleep: ms must be a number >= 0/);
+});
+
 test("an effect without options sends a null business key and nothing else", async () => {
   const app = new App();
   app.kind("k", (ctx) => ctx.effect("w", [1]));

@@ -30,7 +30,7 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use shared::{answer_for, call_tool, emit_once, record_step, waited_until};
+pub(crate) use shared::{answer_for, call_tool, emit_once, record_step, timer};
 
 /// The checkpoint flusher of an attempt: queue fenced events and progress
 /// without waiting, wait for durability when it matters
@@ -658,19 +658,9 @@ impl Ctx {
         &self,
         due: impl FnOnce(std::time::SystemTime) -> std::time::SystemTime,
     ) -> Result<(), Error> {
-        let job = &self.job;
+        let rec = &self.job.record;
         let _: String = self
-            .step_with_id("sleep", |step| async move {
-                let now = std::time::SystemTime::now();
-                let until = match waited_until(&job.record, &step) {
-                    Some(t) => t,
-                    None => due(now),
-                };
-                if until <= now {
-                    return Ok(leasehold_core::time::rfc3339(until));
-                }
-                Err(Error::Wait { until, step })
-            })
+            .step_with_id("sleep", |step| async move { timer(rec, &step, due) })
             .await?;
         Ok(())
     }

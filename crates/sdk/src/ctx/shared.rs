@@ -98,6 +98,26 @@ pub(crate) async fn answer_for(job: &JobCtx, step: &str) -> Result<Option<Value>
     Ok(answer_of(step, parked, answer))
 }
 
+/// The one rule of a durable timer's step `step` (Rust's `ctx.sleep`, a
+/// remote kind's `sleep` op): its time is the one its recorded wait named,
+/// or `due(now)` the first time. `Ok(time)` once it has passed (the step's
+/// result, RFC 3339), else [`Error::Wait`]: the attempt ends until then.
+pub(crate) fn timer(
+    rec: &leasehold_core::JobRecord,
+    step: &str,
+    due: impl FnOnce(std::time::SystemTime) -> std::time::SystemTime,
+) -> Result<String, Error> {
+    let now = std::time::SystemTime::now();
+    let until = waited_until(rec, step).unwrap_or_else(|| due(now));
+    if until <= now {
+        return Ok(leasehold_core::time::rfc3339(until));
+    }
+    Err(Error::Wait {
+        until,
+        step: step.into(),
+    })
+}
+
 /// The time the wait of step `step` named, if this step waited: the
 /// record this attempt claimed names the step that waited last and its
 /// time (`waiting_step`, `waiting_until`, kept when its wake-up queued the

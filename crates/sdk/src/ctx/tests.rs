@@ -1,6 +1,6 @@
 //! Tests of which answer a park takes.
 
-use super::shared::answer_of;
+use super::shared::{answer_of, waited_until};
 use super::*;
 use serde_json::json;
 

@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use leasehold_store::events::Events;
 use leasehold_tools::{EffectsLedger, NoEvents, Toolbox};
@@ -509,6 +509,20 @@ impl Kind for RemoteKind {
                         }
                     }
                 }
+                "sleep" => {
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let due = sleep_due(&op)?;
+                        let result = crate::ctx::timer(&ctx.job().record, &id, due)?;
+                        let rec = Recorded {
+                            index,
+                            id,
+                            version,
+                            result: Value::String(result),
+                        };
+                        self.record(ctx, &mut entries, rec).await?;
+                    }
+                }
                 "complete" => return Ok(op.get("output").cloned().unwrap_or(Value::Null)),
                 "fail" => {
                     return Err(Error::terminal(
@@ -535,10 +549,36 @@ impl Kind for RemoteKind {
                 "" => return Err(protocol("bad_answer: the answer has no `op`")),
                 other => {
                     return Err(protocol(format!(
-                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, journal, complete, fail, retry, journal_mismatch)"
+                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, sleep, journal, complete, fail, retry, journal_mismatch)"
                     )))
                 }
             }
         }
+    }
+}
+
+/// When a `sleep` op's first wait ends: `ms` from now, or the time `until`
+/// (RFC 3339); exactly one of them. A bad op is a protocol error, never a
+/// guessed wait.
+fn sleep_due(op: &Value) -> Result<Box<dyn FnOnce(SystemTime) -> SystemTime + Send>, Error> {
+    match (op.get("ms"), op.get("until")) {
+        (Some(ms), None) => {
+            let d = Duration::from_millis(ms.as_u64().ok_or_else(|| {
+                protocol("bad_answer: a `sleep` op's `ms` is a whole number of milliseconds")
+            })?);
+            Ok(Box::new(move |now| now + d))
+        }
+        (None, Some(t)) => {
+            let at = t
+                .as_str()
+                .and_then(leasehold_core::time::parse_rfc3339)
+                .ok_or_else(|| {
+                    protocol("bad_answer: a `sleep` op's `until` is an RFC 3339 time")
+                })?;
+            Ok(Box::new(move |_| at))
+        }
+        _ => Err(protocol(
+            "bad_answer: a `sleep` op needs exactly one of `ms` and `until`",
+        )),
     }
 }

@@ -127,3 +127,36 @@ fn a_recording_op_is_checked_against_the_journal() {
         Err(Error::Retryable(_))
     ));
 }
+
+#[test]
+fn a_sleep_op_names_exactly_one_time_or_is_a_protocol_error() {
+    let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+    let due = |op: Value| sleep_due(&op).map(|f| f(now));
+    assert_eq!(
+        due(json!({"op": "sleep", "ms": 1500})).unwrap(),
+        now + Duration::from_millis(1500)
+    );
+    assert_eq!(
+        due(json!({"op": "sleep", "until": "2030-01-02T03:04:05Z"})).unwrap(),
+        leasehold_core::time::parse_rfc3339("2030-01-02T03:04:05Z").unwrap()
+    );
+    for (bad, says) in [
+        (json!({"op": "sleep"}), "exactly one of `ms` and `until`"),
+        (
+            json!({"op": "sleep", "ms": 1, "until": "2030-01-02T03:04:05Z"}),
+            "exactly one",
+        ),
+        (
+            json!({"op": "sleep", "ms": -5}),
+            "whole number of milliseconds",
+        ),
+        (json!({"op": "sleep", "ms": "soon"}), "whole number"),
+        (json!({"op": "sleep", "until": "tomorrow"}), "RFC 3339"),
+    ] {
+        let e = due(bad.clone()).unwrap_err().to_string();
+        assert!(
+            e.contains("protocol_error") && e.contains(says),
+            "{bad}: {e}"
+        );
+    }
+}

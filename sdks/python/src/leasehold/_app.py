@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import threading
 import traceback
 from collections import OrderedDict
@@ -261,6 +262,32 @@ class Ctx:
         if hit:
             return value
         raise _Answer({"op": "park", "index": i, "id": sid, "reason": reason, "question": question})
+
+    def sleep(self, seconds: float) -> None:
+        """A durable timer: waits ``seconds`` holding no worker. The first
+        time, the attempt ends and the job is ``waiting`` (no slot, no
+        attempt spent); at its time any worker calls the service again and
+        this ``sleep`` returns (recorded as step ``sleep#n``). A kill -9, or
+        a restart of the whole fleet, meanwhile changes nothing. The wait
+        starts when the worker records it."""
+        if not isinstance(seconds, (int, float)) or seconds < 0:
+            raise TypeError(f"sleep: seconds must be a number >= 0, not {seconds!r}")
+        self._sleep({"ms": int(seconds * 1000)})
+
+    def sleep_until(self, at: "datetime.datetime") -> None:
+        """:meth:`sleep` until the time ``at`` (a timezone-aware datetime);
+        a time already past returns at once."""
+        if not isinstance(at, datetime.datetime) or at.tzinfo is None:
+            raise TypeError(f"sleep_until: a timezone-aware datetime, not {at!r}")
+        utc = at.astimezone(datetime.timezone.utc)
+        self._sleep({"until": utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"})
+
+    def _sleep(self, when: Dict[str, JSON]) -> None:
+        sid = self._id("sleep")
+        hit, _, i = self._replay(sid)
+        if hit:
+            return
+        raise _Answer({"op": "sleep", "index": i, "id": sid, **when})
 
 
 KindFn = Callable[[Ctx], JSON]
