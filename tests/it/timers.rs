@@ -193,3 +193,86 @@ async fn a_worker_killed_before_its_wake_up_was_written_leaves_the_ticket_to_wri
         ms(until)
     );
 }
+
+/// A sleeping job is listed waiting with its time and step, and a cancel
+/// ends it at once: its wake-up, when it comes, changes nothing.
+#[tokio::test]
+async fn a_waiting_job_is_listed_with_its_time_and_a_cancel_ends_it_for_good() {
+    let env = Fleet::with(layout()).await;
+    let a = nap_worker(&env, &env.url(), "nap-a");
+    wait_log(&a, "worker starting", Duration::from_secs(20)).await;
+    env.submit("nap", json!({"input": {"ms": 2000}}), "nap-off")
+        .await;
+    let asleep = env
+        .wait_status("nap-off", "waiting", Duration::from_secs(15))
+        .await;
+    let until = parse_rfc3339(asleep.next_run_at.as_deref().unwrap()).unwrap();
+    env.wait_listed("nap-off", "held", Duration::from_secs(5), |k| {
+        matches!(k, Key::Hold { .. })
+    })
+    .await;
+    let (code, out, err) =
+        leasehold_testkit::cli(&env.url(), &["list", "--status", "waiting"]).await;
+    assert_eq!(code, 0, "{err}");
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("nap-off "))
+        .unwrap_or_else(|| panic!("not listed:\n{out}"));
+    assert!(
+        row.contains("waiting") && row.contains("waits until") && row.contains("sleep#0"),
+        "{row}"
+    );
+    let (code, out, err) = leasehold_testkit::cli(&env.url(), &["cancel", "nap-off"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let done = env
+        .wait_status("nap-off", "cancelled", Duration::from_secs(10))
+        .await;
+    assert_eq!(done.error.unwrap().message, "cancelled while waiting");
+    // Its wake-up fires at its time (a worker of its kind runs) and,
+    // finding it cancelled, does nothing but go.
+    let active = env.active().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while active.kv().get("due.nap-off").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the wake-up never fired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        SystemTime::now() >= until,
+        "the wake-up went before its time"
+    );
+    assert_eq!(env.record("nap-off").await.unwrap().status, "cancelled");
+    assert_eq!(recorded(&env, "nap-off", "after#0").await, 0);
+}
+
+/// Found by the timers bench: every attempt reads its journal, and each
+/// read left an ordered consumer on `LH_EVENTS` for 30 s. A thousand
+/// timers waking together ran the server into its consumer limit (10026)
+/// and their attempts failed. A read now leaves no consumer behind.
+#[tokio::test]
+async fn reading_a_jobs_events_leaves_no_consumer_behind() {
+    let env = Fleet::with(layout()).await;
+    let (_w, stop) = env.worker().await;
+    env.submit("echo", json!({"input": {}}), "read-me").await;
+    env.wait_event("read-me", "completed", Duration::from_secs(10))
+        .await;
+    let mut stream = env
+        .conn
+        .js
+        .get_stream(env.conn.layout.events_stream())
+        .await
+        .unwrap();
+    let before = stream.info().await.unwrap().state.consumer_count;
+    for _ in 0..50 {
+        assert!(!env.events_of("read-me").await.is_empty());
+    }
+    let after = stream.info().await.unwrap().state.consumer_count;
+    assert!(
+        after <= before,
+        "{} consumers left by 50 reads ({before} before)",
+        after - before
+    );
+    stop.cancel();
+}

@@ -479,8 +479,26 @@ impl Events {
             })
             .await
             .map_err(|e| StoreError::nats("read events", e))?;
-        let info = consumer.cached_info();
-        let mut pending = info.num_pending;
+        // An ordered consumer outlives its reader by 30 s (async-nats sets
+        // its inactive threshold): one per read piled up past the server's
+        // consumer limit (10026) when many attempts started at once, each
+        // reading its journal (a fleet's worth of timers waking). It goes
+        // as soon as it is read.
+        let name = consumer.cached_info().name.clone();
+        let out = self.drain(consumer, &filter).await;
+        if let Err(e) = stream.delete_consumer(&name).await {
+            tracing::debug!(consumer = %name, error = %e, "reader consumer not deleted; the server drops it after 30 s");
+        }
+        out
+    }
+
+    /// Every event an ordered consumer has pending, in order.
+    async fn drain(
+        &self,
+        consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+        filter: &str,
+    ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
+        let mut pending = consumer.cached_info().num_pending;
         let mut out = Vec::new();
         if pending == 0 {
             return Ok(out);

@@ -24,6 +24,7 @@
 //! | `remote` | a remote kind's step through the Python and the TypeScript SDK, p50/p99; remote echo jobs/s, 4 workers, each SDK | the same empty step of a Rust kind and a raw HTTP round trip to the same service; the Rust echo | p50 <= raw + 2 ms; >= 50% |
 //! | `real-model` | research job (2 experts x 2 sections, in parallel) wall time, model calls, sections skipped, retries and streams the server cut (it serves one request at a time: the worker learns it) on SmolLM2-135M (llama-cpp-python); the server's tokens/s in the same run; only where `make test-model`'s virtualenv is installed, else skipped | the same job on the simulator with instant answers | |
 //! | `charts` | `GET /fleet/charts` and `GET /v1/fleet/charts` p50/p95, and the charts' sampler's store requests per sample, with 100,000 active jobs in the index | the same console with 1,000 | ~1x (O(window)) |
+//! | `timers` | durable timers on 1 worker with 16 slots: slots held, `$KV` writes/s and process RSS with 10,000 jobs asleep for an hour; wake latency after a 2 s sleep's due time, p50/p95 | the same with 1,000 asleep | 0 slots, flat (<= +1 write/s, <= 1.5x RSS); wake p95 <= 50 ms |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 
 mod busy;
@@ -44,6 +45,7 @@ mod research;
 mod search;
 mod steps;
 mod throughput;
+mod timers;
 mod waterfall;
 
 use std::path::PathBuf;
@@ -81,6 +83,7 @@ pub const PARTS: &[&str] = &[
     "console-live",
     "console-clients",
     "charts",
+    "timers",
 ];
 
 #[derive(Parser, Debug)]
@@ -93,7 +96,7 @@ pub struct Args {
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
-    /// recovery, handoff, stop, inflight, history, search, plateau, research,
+    /// recovery, handoff, stop, inflight, timers, history, search, plateau, research,
     /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
     /// real-model, waterfall, console (or one of its parts: console-pages,
     /// console-live, console-clients), charts. All by default (regression only with --baseline-bins,
@@ -126,6 +129,12 @@ pub struct Args {
     /// Seconds of steady state in which liveness writes are counted.
     #[arg(long, default_value_t = 20)]
     pub inflight_window: u64,
+    /// Jobs asleep at once in the timers part (a tenth of them first).
+    #[arg(long, default_value_t = 10_000)]
+    pub timers_jobs: usize,
+    /// Jobs whose wake latency the timers part measures.
+    #[arg(long, default_value_t = 200)]
+    pub timers_wakes: usize,
     /// Finished records seeded for the history part.
     #[arg(long, default_value_t = 100_000)]
     pub history_records: usize,
@@ -419,6 +428,23 @@ async fn main() -> anyhow::Result<()> {
         {
             inflight::rows(&mut r, &v);
             r.json.insert("inflight".into(), v);
+        }
+    }
+    if a.runs("timers") {
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "timers",
+            timers::timers(
+                a.timers_jobs,
+                a.timers_wakes,
+                Duration::from_secs(a.inflight_window.min(10)),
+            ),
+        )
+        .await
+        {
+            timers::rows(&mut r, &v);
+            r.json.insert("timers".into(), v);
         }
     }
     if a.runs("history") {

@@ -121,10 +121,25 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
         // index write failed kept its ticket for this), so `review list`
         // always shows it.
         Status::Parked => ClaimDecision::Settle("job is parked for review".into()),
-        // A waiting job's ticket kept by an owner that could not write its
-        // wake-up (or died before its ack): the wake-up is written, then
-        // the ticket acked; the job runs at its time.
-        Status::Waiting => ClaimDecision::Release,
+        // Not due yet: a ticket kept by an owner that could not write the
+        // wake-up (or died before its ack). The wake-up is written, then the
+        // ticket acked; the job runs at its time.
+        Status::Waiting if !until(c.now, rec.next_run_at.as_deref()).is_zero() => {
+            ClaimDecision::Release
+        }
+        // Due: the ticket its waker published first (before the record
+        // names it) reached a claimer first, or an owner's kept ticket came
+        // back after the time. Either is the job's ticket now: it is
+        // claimed, and the waker's own write finds it moved on. (Released
+        // instead, the ticket would be acked and the record then name it:
+        // a queued job whose ticket is gone.)
+        Status::Waiting => {
+            let woken = super::wake(rec, c.now, c.ticket_seq).expect("the job is waiting");
+            ClaimDecision::Claim {
+                record: Box::new(claimed(&woken, c, false)),
+                reclaim: false,
+            }
+        }
         Status::Queued if rec.cancel_requested => {
             ClaimDecision::Cancel(Box::new(cancelled(rec, c.now, "cancelled before it ran")))
         }

@@ -340,3 +340,31 @@ fn transient_retries_back_off_with_deliveries_up_to_five_seconds() {
     assert_eq!(d, vec![1, 2, 4, 5, 5, 5]);
     assert_eq!(transient_retry_delay(0), Duration::from_secs(1));
 }
+
+#[test]
+fn a_waiting_jobs_ticket_writes_its_wake_up_before_its_time_and_claims_it_after() {
+    let a = claim(&fresh(), &claimant("a", "t1", t(0)));
+    let owner = Owner::of(&a).unwrap();
+    let w = wait(&a, &owner, t(5), t(600), "sleep#0").unwrap();
+    // The owner's kept ticket, before the time: released to the wake-up.
+    assert_eq!(
+        decide_claim(&w, &claimant("b", "t2", t(6))),
+        ClaimDecision::Release
+    );
+    // At its time, a ticket (its waker's, published before the record
+    // names it) is claimed at once, naming that ticket; never released
+    // (acked) while the waker is about to point the record at it.
+    let mut c = claimant("b", "t2", t(600));
+    c.ticket_seq = 77;
+    let r = claim(&w, &c);
+    assert_eq!(
+        (r.status.as_str(), r.ticket_seq, r.epoch),
+        ("running", 77, 2)
+    );
+    assert_eq!(r.waiting_for, None);
+    assert_eq!(
+        r.waiting_step.as_deref(),
+        Some("sleep#0"),
+        "the step reads its wait"
+    );
+}
