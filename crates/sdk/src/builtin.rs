@@ -45,13 +45,20 @@ impl Kind for Echo {
     }
 }
 
-/// `sleep`: input `{"ms": N}`; sleeps (the runner heartbeats meanwhile).
+/// `sleep`: input `{"ms": N}`; sleeps holding its slot (the runner
+/// heartbeats meanwhile). With `"durable": true` it is a durable timer
+/// (`ctx.sleep`): the job waits `waiting`, holding no slot, and completes
+/// on whichever worker takes it at its time.
 struct Sleep;
 
 #[async_trait]
 impl Kind for Sleep {
     async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
         let ms = number(ctx, "ms").unwrap_or(0);
+        if ctx.input_json().get("durable").and_then(Value::as_bool) == Some(true) {
+            ctx.sleep(Duration::from_millis(ms)).await?;
+            return Ok(json!({"slept_ms": ms, "durable": true}));
+        }
         nap(ctx, ms).await?;
         Ok(json!({"slept_ms": ms}))
     }

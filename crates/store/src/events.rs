@@ -15,7 +15,7 @@
 //! Readers ignore events of an epoch older than the latest `claimed` marker
 //! before them ([`coherent`]).
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, context::PublishErrorKind};
@@ -459,67 +459,29 @@ impl Events {
         filters: Vec<String>,
         from: u64,
     ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
-        let filter = filters.join(",");
         let stream = self
             .js
             .get_stream(&self.stream)
             .await
             .map_err(|e| StoreError::nats("events stream", e))?;
-        let consumer = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subjects: filters,
-                deliver_policy: if from > 0 {
-                    jetstream::consumer::DeliverPolicy::ByStartSequence {
-                        start_sequence: from,
-                    }
-                } else {
-                    jetstream::consumer::DeliverPolicy::All
-                },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| StoreError::nats("read events", e))?;
-        // An ordered consumer outlives its reader by 30 s (async-nats sets
-        // its inactive threshold): one per read piled up past the server's
-        // consumer limit (10026) when many attempts started at once, each
-        // reading its journal (a fleet's worth of timers waking). It goes
-        // as soon as it is read.
-        let name = consumer.cached_info().name.clone();
-        let out = self.drain(consumer, &filter).await;
-        if let Err(e) = stream.delete_consumer(&name).await {
-            tracing::debug!(consumer = %name, error = %e, "reader consumer not deleted; the server drops it after 30 s");
-        }
-        out
-    }
-
-    /// Every event an ordered consumer has pending, in order.
-    async fn drain(
-        &self,
-        consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
-        filter: &str,
-    ) -> Result<Vec<(u64, JobEvent)>, StoreError> {
-        let mut pending = consumer.cached_info().num_pending;
+        let deliver = if from > 0 {
+            jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: from,
+            }
+        } else {
+            jetstream::consumer::DeliverPolicy::All
+        };
+        let what = format!("reading events of {}", filters.join(","));
         let mut out = Vec::new();
-        if pending == 0 {
-            return Ok(out);
-        }
-        let mut msgs = consumer
-            .messages()
-            .await
-            .map_err(|e| StoreError::nats("read events", e))?;
-        while pending > 0 {
-            let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
-            let Ok(Some(Ok(m))) = next else {
-                return Err(StoreError::failed(format!(
-                    "reading events of {filter} stalled"
-                )));
-            };
-            let info = m.info().map_err(|e| StoreError::nats("event info", e))?;
-            pending = info.pending;
+        for m in crate::read::read_once(&stream, filters, deliver, &what).await? {
+            let seq = m
+                .info()
+                .map_err(|e| StoreError::nats("event info", e))?
+                .stream_sequence;
             self.read_bytes
                 .fetch_add(m.payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
             if let Ok(ev) = serde_json::from_slice::<JobEvent>(&m.payload) {
-                out.push((info.stream_sequence, self.resolved(ev).await?));
+                out.push((seq, self.resolved(ev).await?));
             }
         }
         Ok(out)

@@ -24,7 +24,6 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv};
-use futures::StreamExt;
 use leasehold_core::machine::status_of;
 use leasehold_core::{JobRecord, Status};
 use serde::{Deserialize, Serialize};
@@ -317,20 +316,22 @@ impl Active {
         Ok(())
     }
 
-    /// Every key naming `job` (normally one; more after a crash between writes).
+    /// Every key naming `job` (normally one; more after a crash between
+    /// writes), in one read.
     pub async fn keys_of(&self, job: &str) -> Result<Vec<Key>, StoreError> {
-        let mut out = Vec::new();
-        for f in [
+        let patterns = [
             format!("run.*.{job}"),
             format!("wait.{job}"),
             format!("park.{job}"),
             format!("hold.{job}"),
-        ] {
-            for (k, _) in self.scan(&f).await? {
-                out.push(k);
-            }
-        }
-        Ok(out)
+        ];
+        let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+        Ok(self
+            .scan_all(&patterns)
+            .await?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect())
     }
 
     /// The entries matching `filter`, sorted by key (job id within a status).
@@ -348,41 +349,35 @@ impl Active {
         Ok(v)
     }
 
-    /// The live entries under `pattern` (a key pattern with `*`/`>`), read
-    /// with one ordered consumer delivering the last message per key.
+    /// The live entries under `pattern` (a key pattern with `*`/`>`).
     async fn scan(&self, pattern: &str) -> Result<Vec<(Key, Entry)>, StoreError> {
+        self.scan_all(&[pattern]).await
+    }
+
+    /// The live entries under any of `patterns`, read once (the last
+    /// message per key; [`crate::read::read_once`]).
+    async fn scan_all(&self, patterns: &[&str]) -> Result<Vec<(Key, Entry)>, StoreError> {
         let bucket = self.layout.active_bucket();
         let stream = self
             .js
             .get_stream_no_info(format!("KV_{bucket}"))
             .await
             .map_err(|e| StoreError::nats("index stream", e))?;
-        let consumer = stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                filter_subject: format!("$KV.{bucket}.{pattern}"),
-                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| StoreError::nats("index scan", e))?;
-        let mut pending = consumer.cached_info().num_pending;
-        let mut out = Vec::new();
-        if pending == 0 {
-            return Ok(out);
-        }
-        let mut msgs = consumer
-            .messages()
-            .await
-            .map_err(|e| StoreError::nats("index scan", e))?;
+        let filters = patterns
+            .iter()
+            .map(|p| format!("$KV.{bucket}.{p}"))
+            .collect();
+        let what = format!("scanning the index ({})", patterns.join(", "));
+        let msgs = crate::read::read_once(
+            &stream,
+            filters,
+            consumer::DeliverPolicy::LastPerSubject,
+            &what,
+        )
+        .await?;
         let prefix = format!("$KV.{bucket}.");
-        while pending > 0 {
-            let next = tokio::time::timeout(Duration::from_secs(10), msgs.next()).await;
-            let Ok(Some(Ok(m))) = next else {
-                return Err(StoreError::failed(format!(
-                    "scanning the index ({pattern}) stalled"
-                )));
-            };
-            pending = m.info().map(|i| i.pending).unwrap_or(0);
+        let mut out = Vec::new();
+        for m in msgs {
             if m.headers.as_ref().is_some_and(crate::is_removal) {
                 continue;
             }

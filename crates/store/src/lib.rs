@@ -41,6 +41,7 @@ pub mod index;
 pub mod jobs;
 pub mod layout;
 pub mod liveness;
+pub mod read;
 pub mod recovery;
 pub mod retention;
 pub mod schedules;

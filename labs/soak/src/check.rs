@@ -212,6 +212,7 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
             continue;
         };
         outcome(&mut v, s, rec, by_job.get(id).copied().unwrap_or(0));
+        durable_sleep(&mut v, rec, c);
         deaths(&mut v, s, rec, &rules);
         if !settled(rec) {
             stuck(&mut v, rec, c);
@@ -235,6 +236,48 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
         }
     }
     v
+}
+
+/// A durable timer (`sleep` with `durable`) that completed slept once: its
+/// `sleep#0` step recorded exactly once, and not before its time (the
+/// record's `waiting_until`, which the wait wrote).
+fn durable_sleep(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
+    let input: Value = rec
+        .spec
+        .as_ref()
+        .and_then(|s| serde_json::from_str(&s.input).ok())
+        .unwrap_or_default();
+    if rec.kind != "sleep" || input["durable"] != true || rec.status != "completed" {
+        return;
+    }
+    *v.info.entry("durable_sleeps_completed".into()).or_default() += 1;
+    let steps = c.events.get(&rec.id).map_or(0, |evs| {
+        evs.iter()
+            .filter(|(_, e)| e.r#type == "step" && e.data_map()["id"] == "sleep#0")
+            .count()
+    });
+    if steps != 1 {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!("a durable sleep recorded its sleep#0 step {steps} times"),
+        ));
+    }
+    let at = |t: Option<&str>| t.and_then(leasehold_core::time::parse_rfc3339);
+    match (at(rec.waiting_until.as_deref()), at(Some(&rec.updated_at))) {
+        (Some(until), Some(done)) if done < until => v.wrong_outcomes.push(f(
+            &rec.id,
+            format!(
+                "a durable sleep completed at {} before its time {}",
+                rec.updated_at,
+                rec.waiting_until.as_deref().unwrap_or("?")
+            ),
+        )),
+        (None, _) => v.wrong_outcomes.push(f(
+            &rec.id,
+            "a durable sleep completed without a recorded wait",
+        )),
+        _ => {}
+    }
 }
 
 fn outcome(v: &mut Verdict, s: &Submission, rec: &JobRecord, effects: u64) {

@@ -180,6 +180,11 @@ struct Args {
     /// jobs settle sooner (`make soak-ci` runs the busy fleet with 8s-20s).
     #[arg(long, value_parser = parse_range, value_name = "MIN-MAX")]
     long_jobs: Option<(Duration, Duration)>,
+    /// The fraction (0-1) of the mix's `sleep` jobs that are durable timers
+    /// (`ctx.sleep`: they wait holding no worker, and must complete once,
+    /// not before their time). 0 keeps a recorded seed's plan.
+    #[arg(long, value_name = "P")]
+    durable_sleeps: Option<f64>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -210,6 +215,13 @@ impl Args {
         );
         k.quiesce_timeout = self.quiesce_timeout.unwrap_or(k.quiesce_timeout);
         k.max_stale_reclaims = self.max_stale_reclaims.unwrap_or(k.max_stale_reclaims);
+        if let Some(p) = self.durable_sleeps {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&p),
+                "--durable-sleeps: a fraction from 0 to 1, not {p}"
+            );
+            k.durable_sleeps = p;
+        }
         anyhow::ensure!(
             k.poison || self.poison_jobs.is_none(),
             "--poison-jobs: only the busy profile plans poison jobs"
@@ -245,6 +257,9 @@ impl Args {
                 leasehold_core::time::format_duration(min),
                 leasehold_core::time::format_duration(max)
             ));
+        }
+        if k.durable_sleeps > 0.0 {
+            s.push_str(&format!(" --durable-sleeps {}", k.durable_sleeps));
         }
         s
     }
@@ -1264,6 +1279,32 @@ mod tests {
 
     /// Pinned from the `--print-plan` output of the soak before profiles
     /// existed (make soak-ci's two legs): a recorded seed keeps its plan.
+    #[test]
+    fn durable_sleeps_change_only_which_sleeps_are_timers() {
+        let run = Duration::from_secs(300);
+        let before = plan::plan_jobs(7, run, &knobs(&[]));
+        let after = plan::plan_jobs(7, run, &knobs(&["--durable-sleeps", "0.5"]));
+        assert_eq!(before.len(), after.len());
+        let mut durable = 0;
+        for (b, a) in before.iter().zip(&after) {
+            assert_eq!((b.id.as_str(), b.at_ms), (a.id.as_str(), a.at_ms));
+            if a.spec["input"]["durable"] == true {
+                assert_eq!(a.kind, "sleep");
+                durable += 1;
+            } else {
+                assert_eq!(a.spec, b.spec);
+            }
+        }
+        let sleeps = after.iter().filter(|j| j.kind == "sleep").count();
+        assert!(durable > 0 && durable < sleeps, "{durable} of {sleeps}");
+        assert!(
+            Args::try_parse_from(["leasehold-soak", "--durable-sleeps", "2"])
+                .unwrap()
+                .knobs()
+                .is_err()
+        );
+    }
+
     #[test]
     fn the_default_profile_replays_the_plans_recorded_before_profiles() {
         let k = knobs(&[]);

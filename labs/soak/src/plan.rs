@@ -137,12 +137,28 @@ pub fn jobs(seed: u64, run: Duration, rate: f64) -> Vec<JobPlan> {
     out
 }
 
+/// Makes a fraction `p` of the mix's `sleep` jobs durable timers
+/// (`"durable": true`: the job waits holding no worker). Drawn from a
+/// stream of its own, so a seed's plan is what it was with `p` = 0.
+pub fn durable_sleeps(v: &mut [JobPlan], seed: u64, p: f64) {
+    if p <= 0.0 {
+        return;
+    }
+    let mut r = Rng::stream(seed, "timers");
+    for j in v.iter_mut().filter(|j| j.kind == "sleep") {
+        if r.chance(p) {
+            j.spec["input"]["durable"] = json!(true);
+        }
+    }
+}
+
 /// Every planned submission of a run with knobs `k`, in time order: the job
 /// mix at `k.rate`, then (by profile) long jobs and poison jobs. Each part
 /// draws from its own stream of the seed, so the default profile's plan is
 /// the mix alone, exactly as before profiles.
 pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
     let mut v = jobs(seed, run, k.rate);
+    durable_sleeps(&mut v, seed, k.durable_sleeps);
     if k.ops {
         // The operators' kind is not set up until they add it.
         v.retain(|j| j.kind != crate::ops::LIVE_KIND);

@@ -88,6 +88,9 @@ pub struct Knobs {
     /// Operators act during the run ([`crate::ops`]); their kind
     /// ([`crate::ops::LIVE_KIND`]) is not set up at the start.
     pub ops: bool,
+    /// The fraction of the mix's `sleep` jobs that are durable timers
+    /// (`--durable-sleeps`; 0 keeps recorded plans as they were).
+    pub durable_sleeps: f64,
 }
 
 impl Knobs {
@@ -178,6 +181,7 @@ impl Profile {
             dead_fails: false,
             slot_use_target: None,
             ops: false,
+            durable_sleeps: 0.0,
         };
         let long = |per_slot| LongJobs {
             per_slot,
