@@ -601,13 +601,21 @@ async fn a_second_park_asks_again_and_never_takes_the_first_parks_answer() {
         .await;
     assert_eq!(rec.status, "parked", "the second gate asks: {rec:?}");
     assert_eq!(rec.parked_reason.as_deref(), Some("approve-2"));
-    let parked: Vec<Value> = env
-        .events_of("gates-1")
-        .await
-        .iter()
-        .filter(|e| e.r#type == "parked")
-        .map(|e| e.data_map()["step"].clone())
-        .collect();
+    // The record is written before its `parked` event: wait for the event.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let parked: Vec<Value> = loop {
+        let parked: Vec<Value> = env
+            .events_of("gates-1")
+            .await
+            .iter()
+            .filter(|e| e.r#type == "parked")
+            .map(|e| e.data_map()["step"].clone())
+            .collect();
+        if parked.len() >= 2 || tokio::time::Instant::now() > deadline {
+            break parked;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(
         parked,
         [json!("park#0"), json!("park#1")],

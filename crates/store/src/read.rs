@@ -18,20 +18,53 @@ use futures::StreamExt;
 
 use crate::StoreError;
 
-/// How long the server keeps a reader's consumer after its last pull.
-pub const READER_IDLE: Duration = Duration::from_secs(2);
+/// How long the server keeps a reader's consumer after its last pull
+/// (long enough for a loaded machine's first pull to come after the
+/// create; short enough that a thousand reads in ten seconds stay well
+/// under the server's consumer limit).
+pub const READER_IDLE: Duration = Duration::from_secs(5);
 
 /// How long a read may wait for its next message before it is called stalled.
 const STALL: Duration = Duration::from_secs(10);
 
 /// Every message of `stream` under `filters` from `deliver` on that is
-/// there now, in stream order. `what` names the read in errors.
+/// there now, in stream order. `what` names the read in errors. A read
+/// that stalls (its consumer gone under a loaded server, a leader moving)
+/// is started once more with a new consumer.
 pub(crate) async fn read_once<I>(
     stream: &jetstream::stream::Stream<I>,
     filters: Vec<String>,
     deliver: consumer::DeliverPolicy,
     what: &str,
 ) -> Result<Vec<jetstream::Message>, StoreError> {
+    match read(stream, filters.clone(), deliver.clone(), what).await {
+        Err(Stalled) => {
+            tracing::debug!(
+                read = what,
+                "a read stalled; reading again with a new consumer"
+            );
+            read(stream, filters, deliver, what).await
+        }
+        r => r,
+    }
+    .map_err(|e| match e {
+        Stalled => StoreError::failed(format!("{what} stalled")),
+        Failed(e) => e,
+    })
+}
+
+enum ReadError {
+    Stalled,
+    Failed(StoreError),
+}
+use ReadError::{Failed, Stalled};
+
+async fn read<I>(
+    stream: &jetstream::stream::Stream<I>,
+    filters: Vec<String>,
+    deliver: consumer::DeliverPolicy,
+    what: &str,
+) -> Result<Vec<jetstream::Message>, ReadError> {
     let consumer = stream
         .create_consumer(consumer::pull::Config {
             filter_subjects: filters,
@@ -43,7 +76,7 @@ pub(crate) async fn read_once<I>(
             ..Default::default()
         })
         .await
-        .map_err(|e| StoreError::nats(what, e))?;
+        .map_err(|e| Failed(StoreError::nats(what, e)))?;
     let mut pending = consumer.cached_info().num_pending;
     let mut out = Vec::new();
     if pending == 0 {
@@ -52,12 +85,15 @@ pub(crate) async fn read_once<I>(
     let mut msgs = consumer
         .messages()
         .await
-        .map_err(|e| StoreError::nats(what, e))?;
+        .map_err(|e| Failed(StoreError::nats(what, e)))?;
     while pending > 0 {
         let Ok(Some(Ok(m))) = tokio::time::timeout(STALL, msgs.next()).await else {
-            return Err(StoreError::failed(format!("{what} stalled")));
+            return Err(Stalled);
         };
-        pending = m.info().map_err(|e| StoreError::nats(what, e))?.pending;
+        pending = m
+            .info()
+            .map_err(|e| Failed(StoreError::nats(what, e)))?
+            .pending;
         out.push(m);
     }
     Ok(out)
