@@ -37,7 +37,7 @@ pub(crate) async fn read_once<I>(
     deliver: consumer::DeliverPolicy,
     what: &str,
 ) -> Result<Vec<jetstream::Message>, StoreError> {
-    match read(stream, filters.clone(), deliver.clone(), what).await {
+    match read(stream, filters.clone(), deliver, what).await {
         Err(Stalled) => {
             tracing::debug!(
                 read = what,
