@@ -216,34 +216,19 @@ impl Dlq {
     /// Every dead letter, oldest first, payloads included (tests and small DLQs).
     pub async fn list(&self) -> Result<Vec<Letter>, StoreError> {
         let stream = self.stream().await?;
-        let consumer = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subject: self.layout.dlq_wildcard(),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| StoreError::nats("read DLQ", e))?;
-        let mut pending = consumer.cached_info().num_pending;
-        let mut out = Vec::new();
-        if pending == 0 {
-            return Ok(out);
-        }
-        let mut msgs = consumer
-            .messages()
-            .await
-            .map_err(|e| StoreError::nats("read DLQ", e))?;
-        while pending > 0 {
-            let Ok(Some(Ok(m))) =
-                tokio::time::timeout(std::time::Duration::from_secs(10), msgs.next()).await
-            else {
-                return Err(StoreError::failed("reading the DLQ stalled"));
-            };
+        let msgs = crate::read::read_once(
+            &stream,
+            vec![self.layout.dlq_wildcard()],
+            jetstream::consumer::DeliverPolicy::All,
+            "reading the DLQ",
+        )
+        .await?;
+        let mut out = Vec::with_capacity(msgs.len());
+        for m in msgs {
             let info = m.info().map_err(|e| StoreError::nats("DLQ info", e))?;
-            pending = info.pending;
-            let seq = info.stream_sequence;
             let at = leasehold_core::time::rfc3339(std::time::SystemTime::from(info.published));
             out.push(self.letter(
-                seq,
+                info.stream_sequence,
                 &m.subject,
                 m.headers.clone().unwrap_or_default(),
                 m.payload.clone(),

@@ -18,11 +18,12 @@ use futures::StreamExt;
 
 use crate::StoreError;
 
-/// How long the server keeps a reader's consumer after its last pull
-/// (long enough for a loaded machine's first pull to come after the
-/// create; short enough that a thousand reads in ten seconds stay well
-/// under the server's consumer limit).
-pub const READER_IDLE: Duration = Duration::from_secs(5);
+/// How long the server keeps a reader's consumer after its last pull:
+/// short, so that hundreds of reads a second (a fleet's timers waking)
+/// stay under the server's consumer limit; a consumer dropped before a
+/// loaded machine's first pull makes its read stall, and the read is
+/// tried again with a new one.
+pub const READER_IDLE: Duration = Duration::from_secs(1);
 
 /// How long a read may wait for its next message before it is called stalled.
 const STALL: Duration = Duration::from_secs(10);
