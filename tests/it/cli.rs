@@ -5,22 +5,7 @@ use std::time::Duration;
 
 use leasehold_harness::{bin_path, wait_for_jetstream, FaultProxy, NatsServer};
 
-use leasehold_testkit::Fleet;
-
-/// Runs the CLI without blocking the test's runtime (in-process workers share it).
-async fn cli(url: &str, args: &[&str]) -> (i32, String, String) {
-    let out = tokio::process::Command::new(bin_path("leasehold"))
-        .args(args)
-        .env("NATS_URL", url)
-        .output()
-        .await
-        .expect("run leasehold");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use leasehold_testkit::{cli, Fleet};
 
 #[tokio::test]
 async fn setup_is_idempotent_and_workers_name_what_is_missing() {

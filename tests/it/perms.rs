@@ -68,17 +68,7 @@ impl Secured {
 
     /// Runs the `leasehold` CLI as `role`.
     async fn cli(&self, role: &str, args: &[&str]) -> (i32, String, String) {
-        let out = tokio::process::Command::new(bin_path("leasehold"))
-            .args(args)
-            .envs(self.env(role))
-            .output()
-            .await
-            .expect("run leasehold");
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        leasehold_testkit::cli_with(args, self.env(role)).await
     }
 
     fn worker(&self) -> Proc {

@@ -388,9 +388,22 @@ pub async fn spawn_sim(extra: &[(&'static str, String)]) -> (Proc, String) {
 /// Runs the `leasehold` CLI against `url` without blocking the test's
 /// runtime; returns the exit code, stdout and stderr.
 pub async fn cli(url: &str, args: &[&str]) -> (i32, String, String) {
+    cli_with(args, [("NATS_URL", url)]).await
+}
+
+/// [`cli`] with these environment variables (a NATS user's credentials,
+/// say) instead of `NATS_URL` alone.
+pub async fn cli_with<K, V>(
+    args: &[&str],
+    env: impl IntoIterator<Item = (K, V)>,
+) -> (i32, String, String)
+where
+    K: AsRef<std::ffi::OsStr>,
+    V: AsRef<std::ffi::OsStr>,
+{
     let out = tokio::process::Command::new(leasehold_harness::bin_path("leasehold"))
         .args(args)
-        .env("NATS_URL", url)
+        .envs(env)
         .output()
         .await
         .expect("run leasehold");

@@ -373,18 +373,17 @@ impl Metrics {
     /// The process's total of `c` (the families summed over every kind).
     pub fn total(&self, c: Count) -> u64 {
         let i = &self.inner;
-        if c == Count::Renewals {
-            let ok = OutcomeLabel {
-                outcome: Renewal::Ok.as_str().to_string(),
-            };
-            return i.renewals.get(&ok).map_or(0, |c| c.get());
-        }
         let family = match c {
             Count::Claimed => &i.claimed,
             Count::Reclaimed => &i.reclaimed,
             Count::Rejected => &i.rejected,
             Count::Ended(o) => i.outcome_family(o),
-            Count::Renewals => unreachable!("answered above"),
+            Count::Renewals => {
+                let ok = OutcomeLabel {
+                    outcome: Renewal::Ok.as_str().to_string(),
+                };
+                return i.renewals.get(&ok).map_or(0, |c| c.get());
+            }
         };
         let kinds = i.kinds.lock().expect("kinds").clone();
         kinds
