@@ -21,6 +21,38 @@ impl Kind for Nap {
     }
 }
 
+/// `hark`: a step (and, with `input.busy_ms`, in its first attempt, a
+/// step that sleeps that long holding its slot), then `input.times` (default 1) waits for signal
+/// `input.name` (default `go`), each for at most `input.timeout_ms` (none:
+/// for as long as it takes); its output lists what each wait took (the
+/// signal, or `null` after a timeout) and when the step before ran.
+pub struct Hark;
+
+#[async_trait]
+impl Kind for Hark {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let input = ctx.input_json();
+        let name = input["name"].as_str().unwrap_or("go").to_string();
+        let times = input["times"].as_u64().unwrap_or(1);
+        let timeout = input["timeout_ms"].as_u64().map(Duration::from_millis);
+        let before: u64 = ctx.step("before", || async { Ok(now_ms()) }).await?;
+        if let Some(ms) = input["busy_ms"].as_u64().filter(|_| ctx.epoch() == 1) {
+            // Holding its slot in its first attempt, for a test to kill
+            // its worker meanwhile.
+            ctx.step("busy", || async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(())
+            })
+            .await?;
+        }
+        let mut got = Vec::new();
+        for _ in 0..times {
+            got.push(json!(ctx.wait_for(&name, timeout).await?));
+        }
+        Ok(json!({"before_ms": before, "got": got}))
+    }
+}
+
 /// Now, in milliseconds since the epoch.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()

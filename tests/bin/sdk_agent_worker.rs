@@ -4,7 +4,8 @@
 //! simulator (`SIM_URL`) and its model (`SIM_URL/v1`). For the tests that
 //! kill it in the middle of the conversation. And `nap`: a step, a durable
 //! sleep of `input.ms`, a step (tests/it/timers.rs), for the tests that
-//! kill it, or the whole fleet, while the job sleeps.
+//! kill it, or the whole fleet, while the job sleeps; `hark`, waits for
+//! signals (tests/it/signals.rs).
 
 use std::time::Duration;
 
@@ -98,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
     leasehold::Worker::from_env()
         .kind("agent-test", AgentTest)
         .kind("nap", leasehold_tests::Nap)
+        .kind("hark", leasehold_tests::Hark)
         .model("sim", model)
         .tool(Web::new("search", &sim))
         .tool(Web::new("fetch", &sim))

@@ -244,6 +244,14 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
     }
 
     async fn call(&mut self, method: &str, params: Value) -> Value {
+        match self.try_call(method, params).await {
+            Ok(v) => v,
+            Err(r) => panic!("{method}: {r}"),
+        }
+    }
+
+    /// [`Self::call`], its error answer returned.
+    async fn try_call(&mut self, method: &str, params: Value) -> Result<Value, Value> {
         self.next += 1;
         let id = self.next;
         let mut m = json!({"id": id, "method": method, "params": params});
@@ -256,8 +264,10 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
                 .await
                 .unwrap_or_else(|_| panic!("DevTools did not answer {method}"));
             if r["id"].as_u64() == Some(id) {
-                assert!(r.get("error").is_none(), "{method}: {r}");
-                return r["result"].clone();
+                if r.get("error").is_some() {
+                    return Err(r);
+                }
+                return Ok(r["result"].clone());
             }
         }
     }
@@ -288,12 +298,23 @@ Sec-WebSocket-Key: bGVhc2Vob2xkLWNvbnNvbGU=\r\nSec-WebSocket-Version: 13\r\n\r\n
         .await;
     }
 
-    /// Waits until `js` is true in the page.
+    /// Waits until `js` is true in the page. A page navigating meanwhile
+    /// (a form posted, a redirect) answers that its document went: not yet
+    /// true, asked again in the next document.
     pub(crate) async fn wait(&mut self, js: &str, timeout: Duration, what: &str) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if self.eval(&format!("!!({js})")).await == json!(true) {
-                return;
+            let r = self
+                .try_call(
+                    "Runtime.evaluate",
+                    json!({"expression": format!("!!({js})"), "returnByValue": true, "awaitPromise": true}),
+                )
+                .await;
+            match r {
+                Ok(v) if v["result"]["value"] == json!(true) => return,
+                Ok(_) => {}
+                Err(e) if navigated(&e) => {}
+                Err(e) => panic!("Runtime.evaluate: {e}"),
             }
             if tokio::time::Instant::now() > deadline {
                 let dom = self
@@ -1809,4 +1830,11 @@ async fn console_in_a_browser_runs_a_bulk_cancel_and_its_page_follows_it_to_the_
         let r = env.record(&format!("bb-{i}")).await.unwrap();
         assert_eq!(r.status, "cancelled");
     }
+}
+
+/// Whether a DevTools error answer says the page's document went (it
+/// navigated while it was asked).
+fn navigated(answer: &Value) -> bool {
+    let m = answer["error"]["message"].as_str().unwrap_or("");
+    m.contains("navigated or closed") || m.contains("Execution context was destroyed")
 }

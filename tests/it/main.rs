@@ -32,6 +32,7 @@ mod sdk;
 mod search;
 mod serial;
 mod shutdown;
+mod signals;
 mod submission;
 mod tenants;
 mod timers;

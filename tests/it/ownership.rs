@@ -23,6 +23,7 @@ fn claimant(worker: &str, owner: OwnerLiveness) -> Claimant<'_> {
         max_stale_reclaims: 3,
         owner,
         deliveries: 1,
+        signalled: false,
     }
 }
 

@@ -51,6 +51,8 @@ pub enum Command {
     Stats(commands::stats::Args),
     /// Ask for a job's cancellation.
     Cancel(commands::cancel::Args),
+    /// Send a signal to a job (what its `wait_for` waits for).
+    Signal(commands::signal::Args),
     /// Print a finished job's result (the report, for research jobs).
     Result(commands::result::Args),
     /// Dead letters: list, show, replay, purge.

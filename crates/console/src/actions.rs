@@ -22,6 +22,7 @@ use crate::render::{self, esc, url};
 
 const ACTIONS: &[(&str, &str)] = &[
     ("cancel", "Cancel job"),
+    ("signal", "Send signal to job"),
     ("review-resume", "Resume parked job"),
     ("review-fail", "Fail parked job"),
     ("dlq-replay", "Replay dead letter"),
@@ -72,7 +73,7 @@ pub async fn confirm(
     let mut what = String::new();
     let mut hidden = String::new();
     for (k, v) in &q {
-        if k == "action" || v.is_empty() {
+        if k == "action" || v.is_empty() || (action == "signal" && k == "name") {
             continue;
         }
         let _ = write!(what, "<li>{}: <code>{}</code></li>", esc(k), esc(v));
@@ -84,6 +85,11 @@ pub async fn confirm(
         );
     }
     let extra = match action.as_str() {
+        "signal" => format!(
+            "<p><label>signal name (what the job's <code>wait_for</code> names)<br><input name=\"name\" id=\"signal-name\" size=\"40\" required value=\"{}\"></label></p>\
+<p><label>data, as JSON (empty: <code>{{}}</code>)<br><textarea name=\"data\" id=\"signal-data\" rows=\"3\" cols=\"60\"></textarea></label></p>",
+            esc(q.get("name").map(String::as_str).unwrap_or(""))
+        ),
         "review-resume" => "<p><label>answer, as JSON (given to the step that asked, and recorded with the action)<br><textarea name=\"answer\" rows=\"3\" cols=\"60\"></textarea></label></p>".to_string(),
         "review-fail" => "<p><label>reason (required)<br><input name=\"reason\" size=\"60\" required></label></p>".to_string(),
         "dlq-replay" => rejected_form(&app, &q).await?,
@@ -395,6 +401,31 @@ async fn run(
                 ),
                 back: format!("/jobs/{}", url(id)),
                 detail: reply,
+            })
+        }
+        "signal" => {
+            let id = field(f, "id")?;
+            let name = field(f, "name")?;
+            let data = match f.get("data").map(|s| s.trim()).unwrap_or("") {
+                "" => json!({}),
+                d => serde_json::from_str::<Value>(d).map_err(|e| {
+                    format!("the data must be JSON ({e}), e.g. {{\"confirmed\": true}}")
+                })?,
+            };
+            let sender = format!("{} via console", caller.name);
+            let sent =
+                operate::send_signal(&app.op, &app.op_jobs, id, name, &data, None, Some(&sender))
+                    .await
+                    .map_err(|e| e.to_string())?;
+            let message = if sent.waited_for {
+                format!("signal `{name}` sent to job {id} (seq {}): it was waiting for it and is woken now", sent.seq)
+            } else {
+                format!("signal `{name}` sent to job {id} (seq {}): the job is {} and not waiting for it; it is kept until a wait takes it", sent.seq, sent.status)
+            };
+            Ok(Done {
+                message,
+                back: format!("/jobs/{}", url(id)),
+                detail: serde_json::to_value(&sent).unwrap_or_default(),
             })
         }
         "review-resume" => {

@@ -211,10 +211,8 @@ pub fn describe(ev: &JobEvent) -> String {
             esc(s(&d, "message"))
         ),
         "waiting" => format!(
-            "<b class=\"warn\">waiting</b>{who} for {} until {} ({}), held by no worker",
-            esc(s(&d, "for")),
-            esc(s(&d, "until")),
-            esc(s(&d, "step"))
+            "<b class=\"warn\">waiting</b>{who} {}, held by no worker",
+            esc(&waiting_for(&d))
         ),
         "dead" => format!(
             "<b class=\"bad\">dead</b>: {} {}",
@@ -222,6 +220,20 @@ pub fn describe(ev: &JobEvent) -> String {
             esc(s(&d, "reason"))
         ),
         other => format!("{}{who}", esc(other)),
+    }
+}
+
+/// What a `waiting` event's job waits for, in words: `for time until T
+/// (step)`, `for signal `name` (step)`, `for signal `name` until T (step)`.
+pub(crate) fn waiting_for(d: &serde_json::Map<String, Value>) -> String {
+    let until = match s(d, "until") {
+        "" => String::new(),
+        t => format!(" until {t}"),
+    };
+    let step = s(d, "step");
+    match s(d, "for") {
+        "signal" => format!("for signal `{}`{until} ({step})", s(d, "name")),
+        what => format!("for {what}{until} ({step})"),
     }
 }
 

@@ -401,18 +401,17 @@ impl Builder {
         self.open_wait = Some(i);
     }
 
-    /// A durable timer: the attempt ended, and no worker holds the job
-    /// until its time (the bar ends at the next claim).
+    /// A durable timer or a wait for a signal: the attempt ended, and no
+    /// worker holds the job until its time or its signal (the bar ends at
+    /// the next claim).
     fn waiting(&mut self, seq: u64, ev: &JobEvent, d: &Map<String, Value>, at: f64) {
         if let Some(a) = self.w.attempts.last_mut() {
             a.end.get_or_insert(at);
             a.ended = "waiting".into();
         }
         let why = format!(
-            "waiting for {} until {} ({}), held by no worker",
-            s(d, "for"),
-            s(d, "until"),
-            s(d, "step")
+            "waiting {}, held by no worker",
+            crate::render::waiting_for(d)
         );
         let until = seconds(s(d, "until"));
         let i = self.wait(wait_bar("waiting", at, until, seq, ev.epoch, &why));

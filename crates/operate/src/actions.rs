@@ -246,6 +246,82 @@ pub async fn review_resume(
     Ok(ticket)
 }
 
+/// What [`send_signal`] did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SignalSent {
+    pub id: String,
+    pub name: String,
+    /// The signal's sequence in the signal stream.
+    pub seq: u64,
+    /// A send with the same dedupe id stored it already (within an hour):
+    /// this one stored nothing.
+    pub duplicate: bool,
+    /// The job's status when it was sent.
+    pub status: String,
+    /// Whether the job was waiting for this very signal (its waker gives
+    /// it a ticket now); otherwise the signal is kept until a wait of the
+    /// job takes it.
+    pub waited_for: bool,
+}
+
+/// Sends signal `name` with `data` to job `id` (`leasehold signal`, the
+/// console's form): stored in the signal stream, where the job's next
+/// wait for `name` takes it (one sent before the wait is kept for it);
+/// a waiting job is woken by the workers' signal waker. `dedupe` makes a
+/// send tried again store one signal; `sender` names who sent it (kept
+/// with the signal: an `action` event is not written, since a running
+/// owner's event fence would take it for a newer owner). Refused, with nothing stored, for a
+/// name that is not a signal name, an unknown job, or a finished one
+/// (nothing would ever take it).
+pub async fn send_signal(
+    conn: &Conn,
+    jobs: &Jobs,
+    id: &str,
+    name: &str,
+    data: &Value,
+    dedupe: Option<&str>,
+    sender: Option<&str>,
+) -> Result<SignalSent, OpError> {
+    if !leasehold_core::spec::valid_job_id(id) {
+        return Err(OpError(format!(
+            "invalid job id {id:?}: job ids are 1-128 letters, digits, '-', '_' or '='"
+        )));
+    }
+    if !leasehold_core::spec::valid_signal_name(name) {
+        return Err(OpError(format!(
+            "invalid signal name {name:?}: use 1-64 letters, digits, '-' or '_'"
+        )));
+    }
+    let cur = jobs
+        .get(id)
+        .await
+        .map_err(|e| explain(e, id))?
+        .ok_or_else(|| {
+            OpError(format!(
+                "no job {id}; `leasehold list` shows the jobs (nothing sent)"
+            ))
+        })?;
+    let rec = cur.value;
+    if status_of(&rec).is_some_and(|s| s.is_terminal()) {
+        return Err(OpError(format!(
+            "job {id} is {}: no wait of it will take a signal (nothing sent)",
+            rec.status
+        )));
+    }
+    let sent = leasehold_store::signals::Signals::new(conn)
+        .send(id, name, data, dedupe, sender)
+        .await
+        .map_err(|e| OpError(format!("sending signal `{name}` to job {id}: {e}")))?;
+    Ok(SignalSent {
+        id: id.to_string(),
+        name: name.to_string(),
+        seq: sent.seq,
+        duplicate: sent.duplicate,
+        waited_for: machine::signal_of(&rec).is_some_and(|(n, _)| n == name),
+        status: rec.status,
+    })
+}
+
 /// The step a parked job waits at for an answer: the `step` of its last
 /// `parked` event (read from the stream's leader), `None` when no step
 /// asked (a park for an uncertain effect, a journal mismatch). An answer

@@ -39,17 +39,13 @@ pub enum Error {
         /// What a person needs to know (and, for `ctx.park`, the question).
         message: String,
     },
-    /// Wait until `until`, holding no worker: what [`crate::Ctx::sleep`]
-    /// returns the first time (let it propagate with `?`). The attempt ends,
-    /// the job is `waiting`, and at its time it runs again on any worker,
-    /// where the same `sleep` (step `step`) returns `Ok`.
-    #[error("waiting until {} ({step})", leasehold_core::time::rfc3339(*until))]
-    Wait {
-        /// When the job wakes.
-        until: std::time::SystemTime,
-        /// The step that waits (`sleep#0`).
-        step: String,
-    },
+    /// Wait, holding no worker: what [`crate::Ctx::sleep`] and
+    /// [`crate::Ctx::wait_for`] return the first time (let it propagate
+    /// with `?`). The attempt ends, the job is `waiting`, and when its time
+    /// or its signal comes it runs again on any worker, where the same step
+    /// returns.
+    #[error("waiting ({})", .0.step())]
+    Wait(crate::Wait),
     /// A budget of the job (steps, tokens, wall time, cost) ran out: never
     /// retried; a [`crate::Report`] set by the attempt is kept as partial.
     #[error("{0}")]
@@ -100,7 +96,7 @@ impl Error {
             Error::Retryable(_) | Error::RetryAfter { .. } => "retryable",
             Error::Terminal(_) => "terminal",
             Error::Park { .. } => "parked",
-            Error::Wait { .. } => "waiting",
+            Error::Wait(_) => "waiting",
             Error::BudgetExhausted(_) => "budget_exhausted",
             Error::Cancelled => "cancelled",
         }
@@ -170,7 +166,7 @@ impl Error {
                 message,
                 step,
             },
-            Error::Wait { until, step } => End::Waiting { until, step },
+            Error::Wait(w) => End::Waiting(w),
             Error::BudgetExhausted(m) => End::budget_exhausted(m).with_partial(partial()),
             Error::Cancelled => End::Cancelled { partial: partial() },
         }

@@ -84,6 +84,11 @@ impl Journal {
         self.recorded
     }
 
+    /// The recorded steps, in order.
+    pub fn steps(&self) -> &[Recorded] {
+        &self.recorded
+    }
+
     /// The id the next step named `name` gets: its name and occurrence.
     pub fn id_of(&mut self, name: &str) -> String {
         let n = self.occurrences.entry(name.to_string()).or_insert(0);

@@ -86,10 +86,11 @@ use tokio_util::sync::CancellationToken;
 
 pub use agent::{Agent, AgentOutput, ModelConfig};
 pub use async_trait::async_trait;
-pub use ctx::{Checkpoints, Ctx};
+pub use ctx::{Checkpoints, Ctx, Signal};
 pub use error::Error;
 /// A boxed future, as [`Tool`] methods return.
 pub use futures::future::BoxFuture;
+pub use leasehold_core::machine::{SignalWait, Wait};
 pub use leasehold_core::JobRecord;
 pub use leasehold_proto::{BudgetUsed, JobEvent, JobResult, Versions};
 pub use leasehold_tools::{ExecCtx, Reconcile, Tool, ToolError, ToolKind, ToolSpec};

@@ -195,6 +195,37 @@ impl Layout {
             .parse()
             .ok()
     }
+    /// Signal stream: signals sent to jobs, kept until their job takes
+    /// them (`store::signals`).
+    pub fn signals_stream(&self) -> String {
+        format!("{}_SIGNALS", self.upper())
+    }
+    /// `lh.signal.<job_id>.<name>`: a signal `name` for a job; its payload
+    /// is the signal's data (JSON).
+    pub fn signal_subject(&self, job_id: &str, name: &str) -> String {
+        format!("{}.signal.{job_id}.{name}", self.prefix)
+    }
+    /// `lh.signal.<job_id>.*`: every signal of one job.
+    pub fn job_signals_filter(&self, job_id: &str) -> String {
+        format!("{}.signal.{job_id}.*", self.prefix)
+    }
+    /// `lh.signal.>`.
+    pub fn signals_wildcard(&self) -> String {
+        format!("{}.signal.>", self.prefix)
+    }
+    /// The job and the signal's name of an `lh.signal.<job>.<name>` subject.
+    pub fn of_signal_subject<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str)> {
+        let rest = subject
+            .strip_prefix(&self.prefix)?
+            .strip_prefix(".signal.")?;
+        let (job, name) = rest.split_once('.')?;
+        (!name.contains('.')).then_some((job, name))
+    }
+    /// Durable consumer of the signal stream shared by every worker and
+    /// reaper: each signal looked at once, its job woken if it waits for it.
+    pub fn signal_wake_consumer(&self) -> String {
+        format!("{}_signal_wakes", self.prefix)
+    }
     /// Stream capturing the server's max-deliveries advisories of the work consumers.
     pub fn advisory_stream(&self) -> String {
         format!("{}_ADVISORIES", self.upper())

@@ -98,6 +98,7 @@ pub struct Recovery {
     pub work: Work,
     pub events: Events,
     pub dlq: Dlq,
+    pub signals: crate::signals::Signals,
     /// The one rule for "is this job's owner there?".
     pub liveness: Liveness,
     /// Who acts (`reaper r-..`, `worker w-..`), in events and logs.
@@ -129,6 +130,7 @@ impl Recovery {
             work: Work::new(conn),
             events: Events::new(conn),
             dlq: Dlq::new(conn),
+            signals: crate::signals::Signals::new(conn),
             actor,
             max_stale_reclaims,
         })

@@ -3,7 +3,7 @@
 //! A finished job (completed, failed, cancelled, rejected, dead) is kept for
 //! its retention after its terminal write, then everything of it goes, in
 //! an order that survives a crash at any step: its artifact, its
-//! effects-ledger entries, its large payloads, any index entry, the record
+//! effects-ledger entries, its large payloads, its signals, any index entry, the record
 //! (conditioned on the revision read, so a job replayed meanwhile is left
 //! alone), and its events last, up to the last event published before the
 //! pass read its record (those after its terminal event too: a stale
@@ -471,6 +471,10 @@ impl Retention {
         }
         let b = l.payloads_bucket();
         self.purge_subject(&format!("KV_{b}"), format!("$KV.{b}.{id}.>"))
+            .await?;
+        // Signals sent to it that no wait took: they were this job's, never
+        // a later one's of the same id.
+        self.purge_subject(&l.signals_stream(), l.job_signals_filter(id))
             .await?;
         for pattern in [
             format!("run.*.{id}"),

@@ -21,16 +21,18 @@
 //! process, after a restart too) finishes.
 //!
 //! The keys and the loop know nothing about why a job waits: a delayed
-//! job (`queued`, its ticket released) and a durable timer (`waiting`, a
-//! step that sleeps) are woken alike; a waiting job becomes `queued` on
-//! its fresh ticket (`machine::wake`).
+//! job (`queued`, its ticket released), a durable timer (`waiting`, a
+//! step that sleeps) and a signal's timeout are woken alike; a waiting job
+//! becomes `queued` on its fresh ticket (`machine::wake`). A job that waits
+//! for a signal is woken by the signal's waker (`crate::signals`) through
+//! the same [`wake`].
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use leasehold_core::time::{parse_rfc3339, rfc3339, until};
+use leasehold_core::time::{parse_rfc3339, rfc3339};
 use leasehold_core::{machine, JobRecord, Status};
 use tokio_util::sync::CancellationToken;
 
@@ -95,11 +97,15 @@ pub async fn set(r: &Recovery, rec: &JobRecord) -> Result<(), StoreError> {
 }
 
 /// Releases the ticket of waiting job `rec` (read at `revision`), which is
-/// not due for a while: the wake-up key, then the record without a ticket
-/// (conditioned), then the index entry. The caller acks the ticket after
-/// `Ok`. `Err(JobsError::Conflict)`: the record changed; decide again.
+/// not due for a while: the wake-up key (a job that waits only for a
+/// signal has no time, and no key: the signal's waker wakes it), then the
+/// record without a ticket (conditioned), then the index entry. The caller
+/// acks the ticket after `Ok`. `Err(JobsError::Conflict)`: the record
+/// changed; decide again.
 pub async fn release(r: &Recovery, rec: &JobRecord, revision: u64) -> Result<(), DueError> {
-    set(r, rec).await?;
+    if rec.next_run_at.is_some() {
+        set(r, rec).await?;
+    }
     if rec.ticket_seq == 0 {
         return Ok(());
     }
@@ -159,7 +165,10 @@ pub async fn reticket(
     Ok(ticket_first(ticket, write, index).await?.map(|(_, p)| p))
 }
 
-/// Wakes `job` if it is due and still without a ticket.
+/// Wakes `job` if its wait is over (its time came, or the signal it waits
+/// for is there: [`machine::wait_over`]) and it is still without a ticket.
+/// The one wake of the wake-up loop, the signal waker and an owner's look
+/// after its `waiting` write.
 pub async fn wake(r: &Recovery, job: &str) -> Result<Woken, DueError> {
     let Some(cur) = r.jobs.get(job).await? else {
         return Ok(Woken::Nothing);
@@ -170,9 +179,10 @@ pub async fn wake(r: &Recovery, job: &str) -> Result<Woken, DueError> {
     if !waits {
         return Ok(Woken::Nothing);
     }
-    let wait = until(SystemTime::now(), rec.next_run_at.as_deref());
-    if !wait.is_zero() {
-        return Ok(Woken::Later(SystemTime::now() + wait));
+    let signalled = r.signals.arrived(rec).await?;
+    if !machine::wait_over(rec, SystemTime::now(), signalled) {
+        let at = rec.next_run_at.as_deref().and_then(parse_rfc3339);
+        return Ok(at.map_or(Woken::Nothing, Woken::Later));
     }
     Ok(match reticket(r, rec, cur.revision, 0).await? {
         Some(p) => Woken::Ticketed(p.seq),

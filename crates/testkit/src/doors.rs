@@ -28,6 +28,11 @@ pub mod index {
     pub use leasehold_store::index::{Active, Filter, Key, Remover};
 }
 
+/// Signals sent to jobs.
+pub mod signals {
+    pub use leasehold_store::signals::{Sent, Signal, Signals};
+}
+
 /// Dead letters.
 pub mod dlq {
     pub use leasehold_store::dlq::{Dlq, Letter};

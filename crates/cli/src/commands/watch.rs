@@ -473,12 +473,20 @@ fn state_of(rec: &JobRecord, queue: Option<u64>) -> String {
 
 /// `waiting for time until <t> (<step>), held by no worker`.
 fn waiting_line(rec: &JobRecord) -> String {
-    format!(
-        "waiting for {} until {} ({}), held by no worker",
-        rec.waiting_for.as_deref().unwrap_or("time"),
-        rec.next_run_at.as_deref().unwrap_or("?"),
-        rec.waiting_step.as_deref().unwrap_or("?")
-    )
+    let step = rec.waiting_step.as_deref().unwrap_or("?");
+    let until = rec.next_run_at.as_deref();
+    match rec.waiting_for.as_deref().and_then(|w| w.strip_prefix("signal:")) {
+        Some(name) => format!(
+            "waiting for signal `{name}`{} ({step}), held by no worker; `leasehold signal {} {name}` sends it",
+            until.map(|t| format!(" until {t}")).unwrap_or_default(),
+            rec.id
+        ),
+        None => format!(
+            "waiting for {} until {} ({step}), held by no worker",
+            rec.waiting_for.as_deref().unwrap_or("time"),
+            until.unwrap_or("?"),
+        ),
+    }
 }
 
 /// `parked: <reason>: <message>`.

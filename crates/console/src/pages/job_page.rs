@@ -86,7 +86,17 @@ pub fn summary(app: &App, r: &JobRecord, caller: &Caller) -> String {
             let _ = write!(b, "<a class=\"button danger\" id=\"cancel\" href=\"/confirm?action=cancel&id={id}\">cancel…</a> ");
         }
         if r.status == "parked" {
-            let _ = write!(b, "<a class=\"button\" href=\"/confirm?action=review-resume&id={id}\">resume…</a> <a class=\"button danger\" href=\"/confirm?action=review-fail&id={id}\">fail…</a>");
+            let _ = write!(b, "<a class=\"button\" href=\"/confirm?action=review-resume&id={id}\">resume…</a> <a class=\"button danger\" href=\"/confirm?action=review-fail&id={id}\">fail…</a> ");
+        }
+        if ACTIVE.contains(&r.status.as_str()) {
+            // The signal it waits for, named already.
+            let name = r
+                .waiting_for
+                .as_deref()
+                .and_then(|w| w.strip_prefix("signal:"))
+                .map(|n| format!("&name={}", url(n)))
+                .unwrap_or_default();
+            let _ = write!(b, "<a class=\"button\" id=\"signal\" href=\"/confirm?action=signal&id={id}{name}\">send signal…</a>");
         }
         b.push_str("</p>");
     }

@@ -29,6 +29,7 @@ pub async fn active_jobs(
         Some("running") => Filter::Running,
         Some("queued") => Filter::Waiting,
         Some("parked") => Filter::Parked,
+        Some("waiting") => Filter::Held,
         _ => Filter::All,
     };
     let keep = |e: &leasehold_store::index::Entry| {

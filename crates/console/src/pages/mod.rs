@@ -36,7 +36,7 @@ pub use reviews_page::reviews;
 
 type Q = Query<HashMap<String, String>>;
 
-const ACTIVE: &[&str] = &["queued", "running", "parked"];
+const ACTIVE: &[&str] = &["queued", "running", "waiting", "parked"];
 
 fn bad(e: String) -> Failure {
     Failure::page(StatusCode::BAD_REQUEST, e)

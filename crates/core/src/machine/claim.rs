@@ -43,6 +43,9 @@ pub struct Claimant<'a> {
     pub owner: OwnerLiveness,
     /// How many times this ticket has been delivered (this delivery included).
     pub deliveries: u64,
+    /// A record that waits for a signal: the claimer found that signal
+    /// there (it reads it only for such a record).
+    pub signalled: bool,
 }
 
 /// A ticket newer than the one a live job's record names may be that job's
@@ -121,18 +124,17 @@ pub fn decide_claim(rec: &JobRecord, c: &Claimant<'_>) -> ClaimDecision {
         // index write failed kept its ticket for this), so `review list`
         // always shows it.
         Status::Parked => ClaimDecision::Settle("job is parked for review".into()),
-        // Not due yet: a ticket kept by an owner that could not write the
-        // wake-up (or died before its ack). The wake-up is written, then the
-        // ticket acked; the job runs at its time.
-        Status::Waiting if !until(c.now, rec.next_run_at.as_deref()).is_zero() => {
-            ClaimDecision::Release
-        }
-        // Due: the ticket its waker published first (before the record
+        // Its wait is not over: a ticket kept by an owner that could not
+        // write the wake-up or look for its signal (or died before its
+        // ack). The wake-up is written, then the ticket acked; the job
+        // runs at its time, or when its signal comes.
+        Status::Waiting if !super::wait_over(rec, c.now, c.signalled) => ClaimDecision::Release,
+        // Over: the ticket its waker published first (before the record
         // names it) reached a claimer first, or an owner's kept ticket came
-        // back after the time. Either is the job's ticket now: it is
-        // claimed, and the waker's own write finds it moved on. (Released
-        // instead, the ticket would be acked and the record then name it:
-        // a queued job whose ticket is gone.)
+        // back after the time or the signal. Either is the job's ticket
+        // now: it is claimed, and the waker's own write finds it moved on.
+        // (Released instead, the ticket would be acked and the record then
+        // name it: a queued job whose ticket is gone.)
         Status::Waiting => {
             let woken = super::wake(rec, c.now, c.ticket_seq).expect("the job is waiting");
             ClaimDecision::Claim {

@@ -27,13 +27,18 @@
 //!   entry, its wake-up, then the event, then the ack. The entry and the
 //!   wake-up are required: when either cannot be written the ticket is
 //!   kept, and its claim (which finds the job waiting) writes the wake-up.
+//!   A wait for a signal looks once more after the write: a signal sent
+//!   between its step's look and the write found the job still running,
+//!   and its waker left it; the look wakes it (required as well).
 
 use std::time::{Duration, SystemTime};
 
 use leasehold_proto::JobResult;
 use serde_json::{json, Value};
 
-use super::{cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError};
+use super::{
+    cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError, Wait,
+};
 use crate::retry::RetryPolicy;
 use crate::status::Status;
 use crate::time::{human_duration, rfc3339};
@@ -99,10 +104,10 @@ pub enum End {
     /// Given back unfinished (shutdown, no fence, a kind not served here):
     /// runnable at once, no attempt spent.
     HandedBack,
-    /// Wait, holding no worker, until `until` (a durable timer of step
-    /// `step`); no attempt spent. The job runs again at its time, on any
-    /// worker, and its step takes the wait as done.
-    Waiting { until: SystemTime, step: String },
+    /// Wait, holding no worker, for a time (a durable timer), a signal, or
+    /// a signal until a timeout; no attempt spent. The job runs again when
+    /// its wait is over, on any worker, and its step takes the wait as done.
+    Waiting(Wait),
 }
 
 impl End {
@@ -251,6 +256,11 @@ pub enum Step {
     /// The job's wake-up at its `next_run_at` (the `due.<job>` key every
     /// worker and reaper watches). Required, as a required index entry is.
     Wake,
+    /// A job that waits for a signal wakes now if its signal is already
+    /// there (sent after its step looked, before the record said
+    /// `waiting`: the signal's waker found it still running). Required:
+    /// when it cannot be looked at, the ticket is kept and its claim looks.
+    Recheck,
 }
 
 /// How long a kept ticket waits before it comes back.
@@ -361,28 +371,54 @@ pub fn end(
             };
             Ok((r, fx))
         }
-        End::Waiting { until, step } => {
-            let r = wait(rec, owner, now, *until, step)?;
+        End::Waiting(w) => {
+            let r = wait(rec, owner, now, w)?;
             if is_cancelled(&r) {
                 return Ok(cancelled_instead(r, json!({"instead_of": "wait"})));
             }
-            let at = rfc3339(*until);
+            let step = w.step();
+            let until = w.until().map(rfc3339);
+            let mut after = vec![Step::Index { required: true }];
+            // A time: its wake-up. A signal: one sent while the attempt
+            // ended (after its step looked) wakes it, once its event is out.
+            if until.is_some() {
+                after.push(Step::Wake);
+            }
+            let (data, next) = match w.signal() {
+                Some(s) => {
+                    let timeout = until
+                        .as_deref()
+                        .map(|t| format!(" or until {t}"))
+                        .unwrap_or_default();
+                    (
+                        json!({"for": "signal", "name": s.name, "until": until, "step": step}),
+                        format!("waiting for signal `{}`{timeout} ({step}); no worker holds it meanwhile", s.name),
+                    )
+                }
+                None => {
+                    let at = until.clone().unwrap_or_default();
+                    (
+                        json!({"for": "time", "until": at, "step": step}),
+                        format!("waiting until {at} ({step}); no worker holds it meanwhile"),
+                    )
+                }
+            };
+            after.push(Step::Event {
+                ty: "waiting",
+                data,
+                terminal: false,
+            });
+            if w.signal().is_some() {
+                after.push(Step::Recheck);
+            }
+            after.push(Step::Settle(Settle::Ack));
             let fx = Effects {
                 ended: Ended::Waiting,
                 failure: None,
                 ticket: Ticket::Held,
                 before: None,
-                after: vec![
-                    Step::Index { required: true },
-                    Step::Wake,
-                    Step::Event {
-                        ty: "waiting",
-                        data: json!({"for": "time", "until": at, "step": step}),
-                        terminal: false,
-                    },
-                    Step::Settle(Settle::Ack),
-                ],
-                next: format!("waiting until {at} ({step}); no worker holds it meanwhile"),
+                after,
+                next,
             };
             Ok((r, fx))
         }
@@ -544,6 +580,7 @@ mod tests {
             max_stale_reclaims: 3,
             owner: OwnerLiveness::Live,
             deliveries: 1,
+            signalled: false,
         };
         let mut r = claim_new(fresh, &c);
         r.attempts = attempts;
@@ -580,6 +617,7 @@ mod tests {
                 Step::Settle(Settle::Ack) => "ack".into(),
                 Step::Settle(Settle::Nak(_)) => "nak".into(),
                 Step::Wake => "wake!".into(),
+                Step::Recheck => "recheck!".into(),
             })
             .collect()
     }
@@ -620,6 +658,9 @@ mod tests {
             (0, true,  End::HandedBack,                   "cancelled", E::Cancelled,  T::Held,             cancelled),
             (0, false, nap(),                             "waiting",   E::Waiting,    T::Held,             &["index!", "wake!", "waiting", "ack"]),
             (0, true,  nap(),                             "cancelled", E::Cancelled,  T::Held,             cancelled),
+            (0, false, hark(None),                        "waiting",   E::Waiting,    T::Held,             &["index!", "waiting", "recheck!", "ack"]),
+            (0, false, hark(Some(60)),                    "waiting",   E::Waiting,    T::Held,             &["index!", "wake!", "waiting", "recheck!", "ack"]),
+            (0, true,  hark(None),                        "cancelled", E::Cancelled,  T::Held,             cancelled),
         ];
         for (i, (attempts, cancel, e, status, ended, ticket, steps)) in
             table.into_iter().enumerate()
@@ -645,10 +686,59 @@ mod tests {
     }
 
     fn nap() -> End {
-        End::Waiting {
-            until: now() + Duration::from_secs(3600),
-            step: "sleep#0".into(),
-        }
+        End::Waiting(Wait::time("sleep#0", now() + Duration::from_secs(3600)))
+    }
+
+    /// A wait for signal `approval` after sequence 9, with a timeout in
+    /// `timeout` seconds.
+    fn hark(timeout: Option<u64>) -> End {
+        End::Waiting(Wait::for_signal(
+            "wait:approval#1",
+            "approval",
+            9,
+            timeout.map(|s| now() + Duration::from_secs(s)),
+        ))
+    }
+
+    #[test]
+    fn a_signal_wait_names_its_signal_the_sequence_to_pass_and_its_timeout() {
+        let (rec, owner) = running(1, false);
+        let (r, fx) = end(&rec, &owner, now(), &hark(None), &policy()).unwrap();
+        assert_eq!((r.status.as_str(), r.ticket_seq), ("waiting", 0));
+        assert_eq!(r.waiting_for.as_deref(), Some("signal:approval"));
+        assert_eq!(r.waiting_after, 9);
+        assert_eq!(r.next_run_at, None, "no timeout: no time wakes it");
+        assert_eq!(crate::machine::signal_of(&r), Some(("approval", 9)));
+        // Only its signal ends the wait; a time never does.
+        let later = now() + Duration::from_secs(86_400 * 365);
+        assert!(!crate::machine::wait_over(&r, later, false));
+        assert!(crate::machine::wait_over(&r, now(), true));
+        let Some(Step::Event { data, .. }) = fx.after.get(1) else {
+            panic!("the waiting event")
+        };
+        assert_eq!(
+            data,
+            &json!({"for": "signal", "name": "approval", "until": null, "step": "wait:approval#1"})
+        );
+        // With a timeout: its time ends the wait too.
+        let (r, _) = end(&rec, &owner, now(), &hark(Some(60)), &policy()).unwrap();
+        let at = rfc3339(now() + Duration::from_secs(60));
+        assert_eq!(r.next_run_at.as_deref(), Some(at.as_str()));
+        assert_eq!(r.waiting_until.as_deref(), Some(at.as_str()));
+        assert!(!crate::machine::wait_over(&r, now(), false));
+        assert!(crate::machine::wait_over(
+            &r,
+            now() + Duration::from_secs(60),
+            false
+        ));
+        // A timer is no signal wait; a queued job released for a delay
+        // without a time is due at once.
+        let (t, _) = end(&rec, &owner, now(), &nap(), &policy()).unwrap();
+        assert_eq!(crate::machine::signal_of(&t), None);
+        let mut q = rec.clone();
+        q.status = "queued".into();
+        q.next_run_at = None;
+        assert!(crate::machine::wait_over(&q, now(), false));
     }
 
     #[test]

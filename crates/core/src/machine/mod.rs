@@ -31,7 +31,7 @@
 use std::time::{Duration, SystemTime};
 
 use crate::status::Status;
-use crate::time::{parse_rfc3339, rfc3339};
+use crate::time::{parse_rfc3339, rfc3339, until};
 use crate::{JobError, JobRecord, JobSpec};
 
 /// Who may write a running job: the identity proven by every owner-side write.
@@ -408,15 +408,91 @@ pub fn park(
     Ok(r)
 }
 
-/// Owner ends the attempt to wait for time `until` at step `step` (a
-/// durable timer): the job is `waiting`, held by nobody, with no ticket
-/// (its wake-up gives it one at `until`); no attempt is spent.
+/// What a waiting job waits for: its step, and a time, a signal, or a
+/// signal with a timeout (made by [`Wait::time`] and [`Wait::for_signal`], so
+/// never nothing).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Wait {
+    step: String,
+    until: Option<SystemTime>,
+    signal: Option<SignalWait>,
+}
+
+/// The signal a waiting job waits for: the next one of its name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalWait {
+    /// The signal's name (`approval`).
+    pub name: String,
+    /// The stream sequence of the last signal of this name the job's run
+    /// already took (0: none): only a newer one wakes it.
+    pub after: u64,
+}
+
+impl Wait {
+    /// A durable timer of step `step`, due at `until`.
+    pub fn time(step: impl Into<String>, until: SystemTime) -> Wait {
+        Wait {
+            step: step.into(),
+            until: Some(until),
+            signal: None,
+        }
+    }
+
+    /// A wait of step `step` for the next signal `name` newer than
+    /// `after`, until `timeout` if one is given.
+    pub fn for_signal(
+        step: impl Into<String>,
+        name: impl Into<String>,
+        after: u64,
+        timeout: Option<SystemTime>,
+    ) -> Wait {
+        Wait {
+            step: step.into(),
+            until: timeout,
+            signal: Some(SignalWait {
+                name: name.into(),
+                after,
+            }),
+        }
+    }
+
+    /// The step that waits (`sleep#0`, `wait:approval#0`).
+    pub fn step(&self) -> &str {
+        &self.step
+    }
+
+    /// When it wakes whatever else happens: a timer's time, a signal's
+    /// timeout. `None`: only its signal wakes it.
+    pub fn until(&self) -> Option<SystemTime> {
+        self.until
+    }
+
+    /// The signal that wakes it, if any.
+    pub fn signal(&self) -> Option<&SignalWait> {
+        self.signal.as_ref()
+    }
+
+    /// What the record's `waiting_for` says: `time`, or `signal:<name>`.
+    pub fn waiting_for(&self) -> String {
+        match &self.signal {
+            Some(s) => format!("{SIGNAL_PREFIX}{}", s.name),
+            None => "time".into(),
+        }
+    }
+}
+
+/// The prefix of a signal wait's `waiting_for` (`signal:<name>`).
+pub const SIGNAL_PREFIX: &str = "signal:";
+
+/// Owner ends the attempt to wait (`w`: a durable timer, a signal): the
+/// job is `waiting`, held by nobody, with no ticket (its wake-up gives it
+/// one at its time, a signal's waker when the signal comes); no attempt is
+/// spent.
 pub fn wait(
     rec: &JobRecord,
     owner: &Owner,
     now: SystemTime,
-    until: SystemTime,
-    step: &str,
+    w: &Wait,
 ) -> Result<JobRecord, TransitionError> {
     let mut r = owned(rec, owner, now)?;
     if rec.cancel_requested {
@@ -427,13 +503,40 @@ pub fn wait(
         ));
     }
     r.status = Status::Waiting.as_str().into();
-    r.next_run_at = Some(rfc3339(until));
-    r.waiting_for = Some("time".into());
-    r.waiting_step = Some(step.into());
+    r.next_run_at = w.until.map(rfc3339);
+    r.waiting_for = Some(w.waiting_for());
+    r.waiting_step = Some(w.step.clone());
     r.waiting_until = r.next_run_at.clone();
+    r.waiting_after = w.signal.as_ref().map_or(0, |s| s.after);
     r.ticket_seq = 0;
     release(&mut r);
     Ok(r)
+}
+
+/// The signal a `waiting` record waits for: its name and the sequence a
+/// newer signal must pass (`None`: it waits for no signal).
+pub fn signal_of(rec: &JobRecord) -> Option<(&str, u64)> {
+    if status_of(rec) != Some(Status::Waiting) {
+        return None;
+    }
+    let name = rec.waiting_for.as_deref()?.strip_prefix(SIGNAL_PREFIX)?;
+    Some((name, rec.waiting_after))
+}
+
+/// Whether a job that waits without a ticket (`waiting`, or `queued` with
+/// its ticket released for a delay) may run at `now`: its signal came
+/// (`signalled`, which the caller read for a record [`signal_of`] names),
+/// or its time did. A queued job without a time runs at once; a job that
+/// waits only for a signal has no time. The one rule of the claim, the
+/// wake-up loop and the signal waker.
+pub fn wait_over(rec: &JobRecord, now: SystemTime, signalled: bool) -> bool {
+    if signalled {
+        return true;
+    }
+    match rec.next_run_at.as_deref() {
+        Some(t) => until(now, Some(t)).is_zero(),
+        None => status_of(rec) != Some(Status::Waiting),
+    }
 }
 
 /// A waiting job whose time came: `queued` on ticket `ticket_seq` (which

@@ -18,6 +18,7 @@ fn claimant<'a>(worker: &'a str, token: &str, now: SystemTime) -> Claimant<'a> {
         max_stale_reclaims: 3,
         owner: OwnerLiveness::Live,
         deliveries: 1,
+        signalled: false,
     }
 }
 
@@ -345,7 +346,7 @@ fn transient_retries_back_off_with_deliveries_up_to_five_seconds() {
 fn a_waiting_jobs_ticket_writes_its_wake_up_before_its_time_and_claims_it_after() {
     let a = claim(&fresh(), &claimant("a", "t1", t(0)));
     let owner = Owner::of(&a).unwrap();
-    let w = wait(&a, &owner, t(5), t(600), "sleep#0").unwrap();
+    let w = wait(&a, &owner, t(5), &Wait::time("sleep#0", t(600))).unwrap();
     // The owner's kept ticket, before the time: released to the wake-up.
     assert_eq!(
         decide_claim(&w, &claimant("b", "t2", t(6))),
@@ -367,4 +368,42 @@ fn a_waiting_jobs_ticket_writes_its_wake_up_before_its_time_and_claims_it_after(
         Some("sleep#0"),
         "the step reads its wait"
     );
+}
+
+#[test]
+fn a_signal_waits_ticket_is_released_until_its_signal_and_claimed_once_it_came() {
+    let a = claim(&fresh(), &claimant("a", "t1", t(0)));
+    let owner = Owner::of(&a).unwrap();
+    let w = wait(
+        &a,
+        &owner,
+        t(5),
+        &Wait::for_signal("wait:go#0", "go", 3, None),
+    )
+    .unwrap();
+    // No signal: released, however late (no time wakes it).
+    assert_eq!(
+        decide_claim(&w, &claimant("b", "t2", t(1_000_000))),
+        ClaimDecision::Release
+    );
+    // Its signal came (found by the claimer): claimed on this ticket.
+    let mut c = claimant("b", "t2", t(6));
+    c.signalled = true;
+    let r = claim(&w, &c);
+    assert_eq!((r.status.as_str(), r.epoch), ("running", 2));
+    assert_eq!(r.waiting_step.as_deref(), Some("wait:go#0"));
+    // With a timeout: its time claims it without a signal.
+    let w = wait(
+        &a,
+        &owner,
+        t(5),
+        &Wait::for_signal("wait:go#0", "go", 3, Some(t(60))),
+    )
+    .unwrap();
+    assert_eq!(
+        decide_claim(&w, &claimant("b", "t2", t(30))),
+        ClaimDecision::Release
+    );
+    let r = claim(&w, &claimant("b", "t2", t(60)));
+    assert_eq!(r.status.as_str(), "running");
 }

@@ -245,6 +245,17 @@ pub fn valid_job_id(id: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='))
 }
 
+/// Whether `name` can name a signal (`ctx.wait_for(name)`,
+/// `leasehold signal ID NAME`): a single subject token of letters, digits,
+/// `-` and `_`, at most 64.
+pub fn valid_signal_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+}
+
 /// The id derived from a ticket's stream sequence when nothing names one.
 pub fn seq_id(seq: u64) -> String {
     format!("seq-{seq}")

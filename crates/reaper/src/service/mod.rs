@@ -316,6 +316,11 @@ async fn run(
         None,
         shutdown.clone(),
     ));
+    let signal_wakes = tokio::spawn(leasehold_store::signals::run(
+        inner.conn.clone(),
+        inner.recovery.clone(),
+        shutdown.clone(),
+    ));
     let retention = match open_retention(&inner.conn).await {
         Ok(r) => tokio::spawn(crate::retention::run(
             r,
@@ -357,7 +362,16 @@ async fn run(
     );
     let finish = async {
         for t in [
-            sweep, adv, srv, ends, probe, schedules, wakeups, retention, historian,
+            sweep,
+            adv,
+            srv,
+            ends,
+            probe,
+            schedules,
+            wakeups,
+            signal_wakes,
+            retention,
+            historian,
         ] {
             if let Err(e) = t.await {
                 tracing::error!(error = %e, "reaper task panicked");

@@ -30,7 +30,10 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
+use shared::signal_step;
+pub use shared::Signal;
 pub(crate) use shared::{answer_for, call_tool, emit_once, record_step, timer};
+pub(crate) use shared::{signal_taken, signal_wait};
 
 /// The checkpoint flusher of an attempt: queue fenced events and progress
 /// without waiting, wait for durability when it matters
@@ -649,6 +652,54 @@ impl Ctx {
     /// ```
     pub async fn sleep_until(&self, t: std::time::SystemTime) -> Result<(), Error> {
         self.wait_for_time(|_| t).await
+    }
+
+    /// Waits for the signal `name`, holding no worker, at most `timeout`
+    /// (`None`: for as long as it takes). A signal is sent with
+    /// `leasehold signal ID NAME --data JSON`, from the console's job page,
+    /// or published on `lh.signal.<job>.<name>`. The first time, unless the
+    /// signal is already there (one sent before the wait is kept for it),
+    /// the attempt ends (this returns [`Error::Wait`]: propagate it with
+    /// `?`), the job is `waiting` (`leasehold list --status waiting`) and
+    /// its slot is free; the signal, or the timeout, gives it a ticket, and
+    /// the resumed attempt's `wait_for` returns the signal (or `None` after
+    /// the timeout), recorded as step `wait:<name>#n`. Two signals of one
+    /// name are two waits' answers, in the order they were sent; each is
+    /// taken once.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: &leasehold::Ctx) -> Result<(), leasehold::Error> {
+    /// let three_days = std::time::Duration::from_secs(3 * 24 * 3600);
+    /// match ctx.wait_for("confirmation", Some(three_days)).await? {
+    ///     Some(s) => println!("confirmed: {}", s.data),
+    ///     None => {
+    ///         ctx.call("send_reminder", serde_json::json!({"to": "ACME"})).await?;
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn wait_for(
+        &self,
+        name: &str,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<Option<Signal>, Error> {
+        let step_name = signal_step(name)?;
+        let after = {
+            let g = self.journal().await?;
+            signal_taken(g.as_ref().expect("journal loaded").steps(), name)
+        };
+        let job = &self.job;
+        let v: Value = self
+            .step_with_id(&step_name, |step| async move {
+                signal_wait(job, &step, name, after, timeout).await
+            })
+            .await?;
+        serde_json::from_value(v).map_err(|e| {
+            Error::park(
+                "journal_mismatch",
+                format!("the recorded signal of `{name}` no longer decodes: {e}"),
+            )
+        })
     }
 
     /// The step of [`Ctx::sleep`] and [`Ctx::sleep_until`]: the time its

@@ -112,10 +112,87 @@ pub(crate) fn timer(
     if until <= now {
         return Ok(leasehold_core::time::rfc3339(until));
     }
-    Err(Error::Wait {
-        until,
-        step: step.into(),
-    })
+    Err(Error::Wait(crate::Wait::time(step, until)))
+}
+
+/// A signal a wait took: the result of a `wait:<name>#n` step.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Signal {
+    /// The signal's name.
+    pub name: String,
+    /// Its data (JSON; `{}` when it was sent without any).
+    pub data: Value,
+    /// Its sequence in the signal stream: signals of one name are taken
+    /// in this order, each once.
+    pub seq: u64,
+    /// When it was sent (RFC 3339, the server's clock).
+    pub sent_at: String,
+    /// Who sent it, as the sender said (`ana via console`); `None` when
+    /// it did not say (a plain publish on its subject).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sender: Option<String>,
+}
+
+/// The step name of a wait for signal `name` (`wait:<name>`; its steps are
+/// `wait:<name>#0`, `wait:<name>#1`, ...).
+pub(crate) fn signal_step(name: &str) -> Result<String, Error> {
+    if !leasehold_core::spec::valid_signal_name(name) {
+        return Err(Error::terminal(format!(
+            "invalid signal name {name:?}: use 1-64 letters, digits, '-' or '_'"
+        )));
+    }
+    Ok(format!("wait:{name}"))
+}
+
+/// The sequence of the last signal `name` that the run's recorded steps
+/// took (0: none): a new wait for `name` takes the first signal after it.
+pub(crate) fn signal_taken<'a>(steps: impl IntoIterator<Item = &'a Recorded>, name: &str) -> u64 {
+    let prefix = format!("wait:{name}#");
+    steps
+        .into_iter()
+        .filter(|r| r.id.starts_with(&prefix))
+        .filter_map(|r| r.result.get("seq").and_then(Value::as_u64))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The one rule of a wait for a signal, step `step` (Rust's
+/// `ctx.wait_for`, a remote kind's `wait_for` op): the first signal `name`
+/// newer than `after` (the last one the run took), read from the stream's
+/// leader, is the step's result; none, and its timeout (counted from the
+/// first time the step waited, as the record keeps it) passed: `null`;
+/// else [`Error::Wait`], and the attempt ends until the signal or the
+/// timeout comes.
+pub(crate) async fn signal_wait(
+    job: &JobCtx,
+    step: &str,
+    name: &str,
+    after: u64,
+    timeout: Option<Duration>,
+) -> Result<Value, Error> {
+    let signals = leasehold_store::signals::Signals::new(&job.conn);
+    let got = signals
+        .next(&job.record.id, name, after)
+        .await
+        .map_err(|e| Error::retryable(format!("reading signal `{name}`: {e}")))?;
+    if let Some(s) = got {
+        let taken = Signal {
+            name: name.to_string(),
+            data: s.data,
+            seq: s.seq,
+            sent_at: s.sent_at,
+            sender: s.sender,
+        };
+        return Ok(serde_json::to_value(taken).expect("a signal serializes"));
+    }
+    let now = std::time::SystemTime::now();
+    let until = waited_until(&job.record, step).or_else(|| timeout.map(|t| now + t));
+    if until.is_some_and(|u| u <= now) {
+        return Ok(Value::Null);
+    }
+    Err(Error::Wait(crate::Wait::for_signal(
+        step, name, after, until,
+    )))
 }
 
 /// The time the wait of step `step` named, if this step waited: the

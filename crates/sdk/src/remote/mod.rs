@@ -523,6 +523,22 @@ impl Kind for RemoteKind {
                         self.record(ctx, &mut entries, rec).await?;
                     }
                 }
+                "wait_for" => {
+                    idle = 0;
+                    if let Some((index, id)) = position(&op, &entries)? {
+                        let (name, timeout) = wait_for_op(&op, &id)?;
+                        let after = crate::ctx::signal_taken(&entries, &name);
+                        let result =
+                            crate::ctx::signal_wait(ctx.job(), &id, &name, after, timeout).await?;
+                        let rec = Recorded {
+                            index,
+                            id,
+                            version,
+                            result,
+                        };
+                        self.record(ctx, &mut entries, rec).await?;
+                    }
+                }
                 "complete" => return Ok(op.get("output").cloned().unwrap_or(Value::Null)),
                 "fail" => {
                     return Err(Error::terminal(
@@ -549,7 +565,7 @@ impl Kind for RemoteKind {
                 "" => return Err(protocol("bad_answer: the answer has no `op`")),
                 other => {
                     return Err(protocol(format!(
-                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, sleep, journal, complete, fail, retry, journal_mismatch)"
+                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, sleep, wait_for, journal, complete, fail, retry, journal_mismatch)"
                     )))
                 }
             }
@@ -560,6 +576,32 @@ impl Kind for RemoteKind {
 /// When a `sleep` op's first wait ends: `ms` from now, or the time `until`
 /// (RFC 3339); exactly one of them. A bad op is a protocol error, never a
 /// guessed wait.
+/// A `wait_for` op's signal name and timeout; its step id must be a wait
+/// for that name (`wait:<name>#n`).
+fn wait_for_op(op: &Value, id: &str) -> Result<(String, Option<Duration>), Error> {
+    let name = op["name"]
+        .as_str()
+        .ok_or_else(|| protocol("bad_answer: a `wait_for` op needs `name` (a string)"))?;
+    if !leasehold_core::spec::valid_signal_name(name) {
+        return Err(protocol(format!(
+            "bad_answer: a `wait_for` op's `name` {name:?} is not a signal name (1-64 letters, digits, '-' or '_')"
+        )));
+    }
+    let prefix = format!("wait:{name}#");
+    if !id.starts_with(&prefix) {
+        return Err(protocol(format!(
+            "bad_answer: a `wait_for` op for `{name}` has step id `{id}`; it must be `{prefix}<n>`"
+        )));
+    }
+    let timeout = match op.get("timeout_ms") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(Duration::from_millis(v.as_u64().ok_or_else(|| {
+            protocol("bad_answer: a `wait_for` op's `timeout_ms` is a whole number of milliseconds")
+        })?)),
+    };
+    Ok((name.to_string(), timeout))
+}
+
 fn sleep_due(op: &Value) -> Result<Box<dyn FnOnce(SystemTime) -> SystemTime + Send>, Error> {
     match (op.get("ms"), op.get("until")) {
         (Some(ms), None) => {

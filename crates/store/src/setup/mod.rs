@@ -12,6 +12,8 @@
 //! | `LH_ADVISORIES` | stream, limits | the server's max-deliveries advisories of `LH_WORK`, kept for the reaper |
 //! | `lh_sessions` | KV bucket, per-key TTL | worker sessions; the server removes a key when its renewals stop and leaves a marker |
 //! | `lh_session_ends` | durable consumer of `KV_lh_sessions`, headers only | shared by workers and reapers: each ended session handled once |
+//! | `LH_SIGNALS` | stream, limits, fixed bytes bound, discard new | `lh.signal.<job>.<name>`: signals sent to jobs, kept until their job goes (`store::signals`) |
+//! | `lh_signal_wakes` | durable consumer of `LH_SIGNALS`, headers only | shared by workers and reapers: each signal looked at once, its job woken if it waits for it |
 //! | `lh_active` | KV bucket | the index of active jobs (`run.<worker>.<job>`, `wait.<job>`, `park.<job>`) |
 //! | `lh_payloads` | KV bucket | large inputs and outputs beside their records (`<job>.input`, `<job>.output`) |
 //! | `LH_HISTORY` | stream, limits, per-message TTL | `lh.history.>`: one entry per finished job (`store::history`), each living its job's retention; bytes bound, oldest out |
@@ -555,7 +557,12 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
         }
         Err(e) => note(Err(e))?,
     }
-    for name in [l.events_stream(), l.dlq_stream(), l.advisory_stream()] {
+    for name in [
+        l.events_stream(),
+        l.dlq_stream(),
+        l.advisory_stream(),
+        l.signals_stream(),
+    ] {
         note(
             js.get_stream(&name)
                 .await
@@ -592,6 +599,15 @@ pub async fn verify(conn: &Conn, kinds: &[String]) -> Result<(), StoreError> {
                 .await
                 .map(|_| ())
                 .map_err(|e| crate::lookup_error(format!("consumer {watch}"), &e)),
+        )?;
+    }
+    let wakes = l.signal_wake_consumer();
+    if let Ok(ss) = js.get_stream_no_info(l.signals_stream()).await {
+        note(
+            ss.consumer_info(&wakes)
+                .await
+                .map(|_| ())
+                .map_err(|e| crate::lookup_error(format!("consumer {wakes}"), &e)),
         )?;
     }
     let obj = l.artifacts_bucket();

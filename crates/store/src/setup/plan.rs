@@ -69,6 +69,19 @@ pub(super) fn stream_plans(
             stream::DiscardPolicy::Old,
             "max-deliveries advisories",
         ),
+        (
+            l.signals_stream(),
+            l.signals_wildcard(),
+            // Kept until their job takes them and goes (retention purges a
+            // job's signals with it); a full stream refuses a new signal
+            // (its sender is told), never drops one.
+            Duration::ZERO,
+            Duration::from_secs(3600),
+            -1,
+            SIGNALS_MAX_BYTES,
+            stream::DiscardPolicy::New,
+            "signals to jobs",
+        ),
     ] {
         streams.push(stream::Config {
             name: name.clone(),
@@ -219,6 +232,24 @@ pub(super) fn consumer_plans(
             )
         })
         .collect();
+    consumers.push((
+        l.signals_stream(),
+        consumer::pull::Config {
+            durable_name: Some(l.signal_wake_consumer()),
+            description: Some(
+                "leasehold: signals sent, each looked at once by a worker or reaper, which wakes its job if it waits for it".into(),
+            ),
+            filter_subject: l.signals_wildcard(),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(5),
+            // The signal's data is the job's to read, not the waker's.
+            headers_only: true,
+            deliver_policy: consumer::DeliverPolicy::New,
+            max_ack_pending: 10_000,
+            max_waiting: o.max_waiting,
+            ..Default::default()
+        },
+    ));
     consumers.push((
         format!("KV_{}", l.sessions_bucket()),
         consumer::pull::Config {
@@ -434,7 +465,17 @@ pub(super) async fn plan_bounds(
             ))
         }
     };
-    let advisories = advisories + history_reservation(conn, o).await?;
+    let signals = match js.get_stream(l.signals_stream()).await {
+        Ok(_) => 0,
+        Err(e) if crate::is_not_found(&e) => SIGNALS_MAX_BYTES,
+        Err(e) => {
+            return Err(crate::lookup_error(
+                format!("stream {}", l.signals_stream()),
+                &e,
+            ))
+        }
+    };
+    let advisories = advisories + signals + history_reservation(conn, o).await?;
     let mut last_total = 0;
     for k in 0..=MAX_HALVINGS {
         let sizes = asked.map(|(a, fit)| fitted(a, fit, k));
@@ -470,15 +511,19 @@ pub(super) async fn plan_bounds(
         })
         .collect();
     Err(StoreError::Config(format!(
-        "setup cannot reserve this layout's storage: it needs at least {} more ({}, advisories {}; the defaults at their lowest fit), and the server's JetStream storage limit (max_file_store) holds less. Nothing was created. Lower the bounds ({BOUND_FLAGS}) or raise the server's limit",
+        "setup cannot reserve this layout's storage: it needs at least {} more ({}, advisories and signals {}; the defaults at their lowest fit), and the server's JetStream storage limit (max_file_store) holds less. Nothing was created. Lower the bounds ({BOUND_FLAGS}) or raise the server's limit",
         human_bytes(last_total),
         parts.join(", "),
-        human_bytes(ADVISORY_MAX_BYTES)
+        human_bytes(ADVISORY_MAX_BYTES + SIGNALS_MAX_BYTES)
     )))
 }
 
 /// The advisory stream's fixed bound.
 pub(super) const ADVISORY_MAX_BYTES: i64 = 64 << 20;
+
+/// The signal stream's fixed bound (a signal is small; a full stream
+/// refuses new ones, and its sender is told).
+pub(super) const SIGNALS_MAX_BYTES: i64 = 64 << 20;
 
 /// The history stream: entries carry their job's retention as a
 /// per-message TTL (the reapers' historian sets it), bytes are bounded with

@@ -78,6 +78,7 @@ impl Shared {
             max_stale_reclaims: self.opts.max_stale_reclaims,
             owner,
             deliveries,
+            signalled: false,
         }
     }
 
@@ -493,7 +494,16 @@ impl Delivery {
         } else {
             OwnerLiveness::Dead
         };
-        let c = self.shared.claimant_of(self.seq, self.deliveries, owner);
+        let mut c = self.shared.claimant_of(self.seq, self.deliveries, owner);
+        // A job waiting for a signal: whether it came decides the claim.
+        c.signalled = match self.shared.recovery.signals.arrived(value).await {
+            Ok(s) => s,
+            Err(e) => {
+                return self
+                    .later(&e, "cannot look for the signal a waiting job waits for")
+                    .await
+            }
+        };
         match machine::decide_claim(value, &c) {
             // A suspect may be what kills workers: at most one runs
             // here at a time. Another worker, or this one once its

@@ -441,6 +441,13 @@ async fn run(
         Some(kinds.clone()),
         shutdown.clone(),
     ));
+    // Jobs that wait for a signal are woken when it comes, with or
+    // without a reaper.
+    let signal_wakes = tokio::spawn(leasehold_store::signals::run(
+        shared.conn.clone(),
+        shared.recovery.clone(),
+        shutdown.clone(),
+    ));
     if shared.opts.worker_id.is_some() {
         let s = shared.clone();
         tokio::spawn(restart::restart_reclaim_all(s));
@@ -493,6 +500,7 @@ async fn run(
         let _ = gw.await;
         let _ = ends.await;
         let _ = wakeups.await;
+        let _ = signal_wakes.await;
         flow_stop.cancel();
         let _ = flow.await;
         session_stop.cancel();

@@ -233,6 +233,18 @@ impl Attempt {
                         }
                     }
                 }
+                Step::Recheck => {
+                    match leasehold_store::timers::wake(&self.shared.recovery, &rec.id).await {
+                        Ok(w) => {
+                            tracing::debug!(job = %rec.id, woken = ?w, "looked for the signal the job waits for");
+                            false
+                        }
+                        Err(e) => {
+                            tracing::warn!(job = %rec.id, error = %e, "cannot look for the signal the job waits for; the ticket comes back and its claim looks");
+                            true
+                        }
+                    }
+                }
                 Step::Settle(Settle::Ack) => {
                     settle(&self.ticket, AckKind::Ack).await;
                     false

@@ -1,0 +1,264 @@
+//! Signals: named messages sent to a job, which a waiting step takes.
+//!
+//! A signal `name` for job `id` is one message on `lh.signal.<id>.<name>`
+//! in the stream `LH_SIGNALS`, its payload the signal's data (JSON). The
+//! stream keeps it whatever the job does meanwhile, so a signal sent before
+//! the job waits is there when it does, and two signals of one name are two
+//! messages, taken in their order. A job's run takes them by stream
+//! sequence: its `n`-th wait for `name` takes the first signal of that name
+//! newer than the one its previous wait took (the sequence it recorded).
+//! Retention removes a finished job's signals with it.
+//!
+//! Waking: every worker and reaper shares the durable consumer
+//! `lh_signal_wakes`; each new signal is looked at once ([`run`]), and its
+//! job woken through [`crate::timers::wake`] (ticket first) if the record
+//! waits for it. A signal sent after the job's step looked but before the
+//! record said `waiting` finds the job running and is acked; the owner's
+//! end looks once more after its write (`Step::Recheck`), and a kept
+//! ticket's claim looks too, so no signal is slept through.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, consumer, AckKind};
+use futures::StreamExt;
+use leasehold_core::machine;
+use leasehold_core::JobRecord;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::recovery::Recovery;
+use crate::{Conn, Layout, StoreError};
+
+/// One signal, as a waiting step takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Signal {
+    /// Its stream sequence: the order of signals, and what the step records.
+    pub seq: u64,
+    /// Its data: the payload as JSON (an empty payload is `{}`; a payload
+    /// that is not JSON is its text, as a JSON string).
+    pub data: Value,
+    /// When the stream stored it (RFC 3339).
+    pub sent_at: String,
+    /// Who sent it, as the sender said (`Lh-Sender`: `ana via console`,
+    /// `ana via cli`); `None` for a signal published without it.
+    pub sender: Option<String>,
+}
+
+/// The header naming a signal's sender.
+pub const SENDER_HEADER: &str = "Lh-Sender";
+
+/// What [`Signals::send`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sent {
+    /// The signal's stream sequence.
+    pub seq: u64,
+    /// A send with the same dedupe id within the stream's window (an hour)
+    /// stored it already: this one stored nothing.
+    pub duplicate: bool,
+}
+
+/// The signal stream of one layout.
+#[derive(Clone)]
+pub struct Signals {
+    js: jetstream::Context,
+    layout: Layout,
+}
+
+impl Signals {
+    pub fn new(conn: &Conn) -> Signals {
+        Signals {
+            js: conn.js.clone(),
+            layout: conn.layout.clone(),
+        }
+    }
+
+    /// Stores signal `name` for job `job` with `data`, from `sender`;
+    /// `dedupe` (the stream's `Nats-Msg-Id`) makes a send tried again
+    /// store it once. A full stream refuses it ([`StoreError::QueueFull`]):
+    /// nothing kept.
+    pub async fn send(
+        &self,
+        job: &str,
+        name: &str,
+        data: &Value,
+        dedupe: Option<&str>,
+        sender: Option<&str>,
+    ) -> Result<Sent, StoreError> {
+        let mut m = jetstream::message::PublishMessage::build()
+            .payload(serde_json::to_vec(data).expect("JSON serializes").into());
+        if let Some(id) = dedupe {
+            m = m.message_id(id);
+        }
+        if let Some(who) = sender {
+            m = m.header(SENDER_HEADER, who);
+        }
+        let ack = self
+            .js
+            .send_publish(self.layout.signal_subject(job, name), m)
+            .await
+            .map_err(|e| StoreError::nats("publish signal", e))?
+            .await
+            .map_err(|e| {
+                if matches!(
+                    crate::server_error_code(&e),
+                    Some(crate::STREAM_FULL_MSGS | crate::STREAM_FULL_BYTES)
+                ) {
+                    StoreError::QueueFull(format!(
+                        "{} refused the signal: {e}",
+                        self.layout.signals_stream()
+                    ))
+                } else {
+                    StoreError::nats("publish signal", e)
+                }
+            })?;
+        Ok(Sent {
+            seq: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+
+    /// The first signal `name` of job `job` newer than sequence `after`, if
+    /// one was sent. Read from the stream's leader: a replica that lags
+    /// must not hide a signal sent a moment ago.
+    pub async fn next(
+        &self,
+        job: &str,
+        name: &str,
+        after: u64,
+    ) -> Result<Option<Signal>, StoreError> {
+        let stream = self
+            .js
+            .get_stream_no_info(self.layout.signals_stream())
+            .await
+            .map_err(|e| StoreError::nats("signal stream", e))?;
+        let got = stream
+            .raw_message_builder()
+            .sequence(after + 1)
+            .next_by_subject(self.layout.signal_subject(job, name))
+            .send()
+            .await;
+        match got {
+            Ok(m) => {
+                let nanos = m.time.unix_timestamp_nanos().max(0) as u64;
+                let at = SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos);
+                Ok(Some(Signal {
+                    seq: m.sequence,
+                    data: data_of(&m.payload),
+                    sent_at: leasehold_core::time::rfc3339(at),
+                    sender: m.headers.get(SENDER_HEADER).map(|v| v.as_str().to_string()),
+                }))
+            }
+            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
+                Ok(None)
+            }
+            Err(e) => Err(StoreError::nats("read signal", e)),
+        }
+    }
+
+    /// Whether the signal that `rec` waits for is there (`false` for a
+    /// record that waits for no signal). The one look of the claim, the
+    /// waker and the owner's end.
+    pub async fn arrived(&self, rec: &JobRecord) -> Result<bool, StoreError> {
+        match machine::signal_of(rec) {
+            Some((name, after)) => Ok(self.next(&rec.id, name, after).await?.is_some()),
+            None => Ok(false),
+        }
+    }
+}
+
+/// A signal's data from its payload: JSON, `{}` when empty, its text as a
+/// JSON string when it is not JSON (sent by hand with `nats pub`).
+pub fn data_of(payload: &[u8]) -> Value {
+    if payload.iter().all(u8::is_ascii_whitespace) {
+        return Value::Object(Default::default());
+    }
+    serde_json::from_slice(payload)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(payload).into_owned()))
+}
+
+/// How long a waker waits before it tries a failed look again.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// Wakes the jobs that wait for the signals sent, until `shutdown`: one
+/// durable consumer shared by every worker and reaper, so each signal is
+/// looked at once, and by someone even when no reaper runs.
+pub async fn run(conn: Conn, r: Arc<Recovery>, shutdown: CancellationToken) {
+    let consumer_name = conn.layout.signal_wake_consumer();
+    while !shutdown.is_cancelled() {
+        let consumer: Result<consumer::PullConsumer, String> = async {
+            let s = conn
+                .js
+                .get_stream_no_info(conn.layout.signals_stream())
+                .await
+                .map_err(|e| e.to_string())?;
+            s.get_consumer(&consumer_name)
+                .await
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        let consumer = match consumer {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "signal-wakes consumer unavailable (run `leasehold setup`); retrying");
+                tokio::select! { _ = tokio::time::sleep(RETRY) => continue, _ = shutdown.cancelled() => return }
+            }
+        };
+        let stream = consumer
+            .stream()
+            .expires(Duration::from_secs(1))
+            .max_messages_per_batch(16)
+            .heartbeat(Duration::from_millis(400))
+            .messages()
+            .await;
+        let mut msgs = match stream {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot pull signals; retrying");
+                tokio::select! { _ = tokio::time::sleep(RETRY) => continue, _ = shutdown.cancelled() => return }
+            }
+        };
+        loop {
+            let next = tokio::select! { m = msgs.next() => m, _ = shutdown.cancelled() => return };
+            match next {
+                Some(Ok(m)) => on_signal(&conn.layout, &r, m).await,
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "signal pull interrupted; pulling again");
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+async fn on_signal(layout: &Layout, r: &Recovery, m: jetstream::Message) {
+    let Some((job, name)) = layout.of_signal_subject(&m.subject) else {
+        let _ = m.ack().await;
+        return;
+    };
+    match crate::timers::wake(r, job).await {
+        Ok(w) => {
+            tracing::debug!(job, signal = name, woken = ?w, "signal looked at");
+            let _ = m.ack().await;
+        }
+        Err(e) => {
+            tracing::info!(job, signal = name, error = %e, "a signal's job not woken yet; looking again");
+            let _ = m.ack_with(AckKind::Nak(Some(RETRY))).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_payload_is_json_an_empty_one_an_object_and_text_a_string() {
+        assert_eq!(data_of(br#"{"ok":true}"#), serde_json::json!({"ok": true}));
+        assert_eq!(data_of(b""), serde_json::json!({}));
+        assert_eq!(data_of(b"  \n"), serde_json::json!({}));
+        assert_eq!(data_of(b"null"), Value::Null);
+        assert_eq!(data_of(b"yes please"), serde_json::json!("yes please"));
+    }
+}
