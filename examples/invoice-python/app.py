@@ -243,7 +243,9 @@ def conformance(ctx: Ctx) -> Any:
     of padding in each step's result), ``fail`` (a message: fail terminal
     at the end), ``retry_ms`` (the first attempt ends with a retry asking
     for that delay, after the steps), ``sleep_ms`` (a durable sleep after
-    the steps)."""
+    the steps), ``signal`` (then waits for that signal, twice, at most
+    ``signal_timeout_ms`` each; the output's ``signals`` lists what each
+    took)."""
     inp = ctx.input or {}
     n = int(inp.get("steps", 2))
     total = 0
@@ -263,11 +265,19 @@ def conformance(ctx: Ctx) -> Any:
         total += ctx.step(name, work)["i"]
     if inp.get("sleep_ms") is not None:
         ctx.sleep(int(inp["sleep_ms"]) / 1000)
+    signals = []
+    if inp.get("signal"):
+        t = inp.get("signal_timeout_ms")
+        for _ in range(2):
+            signals.append(ctx.wait_for(str(inp["signal"]), None if t is None else int(t) / 1000))
     if inp.get("fail"):
         raise Fail(str(inp["fail"]))
     if inp.get("retry_ms") is not None and ctx.job.attempt == 1:
         raise Retry("the conformance kind asks for a retry", delay_ms=int(inp["retry_ms"]))
-    return {"sum": total, "steps": n}
+    out: Dict[str, Any] = {"sum": total, "steps": n}
+    if inp.get("signal"):
+        out["signals"] = signals
+    return out
 
 
 if __name__ == "__main__":

@@ -220,7 +220,8 @@ app.kind("scout", async (ctx) => {
 // `pad` (bytes of padding in each step's result), `fail` (a message: fail
 // terminal at the end), `retry_ms` (the first attempt ends with a retry
 // asking for that delay, after the steps), `sleep_ms` (a durable sleep
-// after the steps).
+// after the steps), `signal` (then waits for that signal, twice, at most
+// `signal_timeout_ms` each; the output's `signals` lists what each took).
 app.kind("conformance", async (ctx) => {
   const inp = ctx.input ?? {};
   const n = Number(inp.steps ?? 2);
@@ -241,9 +242,16 @@ app.kind("conformance", async (ctx) => {
     total += r.i;
   }
   if (inp.sleep_ms !== undefined && inp.sleep_ms !== null) await ctx.sleep(Number(inp.sleep_ms));
+  const signals = [];
+  if (inp.signal) {
+    const t = inp.signal_timeout_ms;
+    for (let k = 0; k < 2; k++) {
+      signals.push(await ctx.waitFor(String(inp.signal), t === undefined || t === null ? undefined : Number(t)));
+    }
+  }
   if (inp.fail) throw new Fail(String(inp.fail));
   if (inp.retry_ms !== undefined && inp.retry_ms !== null && ctx.job.attempt === 1) {
     throw new Retry("the conformance kind asks for a retry", Number(inp.retry_ms));
   }
-  return { sum: total, steps: n };
+  return inp.signal ? { sum: total, steps: n, signals } : { sum: total, steps: n };
 });

@@ -88,6 +88,23 @@ export declare class Ctx<I = any> {
   sleep(ms: number): Promise<void>;
   /** `sleep` until the time `at`; a time already past resolves at once. */
   sleepUntil(at: Date): Promise<void>;
+  /** Waits for the signal `name` holding no worker (the job is `waiting`),
+   * at most `timeoutMs` (omitted: for as long as it takes); a signal sent
+   * before the wait is kept for it. Resolves to the signal, or `null`
+   * after the timeout; recorded as the step `wait:<name>#n`. */
+  waitFor<T = any>(name: string, timeoutMs?: number): Promise<Signal<T> | null>;
+}
+
+/** A signal a wait took (`leasehold signal ID NAME --data JSON`). */
+export interface Signal<T = any> {
+  name: string;
+  data: T;
+  /** Its sequence in the signal stream: the order signals are taken in. */
+  seq: number;
+  /** When it was sent (RFC 3339). */
+  sent_at: string;
+  /** Who sent it, when the sender said (`ana via console`). */
+  sender?: string;
 }
 
 /** Ends the job as failed (terminal: never retried). */

@@ -482,6 +482,12 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     let why = refused(&sub, "$KV.lh_jobs.x-1", kv.put("x-1", "{}".into())).await;
     assert!(why.contains("Permissions Violation for Publish"), "{why}");
     refused(&sub, "$KV.lh_jobs.x-2", kv.create("x-2", "{}".into())).await;
+    // It may send a signal to a job (x-1 is queued): stored, with its ack.
+    let sent = leasehold_testkit::doors::signals::Signals::new(&sub)
+        .send("x-1", "go", &serde_json::json!({"ok": true}), None, None)
+        .await
+        .unwrap();
+    assert!(sent.seq > 0 && !sent.duplicate);
     // ... nor forge the history of finished jobs.
     refused(&sub, "lh.history.completed.echo.default.none", async {
         if let Ok(ack) = sub

@@ -845,6 +845,62 @@ async fn conformance_a_sleep_waits_without_a_slot_and_resumes_at_its_time(sdk: S
     assert_eq!(st, ["count#0", "count#1", "sleep#0"], "each once: {st:?}");
 }
 
+async fn conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept(sdk: Sdk) {
+    let (env, _s, _port, remote) = conformance_env(sdk).await;
+    let _w = worker(&env, &remote, &[("LH_CONCURRENCY", "1")]);
+    submit_conf(
+        &env,
+        "conf-signal",
+        json!({"steps": 1, "signal": "confirmation", "signal_timeout_ms": 600000}),
+    )
+    .await;
+    let waiting = env
+        .wait_status("conf-signal", "waiting", Duration::from_secs(20))
+        .await;
+    assert_eq!(
+        (
+            waiting.waiting_for.as_deref(),
+            waiting.waiting_step.as_deref()
+        ),
+        (Some("signal:confirmation"), Some("wait:confirmation#0")),
+        "{waiting:?}"
+    );
+    // Its slot is free meanwhile.
+    submit_conf(&env, "conf-meanwhile", json!({"steps": 1})).await;
+    assert_eq!(ended(&env, "conf-meanwhile").await.status, "completed");
+    // Two signals at once: the waiting wait takes the first, the next
+    // wait the second (kept for it), in the order sent.
+    for n in [1, 2] {
+        let (code, _, err) = cli(
+            &env.url(),
+            &[
+                "signal",
+                "conf-signal",
+                "confirmation",
+                "--data",
+                &format!(r#"{{"n": {n}}}"#),
+            ],
+        )
+        .await;
+        assert_eq!(code, 0, "{err}");
+    }
+    let done = ended(&env, "conf-signal").await;
+    assert_eq!(done.status, "completed", "{done:?}");
+    let got = &output(&done)["signals"];
+    assert_eq!(
+        (&got[0]["data"], &got[1]["data"]),
+        (&json!({"n": 1}), &json!({"n": 2})),
+        "{got}"
+    );
+    assert_eq!(done.attempts, 0, "a wait spends no attempt: {done:?}");
+    let st = steps(&env.events_of("conf-signal").await);
+    assert_eq!(
+        st,
+        ["count#0", "wait:confirmation#0", "wait:confirmation#1"],
+        "each once: {st:?}"
+    );
+}
+
 // ---- the protocol's schemas -----------------------------------------------
 
 fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
@@ -1567,6 +1623,8 @@ both_sdks! {
         => conformance_a_slow_service_past_the_call_deadline_is_retried,
     remote_conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried
         => conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried,
+    remote_conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept
+        => conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept,
     remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives
         => conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives,
     remote_conformance_an_oversized_journal_is_paged

@@ -104,6 +104,38 @@ class Replay(unittest.TestCase):
         with self.assertRaises(TypeError):
             Ctx.sleep_until(None, datetime.datetime(2030, 1, 1))  # type: ignore[arg-type]
 
+    def test_wait_for_asks_for_a_signal_once_and_returns_what_was_recorded(self):
+        waiting = App(version="1")
+
+        @waiting.kind("k")
+        def hark(ctx: Ctx):
+            first = ctx.wait_for("confirmation")
+            second = ctx.wait_for("confirmation", timeout=2.5)
+            return {"first": first, "second": second}
+
+        def call(entries):
+            body = {
+                "protocol": 1,
+                "type": "invoke",
+                "job": {"id": "w1", "kind": "k", "input": {}, "epoch": 1, "attempt": 1, "deadline": None},
+                "journal": {"from": 0, "total": len(entries), "entries": entries, "next_cursor": None},
+            }
+            return waiting.invoke(body)[1]
+
+        op = call([])
+        self.assertEqual((op["op"], op["index"], op["id"], op["name"]), ("wait_for", 0, "wait:confirmation#0", "confirmation"))
+        self.assertNotIn("timeout_ms", op)
+        got = {"name": "confirmation", "data": {"ok": True}, "seq": 7, "sent_at": "2026-12-06T10:00:00.000Z"}
+        w0 = e(0, "wait:confirmation#0", got)
+        op = call([w0])
+        self.assertEqual((op["op"], op["id"], op["timeout_ms"]), ("wait_for", "wait:confirmation#1", 2500))
+        op = call([w0, e(1, "wait:confirmation#1", None)])
+        self.assertEqual((op["op"], op["output"]), ("complete", {"first": got, "second": None}))
+        with self.assertRaises(TypeError):
+            Ctx.wait_for(None, "no.dots")  # type: ignore[arg-type]
+        with self.assertRaises(TypeError):
+            Ctx.wait_for(None, "ok", timeout=-1)  # type: ignore[arg-type]
+
     def test_a_recorded_step_under_another_name_is_a_mismatch_naming_both(self):
         op = invoke("m1", [e(0, "x#0", 1)])
         self.assertEqual(op["op"], "journal_mismatch")

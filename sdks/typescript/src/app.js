@@ -272,6 +272,31 @@ export class Ctx {
     return this._sleep({ until: at.toISOString() });
   }
 
+  /** Waits for the signal `name`, holding no worker, at most `timeoutMs`
+   * (omitted: for as long as it takes). A signal is sent with
+   * `leasehold signal ID NAME --data JSON`, from the console, or published
+   * on `lh.signal.<job>.<name>`; one sent before the wait is kept for it,
+   * and two of one name are two waits' answers, in the order sent.
+   * Resolves to the signal (`{name, data, seq, sent_at, sender?}`), or
+   * `null` after the timeout; recorded as step `wait:<name>#n`. */
+  async waitFor(name, timeoutMs) {
+    if (typeof name !== "string" || !/^[A-Za-z0-9_-]{1,64}$/.test(name)) {
+      throw new TypeError(`waitFor: a signal name is 1-64 letters, digits, '-' or '_', not ${JSON.stringify(name)}`);
+    }
+    const op = { op: "wait_for", name };
+    if (timeoutMs !== undefined && timeoutMs !== null) {
+      if (typeof timeoutMs !== "number" || !Number.isFinite(timeoutMs) || timeoutMs < 0) {
+        throw new TypeError(`waitFor: timeoutMs must be a number >= 0, not ${JSON.stringify(timeoutMs)}`);
+      }
+      op.timeout_ms = Math.floor(timeoutMs);
+    }
+    const sid = this._id(`wait:${name}`);
+    const r = this._replay(sid);
+    if (r.wait) return never();
+    if (r.hit) return r.value;
+    return this._answer({ ...op, index: r.index, id: sid });
+  }
+
   _sleep(when) {
     const sid = this._id("sleep");
     const r = this._replay(sid);

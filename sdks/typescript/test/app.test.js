@@ -154,6 +154,28 @@ test("sleep asks the worker for a durable timer once, and returns once it is rec
   assert.match(op.message, /sleep: ms must be a number >= 0/);
 });
 
+test("waitFor asks the worker for a signal once, and returns what was recorded", async () => {
+  const app = new App();
+  app.kind("k", async (ctx) => {
+    const first = await ctx.waitFor("confirmation");
+    const second = await ctx.waitFor("confirmation", 2500);
+    return { first, second };
+  });
+  let [, op] = await app.invoke(call());
+  assert.deepEqual(op, { op: "wait_for", name: "confirmation", index: 0, id: "wait:confirmation#0", protocol: 1, version: "1" });
+  const got = { name: "confirmation", data: { ok: true }, seq: 7, sent_at: "2026-12-06T10:00:00.000Z" };
+  const w0 = { index: 0, id: "wait:confirmation#0", result: got };
+  [, op] = await app.invoke(call([w0], { job: { id: "j-w" } }));
+  assert.deepEqual([op.op, op.id, op.timeout_ms], ["wait_for", "wait:confirmation#1", 2500]);
+  [, op] = await app.invoke(call([w0, { index: 1, id: "wait:confirmation#1", result: null }], { job: { id: "j-w2" } }));
+  assert.deepEqual(op.output, { first: got, second: null });
+  const bad = new App();
+  bad.kind("k", (ctx) => ctx.waitFor("no.dots"));
+  [, op] = await bad.invoke(call());
+  assert.equal(op.op, "retry");
+  assert.match(op.message, /waitFor: a signal name/);
+});
+
 test("an effect without options sends a null business key and nothing else", async () => {
   const app = new App();
   app.kind("k", (ctx) => ctx.effect("w", [1]));

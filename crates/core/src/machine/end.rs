@@ -722,6 +722,11 @@ mod tests {
         );
         // With a timeout: its time ends the wait too.
         let (r, _) = end(&rec, &owner, now(), &hark(Some(60)), &policy()).unwrap();
+        // Woken by its signal before the timeout: due at once, the
+        // timeout kept for the step.
+        let woken = crate::machine::wake(&r, now(), 5).unwrap();
+        assert_eq!(woken.next_run_at, None, "runnable now, not at its timeout");
+        assert!(crate::machine::wait_over(&woken, now(), false));
         let at = rfc3339(now() + Duration::from_secs(60));
         assert_eq!(r.next_run_at.as_deref(), Some(at.as_str()));
         assert_eq!(r.waiting_until.as_deref(), Some(at.as_str()));

@@ -539,11 +539,12 @@ pub fn wait_over(rec: &JobRecord, now: SystemTime, signalled: bool) -> bool {
     }
 }
 
-/// A waiting job whose time came: `queued` on ticket `ticket_seq` (which
-/// its waker published first), due now. `None` when the job is not
-/// waiting (it moved on; nothing to write). `waiting_step` and
-/// `waiting_until` stay: the next attempt's step reads its wait as done
-/// from the record it claims.
+/// A waiting job whose wait is over (its time came, or its signal):
+/// `queued` on ticket `ticket_seq` (which its waker published first), due
+/// now, whatever time it would have woken at (a signal's timeout). `None`
+/// when the job is not waiting (it moved on; nothing to write).
+/// `waiting_step` and `waiting_until` stay: the next attempt's step reads
+/// its wait as done, or its timeout, from the record it claims.
 pub fn wake(rec: &JobRecord, now: SystemTime, ticket_seq: u64) -> Option<JobRecord> {
     if status_of(rec) != Some(Status::Waiting) {
         return None;
@@ -551,6 +552,7 @@ pub fn wake(rec: &JobRecord, now: SystemTime, ticket_seq: u64) -> Option<JobReco
     let mut r = rec.clone();
     r.status = Status::Queued.as_str().into();
     r.ticket_seq = ticket_seq;
+    r.next_run_at = None;
     r.waiting_for = None;
     r.updated_at = rfc3339(now);
     Some(r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import traceback
 from collections import OrderedDict
@@ -90,6 +91,10 @@ class ToolCall:
     step: str
     idempotency_key: str
     business_key: Optional[str]
+
+
+#: What a signal's name may be: one subject token (``lh.signal.<job>.<name>``).
+_SIGNAL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class _Answer(Exception):
@@ -281,6 +286,29 @@ class Ctx:
             raise TypeError(f"sleep_until: a timezone-aware datetime, not {at!r}")
         utc = at.astimezone(datetime.timezone.utc)
         self._sleep({"until": utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"})
+
+    def wait_for(self, name: str, timeout: Optional[float] = None) -> Optional[Dict[str, JSON]]:
+        """Waits for the signal ``name``, holding no worker, at most
+        ``timeout`` seconds (``None``: for as long as it takes). A signal
+        is sent with ``leasehold signal ID NAME --data JSON``, from the
+        console, or published on ``lh.signal.<job>.<name>``; one sent
+        before the wait is kept for it, and two of one name are two waits'
+        answers, in the order sent. Returns the signal (a dict: ``name``,
+        ``data``, ``seq``, ``sent_at`` and, when the sender said,
+        ``sender``), or ``None`` after the timeout; recorded as step
+        ``wait:<name>#n``."""
+        if not isinstance(name, str) or not _SIGNAL_NAME.fullmatch(name):
+            raise TypeError(f"wait_for: a signal name is 1-64 letters, digits, '-' or '_', not {name!r}")
+        op: Dict[str, JSON] = {"op": "wait_for", "name": name}
+        if timeout is not None:
+            if not isinstance(timeout, (int, float)) or timeout < 0:
+                raise TypeError(f"wait_for: timeout must be a number of seconds >= 0 or None, not {timeout!r}")
+            op["timeout_ms"] = int(timeout * 1000)
+        sid = self._id(f"wait:{name}")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value  # type: ignore[return-value]
+        raise _Answer({**op, "index": i, "id": sid})
 
     def _sleep(self, when: Dict[str, JSON]) -> None:
         sid = self._id("sleep")
