@@ -385,3 +385,55 @@ async fn bad_signals_are_refused_with_their_reason_and_nothing_is_sent() {
     assert_eq!((&seqs[0].1, &seqs[1].1), (&json!(false), &json!(true)));
     assert_eq!(signals_stored().await, 1);
 }
+
+/// The console sends one: a waiting job's page has a *send signal…* button
+/// with the name it waits for filled in; the confirmation takes the data
+/// (bad JSON is refused, nothing sent), and the job wakes with it.
+#[tokio::test]
+async fn console_in_a_browser_sends_a_signal_to_a_waiting_job() {
+    use crate::console::{spawn_console, Browser};
+    let env = Fleet::with(layout()).await;
+    let w = hark_worker(&env, &env.url(), "hark-a");
+    wait_log(&w, "worker starting", Duration::from_secs(20)).await;
+    let console = spawn_console(&env, &[]).await;
+    let mut b = Browser::start().await;
+    env.submit("hark", json!({"input": {"name": "approval"}}), "hark-ui")
+        .await;
+    env.wait_status("hark-ui", "waiting", Duration::from_secs(10))
+        .await;
+    b.goto(&format!("{}/jobs/hark-ui", console.base)).await;
+    b.wait(
+        "document.querySelector('#waits') && document.querySelector('#waits').innerText.startsWith('for signal `approval`') && document.body.innerText.includes('hark-a for signal `approval`')",
+        Duration::from_secs(10),
+        "the summary and the waiting event saying what it waits for",
+    )
+    .await;
+    b.click("#signal").await;
+    b.wait(
+        "document.querySelector('#signal-name') && document.querySelector('#signal-name').value === 'approval'",
+        Duration::from_secs(10),
+        "the signal's name filled in",
+    )
+    .await;
+    b.eval("document.querySelector('#signal-data').value = '{nope'")
+        .await;
+    b.click("#confirm").await;
+    b.wait(
+        "document.body.innerText.includes('the data must be JSON')",
+        Duration::from_secs(10),
+        "bad data refused",
+    )
+    .await;
+    assert_eq!(env.record("hark-ui").await.unwrap().status, "waiting");
+    b.goto(&format!(
+        "{}/confirm?action=signal&id=hark-ui&name=approval",
+        console.base
+    ))
+    .await;
+    b.eval("document.querySelector('#signal-data').value = '{\"approve\": true}'")
+        .await;
+    b.confirm("the signal's answer").await;
+    let got = got(&env, "hark-ui").await;
+    assert_eq!(got[0]["data"], json!({"approve": true}));
+    assert_eq!(got[0]["sender"], json!("local via console"));
+}
