@@ -48,19 +48,31 @@ impl Kind for Echo {
 /// `sleep`: input `{"ms": N}`; sleeps holding its slot (the runner
 /// heartbeats meanwhile). With `"durable": true` it is a durable timer
 /// (`ctx.sleep`): the job waits `waiting`, holding no slot, and completes
-/// on whichever worker takes it at its time.
+/// on whichever worker takes it at its time. With `"signal": NAME` it then
+/// waits for the signal `NAME` (`ctx.wait_for`, no slot held) and its
+/// output's `signal` is the signal's data.
 struct Sleep;
 
 #[async_trait]
 impl Kind for Sleep {
     async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
         let ms = number(ctx, "ms").unwrap_or(0);
-        if ctx.input_json().get("durable").and_then(Value::as_bool) == Some(true) {
+        let durable = ctx.input_json().get("durable").and_then(Value::as_bool) == Some(true);
+        if durable {
             ctx.sleep(Duration::from_millis(ms)).await?;
-            return Ok(json!({"slept_ms": ms, "durable": true}));
+        } else {
+            nap(ctx, ms).await?;
         }
-        nap(ctx, ms).await?;
-        Ok(json!({"slept_ms": ms}))
+        let mut out = json!({"slept_ms": ms});
+        if durable {
+            out["durable"] = json!(true);
+        }
+        if let Some(name) = ctx.input_json().get("signal").and_then(Value::as_str) {
+            let name = name.to_string();
+            let got = ctx.wait_for(&name, None).await?;
+            out["signal"] = got.map(|s| s.data).unwrap_or(Value::Null);
+        }
+        Ok(out)
     }
 }
 

@@ -10,6 +10,10 @@
 //!   from the time a job's wait
 //!   names to the step after its `sleep` running again (the wake-up's
 //!   ticket, the claim, the replay), p50/p95.
+//! - Signal wake latency: jobs waiting for a signal (`ctx.wait_for`), sent
+//!   one at a time once the job is `waiting`; from just before the send to
+//!   the step after its `wait_for` running (the shared waker's look, the
+//!   ticket, the claim, the replay), p50/p95.
 //!
 //! The kind runs in an in-process worker built with `leasehold::Worker`.
 
@@ -28,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use crate::common::*;
 
 const KIND: &str = "bench-nap";
+const HARK: &str = "bench-hark";
 const SLOTS: usize = 16;
 /// Wake latency target, one node.
 pub const TARGET_WAKE_P95_MS: f64 = 50.0;
@@ -40,6 +45,18 @@ impl Kind for Nap {
     async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
         let ms = ctx.input_json()["ms"].as_u64().unwrap_or(1000);
         ctx.sleep(Duration::from_millis(ms)).await?;
+        let woke: u64 = ctx.step("woke", || async { Ok(epoch_ms()) }).await?;
+        Ok(json!({"woke_ms": woke}))
+    }
+}
+
+/// Waits for the signal `go`, then a step saying when it ran.
+struct Hark;
+
+#[leasehold::async_trait]
+impl Kind for Hark {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        ctx.wait_for("go", None).await?;
         let woke: u64 = ctx.step("woke", || async { Ok(epoch_ms()) }).await?;
         Ok(json!({"woke_ms": woke}))
     }
@@ -174,14 +191,15 @@ async fn look(
 
 pub async fn timers(many: usize, wakes: usize, window: Duration) -> anyhow::Result<Value> {
     let mut setup = SetupOptions::default();
-    setup.kinds.push(KIND.into());
+    setup.kinds.extend([KIND.into(), HARK.into()]);
     let (srv, conn) = server(setup).await?;
     let mut o = Options::local(&srv.url(), "lh");
-    o.kinds = vec![KIND.into()];
+    o.kinds = vec![KIND.into(), HARK.into()];
     o.concurrency = SLOTS;
     let stop = CancellationToken::new();
     let h = leasehold::Worker::new(o)
         .kind(KIND, Nap)
+        .kind(HARK, Hark)
         .start(stop.clone())
         .await?;
     let active = Active::open(&conn).await?;
@@ -232,6 +250,46 @@ pub async fn timers(many: usize, wakes: usize, window: Duration) -> anyhow::Resu
         let due = until.duration_since(SystemTime::UNIX_EPOCH)?.as_millis() as f64;
         latencies.push(woke - due);
     }
+
+    // Signal wake latency: one job at a time, signalled once it waits.
+    let signals = leasehold_store::signals::Signals::new(&conn);
+    let hark_subject = conn.layout.submit_subject(HARK);
+    let mut signal_latencies = Vec::with_capacity(wakes);
+    for i in 0..wakes {
+        let id = format!("hark-{i}");
+        submit(&conn.js, &hark_subject, i..i + 1, "hark", 0).await?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match jobs.get(&id).await? {
+                Some(v) if v.value.status == "waiting" => break,
+                r => {
+                    anyhow::ensure!(
+                        Instant::now() < deadline,
+                        "{id} never waited: {}",
+                        serde_json::to_string(&r.map(|v| v.value))?
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        let sent = epoch_ms() as f64;
+        signals.send(&id, "go", &json!({}), None, None).await?;
+        let rec = loop {
+            match jobs.get(&id).await? {
+                Some(v) if v.value.status == "completed" => break v.value,
+                r => {
+                    anyhow::ensure!(
+                        Instant::now() < deadline,
+                        "{id} never woke: {}",
+                        serde_json::to_string(&r.map(|v| v.value))?
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        let out: Value = serde_json::from_str(&rec.result.unwrap_or_default().output)?;
+        signal_latencies.push(out["woke_ms"].as_u64().unwrap_or(0) as f64 - sent);
+    }
     stop.cancel();
     let _ = h.wait().await;
 
@@ -244,6 +302,7 @@ pub async fn timers(many: usize, wakes: usize, window: Duration) -> anyhow::Resu
         }
     };
     let p95 = pct(&latencies, 0.95);
+    let signal_p95 = pct(&signal_latencies, 0.95);
     Ok(json!({
         "slots": SLOTS,
         "few": at_few,
@@ -257,6 +316,8 @@ pub async fn timers(many: usize, wakes: usize, window: Duration) -> anyhow::Resu
         "wake_latency_ms": summary(&latencies),
         "wake_target_p95_ms": TARGET_WAKE_P95_MS,
         "wake_met": p95 <= TARGET_WAKE_P95_MS,
+        "signal_wake_latency_ms": summary(&signal_latencies),
+        "signal_wake_met": signal_p95 <= TARGET_WAKE_P95_MS,
     }))
 }
 
@@ -300,5 +361,16 @@ pub fn rows(r: &mut Report, v: &Value) {
         "",
         format!("p95 <= {TARGET_WAKE_P95_MS} ms"),
         v["wake_met"].as_bool(),
+    );
+    let w = &v["signal_wake_latency_ms"];
+    r.cmp(
+        format!(
+            "wake latency after a signal's send, {} jobs, p50/p95 ms",
+            v["wakes"]
+        ),
+        format!("{:.1}/{:.1}", f64_of(&w["p50"]), f64_of(&w["p95"])),
+        "",
+        format!("p95 <= {TARGET_WAKE_P95_MS} ms"),
+        v["signal_wake_met"].as_bool(),
     );
 }

@@ -213,6 +213,7 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
         };
         outcome(&mut v, s, rec, by_job.get(id).copied().unwrap_or(0));
         durable_sleep(&mut v, rec, c);
+        signal_wait(&mut v, rec, c);
         deaths(&mut v, s, rec, &rules);
         if !settled(rec) {
             stuck(&mut v, rec, c);
@@ -236,6 +237,45 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
         }
     }
     v
+}
+
+/// A job that waited for its signal (`sleep` with `signal`: `--signals`)
+/// and completed took its own signal (`{"token": <its id>}`), once: its
+/// `wait:go#0` step recorded exactly once, whenever the signal came
+/// (before the wait, while it ran, while it waited) and whatever the
+/// faults did to its owners.
+fn signal_wait(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
+    let input: Value = rec
+        .spec
+        .as_ref()
+        .and_then(|s| serde_json::from_str(&s.input).ok())
+        .unwrap_or_default();
+    if rec.kind != "sleep" || input["signal"] != "go" || rec.status != "completed" {
+        return;
+    }
+    *v.info.entry("signal_waits_completed".into()).or_default() += 1;
+    let out: Value = rec
+        .result
+        .as_ref()
+        .and_then(|r| serde_json::from_str(&r.output).ok())
+        .unwrap_or_default();
+    if out["signal"] != serde_json::json!({"token": rec.id}) {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!("completed with signal {}, not its own", out["signal"]),
+        ));
+    }
+    let steps = c.events.get(&rec.id).map_or(0, |evs| {
+        evs.iter()
+            .filter(|(_, e)| e.r#type == "step" && e.data_map()["id"] == "wait:go#0")
+            .count()
+    });
+    if steps != 1 {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!("its signal wait recorded its wait:go#0 step {steps} times"),
+        ));
+    }
 }
 
 /// A durable timer (`sleep` with `durable`) that completed slept once: its

@@ -185,6 +185,12 @@ struct Args {
     /// not before their time). 0 keeps a recorded seed's plan.
     #[arg(long, value_name = "P")]
     durable_sleeps: Option<f64>,
+    /// The fraction (0-1) of the mix's `sleep` jobs that then wait for the
+    /// signal `go` (`ctx.wait_for`), which the soak sends at a random time
+    /// (before, during or after the wait): each must complete with its own
+    /// signal, taken once. 0 keeps a recorded seed's plan.
+    #[arg(long, value_name = "P")]
+    signals: Option<f64>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -221,6 +227,13 @@ impl Args {
                 "--durable-sleeps: a fraction from 0 to 1, not {p}"
             );
             k.durable_sleeps = p;
+        }
+        if let Some(p) = self.signals {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&p),
+                "--signals: a fraction from 0 to 1, not {p}"
+            );
+            k.signals = p;
         }
         anyhow::ensure!(
             k.poison || self.poison_jobs.is_none(),
@@ -260,6 +273,9 @@ impl Args {
         }
         if k.durable_sleeps > 0.0 {
             s.push_str(&format!(" --durable-sleeps {}", k.durable_sleeps));
+        }
+        if k.signals > 0.0 {
+            s.push_str(&format!(" --signals {}", k.signals));
         }
         s
     }
@@ -652,6 +668,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         quiet_after,
         subs: &subs,
         cancels: submitter.cancels(),
+        signals: submitter.signals(),
         injected: &injected,
         sink_armed,
         c: &c,
@@ -889,6 +906,7 @@ struct ReportIn<'a> {
     quiet_after: Option<Duration>,
     subs: &'a [submit::Submission],
     cancels: BTreeMap<String, submit::CancelResult>,
+    signals: BTreeMap<String, submit::SignalResult>,
     injected: &'a [chaos::Injected],
     sink_armed: u64,
     c: &'a collect::Collected,
@@ -991,6 +1009,8 @@ fn report(r: ReportIn<'_>) -> Value {
             "cancel_requests": r.cancels.len(),
             "cancel_requests_recorded": recorded_cancels,
             "cancels": r.cancels,
+            "signals_sent": r.signals.values().filter(|s| s.seq.is_some()).count(),
+            "signals_not_sent": r.signals.iter().filter(|(_, s)| s.seq.is_none()).map(|(id, s)| json!({"id": id, "error": s.error, "tries": s.tries})).collect::<Vec<_>>(),
         },
         "faults": {
             "injected": r.injected.len(),
@@ -1279,6 +1299,31 @@ mod tests {
 
     /// Pinned from the `--print-plan` output of the soak before profiles
     /// existed (make soak-ci's two legs): a recorded seed keeps its plan.
+    #[test]
+    fn signals_change_only_which_sleeps_wait_for_one_and_when_it_is_sent() {
+        let run = Duration::from_secs(300);
+        let before = plan::plan_jobs(7, run, &knobs(&[]));
+        let after = plan::plan_jobs(7, run, &knobs(&["--signals", "0.5"]));
+        assert_eq!(before.len(), after.len());
+        let mut waits = 0;
+        for (b, a) in before.iter().zip(&after) {
+            assert_eq!((b.id.as_str(), b.at_ms), (a.id.as_str(), a.at_ms));
+            if a.spec["input"]["signal"] == "go" {
+                assert_eq!(a.kind, "sleep");
+                assert!(a.signal_after_ms.is_some());
+                waits += 1;
+            } else {
+                assert_eq!((&a.spec, a.signal_after_ms), (&b.spec, None));
+            }
+        }
+        let sleeps = after.iter().filter(|j| j.kind == "sleep").count();
+        assert!(waits > 0 && waits < sleeps, "{waits} of {sleeps}");
+        assert!(Args::try_parse_from(["leasehold-soak", "--signals", "1.5"])
+            .unwrap()
+            .knobs()
+            .is_err());
+    }
+
     #[test]
     fn durable_sleeps_change_only_which_sleeps_are_timers() {
         let run = Duration::from_secs(300);

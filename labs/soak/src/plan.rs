@@ -47,6 +47,10 @@ pub struct JobPlan {
     pub kind: &'static str,
     pub spec: Value,
     pub cancel: Option<CancelPlan>,
+    /// Send the job its signal `go` this long after the submission
+    /// (`--signals`): before, during or after its wait.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal_after_ms: Option<u64>,
     pub expect: Expect,
 }
 
@@ -131,6 +135,7 @@ pub fn jobs(seed: u64, run: Duration, rate: f64) -> Vec<JobPlan> {
             kind,
             spec,
             cancel,
+            signal_after_ms: None,
             expect,
         });
     }
@@ -152,6 +157,24 @@ pub fn durable_sleeps(v: &mut [JobPlan], seed: u64, p: f64) {
     }
 }
 
+/// Makes a fraction `p` of the mix's `sleep` jobs also wait for the signal
+/// `go` (`"signal": "go"`), sent by the soak at a time drawn between the
+/// submission and well after the sleep: before the job waits (kept for
+/// it), while it runs, or while it waits. Drawn from a stream of its own.
+pub fn signals(v: &mut [JobPlan], seed: u64, p: f64) {
+    if p <= 0.0 {
+        return;
+    }
+    let mut r = Rng::stream(seed, "signals");
+    for j in v.iter_mut().filter(|j| j.kind == "sleep") {
+        if r.chance(p) {
+            j.spec["input"]["signal"] = json!("go");
+            let ms = j.spec["input"]["ms"].as_u64().unwrap_or(0);
+            j.signal_after_ms = Some(r.range(0, ms + 3000));
+        }
+    }
+}
+
 /// Every planned submission of a run with knobs `k`, in time order: the job
 /// mix at `k.rate`, then (by profile) long jobs and poison jobs. Each part
 /// draws from its own stream of the seed, so the default profile's plan is
@@ -159,6 +182,7 @@ pub fn durable_sleeps(v: &mut [JobPlan], seed: u64, p: f64) {
 pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
     let mut v = jobs(seed, run, k.rate);
     durable_sleeps(&mut v, seed, k.durable_sleeps);
+    signals(&mut v, seed, k.signals);
     if k.ops {
         // The operators' kind is not set up until they add it.
         v.retain(|j| j.kind != crate::ops::LIVE_KIND);
@@ -204,6 +228,7 @@ pub fn long_jobs(seed: u64, run: Duration, lanes: usize, l: &LongJobs) -> Vec<Jo
             kind: "sleep",
             spec: json!({"input": {"ms": ms, "lane": lane}}),
             cancel: None,
+            signal_after_ms: None,
             expect: Expect::NotFailed,
         })
         .collect()
@@ -226,6 +251,7 @@ pub fn poison_jobs(seed: u64, run: Duration, n: Option<usize>) -> Vec<JobPlan> {
             kind: "crash",
             spec: json!({"input": {"poison": i}}),
             cancel: None,
+            signal_after_ms: None,
             expect: Expect::Poison,
         })
         .collect()

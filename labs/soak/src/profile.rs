@@ -91,6 +91,9 @@ pub struct Knobs {
     /// The fraction of the mix's `sleep` jobs that are durable timers
     /// (`--durable-sleeps`; 0 keeps recorded plans as they were).
     pub durable_sleeps: f64,
+    /// The fraction of the mix's `sleep` jobs that then wait for a signal
+    /// the soak sends them (`--signals`; 0 keeps recorded plans).
+    pub signals: f64,
 }
 
 impl Knobs {
@@ -182,6 +185,7 @@ impl Profile {
             slot_use_target: None,
             ops: false,
             durable_sleeps: 0.0,
+            signals: 0.0,
         };
         let long = |per_slot| LongJobs {
             per_slot,

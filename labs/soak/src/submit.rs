@@ -58,7 +58,18 @@ pub struct Canary {
 struct State {
     submissions: Vec<Submission>,
     cancels: BTreeMap<String, CancelResult>,
+    signals: BTreeMap<String, SignalResult>,
     canaries: Vec<Canary>,
+}
+
+/// One signal sent to a job (`--signals`), tried until the stream took it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SignalResult {
+    pub at_ms: u64,
+    /// Its sequence in the signal stream, once stored.
+    pub seq: Option<u64>,
+    pub tries: u32,
+    pub error: Option<String>,
 }
 
 /// Submits planned jobs and canaries; clone freely.
@@ -106,10 +117,19 @@ impl Submitter {
                 let ok = me
                     .submit(&j.id, j.kind, j.spec.to_string(), j.expect, false)
                     .await;
-                if let (true, Some(c)) = (ok, &j.cancel) {
-                    tokio::time::sleep(Duration::from_millis(c.after_ms)).await;
-                    me.cancel(&j.id, c.via_cli).await;
-                }
+                let signal = async {
+                    if let (true, Some(after)) = (ok, j.signal_after_ms) {
+                        tokio::time::sleep(Duration::from_millis(after)).await;
+                        me.signal(&j.id).await;
+                    }
+                };
+                let cancel = async {
+                    if let (true, Some(c)) = (ok, &j.cancel) {
+                        tokio::time::sleep(Duration::from_millis(c.after_ms)).await;
+                        me.cancel(&j.id, c.via_cli).await;
+                    }
+                };
+                tokio::join!(signal, cancel);
             });
         }
     }
@@ -144,6 +164,46 @@ impl Submitter {
             canary,
         });
         accepted
+    }
+
+    /// Sends job `id` its signal `go` with `{"token": id}`, under the same
+    /// dedupe id on every try (a try whose ack was lost stores one signal),
+    /// until the stream takes it or the submissions' patience runs out.
+    async fn signal(&self, id: &str) {
+        let at_ms = self.ms();
+        let signals = leasehold_store::signals::Signals::new(&self.conn);
+        let data = json!({"token": id});
+        let deadline = Instant::now() + SUBMIT_PATIENCE;
+        let dedupe = format!("{id}:go");
+        let (mut tries, mut error, mut seq) = (0, None, None);
+        while Instant::now() < deadline {
+            tries += 1;
+            let send = signals.send(id, "go", &data, Some(&dedupe), Some("soak"));
+            match tokio::time::timeout(Duration::from_secs(10), send).await {
+                Ok(Ok(s)) => {
+                    seq = Some(s.seq);
+                    error = None;
+                    break;
+                }
+                Ok(Err(e)) => error = Some(e.to_string()),
+                Err(_) => error = Some("no answer in 10s".into()),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        self.state.lock().unwrap().signals.insert(
+            id.to_string(),
+            SignalResult {
+                at_ms,
+                seq,
+                tries,
+                error,
+            },
+        );
+    }
+
+    /// The signals sent, by job.
+    pub fn signals(&self) -> BTreeMap<String, SignalResult> {
+        self.state.lock().unwrap().signals.clone()
     }
 
     async fn cancel(&self, id: &str, via_cli: bool) {

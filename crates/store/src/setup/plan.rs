@@ -523,7 +523,7 @@ pub(super) const ADVISORY_MAX_BYTES: i64 = 64 << 20;
 
 /// The signal stream's fixed bound (a signal is small; a full stream
 /// refuses new ones, and its sender is told).
-pub(super) const SIGNALS_MAX_BYTES: i64 = 64 << 20;
+pub(super) const SIGNALS_MAX_BYTES: i64 = 16 << 20;
 
 /// The history stream: entries carry their job's retention as a
 /// per-message TTL (the reapers' historian sets it), bytes are bounded with
