@@ -147,11 +147,11 @@ soak-ci: build python-sdk
 	export LH_PYTHON="$(LH_PY_VENV)/bin/python"; \
 	set -x; \
 	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s \
-		--durable-sleeps 0.4 --out $(SOAK_OUT) || rc=$$?; \
+		--durable-sleeps 0.4 --signals 0.4 --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --seed $$(( $(SOAK_CI_SEED) + 1 )) --cluster --seconds 50 --rate 0.8 \
 		--gap-min 2s --gap-max 6s \
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \
-		--quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
+		--durable-sleeps 0.3 --signals 0.3 --quiesce-timeout 150s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile busy --seed $$(( $(SOAK_CI_SEED) + 2 )) --seconds 60 \
 		--long-jobs 8s-20s --quiesce-timeout 240s --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --profile operators --seed $$(( $(SOAK_CI_SEED) + 3 )) --seconds 60 \

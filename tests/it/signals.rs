@@ -8,38 +8,12 @@
 
 use std::time::Duration;
 
-use leasehold_harness::{FaultProxy, Proc};
+use leasehold_harness::FaultProxy;
 use leasehold_testkit::doors::index::Key;
 use leasehold_testkit::doors::signals::Signals;
-use leasehold_testkit::{cli, wait_log, Fleet, SetupOptions, ACK_WAIT};
+use leasehold_testkit::{cli, wait_log, Fleet};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
-
-fn layout() -> SetupOptions {
-    let mut o = SetupOptions {
-        ack_wait: ACK_WAIT,
-        ..SetupOptions::default()
-    };
-    o.kinds.push("hark".into());
-    o
-}
-
-/// A worker process serving `hark` (the SDK's test worker), connected at `url`.
-fn hark_worker(env: &Fleet, url: &str, name: &str) -> Proc {
-    let mut e = env.proc_env();
-    e.push(("LH_KINDS", "hark".into()));
-    e.push(("NATS_URL", url.to_string()));
-    Proc::spawn("sdk-agent-worker", &["--worker-id", name], &e)
-}
-
-/// How many times step `step` of `id` was recorded.
-async fn recorded(env: &Fleet, id: &str, step: &str) -> usize {
-    env.events_of(id)
-        .await
-        .iter()
-        .filter(|e| e.r#type == "step" && e.data_map()["id"] == step)
-        .count()
-}
 
 /// The signals a finished `hark` job took (its output's `got`).
 async fn got(env: &Fleet, id: &str) -> Vec<Value> {
@@ -62,7 +36,7 @@ async fn signal(env: &Fleet, id: &str, name: &str, data: &str) -> (i32, Value, S
 
 #[tokio::test]
 async fn a_job_waiting_for_a_signal_holds_no_slot_and_the_signal_wakes_it_with_its_data() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("hark").await;
     let mut o = env.opts();
     o.kinds = vec!["hark".into(), "echo".into()];
     o.concurrency = 1;
@@ -131,7 +105,7 @@ async fn a_job_waiting_for_a_signal_holds_no_slot_and_the_signal_wakes_it_with_i
         got[0]["sender"].as_str().unwrap_or("").ends_with("via cli"),
         "{got:?}"
     );
-    assert_eq!(recorded(&env, "hark-1", "wait:confirmation#0").await, 1);
+    assert_eq!(env.steps_recorded("hark-1", "wait:confirmation#0").await, 1);
     assert_eq!(
         w.metrics
             .total(leasehold::Count::Ended(leasehold::AttemptOutcome::Waited)),
@@ -143,7 +117,7 @@ async fn a_job_waiting_for_a_signal_holds_no_slot_and_the_signal_wakes_it_with_i
 
 #[tokio::test]
 async fn signals_sent_before_the_wait_are_kept_and_two_of_one_name_are_taken_in_order() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("hark").await;
     // Sent before the job even runs: one as `nats pub` sends it (text, no
     // sender), one through the API.
     let subject = env.conn.layout.signal_subject("hark-kept", "go");
@@ -197,7 +171,7 @@ async fn signals_sent_before_the_wait_are_kept_and_two_of_one_name_are_taken_in_
     assert_eq!(got[1]["sender"], json!("test"));
     assert_eq!(got[2]["seq"], third["seq"]);
     for step in ["wait:go#0", "wait:go#1", "wait:go#2"] {
-        assert_eq!(recorded(&env, "hark-kept", step).await, 1, "{step}");
+        assert_eq!(env.steps_recorded("hark-kept", step).await, 1, "{step}");
     }
     let waits = env.events_of("hark-kept").await;
     assert_eq!(
@@ -209,8 +183,8 @@ async fn signals_sent_before_the_wait_are_kept_and_two_of_one_name_are_taken_in_
 
 #[tokio::test]
 async fn a_timeout_ends_a_wait_with_nothing_and_the_next_wait_takes_a_later_signal() {
-    let env = Fleet::with(layout()).await;
-    let a = hark_worker(&env, &env.url(), "hark-a");
+    let env = Fleet::with_kind("hark").await;
+    let a = env.sdk_worker(&env.url(), "hark-a", "hark");
     wait_log(&a, "worker starting", Duration::from_secs(20)).await;
     env.submit(
         "hark",
@@ -243,7 +217,7 @@ async fn a_timeout_ends_a_wait_with_nothing_and_the_next_wait_takes_a_later_sign
 /// its write can wake the job: it does, and the job takes the signal once.
 #[tokio::test]
 async fn a_signal_sent_while_the_owner_writes_its_wait_wakes_the_job() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("hark").await;
     let stream = env.conn.layout.signals_stream();
     let waker = env.conn.layout.signal_wake_consumer();
     let pause = |until: &str| json!({"pause_until": until}).to_string();
@@ -258,7 +232,7 @@ async fn a_signal_sent_while_the_owner_writes_its_wait_wakes_the_job() {
     assert_eq!(r["paused"], json!(true), "{r}");
     let proxy = FaultProxy::start(&env.url()).await;
     let hold = proxy.hold("$KV.lh_active.hold.>");
-    let mut a = hark_worker(&env, &proxy.url(), "hark-a");
+    let mut a = env.sdk_worker(&proxy.url(), "hark-a", "hark");
     wait_log(&a, "worker starting", Duration::from_secs(20)).await;
     env.submit("hark", json!({"input": {"name": "go"}}), "hark-race")
         .await;
@@ -272,7 +246,7 @@ async fn a_signal_sent_while_the_owner_writes_its_wait_wakes_the_job() {
     let got = got(&env, "hark-race").await;
     assert_eq!(got[0]["data"], json!({"raced": true}));
     assert_eq!(got[0]["seq"], sent["seq"]);
-    assert_eq!(recorded(&env, "hark-race", "wait:go#0").await, 1);
+    assert_eq!(env.steps_recorded("hark-race", "wait:go#0").await, 1);
     let info: Value = serde_json::from_slice(
         &env.conn
             .client
@@ -296,8 +270,8 @@ async fn a_signal_sent_while_the_owner_writes_its_wait_wakes_the_job() {
 /// wait takes it without waiting.
 #[tokio::test]
 async fn a_signal_sent_during_a_reclaim_is_taken_by_the_next_owner() {
-    let env = Fleet::with(layout()).await;
-    let mut a = hark_worker(&env, &env.url(), "hark-a");
+    let env = Fleet::with_kind("hark").await;
+    let mut a = env.sdk_worker(&env.url(), "hark-a", "hark");
     wait_log(&a, "worker starting", Duration::from_secs(20)).await;
     env.submit(
         "hark",
@@ -316,7 +290,7 @@ async fn a_signal_sent_during_a_reclaim_is_taken_by_the_next_owner() {
     let (code, sent, err) = signal(&env, "hark-reclaim", "go", r#"{"while": "reclaim"}"#).await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(sent["waited_for"], json!(false), "{sent}");
-    let _b = hark_worker(&env, &env.url(), "hark-b");
+    let _b = env.sdk_worker(&env.url(), "hark-b", "hark");
     let (_r, _stop) = env.reaper().await;
     let done = env
         .wait_status("hark-reclaim", "completed", Duration::from_secs(60))
@@ -324,7 +298,7 @@ async fn a_signal_sent_during_a_reclaim_is_taken_by_the_next_owner() {
     assert!(done.epoch >= 2, "{done:?}");
     let got = got(&env, "hark-reclaim").await;
     assert_eq!(got[0]["data"], json!({"while": "reclaim"}));
-    assert_eq!(recorded(&env, "hark-reclaim", "wait:go#0").await, 1);
+    assert_eq!(env.steps_recorded("hark-reclaim", "wait:go#0").await, 1);
     assert!(
         !env.events_of("hark-reclaim")
             .await
@@ -336,7 +310,7 @@ async fn a_signal_sent_during_a_reclaim_is_taken_by_the_next_owner() {
 
 #[tokio::test]
 async fn bad_signals_are_refused_with_their_reason_and_nothing_is_sent() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("hark").await;
     let (_w, _stop) = env.worker().await;
     let signals_stored = || async {
         let mut s = env
@@ -392,8 +366,8 @@ async fn bad_signals_are_refused_with_their_reason_and_nothing_is_sent() {
 #[tokio::test]
 async fn console_in_a_browser_sends_a_signal_to_a_waiting_job() {
     use crate::console::{spawn_console, Browser};
-    let env = Fleet::with(layout()).await;
-    let w = hark_worker(&env, &env.url(), "hark-a");
+    let env = Fleet::with_kind("hark").await;
+    let w = env.sdk_worker(&env.url(), "hark-a", "hark");
     wait_log(&w, "worker starting", Duration::from_secs(20)).await;
     let console = spawn_console(&env, &[]).await;
     let mut b = Browser::start().await;

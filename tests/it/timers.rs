@@ -5,38 +5,12 @@
 
 use std::time::{Duration, SystemTime};
 
-use leasehold_harness::{wait_for_jetstream, FaultProxy, Proc};
+use leasehold_harness::{wait_for_jetstream, FaultProxy};
 use leasehold_testkit::doors::index::Key;
 use leasehold_testkit::record::parse_rfc3339;
-use leasehold_testkit::{wait_log, Fleet, SetupOptions, ACK_WAIT};
+use leasehold_testkit::{wait_log, Fleet};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-
-fn layout() -> SetupOptions {
-    let mut o = SetupOptions {
-        ack_wait: ACK_WAIT,
-        ..SetupOptions::default()
-    };
-    o.kinds.push("nap".into());
-    o
-}
-
-/// A worker process serving `nap` (the SDK's test worker), connected at `url`.
-fn nap_worker(env: &Fleet, url: &str, name: &str) -> Proc {
-    let mut e = env.proc_env();
-    e.push(("LH_KINDS", "nap".into()));
-    e.push(("NATS_URL", url.to_string()));
-    Proc::spawn("sdk-agent-worker", &["--worker-id", name], &e)
-}
-
-/// How many times step `step` of `id` was recorded.
-async fn recorded(env: &Fleet, id: &str, step: &str) -> usize {
-    env.events_of(id)
-        .await
-        .iter()
-        .filter(|e| e.r#type == "step" && e.data_map()["id"] == step)
-        .count()
-}
 
 fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
@@ -58,12 +32,12 @@ async fn slept_once(env: &Fleet, id: &str, until: SystemTime) {
     );
     assert!(out["before_ms"].as_u64().unwrap() < ms(until), "{out}");
     assert_eq!(
-        recorded(env, id, "before#0").await,
+        env.steps_recorded(id, "before#0").await,
         1,
         "the step before ran once"
     );
-    assert_eq!(recorded(env, id, "sleep#0").await, 1);
-    assert_eq!(recorded(env, id, "after#0").await, 1);
+    assert_eq!(env.steps_recorded(id, "sleep#0").await, 1);
+    assert_eq!(env.steps_recorded(id, "after#0").await, 1);
     assert!(
         env.active().await.keys_of(id).await.unwrap().is_empty(),
         "a finished job leaves no index entry"
@@ -72,7 +46,7 @@ async fn slept_once(env: &Fleet, id: &str, until: SystemTime) {
 
 #[tokio::test]
 async fn a_sleeping_job_holds_no_slot_is_listed_waiting_and_wakes_at_its_time() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("nap").await;
     let mut o = env.opts();
     o.kinds = vec!["nap".into(), "echo".into()];
     o.concurrency = 1;
@@ -127,8 +101,8 @@ async fn a_sleeping_job_holds_no_slot_is_listed_waiting_and_wakes_at_its_time() 
 
 #[tokio::test]
 async fn a_sleep_survives_a_kill9_and_a_restart_of_the_whole_fleet() {
-    let mut env = Fleet::with(layout()).await;
-    let mut a = nap_worker(&env, &env.url(), "nap-a");
+    let mut env = Fleet::with_kind("nap").await;
+    let mut a = env.sdk_worker(&env.url(), "nap-a", "nap");
     wait_log(&a, "worker starting", Duration::from_secs(20)).await;
     env.submit("nap", json!({"input": {"ms": 5000}}), "nap-fleet")
         .await;
@@ -143,7 +117,7 @@ async fn a_sleep_survives_a_kill9_and_a_restart_of_the_whole_fleet() {
     env.server.kill();
     env.server.restart();
     wait_for_jetstream(&env.url(), Duration::from_secs(20)).await;
-    let _b = nap_worker(&env, &env.url(), "nap-b");
+    let _b = env.sdk_worker(&env.url(), "nap-b", "nap");
     env.wait_status("nap-fleet", "completed", Duration::from_secs(30))
         .await;
     slept_once(&env, "nap-fleet", until).await;
@@ -155,10 +129,10 @@ async fn a_sleep_survives_a_kill9_and_a_restart_of_the_whole_fleet() {
 /// wake-up, and the job wakes at the time it first asked for.
 #[tokio::test]
 async fn a_worker_killed_before_its_wake_up_was_written_leaves_the_ticket_to_write_it() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("nap").await;
     let proxy = FaultProxy::start(&env.url()).await;
     let hold = proxy.hold("$KV.lh_active.due.>");
-    let mut a = nap_worker(&env, &proxy.url(), "nap-a");
+    let mut a = env.sdk_worker(&proxy.url(), "nap-a", "nap");
     wait_log(&a, "worker starting", Duration::from_secs(20)).await;
     env.submit("nap", json!({"input": {"ms": 3000}}), "nap-cut")
         .await;
@@ -179,7 +153,7 @@ async fn a_worker_killed_before_its_wake_up_was_written_leaves_the_ticket_to_wri
             .is_none(),
         "no wake-up was written"
     );
-    let _b = nap_worker(&env, &env.url(), "nap-b");
+    let _b = env.sdk_worker(&env.url(), "nap-b", "nap");
     let done = env
         .wait_status("nap-cut", "completed", Duration::from_secs(30))
         .await;
@@ -198,8 +172,8 @@ async fn a_worker_killed_before_its_wake_up_was_written_leaves_the_ticket_to_wri
 /// ends it at once: its wake-up, when it comes, changes nothing.
 #[tokio::test]
 async fn a_waiting_job_is_listed_with_its_time_and_a_cancel_ends_it_for_good() {
-    let env = Fleet::with(layout()).await;
-    let a = nap_worker(&env, &env.url(), "nap-a");
+    let env = Fleet::with_kind("nap").await;
+    let a = env.sdk_worker(&env.url(), "nap-a", "nap");
     wait_log(&a, "worker starting", Duration::from_secs(20)).await;
     env.submit("nap", json!({"input": {"ms": 2000}}), "nap-off")
         .await;
@@ -244,7 +218,7 @@ async fn a_waiting_job_is_listed_with_its_time_and_a_cancel_ends_it_for_good() {
         "the wake-up went before its time"
     );
     assert_eq!(env.record("nap-off").await.unwrap().status, "cancelled");
-    assert_eq!(recorded(&env, "nap-off", "after#0").await, 0);
+    assert_eq!(env.steps_recorded("nap-off", "after#0").await, 0);
 }
 
 /// Found by the timers bench: every attempt reads its journal, and each
@@ -255,7 +229,7 @@ async fn a_waiting_job_is_listed_with_its_time_and_a_cancel_ends_it_for_good() {
 /// send.
 #[tokio::test]
 async fn a_jobs_event_reads_leave_no_consumer_for_long() {
-    let env = Fleet::with(layout()).await;
+    let env = Fleet::with_kind("nap").await;
     let (_w, stop) = env.worker().await;
     env.submit("echo", json!({"input": {}}), "read-me").await;
     env.wait_event("read-me", "completed", Duration::from_secs(10))

@@ -47,6 +47,7 @@ pub mod retention;
 pub mod schedules;
 pub mod sessions;
 pub mod setup;
+pub mod shared;
 pub mod signals;
 pub mod timers;
 pub mod work;

@@ -23,9 +23,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, consumer, AckKind};
+use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
-use futures::StreamExt;
 use leasehold_core::machine::{self, status_of, Reoffer};
 use leasehold_core::{JobRecord, Status};
 use leasehold_proto::JobEvent;
@@ -665,56 +664,18 @@ pub async fn watch_session_ends(
     opts: WatchOptions,
     shutdown: CancellationToken,
 ) {
-    let stream_name = format!("KV_{}", conn.layout.sessions_bucket());
-    let consumer_name = conn.layout.session_watch_consumer();
-    let pause = Duration::from_secs(1);
-    while !shutdown.is_cancelled() {
-        let consumer: Result<consumer::PullConsumer, String> = async {
-            let s = conn
-                .js
-                .get_stream_no_info(&stream_name)
-                .await
-                .map_err(|e| e.to_string())?;
-            s.get_consumer(&consumer_name)
-                .await
-                .map_err(|e| e.to_string())
-        }
-        .await;
-        let consumer = match consumer {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "session-ends consumer unavailable; retrying");
-                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = shutdown.cancelled() => return }
-            }
-        };
-        // Short pulls: a member that stops holds no end for longer than a
-        // pull's expiry plus the consumer's (short) ack wait.
-        let stream = consumer
-            .stream()
-            .expires(Duration::from_secs(1))
-            .max_messages_per_batch(4)
-            .heartbeat(Duration::from_millis(400))
-            .messages()
-            .await;
-        let mut msgs = match stream {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot pull session ends; retrying");
-                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = shutdown.cancelled() => return }
-            }
-        };
-        loop {
-            let next = tokio::select! { m = msgs.next() => m, _ = shutdown.cancelled() => return };
-            match next {
-                Some(Ok(m)) => on_session_message(&conn, &recovery, &opts, m).await,
-                Some(Err(e)) => {
-                    tracing::debug!(error = %e, "session-ends pull interrupted; pulling again");
-                    break;
-                }
-                None => break,
-            }
-        }
-    }
+    let stream = format!("KV_{}", conn.layout.sessions_bucket());
+    let consumer = conn.layout.session_watch_consumer();
+    crate::shared::consume(
+        &conn,
+        &stream,
+        &consumer,
+        4,
+        "session ends",
+        &shutdown,
+        |m| on_session_message(&conn, &recovery, &opts, m),
+    )
+    .await
 }
 
 async fn on_session_message(

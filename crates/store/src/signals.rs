@@ -20,8 +20,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, consumer, AckKind};
-use futures::StreamExt;
+use async_nats::jetstream::{self, AckKind};
 use leasehold_core::machine;
 use leasehold_core::JobRecord;
 use serde_json::Value;
@@ -184,52 +183,12 @@ const RETRY: Duration = Duration::from_secs(1);
 /// durable consumer shared by every worker and reaper, so each signal is
 /// looked at once, and by someone even when no reaper runs.
 pub async fn run(conn: Conn, r: Arc<Recovery>, shutdown: CancellationToken) {
-    let consumer_name = conn.layout.signal_wake_consumer();
-    while !shutdown.is_cancelled() {
-        let consumer: Result<consumer::PullConsumer, String> = async {
-            let s = conn
-                .js
-                .get_stream_no_info(conn.layout.signals_stream())
-                .await
-                .map_err(|e| e.to_string())?;
-            s.get_consumer(&consumer_name)
-                .await
-                .map_err(|e| e.to_string())
-        }
-        .await;
-        let consumer = match consumer {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "signal-wakes consumer unavailable (run `leasehold setup`); retrying");
-                tokio::select! { _ = tokio::time::sleep(RETRY) => continue, _ = shutdown.cancelled() => return }
-            }
-        };
-        let stream = consumer
-            .stream()
-            .expires(Duration::from_secs(1))
-            .max_messages_per_batch(16)
-            .heartbeat(Duration::from_millis(400))
-            .messages()
-            .await;
-        let mut msgs = match stream {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot pull signals; retrying");
-                tokio::select! { _ = tokio::time::sleep(RETRY) => continue, _ = shutdown.cancelled() => return }
-            }
-        };
-        loop {
-            let next = tokio::select! { m = msgs.next() => m, _ = shutdown.cancelled() => return };
-            match next {
-                Some(Ok(m)) => on_signal(&conn.layout, &r, m).await,
-                Some(Err(e)) => {
-                    tracing::debug!(error = %e, "signal pull interrupted; pulling again");
-                    break;
-                }
-                None => break,
-            }
-        }
-    }
+    let stream = conn.layout.signals_stream();
+    let consumer = conn.layout.signal_wake_consumer();
+    crate::shared::consume(&conn, &stream, &consumer, 16, "signals", &shutdown, |m| {
+        on_signal(&conn.layout, &r, m)
+    })
+    .await
 }
 
 async fn on_signal(layout: &Layout, r: &Recovery, m: jetstream::Message) {

@@ -43,6 +43,17 @@ impl Fleet {
         .await
     }
 
+    /// [`Fleet::start`] with one more kind set up (a test kind of the
+    /// tests' own workers: `nap`, `hark`).
+    pub async fn with_kind(kind: &str) -> Fleet {
+        let mut o = SetupOptions {
+            ack_wait: ACK_WAIT,
+            ..SetupOptions::default()
+        };
+        o.kinds.push(kind.into());
+        Self::with(o).await
+    }
+
     /// A server and the layout made with `o`.
     pub async fn with(o: SetupOptions) -> Fleet {
         // In-process workers and reapers log to the test's output when
@@ -117,6 +128,26 @@ impl Fleet {
         let mut env = self.proc_env();
         env.extend(extra.iter().cloned());
         Proc::spawn("leasehold-worker", args, &env)
+    }
+
+    /// The tests' own SDK worker (`sdk-agent-worker`: `nap`, `hark`, ...)
+    /// serving `kind` as worker `name`, connected at `url` (the fleet's, or
+    /// a fault proxy's in front of it).
+    pub fn sdk_worker(&self, url: &str, name: &str, kind: &str) -> Proc {
+        let mut e = self.proc_env();
+        e.push(("LH_KINDS", kind.into()));
+        e.push(("NATS_URL", url.to_string()));
+        Proc::spawn("sdk-agent-worker", &["--worker-id", name], &e)
+    }
+
+    /// How many times step `step` of job `id` was recorded (its `step`
+    /// events naming it).
+    pub async fn steps_recorded(&self, id: &str, step: &str) -> usize {
+        self.events_of(id)
+            .await
+            .iter()
+            .filter(|e| e.r#type == "step" && e.data_map()["id"] == step)
+            .count()
     }
 
     /// Publishes a raw submission as any NATS client would.

@@ -139,6 +139,28 @@ async fn held(
     Ok(took)
 }
 
+/// Job `id`'s record once it is `want`, read every 20 ms until `deadline`.
+async fn status(
+    jobs: &Jobs,
+    id: &str,
+    want: &str,
+    deadline: Instant,
+) -> anyhow::Result<leasehold_core::JobRecord> {
+    loop {
+        match jobs.get(id).await? {
+            Some(v) if v.value.status == want => return Ok(v.value),
+            r => {
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "{id} never {want}: {}",
+                    serde_json::to_string(&r.map(|v| v.value))?
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
 /// `$KV` writes per second, by bucket, over `window`.
 async fn kv_writes(url: &str, window: Duration) -> anyhow::Result<BTreeMap<String, f64>> {
     let client = async_nats::connect(url).await?;
@@ -227,19 +249,7 @@ pub async fn timers(many: usize, wakes: usize, window: Duration) -> anyhow::Resu
     let mut latencies = Vec::with_capacity(wakes);
     for i in 0..wakes {
         let id = format!("wake-{i}");
-        let rec = loop {
-            match jobs.get(&id).await? {
-                Some(v) if v.value.status == "completed" => break v.value,
-                r => {
-                    anyhow::ensure!(
-                        Instant::now() < deadline,
-                        "{id} never woke: {}",
-                        serde_json::to_string(&r.map(|v| v.value))?
-                    );
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        };
+        let rec = status(&jobs, &id, "completed", deadline).await?;
         let until = rec
             .waiting_until
             .as_deref()
@@ -259,34 +269,10 @@ pub async fn timers(many: usize, wakes: usize, window: Duration) -> anyhow::Resu
         let id = format!("hark-{i}");
         submit(&conn.js, &hark_subject, i..i + 1, "hark", 0).await?;
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match jobs.get(&id).await? {
-                Some(v) if v.value.status == "waiting" => break,
-                r => {
-                    anyhow::ensure!(
-                        Instant::now() < deadline,
-                        "{id} never waited: {}",
-                        serde_json::to_string(&r.map(|v| v.value))?
-                    );
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
+        status(&jobs, &id, "waiting", deadline).await?;
         let sent = epoch_ms() as f64;
         signals.send(&id, "go", &json!({}), None, None).await?;
-        let rec = loop {
-            match jobs.get(&id).await? {
-                Some(v) if v.value.status == "completed" => break v.value,
-                r => {
-                    anyhow::ensure!(
-                        Instant::now() < deadline,
-                        "{id} never woke: {}",
-                        serde_json::to_string(&r.map(|v| v.value))?
-                    );
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        };
+        let rec = status(&jobs, &id, "completed", deadline).await?;
         let out: Value = serde_json::from_str(&rec.result.unwrap_or_default().output)?;
         signal_latencies.push(out["woke_ms"].as_u64().unwrap_or(0) as f64 - sent);
     }

@@ -280,7 +280,8 @@ fn signal_wait(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
 
 /// A durable timer (`sleep` with `durable`) that completed slept once: its
 /// `sleep#0` step recorded exactly once, and not before its time (the
-/// record's `waiting_until`, which the wait wrote).
+/// step's result: the time its wait named; a later wait of the job, for a
+/// signal, names its own in the record).
 fn durable_sleep(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
     let input: Value = rec
         .spec
@@ -291,25 +292,31 @@ fn durable_sleep(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
         return;
     }
     *v.info.entry("durable_sleeps_completed".into()).or_default() += 1;
-    let steps = c.events.get(&rec.id).map_or(0, |evs| {
+    let recorded: Vec<Value> = c.events.get(&rec.id).map_or(Vec::new(), |evs| {
         evs.iter()
-            .filter(|(_, e)| e.r#type == "step" && e.data_map()["id"] == "sleep#0")
-            .count()
+            .map(|(_, e)| (e.r#type.as_str(), e.data_map()))
+            .filter(|(ty, d)| *ty == "step" && d["id"] == "sleep#0")
+            .map(|(_, d)| d.get("result").cloned().unwrap_or_default())
+            .collect()
     });
-    if steps != 1 {
+    if recorded.len() != 1 {
         v.wrong_outcomes.push(f(
             &rec.id,
-            format!("a durable sleep recorded its sleep#0 step {steps} times"),
+            format!(
+                "a durable sleep recorded its sleep#0 step {} times",
+                recorded.len()
+            ),
         ));
     }
+    let until = recorded.first().and_then(Value::as_str).map(str::to_string);
     let at = |t: Option<&str>| t.and_then(leasehold_core::time::parse_rfc3339);
-    match (at(rec.waiting_until.as_deref()), at(Some(&rec.updated_at))) {
-        (Some(until), Some(done)) if done < until => v.wrong_outcomes.push(f(
+    match (at(until.as_deref()), at(Some(&rec.updated_at))) {
+        (Some(t), Some(done)) if done < t => v.wrong_outcomes.push(f(
             &rec.id,
             format!(
                 "a durable sleep completed at {} before its time {}",
                 rec.updated_at,
-                rec.waiting_until.as_deref().unwrap_or("?")
+                until.as_deref().unwrap_or("?")
             ),
         )),
         (None, _) => v.wrong_outcomes.push(f(
