@@ -650,5 +650,28 @@ async fn a_submission_the_fleet_refuses_fails_the_submit_command_with_its_reason
         .wait_status("too-big-for-the-fleet", "rejected", Duration::from_secs(10))
         .await;
     assert!(r.error.is_some(), "{r:?}");
+    // The moment a CI run met: the worker's pull takes the ticket (and
+    // refuses it) before the command's question on `lh.enqueued.<seq>` is
+    // answered, which then finds the record there or the ticket gone. The
+    // command's question is held back until the worker recorded the
+    // rejection: the command still fails with the fleet's reason.
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let held = proxy.hold("lh.enqueued.*");
+    let url = proxy.url();
+    let cmd = tokio::spawn(async move {
+        leasehold_testkit::cli(&url, &["submit", "echo", &big, "--id", "refused-first"]).await
+    });
+    tokio::time::timeout(Duration::from_secs(15), held.triggered())
+        .await
+        .expect("the command asked on lh.enqueued");
+    env.wait_status("refused-first", "rejected", Duration::from_secs(10))
+        .await;
+    held.release();
+    let (code, out, err) = cmd.await.unwrap();
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("the fleet refused job refused-first") && err.contains("64"),
+        "the reason, with the fleet's limit: {err}"
+    );
     stop.cancel();
 }

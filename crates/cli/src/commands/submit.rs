@@ -298,6 +298,11 @@ async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) -> Option<String>
                 Enqueued::Error { error, .. } => eprintln!(
                     "note: job {id} is queued; its record is not written yet ({error}): it appears when a worker claims the job"
                 ),
+                // A worker's pull took the ticket first: its claim decided,
+                // and a refusal is the record it wrote for this ticket.
+                Enqueued::Exists { .. } | Enqueued::Gone => {
+                    return rejected_by_its_claim(conn, id, seq).await
+                }
                 _ => {}
             }
         }
@@ -343,6 +348,31 @@ async fn announce(conn: &Conn, id: &str, kind: &str, seq: u64) -> Option<String>
         }
     }
     None
+}
+
+/// Why job `id`'s ticket at `seq` was refused by the worker whose pull
+/// took it before the command's `lh.enqueued` question was answered: its
+/// record says `rejected` for this very ticket (not an earlier job of the
+/// id). The record precedes the ticket's ack, so a ticket already gone has
+/// its record; one still being claimed is given a moment.
+async fn rejected_by_its_claim(conn: &Conn, id: &str, seq: u64) -> Option<String> {
+    let jobs = super::open_jobs(conn).await.ok()?;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        match jobs.get(id).await {
+            Ok(Some(v)) if v.value.ticket_seq == seq && v.value.status == "rejected" => {
+                return Some(
+                    v.value
+                        .error
+                        .map(|e| e.message)
+                        .unwrap_or_else(|| "rejected".into()),
+                )
+            }
+            Ok(Some(_)) => return None,
+            _ if tokio::time::Instant::now() >= deadline => return None,
+            _ => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
 }
 
 #[cfg(test)]
