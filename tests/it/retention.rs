@@ -74,6 +74,12 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
     parked.status = "parked".into();
     env.seed_record(&parked).await;
     assert!(!env.events_of("ret-1").await.is_empty());
+    // A signal sent to it that no wait took (a plain publish: the CLI
+    // refuses a finished job): it is the job's, and goes with it.
+    leasehold_testkit::doors::signals::Signals::new(&env.conn)
+        .send("ret-1", "late", &json!({}), None, None)
+        .await
+        .unwrap();
 
     let r = reaper(&env, "2s", &[]).await;
     gone(&env, "ret-1", Duration::from_secs(15)).await;
@@ -101,6 +107,18 @@ async fn finished_jobs_are_forgotten_after_their_retention_and_their_id_can_star
         store.get("ret-1/report.md").await.is_err(),
         "the artifact goes too"
     );
+    let signals = env
+        .conn
+        .js
+        .get_stream(env.conn.layout.signals_stream())
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(signals, 0, "its signals go too");
     assert!(
         env.jobs.get("kept-parked").await.unwrap().is_some(),
         "unfinished jobs stay"
