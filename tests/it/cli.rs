@@ -889,10 +889,10 @@ async fn setup_that_cannot_reserve_the_layout_creates_nothing_and_says_how_much_
         "16MiB",
         "--history-max-bytes",
         "4MiB",
-        // Room for the fixed bounds beside these (advisories 64 MiB,
-        // signals 16 MiB, flow control 2 MiB).
         "--schedules-max-bytes",
         "16MiB",
+        "--signals-max-bytes",
+        "4MiB",
     ];
     let (code, out, err) = cli(&url, &small).await;
     assert_eq!(code, 0, "{out}{err}");

@@ -143,6 +143,11 @@ pub struct Args {
     /// Bytes of recurring schedules (default 64MiB).
     #[arg(long, env = "LH_SCHEDULES_MAX_BYTES", value_parser = parse_bytes)]
     schedules_max_bytes: Option<i64>,
+    /// Bytes of the signals sent to jobs and not yet taken with their job
+    /// (default 16MiB, some 80,000 small signals; a full stream refuses a
+    /// send, its sender told).
+    #[arg(long, env = "LH_SIGNALS_MAX_BYTES", value_parser = parse_bytes)]
+    signals_max_bytes: Option<i64>,
     /// Bytes of the history of finished jobs (`leasehold list --finished`;
     /// default 256MiB, about a million entries; the oldest go first).
     #[arg(long, env = "LH_HISTORY_MAX_BYTES", value_parser = parse_bytes)]
@@ -251,6 +256,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         effects_max_bytes: a.effects_max_bytes.unwrap_or(d.effects_max_bytes),
         artifacts_max_bytes: a.artifacts_max_bytes.unwrap_or(d.artifacts_max_bytes),
         schedules_max_bytes: a.schedules_max_bytes.unwrap_or(d.schedules_max_bytes),
+        signals_max_bytes: a.signals_max_bytes.unwrap_or(d.signals_max_bytes),
         history_max_bytes: a.history_max_bytes.unwrap_or(d.history_max_bytes),
         fit: Fit {
             work: a.work_max_bytes.is_none(),
@@ -263,6 +269,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             effects: a.effects_max_bytes.is_none(),
             artifacts: a.artifacts_max_bytes.is_none(),
             schedules: a.schedules_max_bytes.is_none(),
+            signals: a.signals_max_bytes.is_none(),
         },
         ..d
     };

@@ -95,6 +95,9 @@ pub struct SetupOptions {
     pub artifacts_max_bytes: i64,
     /// Byte bound of the recurring schedules' bucket (default 64 MiB).
     pub schedules_max_bytes: i64,
+    /// Bytes of the signal stream `LH_SIGNALS` (default 16 MiB, some
+    /// 80,000 small signals; a full stream refuses a send, its sender told).
+    pub signals_max_bytes: i64,
     /// Byte bound of the history of finished jobs (default 256 MiB, about
     /// a million entries); the oldest entries go first beyond it. Not
     /// fitted to a small server: pass a smaller bound there.
@@ -120,6 +123,7 @@ pub struct Fit {
     pub effects: bool,
     pub artifacts: bool,
     pub schedules: bool,
+    pub signals: bool,
 }
 
 impl Fit {
@@ -135,6 +139,7 @@ impl Fit {
         effects: false,
         artifacts: false,
         schedules: false,
+        signals: false,
     };
     /// Every bound a default that may be lowered.
     pub const DEFAULTS: Fit = Fit {
@@ -148,6 +153,7 @@ impl Fit {
         effects: true,
         artifacts: true,
         schedules: true,
+        signals: true,
     };
 }
 
@@ -184,6 +190,7 @@ impl Default for SetupOptions {
             effects_max_bytes: 1 << 30,
             artifacts_max_bytes: 4 << 30,
             schedules_max_bytes: 64 << 20,
+            signals_max_bytes: 16 << 20,
             history_max_bytes: 256 << 20,
             fit: Fit::DEFAULTS,
         }

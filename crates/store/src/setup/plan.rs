@@ -78,7 +78,7 @@ pub(super) fn stream_plans(
             Duration::ZERO,
             Duration::from_secs(3600),
             -1,
-            SIGNALS_MAX_BYTES,
+            bounds.get(Bound::Signals),
             stream::DiscardPolicy::New,
             "signals to jobs",
         ),
@@ -279,7 +279,7 @@ pub(super) fn consumer_plans(
 pub(super) const FLOW_MAX_BYTES: i64 = 1 << 20;
 
 /// The flags of every byte bound, for errors that send the operator there.
-pub(super) const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes, --schedules-max-bytes, --history-max-bytes";
+pub(super) const BOUND_FLAGS: &str = "--work-max-bytes, --events-max-bytes, --dlq-max-bytes, --jobs-max-bytes, --payloads-max-bytes, --active-max-bytes, --sessions-max-bytes, --effects-max-bytes, --artifacts-max-bytes, --schedules-max-bytes, --signals-max-bytes, --history-max-bytes";
 
 /// The halvings tried when fitting the default bounds as a whole.
 pub(super) const MAX_HALVINGS: u32 = 12;
@@ -297,10 +297,11 @@ pub(super) enum Bound {
     Effects,
     Artifacts,
     Schedules,
+    Signals,
 }
 
 impl Bound {
-    const ALL: [Bound; 10] = [
+    const ALL: [Bound; 11] = [
         Bound::Work,
         Bound::Events,
         Bound::Dlq,
@@ -311,6 +312,7 @@ impl Bound {
         Bound::Effects,
         Bound::Artifacts,
         Bound::Schedules,
+        Bound::Signals,
     ];
 
     pub(super) fn name(self) -> &'static str {
@@ -325,6 +327,7 @@ impl Bound {
             Bound::Effects => "effects",
             Bound::Artifacts => "artifacts",
             Bound::Schedules => "schedules",
+            Bound::Signals => "signals",
         }
     }
 
@@ -341,6 +344,7 @@ impl Bound {
             Bound::Effects => (o.effects_max_bytes, f.effects),
             Bound::Artifacts => (o.artifacts_max_bytes, f.artifacts),
             Bound::Schedules => (o.schedules_max_bytes, f.schedules),
+            Bound::Signals => (o.signals_max_bytes, f.signals),
         }
     }
 
@@ -357,6 +361,7 @@ impl Bound {
             Bound::Effects => format!("KV_{}", l.effects_bucket()),
             Bound::Artifacts => format!("OBJ_{}", l.artifacts_bucket()),
             Bound::Schedules => format!("KV_{}", l.schedules_bucket()),
+            Bound::Signals => l.signals_stream(),
         }
     }
 
@@ -368,8 +373,8 @@ impl Bound {
 /// The byte bounds setup applies: as asked, or (defaults only) fitted.
 #[derive(Debug, Clone)]
 pub(super) struct Bounds {
-    asked: [(i64, bool); 10],
-    fitted: [i64; 10],
+    asked: [(i64, bool); Bound::ALL.len()],
+    fitted: [i64; Bound::ALL.len()],
 }
 
 impl Bounds {
@@ -442,7 +447,7 @@ pub(super) async fn plan_bounds(
     }
     // What each bound's stream reserves already (a half layout left by an
     // earlier run that failed).
-    let mut held = [0i64; 9];
+    let mut held = [0i64; Bound::ALL.len()];
     for (i, b) in Bound::ALL.into_iter().enumerate() {
         if b == Bound::Work {
             continue;
@@ -465,17 +470,7 @@ pub(super) async fn plan_bounds(
             ))
         }
     };
-    let signals = match js.get_stream(l.signals_stream()).await {
-        Ok(_) => 0,
-        Err(e) if crate::is_not_found(&e) => SIGNALS_MAX_BYTES,
-        Err(e) => {
-            return Err(crate::lookup_error(
-                format!("stream {}", l.signals_stream()),
-                &e,
-            ))
-        }
-    };
-    let advisories = advisories + signals + history_reservation(conn, o).await?;
+    let advisories = advisories + history_reservation(conn, o).await?;
     let mut last_total = 0;
     for k in 0..=MAX_HALVINGS {
         let sizes = asked.map(|(a, fit)| fitted(a, fit, k));
@@ -511,19 +506,15 @@ pub(super) async fn plan_bounds(
         })
         .collect();
     Err(StoreError::Config(format!(
-        "setup cannot reserve this layout's storage: it needs at least {} more ({}, advisories and signals {}; the defaults at their lowest fit), and the server's JetStream storage limit (max_file_store) holds less. Nothing was created. Lower the bounds ({BOUND_FLAGS}) or raise the server's limit",
+        "setup cannot reserve this layout's storage: it needs at least {} more ({}, advisories {}; the defaults at their lowest fit), and the server's JetStream storage limit (max_file_store) holds less. Nothing was created. Lower the bounds ({BOUND_FLAGS}) or raise the server's limit",
         human_bytes(last_total),
         parts.join(", "),
-        human_bytes(ADVISORY_MAX_BYTES + SIGNALS_MAX_BYTES)
+        human_bytes(ADVISORY_MAX_BYTES)
     )))
 }
 
 /// The advisory stream's fixed bound.
 pub(super) const ADVISORY_MAX_BYTES: i64 = 64 << 20;
-
-/// The signal stream's fixed bound (a signal is small; a full stream
-/// refuses new ones, and its sender is told).
-pub(super) const SIGNALS_MAX_BYTES: i64 = 16 << 20;
 
 /// The history stream: entries carry their job's retention as a
 /// per-message TTL (the reapers' historian sets it), bytes are bounded with
