@@ -78,7 +78,14 @@ async fn a_job_waiting_for_a_signal_holds_no_slot_and_the_signal_wakes_it_with_i
         (d["for"].as_str(), d["name"].as_str()),
         (Some("signal"), Some("confirmation"))
     );
-    // `watch` says what it waits for and how to send it.
+    // `list` and `watch` say what it waits for, and `watch` how to send it.
+    let (code, out, err) = cli(&env.url(), &["list", "--status", "waiting"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines().any(|l| l.starts_with("hark-1 ")
+            && l.contains("waits for signal `confirmation` (wait:confirmation#0)")),
+        "{out}"
+    );
     let (code, out, err) = cli(&env.url(), &["watch", "hark-1", "--timeout", "2s"]).await;
     assert_eq!(code, 124, "still waiting when the watch stops: {err}");
     assert!(

@@ -193,7 +193,7 @@ async fn a_waiting_job_is_listed_with_its_time_and_a_cancel_ends_it_for_good() {
         .find(|l| l.starts_with("nap-off "))
         .unwrap_or_else(|| panic!("not listed:\n{out}"));
     assert!(
-        row.contains("waiting") && row.contains("waits until") && row.contains("sleep#0"),
+        row.contains("waiting") && row.contains("waits for time until") && row.contains("sleep#0"),
         "{row}"
     );
     let (code, out, err) = leasehold_testkit::cli(&env.url(), &["cancel", "nap-off"]).await;

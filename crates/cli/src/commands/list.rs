@@ -11,7 +11,8 @@ use leasehold_store::NatsArgs;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Only jobs in this status. `queued`, `running`, `parked` and
-    /// `waiting` (a durable timer: until when, and its step, are shown) are
+    /// `waiting` (a durable timer or a signal: what it waits for, until
+    /// when, and its step, are shown) are
     /// read from the index of active jobs; a finished status needs `--finished`
     /// (the history) or `--all`.
     #[arg(long)]
@@ -266,11 +267,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         );
         for r in &recs {
             let err = match (r.status == Status::Waiting.as_str(), &r.error) {
-                (true, _) => format!(
-                    "waits until {} ({})",
-                    r.next_run_at.as_deref().unwrap_or("?"),
-                    r.waiting_step.as_deref().unwrap_or("?")
-                ),
+                (true, _) => format!("waits {}", leasehold_core::machine::waits_for(r)),
                 (false, Some(e)) => {
                     let m: String = e.message.chars().take(60).collect();
                     format!("{}: {m}", e.class)

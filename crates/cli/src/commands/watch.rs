@@ -473,19 +473,13 @@ fn state_of(rec: &JobRecord, queue: Option<u64>) -> String {
 
 /// `waiting for time until <t> (<step>), held by no worker`.
 fn waiting_line(rec: &JobRecord) -> String {
-    let step = rec.waiting_step.as_deref().unwrap_or("?");
-    let until = rec.next_run_at.as_deref();
-    match rec.waiting_for.as_deref().and_then(|w| w.strip_prefix("signal:")) {
-        Some(name) => format!(
-            "waiting for signal `{name}`{} ({step}), held by no worker; `leasehold signal {} {name}` sends it",
-            until.map(|t| format!(" until {t}")).unwrap_or_default(),
-            rec.id
-        ),
-        None => format!(
-            "waiting for {} until {} ({step}), held by no worker",
-            rec.waiting_for.as_deref().unwrap_or("time"),
-            until.unwrap_or("?"),
-        ),
+    let line = format!(
+        "waiting {}, held by no worker",
+        leasehold_core::machine::waits_for(rec)
+    );
+    match leasehold_core::machine::signal_of(rec) {
+        Some((name, _)) => format!("{line}; `leasehold signal {} {name}` sends it", rec.id),
+        None => line,
     }
 }
 

@@ -69,30 +69,12 @@ pub fn summary(app: &App, r: &JobRecord, caller: &Caller) -> String {
         row(&mut b, "parked", esc(p));
     }
     if r.status == "waiting" {
-        // What it waits for: the record's words, as its `waiting` event's.
-        let mut d = serde_json::Map::new();
-        let what = r.waiting_for.as_deref().unwrap_or("time");
-        match what.strip_prefix("signal:") {
-            Some(name) => {
-                d.insert("for".into(), "signal".into());
-                d.insert("name".into(), name.into());
-            }
-            None => {
-                d.insert("for".into(), what.into());
-            }
-        }
-        if let Some(t) = &r.next_run_at {
-            d.insert("until".into(), t.clone().into());
-        }
-        if let Some(s) = &r.waiting_step {
-            d.insert("step".into(), s.clone().into());
-        }
         row(
             &mut b,
             "waits",
             format!(
                 "<span id=\"waits\">{}</span>",
-                esc(&render::waiting_for(&d))
+                esc(&leasehold_core::machine::waits_for(r))
             ),
         );
     }

@@ -709,6 +709,10 @@ mod tests {
         assert_eq!(r.waiting_after, 9);
         assert_eq!(r.next_run_at, None, "no timeout: no time wakes it");
         assert_eq!(crate::machine::signal_of(&r), Some(("approval", 9)));
+        assert_eq!(
+            crate::machine::waits_for(&r),
+            "for signal `approval` (wait:approval#1)"
+        );
         // Only its signal ends the wait; a time never does.
         let later = now() + Duration::from_secs(86_400 * 365);
         assert!(!crate::machine::wait_over(&r, later, false));

@@ -523,6 +523,25 @@ pub fn signal_of(rec: &JobRecord) -> Option<(&str, u64)> {
     Some((name, rec.waiting_after))
 }
 
+/// What a `waiting` record waits for, in words, as every view says it:
+/// `for time until T (sleep#0)`, `for signal `go` (wait:go#0)`, `for
+/// signal `go` until T (wait:go#0)`.
+pub fn waits_for(rec: &JobRecord) -> String {
+    let step = rec.waiting_step.as_deref().unwrap_or("?");
+    let until = rec
+        .next_run_at
+        .as_deref()
+        .map(|t| format!(" until {t}"))
+        .unwrap_or_default();
+    match signal_of(rec) {
+        Some((name, _)) => format!("for signal `{name}`{until} ({step})"),
+        None => format!(
+            "for {}{until} ({step})",
+            rec.waiting_for.as_deref().unwrap_or("time")
+        ),
+    }
+}
+
 /// Whether a job that waits without a ticket (`waiting`, or `queued` with
 /// its ticket released for a delay) may run at `now`: its signal came
 /// (`signalled`, which the caller read for a record [`signal_of`] names),
