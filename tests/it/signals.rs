@@ -186,6 +186,32 @@ async fn signals_sent_before_the_wait_are_kept_and_two_of_one_name_are_taken_in_
         1,
         "only the wait whose signal was not there yet ended an attempt"
     );
+    // `leasehold signal ID --list`: the three, in order, and the wait that
+    // took each; one more, sent now, taken by none.
+    Signals::new(&env.conn)
+        .send("hark-kept", "extra", &json!({}), None, None)
+        .await
+        .unwrap();
+    let (code, out, err) = cli(&env.url(), &["signal", "hark-kept", "--list"]).await;
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seen: Vec<(&str, &Value)> = rows
+        .iter()
+        .map(|r| (r["name"].as_str().unwrap(), &r["taken_by"]))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("go", &json!("wait:go#0")),
+            ("go", &json!("wait:go#1")),
+            ("go", &json!("wait:go#2")),
+            ("extra", &Value::Null)
+        ],
+        "{out}"
+    );
 }
 
 #[tokio::test]

@@ -322,6 +322,60 @@ pub async fn send_signal(
     })
 }
 
+/// One signal kept for a job, as `leasehold signal ID --list` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SignalKept {
+    pub name: String,
+    pub seq: u64,
+    pub sent_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sender: Option<String>,
+    pub data: Value,
+    /// The wait step that took it (`wait:go#0`), `null` when none did yet;
+    /// absent when the job's steps could not be read (this NATS user may
+    /// not read events with a consumer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub taken_by: Option<Value>,
+}
+
+/// The signals kept for job `id` (at most `limit`), in the order sent, and
+/// which wait step of the job took each.
+pub async fn signals_kept(conn: &Conn, id: &str, limit: usize) -> Result<Vec<SignalKept>, OpError> {
+    let kept = leasehold_store::signals::Signals::new(conn)
+        .list(id, limit)
+        .await
+        .map_err(|e| OpError(format!("reading the signals of job {id}: {e}")))?;
+    // seq -> the step that recorded it.
+    let taken: Option<std::collections::HashMap<u64, String>> = Events::new(conn)
+        .read_types(id, &["step"])
+        .await
+        .ok()
+        .map(|steps| {
+            steps
+                .iter()
+                .map(|(_, ev)| ev.data_map())
+                .filter(|d| d["id"].as_str().is_some_and(|s| s.starts_with("wait:")))
+                .filter_map(|d| {
+                    let seq = d.get("result")?.get("seq")?.as_u64()?;
+                    Some((seq, d["id"].as_str()?.to_string()))
+                })
+                .collect()
+        });
+    Ok(kept
+        .into_iter()
+        .map(|(name, s)| SignalKept {
+            taken_by: taken
+                .as_ref()
+                .map(|t| t.get(&s.seq).map_or(Value::Null, |step| json!(step))),
+            name,
+            seq: s.seq,
+            sent_at: s.sent_at,
+            sender: s.sender,
+            data: s.data,
+        })
+        .collect())
+}
+
 /// The step a parked job waits at for an answer: the `step` of its last
 /// `parked` event (read from the stream's leader), `None` when no step
 /// asked (a park for an uncertain effect, a journal mismatch). An answer

@@ -138,21 +138,51 @@ impl Signals {
             .send()
             .await;
         match got {
-            Ok(m) => {
-                let nanos = m.time.unix_timestamp_nanos().max(0) as u64;
-                let at = SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos);
-                Ok(Some(Signal {
-                    seq: m.sequence,
-                    data: data_of(&m.payload),
-                    sent_at: leasehold_core::time::rfc3339(at),
-                    sender: m.headers.get(SENDER_HEADER).map(|v| v.as_str().to_string()),
-                }))
-            }
+            Ok(m) => Ok(Some(signal_of(&m))),
             Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
                 Ok(None)
             }
             Err(e) => Err(StoreError::nats("read signal", e)),
         }
+    }
+
+    /// Every signal sent to job `job` that is still kept, in the order
+    /// sent, at most `limit`: (name, signal). One message get per signal,
+    /// read from the stream's leader; no consumer.
+    pub async fn list(&self, job: &str, limit: usize) -> Result<Vec<(String, Signal)>, StoreError> {
+        let stream = self
+            .js
+            .get_stream_no_info(self.layout.signals_stream())
+            .await
+            .map_err(|e| StoreError::nats("signal stream", e))?;
+        let filter = self.layout.job_signals_filter(job);
+        let mut out = Vec::new();
+        let mut from = 1;
+        while out.len() < limit {
+            let got = stream
+                .raw_message_builder()
+                .sequence(from)
+                .next_by_subject(filter.clone())
+                .send()
+                .await;
+            let m = match got {
+                Ok(m) => m,
+                Err(e)
+                    if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+                {
+                    break
+                }
+                Err(e) => return Err(StoreError::nats("read signals", e)),
+            };
+            from = m.sequence + 1;
+            let name = self
+                .layout
+                .of_signal_subject(&m.subject)
+                .map(|(_, n)| n.to_string())
+                .unwrap_or_default();
+            out.push((name, signal_of(&m)));
+        }
+        Ok(out)
     }
 
     /// Whether the signal that `rec` waits for is there (`false` for a
@@ -163,6 +193,18 @@ impl Signals {
             Some((name, after)) => Ok(self.next(&rec.id, name, after).await?.is_some()),
             None => Ok(false),
         }
+    }
+}
+
+/// The signal a stored message is.
+fn signal_of(m: &jetstream::message::StreamMessage) -> Signal {
+    let nanos = m.time.unix_timestamp_nanos().max(0) as u64;
+    let at = SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos);
+    Signal {
+        seq: m.sequence,
+        data: data_of(&m.payload),
+        sent_at: leasehold_core::time::rfc3339(at),
+        sender: m.headers.get(SENDER_HEADER).map(|v| v.as_str().to_string()),
     }
 }
 

@@ -5,7 +5,8 @@
 //! name are two waits' answers, in the order sent.
 //!
 //! Prints one JSON line (`{"id", "name", "seq", "duplicate", "status",
-//! "waited_for"}`). Exit codes: 0 sent, 1 not sent (no such job, a finished
+//! "waited_for"}`). `leasehold signal ID --list` lists the signals kept for
+//! the job instead, and which wait took each. Exit codes: 0 sent, 1 not sent (no such job, a finished
 //! job, NATS refused it), 2 bad usage (a name that is not a signal name,
 //! data that is not JSON).
 
@@ -24,8 +25,13 @@ pub struct Args {
     id: String,
     /// The signal's name: 1-64 letters, digits, '-' or '_' (what the job's
     /// `wait_for` names).
-    #[arg(value_parser = parse_name)]
-    name: String,
+    #[arg(value_parser = parse_name, required_unless_present = "list")]
+    name: Option<String>,
+    /// Instead of sending: list the signals kept for the job, in the order
+    /// sent, one JSON line each (`name`, `seq`, `sent_at`, `sender`, `data`,
+    /// `taken_by`: the wait step that took it, or null).
+    #[arg(long, conflicts_with_all = ["data", "dedupe_id"])]
+    list: bool,
     /// The signal's data, as JSON (`@FILE` reads it from a file; default `{}`).
     #[arg(long, value_parser = parse_data)]
     data: Option<Value>,
@@ -39,6 +45,9 @@ pub struct Args {
 
 pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     let conn = nats.connect("leasehold-cli signal").await?;
+    let Some(name) = a.name.as_deref() else {
+        return list(&conn, &a.id).await;
+    };
     let jobs = super::open_jobs(&conn).await?;
     let data = a.data.unwrap_or_else(|| Value::Object(Default::default()));
     let sender = format!(
@@ -49,7 +58,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         &conn,
         &jobs,
         &a.id,
-        &a.name,
+        name,
         &data,
         a.dedupe_id.as_deref(),
         Some(&sender),
@@ -76,6 +85,22 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             Ok(1)
         }
     }
+}
+
+/// `--list`: the job's signals, one JSON line each; exit 1 when none is kept.
+async fn list(conn: &leasehold_store::Conn, id: &str) -> anyhow::Result<i32> {
+    let kept = operate::signals_kept(conn, id, 10_000).await?;
+    for s in &kept {
+        println!("{}", serde_json::to_string(s)?);
+    }
+    if kept.is_empty() {
+        eprintln!("no signal is kept for job {id}");
+        return Ok(1);
+    }
+    if kept.iter().any(|s| s.taken_by.is_none()) {
+        eprintln!("note: which wait took each signal is not shown: this NATS user may not read the job's steps");
+    }
+    Ok(0)
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
