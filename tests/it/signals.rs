@@ -37,15 +37,7 @@ async fn signal(env: &Fleet, id: &str, name: &str, data: &str) -> (i32, Value, S
 #[tokio::test]
 async fn a_job_waiting_for_a_signal_holds_no_slot_and_the_signal_wakes_it_with_its_data() {
     let env = Fleet::with_kind("hark").await;
-    let mut o = env.opts();
-    o.kinds = vec!["hark".into(), "echo".into()];
-    o.concurrency = 1;
-    let stop = CancellationToken::new();
-    let w = leasehold::Worker::new(o)
-        .kind("hark", leasehold_tests::Hark)
-        .start(stop.clone())
-        .await
-        .unwrap();
+    let (w, stop) = env.one_slot_worker("hark", leasehold_tests::Hark).await;
     env.submit("hark", json!({"input": {"name": "confirmation"}}), "hark-1")
         .await;
     let waiting = env

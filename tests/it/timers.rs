@@ -47,15 +47,7 @@ async fn slept_once(env: &Fleet, id: &str, until: SystemTime) {
 #[tokio::test]
 async fn a_sleeping_job_holds_no_slot_is_listed_waiting_and_wakes_at_its_time() {
     let env = Fleet::with_kind("nap").await;
-    let mut o = env.opts();
-    o.kinds = vec!["nap".into(), "echo".into()];
-    o.concurrency = 1;
-    let stop = CancellationToken::new();
-    let w = leasehold::Worker::new(o)
-        .kind("nap", leasehold_tests::Nap)
-        .start(stop.clone())
-        .await
-        .unwrap();
+    let (w, stop) = env.one_slot_worker("nap", leasehold_tests::Nap).await;
     env.submit("nap", json!({"input": {"ms": 3000}}), "nap-1")
         .await;
     let asleep = env

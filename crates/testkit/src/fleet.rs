@@ -108,6 +108,26 @@ impl Fleet {
         (h, stop)
     }
 
+    /// An in-process worker with one slot serving `echo` and the test kind
+    /// `kind` (code `k`): a job of `kind` that holds its slot shows at once
+    /// in whether an echo job still runs.
+    pub async fn one_slot_worker(
+        &self,
+        kind: &str,
+        k: impl leasehold::Kind + 'static,
+    ) -> (Handle, CancellationToken) {
+        let mut o = self.opts();
+        o.kinds = vec![kind.into(), "echo".into()];
+        o.concurrency = 1;
+        let stop = CancellationToken::new();
+        let h = leasehold::Worker::new(o)
+            .kind(kind, k)
+            .start(stop.clone())
+            .await
+            .unwrap();
+        (h, stop)
+    }
+
     /// The environment of a worker process with the test timings.
     pub fn proc_env(&self) -> Vec<(&'static str, String)> {
         vec![
