@@ -10,7 +10,6 @@ use leasehold_testkit::doors::index::Key;
 use leasehold_testkit::record::parse_rfc3339;
 use leasehold_testkit::{wait_log, Fleet};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
