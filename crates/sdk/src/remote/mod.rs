@@ -205,6 +205,46 @@ impl RemoteKind {
         Ok(())
     }
 
+    /// The result that an op which records a step (`kind`) records as
+    /// step `id`, once the worker did its part: a `step`'s own result, a
+    /// write through the ledger, a model conversation, a person's answer, a
+    /// timer's or a signal's wait (the last three end the attempt instead
+    /// when there is nothing to record yet).
+    async fn result_of(
+        &self,
+        ctx: &Ctx,
+        kind: &str,
+        id: &str,
+        op: &Value,
+        entries: &[Recorded],
+    ) -> Result<Value, Error> {
+        match kind {
+            "step" => Ok(op["result"].clone()),
+            "effect" => self.effect(ctx, id, op).await,
+            "generate" => self.generate(ctx, id, op).await,
+            // Only an answer naming this step, given after its own park,
+            // is this park's.
+            "park" => match crate::ctx::answer_for(ctx.job(), id).await? {
+                Some(answer) => Ok(answer),
+                None => Err(ctx.park_at(
+                    id,
+                    op["reason"].as_str().unwrap_or("approval"),
+                    op["question"].as_str().unwrap_or(""),
+                )),
+            },
+            "sleep" => {
+                let due = sleep_due(op)?;
+                Ok(Value::String(crate::ctx::timer(&ctx.job().record, id, due)?))
+            }
+            "wait_for" => {
+                let (name, timeout) = wait_for_op(op, id)?;
+                let after = crate::ctx::signal_taken(entries, &name);
+                crate::ctx::signal_wait(ctx.job(), id, &name, after, timeout).await
+            }
+            other => unreachable!("`{other}` records no step"),
+        }
+    }
+
     /// Runs a `generate` op: one model conversation with the worker's agent
     /// runtime, its transcript journaled under the step, offered the
     /// service's tools the op names (reads called directly, writes through
@@ -447,89 +487,14 @@ impl Kind for RemoteKind {
                     );
                     sent = from;
                 }
-                "step" => {
-                    if op.get("result").is_none() {
+                kind @ ("step" | "effect" | "generate" | "park" | "sleep" | "wait_for") => {
+                    if kind == "step" && op.get("result").is_none() {
                         return Err(protocol("bad_answer: a `step` op needs `result`"));
                     }
                     idle = 0;
+                    // A duplicate of a recorded step records nothing.
                     if let Some((index, id)) = position(&op, &entries)? {
-                        let rec = Recorded {
-                            index,
-                            id,
-                            version,
-                            result: op["result"].clone(),
-                        };
-                        self.record(ctx, &mut entries, rec).await?;
-                    }
-                }
-                "effect" => {
-                    idle = 0;
-                    if let Some((index, id)) = position(&op, &entries)? {
-                        let result = self.effect(ctx, &id, &op).await?;
-                        let rec = Recorded {
-                            index,
-                            id,
-                            version,
-                            result,
-                        };
-                        self.record(ctx, &mut entries, rec).await?;
-                    }
-                }
-                "generate" => {
-                    idle = 0;
-                    if let Some((index, id)) = position(&op, &entries)? {
-                        let result = self.generate(ctx, &id, &op).await?;
-                        let rec = Recorded {
-                            index,
-                            id,
-                            version,
-                            result,
-                        };
-                        self.record(ctx, &mut entries, rec).await?;
-                    }
-                }
-                "park" => {
-                    idle = 0;
-                    if let Some((index, id)) = position(&op, &entries)? {
-                        let reason = op["reason"].as_str().unwrap_or("approval");
-                        let question = op["question"].as_str().unwrap_or("");
-                        // Only an answer naming this step, given after
-                        // its own park, is this park's.
-                        match crate::ctx::answer_for(ctx.job(), &id).await? {
-                            Some(answer) => {
-                                let rec = Recorded {
-                                    index,
-                                    id,
-                                    version,
-                                    result: answer,
-                                };
-                                self.record(ctx, &mut entries, rec).await?;
-                            }
-                            None => return Err(ctx.park_at(&id, reason, question)),
-                        }
-                    }
-                }
-                "sleep" => {
-                    idle = 0;
-                    if let Some((index, id)) = position(&op, &entries)? {
-                        let due = sleep_due(&op)?;
-                        let result = crate::ctx::timer(&ctx.job().record, &id, due)?;
-                        let rec = Recorded {
-                            index,
-                            id,
-                            version,
-                            result: Value::String(result),
-                        };
-                        self.record(ctx, &mut entries, rec).await?;
-                    }
-                }
-                "wait_for" => {
-                    idle = 0;
-                    if let Some((index, id)) = position(&op, &entries)? {
-                        let (name, timeout) = wait_for_op(&op, &id)?;
-                        let after = crate::ctx::signal_taken(&entries, &name);
-                        let result =
-                            crate::ctx::signal_wait(ctx.job(), &id, &name, after, timeout).await?;
+                        let result = self.result_of(ctx, kind, &id, &op, &entries).await?;
                         let rec = Recorded {
                             index,
                             id,
