@@ -322,15 +322,12 @@ pub async fn send_signal(
     })
 }
 
-/// One signal kept for a job, as `leasehold signal ID --list` shows it.
+/// One signal kept for a job, as `leasehold signal ID --list` shows it:
+/// the signal and the wait that took it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SignalKept {
-    pub name: String,
-    pub seq: u64,
-    pub sent_at: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sender: Option<String>,
-    pub data: Value,
+    #[serde(flatten)]
+    pub signal: leasehold_store::signals::Signal,
     /// The wait step that took it (`wait:go#0`), `null` when none did yet;
     /// absent when the job's steps could not be read (this NATS user may
     /// not read events with a consumer).
@@ -363,15 +360,11 @@ pub async fn signals_kept(conn: &Conn, id: &str, limit: usize) -> Result<Vec<Sig
         });
     Ok(kept
         .into_iter()
-        .map(|(name, s)| SignalKept {
+        .map(|signal| SignalKept {
             taken_by: taken
                 .as_ref()
-                .map(|t| t.get(&s.seq).map_or(Value::Null, |step| json!(step))),
-            name,
-            seq: s.seq,
-            sent_at: s.sent_at,
-            sender: s.sender,
-            data: s.data,
+                .map(|t| t.get(&signal.seq).map_or(Value::Null, |step| json!(step))),
+            signal,
         })
         .collect())
 }

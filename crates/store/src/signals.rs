@@ -29,18 +29,23 @@ use tokio_util::sync::CancellationToken;
 use crate::recovery::Recovery;
 use crate::{Conn, Layout, StoreError};
 
-/// One signal, as a waiting step takes it.
-#[derive(Debug, Clone, PartialEq)]
+/// One signal, as a waiting step takes it (and records it as its step's
+/// result: this is its JSON form, in every language).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Signal {
-    /// Its stream sequence: the order of signals, and what the step records.
-    pub seq: u64,
+    /// The signal's name.
+    pub name: String,
     /// Its data: the payload as JSON (an empty payload is `{}`; a payload
     /// that is not JSON is its text, as a JSON string).
     pub data: Value,
-    /// When the stream stored it (RFC 3339).
+    /// Its stream sequence: signals of one name are taken in this order,
+    /// each once.
+    pub seq: u64,
+    /// When the stream stored it (RFC 3339, the server's clock).
     pub sent_at: String,
     /// Who sent it, as the sender said (`Lh-Sender`: `ana via console`,
     /// `ana via cli`); `None` for a signal published without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sender: Option<String>,
 }
 
@@ -138,7 +143,7 @@ impl Signals {
             .send()
             .await;
         match got {
-            Ok(m) => Ok(Some(signal_of(&m))),
+            Ok(m) => Ok(Some(signal_of(&self.layout, &m))),
             Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
                 Ok(None)
             }
@@ -147,9 +152,9 @@ impl Signals {
     }
 
     /// Every signal sent to job `job` that is still kept, in the order
-    /// sent, at most `limit`: (name, signal). One message get per signal,
-    /// read from the stream's leader; no consumer.
-    pub async fn list(&self, job: &str, limit: usize) -> Result<Vec<(String, Signal)>, StoreError> {
+    /// sent, at most `limit`. One message get per signal, read from the
+    /// stream's leader; no consumer.
+    pub async fn list(&self, job: &str, limit: usize) -> Result<Vec<Signal>, StoreError> {
         let stream = self
             .js
             .get_stream_no_info(self.layout.signals_stream())
@@ -175,12 +180,7 @@ impl Signals {
                 Err(e) => return Err(StoreError::nats("read signals", e)),
             };
             from = m.sequence + 1;
-            let name = self
-                .layout
-                .of_signal_subject(&m.subject)
-                .map(|(_, n)| n.to_string())
-                .unwrap_or_default();
-            out.push((name, signal_of(&m)));
+            out.push(signal_of(&self.layout, &m));
         }
         Ok(out)
     }
@@ -197,10 +197,14 @@ impl Signals {
 }
 
 /// The signal a stored message is.
-fn signal_of(m: &jetstream::message::StreamMessage) -> Signal {
+fn signal_of(layout: &Layout, m: &jetstream::message::StreamMessage) -> Signal {
     let nanos = m.time.unix_timestamp_nanos().max(0) as u64;
     let at = SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos);
     Signal {
+        name: layout
+            .of_signal_subject(&m.subject)
+            .map(|(_, n)| n.to_string())
+            .unwrap_or_default(),
         seq: m.sequence,
         data: data_of(&m.payload),
         sent_at: leasehold_core::time::rfc3339(at),

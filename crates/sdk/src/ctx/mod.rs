@@ -31,7 +31,7 @@ mod shared;
 mod tests;
 
 use shared::signal_step;
-pub use shared::Signal;
+pub use leasehold_store::signals::Signal;
 pub(crate) use shared::{answer_for, call_tool, emit_once, record_step, timer};
 pub(crate) use shared::{signal_taken, signal_wait};
 

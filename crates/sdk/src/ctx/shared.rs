@@ -115,24 +115,6 @@ pub(crate) fn timer(
     Err(Error::Wait(crate::Wait::time(step, until)))
 }
 
-/// A signal a wait took: the result of a `wait:<name>#n` step.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Signal {
-    /// The signal's name.
-    pub name: String,
-    /// Its data (JSON; `{}` when it was sent without any).
-    pub data: Value,
-    /// Its sequence in the signal stream: signals of one name are taken
-    /// in this order, each once.
-    pub seq: u64,
-    /// When it was sent (RFC 3339, the server's clock).
-    pub sent_at: String,
-    /// Who sent it, as the sender said (`ana via console`); `None` when
-    /// it did not say (a plain publish on its subject).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sender: Option<String>,
-}
-
 /// The step name of a wait for signal `name` (`wait:<name>`; its steps are
 /// `wait:<name>#0`, `wait:<name>#1`, ...).
 pub(crate) fn signal_step(name: &str) -> Result<String, Error> {
@@ -176,14 +158,7 @@ pub(crate) async fn signal_wait(
         .await
         .map_err(|e| Error::retryable(format!("reading signal `{name}`: {e}")))?;
     if let Some(s) = got {
-        let taken = Signal {
-            name: name.to_string(),
-            data: s.data,
-            seq: s.seq,
-            sent_at: s.sent_at,
-            sender: s.sender,
-        };
-        return Ok(serde_json::to_value(taken).expect("a signal serializes"));
+        return Ok(serde_json::to_value(s).expect("a signal serializes"));
     }
     let now = std::time::SystemTime::now();
     let until = waited_until(&job.record, step).or_else(|| timeout.map(|t| now + t));
