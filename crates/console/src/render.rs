@@ -223,18 +223,11 @@ pub fn describe(ev: &JobEvent) -> String {
     }
 }
 
-/// What a `waiting` event's job waits for, in words: `for time until T
-/// (step)`, `for signal `name` (step)`, `for signal `name` until T (step)`.
+/// What a `waiting` event's job waits for, in words, as the record's
+/// views say it (`machine::wait_in_words`).
 pub(crate) fn waiting_for(d: &serde_json::Map<String, Value>) -> String {
-    let until = match s(d, "until") {
-        "" => String::new(),
-        t => format!(" until {t}"),
-    };
-    let step = s(d, "step");
-    match s(d, "for") {
-        "signal" => format!("for signal `{}`{until} ({step})", s(d, "name")),
-        what => format!("for {what}{until} ({step})"),
-    }
+    let signal = (s(d, "for") == "signal").then(|| s(d, "name"));
+    leasehold_core::machine::wait_in_words(signal, Some(s(d, "until")), s(d, "step"))
 }
 
 /// The line of a `retry` event.

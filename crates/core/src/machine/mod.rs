@@ -527,18 +527,24 @@ pub fn signal_of(rec: &JobRecord) -> Option<(&str, u64)> {
 /// `for time until T (sleep#0)`, `for signal `go` (wait:go#0)`, `for
 /// signal `go` until T (wait:go#0)`.
 pub fn waits_for(rec: &JobRecord) -> String {
-    let step = rec.waiting_step.as_deref().unwrap_or("?");
-    let until = rec
-        .next_run_at
-        .as_deref()
+    wait_in_words(
+        signal_of(rec).map(|(name, _)| name),
+        rec.next_run_at.as_deref(),
+        rec.waiting_step.as_deref().unwrap_or("?"),
+    )
+}
+
+/// [`waits_for`] from its parts (a `waiting` event's `name`, `until` and
+/// `step` say the same): the signal waited for, if any, until when, and
+/// the step that waits.
+pub fn wait_in_words(signal: Option<&str>, until: Option<&str>, step: &str) -> String {
+    let until = until
+        .filter(|t| !t.is_empty())
         .map(|t| format!(" until {t}"))
         .unwrap_or_default();
-    match signal_of(rec) {
-        Some((name, _)) => format!("for signal `{name}`{until} ({step})"),
-        None => format!(
-            "for {}{until} ({step})",
-            rec.waiting_for.as_deref().unwrap_or("time")
-        ),
+    match signal {
+        Some(name) => format!("for signal `{name}`{until} ({step})"),
+        None => format!("for time{until} ({step})"),
     }
 }
 
