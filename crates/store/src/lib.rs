@@ -199,6 +199,24 @@ pub fn server_error_code(err: &(dyn std::error::Error + 'static)) -> Option<u64>
 pub const STREAM_FULL_MSGS: u64 = 10077;
 pub const STREAM_FULL_BYTES: u64 = 10078;
 
+/// A publish's ack error as the store says it: a full stream (discard new)
+/// is [`StoreError::QueueFull`] (`stream refused the <what>: ...`), nothing
+/// kept; anything else the NATS error of `publish <what>`.
+pub(crate) fn publish_refused(
+    stream: &str,
+    what: &str,
+    e: async_nats::jetstream::context::PublishError,
+) -> StoreError {
+    if matches!(
+        server_error_code(&e),
+        Some(STREAM_FULL_MSGS | STREAM_FULL_BYTES)
+    ) {
+        StoreError::QueueFull(format!("{stream} refused the {what}: {e}"))
+    } else {
+        StoreError::nats(&format!("publish {what}"), e)
+    }
+}
+
 /// No message at that sequence (10037): a deletion of what is gone already.
 pub const NO_MESSAGE_FOUND: u64 = 10037;
 /// A message deletion the server refused (10057); its description says why.

@@ -103,19 +103,7 @@ impl Signals {
             .await
             .map_err(|e| StoreError::nats("publish signal", e))?
             .await
-            .map_err(|e| {
-                if matches!(
-                    crate::server_error_code(&e),
-                    Some(crate::STREAM_FULL_MSGS | crate::STREAM_FULL_BYTES)
-                ) {
-                    StoreError::QueueFull(format!(
-                        "{} refused the signal: {e}",
-                        self.layout.signals_stream()
-                    ))
-                } else {
-                    StoreError::nats("publish signal", e)
-                }
-            })?;
+            .map_err(|e| crate::publish_refused(&self.layout.signals_stream(), "signal", e))?;
         Ok(Sent {
             seq: ack.sequence,
             duplicate: ack.duplicate,

@@ -285,28 +285,13 @@ impl Work {
     }
 
     async fn publish(&self, subject: String, m: PublishMessage) -> Result<Published, StoreError> {
-        let full = |e: &(dyn std::error::Error + 'static)| {
-            matches!(
-                crate::server_error_code(e),
-                Some(crate::STREAM_FULL_MSGS | crate::STREAM_FULL_BYTES)
-            )
-        };
         let ack = self
             .js
             .send_publish(subject, m)
             .await
             .map_err(|e| StoreError::nats("publish ticket", e))?
             .await
-            .map_err(|e| {
-                if full(&e) {
-                    StoreError::QueueFull(format!(
-                        "{} refused the ticket: {e}",
-                        self.layout.work_stream()
-                    ))
-                } else {
-                    StoreError::nats("publish ticket", e)
-                }
-            })?;
+            .map_err(|e| crate::publish_refused(&self.layout.work_stream(), "ticket", e))?;
         Ok(Published {
             seq: ack.sequence,
             duplicate: ack.duplicate,
