@@ -30,8 +30,8 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-use shared::signal_step;
 pub use leasehold_store::signals::Signal;
+use shared::signal_step;
 pub(crate) use shared::{answer_for, call_tool, emit_once, record_step, timer};
 pub(crate) use shared::{signal_taken, signal_wait};
 

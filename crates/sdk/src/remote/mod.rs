@@ -234,7 +234,11 @@ impl RemoteKind {
             },
             "sleep" => {
                 let due = sleep_due(op)?;
-                Ok(Value::String(crate::ctx::timer(&ctx.job().record, id, due)?))
+                Ok(Value::String(crate::ctx::timer(
+                    &ctx.job().record,
+                    id,
+                    due,
+                )?))
             }
             "wait_for" => {
                 let (name, timeout) = wait_for_op(op, id)?;
