@@ -213,7 +213,7 @@ async fn a_missing_payload_is_an_error_never_an_empty_value() {
     env.submit("echo", json!({"input": {"text": big}}), "big-out")
         .await;
     let done = env
-        .wait_status("big-out", "completed", Duration::from_secs(10))
+        .wait_status("big-out", "completed", Duration::from_secs(60))
         .await;
     assert!(done.output_beside);
     payloads
@@ -231,7 +231,9 @@ async fn a_missing_payload_is_an_error_never_an_empty_value() {
     assert!(err.contains("output") && err.contains("gone"), "{err}");
     assert!(out.stdout.is_empty(), "no value printed");
     stop.cancel();
-    w.wait().await.unwrap();
+    w.wait()
+        .await
+        .expect("the worker stops and hands everything back");
     // An input kept beside a queued record, then gone: the job fails with
     // the reason instead of running on nothing.
     let mut rec = leasehold_testkit::record::new_record(
@@ -253,7 +255,7 @@ async fn a_missing_payload_is_an_error_never_an_empty_value() {
         .await;
     let (w, stop) = env.worker().await;
     let failed = env
-        .wait_for("big-in", Duration::from_secs(10), |r| {
+        .wait_for("big-in", Duration::from_secs(60), |r| {
             matches!(r.status.as_str(), "failed" | "completed")
         })
         .await;
@@ -261,5 +263,7 @@ async fn a_missing_payload_is_an_error_never_an_empty_value() {
     let why = failed.error.unwrap().message;
     assert!(why.contains("input") && why.contains("gone"), "{why}");
     stop.cancel();
-    w.wait().await.unwrap();
+    w.wait()
+        .await
+        .expect("the worker stops and hands everything back");
 }

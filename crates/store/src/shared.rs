@@ -33,15 +33,19 @@ pub async fn consume<F, Fut>(
     Fut: Future<Output = ()>,
 {
     while !shutdown.is_cancelled() {
-        let found: Result<consumer::PullConsumer, String> = async {
-            let s = conn
-                .js
-                .get_stream_no_info(stream)
-                .await
-                .map_err(|e| e.to_string())?;
-            s.get_consumer(consumer).await.map_err(|e| e.to_string())
-        }
-        .await;
+        // Every request below may wait out the client's timeout with the
+        // server away: none of them holds a stopping member up.
+        let found: Result<consumer::PullConsumer, String> = tokio::select! {
+            f = async {
+                let s = conn
+                    .js
+                    .get_stream_no_info(stream)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                s.get_consumer(consumer).await.map_err(|e| e.to_string())
+            } => f,
+            _ = shutdown.cancelled() => return,
+        };
         let c = match found {
             Ok(c) => c,
             Err(e) => {
@@ -49,13 +53,15 @@ pub async fn consume<F, Fut>(
                 tokio::select! { _ = tokio::time::sleep(PAUSE) => continue, _ = shutdown.cancelled() => return }
             }
         };
-        let pulled = c
-            .stream()
-            .expires(Duration::from_secs(1))
-            .max_messages_per_batch(batch)
-            .heartbeat(Duration::from_millis(400))
-            .messages()
-            .await;
+        let pulled = tokio::select! {
+            p = c
+                .stream()
+                .expires(Duration::from_secs(1))
+                .max_messages_per_batch(batch)
+                .heartbeat(Duration::from_millis(400))
+                .messages() => p,
+            _ = shutdown.cancelled() => return,
+        };
         let mut msgs = match pulled {
             Ok(m) => m,
             Err(e) => {
