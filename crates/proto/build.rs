@@ -22,6 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "Versions",
         "JobResult",
         "JobRecord",
+        "Parent",
     ] {
         config.type_attribute(
             format!(".leasehold.v1.{msg}"),
@@ -32,6 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.type_attribute(".leasehold.v1.JobSpec", "#[serde(deny_unknown_fields)]");
     config.type_attribute(".leasehold.v1.Budget", "#[serde(deny_unknown_fields)]");
     config.type_attribute(".leasehold.v1.RetryPolicy", "#[serde(deny_unknown_fields)]");
+    config.type_attribute(".leasehold.v1.Parent", "#[serde(deny_unknown_fields)]");
     // JSON-valued fields are JSON text in protobuf and JSON values in JSON.
     for field in [
         ".leasehold.v1.JobSpec.input",

@@ -6,6 +6,7 @@ mod artifacts;
 mod busy;
 mod chaos;
 mod charts;
+mod children;
 mod cli;
 mod cluster;
 mod console;

@@ -226,8 +226,13 @@ pub fn describe(ev: &JobEvent) -> String {
 /// What a `waiting` event's job waits for, in words, as the record's
 /// views say it (`machine::wait_in_words`).
 pub(crate) fn waiting_for(d: &serde_json::Map<String, Value>) -> String {
-    let signal = (s(d, "for") == "signal").then(|| s(d, "name"));
-    leasehold_core::machine::wait_in_words(signal, Some(s(d, "until")), s(d, "step"))
+    use leasehold_core::machine::WaitingFor;
+    let what = match s(d, "for") {
+        "signal" => WaitingFor::Signal(s(d, "name")),
+        "children" => WaitingFor::Children(d.get("ends").and_then(Value::as_u64).unwrap_or(0)),
+        _ => WaitingFor::Time,
+    };
+    leasehold_core::machine::wait_in_words(what, Some(s(d, "until")), s(d, "step"))
 }
 
 /// The line of a `retry` event.

@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use leasehold_store::dlq::{DeadJob, Letter};
 use leasehold_store::events::{self, Events};
 use leasehold_store::index::Active;
+use leasehold_store::signals::Signals;
 use leasehold_store::work::{ticket_first, Work};
 use leasehold_store::{jobs, Conn, Jobs, JobsError, Versioned};
 
@@ -93,9 +94,10 @@ pub async fn request_cancel(conn: &Conn, id: &str) -> Result<CancelAnswer, OpErr
     };
     let jobs = Jobs::open(conn).await?;
     let events = Events::new(conn);
+    let signals = Signals::new(conn);
     let records = format!("$KV.{}.", conn.layout.jobs_bucket());
     tokio::select! {
-        (reply, _) = jobs::cancel(&jobs, &events, id) => Ok(CancelAnswer { reply, refused: None }),
+        (reply, _) = jobs::cancel(&jobs, &events, &signals, id) => Ok(CancelAnswer { reply, refused: None }),
         refusal = conn.link.refused(&records) => Ok(CancelAnswer {
             reply: json!({"id": id, "recorded": false, "outcome": "refused", "error": refusal}),
             refused: Some(format!(
@@ -289,7 +291,8 @@ pub async fn send_signal(
     }
     if !leasehold_core::spec::valid_signal_name(name) {
         return Err(OpError(format!(
-            "invalid signal name {name:?}: use 1-64 letters, digits, '-' or '_'"
+            "invalid signal name {name:?}: use {}",
+            leasehold_core::spec::SIGNAL_NAME_RULE
         )));
     }
     let cur = jobs
@@ -308,7 +311,7 @@ pub async fn send_signal(
             rec.status
         )));
     }
-    let sent = leasehold_store::signals::Signals::new(conn)
+    let sent = Signals::new(conn)
         .send(id, name, data, dedupe, sender)
         .await
         .map_err(|e| OpError(format!("sending signal `{name}` to job {id}: {e}")))?;
@@ -338,7 +341,7 @@ pub struct SignalKept {
 /// The signals kept for job `id` (at most `limit`), in the order sent, and
 /// which wait step of the job took each.
 pub async fn signals_kept(conn: &Conn, id: &str, limit: usize) -> Result<Vec<SignalKept>, OpError> {
-    let kept = leasehold_store::signals::Signals::new(conn)
+    let kept = Signals::new(conn)
         .list(id, limit)
         .await
         .map_err(|e| OpError(format!("reading the signals of job {id}: {e}")))?;
@@ -406,6 +409,9 @@ pub async fn review_fail(
         })
         .await
         .map_err(|e| explain(e, id))?;
+    // A failed child's end reaches its parent first; a failure here leaves
+    // the index entry, whose repair announces it.
+    leasehold_store::children::announce_end(jobs, &Signals::new(conn), &v.value).await?;
     Active::open(conn).await?.reconcile(&v.value).await?;
     let ev = events::event(
         id,

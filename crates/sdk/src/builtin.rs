@@ -1,5 +1,6 @@
 //! The built-in kinds, written against the SDK like any user's kind:
-//! `echo`, `sleep`, `fail` and `crash` for tests, the demo and benchmarks,
+//! `echo`, `sleep`, `fail`, `crash` and `fanout` for tests, the demo and
+//! benchmarks,
 //! and `deliver`, the demo of the effects ledger. Every worker built with
 //! [`crate::Worker`] has them; it serves the ones its `--kinds` name.
 
@@ -19,6 +20,7 @@ pub(crate) fn kinds() -> Vec<(String, Arc<dyn Kind>)> {
         ("sleep".into(), Arc::new(Sleep)),
         ("fail".into(), Arc::new(Fail)),
         ("crash".into(), Arc::new(Crash)),
+        ("fanout".into(), Arc::new(Fanout)),
         ("deliver".into(), Arc::new(Deliver::default())),
     ]
 }
@@ -113,6 +115,52 @@ impl Kind for Fail {
             });
         }
         Ok(json!({"failed_attempts": failed}))
+    }
+}
+
+/// `fanout`: spawns child jobs of `kind` (default `echo`), one per
+/// `inputs` (default: `n` inputs `{"i": i}`, 3 by default), detached when
+/// `detach`, then joins them; its output lists the children and their
+/// outcomes. `nest: k` > 0 spawns one `fanout` child with `nest: k - 1`
+/// instead (a chain k deep). `pause_ms` holds the slot that long in the
+/// first attempt, between the spawn and the join (for fault tests).
+struct Fanout;
+
+#[async_trait]
+impl Kind for Fanout {
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        let input = ctx.input_json().clone();
+        let nest = input["nest"].as_u64().unwrap_or(0);
+        let (kind, inputs) = if nest > 0 {
+            ("fanout".to_string(), vec![json!({"nest": nest - 1})])
+        } else {
+            let kind = input["kind"].as_str().unwrap_or("echo").to_string();
+            let inputs = match input["inputs"].as_array() {
+                Some(l) => l.clone(),
+                None => (0..input["n"].as_u64().unwrap_or(3))
+                    .map(|i| json!({"i": i}))
+                    .collect(),
+            };
+            (kind, inputs)
+        };
+        let opts = crate::SpawnOptions {
+            detach: input["detach"].as_bool() == Some(true),
+        };
+        let children = ctx.spawn_many_with(&kind, inputs, opts).await?;
+        if let Some(ms) = input["pause_ms"].as_u64().filter(|_| ctx.epoch() == 1) {
+            ctx.step("pause", || async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(())
+            })
+            .await?;
+        }
+        let outcomes = ctx.join(&children).await?;
+        let completed = outcomes.iter().filter(|o| o.completed()).count();
+        Ok(json!({
+            "children": children.iter().map(|c| c.id.clone()).collect::<Vec<_>>(),
+            "completed": completed,
+            "outcomes": outcomes,
+        }))
     }
 }
 

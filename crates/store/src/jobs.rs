@@ -682,12 +682,17 @@ impl Gate {
 }
 
 /// Records a cancellation request; the JSON reply says whether it was
-/// recorded, and the worker to notify (the owner of a running job).
+/// recorded, and the owners to notify (`(job, worker)`: the job's own
+/// when it runs, and its running children's). A recorded request is
+/// carried to the job's children that its spawns did not detach
+/// (`crate::children::cascading`), and to theirs: a cancelled parent
+/// leaves none of them running for nobody.
 pub async fn cancel(
     jobs: &Jobs,
     events: &crate::events::Events,
+    signals: &crate::signals::Signals,
     id: &str,
-) -> (serde_json::Value, Option<String>) {
+) -> (serde_json::Value, Vec<(String, String)>) {
     let mut outcome = None;
     let mut was = String::new();
     let res = jobs
@@ -717,35 +722,53 @@ pub async fn cancel(
         Ok(v) => {
             let what = outcome.unwrap_or("unchanged");
             if what == "cancelled" {
-                let ev = crate::events::event(
-                    id,
-                    v.value.epoch,
-                    "cancelled",
-                    None,
-                    json!({"while": was, "kind": v.value.kind}),
-                );
-                let _ = events
-                    .publish(
-                        &ev,
-                        Some(&crate::events::terminal_event_id(&v.value, "cancelled")),
-                    )
-                    .await;
+                // Announced first: a failure leaves the end without its
+                // event, and its index entry's repair announces it.
+                if crate::children::announce_end(jobs, signals, &v.value)
+                    .await
+                    .is_ok()
+                {
+                    let ev = crate::events::event(
+                        id,
+                        v.value.epoch,
+                        "cancelled",
+                        None,
+                        json!({"while": was, "kind": v.value.kind}),
+                    );
+                    let _ = events
+                        .publish(
+                            &ev,
+                            Some(&crate::events::terminal_event_id(&v.value, "cancelled")),
+                        )
+                        .await;
+                }
             }
-            let owner = (v.value.status == "running")
-                .then(|| v.value.worker_id.clone())
-                .flatten();
+            let mut owners: Vec<(String, String)> = (v.value.status == "running")
+                .then(|| v.value.worker_id.clone().map(|w| (id.to_string(), w)))
+                .flatten()
+                .into_iter()
+                .collect();
+            if matches!(what, "cancelled" | "requested") {
+                for child in crate::children::cascading(events, id)
+                    .await
+                    .unwrap_or_default()
+                {
+                    let (_, more) = Box::pin(cancel(jobs, events, signals, &child)).await;
+                    owners.extend(more);
+                }
+            }
             (
                 json!({"id": id, "recorded": matches!(what, "cancelled" | "requested" | "already_requested"), "outcome": what, "status": v.value.status}),
-                owner,
+                owners,
             )
         }
         Err(JobsError::NotFound(_)) => (
             json!({"id": id, "recorded": false, "outcome": "not_found", "error": format!("no job {id}")}),
-            None,
+            Vec::new(),
         ),
         Err(e) => (
             json!({"id": id, "recorded": false, "outcome": "error", "error": e.to_string()}),
-            None,
+            Vec::new(),
         ),
     }
 }

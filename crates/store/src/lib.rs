@@ -31,6 +31,7 @@
 
 pub mod answer;
 pub mod artifacts;
+pub mod children;
 pub mod connect;
 pub mod dlq;
 pub mod effects;

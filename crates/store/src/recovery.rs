@@ -292,6 +292,9 @@ impl Recovery {
                 }
                 Reoffer::Cancelled(r) => match self.jobs.update(&r, cur.revision).await {
                     Ok(_) => {
+                        // Not announced: the index entry stays, and its
+                        // repair finishes the end (`repair_moved_on`).
+                        self.announce_end(&r).await?;
                         let ev = events::event(
                             job,
                             r.epoch,
@@ -460,6 +463,14 @@ impl Recovery {
         self.active.sync(rec, Some(key)).await
     }
 
+    /// Announces the end of `rec` to its parent, if it is a child
+    /// ([`crate::children::announce_end`]): every path that ends a job
+    /// does, before its terminal event (the end's completion marker), so
+    /// an end whose event is missing is announced when it is finished.
+    pub async fn announce_end(&self, rec: &JobRecord) -> Result<(), StoreError> {
+        crate::children::announce_end(&self.jobs, &self.signals, rec).await
+    }
+
     /// Publishes the terminal event of a finished (`completed`, `failed`,
     /// `cancelled`) record whose owner wrote the record but not the event
     /// (killed between the two, or LH_EVENTS refused it): without it the
@@ -480,6 +491,7 @@ impl Recovery {
             return Ok(());
         }
         tracing::warn!(job = %rec.id, status = %rec.status, epoch = rec.epoch, actor = %self.actor, "finished job without its terminal event; publishing it");
+        self.announce_end(rec).await?;
         self.events
             .publish(&ev, Some(&events::terminal_event_id(rec, &ev.r#type)))
             .await
@@ -534,6 +546,7 @@ impl Recovery {
         {
             self.work.delete(seq).await?;
         }
+        self.announce_end(rec).await?;
         let ev = events::event(
             &rec.id,
             rec.epoch,

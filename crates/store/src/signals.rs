@@ -173,14 +173,45 @@ impl Signals {
         Ok(out)
     }
 
-    /// Whether the signal that `rec` waits for is there (`false` for a
-    /// record that waits for no signal). The one look of the claim, the
-    /// waker and the owner's end.
-    pub async fn arrived(&self, rec: &JobRecord) -> Result<bool, StoreError> {
-        match machine::signal_of(rec) {
-            Some((name, after)) => Ok(self.next(&rec.id, name, after).await?.is_some()),
-            None => Ok(false),
+    /// How many signals `name` job `job` has kept (one stream-info request
+    /// with the signal's subject as its filter, answered by the leader).
+    pub async fn count(&self, job: &str, name: &str) -> Result<u64, StoreError> {
+        use futures::TryStreamExt;
+        let stream = self
+            .js
+            .get_stream_no_info(self.layout.signals_stream())
+            .await
+            .map_err(|e| StoreError::nats("signal stream", e))?;
+        let subject = self.layout.signal_subject(job, name);
+        let mut subjects = stream
+            .info_with_subjects(&subject)
+            .await
+            .map_err(|e| StoreError::nats("count signals", e))?;
+        let mut n = 0;
+        while let Some((s, count)) = subjects
+            .try_next()
+            .await
+            .map_err(|e| StoreError::nats("count signals", e))?
+        {
+            if s == subject {
+                n += count as u64;
+            }
         }
+        Ok(n)
+    }
+
+    /// Whether what `rec` waits for besides a time came: the signal it
+    /// waits for, or enough of its children's ends (`false` for a record
+    /// that waits for neither). The one look of the claim, the waker and
+    /// the owner's end.
+    pub async fn arrived(&self, rec: &JobRecord) -> Result<bool, StoreError> {
+        if let Some((name, after)) = machine::signal_of(rec) {
+            return Ok(self.next(&rec.id, name, after).await?.is_some());
+        }
+        if let Some(ends) = machine::children_of(rec) {
+            return Ok(crate::children::announced(self, &rec.id).await? >= ends);
+        }
+        Ok(false)
     }
 }
 

@@ -94,7 +94,13 @@ impl Fleet {
         o.drain_timeout = Duration::from_millis(200);
         o.retry_base = Duration::from_millis(100);
         o.retry_cap = Duration::from_millis(400);
-        o.kinds = vec!["echo".into(), "sleep".into(), "fail".into(), "crash".into()];
+        o.kinds = vec![
+            "echo".into(),
+            "sleep".into(),
+            "fail".into(),
+            "crash".into(),
+            "fanout".into(),
+        ];
         o
     }
 

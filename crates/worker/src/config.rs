@@ -30,7 +30,7 @@ use leasehold_store::NatsArgs;
 
 /// The built-in kinds for tests, the demo and benchmarks; a worker serves
 /// them only with `--dev-kinds`.
-pub const DEV_KINDS: &[&str] = &["echo", "sleep", "fail", "crash", "deliver"];
+pub const DEV_KINDS: &[&str] = &["echo", "sleep", "fail", "crash", "deliver", "fanout"];
 
 /// `leasehold-worker` options.
 #[derive(Parser, Debug, Clone)]

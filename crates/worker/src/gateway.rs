@@ -78,6 +78,7 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
         conn, jobs, events, ..
     } = &gw;
     let l = conn.layout.clone();
+    let signals = leasehold_store::signals::Signals::new(conn);
     let Subscriptions {
         mut submit,
         mut cancel,
@@ -114,14 +115,14 @@ pub async fn run(gw: Gateway, subs: Subscriptions, shutdown: CancellationToken) 
             }
             Some(m) = cancel.next() => {
                 let id = m.subject.rsplit('.').next().unwrap_or_default().to_string();
-                let (reply, owner) = leasehold_store::jobs::cancel(jobs, events, &id).await;
-                // The owner stops at once when told; if it is not reachable
-                // now, its next write sees the request, and a claim,
-                // requeue, hand-back or re-offer honours it.
-                if let Some(w) = owner {
+                let (reply, owners) = leasehold_store::jobs::cancel(jobs, events, &signals, &id).await;
+                // Each owner stops at once when told; if it is not
+                // reachable now, its next write sees the request, and a
+                // claim, requeue, hand-back or re-offer honours it.
+                for (job, w) in owners {
                     let _ = conn
                         .client
-                        .publish(l.worker_subject(&w, "cancel"), id.clone().into())
+                        .publish(l.worker_subject(&w, "cancel"), job.into())
                         .await;
                 }
                 if let Some(r) = m.reply {

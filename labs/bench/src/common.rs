@@ -374,7 +374,8 @@ pub async fn finish(conn: &Conn, id: &str) -> anyhow::Result<()> {
     .await;
     if !matches!(asked, Ok(Ok(_))) {
         let events = leasehold_store::events::Events::new(conn);
-        leasehold_store::jobs::cancel(&jobs, &events, id).await;
+        let signals = leasehold_store::signals::Signals::new(conn);
+        leasehold_store::jobs::cancel(&jobs, &events, &signals, id).await;
     }
     next_rec(&mut w, id, Duration::from_secs(60), |r| terminal(&r.status))
         .await

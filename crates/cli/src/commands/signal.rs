@@ -107,7 +107,10 @@ fn parse_name(s: &str) -> Result<String, String> {
     if leasehold_core::spec::valid_signal_name(s) {
         Ok(s.to_string())
     } else {
-        Err("a signal name is 1-64 letters, digits, '-' or '_' (e.g. confirmation)".into())
+        Err(format!(
+            "a signal name is {} (e.g. confirmation)",
+            leasehold_core::spec::SIGNAL_NAME_RULE
+        ))
     }
 }
 

@@ -37,7 +37,7 @@ use leasehold_proto::JobResult;
 use serde_json::{json, Value};
 
 use super::{
-    cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError, Wait,
+    cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError, Wait, WaitingFor,
 };
 use crate::retry::RetryPolicy;
 use crate::status::Status;
@@ -379,23 +379,26 @@ pub fn end(
             let step = w.step();
             let until = w.until().map(rfc3339);
             let mut after = vec![Step::Index { required: true }];
-            // A time: its wake-up. A signal: one sent while the attempt
-            // ended (after its step looked) wakes it, once its event is out.
+            // A time (a timer's, a signal's timeout): its wake-up.
             if until.is_some() {
                 after.push(Step::Wake);
             }
-            let (data, next) = match w.signal() {
-                Some(s) => {
+            let (data, next) = match w.what() {
+                WaitingFor::Signal(name) => {
                     let timeout = until
                         .as_deref()
                         .map(|t| format!(" or until {t}"))
                         .unwrap_or_default();
                     (
-                        json!({"for": "signal", "name": s.name, "until": until, "step": step}),
-                        format!("waiting for signal `{}`{timeout} ({step}); no worker holds it meanwhile", s.name),
+                        json!({"for": "signal", "name": name, "until": until, "step": step}),
+                        format!("waiting for signal `{name}`{timeout} ({step}); no worker holds it meanwhile"),
                     )
                 }
-                None => {
+                WaitingFor::Children(ends) => (
+                    json!({"for": "children", "ends": ends, "step": step}),
+                    format!("waiting for its children ({step}); no worker holds it meanwhile"),
+                ),
+                WaitingFor::Time => {
                     let at = until.clone().unwrap_or_default();
                     (
                         json!({"for": "time", "until": at, "step": step}),
@@ -408,7 +411,9 @@ pub fn end(
                 data,
                 terminal: false,
             });
-            if w.signal().is_some() {
+            // A signal, or a child's end, that came while the attempt ended
+            // (after its step looked) wakes it, once its event is out.
+            if w.what() != WaitingFor::Time {
                 after.push(Step::Recheck);
             }
             after.push(Step::Settle(Settle::Ack));

@@ -408,14 +408,15 @@ pub fn park(
     Ok(r)
 }
 
-/// What a waiting job waits for: its step, and a time, a signal, or a
-/// signal with a timeout (made by [`Wait::time`] and [`Wait::for_signal`], so
-/// never nothing).
+/// What a waiting job waits for: its step, and a time, a signal, a signal
+/// with a timeout, or its children's ends (made by [`Wait::time`],
+/// [`Wait::for_signal`] and [`Wait::for_children`], so never nothing).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Wait {
     step: String,
     until: Option<SystemTime>,
     signal: Option<SignalWait>,
+    children: Option<u64>,
 }
 
 /// The signal a waiting job waits for: the next one of its name.
@@ -428,6 +429,18 @@ pub struct SignalWait {
     pub after: u64,
 }
 
+/// What a waiting job waits for, as every view says it
+/// ([`wait_in_words`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitingFor<'a> {
+    /// Its time (a durable timer).
+    Time,
+    /// The signal of this name.
+    Signal(&'a str),
+    /// Its children's ends: this many announced wake it.
+    Children(u64),
+}
+
 impl Wait {
     /// A durable timer of step `step`, due at `until`.
     pub fn time(step: impl Into<String>, until: SystemTime) -> Wait {
@@ -435,6 +448,7 @@ impl Wait {
             step: step.into(),
             until: Some(until),
             signal: None,
+            children: None,
         }
     }
 
@@ -453,16 +467,29 @@ impl Wait {
                 name: name.into(),
                 after,
             }),
+            children: None,
         }
     }
 
-    /// The step that waits (`sleep#0`, `wait:approval#0`).
+    /// A wait of step `step` (a join) for its children: it wakes once
+    /// `ends` child ends were announced to the job in all (see
+    /// [`CHILDREN`]).
+    pub fn for_children(step: impl Into<String>, ends: u64) -> Wait {
+        Wait {
+            step: step.into(),
+            until: None,
+            signal: None,
+            children: Some(ends),
+        }
+    }
+
+    /// The step that waits (`sleep#0`, `wait:approval#0`, `join#0`).
     pub fn step(&self) -> &str {
         &self.step
     }
 
     /// When it wakes whatever else happens: a timer's time, a signal's
-    /// timeout. `None`: only its signal wakes it.
+    /// timeout. `None`: only its signal, or its children, wake it.
     pub fn until(&self) -> Option<SystemTime> {
         self.until
     }
@@ -472,17 +499,37 @@ impl Wait {
         self.signal.as_ref()
     }
 
-    /// What the record's `waiting_for` says: `time`, or `signal:<name>`.
+    /// The number of announced child ends that wakes it, if it waits for
+    /// children.
+    pub fn children(&self) -> Option<u64> {
+        self.children
+    }
+
+    /// What it waits for.
+    pub fn what(&self) -> WaitingFor<'_> {
+        match (&self.signal, self.children) {
+            (Some(s), _) => WaitingFor::Signal(&s.name),
+            (None, Some(n)) => WaitingFor::Children(n),
+            (None, None) => WaitingFor::Time,
+        }
+    }
+
+    /// What the record's `waiting_for` says: `time`, `signal:<name>` or
+    /// `children`.
     pub fn waiting_for(&self) -> String {
-        match &self.signal {
-            Some(s) => format!("{SIGNAL_PREFIX}{}", s.name),
-            None => "time".into(),
+        match self.what() {
+            WaitingFor::Signal(name) => format!("{SIGNAL_PREFIX}{name}"),
+            WaitingFor::Children(_) => CHILDREN.into(),
+            WaitingFor::Time => "time".into(),
         }
     }
 }
 
 /// The prefix of a signal wait's `waiting_for` (`signal:<name>`).
 pub const SIGNAL_PREFIX: &str = "signal:";
+
+/// A join's `waiting_for`: the job waits for its children's ends.
+pub const CHILDREN: &str = "children";
 
 /// Owner ends the attempt to wait (`w`: a durable timer, a signal): the
 /// job is `waiting`, held by nobody, with no ticket (its wake-up gives it
@@ -507,7 +554,11 @@ pub fn wait(
     r.waiting_for = Some(w.waiting_for());
     r.waiting_step = Some(w.step.clone());
     r.waiting_until = r.next_run_at.clone();
-    r.waiting_after = w.signal.as_ref().map_or(0, |s| s.after);
+    r.waiting_after = match (&w.signal, w.children) {
+        (Some(s), _) => s.after,
+        (None, Some(n)) => n,
+        (None, None) => 0,
+    };
     r.ticket_seq = 0;
     release(&mut r);
     Ok(r)
@@ -523,28 +574,41 @@ pub fn signal_of(rec: &JobRecord) -> Option<(&str, u64)> {
     Some((name, rec.waiting_after))
 }
 
+/// The number of announced child ends that wakes a `waiting` record that
+/// waits for its children (`None`: it waits for something else).
+pub fn children_of(rec: &JobRecord) -> Option<u64> {
+    (status_of(rec) == Some(Status::Waiting) && rec.waiting_for.as_deref() == Some(CHILDREN))
+        .then_some(rec.waiting_after)
+}
+
 /// What a `waiting` record waits for, in words, as every view says it:
 /// `for time until T (sleep#0)`, `for signal `go` (wait:go#0)`, `for
-/// signal `go` until T (wait:go#0)`.
+/// signal `go` until T (wait:go#0)`, `for 3 children's ends (join#0)`.
 pub fn waits_for(rec: &JobRecord) -> String {
+    let what = match (signal_of(rec), children_of(rec)) {
+        (Some((name, _)), _) => WaitingFor::Signal(name),
+        (None, Some(n)) => WaitingFor::Children(n),
+        (None, None) => WaitingFor::Time,
+    };
     wait_in_words(
-        signal_of(rec).map(|(name, _)| name),
+        what,
         rec.next_run_at.as_deref(),
         rec.waiting_step.as_deref().unwrap_or("?"),
     )
 }
 
-/// [`waits_for`] from its parts (a `waiting` event's `name`, `until` and
-/// `step` say the same): the signal waited for, if any, until when, and
-/// the step that waits.
-pub fn wait_in_words(signal: Option<&str>, until: Option<&str>, step: &str) -> String {
+/// [`waits_for`] from its parts (a `waiting` event's `for`, `name`,
+/// `count`, `until` and `step` say the same): what it waits for, until
+/// when, and the step that waits.
+pub fn wait_in_words(what: WaitingFor<'_>, until: Option<&str>, step: &str) -> String {
     let until = until
         .filter(|t| !t.is_empty())
         .map(|t| format!(" until {t}"))
         .unwrap_or_default();
-    match signal {
-        Some(name) => format!("for signal `{name}`{until} ({step})"),
-        None => format!("for time{until} ({step})"),
+    match what {
+        WaitingFor::Signal(name) => format!("for signal `{name}`{until} ({step})"),
+        WaitingFor::Children(_) => format!("for its children{until} ({step})"),
+        WaitingFor::Time => format!("for time{until} ({step})"),
     }
 }
 

@@ -29,7 +29,8 @@ pub struct Kinds {
 }
 
 impl Default for Kinds {
-    /// The built-in kinds: `echo`, `sleep`, `fail`, `crash`, `research`, `deliver`.
+    /// The built-in kinds: `echo`, `sleep`, `fail`, `crash`, `research`,
+    /// `deliver`, `fanout`.
     fn default() -> Self {
         let mut k = Kinds { kinds: Vec::new() };
         k.add("echo", |_| Ok(()));
@@ -38,6 +39,7 @@ impl Default for Kinds {
         k.add("crash", |_| Ok(()));
         k.add("research", validate_research);
         k.add("deliver", validate_deliver);
+        k.add("fanout", validate_fanout);
         k
     }
 }
@@ -88,6 +90,21 @@ fn validate_sleep(input: &serde_json::Map<String, Value>) -> Result<(), String> 
             Err(format!("input.ms: {ms} is over the 24 h limit (86400000)"))
         }
         Some(_) => Ok(()),
+    }
+}
+
+fn validate_fanout(input: &serde_json::Map<String, Value>) -> Result<(), String> {
+    get_u64(input, "n")?;
+    get_u64(input, "nest")?;
+    get_u64(input, "pause_ms")?;
+    match input.get("inputs") {
+        None => {}
+        Some(Value::Array(l)) if l.iter().all(Value::is_object) => {}
+        Some(_) => return Err("input.inputs: a list of JSON objects, one per child".into()),
+    }
+    match input.get("kind") {
+        None | Some(Value::String(_)) => Ok(()),
+        Some(_) => Err("input.kind: the children's kind, a string".into()),
     }
 }
 
@@ -245,15 +262,30 @@ pub fn valid_job_id(id: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='))
 }
 
+/// What a signal's name may be, as every refusal says it.
+pub const SIGNAL_NAME_RULE: &str =
+    "1-64 letters, digits, '-' or '_', not starting with 'lh-' (leasehold's own signals)";
+
 /// Whether `name` can name a signal (`ctx.wait_for(name)`,
 /// `leasehold signal ID NAME`): a single subject token of letters, digits,
-/// `-` and `_`, at most 64.
+/// `-` and `_`, at most 64, not one of leasehold's own (`lh-child`, the
+/// end of a child job).
 pub fn valid_signal_name(name: &str) -> bool {
     !name.is_empty()
+        && !name.starts_with("lh-")
         && name.len() <= 64
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+}
+
+/// The parent a raw submission names (`"parent": {"id": ...}`), read
+/// leniently from bytes that may not decode as a spec: a refused child's
+/// record still names the parent that waits for it.
+pub fn parent_of_raw(payload: &[u8]) -> Option<leasehold_proto::Parent> {
+    let v: serde_json::Value = serde_json::from_slice(payload).ok()?;
+    let p: leasehold_proto::Parent = serde_json::from_value(v.get("parent")?.clone()).ok()?;
+    valid_job_id(&p.id).then_some(p)
 }
 
 /// The id derived from a ticket's stream sequence when nothing names one.

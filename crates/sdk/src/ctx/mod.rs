@@ -26,9 +26,13 @@ use crate::journal::{Journal, Next, Recorded};
 use crate::records::{ArtifactStore, EventLog, Report};
 use crate::Error;
 
+mod children;
 mod shared;
 #[cfg(test)]
 mod tests;
+
+pub use children::{Child, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
+pub(crate) use children::{join_children, spawn_children};
 
 pub use leasehold_store::signals::Signal;
 use shared::signal_step;

@@ -120,7 +120,8 @@ pub(crate) fn timer(
 pub(crate) fn signal_step(name: &str) -> Result<String, Error> {
     if !leasehold_core::spec::valid_signal_name(name) {
         return Err(Error::terminal(format!(
-            "invalid signal name {name:?}: use 1-64 letters, digits, '-' or '_'"
+            "invalid signal name {name:?}: use {}",
+            leasehold_core::spec::SIGNAL_NAME_RULE
         )));
     }
     Ok(format!("wait:{name}"))

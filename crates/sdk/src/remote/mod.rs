@@ -245,6 +245,14 @@ impl RemoteKind {
                 let after = crate::ctx::signal_taken(entries, &name);
                 crate::ctx::signal_wait(ctx.job(), id, &name, after, timeout).await
             }
+            "spawn" => {
+                let (kind, inputs, opts) = spawn_op(op, id)?;
+                crate::ctx::spawn_children(ctx.job(), id, &kind, &inputs, opts).await
+            }
+            "join" => {
+                let children = join_op(op, id)?;
+                crate::ctx::join_children(ctx.job(), id, &children).await
+            }
             other => unreachable!("`{other}` records no step"),
         }
     }
@@ -491,7 +499,8 @@ impl Kind for RemoteKind {
                     );
                     sent = from;
                 }
-                kind @ ("step" | "effect" | "generate" | "park" | "sleep" | "wait_for") => {
+                kind @ ("step" | "effect" | "generate" | "park" | "sleep" | "wait_for"
+                | "spawn" | "join") => {
                     if kind == "step" && op.get("result").is_none() {
                         return Err(protocol("bad_answer: a `step` op needs `result`"));
                     }
@@ -534,7 +543,7 @@ impl Kind for RemoteKind {
                 "" => return Err(protocol("bad_answer: the answer has no `op`")),
                 other => {
                     return Err(protocol(format!(
-                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, sleep, wait_for, journal, complete, fail, retry, journal_mismatch)"
+                        "unknown_op: `{other}` (this worker knows step, effect, generate, park, sleep, wait_for, spawn, join, journal, complete, fail, retry, journal_mismatch)"
                     )))
                 }
             }
@@ -553,7 +562,8 @@ fn wait_for_op(op: &Value, id: &str) -> Result<(String, Option<Duration>), Error
         .ok_or_else(|| protocol("bad_answer: a `wait_for` op needs `name` (a string)"))?;
     if !leasehold_core::spec::valid_signal_name(name) {
         return Err(protocol(format!(
-            "bad_answer: a `wait_for` op's `name` {name:?} is not a signal name (1-64 letters, digits, '-' or '_')"
+            "bad_answer: a `wait_for` op's `name` {name:?} is not a signal name ({})",
+            leasehold_core::spec::SIGNAL_NAME_RULE
         )));
     }
     let prefix = format!("wait:{name}#");
@@ -569,6 +579,52 @@ fn wait_for_op(op: &Value, id: &str) -> Result<(String, Option<Duration>), Error
         })?)),
     };
     Ok((name.to_string(), timeout))
+}
+
+/// A `spawn` op's kind, inputs and options; its step id must be a spawn
+/// of that kind (`spawn:<kind>#n`).
+fn spawn_op(op: &Value, id: &str) -> Result<(String, Vec<Value>, crate::SpawnOptions), Error> {
+    let kind = op["kind"]
+        .as_str()
+        .ok_or_else(|| protocol("bad_answer: a `spawn` op needs `kind` (a string)"))?;
+    let prefix = format!("spawn:{kind}#");
+    if !id.starts_with(&prefix) {
+        return Err(protocol(format!(
+            "bad_answer: a `spawn` op of kind `{kind}` has step id `{id}`; it must be `{prefix}<n>`"
+        )));
+    }
+    let inputs = op["inputs"]
+        .as_array()
+        .filter(|l| l.iter().all(Value::is_object))
+        .ok_or_else(|| protocol("bad_answer: a `spawn` op needs `inputs`, a list of JSON objects"))?;
+    let detach = match op.get("on_cancel").and_then(Value::as_str) {
+        None | Some("cascade") => false,
+        Some("detach") => true,
+        Some(other) => {
+            return Err(protocol(format!(
+                "bad_answer: a `spawn` op's `on_cancel` is `cascade` or `detach`, not {other:?}"
+            )))
+        }
+    };
+    Ok((kind.to_string(), inputs.clone(), crate::SpawnOptions { detach }))
+}
+
+/// A `join` op's children (ids); its step id must be a join (`join#n`).
+fn join_op(op: &Value, id: &str) -> Result<Vec<String>, Error> {
+    if !id.starts_with("join#") {
+        return Err(protocol(format!(
+            "bad_answer: a `join` op has step id `{id}`; it must be `join#<n>`"
+        )));
+    }
+    op["children"]
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .map(|c| c.as_str().filter(|s| leasehold_core::spec::valid_job_id(s)).map(String::from))
+                .collect::<Option<Vec<_>>>()
+        })
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| protocol("bad_answer: a `join` op needs `children`, a non-empty list of job ids (what its `spawn` steps returned)"))
 }
 
 fn sleep_due(op: &Value) -> Result<Box<dyn FnOnce(SystemTime) -> SystemTime + Send>, Error> {

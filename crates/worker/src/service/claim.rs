@@ -700,6 +700,12 @@ async fn settle_live(
 /// A job cancelled by its claim (the request came before it could run).
 async fn cancelled_unclaimed(shared: &Shared, rec: &JobRecord) {
     shared.metrics.ended(&rec.kind, AttemptOutcome::Cancelled);
+    // Not announced: the event and the index entry stay, and the entry's
+    // repair finishes the end.
+    if let Err(e) = shared.recovery.announce_end(rec).await {
+        tracing::warn!(job = %rec.id, error = %e, "cannot announce a cancelled child's end to its parent; its index entry's repair will");
+        return;
+    }
     let ev = events::event(
         &rec.id,
         rec.epoch,

@@ -26,9 +26,21 @@ pub(super) async fn reject(
     let message = rej.error.to_string();
     tracing::info!(kind, seq, id = rej.id.as_deref().unwrap_or("-"), error = %message, "rejected submission");
     if let Some(id) = &rej.id {
-        let rec = machine::rejected_record(id, kind, "rejected", &message, seq, SystemTime::now());
+        let mut rec =
+            machine::rejected_record(id, kind, "rejected", &message, seq, SystemTime::now());
+        // A child's refused spec still names its parent, which waits for
+        // its end.
+        rec.spec = spec::parent_of_raw(&msg.payload).map(|p| leasehold_core::JobSpec {
+            parent: Some(p),
+            ..Default::default()
+        });
         match shared.jobs.create(&rec).await {
             Ok(_) => {
+                if let Err(e) = shared.recovery.announce_end(&rec).await {
+                    tracing::warn!(job = %id, error = %e, "cannot announce a refused child's end to its parent; retrying the ticket");
+                    let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                    return;
+                }
                 let ev = events::event(
                     id,
                     0,

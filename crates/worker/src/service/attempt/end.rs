@@ -272,8 +272,14 @@ impl Attempt {
         let mut last = String::new();
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
         for i in 0..TERMINAL_EVENT_TRIES {
-            match self.try_publish_event(ty, data.clone(), Some(&id)).await {
-                Ok(()) => return true,
+            // A child's end reaches its parent before the event that
+            // marks the end finished.
+            let announced = self.shared.recovery.announce_end(rec).await;
+            match announced.map_err(|e| e.to_string()) {
+                Ok(()) => match self.try_publish_event(ty, data.clone(), Some(&id)).await {
+                    Ok(()) => return true,
+                    Err(e) => last = e,
+                },
                 Err(e) => last = e,
             }
             if i + 1 < TERMINAL_EVENT_TRIES {

@@ -1,0 +1,266 @@
+//! Child jobs: what a parent's `spawn` submits, how a child's end reaches
+//! its parent, and what the parent's join reads.
+//!
+//! A child is an ordinary job whose spec names its parent
+//! ([`leasehold_proto::Parent`]). Its id is derived from the parent's id,
+//! its incarnation (`created_at`) and the spawning step ([`child_id`]), so
+//! a parent that spawns again after a crash, or a stale owner that spawns
+//! late, names the same children, and the work stream's dedupe and the
+//! record's create-if-absent make each of them once.
+//!
+//! Every path that ends a child (its owner, a cancel, recovery, the
+//! reaper's dead-lettering, a review) calls [`announce_end`] before the
+//! terminal event, the end's completion marker: one message on the
+//! parent's `lh.signal.<parent>.lh-child`, deduplicated by the child's
+//! incarnation and epoch. A job that was killed between its terminal write
+//! and its event is finished by recovery, which announces it too. So a
+//! child's end costs one publish: no write to the parent's record, however
+//! many children end at once.
+//!
+//! A parent that joins waits (`waiting_for` `children`) until the count of
+//! messages on that subject reaches the number its join computed
+//! ([`announced`]: one stream-info request, whatever the number of
+//! children): the waker of the signals ([`crate::signals::run`]) asks on
+//! each child's end, and only the last one wakes it. A count that runs
+//! ahead (a child ended twice after a replay, an end announced twice past
+//! the dedupe window) wakes it early; its join reads its children again
+//! and waits again, so an early wake costs an attempt, never a result.
+
+use leasehold_core::{JobRecord, Status};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::events::Events;
+use crate::signals::Signals;
+use crate::{Jobs, JobsError, StoreError};
+
+/// The signal name of a child's end (leasehold's own: a user's signal
+/// name never starts with `lh-`).
+pub const ENDED: &str = "lh-child";
+
+/// The id of child `i` of `parent`'s step `step`: `<parent>_<h>_<i>`,
+/// where `<h>` is 8 hex digits of a digest of the parent's id, its
+/// incarnation and the step; `c<h16>_<i>` when that would pass 128
+/// characters. The same arguments give the same id, always.
+pub fn child_id(parent: &JobRecord, step: &str, i: usize) -> String {
+    let mut d = Sha256::new();
+    d.update(parent.id.as_bytes());
+    d.update([0]);
+    d.update(parent.created_at.as_bytes());
+    d.update([0]);
+    d.update(step.as_bytes());
+    let h: String = d
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let id = format!("{}_{}_{i}", parent.id, &h[..8]);
+    if id.len() <= 128 {
+        id
+    } else {
+        format!("c{h}_{i}")
+    }
+}
+
+/// A child's end as its parent's join sees it (and records as its step's
+/// result, in every language).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// The child's id.
+    pub id: String,
+    /// Its kind.
+    pub kind: String,
+    /// How it ended: `completed`, `failed`, `cancelled`, `dead` or
+    /// `rejected`.
+    pub status: String,
+    /// Its result (`completed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// Why it did not complete: its error's class and message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ChildError>,
+}
+
+/// Why a child did not complete.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChildError {
+    pub class: String,
+    pub message: String,
+}
+
+impl Outcome {
+    /// Whether the child completed.
+    pub fn completed(&self) -> bool {
+        self.status == Status::Completed.as_str()
+    }
+}
+
+/// The outcome of a child record that ended (`None` while it has not:
+/// it is queued, running, waiting or parked).
+pub fn outcome_of(rec: &JobRecord) -> Option<Outcome> {
+    let status: Status = rec.status.parse().ok()?;
+    if !status.is_terminal() {
+        return None;
+    }
+    let result = rec
+        .result
+        .as_ref()
+        .filter(|_| status == Status::Completed)
+        .map(|r| serde_json::from_str(&r.output).unwrap_or(Value::String(r.output.clone())));
+    Some(Outcome {
+        id: rec.id.clone(),
+        kind: rec.kind.clone(),
+        status: rec.status.clone(),
+        result,
+        error: rec
+            .error
+            .as_ref()
+            .filter(|_| status != Status::Completed)
+            .map(|e| ChildError {
+                class: e.class.clone(),
+                message: e.message.clone(),
+            }),
+    })
+}
+
+/// The outcome of child `id` now: `Ok(None)` while it has not ended. A
+/// child with no record (its ticket not yet taken by a worker) has not.
+pub async fn outcome(jobs: &Jobs, id: &str) -> Result<Option<Outcome>, JobsError> {
+    Ok(jobs.get(id).await?.and_then(|v| outcome_of(&v.value)))
+}
+
+/// Announces the end of `rec` to its parent, if it is a child whose
+/// parent still waits for anything (a parent that ended, or was
+/// forgotten, needs no announcement, and gets none: nothing would ever
+/// purge it). Called by every path that ends a job, before its terminal
+/// event; tried again with the same id, it is stored once.
+pub async fn announce_end(
+    jobs: &Jobs,
+    signals: &Signals,
+    rec: &JobRecord,
+) -> Result<(), StoreError> {
+    let Some(parent) = rec.spec.as_ref().and_then(|s| s.parent.as_ref()) else {
+        return Ok(());
+    };
+    let live = jobs
+        .get(&parent.id)
+        .await
+        .map_err(|e| StoreError::failed(format!("read parent {}: {e}", parent.id)))?
+        .is_some_and(|p| {
+            p.value
+                .status
+                .parse::<Status>()
+                .is_ok_and(|s| !s.is_terminal())
+        });
+    if !live {
+        return Ok(());
+    }
+    let data = serde_json::json!({"child": rec.id, "status": rec.status});
+    let id = format!("{}:ended:{}:{}", rec.id, rec.epoch, rec.created_at);
+    signals
+        .send(&parent.id, ENDED, &data, Some(&id), Some("leasehold"))
+        .await
+        .map(|_| ())
+}
+
+/// How many child ends were announced to `parent` in all (one
+/// stream-info request).
+pub async fn announced(signals: &Signals, parent: &str) -> Result<u64, StoreError> {
+    signals.count(parent, ENDED).await
+}
+
+/// What a `spawn` step records as its result: the children it spawned,
+/// and what a cancel of the parent does to them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Spawned {
+    /// The children's ids, in the order of their inputs.
+    pub children: Vec<String>,
+    /// `cascade` or `detach` (see [`leasehold_proto::Parent::on_cancel`]).
+    pub on_cancel: String,
+}
+
+/// What a cancel of the parent does to its children, by default.
+pub const CASCADE: &str = "cascade";
+/// The children run on when their parent is cancelled.
+pub const DETACH: &str = "detach";
+
+/// The children of `parent` that a cancel of it cancels too: those of
+/// its recorded `spawn` steps that did not detach them (read from its
+/// `step` events).
+pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<String>, StoreError> {
+    let steps = events.read_types(parent, &["step"]).await?;
+    Ok(crate::events::coherent(&steps)
+        .into_iter()
+        .filter_map(|ev| {
+            let d = ev.data_map();
+            let spawn = d
+                .get("id")
+                .and_then(Value::as_str)
+                .is_some_and(|id| id.starts_with(SPAWN_STEP));
+            spawn
+                .then(|| serde_json::from_value::<Spawned>(d.get("result")?.clone()).ok())
+                .flatten()
+        })
+        .filter(|s| s.on_cancel != DETACH)
+        .flat_map(|s| s.children)
+        .collect())
+}
+
+/// The name of a spawn step (`spawn:<kind>#n`) starts with this.
+pub const SPAWN_STEP: &str = "spawn:";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parent(id: &str, created: &str) -> JobRecord {
+        JobRecord {
+            id: id.into(),
+            created_at: created.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_childs_id_is_its_parent_incarnation_and_step_and_nothing_else() {
+        let p = parent("report", "2026-12-06T10:00:00Z");
+        let a = child_id(&p, "spawn:echo#0", 3);
+        assert_eq!(a, child_id(&p, "spawn:echo#0", 3));
+        assert!(a.starts_with("report_") && a.ends_with("_3"), "{a}");
+        assert_ne!(a, child_id(&p, "spawn:echo#1", 3));
+        assert_ne!(a, child_id(&p, "spawn:echo#0", 4));
+        let again = parent("report", "2026-12-07T10:00:00Z");
+        assert_ne!(a, child_id(&again, "spawn:echo#0", 3), "a new incarnation has new children");
+        let long = parent(&"x".repeat(128), "t");
+        let c = child_id(&long, "spawn:echo#0", 999_999);
+        assert!(c.len() <= 128 && leasehold_core::spec::valid_job_id(&c), "{c}");
+        assert!(leasehold_core::spec::valid_job_id(&a));
+    }
+
+    #[test]
+    fn an_outcome_is_only_of_an_end() {
+        let mut r = parent("c", "t");
+        r.kind = "echo".into();
+        r.status = "running".into();
+        assert_eq!(outcome_of(&r), None);
+        r.status = "completed".into();
+        r.result = Some(leasehold_proto::JobResult {
+            output: r#"{"n":1}"#.into(),
+            ..Default::default()
+        });
+        let o = outcome_of(&r).unwrap();
+        assert!(o.completed());
+        assert_eq!(o.result, Some(serde_json::json!({"n": 1})));
+        r.status = "failed".into();
+        r.error = Some(leasehold_proto::JobError {
+            class: "terminal".into(),
+            message: "no".into(),
+            at: String::new(),
+        });
+        let o = outcome_of(&r).unwrap();
+        assert_eq!(o.result, None);
+        assert_eq!(o.error.unwrap().class, "terminal");
+    }
+}
