@@ -127,7 +127,8 @@ soak: setup build
 		--minutes $(SOAK_MINUTES) $(if $(SOAK_SEED),--seed $(SOAK_SEED)) --out $(SOAK_OUT)
 
 ## soak-ci: the short soak `make test` runs, about six minutes: one server
-## with every fault kind (40% of its sleep jobs durable timers), then the cluster with its own (node kills of
+## with every fault kind (40% of its sleep jobs durable timers, 40% waiting
+## for signals, one parent fanning out to 1,000 children), then the cluster with its own (node kills of
 ## stream leaders and followers, step-downs) and a partition, then the busy
 ## profile on one server (every slot busy with long jobs, here 8-20 s long
 ## where `make soak` runs 20-60 s ones, poison jobs, worker kills; its last
@@ -147,7 +148,7 @@ soak-ci: build python-sdk
 	export LH_PYTHON="$(LH_PY_VENV)/bin/python"; \
 	set -x; \
 	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s \
-		--durable-sleeps 0.4 --signals 0.4 --out $(SOAK_OUT) || rc=$$?; \
+		--durable-sleeps 0.4 --signals 0.4 --fanout 1000 --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --seed $$(( $(SOAK_CI_SEED) + 1 )) --cluster --seconds 50 --rate 0.8 \
 		--gap-min 2s --gap-max 6s \
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \

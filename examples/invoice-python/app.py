@@ -245,7 +245,9 @@ def conformance(ctx: Ctx) -> Any:
     for that delay, after the steps), ``sleep_ms`` (a durable sleep after
     the steps), ``signal`` (then waits for that signal, twice, at most
     ``signal_timeout_ms`` each; the output's ``signals`` lists what each
-    took)."""
+    took), ``children`` (then spawns that many ``echo`` children with
+    input ``{"i": k}`` and joins them; the output's ``children`` lists
+    their outcomes)."""
     inp = ctx.input or {}
     n = int(inp.get("steps", 2))
     total = 0
@@ -270,6 +272,10 @@ def conformance(ctx: Ctx) -> Any:
         t = inp.get("signal_timeout_ms")
         for _ in range(2):
             signals.append(ctx.wait_for(str(inp["signal"]), None if t is None else int(t) / 1000))
+    outcomes = None
+    if inp.get("children"):
+        kids = ctx.spawn_many("echo", [{"i": k} for k in range(int(inp["children"]))])
+        outcomes = ctx.join(kids)
     if inp.get("fail"):
         raise Fail(str(inp["fail"]))
     if inp.get("retry_ms") is not None and ctx.job.attempt == 1:
@@ -277,6 +283,8 @@ def conformance(ctx: Ctx) -> Any:
     out: Dict[str, Any] = {"sum": total, "steps": n}
     if inp.get("signal"):
         out["signals"] = signals
+    if outcomes is not None:
+        out["children"] = outcomes
     return out
 
 

@@ -221,7 +221,9 @@ app.kind("scout", async (ctx) => {
 // terminal at the end), `retry_ms` (the first attempt ends with a retry
 // asking for that delay, after the steps), `sleep_ms` (a durable sleep
 // after the steps), `signal` (then waits for that signal, twice, at most
-// `signal_timeout_ms` each; the output's `signals` lists what each took).
+// `signal_timeout_ms` each; the output's `signals` lists what each took),
+// `children` (then spawns that many `echo` children with input `{i: k}`
+// and joins them; the output's `children` lists their outcomes).
 app.kind("conformance", async (ctx) => {
   const inp = ctx.input ?? {};
   const n = Number(inp.steps ?? 2);
@@ -249,9 +251,18 @@ app.kind("conformance", async (ctx) => {
       signals.push(await ctx.waitFor(String(inp.signal), t === undefined || t === null ? undefined : Number(t)));
     }
   }
+  let outcomes = null;
+  if (inp.children) {
+    const inputs = Array.from({ length: Number(inp.children) }, (_, k) => ({ i: k }));
+    outcomes = await ctx.join(await ctx.spawnMany("echo", inputs));
+  }
   if (inp.fail) throw new Fail(String(inp.fail));
   if (inp.retry_ms !== undefined && inp.retry_ms !== null && ctx.job.attempt === 1) {
     throw new Retry("the conformance kind asks for a retry", Number(inp.retry_ms));
   }
-  return inp.signal ? { sum: total, steps: n, signals } : { sum: total, steps: n };
+  /** @type {Record<string, unknown>} */
+  const out = { sum: total, steps: n };
+  if (inp.signal) out.signals = signals;
+  if (outcomes !== null) out.children = outcomes;
+  return out;
 });

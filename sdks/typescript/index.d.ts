@@ -93,6 +93,37 @@ export declare class Ctx<I = any> {
    * before the wait is kept for it. Resolves to the signal, or `null`
    * after the timeout; recorded as the step `wait:<name>#n`. */
   waitFor<T = any>(name: string, timeoutMs?: number): Promise<Signal<T> | null>;
+  /** Starts one child job of `kind` (see `spawnMany`); resolves to its id. */
+  spawn(kind: string, input: Json | object, opts?: SpawnOptions): Promise<string>;
+  /** Starts one child job of `kind` per input as one durable step
+   * (`spawn:<kind>#n`): jobs of their own, of this job's tenant and
+   * priority, never started twice; a cancel of this job cancels them
+   * unless detached. Resolves to their ids. */
+  spawnMany(kind: string, inputs: (Json | object)[], opts?: SpawnOptions): Promise<string[]>;
+  /** Waits for the children to end holding no worker (the job is
+   * `waiting`), recorded as the step `join#n`; resolves to each one's
+   * outcome in their order. A child's failure is an outcome. */
+  join<T = any>(children: string[]): Promise<Outcome<T>[]>;
+  /** `spawn` then `join`: one child's outcome. */
+  spawnAndWait<T = any>(kind: string, input: Json | object): Promise<Outcome<T>>;
+}
+
+/** Options of a spawn. */
+export interface SpawnOptions {
+  /** A cancel of the parent leaves these children running. */
+  detach?: boolean;
+}
+
+/** How a child job ended, as its parent's join sees it. */
+export interface Outcome<T = any> {
+  id: string;
+  kind: string;
+  /** `completed`, `failed`, `cancelled`, `dead` or `rejected`. */
+  status: string;
+  /** Its result (`completed`). */
+  result?: T;
+  /** Why it did not complete. */
+  error?: { class: string; message: string };
 }
 
 /** A signal a wait took (`leasehold signal ID NAME --data JSON`). */

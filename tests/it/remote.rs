@@ -910,6 +910,46 @@ async fn conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept(sd
     );
 }
 
+async fn conformance_a_parent_waits_for_its_children_and_gets_every_outcome(sdk: Sdk) {
+    let (env, _s, _port, remote) = conformance_env(sdk).await;
+    let _w = worker(&env, &remote, &[("LH_CONCURRENCY", "1")]);
+    // The children (`echo`) run on a worker of their own.
+    let (echo, stop) = env.worker().await;
+    submit_conf(&env, "conf-children", json!({"steps": 1, "children": 3})).await;
+    let done = ended(&env, "conf-children").await;
+    assert_eq!(done.status, "completed", "{done:?}");
+    let outcomes = output(&done)["children"].as_array().cloned().unwrap();
+    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
+    for (k, o) in outcomes.iter().enumerate() {
+        assert_eq!(
+            (&o["status"], &o["result"]),
+            (&json!("completed"), &json!({"i": k})),
+            "{o}"
+        );
+        let child = env.record(o["id"].as_str().unwrap()).await.unwrap();
+        assert_eq!(
+            child.spec.unwrap().parent.unwrap().id,
+            "conf-children",
+            "each child names its parent"
+        );
+    }
+    assert_eq!(done.attempts, 0, "a join spends no attempt: {done:?}");
+    let evs = env.events_of("conf-children").await;
+    let st = steps(&evs);
+    assert_eq!(
+        st,
+        ["count#0", "spawn:echo#0", "join#0"],
+        "each once: {st:?}"
+    );
+    let waits: Vec<_> = evs.iter().filter(|e| e.r#type == "waiting").collect();
+    assert!(
+        waits.len() <= 1 && waits.iter().all(|w| w.data_map()["for"] == "children"),
+        "{waits:?}"
+    );
+    stop.cancel();
+    echo.wait().await.unwrap();
+}
+
 // ---- the protocol's schemas -----------------------------------------------
 
 fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
@@ -1634,6 +1674,8 @@ both_sdks! {
         => conformance_a_slow_service_past_the_attempt_deadline_is_stopped_and_retried,
     remote_conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept
         => conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept,
+    remote_conformance_a_parent_waits_for_its_children_and_gets_every_outcome
+        => conformance_a_parent_waits_for_its_children_and_gets_every_outcome,
     remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives
         => conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives,
     remote_conformance_an_oversized_journal_is_paged

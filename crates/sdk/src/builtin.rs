@@ -147,9 +147,14 @@ impl Kind for Fanout {
             detach: input["detach"].as_bool() == Some(true),
         };
         let children = ctx.spawn_many_with(&kind, inputs, opts).await?;
-        if let Some(ms) = input["pause_ms"].as_u64().filter(|_| ctx.epoch() == 1) {
+        if let Some(ms) = input["pause_ms"].as_u64() {
+            // A step in every attempt (the journal stays one sequence),
+            // which waits only in the first.
+            let first = ctx.epoch() == 1;
             ctx.step("pause", || async move {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
+                if first {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
                 Ok(())
             })
             .await?;

@@ -87,13 +87,13 @@ use tokio_util::sync::CancellationToken;
 pub use agent::{Agent, AgentOutput, ModelConfig};
 pub use async_trait::async_trait;
 pub use ctx::{Checkpoints, Child, Ctx, Signal, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
-pub use leasehold_store::children::{ChildError, Outcome};
 pub use error::Error;
 /// A boxed future, as [`Tool`] methods return.
 pub use futures::future::BoxFuture;
 pub use leasehold_core::machine::{SignalWait, Wait, WaitingFor};
 pub use leasehold_core::JobRecord;
 pub use leasehold_proto::{BudgetUsed, JobEvent, JobResult, Versions};
+pub use leasehold_store::children::{ChildError, Outcome};
 pub use leasehold_tools::{ExecCtx, Reconcile, Tool, ToolError, ToolKind, ToolSpec};
 pub use leasehold_worker::metrics::{AttemptOutcome, Count};
 pub use leasehold_worker::{Handle, Options};

@@ -43,6 +43,20 @@ pub fn answer_of(err: &Dyn) -> Answer {
     Answer::Unknown
 }
 
+/// Whether the request that failed with `err` was refused as a bad
+/// request (status 400: an unknown kind, a malformed submission, as the
+/// gateway and the server answer them): trying it again changes nothing.
+pub fn bad_request(err: &Dyn) -> bool {
+    let mut cur: Option<&Dyn> = Some(err);
+    while let Some(e) = cur {
+        if let Some(js) = e.downcast_ref::<async_nats::jetstream::Error>() {
+            return js.code() == 400;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 /// The answer `e` itself carries, if any (its source not looked at).
 fn answer_here(e: &Dyn) -> Option<Answer> {
     let code = |c: &async_nats::jetstream::Error| Some(Answer::Code(c.error_code().0));

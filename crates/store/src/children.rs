@@ -186,10 +186,9 @@ pub const CASCADE: &str = "cascade";
 /// The children run on when their parent is cancelled.
 pub const DETACH: &str = "detach";
 
-/// The children of `parent` that a cancel of it cancels too: those of
-/// its recorded `spawn` steps that did not detach them (read from its
-/// `step` events).
-pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<String>, StoreError> {
+/// What `parent`'s recorded `spawn` steps started, in their order (read
+/// from its `step` events): the children and their cancel policy.
+pub async fn spawns(events: &Events, parent: &str) -> Result<Vec<Spawned>, StoreError> {
     let steps = events.read_types(parent, &["step"]).await?;
     Ok(crate::events::coherent(&steps)
         .into_iter()
@@ -203,6 +202,15 @@ pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<String>, Sto
                 .then(|| serde_json::from_value::<Spawned>(d.get("result")?.clone()).ok())
                 .flatten()
         })
+        .collect())
+}
+
+/// The children of `parent` that a cancel of it cancels too: those of
+/// its spawns that did not detach them.
+pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<String>, StoreError> {
+    Ok(spawns(events, parent)
+        .await?
+        .into_iter()
         .filter(|s| s.on_cancel != DETACH)
         .flat_map(|s| s.children)
         .collect())
@@ -232,10 +240,17 @@ mod tests {
         assert_ne!(a, child_id(&p, "spawn:echo#1", 3));
         assert_ne!(a, child_id(&p, "spawn:echo#0", 4));
         let again = parent("report", "2026-12-07T10:00:00Z");
-        assert_ne!(a, child_id(&again, "spawn:echo#0", 3), "a new incarnation has new children");
+        assert_ne!(
+            a,
+            child_id(&again, "spawn:echo#0", 3),
+            "a new incarnation has new children"
+        );
         let long = parent(&"x".repeat(128), "t");
         let c = child_id(&long, "spawn:echo#0", 999_999);
-        assert!(c.len() <= 128 && leasehold_core::spec::valid_job_id(&c), "{c}");
+        assert!(
+            c.len() <= 128 && leasehold_core::spec::valid_job_id(&c),
+            "{c}"
+        );
         assert!(leasehold_core::spec::valid_job_id(&a));
     }
 

@@ -24,11 +24,13 @@
 //! | `remote` | a remote kind's step through the Python and the TypeScript SDK, p50/p99; remote echo jobs/s, 4 workers, each SDK | the same empty step of a Rust kind and a raw HTTP round trip to the same service; the Rust echo | p50 <= raw + 2 ms; >= 50% |
 //! | `real-model` | research job (2 experts x 2 sections, in parallel) wall time, model calls, sections skipped, retries and streams the server cut (it serves one request at a time: the worker learns it) on SmolLM2-135M (llama-cpp-python); the server's tokens/s in the same run; only where `make test-model`'s virtualenv is installed, else skipped | the same job on the simulator with instant answers | |
 //! | `charts` | `GET /fleet/charts` and `GET /v1/fleet/charts` p50/p95, and the charts' sampler's store requests per sample, with 100,000 active jobs in the index | the same console with 1,000 | ~1x (O(window)) |
+//! | `children` | one parent spawning 1,000 echo children and joining them (submitted -> resumed with every outcome); wake latency after the last child's end, 100 parents of 3, p50/p95; the parent's claims | 1,000 independent echo jobs from a client, same worker | <= 1.5x; p95 <= 50 ms; 2 claims (one wake) |
 //! | `timers` | durable timers on 1 worker with 16 slots: slots held, `$KV` writes/s and process RSS with 10,000 jobs asleep for an hour; wake latency after a 2 s sleep's due time, p50/p95 | the same with 1,000 asleep | 0 slots, flat (<= +1 write/s, <= 1.5x RSS); wake p95 <= 50 ms |
 //! | `regression` | echo throughput (4 workers) and submit -> result latency, alternating rounds | a previous release's worker (`--baseline-bins`, `make bench-baseline`) | >= 0.9x, <= 1.1x |
 
 mod busy;
 mod charts;
+mod children;
 mod common;
 mod console;
 mod fairness;
@@ -84,6 +86,7 @@ pub const PARTS: &[&str] = &[
     "console-clients",
     "charts",
     "timers",
+    "children",
 ];
 
 #[derive(Parser, Debug)]
@@ -96,7 +99,7 @@ pub struct Args {
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
     /// Run only these parts (comma-separated): ceiling, throughput,
-    /// recovery, handoff, stop, inflight, timers, history, search, plateau, research,
+    /// recovery, handoff, stop, inflight, timers, children, history, search, plateau, research,
     /// research-cost, queue-full, busy, reoffers, steps, flow, flow-research, regression,
     /// real-model, waterfall, console (or one of its parts: console-pages,
     /// console-live, console-clients), charts. All by default (regression only with --baseline-bins,
@@ -132,9 +135,14 @@ pub struct Args {
     /// Jobs asleep at once in the timers part (a tenth of them first).
     #[arg(long, default_value_t = 10_000)]
     pub timers_jobs: usize,
-    /// Jobs whose wake latency the timers part measures.
+    /// Jobs whose wake latency the timers part measures (and, up to 100,
+    /// the parents of the children part).
     #[arg(long, default_value_t = 200)]
     pub timers_wakes: usize,
+    /// Children of the children part's fan-out (and independent echo jobs
+    /// it is compared with).
+    #[arg(long, default_value_t = 1000)]
+    pub children: usize,
     /// Finished records seeded for the history part.
     #[arg(long, default_value_t = 100_000)]
     pub history_records: usize,
@@ -445,6 +453,19 @@ async fn main() -> anyhow::Result<()> {
         {
             timers::rows(&mut r, &v);
             r.json.insert("timers".into(), v);
+        }
+    }
+    if a.runs("children") {
+        if let Some(v) = part(
+            &mut r,
+            &mut failed,
+            "children",
+            children::children(a.children, a.timers_wakes.min(100)),
+        )
+        .await
+        {
+            children::rows(&mut r, &v);
+            r.json.insert("children".into(), v);
         }
     }
     if a.runs("history") {

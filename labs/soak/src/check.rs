@@ -214,6 +214,7 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
         outcome(&mut v, s, rec, by_job.get(id).copied().unwrap_or(0));
         durable_sleep(&mut v, rec, c);
         signal_wait(&mut v, rec, c);
+        fan_out(&mut v, rec, c);
         deaths(&mut v, s, rec, &rules);
         if !settled(rec) {
             stuck(&mut v, rec, c);
@@ -275,6 +276,92 @@ fn signal_wait(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
             &rec.id,
             format!("its signal wait recorded its wait:go#0 step {steps} times"),
         ));
+    }
+}
+
+/// A `fanout` parent (`--fanout`) that completed spawned once and was
+/// woken once per wait: one `spawn:echo#0` step and no other spawn, as
+/// many distinct children as it asked for, each with a record naming it as
+/// its parent and ended, and at most 2 claims plus one per stale reclaim
+/// (a parent woken per child would have hundreds).
+fn fan_out(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
+    if rec.kind != "fanout" || rec.status != "completed" {
+        return;
+    }
+    let input: Value = rec
+        .spec
+        .as_ref()
+        .and_then(|s| serde_json::from_str(&s.input).ok())
+        .unwrap_or_default();
+    let out: Value = rec
+        .result
+        .as_ref()
+        .and_then(|r| serde_json::from_str(&r.output).ok())
+        .unwrap_or_default();
+    let kids: Vec<&str> = out["children"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let distinct: std::collections::BTreeSet<&&str> = kids.iter().collect();
+    let asked = input["n"].as_u64().unwrap_or(3) as usize;
+    if kids.len() != asked || distinct.len() != asked {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!(
+                "asked for {asked} children, lists {} ({} distinct)",
+                kids.len(),
+                distinct.len()
+            ),
+        ));
+    }
+    let evs = c.events.get(&rec.id).map(Vec::as_slice).unwrap_or_default();
+    let spawns: Vec<String> = evs
+        .iter()
+        .filter(|(_, e)| e.r#type == "step")
+        .filter_map(|(_, e)| e.data_map()["id"].as_str().map(String::from))
+        .filter(|id| id.starts_with("spawn:"))
+        .collect();
+    if spawns != ["spawn:echo#0"] {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!("its spawn steps: {spawns:?}, not one spawn:echo#0"),
+        ));
+    }
+    let claims = evs.iter().filter(|(_, e)| e.r#type == "claimed").count() as u64;
+    *v.info.entry("fanout_parent_claims".into()).or_default() += claims;
+    if claims > 2 + u64::from(rec.stale_reclaims) {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!(
+                "claimed {claims} times with {} stale reclaims: woken more than once per wait",
+                rec.stale_reclaims
+            ),
+        ));
+    }
+    for k in kids {
+        match c.children.get(k).and_then(|r| r.as_ref()) {
+            Some(child) => {
+                *v.info.entry("fanout_children_checked".into()).or_default() += 1;
+                let parent = child.spec.as_ref().and_then(|s| s.parent.as_ref());
+                if parent.map(|p| p.id.as_str()) != Some(rec.id.as_str()) {
+                    v.wrong_outcomes.push(f(
+                        k,
+                        format!("a child of {} naming parent {parent:?}", rec.id),
+                    ));
+                }
+                if !settled(child) {
+                    v.stuck.push(f(
+                        k,
+                        format!("a child of {}, still {}", rec.id, child.status),
+                    ));
+                }
+            }
+            None => v
+                .lost
+                .push(f(k, format!("a child {} lists, with no record", rec.id))),
+        }
     }
 }
 

@@ -66,6 +66,8 @@ pub struct AuditState {
 #[derive(Default)]
 pub struct Collected {
     pub records: BTreeMap<String, Option<JobRecord>>,
+    /// The records of the children a completed `fanout` parent lists.
+    pub children: BTreeMap<String, Option<JobRecord>>,
     pub audit: BTreeMap<String, Vec<Rev>>,
     pub audit_state: AuditState,
     pub events: BTreeMap<String, Vec<(u64, JobEvent)>>,
@@ -190,6 +192,39 @@ pub async fn collect(
         .await;
     for (id, r) in got {
         c.records.insert(id, r?);
+    }
+    let kids: Vec<String> = c
+        .records
+        .values()
+        .flatten()
+        .filter(|r| r.kind == "fanout" && r.status == "completed")
+        .filter_map(|r| serde_json::from_str::<serde_json::Value>(&r.result.as_ref()?.output).ok())
+        .flat_map(|out| {
+            out["children"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.as_str().map(String::from))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let got: Vec<(String, anyhow::Result<Option<JobRecord>>)> =
+        futures::stream::iter(kids.into_iter().map(|id| async move {
+            let r = retry(&format!("child {id}"), || async {
+                Ok(jobs_bucket
+                    .get(&id)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .map(|v| v.value))
+            })
+            .await;
+            (id, r)
+        }))
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    for (id, r) in got {
+        c.children.insert(id, r?);
     }
 
     // Every revision, once the mirror has caught up with the bucket.

@@ -191,6 +191,13 @@ struct Args {
     /// signal, taken once. 0 keeps a recorded seed's plan.
     #[arg(long, value_name = "P")]
     signals: Option<f64>,
+    /// One `fanout` parent, a fifth into the run, spawning this many echo
+    /// children and joining them: each child must exist once (one spawn,
+    /// each child naming its parent), every one must end, and the parent
+    /// must be woken once per wait (its claims at most 2 plus its stale
+    /// reclaims), whatever the faults do. 0: none.
+    #[arg(long, value_name = "N")]
+    fanout: Option<usize>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -227,6 +234,14 @@ impl Args {
                 "--durable-sleeps: a fraction from 0 to 1, not {p}"
             );
             k.durable_sleeps = p;
+        }
+        if let Some(n) = self.fanout {
+            anyhow::ensure!(
+                n <= leasehold_core::spec::MAX_CHILDREN,
+                "--fanout: at most {} children in one spawn, not {n}",
+                leasehold_core::spec::MAX_CHILDREN
+            );
+            k.fanout = n;
         }
         if let Some(p) = self.signals {
             anyhow::ensure!(
@@ -276,6 +291,9 @@ impl Args {
         }
         if k.signals > 0.0 {
             s.push_str(&format!(" --signals {}", k.signals));
+        }
+        if k.fanout > 0 {
+            s.push_str(&format!(" --fanout {}", k.fanout));
         }
         s
     }

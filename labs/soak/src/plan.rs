@@ -193,6 +193,17 @@ pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
     if k.poison {
         v.extend(poison_jobs(seed, run, k.poison_jobs));
     }
+    if k.fanout > 0 {
+        v.push(JobPlan {
+            at_ms: run.as_millis() as u64 / 5,
+            id: format!("soak-{seed}-fanout"),
+            kind: "fanout",
+            spec: json!({"input": {"n": k.fanout}}),
+            cancel: None,
+            signal_after_ms: None,
+            expect: Expect::NotFailed,
+        });
+    }
     // Stable: the mix keeps its order among equal times.
     v.sort_by_key(|j| j.at_ms);
     v

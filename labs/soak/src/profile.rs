@@ -94,6 +94,8 @@ pub struct Knobs {
     /// The fraction of the mix's `sleep` jobs that then wait for a signal
     /// the soak sends them (`--signals`; 0 keeps recorded plans).
     pub signals: f64,
+    /// Children of one planned `fanout` parent (`--fanout`; 0: none).
+    pub fanout: usize,
 }
 
 impl Knobs {
@@ -120,6 +122,9 @@ impl Knobs {
             .collect();
         if self.poison {
             k.push("crash".into());
+        }
+        if self.fanout > 0 {
+            k.push("fanout".into());
         }
         k
     }
@@ -186,6 +191,7 @@ impl Profile {
             ops: false,
             durable_sleeps: 0.0,
             signals: 0.0,
+            fanout: 0,
         };
         let long = |per_slot| LongJobs {
             per_slot,

@@ -136,6 +136,44 @@ class Replay(unittest.TestCase):
         with self.assertRaises(TypeError):
             Ctx.wait_for(None, "ok", timeout=-1)  # type: ignore[arg-type]
 
+    def test_spawn_and_join_ask_the_worker_once_and_return_what_was_recorded(self):
+        brood = App(version="1")
+
+        @brood.kind("k")
+        def fan(ctx: Ctx):
+            kids = ctx.spawn_many("echo", [{"i": 0}, {"i": 1}], detach=True)
+            return {"outcomes": ctx.join(kids)}
+
+        def call(entries):
+            body = {
+                "protocol": 1,
+                "type": "invoke",
+                "job": {"id": "b1", "kind": "k", "input": {}, "epoch": 1, "attempt": 1, "deadline": None},
+                "journal": {"from": 0, "total": len(entries), "entries": entries, "next_cursor": None},
+            }
+            return brood.invoke(body)[1]
+
+        op = call([])
+        self.assertEqual(
+            (op["op"], op["index"], op["id"], op["kind"], op["inputs"], op["on_cancel"]),
+            ("spawn", 0, "spawn:echo#0", "echo", [{"i": 0}, {"i": 1}], "detach"),
+        )
+        s0 = e(0, "spawn:echo#0", {"children": ["b1_x_0", "b1_x_1"], "on_cancel": "detach"})
+        op = call([s0])
+        self.assertEqual((op["op"], op["id"], op["children"]), ("join", "join#0", ["b1_x_0", "b1_x_1"]))
+        outcomes = [{"id": "b1_x_0", "kind": "echo", "status": "completed", "result": {"i": 0}},
+                    {"id": "b1_x_1", "kind": "echo", "status": "failed", "error": {"class": "terminal", "message": "no"}}]
+        op = call([s0, e(1, "join#0", outcomes)])
+        self.assertEqual((op["op"], op["output"]), ("complete", {"outcomes": outcomes}))
+        with self.assertRaises(TypeError):
+            Ctx.spawn_many(None, "no.dots", [{}])  # type: ignore[arg-type]
+        with self.assertRaises(TypeError):
+            Ctx.spawn_many(None, "echo", [1])  # type: ignore[arg-type, list-item]
+        with self.assertRaises(TypeError):
+            Ctx.join(None, [])  # type: ignore[arg-type]
+        with self.assertRaises(TypeError):
+            Ctx.wait_for(None, "lh-child")  # type: ignore[arg-type]
+
     def test_a_recorded_step_under_another_name_is_a_mismatch_naming_both(self):
         op = invoke("m1", [e(0, "x#0", 1)])
         self.assertEqual(op["op"], "journal_mismatch")

@@ -280,8 +280,8 @@ export class Ctx {
    * Resolves to the signal (`{name, data, seq, sent_at, sender?}`), or
    * `null` after the timeout; recorded as step `wait:<name>#n`. */
   async waitFor(name, timeoutMs) {
-    if (typeof name !== "string" || !/^[A-Za-z0-9_-]{1,64}$/.test(name)) {
-      throw new TypeError(`waitFor: a signal name is 1-64 letters, digits, '-' or '_', not ${JSON.stringify(name)}`);
+    if (typeof name !== "string" || !/^(?!lh-)[A-Za-z0-9_-]{1,64}$/.test(name)) {
+      throw new TypeError(`waitFor: a signal name is 1-64 letters, digits, '-' or '_', not starting with 'lh-', not ${JSON.stringify(name)}`);
     }
     const op = { op: "wait_for", name };
     if (timeoutMs !== undefined && timeoutMs !== null) {
@@ -295,6 +295,56 @@ export class Ctx {
     if (r.wait) return never();
     if (r.hit) return r.value;
     return this._answer({ ...op, index: r.index, id: sid });
+  }
+
+  /** Starts one child job of `kind` with `input`: see `spawnMany`. Resolves
+   * to the child's id. */
+  async spawn(kind, input, opts = {}) {
+    const ids = await this.spawnMany(kind, [input], opts);
+    return ids[0];
+  }
+
+  /** Starts one child job of `kind` per input, as one durable step
+   * (`spawn:<kind>#n`), and resolves to their ids. Each child is a job of
+   * its own, of this job's tenant and priority; its id is derived from this
+   * job, its incarnation and the step, so a resumed job never starts a
+   * second set. A cancel of this job cancels them, unless `{detach: true}`. */
+  async spawnMany(kind, inputs, opts = {}) {
+    if (typeof kind !== "string" || !/^[A-Za-z0-9_-]+$/.test(kind)) {
+      throw new TypeError(`spawn: a kind is letters, digits, '-' or '_', not ${JSON.stringify(kind)}`);
+    }
+    if (!Array.isArray(inputs) || !inputs.every((i) => i !== null && typeof i === "object" && !Array.isArray(i))) {
+      throw new TypeError("spawn: inputs is an array of objects, one per child");
+    }
+    const sid = this._id(`spawn:${kind}`);
+    const r = this._replay(sid);
+    if (r.wait) return never();
+    if (r.hit) return r.value.children;
+    const op = { op: "spawn", index: r.index, id: sid, kind, inputs };
+    if (opts && opts.detach) op.on_cancel = "detach";
+    return this._answer(op);
+  }
+
+  /** Waits for `children` (ids `spawnMany` resolved to) to end, holding no
+   * worker, as a durable step (`join#n`); resolves to each one's outcome in
+   * their order (`{id, kind, status, result?, error?}`): a child's failure
+   * is an outcome, not a rejection. The last child's end wakes the job once. */
+  async join(children) {
+    if (!Array.isArray(children) || children.length === 0 || !children.every((c) => typeof c === "string")) {
+      throw new TypeError("join: children is a non-empty array of child ids");
+    }
+    const sid = this._id("join");
+    const r = this._replay(sid);
+    if (r.wait) return never();
+    if (r.hit) return r.value;
+    return this._answer({ op: "join", index: r.index, id: sid, children });
+  }
+
+  /** Starts one child and waits for its end: its outcome. */
+  async spawnAndWait(kind, input) {
+    const id = await this.spawn(kind, input);
+    const outcomes = await this.join([id]);
+    return outcomes[0];
   }
 
   _sleep(when) {

@@ -176,6 +176,30 @@ test("waitFor asks the worker for a signal once, and returns what was recorded",
   assert.match(op.message, /waitFor: a signal name/);
 });
 
+test("spawnMany and join ask the worker once, and return what was recorded", async () => {
+  const app = new App();
+  app.kind("k", async (ctx) => {
+    const kids = await ctx.spawnMany("echo", [{ i: 0 }, { i: 1 }], { detach: true });
+    return { outcomes: await ctx.join(kids) };
+  });
+  let [, op] = await app.invoke(call());
+  assert.deepEqual(op, { op: "spawn", index: 0, id: "spawn:echo#0", kind: "echo", inputs: [{ i: 0 }, { i: 1 }], on_cancel: "detach", protocol: 1, version: "1" });
+  const s0 = { index: 0, id: "spawn:echo#0", result: { children: ["b_x_0", "b_x_1"], on_cancel: "detach" } };
+  [, op] = await app.invoke(call([s0], { job: { id: "j-s" } }));
+  assert.deepEqual([op.op, op.id, op.children], ["join", "join#0", ["b_x_0", "b_x_1"]]);
+  const outcomes = [
+    { id: "b_x_0", kind: "echo", status: "completed", result: { i: 0 } },
+    { id: "b_x_1", kind: "echo", status: "failed", error: { class: "terminal", message: "no" } },
+  ];
+  [, op] = await app.invoke(call([s0, { index: 1, id: "join#0", result: outcomes }], { job: { id: "j-s2" } }));
+  assert.deepEqual(op.output, { outcomes });
+  const bad = new App();
+  bad.kind("k", (ctx) => ctx.join([]));
+  [, op] = await bad.invoke(call());
+  assert.equal(op.op, "retry");
+  assert.match(op.message, /join: children/);
+});
+
 test("an effect without options sends a null business key and nothing else", async () => {
   const app = new App();
   app.kind("k", (ctx) => ctx.effect("w", [1]));

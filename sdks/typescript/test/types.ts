@@ -18,6 +18,11 @@ app.kind<Input>("invoice", async (ctx: Ctx<Input>) => {
   const ok: boolean | undefined = out.json?.ok;
   const answer = await ctx.park<{ approve: boolean }>("approval", "ok?");
   if (!answer.approve) throw new Fail("refused");
+  const kids: string[] = await ctx.spawnMany("echo", [{ i: 0 }], { detach: false });
+  const outcomes = await ctx.join<{ i: number }>(kids);
+  const first: number | undefined = outcomes[0].result?.i;
+  const one = await ctx.spawnAndWait("echo", { i: 1 });
+  if (one.error) throw new Fail(`${first} ${one.error.class}: ${one.error.message}`);
   return { id: inv.id, n, ok, calls: out.model_calls };
 });
 

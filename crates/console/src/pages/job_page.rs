@@ -58,6 +58,19 @@ pub fn summary(app: &App, r: &JobRecord, caller: &Caller) -> String {
     if let Some(t) = render::tenant(r) {
         row(&mut b, "tenant", esc(&t));
     }
+    if let Some(p) = r.spec.as_ref().and_then(|s| s.parent.as_ref()) {
+        row(
+            &mut b,
+            "parent",
+            format!(
+                "<a id=\"parent\" href=\"/jobs/{}\">{}</a> (its step <code>{}</code>, depth {})",
+                url(&p.id),
+                esc(&p.id),
+                esc(&p.step),
+                p.depth
+            ),
+        );
+    }
     if let Some(e) = &r.error {
         row(
             &mut b,
@@ -147,6 +160,7 @@ pub async fn job(
         after,
         limit: lim as u64,
     };
+    b.push_str(&children(&app, &id).await);
     b.push_str("<h2>Waterfall</h2>");
     b.push_str(&app.clean(&crate::waterfall_page::fragment(&app, &id, shown_page).await?));
     let _ = write!(
@@ -184,6 +198,66 @@ pub async fn job(
         esc(&app.clean(&rec))
     );
     Ok(html(render::layout(&format!("job {id}"), &b)))
+}
+
+/// Children shown on a parent's page, at most.
+const CHILDREN_SHOWN: usize = 200;
+
+/// The job's children (its recorded spawns), each with its state, linked
+/// to its own page (where its children are): the tree, a level a page.
+/// Nothing for a job that spawned none.
+async fn children(app: &App, id: &str) -> String {
+    let spawns = match leasehold_store::children::spawns(&app.events, id).await {
+        Ok(s) => s,
+        Err(e) => return format!("<p class=\"warn\">children: {}</p>", esc(&e.to_string())),
+    };
+    let ids: Vec<String> = spawns.iter().flat_map(|s| s.children.clone()).collect();
+    if ids.is_empty() {
+        return String::new();
+    }
+    let shown: Vec<(String, Option<JobRecord>)> = futures::stream::iter(
+        ids.iter()
+            .take(CHILDREN_SHOWN)
+            .cloned()
+            .map(|c| async move {
+                let rec = app.jobs.get(&c).await.ok().flatten().map(|v| v.value);
+                (c, rec)
+            }),
+    )
+    .buffered(32)
+    .collect()
+    .await;
+    let mut by_status: std::collections::BTreeMap<String, usize> = Default::default();
+    for (_, r) in &shown {
+        let st = r.as_ref().map_or("not claimed yet", |r| r.status.as_str());
+        *by_status.entry(st.to_string()).or_default() += 1;
+    }
+    let counts: Vec<String> = by_status.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    let mut b = format!(
+        "<h2>Children <small>{} ({}{})</small></h2><ul class=\"tree\" id=\"children\">",
+        ids.len(),
+        esc(&counts.join(", ")),
+        if ids.len() > shown.len() {
+            format!("; the first {} shown", shown.len())
+        } else {
+            String::new()
+        }
+    );
+    for (c, r) in &shown {
+        let (status, kind) = r
+            .as_ref()
+            .map_or(("queued", ""), |r| (r.status.as_str(), r.kind.as_str()));
+        let _ = write!(
+            b,
+            "<li><a href=\"/jobs/{}\">{}</a> <b class=\"status st-{2}\">{2}</b> {3}</li>",
+            url(c),
+            esc(c),
+            esc(status),
+            esc(kind)
+        );
+    }
+    b.push_str("</ul>");
+    app.clean(&b)
 }
 
 /// A page of the job's events after `after`: at most `lim`, and whether

@@ -37,7 +37,8 @@ use leasehold_proto::JobResult;
 use serde_json::{json, Value};
 
 use super::{
-    cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError, Wait, WaitingFor,
+    cancel_owned, complete, fail, hand_back, park, requeue, wait, Owner, TransitionError, Wait,
+    WaitingFor,
 };
 use crate::retry::RetryPolicy;
 use crate::status::Status;

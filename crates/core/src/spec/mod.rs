@@ -262,6 +262,12 @@ pub fn valid_job_id(id: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '='))
 }
 
+/// How deep child jobs may nest: a child of a job without a parent is at
+/// depth 1; a spawn that would make depth 9 fails its job.
+pub const MAX_CHILD_DEPTH: u32 = 8;
+/// How many children one spawn step may start.
+pub const MAX_CHILDREN: usize = 10_000;
+
 /// What a signal's name may be, as every refusal says it.
 pub const SIGNAL_NAME_RULE: &str =
     "1-64 letters, digits, '-' or '_', not starting with 'lh-' (leasehold's own signals)";

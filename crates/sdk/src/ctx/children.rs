@@ -17,9 +17,9 @@ use crate::Error;
 
 /// How deep children may nest: a child of a job without a parent is at
 /// depth 1; a spawn that would make depth 9 fails.
-pub const MAX_DEPTH: u32 = 8;
+pub const MAX_DEPTH: u32 = leasehold_core::spec::MAX_CHILD_DEPTH;
 /// How many children one spawn step may start.
-pub const MAX_FAN_OUT: usize = 10_000;
+pub const MAX_FAN_OUT: usize = leasehold_core::spec::MAX_CHILDREN;
 /// Child tickets published side by side.
 const PUBLISH_AT_ONCE: usize = 64;
 /// Child records read side by side by a join.
@@ -121,6 +121,11 @@ pub(crate) async fn spawn_children(
                 work.submit_in_lane(&kind, &lane, s.to_string().into(), Some(&id), None, None)
                     .await
                     .map_err(|e| {
+                        if leasehold_store::answer::bad_request(&e) {
+                            return Error::terminal(format!(
+                                "spawn `{step}`: child {id} of kind `{kind}` refused: {e}"
+                            ));
+                        }
                         Error::retryable(format!(
                             "spawn `{step}`: child {id} of kind `{kind}` not submitted ({e}); the spawn is tried again, naming the same children"
                         ))
@@ -146,11 +151,17 @@ pub(crate) async fn spawn_children(
 /// is read before the children: a child that ends between the two reads
 /// is counted as ended here and not in the count, so the wake can only
 /// come early (its join looks again), never late.
-pub(crate) async fn join_children(job: &JobCtx, step: &str, ids: &[String]) -> Result<Value, Error> {
+pub(crate) async fn join_children(
+    job: &JobCtx,
+    step: &str,
+    ids: &[String],
+) -> Result<Value, Error> {
     let signals = Signals::new(&job.conn);
     let announced = children::announced(&signals, &job.record.id)
         .await
-        .map_err(|e| Error::retryable(format!("join `{step}`: counting its children's ends: {e}")))?;
+        .map_err(|e| {
+            Error::retryable(format!("join `{step}`: counting its children's ends: {e}"))
+        })?;
     let jobs = Jobs::open(&job.conn)
         .await
         .map_err(|e| Error::retryable(format!("join `{step}`: {e}")))?;
@@ -219,9 +230,10 @@ impl Ctx {
         let job = &self.job;
         let inputs = &inputs;
         let v: Value = self
-            .step_with_id(&format!("{}{kind}", children::SPAWN_STEP), |step| async move {
-                spawn_children(job, &step, kind, inputs, opts).await
-            })
+            .step_with_id(
+                &format!("{}{kind}", children::SPAWN_STEP),
+                |step| async move { spawn_children(job, &step, kind, inputs, opts).await },
+            )
             .await?;
         let s: Spawned = serde_json::from_value(v).map_err(|e| {
             Error::park(

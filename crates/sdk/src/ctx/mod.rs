@@ -31,8 +31,8 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub use children::{Child, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
 pub(crate) use children::{join_children, spawn_children};
+pub use children::{Child, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
 
 pub use leasehold_store::signals::Signal;
 use shared::signal_step;

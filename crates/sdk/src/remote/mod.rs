@@ -596,7 +596,9 @@ fn spawn_op(op: &Value, id: &str) -> Result<(String, Vec<Value>, crate::SpawnOpt
     let inputs = op["inputs"]
         .as_array()
         .filter(|l| l.iter().all(Value::is_object))
-        .ok_or_else(|| protocol("bad_answer: a `spawn` op needs `inputs`, a list of JSON objects"))?;
+        .ok_or_else(|| {
+            protocol("bad_answer: a `spawn` op needs `inputs`, a list of JSON objects")
+        })?;
     let detach = match op.get("on_cancel").and_then(Value::as_str) {
         None | Some("cascade") => false,
         Some("detach") => true,
@@ -606,7 +608,11 @@ fn spawn_op(op: &Value, id: &str) -> Result<(String, Vec<Value>, crate::SpawnOpt
             )))
         }
     };
-    Ok((kind.to_string(), inputs.clone(), crate::SpawnOptions { detach }))
+    Ok((
+        kind.to_string(),
+        inputs.clone(),
+        crate::SpawnOptions { detach },
+    ))
 }
 
 /// A `join` op's children (ids); its step id must be a join (`join#n`).

@@ -38,7 +38,9 @@ pub(super) async fn reject(
             Ok(_) => {
                 if let Err(e) = shared.recovery.announce_end(&rec).await {
                     tracing::warn!(job = %id, error = %e, "cannot announce a refused child's end to its parent; retrying the ticket");
-                    let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                    let _ = msg
+                        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                        .await;
                     return;
                 }
                 let ev = events::event(

@@ -94,7 +94,8 @@ class ToolCall:
 
 
 #: What a signal's name may be: one subject token (``lh.signal.<job>.<name>``).
-_SIGNAL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SIGNAL_NAME = re.compile(r"(?!lh-)[A-Za-z0-9_-]{1,64}")
+_KIND = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class _Answer(Exception):
@@ -298,7 +299,7 @@ class Ctx:
         ``sender``), or ``None`` after the timeout; recorded as step
         ``wait:<name>#n``."""
         if not isinstance(name, str) or not _SIGNAL_NAME.fullmatch(name):
-            raise TypeError(f"wait_for: a signal name is 1-64 letters, digits, '-' or '_', not {name!r}")
+            raise TypeError(f"wait_for: a signal name is 1-64 letters, digits, '-' or '_', not starting with 'lh-', not {name!r}")
         op: Dict[str, JSON] = {"op": "wait_for", "name": name}
         if timeout is not None:
             if not isinstance(timeout, (int, float)) or timeout < 0:
@@ -309,6 +310,50 @@ class Ctx:
         if hit:
             return value  # type: ignore[return-value]
         raise _Answer({**op, "index": i, "id": sid})
+
+    def spawn(self, kind: str, input: Dict[str, JSON], detach: bool = False) -> str:
+        """Starts one child job of ``kind`` with ``input``: see
+        :meth:`spawn_many`. Returns the child's id."""
+        return self.spawn_many(kind, [input], detach=detach)[0]
+
+    def spawn_many(self, kind: str, inputs: List[Dict[str, JSON]], detach: bool = False) -> List[str]:
+        """Starts one child job of ``kind`` per input, as one durable step
+        (``spawn:<kind>#n``), and returns their ids. Each child is a job of
+        its own (its own retries, budget and events), of this job's tenant
+        and priority; its id is derived from this job, its incarnation and
+        the step, so a job resumed after a crash never starts a second
+        set. A cancel of this job cancels them, unless ``detach``."""
+        if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+            raise TypeError(f"spawn: a kind is letters, digits, '-' or '_', not {kind!r}")
+        if not isinstance(inputs, list) or not all(isinstance(i, dict) for i in inputs):
+            raise TypeError("spawn: inputs is a list of dicts, one per child")
+        sid = self._id(f"spawn:{kind}")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return list(value["children"])  # type: ignore[index]
+        op: Dict[str, JSON] = {"op": "spawn", "index": i, "id": sid, "kind": kind, "inputs": inputs}  # type: ignore[dict-item]
+        if detach:
+            op["on_cancel"] = "detach"
+        raise _Answer(op)
+
+    def join(self, children: List[str]) -> List[Dict[str, JSON]]:
+        """Waits for ``children`` (ids :meth:`spawn_many` returned) to end,
+        holding no worker, as a durable step (``join#n``), and returns each
+        one's outcome in their order: a dict with ``id``, ``kind``,
+        ``status`` and ``result`` (completed) or ``error`` (``class``,
+        ``message``). A child's failure is an outcome, not an exception.
+        The last child's end wakes this job once, on any worker."""
+        if not isinstance(children, list) or not children or not all(isinstance(c, str) for c in children):
+            raise TypeError("join: children is a non-empty list of child ids")
+        sid = self._id("join")
+        hit, value, i = self._replay(sid)
+        if hit:
+            return value  # type: ignore[return-value]
+        raise _Answer({"op": "join", "index": i, "id": sid, "children": children})  # type: ignore[dict-item]
+
+    def spawn_and_wait(self, kind: str, input: Dict[str, JSON]) -> Dict[str, JSON]:
+        """Starts one child and waits for its end: its outcome."""
+        return self.join([self.spawn(kind, input)])[0]
 
     def _sleep(self, when: Dict[str, JSON]) -> None:
         sid = self._id("sleep")

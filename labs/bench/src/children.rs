@@ -1,0 +1,235 @@
+//! `children`: child jobs on one worker with 16 slots (the built-in
+//! `fanout` and `echo` kinds, an in-process `leasehold::Worker`).
+//!
+//! - Fan-out: one parent spawning `n` echo children and joining them, from
+//!   its submission to its result with every child's outcome, against `n`
+//!   independent echo jobs submitted by a client in the same run, from the
+//!   first submission to the last completion (target <= 1.5x).
+//! - Wake latency after the last child ends: parents of 3 children, one at
+//!   a time; from the last child's end (its record's last write) to the
+//!   parent's next claim (its `claimed` event), p50/p95 (target <= 50 ms).
+//! - The parent's wakes: how many times each parent was claimed (2: its
+//!   first attempt and one wake, whatever its number of children).
+
+use std::future::IntoFuture;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use leasehold::{AttemptOutcome, Count, Options};
+use leasehold_core::time::parse_rfc3339;
+use leasehold_store::events::Events;
+use leasehold_store::setup::SetupOptions;
+use leasehold_store::Jobs;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+
+const SLOTS: usize = 16;
+/// The fan-out's target against independent jobs.
+pub const TARGET_RATIO: f64 = 1.5;
+/// Wake latency target, one node.
+pub const TARGET_WAKE_P95_MS: f64 = 50.0;
+
+/// Publishes `n` echo jobs `<prefix>-<i>`, bounded in flight.
+async fn submit_echo(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    n: usize,
+    prefix: &str,
+) -> anyhow::Result<()> {
+    let mut acks = futures::stream::FuturesUnordered::new();
+    for i in 0..n {
+        let m = async_nats::jetstream::message::PublishMessage::build()
+            .payload(json!({"input": {"i": i}}).to_string().into())
+            .message_id(format!("{prefix}-{i}"));
+        acks.push(js.send_publish(subject.to_string(), m).await?.into_future());
+        if acks.len() >= 512 {
+            acks.next().await.transpose()?;
+        }
+    }
+    while acks.next().await.transpose()?.is_some() {}
+    Ok(())
+}
+
+/// Waits until the worker completed `n` attempts in all.
+async fn completed(h: &leasehold::Handle, n: u64, within: Duration) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    while h.metrics.total(Count::Ended(AttemptOutcome::Completed)) < n {
+        anyhow::ensure!(
+            t0.elapsed() < within,
+            "only {} of {n} completed after {within:?}",
+            h.metrics.total(Count::Ended(AttemptOutcome::Completed))
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+/// A parent's finished record, read every 5 ms.
+async fn finished(
+    jobs: &Jobs,
+    id: &str,
+    within: Duration,
+) -> anyhow::Result<leasehold_core::JobRecord> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = jobs.get(id).await? {
+            if v.value.status == "completed" {
+                return Ok(v.value);
+            }
+            anyhow::ensure!(
+                !matches!(v.value.status.as_str(), "failed" | "dead" | "cancelled"),
+                "{id} ended {}: {:?}",
+                v.value.status,
+                v.value.error
+            );
+        }
+        anyhow::ensure!(t0.elapsed() < within, "{id} not completed after {within:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
+    let (srv, conn) = server(SetupOptions::default()).await?;
+    let mut o = Options::local(&srv.url(), "lh");
+    o.kinds = vec!["fanout".into(), "echo".into()];
+    o.concurrency = SLOTS;
+    let stop = CancellationToken::new();
+    let h = leasehold::Worker::new(o).start(stop.clone()).await?;
+    let jobs = Jobs::open(&conn).await?;
+    let events = Events::new(&conn);
+    let echo = conn.layout.submit_subject("echo");
+    let fanout = conn.layout.submit_subject("fanout");
+    let within = Duration::from_secs(600);
+
+    // Warm-up (connections, consumers), not measured.
+    submit_echo(&conn.js, &echo, 50, "warm").await?;
+    completed(&h, 50, within).await?;
+
+    // n independent echo jobs from a client.
+    let before = h.metrics.total(Count::Ended(AttemptOutcome::Completed));
+    let t0 = Instant::now();
+    submit_echo(&conn.js, &echo, n, "solo").await?;
+    completed(&h, before + n as u64, within).await?;
+    let independent_s = t0.elapsed().as_secs_f64();
+
+    // One parent, n children.
+    let t0 = Instant::now();
+    conn.js
+        .publish(
+            fanout.clone(),
+            json!({"id": "fan-big", "input": {"n": n}})
+                .to_string()
+                .into(),
+        )
+        .await?
+        .await?;
+    let rec = finished(&jobs, "fan-big", within).await?;
+    let fanout_s = t0.elapsed().as_secs_f64();
+    let out: Value = serde_json::from_str(&rec.result.unwrap_or_default().output)?;
+    anyhow::ensure!(
+        out["completed"].as_u64() == Some(n as u64),
+        "the fan-out's children did not all complete: {}",
+        out["completed"]
+    );
+    let claims = |id: String| {
+        let events = events.clone();
+        async move {
+            let evs = events.read_types(&id, &["claimed"]).await?;
+            anyhow::Ok(evs.into_iter().map(|(_, e)| e).collect::<Vec<_>>())
+        }
+    };
+    let big_claims = claims("fan-big".into()).await?.len();
+
+    // Wake latency: small fan-outs one at a time.
+    let mut latencies = Vec::with_capacity(wakes);
+    let mut woken_once = 0;
+    for i in 0..wakes {
+        let id = format!("fan-{i}");
+        conn.js
+            .publish(
+                fanout.clone(),
+                json!({"id": id, "input": {"n": 3}}).to_string().into(),
+            )
+            .await?
+            .await?;
+        let rec = finished(&jobs, &id, Duration::from_secs(60)).await?;
+        let out: Value = serde_json::from_str(&rec.result.unwrap_or_default().output)?;
+        let mut last_end = std::time::UNIX_EPOCH;
+        for c in out["children"].as_array().into_iter().flatten() {
+            let c = jobs
+                .get(c.as_str().unwrap_or_default())
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("child {c} gone"))?;
+            if let Some(t) = parse_rfc3339(&c.value.updated_at) {
+                last_end = last_end.max(t);
+            }
+        }
+        let cl = claims(id.clone()).await?;
+        if cl.len() == 2 {
+            woken_once += 1;
+        }
+        if let Some(woke) = cl.last().and_then(|e| parse_rfc3339(&e.at)) {
+            let ms = woke
+                .duration_since(last_end)
+                .map(|d| d.as_secs_f64() * 1000.0)
+                .unwrap_or(0.0);
+            latencies.push(ms);
+        }
+    }
+    stop.cancel();
+    let _ = h.wait().await;
+    let ratio = fanout_s / independent_s;
+    let p95 = pct(&latencies, 0.95);
+    Ok(json!({
+        "slots": SLOTS,
+        "children": n,
+        "independent_s": independent_s,
+        "fanout_s": fanout_s,
+        "ratio": ratio,
+        "ratio_target": TARGET_RATIO,
+        "ratio_met": ratio <= TARGET_RATIO,
+        "fanout_parent_claims": big_claims,
+        "wakes": wakes,
+        "woken_once": woken_once,
+        "wake_latency_ms": summary(&latencies),
+        "wake_target_p95_ms": TARGET_WAKE_P95_MS,
+        "wake_met": p95 <= TARGET_WAKE_P95_MS,
+    }))
+}
+
+pub fn rows(r: &mut Report, v: &Value) {
+    r.cmp(
+        format!(
+            "fan-out of {} echo children: parent submitted -> resumed with every outcome, s",
+            v["children"]
+        ),
+        format!("{:.2}", f64_of(&v["fanout_s"])),
+        format!(
+            "{:.2} for {} independent echo jobs",
+            f64_of(&v["independent_s"]),
+            v["children"]
+        ),
+        format!("<= {TARGET_RATIO}x"),
+        v["ratio_met"].as_bool(),
+    );
+    r.cmp(
+        format!("claims of the {}-child parent", v["children"]),
+        v["fanout_parent_claims"].to_string(),
+        "",
+        "2 (one wake)",
+        Some(v["fanout_parent_claims"] == json!(2)),
+    );
+    let w = &v["wake_latency_ms"];
+    r.cmp(
+        format!(
+            "wake latency after the last child's end, {} parents of 3, p50/p95 ms",
+            v["wakes"]
+        ),
+        format!("{:.1}/{:.1}", f64_of(&w["p50"]), f64_of(&w["p95"])),
+        format!("{} of {} woken once", v["woken_once"], v["wakes"]),
+        format!("p95 <= {TARGET_WAKE_P95_MS} ms"),
+        v["wake_met"].as_bool(),
+    );
+}
