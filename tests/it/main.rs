@@ -13,6 +13,7 @@ mod console;
 mod console_cost;
 mod effects;
 mod invoice;
+mod journal;
 mod lifecycle;
 mod limits;
 mod liveness;

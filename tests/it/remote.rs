@@ -950,6 +950,71 @@ async fn conformance_a_parent_waits_for_its_children_and_gets_every_outcome(sdk:
     echo.wait().await.unwrap();
 }
 
+async fn conformance_a_journal_check_lists_the_jobs_a_code_change_would_park(sdk: Sdk) {
+    let (env, _s, port, remote) = conformance_env(sdk).await;
+    let mut a = worker(&env, &remote, &[]);
+    submit_conf(&env, "conf-check", json!({"steps": 3, "sleep_ms": 600000})).await;
+    env.wait_status("conf-check", "waiting", Duration::from_secs(20))
+        .await;
+    a.kill9();
+    let before = env.jobs.get("conf-check").await.unwrap().unwrap().revision;
+    let events_before = env.events_of("conf-check").await.len();
+    // The new build: step 1 is now named `tally`.
+    let port2 = free_port();
+    let _s2 = service(
+        sdk,
+        port2,
+        "http://127.0.0.1:9",
+        &[("CONFORMANCE_CODE_VERSION", "2")],
+    )
+    .await;
+    let check = |url: String| {
+        let env = &env;
+        async move {
+            let (code, out, err) = cli(
+                &env.url(),
+                &[
+                    "journal",
+                    "check",
+                    "--kind",
+                    "conformance",
+                    "--",
+                    "--remote-kind",
+                    &format!("conformance={url}"),
+                ],
+            )
+            .await;
+            let lines: Vec<Value> = out
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+                .collect();
+            (code, lines, err)
+        }
+    };
+    let (code, lines, err) = check(url(port2)).await;
+    assert_eq!(code, 1, "a job would park: {lines:?} {err}");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(
+        (&lines[0]["id"], &lines[0]["verdict"], &lines[0]["steps"]),
+        (&json!("conf-check"), &json!("mismatch"), &json!(3)),
+        "{lines:?}"
+    );
+    let why = lines[0]["why"].as_str().unwrap();
+    assert!(why.contains("count#1") && why.contains("tally#0"), "{why}");
+    // The build it runs on now: it matches, and runs its sleep next.
+    let (code, lines, err) = check(url(port)).await;
+    assert_eq!(code, 0, "{lines:?} {err}");
+    assert_eq!(
+        (&lines[0]["verdict"], &lines[0]["next"]),
+        (&json!("matches"), &json!("sleep#0")),
+        "{lines:?}"
+    );
+    // Nothing was written by either check.
+    let after = env.jobs.get("conf-check").await.unwrap().unwrap().revision;
+    assert_eq!(after, before, "the record is untouched");
+    assert_eq!(env.events_of("conf-check").await.len(), events_before);
+}
+
 // ---- the protocol's schemas -----------------------------------------------
 
 fn schemas() -> std::collections::BTreeMap<String, jsonschema::Validator> {
@@ -1676,6 +1741,8 @@ both_sdks! {
         => conformance_a_signal_wakes_a_waiting_job_and_one_sent_before_is_kept,
     remote_conformance_a_parent_waits_for_its_children_and_gets_every_outcome
         => conformance_a_parent_waits_for_its_children_and_gets_every_outcome,
+    remote_conformance_a_journal_check_lists_the_jobs_a_code_change_would_park
+        => conformance_a_journal_check_lists_the_jobs_a_code_change_would_park,
     remote_conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives
         => conformance_a_malformed_call_gets_a_clear_error_and_the_service_lives,
     remote_conformance_an_oversized_journal_is_paged

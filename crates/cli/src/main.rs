@@ -53,6 +53,8 @@ pub enum Command {
     Cancel(commands::cancel::Args),
     /// Send a signal to a job (what its `wait_for` waits for).
     Signal(commands::signal::Args),
+    /// Check recorded journals against a new build of a kind before rolling it out.
+    Journal(commands::journal::Args),
     /// Print a finished job's result (the report, for research jobs).
     Result(commands::result::Args),
     /// Dead letters: list, show, replay, purge.

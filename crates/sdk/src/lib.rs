@@ -48,6 +48,7 @@
 
 mod agent;
 mod builtin;
+mod check;
 mod ctx;
 #[doc = include_str!("../../../docs/write-your-own-kind.md")]
 pub mod guide {}
@@ -85,6 +86,7 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 pub use agent::{Agent, AgentOutput, ModelConfig};
+pub use check::{JournalCheck, JournalVerdict};
 pub use async_trait::async_trait;
 pub use ctx::{Checkpoints, Child, Ctx, Signal, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
 pub use error::Error;
@@ -176,7 +178,7 @@ impl Models {
 }
 
 /// A [`Kind`] as the worker runs it.
-struct KindHandler {
+pub(crate) struct KindHandler {
     kind: Arc<dyn Kind>,
     tools: Arc<Tools>,
     models: Arc<Models>,
@@ -366,7 +368,19 @@ impl Worker {
     }
 
     /// The worker service with this worker's kinds, tools and models.
-    fn into_worker(mut self) -> anyhow::Result<leasehold_worker::Worker> {
+    fn into_worker(self) -> anyhow::Result<leasehold_worker::Worker> {
+        let (opts, kinds) = self.resolve()?;
+        let mut w = leasehold_worker::Worker::new(opts);
+        for (name, handler) in kinds {
+            w = w.with_handler(&name, handler);
+        }
+        Ok(w)
+    }
+
+    /// The options and every kind as the worker runs them: the registered
+    /// kinds, the remote ones (`--remote-kind`), the built-in ones, each
+    /// with the tools and models.
+    fn resolve(mut self) -> anyhow::Result<(Options, Vec<(String, Arc<KindHandler>)>)> {
         // Kinds served by an HTTP service (--remote-kind NAME=URL), beside
         // the registered ones.
         let remote = RemoteConfig::from_options(&self.opts).map_err(|e| anyhow::anyhow!(e))?;
@@ -407,18 +421,19 @@ impl Worker {
                 self.kinds.push((name, kind));
             }
         }
-        let mut w = leasehold_worker::Worker::new(self.opts);
-        for (name, kind) in self.kinds {
-            w = w.with_handler(
-                &name,
-                Arc::new(KindHandler {
+        let kinds = self
+            .kinds
+            .into_iter()
+            .map(|(name, kind)| {
+                let h = Arc::new(KindHandler {
                     kind,
                     tools: tools.clone(),
                     models: models.clone(),
-                }),
-            );
-        }
-        Ok(w)
+                });
+                (name, h)
+            })
+            .collect();
+        Ok((self.opts, kinds))
     }
 
     /// Starts, and runs until SIGTERM or SIGINT (then drains: in-flight
@@ -459,6 +474,23 @@ impl Worker {
     /// # }
     /// ```
     pub async fn serve(self) -> anyhow::Result<()> {
+        if let Some(kind) = self.opts.journal_check.clone() {
+            let checked = self.journal_check(&kind).await?;
+            let mut bad = 0;
+            for c in &checked {
+                println!("{}", serde_json::to_string(c)?);
+                bad += usize::from(!c.matches());
+            }
+            eprintln!(
+                "journal check of `{kind}`: {} jobs with recorded steps, {} match this build, {bad} would not",
+                checked.len(),
+                checked.len() - bad
+            );
+            if bad > 0 {
+                std::process::exit(1);
+            }
+            return Ok(());
+        }
         let http = self.opts.http_listen;
         let w = self.into_worker()?;
         leasehold_worker::process::run(w, http).await

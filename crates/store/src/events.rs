@@ -515,6 +515,21 @@ pub struct Fence {
 }
 
 impl Fence {
+    /// A fence of no owner, for a run that must write nothing (a journal
+    /// check): epoch 0 and no sequence, so a publish through it on a job
+    /// with any event is refused by the server, and the event found there
+    /// (of a real claim's epoch) says this fence lost.
+    pub fn of_nobody(events: Events, job_id: &str) -> Fence {
+        Fence {
+            events,
+            job_id: job_id.into(),
+            epoch: 0,
+            worker_id: "journal-check".into(),
+            last_seq: 0,
+            previous_claim: None,
+        }
+    }
+
     /// The `claimed` marker of the claim before this one, as read when this
     /// one was published (`None` for a first claim). Its data says which
     /// session, and which trace span, ran the previous attempt.

@@ -15,7 +15,8 @@ use crate::Conn;
 const PAUSE: Duration = Duration::from_secs(1);
 
 /// Pulls the durable consumer `consumer` of `stream` until `shutdown`,
-/// handing each message to `on` (which acks or NAKs it), `batch` at a
+/// handing each message to `on` (which acks or NAKs it; up to `batch`
+/// handled side by side, since each is acked on its own), `batch` at a
 /// time with short expiries, so a member that stops holds nothing for
 /// longer than a pull's expiry plus the consumer's ack wait. A consumer
 /// that is missing or unreachable is looked for again every second,
@@ -69,10 +70,15 @@ pub async fn consume<F, Fut>(
                 tokio::select! { _ = tokio::time::sleep(PAUSE) => continue, _ = shutdown.cancelled() => return }
             }
         };
+        let mut handling = futures::stream::FuturesUnordered::new();
         loop {
-            let next = tokio::select! { m = msgs.next() => m, _ = shutdown.cancelled() => return };
+            let next = tokio::select! {
+                m = msgs.next(), if handling.len() < batch => m,
+                Some(()) = handling.next(), if !handling.is_empty() => continue,
+                _ = shutdown.cancelled() => return,
+            };
             match next {
-                Some(Ok(m)) => on(m).await,
+                Some(Ok(m)) => handling.push(on(m)),
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "{what} pull interrupted; pulling again");
                     break;
@@ -80,5 +86,7 @@ pub async fn consume<F, Fut>(
                 None => break,
             }
         }
+        // What was taken is handled before the next pull.
+        while handling.next().await.is_some() {}
     }
 }

@@ -131,6 +131,15 @@ pub struct Options {
     /// `0.0.0.0:9090`). No HTTP server when unset.
     #[arg(long, env = "LH_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
+    /// Instead of serving: replay the recorded journals of KIND's active
+    /// jobs (running, queued, waiting, parked) against this build (its
+    /// code, or its `--remote-kind` service), writing nothing, print one
+    /// JSON line per job (`matches`, with the step it runs next, or
+    /// `mismatch` with why: it would park with `journal_mismatch`), and
+    /// exit: 0 every journal matches, 1 one does not (or its replay
+    /// failed), 2 bad usage. Run it before rolling out changed code.
+    #[arg(long, env = "LH_JOURNAL_CHECK", value_name = "KIND")]
+    pub journal_check: Option<String>,
     /// Kinds served by an HTTP service through the worker protocol
     /// (docs/protocol.md): `NAME=URL`, repeated or comma-separated
     /// (`--remote-kind invoice=http://127.0.0.1:9000/`). They are served

@@ -5,8 +5,8 @@
 //!   its submission to its result with every child's outcome, against `n`
 //!   independent echo jobs submitted by a client in the same run, from the
 //!   first submission to the last completion (target <= 1.5x).
-//! - Wake latency after the last child ends: parents of 3 children, one at
-//!   a time; from the last child's end (its record's last write) to the
+//! - Wake latency after the last child ends: parents of 3 children (each
+//!   a 50 ms `sleep`, so the parent waits for them), one at a time; from the last child's end (its record's last write) to the
 //!   parent's next claim (its `claimed` event), p50/p95 (target <= 50 ms).
 //! - The parent's wakes: how many times each parent was claimed (2: its
 //!   first attempt and one wake, whatever its number of children).
@@ -93,7 +93,7 @@ async fn finished(
 pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
     let (srv, conn) = server(SetupOptions::default()).await?;
     let mut o = Options::local(&srv.url(), "lh");
-    o.kinds = vec!["fanout".into(), "echo".into()];
+    o.kinds = vec!["fanout".into(), "echo".into(), "sleep".into()];
     o.concurrency = SLOTS;
     let stop = CancellationToken::new();
     let h = leasehold::Worker::new(o).start(stop.clone()).await?;
@@ -141,16 +141,53 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
         }
     };
     let big_claims = claims("fan-big".into()).await?.len();
+    // Where the fan-out's time goes: the spawn recorded, the last child's
+    // end, the parent's wake, its join recorded (ms from its submission).
+    let at = |e: &leasehold::JobEvent| parse_rfc3339(&e.at);
+    let evs: Vec<_> = events
+        .read("fan-big")
+        .await?
+        .into_iter()
+        .map(|(_, e)| e)
+        .collect();
+    let created = parse_rfc3339(&rec.created_at).unwrap_or(std::time::UNIX_EPOCH);
+    let ms = |t: Option<std::time::SystemTime>| {
+        t.and_then(|t| t.duration_since(created).ok())
+            .map_or(Value::Null, |d| json!(d.as_secs_f64() * 1000.0))
+    };
+    let step_at = |name: &str| {
+        evs.iter()
+            .find(|e| e.r#type == "step" && e.data_map()["id"] == name)
+            .and_then(at)
+    };
+    let mut last_child_end = std::time::UNIX_EPOCH;
+    for c in out["children"].as_array().into_iter().flatten() {
+        if let Some(v) = jobs.get(c.as_str().unwrap_or_default()).await? {
+            if let Some(t) = parse_rfc3339(&v.value.updated_at) {
+                last_child_end = last_child_end.max(t);
+            }
+        }
+    }
+    let breakdown = json!({
+        "spawn_recorded_ms": ms(step_at("spawn:echo#0")),
+        "last_child_end_ms": ms(Some(last_child_end)),
+        "woken_ms": ms(evs.iter().filter(|e| e.r#type == "claimed").nth(1).and_then(at)),
+        "join_recorded_ms": ms(step_at("join#0")),
+    });
 
     // Wake latency: small fan-outs one at a time.
     let mut latencies = Vec::with_capacity(wakes);
     let mut woken_once = 0;
     for i in 0..wakes {
         let id = format!("fan-{i}");
+        // Children that take 50 ms: the parent waits for them.
+        let naps = json!([{"ms": 50}, {"ms": 50}, {"ms": 50}]);
         conn.js
             .publish(
                 fanout.clone(),
-                json!({"id": id, "input": {"n": 3}}).to_string().into(),
+                json!({"id": id, "input": {"kind": "sleep", "inputs": naps}})
+                    .to_string()
+                    .into(),
             )
             .await?
             .await?;
@@ -167,9 +204,10 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
             }
         }
         let cl = claims(id.clone()).await?;
-        if cl.len() == 2 {
-            woken_once += 1;
+        if cl.len() != 2 {
+            continue;
         }
+        woken_once += 1;
         if let Some(woke) = cl.last().and_then(|e| parse_rfc3339(&e.at)) {
             let ms = woke
                 .duration_since(last_end)
@@ -191,6 +229,7 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
         "ratio_target": TARGET_RATIO,
         "ratio_met": ratio <= TARGET_RATIO,
         "fanout_parent_claims": big_claims,
+        "fanout_breakdown": breakdown,
         "wakes": wakes,
         "woken_once": woken_once,
         "wake_latency_ms": summary(&latencies),

@@ -11,6 +11,7 @@ pub mod result;
 pub mod review;
 pub mod schedule;
 pub mod setup;
+pub mod journal;
 pub mod signal;
 pub mod stats;
 pub mod status;
@@ -118,6 +119,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Stats(a) => stats::run(a, &nats).await,
         Command::Cancel(a) => cancel::run(a, &nats).await,
         Command::Signal(a) => signal::run(a, &nats).await,
+        Command::Journal(a) => journal::run(a, &nats).await,
         Command::Result(a) => result::run(a, &nats).await,
         Command::Dlq(a) => dlq::run(a, &nats).await,
         Command::Review(a) => review::run(a, &nats).await,

@@ -151,11 +151,31 @@ pub(crate) async fn spawn_children(
 /// is read before the children: a child that ends between the two reads
 /// is counted as ended here and not in the count, so the wake can only
 /// come early (its join looks again), never late.
+/// The children the run's recorded `spawn` steps started.
+pub(crate) fn spawned<'a>(
+    steps: impl IntoIterator<Item = &'a crate::journal::Recorded>,
+) -> std::collections::HashSet<String> {
+    steps
+        .into_iter()
+        .filter(|r| r.id.starts_with(children::SPAWN_STEP))
+        .filter_map(|r| serde_json::from_value::<Spawned>(r.result.clone()).ok())
+        .flat_map(|s| s.children)
+        .collect()
+}
+
 pub(crate) async fn join_children(
     job: &JobCtx,
     step: &str,
     ids: &[String],
+    spawned: &std::collections::HashSet<String>,
 ) -> Result<Value, Error> {
+    // Only its own children announce their ends to this job: a wait for
+    // another job's would never be woken.
+    if let Some(other) = ids.iter().find(|id| !spawned.contains(*id)) {
+        return Err(Error::terminal(format!(
+            "join `{step}`: {other} is not a child this job spawned (join what its spawns returned)"
+        )));
+    }
     let signals = Signals::new(&job.conn);
     let announced = children::announced(&signals, &job.record.id)
         .await
@@ -266,11 +286,15 @@ impl Ctx {
     /// ```
     pub async fn join(&self, children: &[Child]) -> Result<Vec<Outcome>, Error> {
         let ids: Vec<String> = children.iter().map(|c| c.id.clone()).collect();
+        let mine = {
+            let g = self.journal().await?;
+            spawned(g.as_ref().expect("journal loaded").steps())
+        };
         let job = &self.job;
-        let ids = &ids;
+        let (ids, mine) = (&ids, &mine);
         let v: Value = self
             .step_with_id("join", |step| async move {
-                join_children(job, &step, ids).await
+                join_children(job, &step, ids, mine).await
             })
             .await?;
         serde_json::from_value(v).map_err(|e| {

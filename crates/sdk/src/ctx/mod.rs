@@ -31,7 +31,7 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use children::{join_children, spawn_children};
+pub(crate) use children::{join_children, spawn_children, spawned};
 pub use children::{Child, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
 
 pub use leasehold_store::signals::Signal;
@@ -93,6 +93,11 @@ pub struct Ctx {
     park: StdMutex<Option<(String, String, String)>>,
     /// The agents' journaled conversations, read once per attempt.
     threads: crate::agent::Threads,
+    /// A journal check (`Worker::journal_check`): steps replay from the
+    /// journal, and the first step past it stops the run, never run.
+    dry: bool,
+    /// The step a journal check stopped at (the one the job runs next).
+    dry_next: StdMutex<Option<String>>,
 }
 
 impl Ctx {
@@ -112,7 +117,42 @@ impl Ctx {
             report: StdMutex::new(None),
             park: StdMutex::new(None),
             threads: Default::default(),
+            dry: false,
+            dry_next: StdMutex::new(None),
         }
+    }
+
+    /// A context that runs nothing and writes nothing: recorded steps
+    /// replay from the journal, and the first step past it ends the run
+    /// ([`Ctx::dry_stopped_at`]). What a journal check runs a kind in.
+    pub(crate) fn dry(
+        job: JobCtx,
+        version: String,
+        tools: Option<Arc<Toolbox>>,
+        models: Arc<crate::Models>,
+    ) -> Ctx {
+        let mut c = Ctx::new(job, version, tools, models);
+        c.dry = true;
+        c
+    }
+
+    /// Whether this is a journal check's run.
+    pub(crate) fn is_dry(&self) -> bool {
+        self.dry
+    }
+
+    /// In a journal check, the error that ends the run at step `step`, the
+    /// first past the journal (remembered for [`Ctx::dry_stopped_at`]).
+    pub(crate) fn dry_stop(&self, step: &str) -> Error {
+        if let Ok(mut g) = self.dry_next.lock() {
+            *g = Some(step.to_string());
+        }
+        Error::Cancelled
+    }
+
+    /// The step a journal check's run stopped at, if it did.
+    pub(crate) fn dry_stopped_at(&self) -> Option<String> {
+        self.dry_next.lock().ok().and_then(|g| g.clone())
     }
 
     /// The park of step `step`: the error that ends the attempt, and the
@@ -539,6 +579,7 @@ impl Ctx {
                 })
             }
             Next::Mismatch(m) => return Err(Error::park("journal_mismatch", m)),
+            Next::Run { .. } if self.dry => return Err(self.dry_stop(&id)),
             Next::Run { index } => index,
         };
         // The journal stays locked while the step runs: steps of one job
@@ -579,15 +620,23 @@ impl Ctx {
     /// # Ok(()) }
     /// ```
     pub async fn call(&self, tool: &str, args: Value) -> Result<Value, Error> {
-        let Some(tb) = self.tools.clone() else {
-            return Err(Error::terminal(format!(
+        let no_tool = || {
+            Error::terminal(format!(
                 "no tool `{tool}`: this worker registers no tools (Worker::tool)"
-            )));
+            ))
         };
+        let tb = self.tools.clone();
+        // A journal check replays a recorded call without its toolbox.
+        if tb.is_none() && !self.dry {
+            return Err(no_tool());
+        }
         let step = format!("tool:{tool}");
         let job = &self.job;
         self.step_with_id(&step, |step_id| async move {
-            call_tool(job, &tb, &step_id, tool, &args).await
+            match tb {
+                Some(tb) => call_tool(job, &tb, &step_id, tool, &args).await,
+                None => Err(no_tool()),
+            }
         })
         .await
     }

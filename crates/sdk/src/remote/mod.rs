@@ -251,7 +251,8 @@ impl RemoteKind {
             }
             "join" => {
                 let children = join_op(op, id)?;
-                crate::ctx::join_children(ctx.job(), id, &children).await
+                let mine = crate::ctx::spawned(entries);
+                crate::ctx::join_children(ctx.job(), id, &children, &mine).await
             }
             other => unreachable!("`{other}` records no step"),
         }
@@ -507,6 +508,11 @@ impl Kind for RemoteKind {
                     idle = 0;
                     // A duplicate of a recorded step records nothing.
                     if let Some((index, id)) = position(&op, &entries)? {
+                        // A journal check stops at the first op past the
+                        // journal, before it does anything.
+                        if ctx.is_dry() {
+                            return Err(ctx.dry_stop(&id));
+                        }
                         let result = self.result_of(ctx, kind, &id, &op, &entries).await?;
                         let rec = Recorded {
                             index,
