@@ -470,3 +470,49 @@ async fn the_console_shows_a_parents_children_with_their_states_and_a_childs_par
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn children_not_yet_claimed_when_their_parent_is_cancelled_never_run() {
+    let env = Fleet::start().await;
+    // Only the parent's kind is served: its children wait as tickets,
+    // with no record for the cancel to find.
+    let (p, stop_p) = env.worker_with(slots(&env, &["fanout"], 1)).await;
+    env.submit(
+        "fanout",
+        json!({"input": {"kind": "sleep", "inputs": [{"ms": 60000}, {"ms": 60000}]}}),
+        "brood-early",
+    )
+    .await;
+    env.wait_status("brood-early", "waiting", Duration::from_secs(20))
+        .await;
+    let evs = env.events_of("brood-early").await;
+    let kids: Vec<String> = of_type(&evs, "step")[0].data_map()["result"]["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect();
+    for k in &kids {
+        assert!(env.record(k).await.is_none(), "not claimed yet");
+    }
+    let (code, out, err) = cli(&env.url(), &["cancel", "brood-early"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.wait_status("brood-early", "cancelled", Duration::from_secs(10))
+        .await;
+    // Their worker comes: each child is recorded cancelled, never run.
+    let (w, stop) = env.worker_with(slots(&env, &["sleep"], 2)).await;
+    for k in &kids {
+        let r = env
+            .wait_status(k, "cancelled", Duration::from_secs(20))
+            .await;
+        assert_eq!(r.epoch, 0, "never claimed to run: {r:?}");
+        assert!(
+            r.error.unwrap().message.contains("brood-early"),
+            "it says why"
+        );
+    }
+    stop.cancel();
+    w.wait().await.unwrap();
+    stop_p.cancel();
+    p.wait().await.unwrap();
+}

@@ -74,7 +74,7 @@ impl Secured {
     fn worker(&self) -> Proc {
         let mut env = self.env("worker");
         env.extend([
-            ("LH_KINDS", "echo,sleep".to_string()),
+            ("LH_KINDS", "echo,sleep,fanout".to_string()),
             ("LH_DEV_KINDS", "1".into()),
             ("LH_SESSION_TIMEOUT", "2s".into()),
             ("LH_INDEX_AFTER", "300ms".into()),
@@ -208,7 +208,7 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     let (code, out, err) = s
         .cli(
             "operator",
-            &["setup", "--kinds", "echo,sleep", "--ack-wait", "1s"],
+            &["setup", "--kinds", "echo,sleep,fanout", "--ack-wait", "1s"],
         )
         .await;
     assert_eq!(code, 0, "setup as lh-operator: {out}{err}");
@@ -251,6 +251,32 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     assert_eq!(code, 0, "{err}");
     let summary = out.lines().last().unwrap_or_default();
     assert!(summary.starts_with("p-1 completed in "), "{out}{err}");
+
+    // A parent spawns its children, is told of their ends and joins them,
+    // all under the worker's user.
+    let (code, out, err) = s
+        .cli(
+            "submitter",
+            &[
+                "submit",
+                "fanout",
+                r#"{"input":{"n":2}}"#,
+                "--id",
+                "p-fan",
+                "--wait",
+                "--timeout",
+                "30s",
+            ],
+        )
+        .await;
+    assert_eq!(code, 0, "a fan-out under lh-worker: {out}{err}");
+    let (code, out, err) = s.cli("submitter", &["result", "p-fan"]).await;
+    let fan: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_default();
+    assert_eq!(
+        (code, &fan["completed"]),
+        (0, &serde_json::json!(2)),
+        "{out}{err}"
+    );
 
     // An operator's schedule is fired by the reaper under its user.
     let added = std::time::SystemTime::now()
@@ -390,10 +416,10 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     // The operator inspects.
     let (code, out, err) = s.cli("operator", &["list", "--all", "--json"]).await;
     assert_eq!(code, 0, "{err}");
-    // (besides the schedule's jobs)
+    // (besides the schedule's jobs, and the fan-out's parent and children)
     let listed = out
         .lines()
-        .filter(|l| !l.contains(r#""id":"perm-"#))
+        .filter(|l| !l.contains(r#""id":"perm-"#) && !l.contains(r#""id":"p-fan"#))
         .count();
     assert_eq!(listed, 3, "{out}");
     let (code, _, err) = s.cli("operator", &["dlq", "list"]).await;
@@ -424,7 +450,7 @@ async fn each_binary_does_its_job_under_its_roles_user() {
                 "setup",
                 "--check",
                 "--kinds",
-                "echo,sleep",
+                "echo,sleep,fanout",
                 "--ack-wait",
                 "1s",
             ],
@@ -755,7 +781,9 @@ fn the_nsc_recipe_grants_what_the_server_config_grants() {
 async fn the_console_reads_as_lh_console_and_acts_only_through_an_operator_connection() {
     let s = Secured::start();
     let op = s.connect("operator").await;
-    let (code, _, err) = s.cli("operator", &["setup", "--kinds", "echo,sleep"]).await;
+    let (code, _, err) = s
+        .cli("operator", &["setup", "--kinds", "echo,sleep,fanout"])
+        .await;
     assert_eq!(code, 0, "{err}");
     let jobs = Jobs::open(&op).await.unwrap();
     let _worker = s.worker();

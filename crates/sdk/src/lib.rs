@@ -86,8 +86,8 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 pub use agent::{Agent, AgentOutput, ModelConfig};
-pub use check::{JournalCheck, JournalVerdict};
 pub use async_trait::async_trait;
+pub use check::{JournalCheck, JournalVerdict};
 pub use ctx::{Checkpoints, Child, Ctx, Signal, SpawnOptions, MAX_DEPTH, MAX_FAN_OUT};
 pub use error::Error;
 /// A boxed future, as [`Tool`] methods return.

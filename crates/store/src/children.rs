@@ -17,14 +17,17 @@
 //! child's end costs one publish: no write to the parent's record, however
 //! many children end at once.
 //!
-//! A parent that joins waits (`waiting_for` `children`) until the count of
-//! messages on that subject reaches the number its join computed
-//! ([`announced`]: one stream-info request, whatever the number of
-//! children): the waker of the signals ([`crate::signals::run`]) asks on
-//! each child's end, and only the last one wakes it. A count that runs
-//! ahead (a child ended twice after a replay, an end announced twice past
-//! the dedupe window) wakes it early; its join reads its children again
-//! and waits again, so an early wake costs an attempt, never a result.
+//! A parent that joins reads the announcements ([`announcements`]: their
+//! count and the children they name, one read) and, while some of its
+//! children are not among them, waits (`waiting_for` `children`) until the
+//! count reaches what it read plus the children still to announce: exactly
+//! when the last of them ends. The waker of the signals
+//! ([`crate::signals::run`]) asks on each child's end ([`announced`]: one
+//! stream-info request, whatever the number of children), and only the
+//! last one wakes it. A count that runs ahead (a child ended twice after a
+//! replay, an end announced twice past the dedupe window) wakes it early;
+//! its join reads again and waits again, so an early wake costs an
+//! attempt, never a result.
 
 use leasehold_core::{JobRecord, Status};
 use serde::{Deserialize, Serialize};
@@ -163,6 +166,27 @@ pub async fn announce_end(
         .send(&parent.id, ENDED, &data, Some(&id), Some("leasehold"))
         .await
         .map(|_| ())
+}
+
+/// The child ends announced to `parent`: how many messages in all, and
+/// the children they name (one bounded read of its `lh-child` subject).
+/// What a join waits on: with the count read with the set, a child not in
+/// the set is one whose announcement is still to come.
+pub async fn announcements(
+    signals: &Signals,
+    parent: &str,
+) -> Result<(u64, std::collections::HashSet<String>), StoreError> {
+    let all = signals.all(parent, ENDED).await?;
+    let ids = all
+        .iter()
+        .filter_map(|s| {
+            s.data
+                .get("child")
+                .and_then(Value::as_str)
+                .map(String::from)
+        })
+        .collect();
+    Ok((all.len() as u64, ids))
 }
 
 /// How many child ends were announced to `parent` in all (one

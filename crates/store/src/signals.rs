@@ -173,6 +173,48 @@ impl Signals {
         Ok(out)
     }
 
+    /// Every signal `name` job `job` has kept, in the order sent: one
+    /// bounded read of the stream (an ephemeral consumer on the subject),
+    /// whatever their number.
+    pub async fn all(&self, job: &str, name: &str) -> Result<Vec<Signal>, StoreError> {
+        let stream = self
+            .js
+            .get_stream_no_info(self.layout.signals_stream())
+            .await
+            .map_err(|e| StoreError::nats("signal stream", e))?;
+        let msgs = crate::read::read_once(
+            &stream,
+            vec![self.layout.signal_subject(job, name)],
+            jetstream::consumer::DeliverPolicy::All,
+            &format!("signals {name} of {job}"),
+        )
+        .await?;
+        Ok(msgs
+            .iter()
+            .map(|m| {
+                let info = m.info().ok();
+                Signal {
+                    name: name.to_string(),
+                    data: data_of(&m.payload),
+                    seq: info.as_ref().map_or(0, |i| i.stream_sequence),
+                    sent_at: info
+                        .map(|i| {
+                            let nanos = i.published.unix_timestamp_nanos().max(0) as u64;
+                            leasehold_core::time::rfc3339(
+                                SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos),
+                            )
+                        })
+                        .unwrap_or_default(),
+                    sender: m
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get(SENDER_HEADER))
+                        .map(|v| v.as_str().to_string()),
+                }
+            })
+            .collect())
+    }
+
     /// How many signals `name` job `job` has kept (one stream-info request
     /// with the signal's subject as its filter, answered by the leader).
     pub async fn count(&self, job: &str, name: &str) -> Result<u64, StoreError> {

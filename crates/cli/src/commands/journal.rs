@@ -69,13 +69,22 @@ async fn check(a: CheckArgs, nats: &NatsArgs) -> anyhow::Result<i32> {
         .env("NATS_URL", &nats.url)
         .env("LH_PREFIX", &nats.prefix);
     for (var, value) in [
-        ("NATS_CREDS", nats.creds.as_ref().map(|p| p.display().to_string())),
+        (
+            "NATS_CREDS",
+            nats.creds.as_ref().map(|p| p.display().to_string()),
+        ),
         ("NATS_USER", nats.user.clone()),
         ("NATS_PASSWORD", nats.password.clone()),
         ("NATS_TOKEN", nats.token.clone()),
         ("NATS_CA", nats.ca.as_ref().map(|p| p.display().to_string())),
-        ("NATS_CERT", nats.cert.as_ref().map(|p| p.display().to_string())),
-        ("NATS_KEY", nats.key.as_ref().map(|p| p.display().to_string())),
+        (
+            "NATS_CERT",
+            nats.cert.as_ref().map(|p| p.display().to_string()),
+        ),
+        (
+            "NATS_KEY",
+            nats.key.as_ref().map(|p| p.display().to_string()),
+        ),
     ] {
         if let Some(v) = value {
             cmd.env(var, v);

@@ -477,10 +477,13 @@ fn waiting_line(rec: &JobRecord) -> String {
         "waiting {}, held by no worker",
         leasehold_core::machine::waits_for(rec)
     );
-    match leasehold_core::machine::signal_of(rec) {
-        Some((name, _)) => format!("{line}; `leasehold signal {} {name}` sends it", rec.id),
-        None => line,
+    if let Some((name, _)) = leasehold_core::machine::signal_of(rec) {
+        return format!("{line}; `leasehold signal {} {name}` sends it", rec.id);
     }
+    if leasehold_core::machine::children_of(rec).is_some() {
+        return format!("{line}; the console's page of {} lists them", rec.id);
+    }
+    line
 }
 
 /// `parked: <reason>: <message>`.
@@ -745,6 +748,21 @@ mod tests {
         assert!(
             line.ends_with("; 1 failed attempt; last error retryable: injected failure 1 of 2"),
             "{line}"
+        );
+    }
+
+    #[test]
+    fn a_parent_waiting_for_its_children_says_so() {
+        let mut r = rec("waiting");
+        r.waiting_for = Some("children".into());
+        r.waiting_step = Some("join#0".into());
+        r.waiting_after = 3;
+        assert_eq!(
+            waiting_line(&r),
+            format!(
+                "waiting for its children (join#0), held by no worker; the console's page of {} lists them",
+                r.id
+            )
         );
     }
 

@@ -144,13 +144,6 @@ pub(crate) async fn spawn_children(
     .expect("serializes"))
 }
 
-/// The one rule of a join step `step` (Rust's `ctx.join`, a remote kind's
-/// `join` op): every child's outcome once all of them ended (the step's
-/// result); until then [`Error::Wait`], and the attempt ends, holding no
-/// worker, until enough child ends were announced to the job. The count
-/// is read before the children: a child that ends between the two reads
-/// is counted as ended here and not in the count, so the wake can only
-/// come early (its join looks again), never late.
 /// The children the run's recorded `spawn` steps started.
 pub(crate) fn spawned<'a>(
     steps: impl IntoIterator<Item = &'a crate::journal::Recorded>,
@@ -163,6 +156,14 @@ pub(crate) fn spawned<'a>(
         .collect()
 }
 
+/// The one rule of a join step `step` (Rust's `ctx.join`, a remote kind's
+/// `join` op): every child's outcome once all of them ended (the step's
+/// result); until then [`Error::Wait`], and the attempt ends, holding no
+/// worker, until the announcements of the children's ends (their count and
+/// the children they name, read at once) reach their count plus the
+/// children not among them: the last child's end wakes it, once. Records
+/// are read only when every child was announced (an announcement follows
+/// its child's terminal record).
 pub(crate) async fn join_children(
     job: &JobCtx,
     step: &str,
@@ -177,38 +178,43 @@ pub(crate) async fn join_children(
         )));
     }
     let signals = Signals::new(&job.conn);
-    let announced = children::announced(&signals, &job.record.id)
+    let (count, ended) = children::announcements(&signals, &job.record.id)
         .await
         .map_err(|e| {
-            Error::retryable(format!("join `{step}`: counting its children's ends: {e}"))
+            Error::retryable(format!("join `{step}`: reading its children's ends: {e}"))
         })?;
-    let jobs = Jobs::open(&job.conn)
-        .await
-        .map_err(|e| Error::retryable(format!("join `{step}`: {e}")))?;
-    let reads: Vec<_> = ids
-        .iter()
-        .cloned()
-        .map(|id| {
-            let (jobs, step) = (jobs.clone(), step.to_string());
-            async move {
-                children::outcome(&jobs, &id).await.map_err(|e| {
-                    Error::retryable(format!("join `{step}`: reading child {id}: {e}"))
-                })
-            }
-        })
-        .collect();
-    let outcomes: Vec<Option<Outcome>> = futures::stream::iter(reads)
-        .buffered(READ_AT_ONCE)
-        .try_collect()
-        .await?;
-    let pending = outcomes.iter().filter(|o| o.is_none()).count() as u64;
+    let mut pending = ids.iter().filter(|id| !ended.contains(*id)).count() as u64;
     if pending == 0 {
-        let all: Vec<Outcome> = outcomes.into_iter().flatten().collect();
-        return Ok(serde_json::to_value(all).expect("serializes"));
+        let jobs = Jobs::open(&job.conn)
+            .await
+            .map_err(|e| Error::retryable(format!("join `{step}`: {e}")))?;
+        let reads: Vec<_> = ids
+            .iter()
+            .cloned()
+            .map(|id| {
+                let (jobs, step) = (jobs.clone(), step.to_string());
+                async move {
+                    children::outcome(&jobs, &id).await.map_err(|e| {
+                        Error::retryable(format!("join `{step}`: reading child {id}: {e}"))
+                    })
+                }
+            })
+            .collect();
+        let outcomes: Vec<Option<Outcome>> = futures::stream::iter(reads)
+            .buffered(READ_AT_ONCE)
+            .try_collect()
+            .await?;
+        // Announced, and running again (replayed from the dead letters):
+        // its next end is announced too.
+        pending = outcomes.iter().filter(|o| o.is_none()).count() as u64;
+        if pending == 0 {
+            let all: Vec<Outcome> = outcomes.into_iter().flatten().collect();
+            return Ok(serde_json::to_value(all).expect("serializes"));
+        }
     }
     Err(Error::Wait(crate::Wait::for_children(
         step,
-        announced + pending,
+        count + pending,
     )))
 }
 
