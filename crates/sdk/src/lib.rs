@@ -177,6 +177,9 @@ impl Models {
     }
 }
 
+/// Every kind of a worker, by name, as it runs them.
+type Handlers = Vec<(String, Arc<KindHandler>)>;
+
 /// A [`Kind`] as the worker runs it.
 pub(crate) struct KindHandler {
     kind: Arc<dyn Kind>,
@@ -380,7 +383,7 @@ impl Worker {
     /// The options and every kind as the worker runs them: the registered
     /// kinds, the remote ones (`--remote-kind`), the built-in ones, each
     /// with the tools and models.
-    fn resolve(mut self) -> anyhow::Result<(Options, Vec<(String, Arc<KindHandler>)>)> {
+    fn resolve(mut self) -> anyhow::Result<(Options, Handlers)> {
         // Kinds served by an HTTP service (--remote-kind NAME=URL), beside
         // the registered ones.
         let remote = RemoteConfig::from_options(&self.opts).map_err(|e| anyhow::anyhow!(e))?;

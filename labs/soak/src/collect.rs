@@ -280,7 +280,23 @@ pub async fn collect(
     for (id, revs) in c.audit.iter().filter(|_| caught_up) {
         let Some(last) = revs.last() else { continue };
         if let Some(slot) = c.records.get_mut(id) {
-            if slot.as_ref() != last.rec.as_ref() {
+            // A get reads a large input or output back from beside the
+            // record; the stream's revision holds the record without it.
+            let stored = slot.as_ref().map(|r| {
+                let mut r = r.clone();
+                if r.input_beside {
+                    if let Some(s) = r.spec.as_mut() {
+                        s.input.clear();
+                    }
+                }
+                if r.output_beside {
+                    if let Some(res) = r.result.as_mut() {
+                        res.output.clear();
+                    }
+                }
+                r
+            });
+            if stored.as_ref() != last.rec.as_ref() {
                 c.stale_reads += 1;
                 *slot = last.rec.clone();
             }
