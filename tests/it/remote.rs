@@ -954,7 +954,9 @@ async fn conformance_a_journal_check_lists_the_jobs_a_code_change_would_park(sdk
     let (env, _s, port, remote) = conformance_env(sdk).await;
     let mut a = worker(&env, &remote, &[]);
     submit_conf(&env, "conf-check", json!({"steps": 3, "sleep_ms": 600000})).await;
-    env.wait_status("conf-check", "waiting", Duration::from_secs(20))
+    // Its `waiting` event comes after its index entry (`hold.<id>`), which
+    // the check lists the kind's active jobs by.
+    env.wait_event("conf-check", "waiting", Duration::from_secs(20))
         .await;
     a.kill9();
     let before = env.jobs.get("conf-check").await.unwrap().unwrap().revision;

@@ -439,9 +439,11 @@ async fn run(
                     format!("the answer must be JSON ({e}), e.g. {{\"approve\": true}}")
                 })?),
             };
-            let ticket = operate::review_resume(&app.op, &app.op_jobs, id, parsed.as_ref())
-                .await
-                .map_err(|e| e.to_string())?;
+            let sender = format!("{} via console", caller.name);
+            let ticket =
+                operate::review_resume(&app.op, &app.op_jobs, id, parsed.as_ref(), Some(&sender))
+                    .await
+                    .map_err(|e| e.to_string())?;
             record(
                 app,
                 caller,

@@ -193,17 +193,20 @@ pub fn only_parked(rec: &JobRecord, action: &'static str) -> Result<(), Transiti
 /// checkpoints kept), with a `progress` event `resumed`. Returns the new
 /// ticket's sequence.
 ///
-/// With `answer`, a person's answer is first written as the job's `answer`
-/// event, naming the step it answers ([`parked_step`]: the step of the
-/// job's last `parked` event), so the attempt the requeue starts finds it
-/// (an SDK kind's `ctx.park`, a remote kind's `park` op, at that step
-/// only, return it); a requeue that fails leaves the job parked, and
-/// resuming again writes the answer again (the last one is the one).
+/// With `answer`, a person's answer is first sent as the job's signal
+/// `lh-answer`, from `sender` (`ana via cli`), naming the park it answers
+/// (the step and the sequence of the job's last `parked` event), and
+/// written as its `answer` event (its timeline), so the attempt the
+/// requeue starts finds it (an SDK kind's `ctx.park`, a remote kind's
+/// `park` op, at that park only, return it); a requeue that fails leaves
+/// the job parked, and resuming again answers again (the last one is the
+/// one).
 pub async fn review_resume(
     conn: &Conn,
     jobs: &Jobs,
     id: &str,
     answer: Option<&serde_json::Value>,
+    sender: Option<&str>,
 ) -> Result<u64, OpError> {
     if let Some(answer) = answer {
         let cur = jobs
@@ -212,7 +215,17 @@ pub async fn review_resume(
             .map_err(|e| explain(e, id))?
             .ok_or_else(|| OpError(format!("no job {id}")))?;
         only_parked(&cur.value, "resume").map_err(|e| explain(e.into(), id))?;
-        let step = parked_step(conn, id).await?;
+        let (step, parked_seq) = parked_at(conn, id).await?;
+        Signals::new(conn)
+            .send(
+                id,
+                leasehold_store::signals::ANSWER,
+                &json!({"step": step, "parked_seq": parked_seq, "answer": answer}),
+                None,
+                sender,
+            )
+            .await
+            .map_err(|e| OpError(format!("sending the answer of job {id}: {e}")))?;
         let ev = events::event(
             id,
             cur.value.epoch,
@@ -377,16 +390,25 @@ pub async fn signals_kept(conn: &Conn, id: &str, limit: usize) -> Result<Vec<Sig
 /// asked (a park for an uncertain effect, a journal mismatch). An answer
 /// names it, and only that step, parked before the answer, takes it.
 pub async fn parked_step(conn: &Conn, id: &str) -> Result<Option<String>, OpError> {
+    Ok(parked_at(conn, id).await?.0)
+}
+
+/// [`parked_step`] and the sequence of that `parked` event (0: none).
+async fn parked_at(conn: &Conn, id: &str) -> Result<(Option<String>, u64), OpError> {
     let last = Events::new(conn)
         .last_of_type_from_leader(id, "parked")
         .await
         .map_err(|e| OpError(format!("reading the last park of job {id}: {e}")))?;
-    Ok(last.and_then(|(_, ev)| {
-        ev.data_map()
-            .get("step")
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    }))
+    Ok(match last {
+        Some((seq, ev)) => (
+            ev.data_map()
+                .get("step")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            seq,
+        ),
+        None => (None, 0),
+    })
 }
 
 /// `review fail`: the parked job ends `failed` with the reviewer's reason

@@ -49,6 +49,12 @@ pub struct Signal {
     pub sender: Option<String>,
 }
 
+/// The signal name of a person's answer to a park (leasehold's own:
+/// `review resume --answer` and the console send it, with the person as
+/// its sender; data `{"step", "parked_seq", "answer"}`: the park it
+/// answers, by its step and its `parked` event's sequence).
+pub const ANSWER: &str = "lh-answer";
+
 /// The header naming a signal's sender.
 pub const SENDER_HEADER: &str = "Lh-Sender";
 

@@ -61,7 +61,12 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     match args.cmd {
         Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
         Cmd::Resume { id, answer, .. } => {
-            let ticket = operate::review_resume(&conn, &jobs, &id, answer.as_ref()).await?;
+            let sender = format!(
+                "{} via cli",
+                std::env::var("USER").unwrap_or_else(|_| "someone".into())
+            );
+            let ticket =
+                operate::review_resume(&conn, &jobs, &id, answer.as_ref(), Some(&sender)).await?;
             eprintln!(
                 "job {id} queued again (ticket {ticket}); follow it with `leasehold watch {id}`"
             );

@@ -77,10 +77,12 @@ pub(crate) async fn record_step(job: &JobCtx, rec: &Recorded) -> Result<(), Erro
 }
 
 /// The answer a person gave to the park at step `step`, if they did: the
-/// job's last `parked` event is this step's, and its last `answer` event
-/// names this step and came after it (both read from the stream's leader:
-/// a lagging replica must not hide an answer). The one rule of
-/// [`Ctx::park`] and of a remote kind's `park` op.
+/// job's last `parked` event is this step's, and the last `lh-answer`
+/// signal naming that very park (its step and its event's sequence) is
+/// the answer. An answer given before answers were signals: its last
+/// `answer` event names this step and came after the park (read from the
+/// stream's leader: a lagging replica must not hide an answer). The one
+/// rule of [`Ctx::park`] and of a remote kind's `park` op.
 pub(crate) async fn answer_for(job: &JobCtx, step: &str) -> Result<Option<Value>, Error> {
     let events = Events::new(&job.conn);
     let read = |ty: &'static str| {
@@ -94,8 +96,37 @@ pub(crate) async fn answer_for(job: &JobCtx, step: &str) -> Result<Option<Value>
         }
     };
     let parked = read("parked").await?;
+    if let Some((seq, p)) = &parked {
+        if p.get("step").and_then(Value::as_str) == Some(step) {
+            let signals = leasehold_store::signals::Signals::new(&job.conn)
+                .all(&job.record.id, leasehold_store::signals::ANSWER)
+                .await
+                .map_err(|e| Error::retryable(format!("reading the job's answers: {e}")))?;
+            if let Some(a) = signal_answer(step, *seq, &signals) {
+                return Ok(Some(a));
+            }
+        }
+    }
     let answer = read("answer").await?;
     Ok(answer_of(step, parked, answer))
+}
+
+/// The answer among `signals` (`lh-answer`, in the order sent) to the park
+/// of step `step` whose `parked` event is at `parked_seq`: the last one
+/// naming both.
+pub(super) fn signal_answer(
+    step: &str,
+    parked_seq: u64,
+    signals: &[leasehold_store::signals::Signal],
+) -> Option<Value> {
+    signals
+        .iter()
+        .rev()
+        .find(|s| {
+            s.data.get("step").and_then(Value::as_str) == Some(step)
+                && s.data.get("parked_seq").and_then(Value::as_u64) == Some(parked_seq)
+        })
+        .map(|s| s.data.get("answer").cloned().unwrap_or(Value::Null))
 }
 
 /// The one rule of a durable timer's step `step` (Rust's `ctx.sleep`, a

@@ -1,11 +1,36 @@
 //! Tests of which answer a park takes.
 
-use super::shared::{answer_of, waited_until};
+use super::shared::{answer_of, signal_answer, waited_until};
 use super::*;
 use serde_json::json;
 
 fn m(v: Value) -> serde_json::Map<String, Value> {
     v.as_object().unwrap().clone()
+}
+
+fn answer(step: &str, parked_seq: u64, answer: Value, seq: u64) -> Signal {
+    Signal {
+        name: "lh-answer".into(),
+        data: json!({"step": step, "parked_seq": parked_seq, "answer": answer}),
+        seq,
+        sent_at: String::new(),
+        sender: Some("ana via cli".into()),
+    }
+}
+
+#[test]
+fn an_answer_signal_is_taken_only_by_the_park_it_answers_and_the_last_one_counts() {
+    let sent = [
+        answer("park#0", 10, json!({"ok": 1}), 1),
+        answer("park#1", 12, json!({"ok": 2}), 2),
+        answer("park#0", 10, json!({"ok": 3}), 3),
+    ];
+    assert_eq!(signal_answer("park#0", 10, &sent), Some(json!({"ok": 3})));
+    assert_eq!(signal_answer("park#1", 12, &sent), Some(json!({"ok": 2})));
+    // The same step parked again (a later `parked` event): the answers
+    // to its earlier park are not this one's.
+    assert_eq!(signal_answer("park#0", 14, &sent), None);
+    assert_eq!(signal_answer("park#2", 12, &sent), None);
 }
 
 #[test]
