@@ -256,6 +256,18 @@ async fn a_persons_answer_comes_back_to_the_step_that_asked() {
     // The answer is a recorded step: the park is not asked again.
     let s = steps(&env.events_of("inv-approve").await);
     assert_eq!(s.iter().filter(|x| *x == "park#0").count(), 1, "{s:?}");
+    // It came as a signal from a person, naming the park it answered.
+    let answers = leasehold_testkit::doors::signals::Signals::new(&env.conn)
+        .all("inv-approve", "lh-answer")
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 1, "{answers:?}");
+    assert_eq!(answers[0].data["step"], json!("park#0"));
+    assert_eq!(answers[0].data["answer"], json!({"approve": true}));
+    assert!(
+        answers[0].sender.as_deref().unwrap_or("").ends_with(" via cli"),
+        "{answers:?}"
+    );
 }
 
 #[tokio::test]
