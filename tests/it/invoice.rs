@@ -265,7 +265,11 @@ async fn a_persons_answer_comes_back_to_the_step_that_asked() {
     assert_eq!(answers[0].data["step"], json!("park#0"));
     assert_eq!(answers[0].data["answer"], json!({"approve": true}));
     assert!(
-        answers[0].sender.as_deref().unwrap_or("").ends_with(" via cli"),
+        answers[0]
+            .sender
+            .as_deref()
+            .unwrap_or("")
+            .ends_with(" via cli"),
         "{answers:?}"
     );
 }

@@ -144,21 +144,56 @@ pub async fn announce_end(
     signals: &Signals,
     rec: &JobRecord,
 ) -> Result<(), StoreError> {
+    announce_end_seen(jobs, signals, &SeenParents::default(), rec).await
+}
+
+/// How long a parent seen with a record is taken as still having one.
+/// Far shorter than any retention: an end announced to a parent that
+/// ended meanwhile is purged with the parent's signals when it is
+/// forgotten.
+const SEEN_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Parents seen with an unfinished record, and when (one process's;
+/// clones share it).
+#[derive(Default, Clone)]
+pub struct SeenParents(
+    std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>>,
+);
+
+impl SeenParents {
+    fn fresh(&self, id: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .get(id)
+            .is_some_and(|t| t.elapsed() < SEEN_FOR)
+    }
+
+    fn saw(&self, id: &str) {
+        let mut g = self.0.lock().unwrap();
+        if g.len() > 10_000 {
+            g.retain(|_, t| t.elapsed() < SEEN_FOR);
+        }
+        g.insert(id.to_string(), std::time::Instant::now());
+    }
+}
+
+/// [`announce_end`], reading the parent only when `seen` did not see it
+/// unfinished a moment ago.
+pub async fn announce_end_seen(
+    jobs: &Jobs,
+    signals: &Signals,
+    seen: &SeenParents,
+    rec: &JobRecord,
+) -> Result<(), StoreError> {
     let Some(parent) = rec.spec.as_ref().and_then(|s| s.parent.as_ref()) else {
         return Ok(());
     };
-    let live = jobs
-        .get(&parent.id)
-        .await
-        .map_err(|e| StoreError::failed(format!("read parent {}: {e}", parent.id)))?
-        .is_some_and(|p| {
-            p.value
-                .status
-                .parse::<Status>()
-                .is_ok_and(|s| !s.is_terminal())
-        });
-    if !live {
-        return Ok(());
+    if !seen.fresh(&parent.id) {
+        if !parent_unfinished(jobs, &parent.id).await? {
+            return Ok(());
+        }
+        seen.saw(&parent.id);
     }
     let data = serde_json::json!({"child": rec.id, "status": rec.status});
     let id = format!("{}:ended:{}:{}", rec.id, rec.epoch, rec.created_at);
@@ -166,6 +201,20 @@ pub async fn announce_end(
         .send(&parent.id, ENDED, &data, Some(&id), Some("leasehold"))
         .await
         .map(|_| ())
+}
+
+/// Whether job `id` has a record that has not finished.
+async fn parent_unfinished(jobs: &Jobs, id: &str) -> Result<bool, StoreError> {
+    Ok(jobs
+        .get(id)
+        .await
+        .map_err(|e| StoreError::failed(format!("read parent {id}: {e}")))?
+        .is_some_and(|p| {
+            p.value
+                .status
+                .parse::<Status>()
+                .is_ok_and(|s| !s.is_terminal())
+        }))
 }
 
 /// The child ends announced to `parent`: how many messages in all, and

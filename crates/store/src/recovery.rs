@@ -98,6 +98,8 @@ pub struct Recovery {
     pub events: Events,
     pub dlq: Dlq,
     pub signals: crate::signals::Signals,
+    /// Parents seen with a record lately ([`Recovery::announce_end`]).
+    live_parents: crate::children::SeenParents,
     /// The one rule for "is this job's owner there?".
     pub liveness: Liveness,
     /// Who acts (`reaper r-..`, `worker w-..`), in events and logs.
@@ -130,6 +132,7 @@ impl Recovery {
             events: Events::new(conn),
             dlq: Dlq::new(conn),
             signals: crate::signals::Signals::new(conn),
+            live_parents: Default::default(),
             actor,
             max_stale_reclaims,
         })
@@ -467,8 +470,10 @@ impl Recovery {
     /// ([`crate::children::announce_end`]): every path that ends a job
     /// does, before its terminal event (the end's completion marker), so
     /// an end whose event is missing is announced when it is finished.
+    /// A parent seen with a record a moment ago is not read again (a
+    /// thousand children ending are not a thousand reads of it).
     pub async fn announce_end(&self, rec: &JobRecord) -> Result<(), StoreError> {
-        crate::children::announce_end(&self.jobs, &self.signals, rec).await
+        crate::children::announce_end_seen(&self.jobs, &self.signals, &self.live_parents, rec).await
     }
 
     /// Publishes the terminal event of a finished (`completed`, `failed`,

@@ -17,6 +17,7 @@
 //! end looks once more after its write (`Step::Recheck`), and a kept
 //! ticket's claim looks too, so no signal is slept through.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -298,26 +299,59 @@ const RETRY: Duration = Duration::from_secs(1);
 pub async fn run(conn: Conn, r: Arc<Recovery>, shutdown: CancellationToken) {
     let stream = conn.layout.signals_stream();
     let consumer = conn.layout.signal_wake_consumer();
+    let looks = Looks::default();
     crate::shared::consume(&conn, &stream, &consumer, 16, "signals", &shutdown, |m| {
-        on_signal(&conn.layout, &r, m)
+        on_signal(&conn.layout, &r, &looks, m)
     })
     .await
 }
 
-async fn on_signal(layout: &Layout, r: &Recovery, m: jetstream::Message) {
+/// The looks at a job running now, by job, each with the signals that
+/// came while it ran (a thousand children ending at once are a few looks
+/// at their parent, not a thousand). A signal is acked only after a look
+/// that started after it came: a waker that stops leaves it unacked, and
+/// it comes back.
+#[derive(Default)]
+struct Looks(std::sync::Mutex<HashMap<String, Vec<jetstream::Message>>>);
+
+async fn on_signal(layout: &Layout, r: &Recovery, looks: &Looks, m: jetstream::Message) {
     let Some((job, name)) = layout.of_signal_subject(&m.subject) else {
         let _ = m.ack().await;
         return;
     };
-    match crate::timers::wake(r, job).await {
-        Ok(w) => {
-            tracing::debug!(job, signal = name, woken = ?w, "signal looked at");
-            let _ = m.ack().await;
+    let (job, name) = (job.to_string(), name.to_string());
+    {
+        let mut g = looks.0.lock().unwrap();
+        if let Some(next) = g.get_mut(&job) {
+            // The running look may have read before this signal: the next
+            // one, when it ends, covers it.
+            next.push(m);
+            return;
         }
-        Err(e) => {
-            tracing::info!(job, signal = name, error = %e, "a signal's job not woken yet; looking again");
-            let _ = m.ack_with(AckKind::Nak(Some(RETRY))).await;
+        g.insert(job.clone(), Vec::new());
+    }
+    let mut batch = vec![m];
+    loop {
+        let settle = match crate::timers::wake(r, &job).await {
+            Ok(w) => {
+                tracing::debug!(job, signal = name, signals = batch.len(), woken = ?w, "signal looked at");
+                AckKind::Ack
+            }
+            Err(e) => {
+                tracing::info!(job, signal = name, error = %e, "a signal's job not woken yet; looking again");
+                AckKind::Nak(Some(RETRY))
+            }
+        };
+        for m in batch {
+            let _ = m.ack_with(settle.clone()).await;
         }
+        let mut g = looks.0.lock().unwrap();
+        let next = g.get_mut(&job).map(std::mem::take).unwrap_or_default();
+        if next.is_empty() {
+            g.remove(&job);
+            return;
+        }
+        batch = next;
     }
 }
 
