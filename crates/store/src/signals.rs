@@ -343,7 +343,7 @@ async fn on_signal(layout: &Layout, r: &Recovery, looks: &Looks, m: jetstream::M
             }
         };
         for m in batch {
-            let _ = m.ack_with(settle.clone()).await;
+            let _ = m.ack_with(settle).await;
         }
         let mut g = looks.0.lock().unwrap();
         let next = g.get_mut(&job).map(std::mem::take).unwrap_or_default();
