@@ -278,15 +278,65 @@ pub async fn spawns(events: &Events, parent: &str) -> Result<Vec<Spawned>, Store
         .collect())
 }
 
-/// The children of `parent` that a cancel of it cancels too: those of
-/// its spawns that did not detach them.
-pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<String>, StoreError> {
-    Ok(spawns(events, parent)
-        .await?
+/// The children of `parent` that a cancel of it cancels too, with their
+/// kind: those of its spawns that did not detach them.
+pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<(String, String)>, StoreError> {
+    let steps = events.read_types(parent, &["step"]).await?;
+    Ok(crate::events::coherent(&steps)
         .into_iter()
-        .filter(|s| s.on_cancel != DETACH)
-        .flat_map(|s| s.children)
+        .filter_map(|ev| {
+            let d = ev.data_map();
+            let kind = d
+                .get("id")
+                .and_then(Value::as_str)?
+                .strip_prefix(SPAWN_STEP)?
+                .split('#')
+                .next()?
+                .to_string();
+            let s: Spawned = serde_json::from_value(d.get("result")?.clone()).ok()?;
+            (s.on_cancel != DETACH).then(|| {
+                s.children
+                    .into_iter()
+                    .map(|c| (c, kind.clone()))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .flatten()
         .collect())
+}
+
+/// The record of child `id` (of `kind`, spawned by `parent`) that its
+/// parent's cancel found without one (its ticket not taken yet):
+/// `cancelled` from the start, so its ticket's claim runs nothing.
+pub fn cancelled_unborn(
+    id: &str,
+    kind: &str,
+    parent: &str,
+    now: std::time::SystemTime,
+) -> JobRecord {
+    let mut r = leasehold_core::machine::new_record(
+        id,
+        kind,
+        leasehold_proto::JobSpec {
+            id: Some(id.into()),
+            parent: Some(leasehold_proto::Parent {
+                id: parent.into(),
+                on_cancel: CASCADE.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        0,
+        now,
+    );
+    r.status = Status::Cancelled.as_str().into();
+    r.cancel_requested = true;
+    r.error = Some(leasehold_proto::JobError {
+        class: "cancelled".into(),
+        message: format!("cancelled with its parent {parent}, before it ran"),
+        at: leasehold_core::time::rfc3339(now),
+    });
+    r
 }
 
 /// The name of a spawn step (`spawn:<kind>#n`) starts with this.

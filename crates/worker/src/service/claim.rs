@@ -453,36 +453,9 @@ impl Delivery {
         }
     }
 
-    /// A new job: its record created claimed by this worker. A child
-    /// whose parent was cancelled before the child had a record (the
-    /// parent's cancel found none to cancel) is recorded cancelled instead,
-    /// unless its spawn detached it.
+    /// A new job: its record created claimed by this worker.
     async fn create_claimed(&self, mine: &mut Option<String>) -> Round {
         let (id, kind) = (&self.accepted.id, &self.kind);
-        if let Some(parent) = self.cancelled_parent().await {
-            let fresh = machine::new_record(
-                id,
-                kind,
-                self.accepted.spec.clone(),
-                self.seq,
-                SystemTime::now(),
-            );
-            if let Ok(machine::CancelOutcome::Cancelled(mut r)) =
-                machine::request_cancel(&fresh, SystemTime::now())
-            {
-                if let Some(e) = r.error.as_mut() {
-                    e.message = format!("cancelled with its parent {parent}");
-                }
-                return match self.shared.jobs.create(&r).await {
-                    Ok(_) => {
-                        cancelled_unclaimed(&self.shared, &r).await;
-                        self.ack().await
-                    }
-                    Err(JobsError::Exists(_) | JobsError::Conflict(_)) => Round::Again,
-                    Err(e) => self.later(&e, "cannot record the cancellation").await,
-                };
-            }
-        }
         let c = self.shared.claimant(self.seq, OwnerLiveness::Dead);
         let mut record = machine::claim_new(
             machine::new_record(id, kind, self.accepted.spec.clone(), self.seq, c.now),
@@ -498,18 +471,6 @@ impl Delivery {
                 .map(|r| (r, Box::new(record))),
             false,
         )
-    }
-
-    /// The parent of this new child, when a cancel of it (asked, or done)
-    /// cascades to the child. One read of the parent, for children only.
-    async fn cancelled_parent(&self) -> Option<String> {
-        let p = self.accepted.spec.parent.as_ref()?;
-        if p.on_cancel == leasehold_store::children::DETACH {
-            return None;
-        }
-        let rec = self.shared.jobs.get(&p.id).await.ok()??.value;
-        (rec.cancel_requested || rec.status == leasehold_core::Status::Cancelled.as_str())
-            .then(|| p.id.clone())
     }
 
     /// A recorded job: what `machine::decide_claim` says of it, with what
