@@ -266,6 +266,22 @@ async fn spawn_limits_and_bad_spawns_are_clear_errors() {
         .await;
     let why = r.error.unwrap().message;
     assert!(why.contains("not a kind name"), "{why}");
+    // More children in one spawn than a spawn may start.
+    env.submit("fanout", json!({"input": {"n": 10_001}}), "too-many")
+        .await;
+    let r = env
+        .wait_status("too-many", "failed", Duration::from_secs(20))
+        .await;
+    let why = r.error.unwrap().message;
+    assert!(
+        why.contains("10001 children") && why.contains("limit of 10000"),
+        "{why}"
+    );
+    assert_eq!(
+        env.steps_recorded("too-many", "spawn:echo#0").await,
+        0,
+        "nothing was spawned"
+    );
     // A kind no worker set up.
     env.submit(
         "fanout",
