@@ -32,6 +32,18 @@ fn of_type<'a>(evs: &'a [JobEvent], ty: &str) -> Vec<&'a JobEvent> {
     evs.iter().filter(|e| e.r#type == ty).collect()
 }
 
+/// The children a parent's (first) spawn step recorded.
+async fn spawned(env: &Fleet, parent: &str) -> Vec<String> {
+    let evs = env.events_of(parent).await;
+    let step = of_type(&evs, "step")[0].data_map();
+    step["result"]["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
 /// Each child exists once, named its parent, and ran once.
 async fn each_child_once(env: &Fleet, parent: &str, children: &[String]) -> Vec<JobRecord> {
     let mut out = Vec::new();
@@ -180,21 +192,8 @@ async fn cancelling_a_parent_cancels_its_children_and_detached_ones_run_on() {
         env.wait_status(id, "waiting", Duration::from_secs(20))
             .await;
     }
-    let spawned = |id: &'static str| {
-        let env = &env;
-        async move {
-            let evs = env.events_of(id).await;
-            let step = of_type(&evs, "step")[0].data_map();
-            step["result"]["children"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|c| c.as_str().unwrap().to_string())
-                .collect::<Vec<_>>()
-        }
-    };
-    let cascade = spawned("brood-cascade").await;
-    let detached = spawned("brood-detached").await;
+    let cascade = spawned(&env, "brood-cascade").await;
+    let detached = spawned(&env, "brood-detached").await;
     for c in &cascade {
         env.wait_status(c, "running", Duration::from_secs(20)).await;
     }
@@ -430,9 +429,7 @@ async fn a_child_whose_worker_died_between_its_end_and_its_announcement_still_wa
         .await
         .expect("the child's worker reached its announcement");
     b.kill9();
-    let evs = env.events_of("brood-k4").await;
-    let spawn = of_type(&evs, "step")[0].data_map();
-    let child = spawn["result"]["children"][0].as_str().unwrap().to_string();
+    let child = spawned(&env, "brood-k4").await.remove(0);
     assert_eq!(env.record(&child).await.unwrap().status, "completed");
     assert!(of_type(&env.events_of(&child).await, "completed").is_empty());
     assert_eq!(env.record("brood-k4").await.unwrap().status, "waiting");
@@ -501,13 +498,7 @@ async fn children_not_yet_claimed_when_their_parent_is_cancelled_never_run() {
     .await;
     env.wait_status("brood-early", "waiting", Duration::from_secs(20))
         .await;
-    let evs = env.events_of("brood-early").await;
-    let kids: Vec<String> = of_type(&evs, "step")[0].data_map()["result"]["children"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap().to_string())
-        .collect();
+    let kids = spawned(&env, "brood-early").await;
     for k in &kids {
         assert!(env.record(k).await.is_none(), "not claimed yet");
     }

@@ -11,10 +11,8 @@
 //! - The parent's wakes: how many times each parent was claimed (2: its
 //!   first attempt and one wake, whatever its number of children).
 
-use std::future::IntoFuture;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use leasehold::{AttemptOutcome, Count, Options};
 use leasehold_core::time::parse_rfc3339;
 use leasehold_store::events::Events;
@@ -31,25 +29,14 @@ pub const TARGET_RATIO: f64 = 1.5;
 /// Wake latency target, one node.
 pub const TARGET_WAKE_P95_MS: f64 = 50.0;
 
-/// Publishes `n` echo jobs `<prefix>-<i>`, bounded in flight.
+/// Publishes `n` echo jobs `<prefix>-<i>`.
 async fn submit_echo(
     js: &async_nats::jetstream::Context,
     subject: &str,
     n: usize,
     prefix: &str,
 ) -> anyhow::Result<()> {
-    let mut acks = futures::stream::FuturesUnordered::new();
-    for i in 0..n {
-        let m = async_nats::jetstream::message::PublishMessage::build()
-            .payload(json!({"input": {"i": i}}).to_string().into())
-            .message_id(format!("{prefix}-{i}"));
-        acks.push(js.send_publish(subject.to_string(), m).await?.into_future());
-        if acks.len() >= 512 {
-            acks.next().await.transpose()?;
-        }
-    }
-    while acks.next().await.transpose()?.is_some() {}
-    Ok(())
+    publish_many(js, subject, 0..n, prefix, |i| json!({"input": {"i": i}})).await
 }
 
 /// Waits until the worker completed `n` attempts in all.

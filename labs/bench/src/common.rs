@@ -102,6 +102,31 @@ impl Drop for Server {
     }
 }
 
+/// Publishes the submissions `<prefix>-<i>` (their `Nats-Msg-Id`), `i` in
+/// `ids`, each `spec(i)`, on `subject`, with at most 512 awaiting their
+/// acks (the server's pending acks stay small).
+pub async fn publish_many(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    ids: std::ops::Range<usize>,
+    prefix: &str,
+    spec: impl Fn(usize) -> Value,
+) -> anyhow::Result<()> {
+    use std::future::IntoFuture;
+    let mut acks = futures::stream::FuturesUnordered::new();
+    for i in ids {
+        let m = async_nats::jetstream::message::PublishMessage::build()
+            .payload(spec(i).to_string().into())
+            .message_id(format!("{prefix}-{i}"));
+        acks.push(js.send_publish(subject.to_string(), m).await?.into_future());
+        if acks.len() >= 512 {
+            acks.next().await.transpose()?;
+        }
+    }
+    while acks.next().await.transpose()?.is_some() {}
+    Ok(())
+}
+
 /// A fresh server with `leasehold setup`'s layout (`o`) and a connection.
 pub async fn server(o: SetupOptions) -> anyhow::Result<(Server, Conn)> {
     let s = Server::start();

@@ -18,7 +18,6 @@
 //! The kind runs in an in-process worker built with `leasehold::Worker`.
 
 use std::collections::BTreeMap;
-use std::future::IntoFuture;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
@@ -86,19 +85,7 @@ async fn submit(
     prefix: &str,
     ms: u64,
 ) -> anyhow::Result<()> {
-    let mut acks = futures::stream::FuturesUnordered::new();
-    for i in ids {
-        let m = async_nats::jetstream::message::PublishMessage::build()
-            .payload(json!({"input": {"ms": ms}}).to_string().into())
-            .message_id(format!("{prefix}-{i}"));
-        acks.push(js.send_publish(subject.to_string(), m).await?.into_future());
-        // Bounded in flight: the server's pending acks stay small.
-        if acks.len() >= 512 {
-            acks.next().await.transpose()?;
-        }
-    }
-    while acks.next().await.transpose()?.is_some() {}
-    Ok(())
+    publish_many(js, subject, ids, prefix, |_| json!({"input": {"ms": ms}})).await
 }
 
 /// Waits until the worker ended `n` attempts to wait (its own counter: a
