@@ -457,11 +457,14 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(doc["state"], "added", "{out}");
     let first = unix(added) / 2 * 2 + 2;
-    // Both reapers fire the first ticks; then one dies at a tick.
+    // Both reapers fire the first ticks; then one dies at a tick. (The
+    // first tick's wait is generous: a loaded machine once took longer
+    // than 10 s to see the new schedule; what is asserted is once per
+    // tick, not how soon.)
     env.wait_status(
         &format!("tick-{first}"),
         "completed",
-        Duration::from_secs(10),
+        Duration::from_secs(30),
     )
     .await;
     let kill_tick = first + 4;

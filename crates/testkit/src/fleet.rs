@@ -270,6 +270,28 @@ impl Fleet {
         Active::open(&self.conn).await.unwrap()
     }
 
+    /// Waits (on a watch of the index, not by polling) until job `id` has
+    /// no index entry: a finished job's entries go after its terminal
+    /// event, a moment after its record says it ended.
+    pub async fn wait_unindexed(&self, id: &str, timeout: Duration) {
+        let active = self.active().await;
+        let mut w = active.kv().watch_all().await.unwrap();
+        let gone = async {
+            loop {
+                if active.keys_of(id).await.unwrap().is_empty() {
+                    return;
+                }
+                w.next().await;
+            }
+        };
+        if tokio::time::timeout(timeout, gone).await.is_err() {
+            panic!(
+                "job {id} still indexed after {timeout:?}: {:?}",
+                active.keys_of(id).await.unwrap()
+            );
+        }
+    }
+
     /// The dead letters of one job.
     pub async fn letters_of(&self, id: &str) -> Vec<Letter> {
         Dlq::new(&self.conn)
