@@ -94,6 +94,15 @@ impl Bulk<'_> {
 /// fails at once.
 const OPEN_DEADLINE: Duration = Duration::from_secs(120);
 
+/// Who sends what this command sends (a signal, a park's answer), as its
+/// `Lh-Sender` says: `<user> via cli`.
+pub(crate) fn sender() -> String {
+    format!(
+        "{} via cli",
+        std::env::var("USER").unwrap_or_else(|_| "someone".into())
+    )
+}
+
 /// The job records, waiting out an unavailable server.
 pub(crate) async fn open_jobs(conn: &Conn) -> Result<Jobs, StoreError> {
     retry_unavailable("jobs bucket", OPEN_DEADLINE, || Jobs::open(conn)).await

@@ -61,10 +61,7 @@ pub async fn run(args: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     match args.cmd {
         Cmd::List { json } => list(&jobs, &super::open_active(&conn).await?, json).await,
         Cmd::Resume { id, answer, .. } => {
-            let sender = format!(
-                "{} via cli",
-                std::env::var("USER").unwrap_or_else(|_| "someone".into())
-            );
+            let sender = super::sender();
             let ticket =
                 operate::review_resume(&conn, &jobs, &id, answer.as_ref(), Some(&sender)).await?;
             eprintln!(

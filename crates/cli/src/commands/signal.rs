@@ -50,10 +50,7 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
     };
     let jobs = super::open_jobs(&conn).await?;
     let data = a.data.unwrap_or_else(|| Value::Object(Default::default()));
-    let sender = format!(
-        "{} via cli",
-        std::env::var("USER").unwrap_or_else(|_| "someone".into())
-    );
+    let sender = super::sender();
     let sent = operate::send_signal(
         &conn,
         &jobs,
