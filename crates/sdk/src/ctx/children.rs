@@ -110,12 +110,13 @@ pub(crate) async fn spawn_children(
         });
     }
     let work = Work::new(&job.conn);
+    // The parent's tenant and priority are its children's: one lane.
+    let lane = Lane::of(&spec);
     let publishes: Vec<_> = specs
         .into_iter()
         .zip(ids.iter().cloned())
         .map(|(s, id)| {
-            let work = work.clone();
-            let lane = Lane::of(&serde_json::from_value(s.clone()).unwrap_or_default());
+            let (work, lane) = (work.clone(), lane.clone());
             let (kind, step) = (kind.to_string(), step.to_string());
             async move {
                 work.submit_in_lane(&kind, &lane, s.to_string().into(), Some(&id), None, None)
