@@ -260,27 +260,9 @@ pub const CASCADE: &str = "cascade";
 pub const DETACH: &str = "detach";
 
 /// What `parent`'s recorded `spawn` steps started, in their order (read
-/// from its `step` events): the children and their cancel policy.
-pub async fn spawns(events: &Events, parent: &str) -> Result<Vec<Spawned>, StoreError> {
-    let steps = events.read_types(parent, &["step"]).await?;
-    Ok(crate::events::coherent(&steps)
-        .into_iter()
-        .filter_map(|ev| {
-            let d = ev.data_map();
-            let spawn = d
-                .get("id")
-                .and_then(Value::as_str)
-                .is_some_and(|id| id.starts_with(SPAWN_STEP));
-            spawn
-                .then(|| serde_json::from_value::<Spawned>(d.get("result")?.clone()).ok())
-                .flatten()
-        })
-        .collect())
-}
-
-/// The children of `parent` that a cancel of it cancels too, with their
-/// kind: those of its spawns that did not detach them.
-pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<(String, String)>, StoreError> {
+/// from its `step` events): each spawn's kind, its children and their
+/// cancel policy.
+pub async fn spawns(events: &Events, parent: &str) -> Result<Vec<(String, Spawned)>, StoreError> {
     let steps = events.read_types(parent, &["step"]).await?;
     Ok(crate::events::coherent(&steps)
         .into_iter()
@@ -294,15 +276,53 @@ pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<(String, Str
                 .next()?
                 .to_string();
             let s: Spawned = serde_json::from_value(d.get("result")?.clone()).ok()?;
-            (s.on_cancel != DETACH).then(|| {
-                s.children
-                    .into_iter()
-                    .map(|c| (c, kind.clone()))
-                    .collect::<Vec<_>>()
-            })
+            Some((kind, s))
         })
-        .flatten()
         .collect())
+}
+
+/// The children of `parent` that a cancel of it cancels too, with their
+/// kind: those of its spawns that did not detach them.
+pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<(String, String)>, StoreError> {
+    Ok(spawns(events, parent)
+        .await?
+        .into_iter()
+        .filter(|(_, s)| s.on_cancel != DETACH)
+        .flat_map(|(kind, s)| s.children.into_iter().map(move |c| (c, kind.clone())))
+        .collect())
+}
+
+/// Records child `id` (of `kind`, spawned by `parent`), which its
+/// parent's cancel found without a record (its ticket not taken yet),
+/// `cancelled` from the start ([`cancelled_unborn`]), with its terminal
+/// event. `true` when a claim created its record meanwhile: cancel that.
+pub async fn cancel_unborn(
+    jobs: &Jobs,
+    events: &Events,
+    id: &str,
+    kind: &str,
+    parent: &str,
+) -> bool {
+    let r = cancelled_unborn(id, kind, parent, std::time::SystemTime::now());
+    match jobs.create(&r).await {
+        Ok(_) => {
+            let ev = crate::events::event(
+                id,
+                0,
+                "cancelled",
+                None,
+                serde_json::json!({"while": "queued", "kind": kind, "parent": parent}),
+            );
+            let dedupe = crate::events::terminal_event_id(&r, "cancelled");
+            let _ = events.publish(&ev, Some(&dedupe)).await;
+            false
+        }
+        Err(JobsError::Exists(_)) => true,
+        Err(e) => {
+            tracing::warn!(job = %id, error = %e, "cannot record a child cancelled with its parent");
+            false
+        }
+    }
 }
 
 /// The record of child `id` (of `kind`, spawned by `parent`) that its

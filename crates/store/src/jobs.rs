@@ -755,37 +755,14 @@ pub async fn cancel(
                 {
                     let (reply, more) = Box::pin(cancel(jobs, events, signals, &child)).await;
                     owners.extend(more);
-                    if reply["outcome"] == "not_found" {
-                        // Its ticket not taken yet: recorded cancelled now,
-                        // so its claim runs nothing (a claim that created
-                        // it meanwhile: cancelled as a record, again).
-                        let r =
-                            crate::children::cancelled_unborn(&child, &kind, id, SystemTime::now());
-                        match jobs.create(&r).await {
-                            Ok(_) => {
-                                let ev = crate::events::event(
-                                    &child,
-                                    0,
-                                    "cancelled",
-                                    None,
-                                    json!({"while": "queued", "kind": kind, "parent": id}),
-                                );
-                                let _ = events
-                                    .publish(
-                                        &ev,
-                                        Some(&crate::events::terminal_event_id(&r, "cancelled")),
-                                    )
-                                    .await;
-                            }
-                            Err(JobsError::Exists(_)) => {
-                                let (_, more) =
-                                    Box::pin(cancel(jobs, events, signals, &child)).await;
-                                owners.extend(more);
-                            }
-                            Err(e) => {
-                                tracing::warn!(job = %child, error = %e, "cannot record a child cancelled with its parent")
-                            }
-                        }
+                    // Its ticket not taken yet: recorded cancelled now, so
+                    // its claim runs nothing; a claim that created it
+                    // meanwhile made a record to cancel, again.
+                    if reply["outcome"] == "not_found"
+                        && crate::children::cancel_unborn(jobs, events, &child, &kind, id).await
+                    {
+                        let (_, more) = Box::pin(cancel(jobs, events, signals, &child)).await;
+                        owners.extend(more);
                     }
                 }
             }

@@ -211,7 +211,7 @@ async fn children(app: &App, id: &str) -> String {
         Ok(s) => s,
         Err(e) => return format!("<p class=\"warn\">children: {}</p>", esc(&e.to_string())),
     };
-    let ids: Vec<String> = spawns.iter().flat_map(|s| s.children.clone()).collect();
+    let ids: Vec<String> = spawns.into_iter().flat_map(|(_, s)| s.children).collect();
     if ids.is_empty() {
         return String::new();
     }
