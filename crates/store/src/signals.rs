@@ -200,24 +200,13 @@ impl Signals {
             .iter()
             .map(|m| {
                 let info = m.info().ok();
-                Signal {
-                    name: name.to_string(),
-                    data: data_of(&m.payload),
-                    seq: info.as_ref().map_or(0, |i| i.stream_sequence),
-                    sent_at: info
-                        .map(|i| {
-                            let nanos = i.published.unix_timestamp_nanos().max(0) as u64;
-                            leasehold_core::time::rfc3339(
-                                SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos),
-                            )
-                        })
-                        .unwrap_or_default(),
-                    sender: m
-                        .headers
-                        .as_ref()
-                        .and_then(|h| h.get(SENDER_HEADER))
-                        .map(|v| v.as_str().to_string()),
-                }
+                signal(
+                    name,
+                    info.as_ref().map_or(0, |i| i.stream_sequence),
+                    info.map(|i| i.published),
+                    &m.payload,
+                    m.headers.as_ref(),
+                )
             })
             .collect())
     }
@@ -266,17 +255,42 @@ impl Signals {
 
 /// The signal a stored message is.
 fn signal_of(layout: &Layout, m: &jetstream::message::StreamMessage) -> Signal {
-    let nanos = m.time.unix_timestamp_nanos().max(0) as u64;
-    let at = SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos);
+    let name = layout
+        .of_signal_subject(&m.subject)
+        .map(|(_, n)| n.to_string())
+        .unwrap_or_default();
+    signal(
+        &name,
+        m.sequence,
+        Some(m.time),
+        &m.payload,
+        Some(&m.headers),
+    )
+}
+
+/// A signal from what the stream stored: its name, sequence, time
+/// (the server's clock), payload and headers.
+fn signal(
+    name: &str,
+    seq: u64,
+    stored: Option<time::OffsetDateTime>,
+    payload: &[u8],
+    headers: Option<&async_nats::HeaderMap>,
+) -> Signal {
+    let sent_at = stored
+        .map(|t| {
+            let nanos = t.unix_timestamp_nanos().max(0) as u64;
+            leasehold_core::time::rfc3339(SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos))
+        })
+        .unwrap_or_default();
     Signal {
-        name: layout
-            .of_signal_subject(&m.subject)
-            .map(|(_, n)| n.to_string())
-            .unwrap_or_default(),
-        seq: m.sequence,
-        data: data_of(&m.payload),
-        sent_at: leasehold_core::time::rfc3339(at),
-        sender: m.headers.get(SENDER_HEADER).map(|v| v.as_str().to_string()),
+        name: name.to_string(),
+        seq,
+        data: data_of(payload),
+        sent_at,
+        sender: headers
+            .and_then(|h| h.get(SENDER_HEADER))
+            .map(|v| v.as_str().to_string()),
     }
 }
 
