@@ -28,7 +28,10 @@ struct Lab {
 
 impl Lab {
     async fn new(sim_env: &[(&str, String)]) -> Lab {
-        let env = Fleet::start().await;
+        Self::on(Fleet::start().await, sim_env).await
+    }
+
+    async fn on(env: Fleet, sim_env: &[(&str, String)]) -> Lab {
         let mut e = vec![("LH_SIM_TOKEN_DELAY_MS", "0".to_string())];
         e.extend(sim_env.iter().map(|(k, v)| (*k, v.clone())));
         let sim = Proc::spawn("leasehold-sim", &["--listen", "127.0.0.1:0"], &e);
@@ -1134,4 +1137,263 @@ async fn research_logs_keep_retry_decisions_at_debug_and_watch_sums_up_the_secti
         "{summary}"
     );
     assert!(shown.contains(" sections"), "{shown}");
+}
+
+// Issue 33, item 7: research's experts as child jobs. A lab whose layout
+// and workers serve `research-expert` beside `research`.
+async fn experts_lab() -> Lab {
+    Lab::on(Fleet::with_kind("research-expert").await, &[]).await
+}
+
+const BOTH: (&str, &str) = ("LH_KINDS", "research,research-expert");
+
+/// The children a research job's expert spawn recorded.
+async fn expert_jobs_of(lab: &Lab, id: &str) -> Vec<String> {
+    let evs = lab.env.events_of(id).await;
+    let step = evs
+        .iter()
+        .find(|e| e.r#type == "step" && e.data_map()["id"] == "spawn:research-expert#0")
+        .unwrap_or_else(|| panic!("{id} recorded no spawn of expert jobs"))
+        .data_map();
+    step["result"]["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
+fn body(doc: &str) -> &str {
+    doc.split("## Appendix B").next().unwrap()
+}
+
+fn expert_input(topic: &str) -> Value {
+    json!({"topic": topic, "experts": 2, "sections": 2, "expert_jobs": true})
+}
+
+#[tokio::test]
+async fn research_with_experts_as_child_jobs_writes_the_same_report_with_the_same_calls() {
+    let lab = experts_lab().await;
+    let _w = lab.worker(&[BOTH]);
+    lab.submit("r-inproc").await;
+    let inproc = lab.completed("r-inproc").await;
+    let c0 = lab.chat_requests().await;
+    assert_eq!(c0, CLEAN_CALLS);
+    lab.env
+        .submit(
+            "research",
+            json!({"input": expert_input("lease-based ownership in distributed systems")}),
+            "r-kids",
+        )
+        .await;
+    let rec = lab.completed("r-kids").await;
+    // The same model calls: no section asked twice, none asked by the parent.
+    assert_eq!(lab.chat_requests().await - c0, CLEAN_CALLS);
+    let (a, b) = (lab.artifact(&inproc).await, lab.artifact(&rec).await);
+    assert_eq!(body(&a), body(&b), "the same document");
+    assert!(
+        b.contains("written by a `research-expert` job of its own"),
+        "{b}"
+    );
+    assert_eq!(lab.deliveries().await, 2, "one delivery per report");
+    // Each expert a job of its own, once, naming its parent, completed
+    // with its sections; the parent slept once (two claims) and its own
+    // events hold every section once, as an in-process run's do.
+    let kids = expert_jobs_of(&lab, "r-kids").await;
+    assert_eq!(kids.len(), 2);
+    for (e, c) in kids.iter().enumerate() {
+        let k = lab.env.record(c).await.expect("the expert job exists");
+        assert_eq!(
+            (k.kind.as_str(), k.status.as_str()),
+            ("research-expert", "completed"),
+            "{k:?}"
+        );
+        assert_eq!(
+            k.spec.as_ref().unwrap().parent.as_ref().unwrap().id,
+            "r-kids"
+        );
+        let evs = lab.env.events_of(c).await;
+        assert_eq!(
+            evs.iter().filter(|e| e.r#type == "claimed").count(),
+            1,
+            "{c}"
+        );
+        let counts = section_counts(&evs);
+        assert_eq!(counts.len(), 2, "{c}: {counts:?}");
+        assert!(counts.keys().all(|(x, _)| *x == e as u64), "{counts:?}");
+        let p = k.progress.clone().unwrap();
+        assert_eq!((p.sections_done, p.sections_total), (2, 2));
+    }
+    let events = lab.env.events_of("r-kids").await;
+    assert_eq!(events.iter().filter(|e| e.r#type == "claimed").count(), 2);
+    assert_eq!(
+        events.iter().filter(|e| e.r#type == "journal").count(),
+        0,
+        "the parent asked no section"
+    );
+    let counts = section_counts(&events);
+    assert_eq!(counts.len(), 4);
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    let p = rec.progress.clone().unwrap();
+    assert_eq!((p.sections_done, p.sections_total, p.skipped), (6, 6, 0));
+}
+
+#[tokio::test]
+async fn an_expert_job_killed_mid_expert_redoes_at_most_its_section_in_flight() {
+    let lab = experts_lab().await;
+    // Worker A runs the parent and its expert jobs, one section at a time,
+    // and aborts once one expert section is durable; B finishes.
+    let env = [
+        BOTH,
+        ("LH_RESEARCH_CRASH_AT", "after_section:1"),
+        ("LH_CONCURRENCY", "1"),
+    ];
+    let mut a = lab.worker(&env);
+    lab.env
+        .submit(
+            "research",
+            json!({"input": expert_input("leases")}),
+            "r-kids-kill",
+        )
+        .await;
+    exited(&mut a, Duration::from_secs(30)).await;
+    assert!(
+        a.output().contains("LH_RESEARCH_CRASH_AT reached"),
+        "{}",
+        a.output()
+    );
+    // B without the crash point: it is armed for any job not yet reclaimed,
+    // so the other expert's job would stop B too.
+    let _b = lab.worker(&[BOTH, ("LH_CONCURRENCY", "1")]);
+    let rec = lab.completed("r-kids-kill").await;
+    // Only the section in flight may be asked again: one model call.
+    let calls = lab.chat_requests().await;
+    assert!(
+        calls <= CLEAN_CALLS + 1,
+        "{calls} model calls for {CLEAN_CALLS}"
+    );
+    let kids = expert_jobs_of(&lab, "r-kids-kill").await;
+    let mut reclaimed = 0;
+    for c in &kids {
+        let k = lab.env.record(c).await.unwrap();
+        assert_eq!(k.status, "completed", "{k:?}");
+        reclaimed += k.stale_reclaims;
+        let counts = section_counts(&lab.env.events_of(c).await);
+        assert!(
+            counts.values().all(|n| *n == 1),
+            "{c} redid a section: {counts:?}"
+        );
+    }
+    assert_eq!(reclaimed, 1, "the expert job in flight was reclaimed once");
+    let events = lab.env.events_of("r-kids-kill").await;
+    assert_clean_finish(&lab, &rec, &events).await;
+}
+
+#[tokio::test]
+async fn each_expert_job_has_its_share_of_the_budget_and_running_out_is_a_gap_in_the_report() {
+    let lab = experts_lab().await;
+    let _w = lab.worker(&[BOTH]);
+    // 12 steps for 2 experts: 6 each, one section (3 model calls and 2
+    // tool calls) and no second. The report's job spends 3 of its own
+    // (outline, perspectives, one final section) and completes.
+    lab.env
+        .submit(
+            "research",
+            json!({"input": expert_input("leases"), "budget": {"max_steps": 12}}),
+            "r-kids-budget",
+        )
+        .await;
+    let rec = lab.completed("r-kids-budget").await;
+    let res = rec.result.clone().unwrap();
+    assert!(res.partial, "{res:?}");
+    assert_eq!(res.skipped_sections.len(), 2, "{res:?}");
+    // Each expert job spent its share, and kept the section it wrote.
+    for c in expert_jobs_of(&lab, "r-kids-budget").await {
+        let k = lab.env.record(&c).await.unwrap();
+        assert_eq!(k.status, "completed", "{k:?}");
+        let steps = k.budget_used.unwrap().steps;
+        assert!((5..=6).contains(&steps), "one section (5 steps) of its 6: {k:?}");
+    }
+    let doc = lab.artifact(&rec).await;
+    assert!(
+        doc.contains("this expert's job ran out of its budget"),
+        "{doc}"
+    );
+    assert_eq!(lab.deliveries().await, 1);
+}
+
+#[tokio::test]
+async fn expert_jobs_refuse_what_does_not_fit_with_the_reason() {
+    let lab = experts_lab().await;
+    let _w = lab.worker(&[BOTH]);
+    let ended = |id: &'static str| {
+        let env = &lab.env;
+        async move {
+            env.wait_for(id, Duration::from_secs(30), |r| {
+                matches!(
+                    r.status.as_str(),
+                    "completed" | "failed" | "parked" | "dead"
+                )
+            })
+            .await
+        }
+    };
+    // An expert job nobody spawned, and a report given an expert's task.
+    lab.env
+        .submit(
+            "research-expert",
+            json!({"input": {"topic": "t"}}),
+            "rx-alone",
+        )
+        .await;
+    lab.env
+        .submit(
+            "research",
+            json!({"input": {"topic": "t", "experts": 1, "sections": 1, "expert_job": {"expert": 0, "outline": {"title": "t", "sections": [{"title": "a", "goal": "b"}]}, "perspectives": [{"name": "n", "focus": "f"}]}}}),
+            "rx-task",
+        )
+        .await;
+    lab.env
+        .submit(
+            "research",
+            json!({"input": {"topic": "t", "expert_jobs": "yes"}}),
+            "rx-bad",
+        )
+        .await;
+    for (id, why) in [
+        ("rx-alone", "input.expert_job: required"),
+        ("rx-task", "only a `research-expert` job has one"),
+        ("rx-bad", "input.expert_jobs: expected true or false"),
+    ] {
+        let r = ended(id).await;
+        assert_eq!((r.status.as_str(), r.attempts), ("failed", 1), "{r:?}");
+        let e = r.error.unwrap();
+        assert!(e.message.contains(why), "{id}: {e:?}");
+    }
+    let _ = &lab.sim;
+}
+
+#[tokio::test]
+async fn experts_as_child_jobs_on_a_fleet_without_the_expert_kind_fail_at_once_saying_so() {
+    let lab = Lab::new(&[]).await;
+    let _w = lab.worker(&[]);
+    lab.env
+        .submit(
+            "research",
+            json!({"input": expert_input("leases")}),
+            "r-kids-unset",
+        )
+        .await;
+    let r = lab
+        .env
+        .wait_for("r-kids-unset", Duration::from_secs(40), |r| {
+            matches!(
+                r.status.as_str(),
+                "completed" | "failed" | "parked" | "dead"
+            )
+        })
+        .await;
+    assert_eq!((r.status.as_str(), r.attempts), ("failed", 1), "{r:?}");
+    let e = r.error.unwrap();
+    assert!(e.message.contains("research-expert"), "{e:?}");
 }

@@ -24,12 +24,14 @@
 
 mod artifact;
 mod config;
+mod expert_jobs;
 mod experts;
 pub mod hooks;
 pub mod report;
 pub mod state;
 
 pub use config::{ResearchConfig, ENV_VARS};
+pub use expert_jobs::EXPERT_KIND;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -85,6 +87,28 @@ fn stop_of(outcome: SectionOutcome, what: &str) -> Error {
 /// cancelled or budget-exhausted job's partial one) is set on `ctx`.
 pub async fn run(ctx: &Ctx, cfg: &ResearchConfig) -> Result<Value, Error> {
     let input = Input::parse(ctx.input_json()).map_err(Error::terminal)?;
+    if input.task.is_some() {
+        return Err(Error::terminal(format!(
+            "input.expert_job: only a `{EXPERT_KIND}` job has one (a research job given `\"expert_jobs\": true` spawns them)"
+        )));
+    }
+    run_input(ctx, cfg, input).await
+}
+
+/// Runs one attempt of an expert job (kind [`EXPERT_KIND`]): one expert's
+/// sections of a research job run with `"expert_jobs": true`, its output
+/// every one of them.
+pub async fn run_expert(ctx: &Ctx, cfg: &ResearchConfig) -> Result<Value, Error> {
+    let input = Input::parse(ctx.input_json()).map_err(Error::terminal)?;
+    if input.task.is_none() {
+        return Err(Error::terminal(format!(
+            "input.expert_job: required (a `{EXPERT_KIND}` job is one expert of a research job run with `\"expert_jobs\": true`; submit that instead)"
+        )));
+    }
+    run_input(ctx, cfg, input).await
+}
+
+async fn run_input(ctx: &Ctx, cfg: &ResearchConfig, input: Input) -> Result<Value, Error> {
     let flusher = ctx.checkpoints().clone();
     let (res, partial) = match Job::prepare(ctx, cfg, input, flusher.clone()).await {
         Ok(job) => job.run().await,
@@ -209,7 +233,16 @@ impl<'a> Job<'a> {
             cfg.generation.clone(),
             cfg.breaker.clone(),
         ));
-        let b = spec.budget.unwrap_or_default();
+        // An expert job's budget is its share of the report's.
+        let b = match (spec.budget, input.task.as_ref().and_then(|t| t.budget)) {
+            (Some(b), _) => expert_jobs::Limits {
+                max_steps: b.max_steps,
+                max_tokens: b.max_tokens,
+                max_wall_s: b.max_wall_s,
+                max_cost_usd: b.max_cost_usd,
+            },
+            (None, share) => share.unwrap_or_default(),
+        };
         let limits = BudgetLimits {
             max_steps: b.max_steps,
             max_tokens: b.max_tokens,
@@ -306,6 +339,9 @@ impl<'a> Job<'a> {
     }
 
     fn total(&self) -> u32 {
+        if self.input.task.is_some() {
+            return self.input.sections as u32;
+        }
         (self.input.experts * self.input.sections + self.input.sections) as u32
     }
 
@@ -368,6 +404,14 @@ impl<'a> Job<'a> {
     /// The attempt's result, and the partial report of a job cancelled by
     /// a request or out of budget.
     async fn run(mut self) -> (Result<JobResult, Error>, Option<Report>) {
+        if let Some(task) = self.input.task.clone() {
+            // An expert job keeps no report: its sections are its output.
+            let r = self.expert_job(&task).await.map(|v| JobResult {
+                output: v.to_string(),
+                ..JobResult::default()
+            });
+            return (r, None);
+        }
         match self.run_phases().await {
             Err(e @ (Error::Cancelled | Error::BudgetExhausted(_))) => {
                 let partial = self.partial_report(&e).await;
@@ -445,7 +489,14 @@ impl<'a> Job<'a> {
         }
         self.cancelled()?;
         self.progress(Resume::Experts);
-        let fresh = in_phase("experts", self.experts_phase()).await?;
+        let fresh = if self.input.expert_jobs {
+            self.notes.push(format!(
+                "each expert's sections were written by a `{EXPERT_KIND}` job of its own: their claims and retries are theirs (`leasehold status ID`)"
+            ));
+            in_phase("experts", self.expert_jobs_phase()).await?
+        } else {
+            in_phase("experts", self.experts_phase()).await?
+        };
         for s in fresh {
             self.state.sections.insert((s.expert, s.index), s);
         }
@@ -647,6 +698,37 @@ impl Research {
     pub fn with_config(config: ResearchConfig) -> Self {
         Research {
             config: Some(config),
+        }
+    }
+}
+
+/// The `research-expert` kind: one expert's sections of a research job
+/// run with `"expert_jobs": true`, as its child job. The worker binary
+/// serves it beside [`Research`].
+#[derive(Default)]
+pub struct ResearchExpert {
+    config: Option<ResearchConfig>,
+}
+
+impl ResearchExpert {
+    /// Runs every attempt with this configuration.
+    pub fn with_config(config: ResearchConfig) -> Self {
+        ResearchExpert {
+            config: Some(config),
+        }
+    }
+}
+
+#[leasehold::async_trait]
+impl leasehold::Kind for ResearchExpert {
+    fn version(&self) -> &str {
+        WORKFLOW_VERSION
+    }
+
+    async fn run(&self, ctx: &Ctx) -> Result<Value, Error> {
+        match &self.config {
+            Some(c) => run_expert(ctx, c).await,
+            None => run_expert(ctx, &ResearchConfig::from_env()?).await,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use crate::expert_jobs::ExpertTask;
 use crate::state::{Expert, FinalCk, Outline, SectionCk};
 
 pub const SYSTEM: &str =
@@ -44,6 +45,11 @@ pub struct Input {
     pub experts: usize,
     pub sections: usize,
     pub audience: String,
+    /// Each expert a child job of its own (`expert_jobs`).
+    pub expert_jobs: bool,
+    /// An expert job's task (`expert_job`): only the `research-expert`
+    /// kind's input has one.
+    pub task: Option<ExpertTask>,
 }
 
 impl Input {
@@ -64,15 +70,36 @@ impl Input {
                     .ok_or(format!("input.{k}: expected 1..={max}, got {x}")),
             }
         };
+        let expert_jobs = match v.get("expert_jobs") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(x) => {
+                return Err(format!(
+                    "input.expert_jobs: expected true or false, got {x}"
+                ))
+            }
+        };
+        let (experts, sections) = (n("experts", 3, 8)?, n("sections", 4, 12)?);
+        let task = match v.get("expert_job") {
+            None | Some(Value::Null) => None,
+            Some(t) => {
+                let t: ExpertTask = serde_json::from_value(t.clone())
+                    .map_err(|e| format!("input.expert_job: {e}"))?;
+                t.validate(experts, sections)?;
+                Some(t)
+            }
+        };
         Ok(Input {
             topic,
-            experts: n("experts", 3, 8)?,
-            sections: n("sections", 4, 12)?,
+            experts,
+            sections,
             audience: v
                 .get("audience")
                 .and_then(Value::as_str)
                 .unwrap_or("a technical audience")
                 .to_string(),
+            expert_jobs,
+            task,
         })
     }
 

@@ -67,7 +67,7 @@ impl SectionCk {
         self.status == "completed"
     }
 
-    fn validate(&self, experts: usize, sections: usize) -> Result<(), String> {
+    pub(crate) fn validate(&self, experts: usize, sections: usize) -> Result<(), String> {
         if self.expert >= experts || self.index >= sections {
             return Err(format!(
                 "section ({}, {}) is outside {experts} experts x {sections} sections",

@@ -1,7 +1,7 @@
 //! `leasehold-worker`: the stock worker binary. See `leasehold-worker --help`.
 //!
 //! It is built like any user's worker, on the public `leasehold` SDK: the
-//! `research` kind registered on a [`leasehold::Worker`] beside the
+//! `research` kind (and its experts' `research-expert`) registered on a [`leasehold::Worker`] beside the
 //! engine's built-in kinds (`deliver` and, with `--dev-kinds`, the test
 //! kinds).
 //!
@@ -17,7 +17,7 @@
 
 use leasehold::runtime::{ModelClient, MODEL_ENV_VARS, TOOL_ENV_VARS};
 use leasehold::telemetry::{self, redact_text, redact_url};
-use leasehold_research::{Research, ResearchConfig};
+use leasehold_research::{Research, ResearchConfig, ResearchExpert, EXPERT_KIND};
 
 /// Exit code of a configuration error found at start (as clap's usage errors).
 const CONFIG_ERROR: i32 = 2;
@@ -86,10 +86,15 @@ async fn main() {
             });
         }
     }
-    let r = worker
-        .kind("research", Research::with_config(research))
-        .serve()
-        .await;
+    let worker = worker.kind("research", Research::with_config(research.clone()));
+    // Research's experts as child jobs (`"expert_jobs": true`) run where
+    // `--kinds` names `research-expert` (and `leasehold setup` set it up):
+    // a fleet that never asks for them needs no lane for them.
+    let worker = match opts.kinds.iter().any(|k| k == EXPERT_KIND) {
+        true => worker.kind(EXPERT_KIND, ResearchExpert::with_config(research)),
+        false => worker,
+    };
+    let r = worker.serve().await;
     match r {
         Ok(()) => guard.shutdown(),
         Err(e) => {
