@@ -1312,7 +1312,10 @@ async fn each_expert_job_has_its_share_of_the_budget_and_running_out_is_a_gap_in
         let k = lab.env.record(&c).await.unwrap();
         assert_eq!(k.status, "completed", "{k:?}");
         let steps = k.budget_used.unwrap().steps;
-        assert!((5..=6).contains(&steps), "one section (5 steps) of its 6: {k:?}");
+        assert!(
+            (5..=6).contains(&steps),
+            "one section (5 steps) of its 6: {k:?}"
+        );
     }
     let doc = lab.artifact(&rec).await;
     assert!(

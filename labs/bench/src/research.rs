@@ -125,11 +125,13 @@ async fn section_payloads(events: &Events, id: &str) -> anyhow::Result<Vec<Value
 pub async fn research(a: &Args) -> anyhow::Result<Value> {
     let (n, reps) = (a.research_jobs, a.crash_reps);
     // A short ack wait: a crashed worker's ticket comes back to the rescuer soon.
-    let (s, conn) = server(SetupOptions {
+    let mut o = SetupOptions {
         ack_wait: Duration::from_secs(1),
         ..SetupOptions::default()
-    })
-    .await?;
+    };
+    // Research's experts as child jobs (`"expert_jobs": true`).
+    o.kinds.push("research-expert".into());
+    let (s, conn) = server(o).await?;
     let url = s.url();
     let sim = Sim::start(0).await?;
     let jobs = Jobs::open(&conn).await?;
@@ -305,6 +307,17 @@ pub async fn research(a: &Args) -> anyhow::Result<Value> {
             paced.push(crash.run(&format!("rs-paced-kill-{i}"), k, true).await?);
         }
     }
+    let as_jobs = ExpertJobs {
+        sim: &sim,
+        jobs: &jobs,
+        work: &work,
+        events: &events,
+        conn: &conn,
+        url: &url,
+        clean_calls,
+    }
+    .run(reps)
+    .await?;
     let lat = &alone["flush_latency_us"];
     let checkpoints_alone = json!({
         "events_per_batch": num(&alone["events"]) / num(&alone["batches"]).max(1.0),
@@ -329,7 +342,166 @@ pub async fn research(a: &Args) -> anyhow::Result<Value> {
                 v
             }),
         },
+        "expert_jobs": as_jobs,
     }))
+}
+
+/// The same research input with its experts as child jobs (issue 33, item
+/// 7), against the in-process run of this part: the document, the model
+/// calls and the time of a clean job, and the rework of a crash.
+struct ExpertJobs<'a> {
+    sim: &'a Sim,
+    jobs: &'a Jobs,
+    work: &'a Work,
+    events: &'a Events,
+    conn: &'a leasehold_store::Conn,
+    url: &'a str,
+    clean_calls: u64,
+}
+
+impl ExpertJobs<'_> {
+    const KINDS: (&'static str, &'static str) = ("LH_KINDS", "research,research-expert");
+
+    async fn submit(&self, id: &str, as_jobs: bool) -> anyhow::Result<()> {
+        let spec = json!({"input": {"topic": "lease-based ownership in distributed systems", "experts": EXPERTS, "sections": SECTIONS, "expert_jobs": as_jobs}});
+        self.work
+            .submit("research", spec.to_string().into(), Some(id), None)
+            .await?;
+        Ok(())
+    }
+
+    /// The report's text up to its recovery appendix (which says how the
+    /// sections were written).
+    async fn body(&self, rec: &JobRecord) -> anyhow::Result<String> {
+        let name = rec.result.as_ref().and_then(|r| r.artifact.clone());
+        let name = name.ok_or_else(|| anyhow::anyhow!("{}: no artifact", rec.id))?;
+        let store = self
+            .conn
+            .js
+            .get_object_store(self.conn.layout.artifacts_bucket())
+            .await?;
+        let mut text = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut store.get(&name).await?, &mut text).await?;
+        Ok(text.split("## Appendix B").next().unwrap_or("").to_string())
+    }
+
+    /// One clean job: its record, model calls and seconds.
+    async fn clean(&self, id: &str, as_jobs: bool) -> anyhow::Result<(JobRecord, u64, f64)> {
+        let c0 = self.sim.chat_requests().await?;
+        let t0 = Instant::now();
+        self.submit(id, as_jobs).await?;
+        let rec = completed(self.jobs, id).await?;
+        let took = t0.elapsed().as_secs_f64();
+        Ok((rec, self.sim.chat_requests().await? - c0, took))
+    }
+
+    async fn run(&self, reps: usize) -> anyhow::Result<Value> {
+        // Clean: the same worker (one expert at a time in process; the
+        // expert jobs take its slots), one job of each, twice, alternated.
+        let w = self.sim.worker(
+            self.url,
+            &[
+                ("LH_WORKER_ID", "rs-xj-clean".into()),
+                (Self::KINDS.0, Self::KINDS.1.into()),
+            ],
+        );
+        let (mut secs_in, mut secs_jobs) = (Vec::new(), Vec::new());
+        let mut same_document = true;
+        let mut calls_jobs = Vec::new();
+        for i in 0..2 {
+            let (a, _, ta) = self.clean(&format!("rs-xj-in-{i}"), false).await?;
+            let (b, cb, tb) = self.clean(&format!("rs-xj-jobs-{i}"), true).await?;
+            same_document &= self.body(&a).await? == self.body(&b).await?;
+            secs_in.push(ta);
+            secs_jobs.push(tb);
+            calls_jobs.push(cb);
+        }
+        drop(w);
+        // Crashed: the victim runs the report's job and its expert jobs one
+        // at a time and aborts once its k-th expert section is durable; the
+        // rescuer (no crash point: it is armed for every job not yet
+        // reclaimed) finishes.
+        let mut runs = Vec::new();
+        for i in 0..reps {
+            let id = format!("rs-xj-abort-{i}");
+            let k = 1 + (i as u64) % SECTIONS;
+            let c0 = self.sim.chat_requests().await?;
+            let one = ("LH_CONCURRENCY", "1".to_string());
+            let kinds = (Self::KINDS.0, Self::KINDS.1.to_string());
+            let mut victim = self.sim.worker(
+                self.url,
+                &[
+                    ("LH_WORKER_ID", format!("{id}-victim")),
+                    kinds.clone(),
+                    one.clone(),
+                    ("LH_RESEARCH_CRASH_AT", format!("after_section:{k}")),
+                ],
+            );
+            self.submit(&id, true).await?;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while victim.alive() {
+                anyhow::ensure!(Instant::now() < deadline, "{id}: the victim did not abort");
+                // A process's exit has no event to await here.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = victim.wait_timeout(Duration::ZERO);
+            let rescuer = self.sim.worker(
+                self.url,
+                &[("LH_WORKER_ID", format!("{id}-rescuer")), kinds, one],
+            );
+            let rec = completed(self.jobs, &id).await?;
+            let calls = self.sim.chat_requests().await? - c0;
+            drop(rescuer);
+            let mut redone = 0u64;
+            let mut reclaims = 0u32;
+            let spawn = self
+                .events
+                .read(&id)
+                .await?
+                .into_iter()
+                .find(|(_, e)| e.r#type == "step" && e.data.contains("spawn:research-expert"))
+                .and_then(|(_, e)| serde_json::from_str::<Value>(&e.data).ok())
+                .ok_or_else(|| anyhow::anyhow!("{id}: no spawn step"))?;
+            for c in spawn["result"]["children"].as_array().into_iter().flatten() {
+                let c = c.as_str().unwrap_or_default();
+                let mut per: HashMap<u64, u64> = HashMap::new();
+                for p in section_payloads(self.events, c).await? {
+                    *per.entry(p["index"].as_u64().unwrap_or(0)).or_default() += 1;
+                }
+                redone += per.values().map(|n| n - 1).sum::<u64>();
+                reclaims += completed(self.jobs, c).await?.stale_reclaims;
+            }
+            runs.push(json!({
+                "id": id,
+                "after_sections": k,
+                "crashed": reclaims > 0,
+                "report_stale_reclaims": rec.stale_reclaims,
+                "model_calls": calls,
+                "repeated_calls": calls as i64 - self.clean_calls as i64,
+                "sections_repeated": redone,
+            }));
+        }
+        let rep: Vec<f64> = runs
+            .iter()
+            .map(|r| r["repeated_calls"].as_f64().unwrap_or(0.0))
+            .collect();
+        Ok(json!({
+            "clean": {
+                "same_document": same_document,
+                "model_calls": calls_jobs,
+                "in_process_model_calls": self.clean_calls,
+                "seconds_in_process": secs_in,
+                "seconds_expert_jobs": secs_jobs,
+            },
+            "abort_after_section_checkpoint": {
+                "crashes": runs.iter().filter(|r| r["crashed"] == true).count(),
+                "repeated_calls_mean": mean(&rep),
+                "repeated_calls_max": rep.iter().copied().fold(0.0, f64::max),
+                "sections_repeated": runs.iter().map(|r| r["sections_repeated"].as_u64().unwrap_or(0)).sum::<u64>(),
+                "runs": runs,
+            },
+        }))
+    }
 }
 
 /// One crashed research job: a victim worker runs it alone and dies, a
@@ -490,6 +662,44 @@ pub fn research_rows(r: &Value) -> Vec<(String, String)> {
             format!("{:.1}", f(&rw["seed_baseline_repeated_calls_per_crash"])),
         ),
     ];
+    let xj = &r["expert_jobs"];
+    if !xj.is_null() {
+        let c = &xj["clean"];
+        let secs = |k: &str| {
+            mean(
+                &c[k]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(f)
+                    .collect::<Vec<_>>(),
+            )
+        };
+        rows.push((
+            format!("research {shape}, experts as child jobs: the same document, model calls"),
+            format!("{} {}", c["same_document"], c["model_calls"]),
+        ));
+        rows.push((
+            "research, experts as child jobs: seconds per clean job (in process)".into(),
+            format!(
+                "{:.2} ({:.2})",
+                secs("seconds_expert_jobs"),
+                secs("seconds_in_process")
+            ),
+        ));
+        let x = &xj["abort_after_section_checkpoint"];
+        rows.push((
+            format!(
+                "research, experts as child jobs: calls repeated per abort at a section checkpoint, mean/max (n={})",
+                x["crashes"]
+            ),
+            format!("{:.1}/{}", f(&x["repeated_calls_mean"]), x["repeated_calls_max"]),
+        ));
+        rows.push((
+            "research, experts as child jobs: sections redone after those aborts".into(),
+            x["sections_repeated"].to_string(),
+        ));
+    }
     for (k, name) in [
         (
             "abort_after_section_checkpoint",
