@@ -523,3 +523,64 @@ async fn children_not_yet_claimed_when_their_parent_is_cancelled_never_run() {
     stop_p.cancel();
     p.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_clients_stream_of_a_parent_carries_its_wait_its_signals_and_each_childs_end_before_its_own(
+) {
+    let env = Fleet::start().await;
+    let (w, stop) = env.worker_with(slots(&env, &["fanout", "sleep"], 4)).await;
+    let console = crate::console::spawn_console(&env, &[]).await;
+    let nap = json!({"ms": 1500});
+    env.submit(
+        "fanout",
+        json!({"input": {"kind": "sleep", "inputs": [nap, nap, nap]}}),
+        "brood-sse",
+    )
+    .await;
+    // While it waits for its children, a signal for it (kept, and shown).
+    env.wait_status("brood-sse", "waiting", Duration::from_secs(30))
+        .await;
+    let (code, o, e) = cli(
+        &env.url(),
+        &["signal", "brood-sse", "note", "--data", r#"{"k":1}"#],
+    )
+    .await;
+    assert_eq!(code, 0, "{o}{e}");
+    let url = format!("{}/v1/jobs/brood-sse/events", console.base);
+    let c = crate::console::http();
+    let msgs =
+        crate::console::sse_until(c.get(&url).send().await.unwrap(), |(_, e, _)| e == "end").await;
+    let out = output(&env, "brood-sse", Duration::from_secs(30)).await;
+    let kids = children_of(&out);
+    let at = |t: &str| msgs.iter().position(|(_, _, d)| d["type"] == t);
+    let waiting = at("waiting").expect("the waiting event");
+    assert_eq!(msgs[waiting].2["for"], json!("children"), "{msgs:?}");
+    let terminal = at("completed").expect("the terminal event");
+    let mut ended: Vec<String> = Vec::new();
+    for (i, (id, _, d)) in msgs.iter().enumerate().filter(|(_, m)| m.1 == "child") {
+        assert!(id.is_none(), "a child's end has no event id");
+        assert_eq!(d["status"], "completed", "{d}");
+        assert!(d["seq"].as_u64().is_some() && d["at"].is_string(), "{d}");
+        assert!(
+            i < terminal,
+            "each child's end before the parent's own: {msgs:?}"
+        );
+        ended.push(d["child"].as_str().unwrap().to_string());
+    }
+    ended.sort();
+    let mut want = kids.clone();
+    want.sort();
+    assert_eq!(ended, want, "each child's end, once");
+    let sig: Vec<&Value> = msgs
+        .iter()
+        .filter(|m| m.1 == "signal")
+        .map(|m| &m.2)
+        .collect();
+    assert_eq!(sig.len(), 1, "{msgs:?}");
+    assert_eq!(
+        (&sig[0]["name"], &sig[0]["data"], sig[0]["id"].is_null()),
+        (&json!("note"), &json!({"k": 1}), true)
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+}

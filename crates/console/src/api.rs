@@ -11,6 +11,14 @@
 //! cold or job retry) comes an `event: superseded` message without an id
 //! saying what to drop. After the job's terminal event comes `event: end`,
 //! and the stream closes.
+//!
+//! Beside the events come the signals sent to the job, without an id (a
+//! reconnect sends the kept ones again; each names its `seq`): a child's
+//! end as `event: child` (`{"child", "status", "seq", "at"}`), any other
+//! signal as `event: signal` (the signal's JSON: `name`, `data`, `seq`,
+//! `sent_at`, `sender`). Every one kept comes before the terminal event
+//! (the stream reads the rest of them then), so a parent's stream has
+//! each child's end before its own.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -23,6 +31,9 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::{json, Value};
+
+use leasehold_store::children;
+use leasehold_store::signals::{Signal, Signals};
 
 use crate::app::{App, Failure};
 use crate::auth::Caller;
@@ -131,6 +142,23 @@ pub async fn result(
     }
 }
 
+/// A signal as the clients' stream sends it: `event: child` for a child's
+/// end, else `event: signal`.
+fn signal_event(app: &App, s: &Signal) -> Event {
+    let (name, data) = if s.name == children::ENDED {
+        let d = &s.data;
+        (
+            "child",
+            json!({"child": d["child"], "status": d["status"], "seq": s.seq, "at": s.sent_at}),
+        )
+    } else {
+        ("signal", serde_json::to_value(s).unwrap_or_default())
+    };
+    Event::default()
+        .event(name)
+        .data(app.clean(&data.to_string()))
+}
+
 pub async fn events(
     State(app): State<Arc<App>>,
     caller: Caller,
@@ -179,16 +207,39 @@ pub async fn events(
         .follow(&id, after)
         .await
         .map_err(|e| Failure::unavailable(e, true))?;
-    let follow = follow_events(app.clone(), id.clone(), after, first);
+    let follow = follow_events(app.clone(), id.clone(), after, first).map(Msg::Event);
+    let signals = Signals::new(&app.conn)
+        .follow(&id)
+        .await
+        .map_err(|e| Failure::unavailable(e, true))?
+        .filter_map({
+            let id = id.clone();
+            move |s| {
+                let s = s
+                    .map_err(|e| tracing::warn!(job = %id, error = %e, "event stream: following its signals failed"))
+                    .ok();
+                async move { s.map(Msg::Signal) }
+            }
+        });
+    let follow = futures::stream::select(follow, signals).boxed();
     let tracker = supersedes_after(&app, &id, after).await;
+    enum Msg {
+        Event((u64, leasehold_proto::JobEvent)),
+        Signal(Signal),
+    }
     struct St {
-        follow: futures::stream::BoxStream<'static, (u64, leasehold_proto::JobEvent)>,
+        follow: futures::stream::BoxStream<'static, Msg>,
+        id: String,
+        /// The last signal sent (by its sequence).
+        signals_sent: u64,
         app: Arc<App>,
         done: bool,
         tracker: crate::render::Supersedes,
     }
     let st = St {
         follow,
+        id: id.clone(),
+        signals_sent: 0,
         app,
         done: false,
         tracker,
@@ -197,9 +248,28 @@ pub async fn events(
         if st.done {
             return None;
         }
-        let (seq, ev) = st.follow.next().await?;
         let (app, tracker) = (&st.app, &mut st.tracker);
+        let (seq, ev) = match st.follow.next().await? {
+            Msg::Event(e) => e,
+            Msg::Signal(s) => {
+                let mut out = Vec::new();
+                if s.seq > st.signals_sent {
+                    st.signals_sent = s.seq;
+                    out.push(signal_event(app, &s));
+                }
+                return Some((futures::stream::iter(out), st));
+            }
+        };
         let mut out: Vec<Event> = Vec::new();
+        let end = TERMINAL.contains(&ev.r#type.as_str());
+        if end {
+            // The signals not sent yet, before the end: a parent's
+            // children ended before it did.
+            match Signals::new(&app.conn).kept_after(&st.id, st.signals_sent).await {
+                Ok(rest) => out.extend(rest.iter().map(|s| signal_event(app, s))),
+                Err(e) => tracing::warn!(job = %st.id, error = %e, "event stream: reading its last signals failed"),
+            }
+        }
         if let Some(mut sup) = tracker.see(&ev) {
             sup["seq"] = json!(seq);
             out.push(Event::default().event("superseded").data(sup.to_string()));
@@ -211,7 +281,6 @@ pub async fn events(
                 .id(seq.to_string())
                 .data(app.clean(&v.to_string())),
         );
-        let end = TERMINAL.contains(&ev.r#type.as_str());
         if end {
             out.push(
                 Event::default()

@@ -196,19 +196,7 @@ impl Signals {
             &format!("signals {name} of {job}"),
         )
         .await?;
-        Ok(msgs
-            .iter()
-            .map(|m| {
-                let info = m.info().ok();
-                signal(
-                    name,
-                    info.as_ref().map_or(0, |i| i.stream_sequence),
-                    info.map(|i| i.published),
-                    &m.payload,
-                    m.headers.as_ref(),
-                )
-            })
-            .collect())
+        Ok(msgs.iter().map(|m| consumed(name, m)).collect())
     }
 
     /// How many signals `name` job `job` has kept (one stream-info request
@@ -238,6 +226,70 @@ impl Signals {
         Ok(n)
     }
 
+    /// Every signal of any name job `job` has kept past sequence `after`,
+    /// in the order sent: one bounded read of the stream.
+    pub async fn kept_after(&self, job: &str, after: u64) -> Result<Vec<Signal>, StoreError> {
+        let stream = self
+            .js
+            .get_stream_no_info(self.layout.signals_stream())
+            .await
+            .map_err(|e| StoreError::nats("signal stream", e))?;
+        let msgs = crate::read::read_once(
+            &stream,
+            vec![self.layout.job_signals_filter(job)],
+            jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: after + 1,
+            },
+            &format!("signals of {job}"),
+        )
+        .await?;
+        Ok(msgs
+            .iter()
+            .map(|m| {
+                consumed(
+                    self.layout
+                        .of_signal_subject(&m.subject)
+                        .map_or("", |(_, n)| n),
+                    m,
+                )
+            })
+            .collect())
+    }
+
+    /// Every signal sent to job `job` (any name, a child's end too), in
+    /// the order sent: the kept ones, then new ones as they land (an
+    /// ordered consumer: the clients' stream of the job).
+    pub async fn follow(
+        &self,
+        job: &str,
+    ) -> Result<futures::stream::BoxStream<'static, Result<Signal, StoreError>>, StoreError> {
+        use futures::StreamExt;
+        let stream = self
+            .js
+            .get_stream_no_info(self.layout.signals_stream())
+            .await
+            .map_err(|e| StoreError::nats("signal stream", e))?;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subjects: vec![self.layout.job_signals_filter(job)],
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| StoreError::nats("follow signals", e))?;
+        let msgs = consumer
+            .messages()
+            .await
+            .map_err(|e| StoreError::nats("follow signals", e))?;
+        let layout = self.layout.clone();
+        Ok(Box::pin(msgs.map(move |m| {
+            let m = m.map_err(|e| StoreError::nats("follow signals", e))?;
+            Ok(consumed(
+                layout.of_signal_subject(&m.subject).map_or("", |(_, n)| n),
+                &m,
+            ))
+        })))
+    }
+
     /// Whether what `rec` waits for besides a time came: the signal it
     /// waits for, or enough of its children's ends (`false` for a record
     /// that waits for neither). The one look of the claim, the waker and
@@ -265,6 +317,18 @@ fn signal_of(layout: &Layout, m: &jetstream::message::StreamMessage) -> Signal {
         Some(m.time),
         &m.payload,
         Some(&m.headers),
+    )
+}
+
+/// The signal `name` a consumer delivered.
+fn consumed(name: &str, m: &jetstream::Message) -> Signal {
+    let info = m.info().ok();
+    signal(
+        name,
+        info.as_ref().map_or(0, |i| i.stream_sequence),
+        info.map(|i| i.published),
+        &m.payload,
+        m.headers.as_ref(),
     )
 }
 
