@@ -584,3 +584,105 @@ async fn the_clients_stream_of_a_parent_carries_its_wait_its_signals_and_each_ch
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn watch_says_how_many_children_are_left_and_events_lists_the_tree_with_states() {
+    let env = Fleet::start().await;
+    let (w, stop) = env
+        .worker_with(slots(&env, &["fanout", "sleep", "echo"], 4))
+        .await;
+    let url = env.url();
+    // A parent whose three children sleep a moment: `watch` follows its wait.
+    let nap = json!({"ms": 1500});
+    env.submit(
+        "fanout",
+        json!({"input": {"kind": "sleep", "inputs": [nap, nap, nap]}}),
+        "brood-watch",
+    )
+    .await;
+    env.wait_status("brood-watch", "waiting", Duration::from_secs(30))
+        .await;
+    let (code, out, err) = cli(&url, &["watch", "brood-watch"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("waiting for its children (join#0)")
+            && out.contains("3 children still to end")
+            && out.contains("leasehold events brood-watch --children"),
+        "{out}"
+    );
+    // A tree two levels deep: a fanout child spawning three echo children.
+    env.submit("fanout", json!({"input": {"nest": 1}}), "brood-tree")
+        .await;
+    output(&env, "brood-tree", Duration::from_secs(30)).await;
+    let (code, out, err) = cli(&url, &["events", "brood-tree", "--children"]).await;
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines.len(),
+        5,
+        "the parent, its child, three grandchildren:\n{out}"
+    );
+    assert!(
+        lines[0].starts_with("brood-tree  fanout  completed"),
+        "{out}"
+    );
+    assert!(
+        lines[1].starts_with("└─ brood-tree_") && lines[1].ends_with("fanout  completed"),
+        "{out}"
+    );
+    for l in &lines[2..4] {
+        assert!(
+            l.starts_with("   ├─ brood-tree_") && l.ends_with("echo  completed"),
+            "{out}"
+        );
+    }
+    assert!(
+        lines[4].starts_with("   └─ ") && lines[4].ends_with("echo  completed"),
+        "{out}"
+    );
+    let (_, shallow, _) = cli(
+        &url,
+        &["events", "brood-tree", "--children", "--depth", "1"],
+    )
+    .await;
+    assert_eq!(shallow.lines().count(), 2, "{shallow}");
+    let (_, js, _) = cli(&url, &["events", "brood-tree", "--children", "--json"]).await;
+    let rows: Vec<Value> = js
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4, "{js}");
+    assert_eq!(
+        (&rows[0]["parent"], &rows[0]["depth"], &rows[0]["kind"]),
+        (&json!("brood-tree"), &json!(1), &json!("fanout"))
+    );
+    assert!(
+        rows[1..]
+            .iter()
+            .all(|r| r["depth"] == 2 && r["parent"] == rows[0]["id"] && r["status"] == "completed"),
+        "{js}"
+    );
+    // Bad input: a depth past the limit, a job that does not exist.
+    let (code, _, err) = cli(
+        &url,
+        &["events", "brood-tree", "--children", "--depth", "9"],
+    )
+    .await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--depth"), "{err}");
+    let (code, _, err) = cli(&url, &["events", "no-such-brood", "--children"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("no job no-such-brood"), "{err}");
+    let (_, none, _) = cli(
+        &url,
+        &[
+            "events",
+            lines[2].split_whitespace().nth(1).unwrap(),
+            "--children",
+        ],
+    )
+    .await;
+    assert!(none.contains("(no children:"), "{none}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}

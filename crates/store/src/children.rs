@@ -281,6 +281,53 @@ pub async fn spawns(events: &Events, parent: &str) -> Result<Vec<(String, Spawne
         .collect())
 }
 
+/// One child of a job, as its views show it.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    pub id: String,
+    /// The kind its spawn named.
+    pub kind: String,
+    /// Its record: `None` while no worker took its ticket (queued).
+    pub record: Option<JobRecord>,
+}
+
+impl Listed {
+    /// Its status, `queued` before it has a record.
+    pub fn status(&self) -> &str {
+        self.record.as_ref().map_or("queued", |r| r.status.as_str())
+    }
+}
+
+/// The children `parent`'s spawns started, in their order, and how many:
+/// the first `limit` with their records (read side by side), for the
+/// console's page and `leasehold events --children`.
+pub async fn listed(
+    jobs: &Jobs,
+    events: &Events,
+    parent: &str,
+    limit: usize,
+) -> Result<(usize, Vec<Listed>), StoreError> {
+    use futures::StreamExt;
+    let all: Vec<(String, String)> = spawns(events, parent)
+        .await?
+        .into_iter()
+        .flat_map(|(kind, s)| s.children.into_iter().map(move |c| (c, kind.clone())))
+        .collect();
+    let shown = futures::stream::iter(all.iter().take(limit).cloned().map(
+        |(id, kind)| async move {
+            let record = jobs.get(&id).await?.map(|v| v.value);
+            Ok::<_, JobsError>(Listed { id, kind, record })
+        },
+    ))
+    .buffered(32)
+    .collect::<Vec<_>>()
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>, _>>()
+    .map_err(|e| StoreError::failed(format!("reading {parent}'s children: {e}")))?;
+    Ok((all.len(), shown))
+}
+
 /// The children of `parent` that a cancel of it cancels too, with their
 /// kind: those of its spawns that did not detach them.
 pub async fn cascading(events: &Events, parent: &str) -> Result<Vec<(String, String)>, StoreError> {

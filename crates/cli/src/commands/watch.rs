@@ -248,6 +248,7 @@ async fn live(
     let mut revisions = Revisions::start(jobs, id).await?;
     let mut seen = Seen::default();
     let mut queue_readable = true;
+    let mut signals_readable = true;
     let polls = || Backoff::new(Revisions::FIRST_POLL, Revisions::LAST_POLL);
     let mut pause = polls();
     let mut next_look = tokio::time::Instant::now();
@@ -267,6 +268,23 @@ async fn live(
                     ModelRetry::of(&ev.data, &ev.at).filter(|r| r.is_current(SystemTime::now()));
             }
             seen.queue = None;
+            seen.children_left = None;
+            if let Some((rec, ends)) = seen.rec.as_ref().and_then(|r| {
+                leasehold_core::machine::children_of(r)
+                    .filter(|_| r.status == "waiting" && signals_readable)
+                    .map(|e| (r, e))
+            }) {
+                let signals = leasehold_store::signals::Signals::new(conn);
+                match tokio::time::timeout(
+                    QUEUE_PATIENCE,
+                    leasehold_store::children::announced(&signals, &rec.id),
+                )
+                .await
+                {
+                    Ok(Ok(n)) => seen.children_left = Some(ends.saturating_sub(n)),
+                    _ => signals_readable = false,
+                }
+            }
             if let Some(rec) = seen
                 .rec
                 .as_ref()
@@ -301,6 +319,9 @@ struct Seen {
     /// Tickets of the job's kind in the work queue, when it waits its
     /// turn and the user may read the work stream's info.
     queue: Option<u64>,
+    /// How many of the children a waiting parent joins have still to end,
+    /// when the user may read the signal stream's info.
+    children_left: Option<u64>,
 }
 
 /// A model (generation) retry as its `retry` event tells it.
@@ -400,6 +421,12 @@ fn describe(seen: &Seen) -> String {
         return "no record yet".into();
     };
     let mut parts = vec![state_of(rec, seen.queue)];
+    if let Some(n) = seen.children_left.filter(|_| rec.status == "waiting") {
+        parts.push(format!(
+            "{n} child{} still to end",
+            if n == 1 { "" } else { "ren" }
+        ));
+    }
     if let Some(p) = rec.progress.as_ref().filter(|p| p.sections_total > 0) {
         parts.push(format!(
             "{}/{} sections{}",
@@ -481,7 +508,10 @@ fn waiting_line(rec: &JobRecord) -> String {
         return format!("{line}; `leasehold signal {} {name}` sends it", rec.id);
     }
     if leasehold_core::machine::children_of(rec).is_some() {
-        return format!("{line}; the console's page of {} lists them", rec.id);
+        return format!(
+            "{line}; `leasehold events {} --children` lists them",
+            rec.id
+        );
     }
     line
 }
@@ -760,7 +790,7 @@ mod tests {
         assert_eq!(
             waiting_line(&r),
             format!(
-                "waiting for its children (join#0), held by no worker; the console's page of {} lists them",
+                "waiting for its children (join#0), held by no worker; `leasehold events {} --children` lists them",
                 r.id
             )
         );

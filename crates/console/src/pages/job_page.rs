@@ -207,53 +207,36 @@ const CHILDREN_SHOWN: usize = 200;
 /// to its own page (where its children are): the tree, a level a page.
 /// Nothing for a job that spawned none.
 async fn children(app: &App, id: &str) -> String {
-    let spawns = match leasehold_store::children::spawns(&app.events, id).await {
-        Ok(s) => s,
-        Err(e) => return format!("<p class=\"warn\">children: {}</p>", esc(&e.to_string())),
-    };
-    let ids: Vec<String> = spawns.into_iter().flat_map(|(_, s)| s.children).collect();
-    if ids.is_empty() {
+    let (n, shown) =
+        match leasehold_store::children::listed(&app.jobs, &app.events, id, CHILDREN_SHOWN).await {
+            Ok(l) => l,
+            Err(e) => return format!("<p class=\"warn\">children: {}</p>", esc(&e.to_string())),
+        };
+    if n == 0 {
         return String::new();
     }
-    let shown: Vec<(String, Option<JobRecord>)> = futures::stream::iter(
-        ids.iter()
-            .take(CHILDREN_SHOWN)
-            .cloned()
-            .map(|c| async move {
-                let rec = app.jobs.get(&c).await.ok().flatten().map(|v| v.value);
-                (c, rec)
-            }),
-    )
-    .buffered(32)
-    .collect()
-    .await;
-    let mut by_status: std::collections::BTreeMap<String, usize> = Default::default();
-    for (_, r) in &shown {
-        let st = r.as_ref().map_or("not claimed yet", |r| r.status.as_str());
-        *by_status.entry(st.to_string()).or_default() += 1;
+    let mut by_status: std::collections::BTreeMap<&str, usize> = Default::default();
+    for c in &shown {
+        *by_status.entry(c.status()).or_default() += 1;
     }
     let counts: Vec<String> = by_status.iter().map(|(s, n)| format!("{n} {s}")).collect();
     let mut b = format!(
-        "<h2>Children <small>{} ({}{})</small></h2><ul class=\"tree\" id=\"children\">",
-        ids.len(),
+        "<h2>Children <small>{n} ({}{})</small></h2><ul class=\"tree\" id=\"children\">",
         esc(&counts.join(", ")),
-        if ids.len() > shown.len() {
+        if n > shown.len() {
             format!("; the first {} shown", shown.len())
         } else {
             String::new()
         }
     );
-    for (c, r) in &shown {
-        let (status, kind) = r
-            .as_ref()
-            .map_or(("queued", ""), |r| (r.status.as_str(), r.kind.as_str()));
+    for c in &shown {
         let _ = write!(
             b,
             "<li><a href=\"/jobs/{}\">{}</a> <b class=\"status st-{2}\">{2}</b> {3}</li>",
-            url(c),
-            esc(c),
-            esc(status),
-            esc(kind)
+            url(&c.id),
+            esc(&c.id),
+            esc(c.status()),
+            esc(&c.kind)
         );
     }
     b.push_str("</ul>");
