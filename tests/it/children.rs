@@ -12,10 +12,13 @@ use leasehold_proto::{JobEvent, JobRecord};
 use leasehold_testkit::{cli, wait_log, Fleet};
 use serde_json::{json, Value};
 
-/// The output of a finished `fanout` job.
+/// The output of a finished `fanout` job (read whole: one over 16 KiB is
+/// kept beside its record).
 async fn output(env: &Fleet, id: &str, within: Duration) -> Value {
-    let done = env.wait_status(id, "completed", within).await;
-    serde_json::from_str(&done.result.as_ref().unwrap().output).unwrap()
+    env.wait_status(id, "completed", within).await;
+    let done = env.record(id).await.expect("its record");
+    let out = &done.result.as_ref().unwrap().output;
+    serde_json::from_str(out).unwrap_or_else(|e| panic!("{id}'s output: {e}: {out:?}"))
 }
 
 /// The ids of the children a `fanout` output lists.
@@ -683,6 +686,33 @@ async fn watch_says_how_many_children_are_left_and_events_lists_the_tree_with_st
     )
     .await;
     assert!(none.contains("(no children:"), "{none}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_childs_result_reaches_its_parent_whole_small_large_or_kept_beside_its_record() {
+    let env = Fleet::start().await;
+    let (w, stop) = env.worker_with(slots(&env, &["fanout", "echo"], 4)).await;
+    // A small result rides in the child's announcement; one over 4 KiB is
+    // read from its record; one over 16 KiB is kept beside the record.
+    let inputs =
+        json!([{"text": "small"}, {"text": "m".repeat(6_000)}, {"text": "l".repeat(40_000)}]);
+    env.submit(
+        "fanout",
+        json!({"input": {"inputs": inputs}}),
+        "brood-sizes",
+    )
+    .await;
+    let out = output(&env, "brood-sizes", Duration::from_secs(30)).await;
+    let results: Vec<&Value> = out["outcomes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| &o["result"])
+        .collect();
+    let want: Vec<&Value> = inputs.as_array().unwrap().iter().collect();
+    assert_eq!(results, want, "each result whole, in order");
     stop.cancel();
     w.wait().await.unwrap();
 }

@@ -195,13 +195,32 @@ pub async fn announce_end_seen(
         }
         seen.saw(&parent.id);
     }
-    let data = serde_json::json!({"child": rec.id, "status": rec.status});
+    let mut data = serde_json::json!({"child": rec.id, "status": rec.status});
+    // A final end's outcome rides along when small: the join then reads
+    // no record for it.
+    // (An output kept beside the record is not in `rec`: read there.)
+    let carried =
+        outcome_of(rec).filter(|o| FINAL.contains(&o.status.as_str()) && !rec.output_beside);
+    if let Some(o) = carried {
+        let o = serde_json::to_value(o).expect("serializes");
+        if o.to_string().len() <= OUTCOME_CARRIED {
+            data["outcome"] = o;
+        }
+    }
     let id = format!("{}:ended:{}:{}", rec.id, rec.epoch, rec.created_at);
     signals
         .send(&parent.id, ENDED, &data, Some(&id), Some("leasehold"))
         .await
         .map(|_| ())
 }
+
+/// The ends nothing can undo (a dead or rejected job may be replayed, and
+/// run again): an announcement of one carries its outcome.
+const FINAL: [&str; 3] = ["completed", "failed", "cancelled"];
+
+/// The largest outcome an announcement carries (its JSON, bytes); a
+/// larger one is read from the child's record.
+const OUTCOME_CARRIED: usize = 4096;
 
 /// Whether job `id` has a record that has not finished.
 async fn parent_unfinished(jobs: &Jobs, id: &str) -> Result<bool, StoreError> {
@@ -218,21 +237,26 @@ async fn parent_unfinished(jobs: &Jobs, id: &str) -> Result<bool, StoreError> {
 }
 
 /// The child ends announced to `parent`: how many messages in all, and
-/// the children they name (one bounded read of its `lh-child` subject).
-/// What a join waits on: with the count read with the set, a child not in
-/// the set is one whose announcement is still to come.
+/// the children they name, each with the outcome its last announcement
+/// carried (one bounded read of its `lh-child` subject). What a join
+/// waits on: with the count read with the set, a child not in the set is
+/// one whose announcement is still to come; one without an outcome is
+/// read from its record.
 pub async fn announcements(
     signals: &Signals,
     parent: &str,
-) -> Result<(u64, std::collections::HashSet<String>), StoreError> {
+) -> Result<(u64, std::collections::HashMap<String, Option<Outcome>>), StoreError> {
     let all = signals.all(parent, ENDED).await?;
     let ids = all
         .iter()
         .filter_map(|s| {
-            s.data
-                .get("child")
-                .and_then(Value::as_str)
-                .map(String::from)
+            let child = s.data.get("child").and_then(Value::as_str)?;
+            let outcome = s
+                .data
+                .get("outcome")
+                .and_then(|o| serde_json::from_value::<Outcome>(o.clone()).ok())
+                .filter(|o| o.id == child && FINAL.contains(&o.status.as_str()));
+            Some((child.to_string(), outcome))
         })
         .collect();
     Ok((all.len() as u64, ids))

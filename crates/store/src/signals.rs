@@ -368,6 +368,12 @@ pub fn data_of(payload: &[u8]) -> Value {
         .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(payload).into_owned()))
 }
 
+/// How long after a look at a job its next one waits, gathering the
+/// signals that come: the looks at a parent whose thousand children end
+/// over a second are a few hundred at most, not a thousand, and cost it
+/// little (measured by `make bench`'s `children` part).
+const GATHER: Duration = Duration::from_millis(5);
+
 /// How long a waker waits before it tries a failed look again.
 const RETRY: Duration = Duration::from_secs(1);
 
@@ -386,11 +392,33 @@ pub async fn run(conn: Conn, r: Arc<Recovery>, shutdown: CancellationToken) {
 
 /// The looks at a job running now, by job, each with the signals that
 /// came while it ran (a thousand children ending at once are a few looks
-/// at their parent, not a thousand). A signal is acked only after a look
-/// that started after it came: a waker that stops leaves it unacked, and
-/// it comes back.
+/// at their parent, not a thousand; [`GATHER`] apart at least). A signal
+/// is acked only after a look that started after it came: a waker that
+/// stops leaves it unacked, and it comes back.
 #[derive(Default)]
-struct Looks(std::sync::Mutex<HashMap<String, Vec<jetstream::Message>>>);
+struct Looks(
+    std::sync::Mutex<HashMap<String, Vec<jetstream::Message>>>,
+    /// When each job was last looked at (within [`GATHER`]).
+    std::sync::Mutex<HashMap<String, std::time::Instant>>,
+);
+
+impl Looks {
+    /// How long the next look at `job` is to wait, if it was looked at
+    /// less than [`GATHER`] ago.
+    fn gather(&self, job: &str) -> Option<Duration> {
+        let g = self.1.lock().unwrap();
+        let wait = GATHER.checked_sub(g.get(job)?.elapsed())?;
+        (!wait.is_zero()).then_some(wait)
+    }
+
+    fn looked(&self, job: &str) {
+        let mut g = self.1.lock().unwrap();
+        if g.len() >= 1024 {
+            g.retain(|_, t| t.elapsed() < GATHER);
+        }
+        g.insert(job.to_string(), std::time::Instant::now());
+    }
+}
 
 async fn on_signal(layout: &Layout, r: &Recovery, looks: &Looks, m: jetstream::Message) {
     let Some((job, name)) = layout.of_signal_subject(&m.subject) else {
@@ -410,6 +438,20 @@ async fn on_signal(layout: &Layout, r: &Recovery, looks: &Looks, m: jetstream::M
     }
     let mut batch = vec![m];
     loop {
+        // Signals that keep coming (a thousand children ending) gather
+        // until GATHER after the job's last look.
+        if let Some(wait) = looks.gather(&job) {
+            tokio::time::sleep(wait).await;
+            batch.extend(
+                looks
+                    .0
+                    .lock()
+                    .unwrap()
+                    .get_mut(&job)
+                    .map(std::mem::take)
+                    .unwrap_or_default(),
+            );
+        }
         let settle = match crate::timers::wake(r, &job).await {
             Ok(w) => {
                 tracing::debug!(job, signal = name, signals = batch.len(), woken = ?w, "signal looked at");
@@ -423,6 +465,7 @@ async fn on_signal(layout: &Layout, r: &Recovery, looks: &Looks, m: jetstream::M
         for m in batch {
             let _ = m.ack_with(settle).await;
         }
+        looks.looked(&job);
         let mut g = looks.0.lock().unwrap();
         let next = g.get_mut(&job).map(std::mem::take).unwrap_or_default();
         if next.is_empty() {

@@ -4,7 +4,9 @@
 //! - Fan-out: one parent spawning `n` echo children and joining them, from
 //!   its submission to its result with every child's outcome, against `n`
 //!   independent echo jobs submitted by a client in the same run, from the
-//!   first submission to the last completion (target <= 1.5x).
+//!   first submission to the last completion (target <= 1.5x). [`ROUNDS`]
+//!   rounds, each the independent jobs then the fan-out; the figure is the
+//!   median round's ratio (one round moves with the machine's noise).
 //! - Wake latency after the last child ends: parents of 3 children (each
 //!   a 50 ms `sleep`, so the parent waits for them), one at a time; from the last child's end (its record's last write) to the
 //!   parent's next claim (its `claimed` event), p50/p95 (target <= 50 ms).
@@ -24,6 +26,8 @@ use tokio_util::sync::CancellationToken;
 use crate::common::*;
 
 const SLOTS: usize = 16;
+/// Rounds of the fan-out against independent jobs.
+const ROUNDS: usize = 3;
 /// The fan-out's target against independent jobs.
 pub const TARGET_RATIO: f64 = 1.5;
 /// Wake latency target, one node.
@@ -94,32 +98,46 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
     submit_echo(&conn.js, &echo, 50, "warm").await?;
     completed(&h, 50, within).await?;
 
-    // n independent echo jobs from a client.
-    let before = h.metrics.total(Count::Ended(AttemptOutcome::Completed));
-    let t0 = Instant::now();
-    submit_echo(&conn.js, &echo, n, "solo").await?;
-    completed(&h, before + n as u64, within).await?;
-    let independent_s = t0.elapsed().as_secs_f64();
-
-    // One parent, n children.
-    let t0 = Instant::now();
-    conn.js
-        .publish(
-            fanout.clone(),
-            json!({"id": "fan-big", "input": {"n": n}})
-                .to_string()
-                .into(),
-        )
-        .await?
-        .await?;
-    let rec = finished(&jobs, "fan-big", within).await?;
-    let fanout_s = t0.elapsed().as_secs_f64();
-    let out: Value = serde_json::from_str(&rec.result.unwrap_or_default().output)?;
-    anyhow::ensure!(
-        out["completed"].as_u64() == Some(n as u64),
-        "the fan-out's children did not all complete: {}",
-        out["completed"]
+    let mut rounds = Vec::with_capacity(ROUNDS);
+    let mut rec = None;
+    for round in 0..ROUNDS {
+        // n independent echo jobs from a client.
+        let before = h.metrics.total(Count::Ended(AttemptOutcome::Completed));
+        let t0 = Instant::now();
+        submit_echo(&conn.js, &echo, n, &format!("solo{round}")).await?;
+        completed(&h, before + n as u64, within).await?;
+        let independent_s = t0.elapsed().as_secs_f64();
+        // One parent, n children.
+        let id = format!("fan-big-{round}");
+        let t0 = Instant::now();
+        conn.js
+            .publish(
+                fanout.clone(),
+                json!({"id": id, "input": {"n": n}}).to_string().into(),
+            )
+            .await?
+            .await?;
+        let r = finished(&jobs, &id, within).await?;
+        let fanout_s = t0.elapsed().as_secs_f64();
+        let out: Value = serde_json::from_str(&r.result.clone().unwrap_or_default().output)?;
+        anyhow::ensure!(
+            out["completed"].as_u64() == Some(n as u64),
+            "the fan-out's children did not all complete: {}",
+            out["completed"]
+        );
+        rounds.push(json!({"independent_s": independent_s, "fanout_s": fanout_s, "ratio": fanout_s / independent_s}));
+        rec = Some((r, out));
+    }
+    let mut by_ratio = rounds.clone();
+    by_ratio.sort_by(|a, b| f64_of(&a["ratio"]).total_cmp(&f64_of(&b["ratio"])));
+    let median = by_ratio[ROUNDS / 2].clone();
+    let (independent_s, fanout_s) = (
+        f64_of(&median["independent_s"]),
+        f64_of(&median["fanout_s"]),
     );
+    // The last round's parent: its claims and where its time went.
+    let (rec, out) = rec.expect("one round at least");
+    let big = rec.id.clone();
     let claims = |id: String| {
         let events = events.clone();
         async move {
@@ -127,12 +145,12 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
             anyhow::Ok(evs.into_iter().map(|(_, e)| e).collect::<Vec<_>>())
         }
     };
-    let big_claims = claims("fan-big".into()).await?.len();
+    let big_claims = claims(big.clone()).await?.len();
     // Where the fan-out's time goes: the spawn recorded, the last child's
     // end, the parent's wake, its join recorded (ms from its submission).
     let at = |e: &leasehold::JobEvent| parse_rfc3339(&e.at);
     let evs: Vec<_> = events
-        .read("fan-big")
+        .read(&big)
         .await?
         .into_iter()
         .map(|(_, e)| e)
@@ -213,6 +231,7 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
         "independent_s": independent_s,
         "fanout_s": fanout_s,
         "ratio": ratio,
+        "rounds": rounds,
         "ratio_target": TARGET_RATIO,
         "ratio_met": ratio <= TARGET_RATIO,
         "fanout_parent_claims": big_claims,
@@ -228,8 +247,9 @@ pub async fn children(n: usize, wakes: usize) -> anyhow::Result<Value> {
 pub fn rows(r: &mut Report, v: &Value) {
     r.cmp(
         format!(
-            "fan-out of {} echo children: parent submitted -> resumed with every outcome, s",
-            v["children"]
+            "fan-out of {} echo children: parent submitted -> resumed with every outcome, s (median of {} rounds)",
+            v["children"],
+            v["rounds"].as_array().map_or(1, Vec::len)
         ),
         format!("{:.2}", f64_of(&v["fanout_s"])),
         format!(

@@ -184,17 +184,24 @@ pub(crate) async fn join_children(
         .map_err(|e| {
             Error::retryable(format!("join `{step}`: reading its children's ends: {e}"))
         })?;
-    let mut pending = ids.iter().filter(|id| !ended.contains(*id)).count() as u64;
+    let mut pending = ids.iter().filter(|id| !ended.contains_key(*id)).count() as u64;
     if pending == 0 {
         let jobs = Jobs::open(&job.conn)
             .await
             .map_err(|e| Error::retryable(format!("join `{step}`: {e}")))?;
+        // An end that carried its outcome is read from its announcement; a
+        // child's record only for the others (a large result; a dead one,
+        // which may be replayed).
         let reads: Vec<_> = ids
             .iter()
             .cloned()
             .map(|id| {
                 let (jobs, step) = (jobs.clone(), step.to_string());
+                let carried = ended.get(&id).cloned().flatten();
                 async move {
+                    if carried.is_some() {
+                        return Ok(carried);
+                    }
                     children::outcome(&jobs, &id).await.map_err(|e| {
                         Error::retryable(format!("join `{step}`: reading child {id}: {e}"))
                     })
