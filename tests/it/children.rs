@@ -327,6 +327,12 @@ async fn finishes_with_each_child_once(env: &Fleet, parent: &str) {
     assert_eq!(env.steps_recorded(parent, "spawn:echo#0").await, 1);
     let evs = env.events_of(parent).await;
     assert_eq!(of_type(&evs, "completed").len(), 1, "{evs:?}");
+    // Its children ended while it was re-claimed: it waited at most once,
+    // and was claimed for its first attempt, its reclaim and each wait's
+    // wake, no more.
+    let waits = of_type(&evs, "waiting").len();
+    assert!(waits <= 1, "{evs:?}");
+    assert_eq!(of_type(&evs, "claimed").len(), 2 + waits, "{evs:?}");
     stop.cancel();
     stop_r.cancel();
     w.wait().await.unwrap();

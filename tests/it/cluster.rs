@@ -587,3 +587,60 @@ async fn a_large_input_read_is_never_missing_even_from_a_node_catching_up() {
     assert!(empty.is_empty(), "inputs read as missing: {empty:?}");
     drop(restarted.await.unwrap());
 }
+
+/// Issue 33: a durable timer across the kill -9 of the node that leads
+/// the active index (where the job's wake-up lives): the job wakes once,
+/// not before its time, on the nodes left, and completes once.
+#[tokio::test]
+async fn a_durable_sleep_wakes_once_at_its_time_across_the_kill_of_its_wake_ups_leader() {
+    let _one = ONE_CLUSTER.lock().await;
+    let (mut c, conn) = cluster().await;
+    let mut o = Options::local(&c.url(), "lh");
+    o.session_timeout = Duration::from_secs(3);
+    o.kinds = vec!["echo".into(), "sleep".into()];
+    let stop = CancellationToken::new();
+    let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
+    let work = Work::new(&conn);
+    let jobs = Jobs::open(&conn).await.unwrap();
+    let t0 = Instant::now();
+    submit(
+        &work,
+        "sleep",
+        json!({"ms": 6000, "durable": true}),
+        "r3-nap",
+    )
+    .await;
+    eventually("r3-nap waiting", || async {
+        match jobs
+            .history("r3-nap")
+            .await
+            .map_err(|e| e.to_string())?
+            .last()
+        {
+            Some(v) if v.value.status == "waiting" => Ok(()),
+            other => Err(format!("not waiting: {:?}", other.map(|v| &v.value.status))),
+        }
+    })
+    .await;
+    let active = format!("KV_{}", conn.layout.active_bucket());
+    let leader = node(
+        stream_cluster(&conn, &active).await["leader"]
+            .as_str()
+            .unwrap(),
+    );
+    c.nodes[leader].kill();
+    completed_once(&jobs, "r3-nap").await;
+    assert!(
+        t0.elapsed() >= Duration::from_secs(6),
+        "woken before its time: {:?} after its submission",
+        t0.elapsed()
+    );
+    let h = jobs.history("r3-nap").await.unwrap();
+    let wakes = h
+        .windows(2)
+        .filter(|p| p[0].value.status == "waiting" && p[1].value.status == "queued")
+        .count();
+    assert_eq!(wakes, 1, "one wake: {h:?}");
+    stop.cancel();
+    w.wait().await.unwrap();
+}
