@@ -148,7 +148,7 @@ soak-ci: build python-sdk
 	export LH_PYTHON="$(LH_PY_VENV)/bin/python"; \
 	set -x; \
 	target/debug/leasehold-soak --seed $(SOAK_CI_SEED) --seconds 75 --quiesce-timeout 120s \
-		--durable-sleeps 0.4 --signals 0.4 --fanout 1000 --out $(SOAK_OUT) || rc=$$?; \
+		--durable-sleeps 0.4 --signals 0.4 --fanout 1000 --expert-jobs 0.5 --out $(SOAK_OUT) || rc=$$?; \
 	target/debug/leasehold-soak --seed $$(( $(SOAK_CI_SEED) + 1 )) --cluster --seconds 50 --rate 0.8 \
 		--gap-min 2s --gap-max 6s \
 		--faults kill9_node_leader,kill9_node_follower,leader_stepdown,partition_freeze,kill9_worker_new_id \

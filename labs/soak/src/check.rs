@@ -215,6 +215,7 @@ pub fn verdict(subs: &[Submission], c: &Collected, rules: Rules) -> Verdict {
         durable_sleep(&mut v, rec, c);
         signal_wait(&mut v, rec, c);
         fan_out(&mut v, rec, c);
+        expert_jobs(&mut v, rec, c);
         deaths(&mut v, s, rec, &rules);
         if !settled(rec) {
             stuck(&mut v, rec, c);
@@ -276,6 +277,98 @@ fn signal_wait(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
             &rec.id,
             format!("its signal wait recorded its wait:go#0 step {steps} times"),
         ));
+    }
+}
+
+/// The ids of a research job's expert jobs, if it ran its experts as
+/// child jobs (`"expert_jobs": true`): one per expert, derived from its
+/// record as the spawn derives them.
+pub fn expert_job_ids(rec: &JobRecord) -> Vec<String> {
+    if rec.kind != "research" {
+        return vec![];
+    }
+    let input: Value = rec
+        .spec
+        .as_ref()
+        .and_then(|s| serde_json::from_str(&s.input).ok())
+        .unwrap_or_default();
+    if input["expert_jobs"] != Value::Bool(true) {
+        return vec![];
+    }
+    let n = input["experts"].as_u64().unwrap_or(3) as usize;
+    (0..n)
+        .map(|i| leasehold_store::children::child_id(rec, EXPERT_SPAWN, i))
+        .collect()
+}
+
+/// The spawn step of a research job's expert jobs.
+const EXPERT_SPAWN: &str = "spawn:research-expert#0";
+
+/// A research job run with its experts as child jobs (`--expert-jobs`)
+/// that completed spawned them once, one per expert, each with a record
+/// naming it and ended, and was claimed at most once per wait, reclaim
+/// and failed attempt beyond its first.
+fn expert_jobs(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
+    let kids = expert_job_ids(rec);
+    if kids.is_empty() || rec.status != "completed" {
+        return;
+    }
+    *v.info
+        .entry("expert_job_reports_completed".into())
+        .or_default() += 1;
+    let evs = c.events.get(&rec.id).map(Vec::as_slice).unwrap_or_default();
+    let spawns: Vec<String> = evs
+        .iter()
+        .filter(|(_, e)| e.r#type == "step")
+        .filter_map(|(_, e)| e.data_map()["id"].as_str().map(String::from))
+        .filter(|id| id.starts_with("spawn:"))
+        .collect();
+    if spawns != [EXPERT_SPAWN] {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!("its spawn steps: {spawns:?}, not one {EXPERT_SPAWN}"),
+        ));
+    }
+    let count = |t: &str| evs.iter().filter(|(_, e)| e.r#type == t).count() as u64;
+    let (claims, waits) = (count("claimed"), count("waiting"));
+    let again = u64::from(rec.stale_reclaims) + u64::from(rec.attempts);
+    if waits > 1 + again || claims > 1 + waits + again {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!(
+                "claimed {claims} times, waited {waits} times, with {} stale reclaims and {} failed attempts: woken more than once per wait",
+                rec.stale_reclaims, rec.attempts
+            ),
+        ));
+    }
+    for k in kids {
+        match c.children.get(&k).and_then(|r| r.as_ref()) {
+            Some(child) => {
+                *v.info.entry("expert_jobs_checked".into()).or_default() += 1;
+                let parent = child.spec.as_ref().and_then(|s| s.parent.as_ref());
+                if parent.map(|p| p.id.as_str()) != Some(rec.id.as_str())
+                    || child.kind != "research-expert"
+                {
+                    v.wrong_outcomes.push(f(
+                        &k,
+                        format!(
+                            "an expert job of {} naming parent {parent:?}, kind {}",
+                            rec.id, child.kind
+                        ),
+                    ));
+                }
+                if !settled(child) {
+                    v.stuck.push(f(
+                        &k,
+                        format!("an expert job of {}, still {}", rec.id, child.status),
+                    ));
+                }
+            }
+            None => v.lost.push(f(
+                &k,
+                format!("an expert job of {} without a record", rec.id),
+            )),
+        }
     }
 }
 

@@ -193,7 +193,7 @@ pub async fn collect(
     for (id, r) in got {
         c.records.insert(id, r?);
     }
-    let kids: Vec<String> = c
+    let mut kids: Vec<String> = c
         .records
         .values()
         .flatten()
@@ -208,6 +208,13 @@ pub async fn collect(
                 .collect::<Vec<_>>()
         })
         .collect();
+    // A research job's expert jobs: their ids follow from its record.
+    kids.extend(
+        c.records
+            .values()
+            .flatten()
+            .flat_map(crate::check::expert_job_ids),
+    );
     let got: Vec<(String, anyhow::Result<Option<JobRecord>>)> =
         futures::stream::iter(kids.into_iter().map(|id| async move {
             let r = retry(&format!("child {id}"), || async {

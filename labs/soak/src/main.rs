@@ -198,6 +198,13 @@ struct Args {
     /// reclaims), whatever the faults do. 0: none.
     #[arg(long, value_name = "N")]
     fanout: Option<usize>,
+    /// The fraction (0-1) of the mix's research jobs run with their experts
+    /// as child jobs (`"expert_jobs": true`, kind `research-expert`): each
+    /// completed one must have spawned once, one child per expert, each
+    /// naming it and ended, and been woken at most once per wait. 0 keeps
+    /// a recorded seed's plan.
+    #[arg(long, value_name = "P")]
+    expert_jobs: Option<f64>,
     /// Print the plan for the seed as JSON and exit.
     #[arg(long)]
     print_plan: bool,
@@ -250,6 +257,13 @@ impl Args {
             );
             k.signals = p;
         }
+        if let Some(p) = self.expert_jobs {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&p),
+                "--expert-jobs: a fraction from 0 to 1, not {p}"
+            );
+            k.expert_jobs = p;
+        }
         anyhow::ensure!(
             k.poison || self.poison_jobs.is_none(),
             "--poison-jobs: only the busy profile plans poison jobs"
@@ -294,6 +308,9 @@ impl Args {
         }
         if k.fanout > 0 {
             s.push_str(&format!(" --fanout {}", k.fanout));
+        }
+        if k.expert_jobs > 0.0 {
+            s.push_str(&format!(" --expert-jobs {}", k.expert_jobs));
         }
         s
     }

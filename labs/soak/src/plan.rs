@@ -175,6 +175,20 @@ pub fn signals(v: &mut [JobPlan], seed: u64, p: f64) {
     }
 }
 
+/// Makes a fraction `p` of the mix's research jobs run their experts as
+/// child jobs (`"expert_jobs": true`). Drawn from a stream of its own.
+pub fn expert_jobs(v: &mut [JobPlan], seed: u64, p: f64) {
+    if p <= 0.0 {
+        return;
+    }
+    let mut r = Rng::stream(seed, "expert-jobs");
+    for j in v.iter_mut().filter(|j| j.kind == "research") {
+        if r.chance(p) {
+            j.spec["input"]["expert_jobs"] = json!(true);
+        }
+    }
+}
+
 /// Every planned submission of a run with knobs `k`, in time order: the job
 /// mix at `k.rate`, then (by profile) long jobs and poison jobs. Each part
 /// draws from its own stream of the seed, so the default profile's plan is
@@ -183,6 +197,7 @@ pub fn plan_jobs(seed: u64, run: Duration, k: &Knobs) -> Vec<JobPlan> {
     let mut v = jobs(seed, run, k.rate);
     durable_sleeps(&mut v, seed, k.durable_sleeps);
     signals(&mut v, seed, k.signals);
+    expert_jobs(&mut v, seed, k.expert_jobs);
     if k.ops {
         // The operators' kind is not set up until they add it.
         v.retain(|j| j.kind != crate::ops::LIVE_KIND);

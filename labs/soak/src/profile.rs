@@ -96,6 +96,9 @@ pub struct Knobs {
     pub signals: f64,
     /// Children of one planned `fanout` parent (`--fanout`; 0: none).
     pub fanout: usize,
+    /// The fraction of the mix's research jobs whose experts are child
+    /// jobs (`--expert-jobs`; 0 keeps recorded plans).
+    pub expert_jobs: f64,
 }
 
 impl Knobs {
@@ -125,6 +128,9 @@ impl Knobs {
         }
         if self.fanout > 0 {
             k.push("fanout".into());
+        }
+        if self.expert_jobs > 0.0 {
+            k.push("research-expert".into());
         }
         k
     }
@@ -192,6 +198,7 @@ impl Profile {
             durable_sleeps: 0.0,
             signals: 0.0,
             fanout: 0,
+            expert_jobs: 0.0,
         };
         let long = |per_slot| LongJobs {
             per_slot,
