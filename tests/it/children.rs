@@ -35,18 +35,6 @@ fn of_type<'a>(evs: &'a [JobEvent], ty: &str) -> Vec<&'a JobEvent> {
     evs.iter().filter(|e| e.r#type == ty).collect()
 }
 
-/// The children a parent's (first) spawn step recorded.
-async fn spawned(env: &Fleet, parent: &str) -> Vec<String> {
-    let evs = env.events_of(parent).await;
-    let step = of_type(&evs, "step")[0].data_map();
-    step["result"]["children"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap().to_string())
-        .collect()
-}
-
 /// Each child exists once, named its parent, and ran once.
 async fn each_child_once(env: &Fleet, parent: &str, children: &[String]) -> Vec<JobRecord> {
     let mut out = Vec::new();
@@ -195,8 +183,8 @@ async fn cancelling_a_parent_cancels_its_children_and_detached_ones_run_on() {
         env.wait_status(id, "waiting", Duration::from_secs(20))
             .await;
     }
-    let cascade = spawned(&env, "brood-cascade").await;
-    let detached = spawned(&env, "brood-detached").await;
+    let cascade = env.spawned("brood-cascade").await;
+    let detached = env.spawned("brood-detached").await;
     for c in &cascade {
         env.wait_status(c, "running", Duration::from_secs(20)).await;
     }
@@ -438,7 +426,7 @@ async fn a_child_whose_worker_died_between_its_end_and_its_announcement_still_wa
         .await
         .expect("the child's worker reached its announcement");
     b.kill9();
-    let child = spawned(&env, "brood-k4").await.remove(0);
+    let child = env.spawned("brood-k4").await.remove(0);
     assert_eq!(env.record(&child).await.unwrap().status, "completed");
     assert!(of_type(&env.events_of(&child).await, "completed").is_empty());
     assert_eq!(env.record("brood-k4").await.unwrap().status, "waiting");
@@ -507,7 +495,7 @@ async fn children_not_yet_claimed_when_their_parent_is_cancelled_never_run() {
     .await;
     env.wait_status("brood-early", "waiting", Duration::from_secs(20))
         .await;
-    let kids = spawned(&env, "brood-early").await;
+    let kids = env.spawned("brood-early").await;
     for k in &kids {
         assert!(env.record(k).await.is_none(), "not claimed yet");
     }
@@ -533,22 +521,28 @@ async fn children_not_yet_claimed_when_their_parent_is_cancelled_never_run() {
     p.wait().await.unwrap();
 }
 
+/// Submits `fanout` parent `id` of three children that sleep 1.5 s, and
+/// waits until it waits for them.
+async fn waiting_for_sleepers(env: &Fleet, id: &str) {
+    let nap = json!({"ms": 1500});
+    env.submit(
+        "fanout",
+        json!({"input": {"kind": "sleep", "inputs": [nap, nap, nap]}}),
+        id,
+    )
+    .await;
+    env.wait_status(id, "waiting", Duration::from_secs(30))
+        .await;
+}
+
 #[tokio::test]
 async fn the_clients_stream_of_a_parent_carries_its_wait_its_signals_and_each_childs_end_before_its_own(
 ) {
     let env = Fleet::start().await;
     let (w, stop) = env.worker_with(slots(&env, &["fanout", "sleep"], 4)).await;
     let console = crate::console::spawn_console(&env, &[]).await;
-    let nap = json!({"ms": 1500});
-    env.submit(
-        "fanout",
-        json!({"input": {"kind": "sleep", "inputs": [nap, nap, nap]}}),
-        "brood-sse",
-    )
-    .await;
+    waiting_for_sleepers(&env, "brood-sse").await;
     // While it waits for its children, a signal for it (kept, and shown).
-    env.wait_status("brood-sse", "waiting", Duration::from_secs(30))
-        .await;
     let (code, o, e) = cli(
         &env.url(),
         &["signal", "brood-sse", "note", "--data", r#"{"k":1}"#],
@@ -602,15 +596,7 @@ async fn watch_says_how_many_children_are_left_and_events_lists_the_tree_with_st
         .await;
     let url = env.url();
     // A parent whose three children sleep a moment: `watch` follows its wait.
-    let nap = json!({"ms": 1500});
-    env.submit(
-        "fanout",
-        json!({"input": {"kind": "sleep", "inputs": [nap, nap, nap]}}),
-        "brood-watch",
-    )
-    .await;
-    env.wait_status("brood-watch", "waiting", Duration::from_secs(30))
-        .await;
+    waiting_for_sleepers(&env, "brood-watch").await;
     let (code, out, err) = cli(&url, &["watch", "brood-watch"]).await;
     assert_eq!(code, 0, "{out}{err}");
     assert!(

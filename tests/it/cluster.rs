@@ -121,6 +121,17 @@ async fn stream_cluster(conn: &Conn, stream: &str) -> Value {
     .await
 }
 
+/// An in-process worker of `echo` and `sleep` on the cluster, with a 3 s
+/// session.
+async fn worker(c: &Cluster) -> (leasehold::Handle, CancellationToken) {
+    let mut o = Options::local(&c.url(), "lh");
+    o.session_timeout = Duration::from_secs(3);
+    o.kinds = vec!["echo".into(), "sleep".into()];
+    let stop = CancellationToken::new();
+    let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
+    (w, stop)
+}
+
 /// Node index of a server name (`lh-n<i>`, the harness's naming).
 fn node(name: &str) -> usize {
     name.strip_prefix("lh-n").unwrap().parse().unwrap()
@@ -130,11 +141,7 @@ fn node(name: &str) -> usize {
 async fn jobs_complete_on_a_three_node_cluster_at_r3_and_survive_a_node_kill() {
     let _one = ONE_CLUSTER.lock().await;
     let (mut c, conn) = cluster().await;
-    let mut o = Options::local(&c.url(), "lh");
-    o.session_timeout = Duration::from_secs(3);
-    o.kinds = vec!["echo".into(), "sleep".into()];
-    let stop = CancellationToken::new();
-    let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
+    let (w, stop) = worker(&c).await;
     let work = Work::new(&conn);
     let jobs = Jobs::open(&conn).await.unwrap();
     for i in 0..10 {
@@ -595,11 +602,7 @@ async fn a_large_input_read_is_never_missing_even_from_a_node_catching_up() {
 async fn a_durable_sleep_wakes_once_at_its_time_across_the_kill_of_its_wake_ups_leader() {
     let _one = ONE_CLUSTER.lock().await;
     let (mut c, conn) = cluster().await;
-    let mut o = Options::local(&c.url(), "lh");
-    o.session_timeout = Duration::from_secs(3);
-    o.kinds = vec!["echo".into(), "sleep".into()];
-    let stop = CancellationToken::new();
-    let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
+    let (w, stop) = worker(&c).await;
     let work = Work::new(&conn);
     let jobs = Jobs::open(&conn).await.unwrap();
     let t0 = Instant::now();

@@ -1147,22 +1147,6 @@ async fn experts_lab() -> Lab {
 
 const BOTH: (&str, &str) = ("LH_KINDS", "research,research-expert");
 
-/// The children a research job's expert spawn recorded.
-async fn expert_jobs_of(lab: &Lab, id: &str) -> Vec<String> {
-    let evs = lab.env.events_of(id).await;
-    let step = evs
-        .iter()
-        .find(|e| e.r#type == "step" && e.data_map()["id"] == "spawn:research-expert#0")
-        .unwrap_or_else(|| panic!("{id} recorded no spawn of expert jobs"))
-        .data_map();
-    step["result"]["children"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap().to_string())
-        .collect()
-}
-
 fn body(doc: &str) -> &str {
     doc.split("## Appendix B").next().unwrap()
 }
@@ -1199,7 +1183,7 @@ async fn research_with_experts_as_child_jobs_writes_the_same_report_with_the_sam
     // Each expert a job of its own, once, naming its parent, completed
     // with its sections; the parent slept once (two claims) and its own
     // events hold every section once, as an in-process run's do.
-    let kids = expert_jobs_of(&lab, "r-kids").await;
+    let kids = lab.env.spawned("r-kids").await;
     assert_eq!(kids.len(), 2);
     for (e, c) in kids.iter().enumerate() {
         let k = lab.env.record(c).await.expect("the expert job exists");
@@ -1272,7 +1256,7 @@ async fn an_expert_job_killed_mid_expert_redoes_at_most_its_section_in_flight() 
         calls <= CLEAN_CALLS + 1,
         "{calls} model calls for {CLEAN_CALLS}"
     );
-    let kids = expert_jobs_of(&lab, "r-kids-kill").await;
+    let kids = lab.env.spawned("r-kids-kill").await;
     let mut reclaimed = 0;
     for c in &kids {
         let k = lab.env.record(c).await.unwrap();
@@ -1308,7 +1292,7 @@ async fn each_expert_job_has_its_share_of_the_budget_and_running_out_is_a_gap_in
     assert!(res.partial, "{res:?}");
     assert_eq!(res.skipped_sections.len(), 2, "{res:?}");
     // Each expert job spent its share, and kept the section it wrote.
-    for c in expert_jobs_of(&lab, "r-kids-budget").await {
+    for c in lab.env.spawned("r-kids-budget").await {
         let k = lab.env.record(&c).await.unwrap();
         assert_eq!(k.status, "completed", "{k:?}");
         let steps = k.budget_used.unwrap().steps;

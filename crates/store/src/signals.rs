@@ -180,25 +180,6 @@ impl Signals {
         Ok(out)
     }
 
-    /// Every signal `name` job `job` has kept, in the order sent: one
-    /// bounded read of the stream (an ephemeral consumer on the subject),
-    /// whatever their number.
-    pub async fn all(&self, job: &str, name: &str) -> Result<Vec<Signal>, StoreError> {
-        let stream = self
-            .js
-            .get_stream_no_info(self.layout.signals_stream())
-            .await
-            .map_err(|e| StoreError::nats("signal stream", e))?;
-        let msgs = crate::read::read_once(
-            &stream,
-            vec![self.layout.signal_subject(job, name)],
-            jetstream::consumer::DeliverPolicy::All,
-            &format!("signals {name} of {job}"),
-        )
-        .await?;
-        Ok(msgs.iter().map(|m| consumed(name, m)).collect())
-    }
-
     /// How many signals `name` job `job` has kept (one stream-info request
     /// with the signal's subject as its filter, answered by the leader).
     pub async fn count(&self, job: &str, name: &str) -> Result<u64, StoreError> {
@@ -226,9 +207,30 @@ impl Signals {
         Ok(n)
     }
 
+    /// Every signal `name` job `job` has kept, in the order sent: one
+    /// bounded read of the stream (an ephemeral consumer on the subject),
+    /// whatever their number.
+    pub async fn all(&self, job: &str, name: &str) -> Result<Vec<Signal>, StoreError> {
+        let what = format!("signals {name} of {job}");
+        self.kept(self.layout.signal_subject(job, name), 0, &what)
+            .await
+    }
+
     /// Every signal of any name job `job` has kept past sequence `after`,
     /// in the order sent: one bounded read of the stream.
     pub async fn kept_after(&self, job: &str, after: u64) -> Result<Vec<Signal>, StoreError> {
+        let what = format!("signals of {job}");
+        self.kept(self.layout.job_signals_filter(job), after, &what)
+            .await
+    }
+
+    /// The signals kept under `filter` past sequence `after`.
+    async fn kept(
+        &self,
+        filter: String,
+        after: u64,
+        what: &str,
+    ) -> Result<Vec<Signal>, StoreError> {
         let stream = self
             .js
             .get_stream_no_info(self.layout.signals_stream())
@@ -236,24 +238,19 @@ impl Signals {
             .map_err(|e| StoreError::nats("signal stream", e))?;
         let msgs = crate::read::read_once(
             &stream,
-            vec![self.layout.job_signals_filter(job)],
+            vec![filter],
             jetstream::consumer::DeliverPolicy::ByStartSequence {
                 start_sequence: after + 1,
             },
-            &format!("signals of {job}"),
+            what,
         )
         .await?;
-        Ok(msgs
-            .iter()
-            .map(|m| {
-                consumed(
-                    self.layout
-                        .of_signal_subject(&m.subject)
-                        .map_or("", |(_, n)| n),
-                    m,
-                )
-            })
-            .collect())
+        let name = |m: &jetstream::Message| {
+            self.layout
+                .of_signal_subject(&m.subject)
+                .map_or(String::new(), |(_, n)| n.to_string())
+        };
+        Ok(msgs.iter().map(|m| consumed(&name(m), m)).collect())
     }
 
     /// Every signal sent to job `job` (any name, a child's end too), in

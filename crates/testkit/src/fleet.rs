@@ -429,6 +429,27 @@ impl Fleet {
             .map(|(_, e)| e)
             .collect()
     }
+
+    /// The children `parent`'s first recorded spawn step started, in order.
+    pub async fn spawned(&self, parent: &str) -> Vec<String> {
+        let evs = self.events_of(parent).await;
+        let step = evs
+            .iter()
+            .filter(|e| e.r#type == "step")
+            .map(|e| e.data_map())
+            .find(|d| {
+                d.get("id")
+                    .and_then(serde_json::Value::as_str)
+                    .is_some_and(|id| id.starts_with("spawn:"))
+            })
+            .unwrap_or_else(|| panic!("{parent} recorded no spawn"));
+        step["result"]["children"]
+            .as_array()
+            .expect("a spawn's children")
+            .iter()
+            .map(|c| c.as_str().expect("a child's id").to_string())
+            .collect()
+    }
 }
 
 /// Polls a process's log for a line (processes give no other signal).

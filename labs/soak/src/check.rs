@@ -316,19 +316,7 @@ fn expert_jobs(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
     *v.info
         .entry("expert_job_reports_completed".into())
         .or_default() += 1;
-    let evs = c.events.get(&rec.id).map(Vec::as_slice).unwrap_or_default();
-    let spawns: Vec<String> = evs
-        .iter()
-        .filter(|(_, e)| e.r#type == "step")
-        .filter_map(|(_, e)| e.data_map()["id"].as_str().map(String::from))
-        .filter(|id| id.starts_with("spawn:"))
-        .collect();
-    if spawns != [EXPERT_SPAWN] {
-        v.wrong_outcomes.push(f(
-            &rec.id,
-            format!("its spawn steps: {spawns:?}, not one {EXPERT_SPAWN}"),
-        ));
-    }
+    let evs = spawned_once(v, rec, c, EXPERT_SPAWN);
     let count = |t: &str| evs.iter().filter(|(_, e)| e.r#type == t).count() as u64;
     let (claims, waits) = (count("claimed"), count("waiting"));
     let again = u64::from(rec.stale_reclaims) + u64::from(rec.attempts);
@@ -341,33 +329,57 @@ fn expert_jobs(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
             ),
         ));
     }
-    for k in kids {
-        match c.children.get(&k).and_then(|r| r.as_ref()) {
+    let kids: Vec<&str> = kids.iter().map(String::as_str).collect();
+    children_ended(v, rec, c, &kids, "expert_jobs_checked");
+}
+
+/// The parent's events, after checking that its only spawn step is `step`.
+fn spawned_once<'c>(
+    v: &mut Verdict,
+    rec: &JobRecord,
+    c: &'c Collected,
+    step: &str,
+) -> &'c [(u64, leasehold_proto::JobEvent)] {
+    let evs = c.events.get(&rec.id).map(Vec::as_slice).unwrap_or_default();
+    let spawns: Vec<String> = evs
+        .iter()
+        .filter(|(_, e)| e.r#type == "step")
+        .filter_map(|(_, e)| e.data_map()["id"].as_str().map(String::from))
+        .filter(|id| id.starts_with("spawn:"))
+        .collect();
+    if spawns != [step] {
+        v.wrong_outcomes.push(f(
+            &rec.id,
+            format!("its spawn steps: {spawns:?}, not one {step}"),
+        ));
+    }
+    evs
+}
+
+/// Each of `kids` has a record naming `rec` as its parent (lost if none),
+/// and has ended (stuck if not); counted under `info`.
+fn children_ended(v: &mut Verdict, rec: &JobRecord, c: &Collected, kids: &[&str], info: &str) {
+    for &k in kids {
+        match c.children.get(k).and_then(|r| r.as_ref()) {
             Some(child) => {
-                *v.info.entry("expert_jobs_checked".into()).or_default() += 1;
+                *v.info.entry(info.into()).or_default() += 1;
                 let parent = child.spec.as_ref().and_then(|s| s.parent.as_ref());
-                if parent.map(|p| p.id.as_str()) != Some(rec.id.as_str())
-                    || child.kind != "research-expert"
-                {
+                if parent.map(|p| p.id.as_str()) != Some(rec.id.as_str()) {
                     v.wrong_outcomes.push(f(
-                        &k,
-                        format!(
-                            "an expert job of {} naming parent {parent:?}, kind {}",
-                            rec.id, child.kind
-                        ),
+                        k,
+                        format!("a child of {} naming parent {parent:?}", rec.id),
                     ));
                 }
                 if !settled(child) {
                     v.stuck.push(f(
-                        &k,
-                        format!("an expert job of {}, still {}", rec.id, child.status),
+                        k,
+                        format!("a child of {}, still {}", rec.id, child.status),
                     ));
                 }
             }
-            None => v.lost.push(f(
-                &k,
-                format!("an expert job of {} without a record", rec.id),
-            )),
+            None => v
+                .lost
+                .push(f(k, format!("a child of {}, with no record", rec.id))),
         }
     }
 }
@@ -409,19 +421,7 @@ fn fan_out(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
             ),
         ));
     }
-    let evs = c.events.get(&rec.id).map(Vec::as_slice).unwrap_or_default();
-    let spawns: Vec<String> = evs
-        .iter()
-        .filter(|(_, e)| e.r#type == "step")
-        .filter_map(|(_, e)| e.data_map()["id"].as_str().map(String::from))
-        .filter(|id| id.starts_with("spawn:"))
-        .collect();
-    if spawns != ["spawn:echo#0"] {
-        v.wrong_outcomes.push(f(
-            &rec.id,
-            format!("its spawn steps: {spawns:?}, not one spawn:echo#0"),
-        ));
-    }
+    let evs = spawned_once(v, rec, c, "spawn:echo#0");
     let claims = evs.iter().filter(|(_, e)| e.r#type == "claimed").count() as u64;
     *v.info.entry("fanout_parent_claims".into()).or_default() += claims;
     if claims > 2 + u64::from(rec.stale_reclaims) {
@@ -433,29 +433,7 @@ fn fan_out(v: &mut Verdict, rec: &JobRecord, c: &Collected) {
             ),
         ));
     }
-    for k in kids {
-        match c.children.get(k).and_then(|r| r.as_ref()) {
-            Some(child) => {
-                *v.info.entry("fanout_children_checked".into()).or_default() += 1;
-                let parent = child.spec.as_ref().and_then(|s| s.parent.as_ref());
-                if parent.map(|p| p.id.as_str()) != Some(rec.id.as_str()) {
-                    v.wrong_outcomes.push(f(
-                        k,
-                        format!("a child of {} naming parent {parent:?}", rec.id),
-                    ));
-                }
-                if !settled(child) {
-                    v.stuck.push(f(
-                        k,
-                        format!("a child of {}, still {}", rec.id, child.status),
-                    ));
-                }
-            }
-            None => v
-                .lost
-                .push(f(k, format!("a child {} lists, with no record", rec.id))),
-        }
-    }
+    children_ended(v, rec, c, &kids, "fanout_children_checked");
 }
 
 /// A durable timer (`sleep` with `durable`) that completed slept once: its
