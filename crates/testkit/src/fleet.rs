@@ -71,22 +71,12 @@ impl Fleet {
             .connect("test")
             .await
             .unwrap();
-        // A fresh server now and then fails to create a stream's store at
-        // once (code 500, "error creating store for stream", seen under
-        // four tests at a time): setup is idempotent, so it is asked again.
-        let mut tries = 0;
-        while let Err(e) = setup::ensure(&conn, &o).await {
-            tries += 1;
+        // Setup waits out what the server could not do at once; what it
+        // still refuses, the server's log says why.
+        if let Err(e) = setup::ensure(&conn, &o).await {
             let log = server.log();
-            let tail: String = log.lines().rev().take(20).collect::<Vec<_>>().join("\n");
-            assert!(
-                tries < 3,
-                "setup failed {tries} times: {e}; the server's last lines (newest first):\n{tail}"
-            );
-            eprintln!(
-                "setup failed ({e}); asking again. The server's last lines (newest first):\n{tail}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            panic!("setup: {e}; the server's last lines (newest first):\n{}", tail.join("\n"));
         }
         Fleet {
             jobs: Jobs::open(&conn).await.unwrap(),

@@ -6,8 +6,16 @@ use super::*;
 /// A failed write of setup, told by what the server answered: a server
 /// whose JetStream storage limit is below the bounds is told what to
 /// change; a server that did not answer is [`StoreError::Unavailable`]
-/// (setup as a whole is tried again, see [`super::ensure_with`]).
+/// (setup as a whole is tried again, see [`super::ensure_with`]), and so
+/// is one that could not create a stream's store at once (its own log
+/// says why; a busy server answers it now and then, and asked again makes
+/// the stream).
 pub(super) fn setup_error(what: &str, e: &(dyn std::error::Error + 'static)) -> StoreError {
+    if e.to_string().contains(STORE_FAILED) {
+        return StoreError::Unavailable(format!(
+            "setup {what}: the server could not create its store this time ({e}; its log says why)"
+        ));
+    }
     match crate::answer::answer_of(e) {
         crate::answer::Answer::Code(NO_ROOM) => StoreError::Config(format!(
             "setup {what}: the server's JetStream storage limit (max_file_store) is smaller than the bounds asked for; lower them ({BOUND_FLAGS}) or raise the server's limit ({e})"
@@ -18,6 +26,10 @@ pub(super) fn setup_error(what: &str, e: &(dyn std::error::Error + 'static)) -> 
         _ => StoreError::nats(&format!("setup {what}"), e.to_string()),
     }
 }
+
+/// What the server answers, and only that, when it could not create a
+/// stream's (or a consumer's) files.
+const STORE_FAILED: &str = "error creating store for";
 
 /// Creates or updates one durable consumer (or, checking, compares it).
 pub(super) async fn apply_consumer(
@@ -355,8 +367,12 @@ mod tests {
     use super::*;
 
     fn refused(code: u64) -> CreateStreamError {
+        answered(code, "refused")
+    }
+
+    fn answered(code: u64, description: &str) -> CreateStreamError {
         let js: async_nats::jetstream::Error = serde_json::from_value(serde_json::json!({
-            "code": 500, "err_code": code, "description": "refused"
+            "code": 500, "err_code": code, "description": description
         }))
         .unwrap();
         CreateStreamError::new(CreateStreamErrorKind::JetStream(js))
@@ -380,5 +396,14 @@ mod tests {
         let e = setup_error("LH_EVENTS", &refused(10058));
         assert!(matches!(e, StoreError::Nats { .. }), "{e:?}");
         assert!(e.to_string().starts_with("setup LH_EVENTS: "), "{e}");
+        // A store the server could not create this time: asked again.
+        let e = setup_error(
+            "LH_EVENTS",
+            &answered(10049, "error creating store for stream"),
+        );
+        assert!(
+            matches!(&e, StoreError::Unavailable(m) if m.contains("its log says why")),
+            "{e:?}"
+        );
     }
 }
