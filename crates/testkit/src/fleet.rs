@@ -76,7 +76,10 @@ impl Fleet {
         if let Err(e) = setup::ensure(&conn, &o).await {
             let log = server.log();
             let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            panic!("setup: {e}; the server's last lines (newest first):\n{}", tail.join("\n"));
+            panic!(
+                "setup: {e}; the server's last lines (newest first):\n{}",
+                tail.join("\n")
+            );
         }
         Fleet {
             jobs: Jobs::open(&conn).await.unwrap(),
