@@ -55,6 +55,17 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// The limits of the job `ctx` runs, as its submission gave them.
+    pub fn of_job(ctx: &leasehold::Ctx) -> Option<Limits> {
+        let b = ctx.record().spec.as_ref()?.budget?;
+        Some(Limits {
+            max_steps: b.max_steps,
+            max_tokens: b.max_tokens,
+            max_wall_s: b.max_wall_s,
+            max_cost_usd: b.max_cost_usd,
+        })
+    }
+
     /// One of `n` experts' share of `self`.
     pub fn share(self, n: usize) -> Limits {
         let n = n.max(1);
@@ -175,14 +186,7 @@ impl Job<'_> {
         }
         let outline = self.state.outline.clone().expect("outline");
         let experts = self.state.experts.clone().expect("experts");
-        let b = self.ctx.record().spec.clone().unwrap_or_default().budget;
-        let budget = b
-            .map(|b| Limits {
-                max_steps: b.max_steps,
-                max_tokens: b.max_tokens,
-                max_wall_s: b.max_wall_s,
-                max_cost_usd: b.max_cost_usd,
-            })
+        let budget = Limits::of_job(self.ctx)
             .filter(|l| !l.is_empty())
             .map(|l| l.share(ne));
         let inputs = (0..ne)

@@ -234,15 +234,9 @@ impl<'a> Job<'a> {
             cfg.breaker.clone(),
         ));
         // An expert job's budget is its share of the report's.
-        let b = match (spec.budget, input.task.as_ref().and_then(|t| t.budget)) {
-            (Some(b), _) => expert_jobs::Limits {
-                max_steps: b.max_steps,
-                max_tokens: b.max_tokens,
-                max_wall_s: b.max_wall_s,
-                max_cost_usd: b.max_cost_usd,
-            },
-            (None, share) => share.unwrap_or_default(),
-        };
+        let b = expert_jobs::Limits::of_job(ctx)
+            .or(input.task.as_ref().and_then(|t| t.budget))
+            .unwrap_or_default();
         let limits = BudgetLimits {
             max_steps: b.max_steps,
             max_tokens: b.max_tokens,
