@@ -88,9 +88,14 @@ async fn submit(
     publish_many(js, subject, ids, prefix, |_| json!({"input": {"ms": ms}})).await
 }
 
-/// Waits until the worker ended `n` attempts to wait (its own counter: a
-/// scan of the index this often would be the load measured), then checks
-/// the index lists them (`hold.<job>`).
+/// Waits until `n` jobs wait (held by nobody), then checks the index lists
+/// them (`hold.<job>`). It watches the worker's own counter of attempts
+/// that ended waiting (a scan of the index this often would be the load
+/// measured); when the counter has not moved for 10 s, it counts the index
+/// once instead, since an attempt may end another way (a transient error
+/// retried, an ownership lost under load) while its job still goes to
+/// sleep on its next attempt. Past `within`, the error says how the
+/// worker's attempts ended.
 async fn held(
     h: &leasehold::Handle,
     active: &Active,
@@ -99,15 +104,55 @@ async fn held(
 ) -> anyhow::Result<Duration> {
     let t0 = Instant::now();
     let mut said = Instant::now();
+    let mut last = 0;
+    let mut moved = Instant::now();
     loop {
         let got = h.metrics.total(Count::Ended(AttemptOutcome::Waited)) as usize;
         if got >= n {
             break;
         }
-        anyhow::ensure!(
-            t0.elapsed() < within,
-            "only {got} of {n} jobs waiting after {within:?}"
-        );
+        if got != last {
+            (last, moved) = (got, Instant::now());
+        } else if moved.elapsed() > Duration::from_secs(10) {
+            let listed = active.list(Filter::Held).await?.len();
+            eprintln!("   {got} attempts ended waiting, stalled; the index lists {listed} waiting");
+            if listed >= n {
+                break;
+            }
+            for (k, e) in active
+                .list(Filter::All)
+                .await?
+                .iter()
+                .filter(|(k, _)| !matches!(k, leasehold_store::index::Key::Hold { .. }))
+                .take(5)
+            {
+                eprintln!(
+                    "   not asleep: {} {} {:?}",
+                    k.as_string(),
+                    e.status,
+                    e.next_run_at
+                );
+            }
+            moved = Instant::now();
+        }
+        if t0.elapsed() >= within {
+            let ended: Vec<String> = [
+                AttemptOutcome::Completed,
+                AttemptOutcome::Retried,
+                AttemptOutcome::Failed,
+                AttemptOutcome::Cancelled,
+                AttemptOutcome::Parked,
+                AttemptOutcome::HandedBack,
+                AttemptOutcome::OwnershipLost,
+            ]
+            .into_iter()
+            .map(|o| format!("{} {}", h.metrics.total(Count::Ended(o)), o.as_str()))
+            .collect();
+            anyhow::bail!(
+                "only {got} of {n} jobs waiting after {within:?}; the worker's other attempts ended: {}",
+                ended.join(", ")
+            );
+        }
         if said.elapsed() > Duration::from_secs(10) {
             eprintln!(
                 "   {got} of {n} asleep after {:.0} s",
