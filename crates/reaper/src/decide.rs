@@ -1,7 +1,8 @@
 //! The reaper's decisions about one index entry, as pure functions.
 //!
-//! The sweep lists the index of active jobs (never the records) and asks
-//! [`running_action`] or [`waiting_is_stranded`] what an entry needs. Every
+//! The sweep follows the index of active jobs (never the records) and asks
+//! [`running_action`] what a running entry needs, and [`stranded_before`]
+//! which waiting ones to look at. Every
 //! action re-reads the record and decides again inside a
 //! revision-conditioned write, so a stale entry can only cause a wasted
 //! read, never a wrong write.
@@ -9,6 +10,9 @@
 use std::time::{Duration, SystemTime};
 
 use leasehold_core::time::parse_rfc3339;
+#[cfg(test)]
+use leasehold_store::index::view::wait_due;
+#[cfg(test)]
 use leasehold_store::index::Entry;
 use leasehold_store::liveness::Verdict;
 
@@ -26,10 +30,11 @@ pub enum RunningAction {
     Overdue,
 }
 
-/// Decides what a `run.<worker>.<job>` entry needs, given the verdict of
-/// the one liveness rule on the session the entry names.
+/// Decides what a `run.<worker>.<job>` entry needs (its attempt's
+/// deadline), given the verdict of the one liveness rule on the session the
+/// entry names.
 pub fn running_action(
-    entry: &Entry,
+    deadline: Option<SystemTime>,
     owner: &Verdict,
     now: SystemTime,
     skew: Duration,
@@ -40,10 +45,7 @@ pub fn running_action(
         Verdict::Unknown(_) => return RunningAction::Unsure,
         Verdict::Alive => {}
     }
-    let overdue = entry
-        .deadline
-        .as_deref()
-        .and_then(parse_rfc3339)
+    let overdue = deadline
         .and_then(|d| now.duration_since(d).ok())
         .is_some_and(|past| past > skew);
     if overdue {
@@ -53,14 +55,10 @@ pub fn running_action(
     }
 }
 
-/// Whether a waiting job should have run by now: due (its `next_run_at`, or
-/// its last write) longer ago than `grace`.
-pub fn waiting_is_stranded(entry: &Entry, now: SystemTime, grace: Duration) -> bool {
-    let due = entry
-        .next_run_at
-        .as_deref()
-        .unwrap_or(entry.updated_at.as_str());
-    since(due, now) >= grace
+/// A waiting job should have run by now when it was due (its
+/// `next_run_at`, or its last write: [`wait_due`]) at or before this time.
+pub fn stranded_before(now: SystemTime, grace: Duration) -> SystemTime {
+    now.checked_sub(grace).unwrap_or(SystemTime::UNIX_EPOCH)
 }
 
 /// Time since an RFC 3339 timestamp (zero when it is in the future or unreadable).
@@ -80,34 +78,27 @@ mod tests {
         SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + s)
     }
 
-    fn running(session: &str, deadline: u64) -> Entry {
-        Entry {
-            job: "j".into(),
-            status: "running".into(),
-            worker_id: Some("w".into()),
-            session: Some(session.into()),
-            deadline: Some(rfc3339(t(deadline))),
-            ..Default::default()
-        }
+    fn running(deadline: u64) -> Option<SystemTime> {
+        Some(t(deadline))
     }
 
     const SKEW: Duration = Duration::from_secs(2);
 
     #[test]
     fn a_running_entry_is_recovered_only_when_its_owner_is_gone() {
-        let e = running("s1", 100);
+        let e = running(100);
         assert_eq!(
-            running_action(&e, &Verdict::Alive, t(10), SKEW),
+            running_action(e, &Verdict::Alive, t(10), SKEW),
             RunningAction::Nothing
         );
         assert_eq!(
-            running_action(&e, &Verdict::Gone("ended".into()), t(10), SKEW),
+            running_action(e, &Verdict::Gone("ended".into()), t(10), SKEW),
             RunningAction::OwnerGone
         );
         // Even past its deadline, an unknown owner is left alone.
         assert_eq!(
             running_action(
-                &e,
+                e,
                 &Verdict::Unknown(Unsure::Settling(Duration::ZERO)),
                 t(200),
                 SKEW
@@ -118,13 +109,13 @@ mod tests {
 
     #[test]
     fn a_deadline_counts_only_past_the_skew_allowance() {
-        let e = running("s1", 100);
+        let e = running(100);
         assert_eq!(
-            running_action(&e, &Verdict::Alive, t(102), SKEW),
+            running_action(e, &Verdict::Alive, t(102), SKEW),
             RunningAction::Nothing
         );
         assert_eq!(
-            running_action(&e, &Verdict::Alive, t(103), SKEW),
+            running_action(e, &Verdict::Alive, t(103), SKEW),
             RunningAction::Overdue
         );
     }
@@ -137,9 +128,10 @@ mod tests {
             ..Default::default()
         };
         let g = Duration::from_secs(60);
-        assert!(!waiting_is_stranded(&e, t(159), g));
-        assert!(waiting_is_stranded(&e, t(160), g));
+        let stranded = |e: &Entry, now| wait_due(e).unwrap() <= stranded_before(now, g);
+        assert!(!stranded(&e, t(159)));
+        assert!(stranded(&e, t(160)));
         e.next_run_at = None;
-        assert!(waiting_is_stranded(&e, t(60), g));
+        assert!(stranded(&e, t(60)));
     }
 }

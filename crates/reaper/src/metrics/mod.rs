@@ -14,11 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use leasehold_core::time::rfc3339;
-use leasehold_store::index::{Entry, Key};
+use leasehold_store::index::view::Counts;
 use leasehold_store::recovery::Action;
 use serde::{Deserialize, Serialize};
-
-use crate::decide::since;
 
 /// A snapshot of the fleet's health as one reaper saw it at its last sweep.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -77,22 +75,19 @@ pub struct Tally {
 }
 
 impl Tally {
-    pub fn observe(&mut self, key: &Key, entry: &Entry, now: SystemTime) {
-        self.m.jobs += 1;
-        match key {
-            Key::Run { .. } | Key::Wait { .. } => {
-                self.m.in_flight += 1;
-                if matches!(key, Key::Run { .. }) {
-                    self.m.running += 1;
-                }
-                let age = since(&entry.created_at, now).as_secs_f64();
-                if self.oldest.as_ref().is_none_or(|(_, a)| age > *a) {
-                    self.oldest = Some((entry.job.clone(), age));
-                }
-            }
-            Key::Park { .. } => self.m.parked += 1,
-            Key::Hold { .. } => self.m.waiting += 1,
-        }
+    /// The index's counts, from its live view.
+    pub fn of(c: &Counts, now: SystemTime) -> Tally {
+        let mut t = Tally::default();
+        t.m.jobs = c.jobs;
+        t.m.in_flight = c.in_flight;
+        t.m.running = c.running;
+        t.m.parked = c.parked;
+        t.m.waiting = c.held;
+        t.oldest = c.oldest_in_flight.as_ref().map(|(job, created)| {
+            let age = now.duration_since(*created).unwrap_or_default();
+            (job.clone(), age.as_secs_f64())
+        });
+        t
     }
 
     /// The snapshot, completed with the streams' counts and this replica's counters.
@@ -206,35 +201,17 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    fn tally_counts_by_index_key() {
+    fn tally_takes_the_view_counts_and_the_oldest_age() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let at = |s: u64| rfc3339(t0 + Duration::from_secs(s));
-        let mut t = Tally::default();
-        let entry = |job: &str, created: u64| Entry {
-            job: job.into(),
-            created_at: at(created),
-            ..Default::default()
+        let counts = Counts {
+            jobs: 3,
+            running: 1,
+            in_flight: 2,
+            parked: 1,
+            held: 0,
+            oldest_in_flight: Some(("old".into(), t0)),
         };
-        t.observe(
-            &Key::Run {
-                worker: "w".into(),
-                job: "old".into(),
-            },
-            &entry("old", 0),
-            t0 + Duration::from_secs(100),
-        );
-        t.observe(
-            &Key::Wait {
-                job: "young".into(),
-            },
-            &entry("young", 30),
-            t0 + Duration::from_secs(100),
-        );
-        t.observe(
-            &Key::Park { job: "p".into() },
-            &entry("p", 1),
-            t0 + Duration::from_secs(100),
-        );
+        let t = Tally::of(&counts, t0 + Duration::from_secs(100));
         let m = t.finish(
             "r1",
             t0,

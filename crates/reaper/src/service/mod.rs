@@ -10,12 +10,13 @@
 //!    session timeout.
 //! 2. The session watcher (`leasehold_store::recovery`): the durable
 //!    consumer of ended sessions, shared with every worker.
-//! 3. The sweep, every `--interval`, over the index of active jobs (never
-//!    the records): running jobs whose session is not their worker's live
-//!    one, or whose attempt deadline passed, are recovered; waiting jobs
-//!    past their due time by `--stranded-grace` get their ticket checked
-//!    and replaced; index entries whose record disagrees are repaired; and
-//!    a [`Metrics`] snapshot is published.
+//! 3. The sweep, every `--interval`, over the reaper's live view of the
+//!    index of active jobs (a watch: never the records, and no read of the
+//!    index per sweep): running jobs whose session is not their worker's
+//!    live one (one verdict per session), or whose attempt deadline passed,
+//!    are recovered; waiting jobs past their due time by `--stranded-grace`
+//!    get their ticket checked and replaced; index entries whose record
+//!    disagrees are repaired; and a [`Metrics`] snapshot is published.
 //! 4. The advisory loop: max-deliveries advisories captured in
 //!    `LH_ADVISORIES`. A ticket past max deliveries whose job a live owner
 //!    holds is only deleted (the job is alive and needs no ticket); a
@@ -47,7 +48,8 @@ use leasehold_core::retry::Backoff;
 use leasehold_core::spec::{self, Kinds, Submission};
 use leasehold_core::time::human_duration;
 use leasehold_core::{JobRecord, Status};
-use leasehold_store::index::{Filter, Key};
+use leasehold_store::index::view::{Owner, View};
+use leasehold_store::index::Key;
 use leasehold_store::liveness::Verdict;
 use leasehold_store::recovery::{self, Action, Recovery};
 use leasehold_store::sessions::{Ping, Runs, SessionInfo};
@@ -240,7 +242,9 @@ impl Reaper {
             .prom
             .clone()
             .unwrap_or_else(|| ReaperMetrics::new(&reaper_id));
+        let view = View::follow(recovery.active.clone(), shutdown.clone());
         let inner = Arc::new(Inner {
+            view,
             recovery: Arc::new(recovery),
             conn,
             id: reaper_id.clone(),
@@ -249,7 +253,7 @@ impl Reaper {
             prom,
             readiness: self.readiness.clone(),
             kinds,
-            verify_cursor: std::sync::Mutex::new(String::new()),
+            verify_cursor: std::sync::Mutex::new(None),
             unclaimed: std::sync::Mutex::default(),
             opts,
         });
@@ -281,9 +285,11 @@ struct Inner {
     prom: ReaperMetrics,
     /// Ready while connected; not ready once draining.
     readiness: Readiness,
+    /// The live view of the index the sweep follows.
+    view: View,
     /// Where the rotating check of running entries against their records
-    /// goes on at the next sweep (a job id).
-    verify_cursor: std::sync::Mutex<String>,
+    /// goes on at the next sweep (the last key checked).
+    verify_cursor: std::sync::Mutex<Option<Key>>,
     /// Waiting jobs whose ticket (job, ticket) its lane delivered but the
     /// job was still not claimed: at the last sweep, and at this one.
     unclaimed: std::sync::Mutex<Unclaimed>,

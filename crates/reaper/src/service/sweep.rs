@@ -114,79 +114,105 @@ pub(super) async fn sweep_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
     }
 }
 
+/// How long a sweep waits for the reaper's view of the index to be read
+/// whole (at its start, or after its watch was interrupted).
+const VIEW_LOAD_WAIT: Duration = Duration::from_secs(30);
+
+/// How many owners' liveness a sweep asks at once.
+const OWNERS_AT_ONCE: usize = 32;
+
+/// What a look at a waiting job found.
+pub(super) enum WaitCheck {
+    /// Nothing stuck (or it was mended): the next look after the grace.
+    Later,
+    /// Its ticket was delivered and is not claimed yet: looked at again at
+    /// the next sweep, which decides.
+    Soon,
+}
+
 impl Inner {
-    /// One sweep over the index of active jobs; returns the metrics snapshot.
+    /// One sweep over the reaper's live view of the index (a watch of
+    /// `lh_active`, so the sweep reads no entry): each owner named by a
+    /// running entry is judged once, and only the jobs of gone owners,
+    /// attempts past their deadline and waiting jobs past their due time
+    /// are acted on. Returns the metrics snapshot.
     pub(super) async fn sweep(&self) -> Result<Metrics, ReaperError> {
         let r = &self.recovery;
-        let entries = r.active.list(Filter::All).await?;
+        let view = &self.view;
+        if !view.loaded(VIEW_LOAD_WAIT).await {
+            return Err(StoreError::Unavailable(
+                "the reaper's view of the index is still being read".into(),
+            )
+            .into());
+        }
         let now = SystemTime::now();
-        let mut tally = Tally::default();
-        // One verdict per recorded session in a sweep (a worker's jobs share it).
-        let mut verdicts: HashMap<(String, Option<String>), Verdict> = HashMap::new();
-        let mut to_verify: Vec<(String, String)> = Vec::new();
-        for (key, entry) in &entries {
-            tally.observe(key, entry, now);
-            let res: Result<(), ReaperError> = match key {
-                Key::Run { worker, job } => {
-                    let k = (worker.clone(), entry.session.clone());
-                    let verdict = match verdicts.get(&k) {
-                        Some(v) => v.clone(),
-                        None => {
-                            let v = r
-                                .liveness
-                                .owner(worker, entry.session.as_deref(), None)
-                                .await;
-                            verdicts.insert(k, v.clone());
-                            v
-                        }
-                    };
-                    match decide::running_action(entry, &verdict, now, self.opts.clock_skew) {
-                        RunningAction::Nothing => {
-                            to_verify.push((worker.clone(), job.clone()));
-                            Ok(())
-                        }
-                        RunningAction::Unsure => {
-                            tracing::debug!(job, worker, %verdict, "owner's liveness unknown; the next sweep asks again");
-                            Ok(())
-                        }
-                        RunningAction::OwnerGone => r
-                            .recover_job(worker, job, None)
-                            .await
-                            .map(|a| self.stats.count(&a))
-                            .map_err(Into::into),
-                        RunningAction::Overdue => {
-                            tracing::warn!(
-                                job,
-                                worker,
-                                "attempt past its deadline while its worker lives; re-offering it"
-                            );
-                            r.recover_job(worker, job, Some(self.opts.clock_skew))
-                                .await
-                                .map(|a| self.stats.count(&a))
-                                .map_err(Into::into)
-                        }
-                    }
+        let skew = self.opts.clock_skew;
+        // One verdict per owner (a worker's jobs share its session).
+        let verdicts: HashMap<Owner, Verdict> = futures::stream::iter(view.owners())
+            .map(|o| async move {
+                let v = r.liveness.owner(&o.0, o.1.as_deref(), None).await;
+                (o, v)
+            })
+            .buffer_unordered(OWNERS_AT_ONCE)
+            .collect()
+            .await;
+        let log = |key: &Key, e: ReaperError| {
+            tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep")
+        };
+        for (owner, verdict) in &verdicts {
+            match verdict {
+                Verdict::Alive => continue,
+                Verdict::Unknown(_) => {
+                    tracing::debug!(worker = %owner.0, %verdict, "owner's liveness unknown; the next sweep asks again");
+                    continue;
                 }
-                Key::Wait { job }
-                    if decide::waiting_is_stranded(entry, now, self.opts.stranded_grace) =>
-                {
-                    self.check_waiting(job, key).await
+                Verdict::Gone(_) => {}
+            }
+            for key in view.runs_of(owner) {
+                if decide::running_action(None, verdict, now, skew) != RunningAction::OwnerGone {
+                    continue;
                 }
-                _ => Ok(()),
-            };
-            if let Err(e) = res {
-                tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep");
+                let Key::Run { worker, job } = &key else { continue };
+                match r.recover_job(worker, job, None).await {
+                    Ok(a) => self.stats.count(&a),
+                    Err(e) => log(&key, e.into()),
+                }
+            }
+        }
+        for (key, owner, deadline) in view.deadlines_by(now.checked_sub(skew).unwrap_or(now)) {
+            let Some(verdict) = verdicts.get(&owner) else { continue };
+            if decide::running_action(Some(deadline), verdict, now, skew) != RunningAction::Overdue {
+                continue;
+            }
+            let Key::Run { worker, job } = &key else { continue };
+            tracing::warn!(
+                job,
+                worker,
+                "attempt past its deadline while its worker lives; re-offering it"
+            );
+            match r.recover_job(worker, job, Some(skew)).await {
+                Ok(a) => self.stats.count(&a),
+                Err(e) => log(&key, e.into()),
+            }
+        }
+        for key in view.waits_by(decide::stranded_before(now, self.opts.stranded_grace)) {
+            let Key::Wait { job } = &key else { continue };
+            match self.check_waiting(job, &key).await {
+                Ok(WaitCheck::Later) => view.put_off(&key, now + self.opts.stranded_grace),
+                Ok(WaitCheck::Soon) => {}
+                Err(e) => log(&key, e),
             }
         }
         self.unclaimed.lock().unwrap().next_sweep();
-        self.verify_some(to_verify).await;
+        self.verify_some(&verdicts).await;
         let depth = self.queue_depth().await;
         let dlq = self.dlq_by_kind().await;
-        let live_workers: std::collections::HashSet<&String> = verdicts
+        let live_workers: std::collections::HashSet<&Arc<str>> = verdicts
             .iter()
             .filter(|(_, v)| v.is_alive())
             .map(|((w, _), _)| w)
             .collect();
+        let mut tally = Tally::of(&view.counts(), now);
         tally.set_queue(depth, live_workers.len() as u64, dlq);
         self.stats.sweeps.fetch_add(1, Ordering::Relaxed);
         let mut m = tally.finish(&self.id, now, self.stats.counters());
@@ -194,32 +220,22 @@ impl Inner {
         Ok(m)
     }
 
-    /// Compares a rotating window of running entries (live owners) with
-    /// their records: an entry left behind by a crash between a record
+    /// Compares a rotating window of running entries whose owners live
+    /// with their records: an entry left behind by a crash between a record
     /// write and its index write is repaired.
-    pub(super) async fn verify_some(&self, mut run: Vec<(String, String)>) {
-        if run.is_empty() {
-            return;
-        }
-        run.sort_by(|a, b| a.1.cmp(&b.1));
+    pub(super) async fn verify_some(&self, verdicts: &HashMap<Owner, Verdict>) {
         let cursor = self.verify_cursor.lock().unwrap().clone();
-        let start = run.iter().position(|(_, j)| *j > cursor).unwrap_or(0);
-        let window: Vec<_> = run
-            .iter()
-            .cycle()
-            .skip(start)
-            .take(VERIFY_PER_SWEEP.min(run.len()))
-            .cloned()
-            .collect();
-        if let Some((_, last)) = window.last() {
-            *self.verify_cursor.lock().unwrap() = last.clone();
+        let window = self.view.runs_after(cursor.as_ref(), VERIFY_PER_SWEEP);
+        if let Some((last, _)) = window.last() {
+            *self.verify_cursor.lock().unwrap() = Some(last.clone());
         }
         let mut held = Vec::new();
-        for (worker, job) in window {
-            let key = Key::Run {
-                worker: worker.clone(),
-                job: job.clone(),
-            };
+        for (key, owner) in window {
+            if !verdicts.get(&owner).is_some_and(Verdict::is_alive) {
+                continue;
+            }
+            let Key::Run { worker, job } = &key else { continue };
+            let (worker, job) = (worker.clone(), job.clone());
             match self.recovery.jobs.get(&job).await {
                 Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {
                     held.push((worker, job, v.value.epoch));
@@ -290,13 +306,17 @@ impl Inner {
     /// A waiting job past its due time by the grace: repair the index if
     /// the record moved on; otherwise make sure it has a ticket that a
     /// worker will actually be given.
-    pub(super) async fn check_waiting(&self, job: &str, key: &Key) -> Result<(), ReaperError> {
+    pub(super) async fn check_waiting(
+        &self,
+        job: &str,
+        key: &Key,
+    ) -> Result<WaitCheck, ReaperError> {
         let r = &self.recovery;
         let Some(cur) = r.jobs.get(job).await? else {
             r.active
                 .remove(key, leasehold_store::index::Remover::Anyone)
                 .await?;
-            return Ok(());
+            return Ok(WaitCheck::Later);
         };
         let rec = cur.value;
         if Key::of(&rec).as_ref() != Some(key) {
@@ -305,10 +325,11 @@ impl Inner {
             }
             r.active.sync(&rec, Some(key)).await?;
             self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+            return Ok(WaitCheck::Later);
         }
         if rec.cancel_requested {
-            return self.cancel_waiting(job, Some(key)).await;
+            self.cancel_waiting(job, Some(key)).await?;
+            return Ok(WaitCheck::Later);
         }
         // A ticket is stuck when it is gone, or was delivered already and
         // still not claimed long past its due time (past max deliveries with
@@ -329,7 +350,7 @@ impl Inner {
                 .ok()
                 .flatten();
             if delivered.is_none_or(|d| rec.ticket_seq > d) {
-                return Ok(());
+                return Ok(WaitCheck::Later);
             }
             if !self
                 .unclaimed
@@ -337,7 +358,7 @@ impl Inner {
                 .unwrap()
                 .seen_again(job, rec.ticket_seq)
             {
-                return Ok(());
+                return Ok(WaitCheck::Soon);
             }
         }
         let why = if ticket.is_some() {
@@ -348,7 +369,8 @@ impl Inner {
             "its ticket was gone"
         };
         self.replace_ticket(&rec, cur.revision, rec.ticket_seq, ticket.is_some(), why)
-            .await
+            .await?;
+        Ok(WaitCheck::Later)
     }
 
     /// Cancels a waiting job whose cancel was requested (a claim would

@@ -23,6 +23,8 @@
 
 use std::time::Duration;
 
+pub mod view;
+
 use async_nats::jetstream::{self, consumer, kv};
 use leasehold_core::machine::status_of;
 use leasehold_core::{JobRecord, Status};
