@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
-use leasehold_harness::{bin_path, Proc};
+use leasehold_harness::{bin_path, wait_for_jetstream, Proc};
 use leasehold_testkit::doors::dlq::Dlq;
 use leasehold_testkit::doors::owner::machine;
 use leasehold_testkit::doors::reaper::Handle;
@@ -122,6 +122,45 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
         );
     }
     assert_eq!(r.0.stats.recoveries.load(Ordering::Relaxed), 2);
+    stop_reaper(r).await;
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
+/// The sweep follows a live view of the index (a watch): cut by a kill -9
+/// of the server, the watch is read again, and a job stranded after the
+/// restart (an entry the reaper's view never had) is recovered once.
+#[tokio::test]
+async fn a_reaper_whose_view_of_the_index_was_cut_by_a_server_kill_still_recovers() {
+    let mut env = Fleet::start().await;
+    let r = env.reaper().await;
+    let mut sweeps = r.0.metrics_watch();
+    sweeps
+        .wait_for(|m| m.sweeps >= 1)
+        .await
+        .expect("the reaper sweeps");
+    env.server.kill();
+    env.server.restart();
+    wait_for_jetstream(&env.url(), Duration::from_secs(20)).await;
+    env.seed_record(&abandoned("after-cut", "echo", json!({"n": 7}), 4242, 0))
+        .await;
+    let (w, stop_w) = env.worker().await;
+    let done = env
+        .wait_status("after-cut", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        done.result.as_ref().unwrap().output,
+        json!({"n": 7}).to_string()
+    );
+    assert_eq!(done.stale_reclaims, 1, "one re-offer: {done:#?}");
+    assert_eq!(r.0.stats.recoveries.load(Ordering::Relaxed), 1);
+    // The view counts it gone once its entry was removed.
+    let gone = tokio::time::timeout(
+        Duration::from_secs(10),
+        sweeps.wait_for(|m| m.jobs == 0 && m.sweeps > 1),
+    )
+    .await;
+    assert!(gone.is_ok(), "the reaper still counts {:?}", r.0.metrics());
     stop_reaper(r).await;
     stop_w.cancel();
     w.wait().await.unwrap();

@@ -167,6 +167,11 @@ pub struct Liveness {
 }
 
 impl Liveness {
+    /// The connection's events this rule follows.
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
     pub fn new(sessions: Sessions, link: Link) -> Self {
         Liveness {
             sessions,

@@ -313,6 +313,9 @@ pub async fn run(
                         }
                     }
                 }
+                // A server that restarted lost the watch's consumer: watch
+                // again at once rather than after its missed heartbeats.
+                _ = r.liveness.link().reconnected() => continue 'watch,
                 _ = shutdown.cancelled() => return,
             }
         }

@@ -242,7 +242,7 @@ impl Reaper {
             .prom
             .clone()
             .unwrap_or_else(|| ReaperMetrics::new(&reaper_id));
-        let view = View::follow(recovery.active.clone(), shutdown.clone());
+        let view = View::follow(recovery.active.clone(), conn.link.clone(), shutdown.clone());
         let inner = Arc::new(Inner {
             view,
             recovery: Arc::new(recovery),

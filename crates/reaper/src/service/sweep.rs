@@ -156,9 +156,7 @@ impl Inner {
             .buffer_unordered(OWNERS_AT_ONCE)
             .collect()
             .await;
-        let log = |key: &Key, e: ReaperError| {
-            tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep")
-        };
+        let log = |key: &Key, e: ReaperError| tracing::warn!(key = %key.as_string(), error = %e, "reaper action failed; retrying at the next sweep");
         for (owner, verdict) in &verdicts {
             match verdict {
                 Verdict::Alive => continue,
@@ -172,7 +170,9 @@ impl Inner {
                 if decide::running_action(None, verdict, now, skew) != RunningAction::OwnerGone {
                     continue;
                 }
-                let Key::Run { worker, job } = &key else { continue };
+                let Key::Run { worker, job } = &key else {
+                    continue;
+                };
                 match r.recover_job(worker, job, None).await {
                     Ok(a) => self.stats.count(&a),
                     Err(e) => log(&key, e.into()),
@@ -180,11 +180,16 @@ impl Inner {
             }
         }
         for (key, owner, deadline) in view.deadlines_by(now.checked_sub(skew).unwrap_or(now)) {
-            let Some(verdict) = verdicts.get(&owner) else { continue };
-            if decide::running_action(Some(deadline), verdict, now, skew) != RunningAction::Overdue {
+            let Some(verdict) = verdicts.get(&owner) else {
+                continue;
+            };
+            if decide::running_action(Some(deadline), verdict, now, skew) != RunningAction::Overdue
+            {
                 continue;
             }
-            let Key::Run { worker, job } = &key else { continue };
+            let Key::Run { worker, job } = &key else {
+                continue;
+            };
             tracing::warn!(
                 job,
                 worker,
@@ -234,7 +239,9 @@ impl Inner {
             if !verdicts.get(&owner).is_some_and(Verdict::is_alive) {
                 continue;
             }
-            let Key::Run { worker, job } = &key else { continue };
+            let Key::Run { worker, job } = &key else {
+                continue;
+            };
             let (worker, job) = (worker.clone(), job.clone());
             match self.recovery.jobs.get(&job).await {
                 Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {

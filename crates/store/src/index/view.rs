@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{Active, Entry, Key};
+use crate::connect::Link;
 
 /// How long the follower waits before watching again after an error.
 const RETRY: Duration = Duration::from_secs(1);
@@ -147,8 +148,11 @@ pub struct View {
 
 impl View {
     /// Starts following `active` until `shutdown`; the view fills as the
-    /// entries arrive ([`View::loaded`]).
-    pub fn follow(active: Active, shutdown: CancellationToken) -> View {
+    /// entries arrive ([`View::loaded`]). When the connection comes back
+    /// (`link`), the index is read again at once: a server that restarted
+    /// lost the watch's consumer, which the watch itself notices only after
+    /// its missed heartbeats.
+    pub fn follow(active: Active, link: Link, shutdown: CancellationToken) -> View {
         let (tx, rx) = watch::channel(false);
         let view = View {
             state: Arc::default(),
@@ -160,11 +164,14 @@ impl View {
                 tokio::select! {
                     r = follow_once(&active, &state, &tx) => if let Err(e) = r {
                         tracing::warn!(error = %e, "index watch interrupted; reading the index again");
+                        tokio::select! {
+                            _ = tokio::time::sleep(RETRY) => {}
+                            _ = shutdown.cancelled() => return,
+                        }
                     },
-                    _ = shutdown.cancelled() => return,
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(RETRY) => {}
+                    _ = link.reconnected() => {
+                        tracing::info!("connection back; reading the index again");
+                    }
                     _ = shutdown.cancelled() => return,
                 }
             }
@@ -201,7 +208,11 @@ impl View {
         st.runs
             .range::<Key, _>(&from..)
             .take_while(|k| matches!(&***k, Key::Run { worker, .. } if **worker == *owner.0))
-            .filter(|k| st.entries.get(*k).is_some_and(|s| s.owner.as_ref() == Some(owner)))
+            .filter(|k| {
+                st.entries
+                    .get(*k)
+                    .is_some_and(|s| s.owner.as_ref() == Some(owner))
+            })
             .map(|k| (**k).clone())
             .collect()
     }
@@ -284,10 +295,7 @@ impl View {
             in_flight,
             parked: st.parked,
             held: st.held,
-            oldest_in_flight: st
-                .ages
-                .first()
-                .map(|(at, k)| (k.job().to_string(), *at)),
+            oldest_in_flight: st.ages.first().map(|(at, k)| (k.job().to_string(), *at)),
         }
     }
 }
@@ -404,7 +412,10 @@ mod tests {
         let mut owners = v.owners();
         owners.sort();
         assert_eq!(owners, vec![owner("w1", "s1"), owner("w2", "s9")]);
-        assert_eq!(v.runs_of(&owner("w1", "s1")), vec![run("w1", "a"), run("w1", "b")]);
+        assert_eq!(
+            v.runs_of(&owner("w1", "s1")),
+            vec![run("w1", "a"), run("w1", "b")]
+        );
         assert!(v.runs_of(&owner("w1", "s2")).is_empty());
         let due: Vec<Key> = v.deadlines_by(t(60)).into_iter().map(|d| d.0).collect();
         assert_eq!(due, vec![run("w1", "b")]);
