@@ -185,7 +185,7 @@ struct Samples {
 /// How long a sweep took (ms) and its `jobs` for every `sweep` line the
 /// reaper logged so far: `took=7ms` / `took=1.2s` (human units), or
 /// `took_ms=7` from a baseline release.
-fn sweeps(log: &str) -> Vec<(f64, u64)> {
+pub(crate) fn sweeps(log: &str) -> Vec<(f64, u64)> {
     let raw = |l: &str, k: &str| {
         l.split_whitespace()
             .find_map(|t| t.strip_prefix(k))
@@ -248,14 +248,19 @@ async fn list(side: &Side) -> anyhow::Result<(f64, usize)> {
 /// A worker with a stable identity, started, then stopped with SIGTERM:
 /// ms from the spawn to its session key, and to its `worker starting` line.
 async fn start(side: &Side) -> anyhow::Result<(f64, f64)> {
-    let sessions = leasehold_store::sessions::Sessions::open(&side.conn).await?;
+    start_worker(&side.s, &side.conn).await
+}
+
+/// [`start`] against server `s` (connected as `conn`).
+pub(crate) async fn start_worker(s: &Server, conn: &Conn) -> anyhow::Result<(f64, f64)> {
+    let sessions = leasehold_store::sessions::Sessions::open(conn).await?;
     let mut w = sessions.kv().watch("hist-start").await?;
     let t0 = Instant::now();
     let mut p = Proc::spawn(
         "leasehold-worker",
         &["--worker-id", "hist-start"],
         &worker_env(
-            &side.s.url(),
+            &s.url(),
             &[("LH_KINDS", "sleep".into()), ("RUST_LOG", "info".into())],
         ),
     );

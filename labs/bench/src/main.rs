@@ -12,6 +12,7 @@
 //! | `stop` | SIGSTOP past a 2 s session: re-offer, completion elsewhere; after SIGCONT, writes of the paused owner accepted after the new claim (KV history, events) | | re-offer p95 <= 3 s, 0 writes |
 //! | `inflight` | 1,000 sleep jobs on one worker: `$KV` sessions+jobs writes/s in steady state, peak RSS, reclaims | | <= 1 write/s, RSS budget, 0 reclaims |
 //! | `history` | reaper sweep, `leasehold list --status running`, worker start with `--worker-id`, with N finished records | the same with none | <= 1.2x |
+//! | `scale` | reaper sweep, `leasehold list --status queued --limit 10`, worker start, a second reaper's start to its first sweep, RSS of reaper, worker and server, with N active jobs (default 1,000,000: half queued in backoff, half waiting on a timer) | the same with 1,000 | <= 1.5x; sweep <= 100 ms |
 //! | `search` | first page of history searches (status + tenant + time range, kind, id prefix) over N history entries (default 1,000,000), 50 runs each | | p95 <= 100 ms |
 //! | `plateau` | storage under a mixed load for many 3 s retentions | the middle third of the load | last third <= 1.2x |
 //! | `research` | sections/s, flush latency, coalescing, rework per crash | the seed's rework | <= 1 call repeated |
@@ -44,6 +45,7 @@ mod recovery;
 mod remote;
 mod reoffers;
 mod research;
+mod scale;
 mod search;
 mod steps;
 mod throughput;
@@ -65,6 +67,7 @@ pub const PARTS: &[&str] = &[
     "stop",
     "inflight",
     "history",
+    "scale",
     "search",
     "plateau",
     "research",
@@ -150,6 +153,19 @@ pub struct Args {
     /// least 10).
     #[arg(long, default_value_t = 9)]
     pub history_samples: usize,
+    /// Active jobs seeded for the scale part (half queued in backoff, half
+    /// waiting on a timer), against 1,000 on the other side.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub scale_active: usize,
+    /// Samples of each scale figure (medians are compared; sweeps: at
+    /// least 10).
+    #[arg(long, default_value_t = 5)]
+    pub scale_samples: usize,
+    /// Seconds the scale seeding may take; beyond (projected from the first
+    /// 20,000), 200,000 active jobs are seeded instead and the output says
+    /// so.
+    #[arg(long, default_value_t = 300)]
+    pub scale_seed_budget: u64,
     /// History entries seeded for the search part.
     #[arg(long, default_value_t = 1_000_000)]
     pub search_entries: usize,
@@ -477,6 +493,17 @@ async fn main() -> anyhow::Result<()> {
         if let Some(v) = part(&mut r, &mut failed, "history", history::history(&o)).await {
             history::rows(&mut r, &v);
             r.json.insert("history".into(), v);
+        }
+    }
+    if a.runs("scale") {
+        let o = scale::Opts {
+            active: a.scale_active,
+            samples: a.scale_samples,
+            seed_budget: Duration::from_secs(a.scale_seed_budget),
+        };
+        if let Some(v) = part(&mut r, &mut failed, "scale", scale::scale(&o)).await {
+            scale::rows(&mut r, &v);
+            r.json.insert("scale".into(), v);
         }
     }
     if a.runs("search") {

@@ -1,0 +1,402 @@
+//! `scale`: the control plane with many **active** jobs (the history part
+//! measures finished ones). Two servers side by side, each with a reaper
+//! sweeping every second and a worker running a handful of sleep jobs; one
+//! also holds `--scale-active` more active jobs, the other
+//! [`SMALL`]. The active jobs are written straight into the job bucket and
+//! the index (pipelined puts, as the history part seeds), half of them
+//! queued in backoff (`wait.<job>`, due in an hour) and half waiting on a
+//! durable timer (`hold.<job>`).
+//!
+//! Measured in alternation on the two: the reaper's sweep (its own log),
+//! `leasehold list --status queued --limit 10`, a worker's start to its
+//! session, a second reaper's start to its first sweep (it reads the index
+//! whole into its view first), and the resident memory of the reaper, the
+//! worker and the server. Targets (issue 34): each within 1.5x of the
+//! small side, and a sweep of at most 100 ms.
+
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::StreamExt;
+use leasehold_core::time::rfc3339;
+use leasehold_harness::{bin_path, Proc};
+use leasehold_store::index::{Active, Key};
+use leasehold_store::setup::SetupOptions;
+use leasehold_store::work::Work;
+use leasehold_store::{Conn, Jobs};
+use serde_json::{json, Value};
+
+use crate::common::*;
+use crate::history::{start_worker, sweeps};
+
+/// Active jobs on the small side.
+pub const SMALL: usize = 1_000;
+/// Within this factor of the small side.
+pub const TARGET_RATIO: f64 = 1.5;
+/// The absolute target of a sweep, ms.
+pub const TARGET_SWEEP_MS: f64 = 100.0;
+/// Running sleep jobs on both sides.
+const LIVE: usize = 5;
+/// Seeding falls back to this many jobs when the asked-for number would
+/// not fit the seeding budget.
+pub const FALLBACK_ACTIVE: usize = 200_000;
+
+pub struct Opts {
+    pub active: usize,
+    pub samples: usize,
+    pub seed_budget: Duration,
+}
+
+struct Side {
+    s: Server,
+    conn: Conn,
+    reaper: Proc,
+    worker: Proc,
+}
+
+/// The reaper's environment: a sweep every second, each sweep logged.
+fn reaper_env() -> [(&'static str, String); 2] {
+    [
+        ("LH_INTERVAL", "1s".into()),
+        (
+            "RUST_LOG",
+            "info,leasehold_reaper::service::sweep=debug".into(),
+        ),
+    ]
+}
+
+impl Side {
+    async fn start(tag: &str) -> anyhow::Result<Side> {
+        let (s, conn) = server(SetupOptions::default()).await?;
+        let url = s.url();
+        let reaper = reaper(&url, &reaper_env()).await?;
+        let id = format!("scale-{tag}");
+        let worker = worker(
+            &url,
+            &[("LH_WORKER_ID", id.clone()), ("LH_KINDS", "sleep".into())],
+        );
+        wait_session(&conn, &id).await?;
+        let work = Work::new(&conn);
+        for i in 0..LIVE {
+            work.submit(
+                "sleep",
+                json!({"input": {"ms": 3_600_000}}).to_string().into(),
+                Some(&format!("live-{i}")),
+                None,
+            )
+            .await?;
+        }
+        for i in 0..LIVE {
+            wait_indexed(&conn, &format!("live-{i}")).await?;
+        }
+        Ok(Side {
+            s,
+            conn,
+            reaper,
+            worker,
+        })
+    }
+}
+
+pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
+    let small = Side::start("small").await?;
+    let large = Side::start("large").await?;
+    let seeded_small = seed(&small.conn, SMALL, Duration::from_secs(600)).await?;
+    let seeded = seed(&large.conn, o.active.max(SMALL), o.seed_budget).await?;
+    let sides = [&small, &large];
+    let want = [
+        SMALL + LIVE,
+        seeded["jobs"].as_u64().unwrap_or(0) as usize + LIVE,
+    ];
+    // Sweeps that saw every seeded job, over the same seconds on both.
+    let n = o.samples.max(10);
+    let deadline = Instant::now() + Duration::from_secs(120 + 2 * n as u64);
+    let swept: Vec<Vec<(f64, u64)>> = loop {
+        let all: Vec<Vec<(f64, u64)>> = sides
+            .iter()
+            .zip(want)
+            .map(|(x, w)| {
+                sweeps(&x.reaper.output())
+                    .into_iter()
+                    .filter(|s| s.1 as usize >= w)
+                    .collect()
+            })
+            .collect();
+        if all.iter().all(|a| a.len() > n) {
+            // The first full sweep may still be settling: skipped.
+            break all.iter().map(|a| a[1..=n].to_vec()).collect();
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the reapers logged {:?} full sweeps (want {n}); large side's log:\n{}",
+            all.iter().map(Vec::len).collect::<Vec<_>>(),
+            tail(&large.reaper.output(), 20)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut m = [Samples::default(), Samples::default()];
+    for (k, side) in sides.iter().enumerate() {
+        list(side).await?;
+        m[k].rows = list(side).await?.1;
+    }
+    for i in 0..o.samples {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for k in order {
+            m[k].list.push(list(sides[k]).await?.0);
+        }
+        for k in order {
+            let (ts, _) = start_worker(&sides[k].s, &sides[k].conn).await?;
+            m[k].worker_start.push(ts);
+        }
+    }
+    // A second reaper's start, fewer times: it reads the index whole.
+    for i in 0..3.min(o.samples) {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for k in order {
+            let (took, rss) = reaper_start(&sides[k].s, want[k]).await?;
+            m[k].reaper_start.push(took);
+            m[k].second_reaper_rss.push(rss);
+        }
+    }
+    let mut out = Vec::new();
+    for (k, side) in sides.iter().enumerate() {
+        let varz = side.s.monitor("/varz").await.unwrap_or(Value::Null);
+        let took: Vec<f64> = swept[k].iter().map(|x| x.0).collect();
+        out.push(json!({
+            "active": want[k],
+            "sweep_ms": med(&took),
+            "sweep_jobs_seen": swept[k].iter().map(|x| x.1).collect::<Vec<_>>(),
+            "list_queued_limit_10_ms": med(&m[k].list),
+            "list_rows": m[k].rows,
+            "worker_start_to_session_ms": med(&m[k].worker_start),
+            "reaper_start_to_first_sweep_ms": med(&m[k].reaper_start),
+            "reaper_rss_mib": round1(rss_mib(side.reaper.pid())),
+            "second_reaper_rss_mib": med(&m[k].second_reaper_rss),
+            "worker_rss_mib": round1(rss_mib(side.worker.pid())),
+            "server_mem_mib": varz["mem"].as_f64().map(|b| (b / 1048576.0).round()),
+        }));
+    }
+    let (a, b) = (&out[0], &out[1]);
+    let cmp = |k: &str, slack: f64| {
+        let (x, y) = (f64_of(&a[k]["median"]), f64_of(&b[k]["median"]));
+        json!({
+            "small_median": x,
+            "large_median": y,
+            "ratio": y / x,
+            "target": format!("<= {TARGET_RATIO}x{}", if slack > 0.0 { format!(" + {slack} (resolution)") } else { String::new() }),
+            "met": y <= TARGET_RATIO * x + slack,
+        })
+    };
+    let plain = |k: &str| {
+        let (x, y) = (f64_of(&a[k]), f64_of(&b[k]));
+        json!({"small": x, "large": y, "ratio": y / x, "target": format!("<= {TARGET_RATIO}x"), "met": y <= TARGET_RATIO * x})
+    };
+    let sweep_large = f64_of(&b["sweep_ms"]["median"]);
+    Ok(json!({
+        "method": "two servers side by side, each with a reaper (--interval 1s) and a worker running 5 sleep jobs; the large one also holds the seeded active jobs (half queued in backoff, half waiting on a timer), the small one 1,000; sweeps over the same seconds on both, CLI runs and starts alternated",
+        "seeded": seeded,
+        "seeded_small": seeded_small,
+        "small": a,
+        "large": b,
+        "sweep_ms": cmp("sweep_ms", 1.0),
+        "sweep_absolute": {"large_median_ms": sweep_large, "target_ms": TARGET_SWEEP_MS, "met": sweep_large <= TARGET_SWEEP_MS},
+        "list_queued_limit_10_ms": cmp("list_queued_limit_10_ms", 0.0),
+        "worker_start_to_session_ms": cmp("worker_start_to_session_ms", 0.0),
+        "reaper_start_to_first_sweep_ms": cmp("reaper_start_to_first_sweep_ms", 0.0),
+        "reaper_rss_mib": plain("reaper_rss_mib"),
+        "worker_rss_mib": plain("worker_rss_mib"),
+        "server_mem_mib": plain("server_mem_mib"),
+        "not_measured": "an R3 cluster side, and the console page's time to first byte",
+    }))
+}
+
+fn med(v: &[f64]) -> Value {
+    json!({"median": median(v), "min": v.iter().copied().fold(f64::NAN, f64::min), "samples": v})
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+#[derive(Default)]
+struct Samples {
+    list: Vec<f64>,
+    rows: usize,
+    worker_start: Vec<f64>,
+    reaper_start: Vec<f64>,
+    second_reaper_rss: Vec<f64>,
+}
+
+/// One `leasehold list --status queued --limit 10`: wall time (ms) and rows.
+async fn list(side: &Side) -> anyhow::Result<(f64, usize)> {
+    let url = side.s.url();
+    let t0 = Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(bin_path("leasehold"))
+            .args(["list", "--status", "queued", "--limit", "10"])
+            .env("NATS_URL", url)
+            .output()
+    })
+    .await??;
+    let took = ms(t0.elapsed());
+    anyhow::ensure!(
+        out.status.success(),
+        "leasehold list failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .count()
+        .saturating_sub(1);
+    Ok((took, rows))
+}
+
+/// A second reaper: ms from its spawn to its first sweep that saw `jobs`
+/// active jobs, and its peak resident memory then (MiB); stopped after.
+async fn reaper_start(s: &Server, jobs: usize) -> anyhow::Result<(f64, f64)> {
+    let t0 = Instant::now();
+    let mut p = Proc::spawn(
+        "leasehold-reaper",
+        &[],
+        &[[("NATS_URL", s.url())].as_slice(), reaper_env().as_slice()].concat(),
+    );
+    let deadline = t0 + Duration::from_secs(300);
+    let took = loop {
+        if sweeps(&p.output()).iter().any(|x| x.1 as usize >= jobs) {
+            break ms(t0.elapsed());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the second reaper never swept {jobs} jobs:\n{}",
+            tail(&p.output(), 20)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let rss = round1(rss_mib(p.pid()));
+    p.term();
+    anyhow::ensure!(
+        p.wait_timeout(Duration::from_secs(30)).is_some(),
+        "the second reaper did not stop on SIGTERM"
+    );
+    Ok((took, rss))
+}
+
+/// Writes `n` active jobs straight into the job bucket and the index, 512
+/// puts in flight: even ones queued in backoff (due in an hour), odd ones
+/// waiting on a timer. When the first 20,000 say the whole would take
+/// longer than `budget`, seeds [`FALLBACK_ACTIVE`] instead and says so.
+async fn seed(conn: &Conn, n: usize, budget: Duration) -> anyhow::Result<Value> {
+    let jobs = Jobs::open(conn).await?;
+    let active = Active::open(conn).await?;
+    let (kv, index) = (jobs.kv().clone(), active.kv().clone());
+    let now = SystemTime::now();
+    let later = rfc3339(now + Duration::from_secs(3600));
+    let t0 = Instant::now();
+    let mut target = n;
+    let mut note = None;
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let probe = 20_000.min(n);
+    let mut i = 0;
+    while i < target {
+        let id = format!("act-{i}");
+        let mut r = leasehold_core::machine::new_record(&id, "sleep", Default::default(), 0, now);
+        r.next_run_at = Some(later.clone());
+        let key = if i % 2 == 0 {
+            Key::Wait { job: id.clone() }
+        } else {
+            r.status = "waiting".into();
+            r.waiting_until = Some(later.clone());
+            Key::Hold { job: id.clone() }
+        };
+        let rec = serde_json::to_vec(&r)?;
+        let entry = serde_json::to_vec(&leasehold_store::index::Entry::of(&r))?;
+        let (kv, index) = (kv.clone(), index.clone());
+        pending.push(async move {
+            kv.put(id, rec.into()).await?;
+            index.put(key.as_string(), entry.into()).await?;
+            anyhow::Ok(())
+        });
+        while pending.len() >= 256 {
+            pending.next().await.transpose()?;
+        }
+        i += 1;
+        if i == probe && target > FALLBACK_ACTIVE {
+            let rate = probe as f64 / t0.elapsed().as_secs_f64();
+            let projected = target as f64 / rate;
+            if projected > budget.as_secs_f64() {
+                note = Some(format!(
+                    "{target} active jobs would take about {projected:.0} s to seed at {rate:.0}/s (budget {} s): seeded {FALLBACK_ACTIVE} instead",
+                    budget.as_secs()
+                ));
+                eprintln!("scale: {}", note.as_deref().unwrap_or(""));
+                target = FALLBACK_ACTIVE;
+            }
+        }
+    }
+    while pending.next().await.transpose()?.is_some() {}
+    let took = t0.elapsed().as_secs_f64();
+    Ok(json!({
+        "asked": n,
+        "jobs": target,
+        "fallback": note,
+        "seconds": took,
+        "per_s": target as f64 / took,
+    }))
+}
+
+pub fn rows(r: &mut Report, v: &Value) {
+    let n = &v["large"]["active"];
+    for (k, name) in [
+        ("sweep_ms", "reaper sweep ms"),
+        (
+            "list_queued_limit_10_ms",
+            "`leasehold list --status queued --limit 10` ms",
+        ),
+        (
+            "worker_start_to_session_ms",
+            "worker start (--worker-id) to session ms",
+        ),
+        (
+            "reaper_start_to_first_sweep_ms",
+            "reaper start to its first full sweep ms",
+        ),
+    ] {
+        let x = &v[k];
+        r.cmp(
+            format!("{name}, {n} active jobs"),
+            format!("{:.1}", f64_of(&x["large_median"])),
+            format!(
+                "{:.1} with {}",
+                f64_of(&x["small_median"]),
+                v["small"]["active"]
+            ),
+            x["target"].as_str().unwrap_or("").to_string(),
+            x["met"].as_bool(),
+        );
+    }
+    let s = &v["sweep_absolute"];
+    r.cmp(
+        format!("reaper sweep ms, {n} active jobs (absolute)"),
+        format!("{:.1}", f64_of(&s["large_median_ms"])),
+        "-".to_string(),
+        format!("<= {TARGET_SWEEP_MS}"),
+        s["met"].as_bool(),
+    );
+    for (k, name) in [
+        ("reaper_rss_mib", "reaper RSS MiB"),
+        ("worker_rss_mib", "worker RSS MiB"),
+        ("server_mem_mib", "nats-server memory MiB"),
+    ] {
+        let x = &v[k];
+        r.cmp(
+            format!("{name}, {n} active jobs"),
+            format!("{:.1}", f64_of(&x["large"])),
+            format!("{:.1} with {}", f64_of(&x["small"]), v["small"]["active"]),
+            x["target"].as_str().unwrap_or("").to_string(),
+            x["met"].as_bool(),
+        );
+    }
+    if let Some(f) = v["seeded"]["fallback"].as_str() {
+        r.row("scale seeding", f.to_string());
+    }
+}
