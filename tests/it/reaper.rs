@@ -276,6 +276,95 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
     stop_reaper(r).await;
 }
 
+/// Which reaper recovered `id` (the `by` of its one recovery event).
+async fn recovered_by(env: &Fleet, id: &str) -> String {
+    let by: Vec<String> = env
+        .events_of(id)
+        .await
+        .iter()
+        .filter(|e| e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true)))
+        .map(|e| e.data_map()["by"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(by.len(), 1, "{id}: one recovery, by {by:?}");
+    by[0].clone()
+}
+
+/// Reapers split the sweep by a stable hash of the job id: with two, each
+/// job stranded by a gone worker is recovered once, by the reaper owning
+/// its shard. Killed (-9), a reaper stops answering the roll call and the
+/// other owns every shard within seconds, recovering the next ones alone.
+#[tokio::test]
+async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
+    use leasehold_testkit::doors::reaper::{Shards, SHARDS};
+    let env = Fleet::start().await;
+    let mut a = Proc::spawn(
+        "leasehold-reaper",
+        &[],
+        &[
+            ("NATS_URL", env.url()),
+            ("LH_PREFIX", env.prefix.clone()),
+            ("LH_REAPER_ID", "reaper-a".into()),
+            ("LH_INTERVAL", "300ms".into()),
+            ("RUST_LOG", "info".into()),
+        ],
+    );
+    let mut o = env.reaper_opts();
+    o.reaper_id = Some("reaper-b".into());
+    let b = env.reaper_with(o).await;
+    let mut mb = b.0.metrics_watch();
+    tokio::time::timeout(Duration::from_secs(20), mb.wait_for(|m| m.reapers == 2))
+        .await
+        .expect("reaper-b hears reaper-a")
+        .unwrap();
+    let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
+    assert!(share.owned() > 0 && share.owned() < SHARDS);
+    let (w, stop_w) = env.worker().await;
+    let ids: Vec<String> = (0..24).map(|i| format!("split-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 4000 + i as u64, 0))
+            .await;
+    }
+    let mut by_b = 0;
+    for id in &ids {
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+        let want = if share.mine(id) {
+            "reaper reaper-b"
+        } else {
+            "reaper reaper-a"
+        };
+        assert_eq!(recovered_by(&env, id).await, want, "{id}");
+        by_b += usize::from(share.mine(id));
+    }
+    assert!(
+        by_b > 0 && by_b < ids.len(),
+        "both reapers had jobs: {by_b} of {}",
+        ids.len()
+    );
+
+    a.kill9();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        mb.wait_for(|m| m.reapers == 1 && m.shards == SHARDS),
+    )
+    .await
+    .expect("reaper-b owns every shard once reaper-a is gone")
+    .unwrap();
+    let more: Vec<String> = (0..12).map(|i| format!("alone-{i}")).collect();
+    for (i, id) in more.iter().enumerate() {
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 5000 + i as u64, 0))
+            .await;
+    }
+    for id in &more {
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+        assert_eq!(recovered_by(&env, id).await, "reaper reaper-b", "{id}");
+    }
+    stop_reaper(b).await;
+    stop_w.cancel();
+    w.wait().await.unwrap();
+}
+
 #[tokio::test]
 async fn two_reapers_act_on_each_job_exactly_once() {
     let env = Fleet::start().await;

@@ -9,6 +9,7 @@
 //! - [`lane`]: tenants and priorities: the lane a job waits in, and which lane goes next.
 //! - [`retry`]: job-level retry policy (capped exponential backoff, full jitter).
 //! - [`schedule`]: recurring schedules: cron expressions and which tick fires.
+//! - [`shard`]: how reapers split the work (a stable hash of the job id).
 //! - [`time`]: RFC 3339 timestamps and human durations (`500ms`, `3s`, `2m`):
 //!   the `leasehold-time` crate, re-exported.
 //!
@@ -19,6 +20,7 @@ pub mod lane;
 pub mod machine;
 pub mod retry;
 pub mod schedule;
+pub mod shard;
 pub mod spec;
 pub mod status;
 pub use leasehold_time as time;

@@ -333,6 +333,11 @@ impl Layout {
     pub fn reaper_metrics_subject(&self) -> String {
         format!("{}.reaper.metrics", self.prefix)
     }
+    /// Request subject answered by every live reaper with its id: the roll
+    /// call by which reapers split the shards.
+    pub fn reaper_roll_subject(&self) -> String {
+        format!("{}.reaper.roll", self.prefix)
+    }
 }
 
 /// Whether `subject` is one that the stream subject `filter` captures

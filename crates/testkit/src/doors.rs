@@ -67,6 +67,7 @@ pub mod flow {
 
 /// Reapers run in the test's process.
 pub mod reaper {
+    pub use leasehold_core::shard::{shard_of, Shards, SHARDS};
     pub use leasehold_reaper::{Handle, Metrics, Options, Reaper};
 }
 

@@ -65,6 +65,13 @@ pub struct Metrics {
     pub max_deliveries_dead_lettered: u64,
     /// Sessions this replica ended after their process's connection closed.
     pub sessions_ended_fast: u64,
+    /// Shards this replica owns (of `leasehold_core::shard::SHARDS`): its
+    /// sweep and probe act on their jobs and workers only.
+    #[serde(default)]
+    pub shards: u32,
+    /// Reapers that answered its last roll call, itself included.
+    #[serde(default)]
+    pub reapers: u32,
 }
 
 /// Accumulates one sweep's view of the index.

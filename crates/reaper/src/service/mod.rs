@@ -24,13 +24,19 @@
 //!    `dead` (class `max_deliveries`).
 //! 5. The metrics responder on `<prefix>.reaper.metrics`.
 //!
+//! The sweep and the prober act only on this reaper's shards: reapers
+//! split the work by a stable hash of the job id (and of the worker id for
+//! the probe), each shard owned by one of the reapers that answered the
+//! last roll call (`members.rs`, [`leasehold_core::shard`]).
+//!
 //! A sixth task fires the recurring schedules' ticks, each at its time
 //! (`crate::schedules`): exactly once per tick across replicas. A seventh
 //! wakes waiting jobs whose ticket was released for their wait
 //! (`leasehold_store::timers`, run by every worker too).
 //!
 //! Each loop has its file: `probe.rs` (1), `sweep.rs` (3), `advisories.rs`
-//! (4), `schedules.rs` (the sixth); this one starts them, and answers (5).
+//! (4), `schedules.rs` (the sixth), `members.rs` (the roll call); this one
+//! starts them, and answers (5).
 //!
 //! Architecture invariant: every action is a revision-conditioned write of
 //! the job record or a deduplicated publish, so any number of replicas may
@@ -63,6 +69,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 mod advisories;
+mod members;
 mod probe;
 mod schedules;
 mod sweep;
@@ -208,6 +215,11 @@ impl Reaper {
             .subscribe(conn.layout.reaper_metrics_subject())
             .await
             .map_err(|e| StoreError::nats("subscribe to metrics requests", e))?;
+        let roll_sub = conn
+            .client
+            .subscribe(conn.layout.reaper_roll_subject())
+            .await
+            .map_err(|e| StoreError::nats("subscribe to the roll call", e))?;
         conn.client
             .flush()
             .await
@@ -243,8 +255,10 @@ impl Reaper {
             .clone()
             .unwrap_or_else(|| ReaperMetrics::new(&reaper_id));
         let view = View::follow(recovery.active.clone(), conn.link.clone(), shutdown.clone());
+        let (shards, _) = watch::channel(leasehold_core::shard::Shards::new(&reaper_id, []));
         let inner = Arc::new(Inner {
             view,
+            shards,
             recovery: Arc::new(recovery),
             conn,
             id: reaper_id.clone(),
@@ -261,7 +275,7 @@ impl Reaper {
         let prom = inner.prom.clone();
         inner.readiness.set_layout_ok(true);
 
-        let join = tokio::spawn(run(inner, advisories, metrics_sub, shutdown));
+        let join = tokio::spawn(run(inner, advisories, metrics_sub, roll_sub, shutdown));
         Ok(Handle {
             reaper_id,
             stats,
@@ -287,6 +301,9 @@ struct Inner {
     readiness: Readiness,
     /// The live view of the index the sweep follows.
     view: View,
+    /// This reaper's share of the shards, from the last roll call
+    /// (`members.rs`): the sweep and the probe act on its shards only.
+    shards: watch::Sender<leasehold_core::shard::Shards>,
     /// Where the rotating check of running entries against their records
     /// goes on at the next sweep (the last key checked).
     verify_cursor: std::sync::Mutex<Option<Key>>,
@@ -299,9 +316,16 @@ async fn run(
     inner: Arc<Inner>,
     advisories: consumer::PullConsumer,
     metrics_sub: async_nats::Subscriber,
+    roll_sub: async_nats::Subscriber,
     shutdown: CancellationToken,
 ) -> Result<(), ReaperError> {
     // All are awaited at shutdown: each finishes its current action first.
+    let roll = tokio::spawn(members::roll_loop(inner.clone(), shutdown.clone()));
+    let answer = tokio::spawn(members::answer_roll(
+        inner.clone(),
+        roll_sub,
+        shutdown.clone(),
+    ));
     let sweep = tokio::spawn(sweep_loop(inner.clone(), shutdown.clone()));
     let adv = tokio::spawn(advisory_loop(inner.clone(), advisories, shutdown.clone()));
     let srv = tokio::spawn(metrics_responder(
@@ -368,6 +392,8 @@ async fn run(
     );
     let finish = async {
         for t in [
+            roll,
+            answer,
             sweep,
             adv,
             srv,

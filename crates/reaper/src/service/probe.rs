@@ -1,5 +1,6 @@
 //! The prober: every `--probe-interval`, a ping to every live worker
-//! session; "no responders" twice in a row ends the session at once.
+//! session of this reaper's shards; "no responders" twice in a row ends the
+//! session at once.
 
 use super::*;
 
@@ -50,7 +51,9 @@ pub(super) async fn probe_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
                     continue;
                 }
                 let timeout = inner.opts.probe_interval.max(Duration::from_millis(200));
-                let pings = futures::future::join_all(live.iter().map(|(w, (_, rev, ttl))| {
+                // The workers of this reaper's shards only.
+                let shards = inner.shards.borrow().clone();
+                let pings = futures::future::join_all(live.iter().filter(|(w, _)| shards.mine(w)).map(|(w, (_, rev, ttl))| {
                     let (s, w, rev, ttl) = (sessions.clone(), w.clone(), *rev, *ttl);
                     async move { (w.clone(), rev, ttl, s.ping(&w, timeout).await) }
                 }))

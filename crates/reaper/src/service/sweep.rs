@@ -147,6 +147,7 @@ impl Inner {
         }
         let now = SystemTime::now();
         let skew = self.opts.clock_skew;
+        let shards = self.shards.borrow().clone();
         // One verdict per owner (a worker's jobs share its session).
         let verdicts: HashMap<Owner, Verdict> = futures::stream::iter(view.owners())
             .map(|o| async move {
@@ -167,7 +168,9 @@ impl Inner {
                 Verdict::Gone(_) => {}
             }
             for key in view.runs_of(owner) {
-                if decide::running_action(None, verdict, now, skew) != RunningAction::OwnerGone {
+                if !shards.mine(key.job())
+                    || decide::running_action(None, verdict, now, skew) != RunningAction::OwnerGone
+                {
                     continue;
                 }
                 let Key::Run { worker, job } = &key else {
@@ -202,6 +205,9 @@ impl Inner {
         }
         for key in view.waits_by(decide::stranded_before(now, self.opts.stranded_grace)) {
             let Key::Wait { job } = &key else { continue };
+            if !shards.mine(job) {
+                continue;
+            }
             match self.check_waiting(job, &key).await {
                 Ok(WaitCheck::Later) => view.put_off(&key, now + self.opts.stranded_grace),
                 Ok(WaitCheck::Soon) => {}
@@ -209,7 +215,7 @@ impl Inner {
             }
         }
         self.unclaimed.lock().unwrap().next_sweep();
-        self.verify_some(&verdicts).await;
+        self.verify_some(&verdicts, &shards).await;
         let depth = self.queue_depth().await;
         let dlq = self.dlq_by_kind().await;
         let live_workers: std::collections::HashSet<&Arc<str>> = verdicts
@@ -222,13 +228,19 @@ impl Inner {
         self.stats.sweeps.fetch_add(1, Ordering::Relaxed);
         let mut m = tally.finish(&self.id, now, self.stats.counters());
         m.sessions = self.count_sessions().await.unwrap_or(m.sessions);
+        m.shards = shards.owned();
+        m.reapers = shards.members().len() as u32;
         Ok(m)
     }
 
     /// Compares a rotating window of running entries whose owners live
     /// with their records: an entry left behind by a crash between a record
     /// write and its index write is repaired.
-    pub(super) async fn verify_some(&self, verdicts: &HashMap<Owner, Verdict>) {
+    pub(super) async fn verify_some(
+        &self,
+        verdicts: &HashMap<Owner, Verdict>,
+        shards: &leasehold_core::shard::Shards,
+    ) {
         let cursor = self.verify_cursor.lock().unwrap().clone();
         let window = self.view.runs_after(cursor.as_ref(), VERIFY_PER_SWEEP);
         if let Some((last, _)) = window.last() {
@@ -236,7 +248,7 @@ impl Inner {
         }
         let mut held = Vec::new();
         for (key, owner) in window {
-            if !verdicts.get(&owner).is_some_and(Verdict::is_alive) {
+            if !verdicts.get(&owner).is_some_and(Verdict::is_alive) || !shards.mine(key.job()) {
                 continue;
             }
             let Key::Run { worker, job } = &key else {

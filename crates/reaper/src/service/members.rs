@@ -1,0 +1,106 @@
+//! The reapers' roll call: every reaper answers `<prefix>.reaper.roll`
+//! with its id, and every [`ROLL_EVERY`] asks it and takes the answers
+//! that came within [`ROLL_WINDOW`] as the live reapers. From them it
+//! computes its share of the shards ([`leasehold_core::shard`]): the sweep
+//! and the crash probe act only on the jobs and workers of its shards.
+//!
+//! A reaper that died (kill -9), is paused or cut off stops answering, so
+//! the others take its shards over at their next roll, within about a
+//! second and well within any session timeout. A reaper that cannot ask
+//! (its connection is down) keeps its last share; one that hears nobody,
+//! itself included, owns every shard. Owning decides only who tries: every
+//! action stays a conditioned write, so a moment of disagreement costs
+//! repeated work, never a wrong write.
+
+use leasehold_core::shard::{Shards, SHARDS};
+
+use super::*;
+
+/// How often a reaper calls the roll.
+pub(super) const ROLL_EVERY: Duration = Duration::from_secs(1);
+/// How long a roll call waits for answers.
+pub(super) const ROLL_WINDOW: Duration = Duration::from_millis(250);
+
+/// Answers the roll call with this reaper's id.
+pub(super) async fn answer_roll(
+    inner: Arc<Inner>,
+    mut sub: async_nats::Subscriber,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => return },
+            _ = shutdown.cancelled() => return,
+        };
+        let Some(reply) = msg.reply else { continue };
+        if let Err(e) = inner
+            .conn
+            .client
+            .publish(reply, inner.id.clone().into())
+            .await
+        {
+            tracing::debug!(error = %e, "roll call answer failed");
+        }
+    }
+}
+
+/// Calls the roll every [`ROLL_EVERY`] and keeps this reaper's share.
+pub(super) async fn roll_loop(inner: Arc<Inner>, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(ROLL_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let Some(members) = roll(&inner).await else {
+            continue;
+        };
+        let share = Shards::new(&inner.id, members);
+        let changed = *inner.shards.borrow() != share;
+        if changed {
+            tracing::info!(
+                reaper_id = %inner.id,
+                shards = share.owned(),
+                of = SHARDS,
+                reapers = share.members().len(),
+                "reaper shards"
+            );
+            inner.shards.send_replace(share);
+        }
+    }
+}
+
+/// The ids that answered one roll call (`None`: it could not be asked).
+async fn roll(inner: &Inner) -> Option<Vec<String>> {
+    let client = &inner.conn.client;
+    let inbox = client.new_inbox();
+    let mut answers = match client.subscribe(inbox.clone()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(error = %e, "roll call: cannot subscribe");
+            return None;
+        }
+    };
+    let subject = inner.conn.layout.reaper_roll_subject();
+    if let Err(e) = client
+        .publish_with_reply(subject, inbox, bytes::Bytes::new())
+        .await
+    {
+        tracing::debug!(error = %e, "roll call: cannot ask");
+        return None;
+    }
+    let mut ids = Vec::new();
+    let deadline = tokio::time::Instant::now() + ROLL_WINDOW;
+    loop {
+        tokio::select! {
+            m = answers.next() => match m {
+                Some(m) => ids.push(String::from_utf8_lossy(&m.payload).into_owned()),
+                None => break,
+            },
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    let _ = answers.unsubscribe().await;
+    Some(ids)
+}
