@@ -1322,3 +1322,105 @@ async fn help_lists_connection_options_only_where_the_command_connects() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `list`'s first page, newest first (the default), reads the index from
+/// its end only, and gives the rows the whole listing gives: jobs created
+/// in three bursts 2.5 s apart (so the read can stop short of the first),
+/// and the oldest job's entry written again last (written newest, created
+/// oldest: it stays at the end).
+#[tokio::test]
+async fn list_newest_first_reads_the_end_of_the_index_and_gives_the_whole_listings_rows() {
+    use leasehold_testkit::doors::index::Key;
+    use leasehold_testkit::doors::owner::machine;
+    let env = Fleet::start().await;
+    let mut n = 0;
+    for burst in 0..3 {
+        if burst > 0 {
+            // Creation times apart by more than the 2 s allowed for clocks.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+        }
+        for _ in 0..150 {
+            let id = format!("q-{n:04}");
+            let r = machine::new_record(
+                &id,
+                "echo",
+                Default::default(),
+                0,
+                std::time::SystemTime::now(),
+            );
+            env.seed_record(&r).await;
+            n += 1;
+        }
+    }
+    let oldest = env.record("q-0000").await.unwrap();
+    env.active()
+        .await
+        .put(
+            &Key::Wait {
+                job: "q-0000".into(),
+            },
+            &oldest,
+        )
+        .await
+        .unwrap();
+    let ids = |out: &str| -> Vec<String> {
+        out.lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    let url = env.url();
+    let (code, page, err) = leasehold_testkit::cli_with(
+        &["list", "--status", "queued", "--limit", "5", "--json"],
+        [
+            ("NATS_URL", url.as_str()),
+            ("RUST_LOG", "leasehold_store::index=debug"),
+            ("NO_COLOR", "1"),
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    // It stopped short of the whole index (451 messages).
+    assert!(
+        err.contains("newest index entries") && err.contains("whole=false enough=true"),
+        "{err}"
+    );
+    let (code, all, _) = cli(
+        &url,
+        &["list", "--status", "queued", "--limit", "10000", "--json"],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let (page, all) = (ids(&page), ids(&all));
+    assert_eq!(all.len(), 450);
+    assert_eq!(page, all[..5].to_vec());
+    assert!(page.iter().all(|id| id.as_str() >= "q-0300"), "{page:?}");
+    assert!(
+        all[..300].iter().all(|id| id != "q-0000"),
+        "the oldest job stays at the end"
+    );
+    assert!(
+        err.contains(&format!("more follow: add --after {}", page[4])),
+        "{err}"
+    );
+    // The next page continues where the first ended.
+    let (_, next, _) = cli(
+        &url,
+        &[
+            "list", "--status", "queued", "--limit", "5", "--after", &page[4], "--json",
+        ],
+    )
+    .await;
+    assert_eq!(ids(&next), all[5..10].to_vec());
+    // A kind filter on the same path.
+    let (_, none, _) = cli(
+        &url,
+        &["list", "--status", "queued", "--kind", "sleep", "--json"],
+    )
+    .await;
+    assert!(ids(&none).is_empty());
+}

@@ -1,5 +1,7 @@
 //! `leasehold list`: the jobs that are not finished, from the index of
-//! active jobs (the cost follows the active jobs, not the history); `--all`
+//! active jobs (the cost follows the active jobs, not the history; the first
+//! page newest first reads only the index's end, so it costs its rows and
+//! what changed since they were created); `--all`
 //! scans every record instead; `--finished` searches the history of
 //! finished jobs a page at a time (`finished.rs`).
 
@@ -105,6 +107,42 @@ fn order<T>(items: &mut Vec<T>, sort: Sort, after: Option<&str>, key: impl Fn(&T
             items.retain(|x| key(x).0 > after);
         }
     }
+}
+
+/// The records of `entries` in their order, up to `limit` that `keep`
+/// accepts and are not finished (the index may be a moment behind: the
+/// record decides); whether an entry was left past the limit.
+async fn records_of(
+    jobs: &leasehold_store::Jobs,
+    entries: Vec<(leasehold_store::index::Key, leasehold_store::index::Entry)>,
+    limit: usize,
+    keep: &impl Fn(&JobRecord) -> bool,
+) -> anyhow::Result<(Rows, bool)> {
+    let mut rows = Rows::default();
+    for (_, e) in entries {
+        if rows.recs.len() == limit {
+            return Ok((rows, true));
+        }
+        match jobs.get(&e.job).await? {
+            Some(v)
+                if keep(&v.value)
+                    && !Status::is_terminal(
+                        v.value.status.parse().unwrap_or(Status::Completed),
+                    ) =>
+            {
+                rows.recs.push(v.value)
+            }
+            _ => rows.dropped += 1,
+        }
+    }
+    Ok((rows, false))
+}
+
+/// A page's records, and how many listed entries were skipped.
+#[derive(Default)]
+struct Rows {
+    recs: Vec<JobRecord>,
+    dropped: usize,
 }
 
 /// "3m", "2h", "5d": how long ago an RFC 3339 time was.
@@ -222,27 +260,32 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
             (Some(Status::Waiting), None) => Filter::Held,
             _ => Filter::All,
         };
-        let mut entries = active.list(filter).await?;
-        entries.retain(|(_, e)| a.kind.as_ref().is_none_or(|k| &e.kind == k));
-        entries.dedup_by(|x, y| x.1.job == y.1.job);
-        order(&mut entries, a.sort, a.after.as_deref(), |(_, e)| {
-            (e.job.as_str(), e.created_at.as_str())
-        });
-        recs = Vec::new();
-        for (_, e) in entries {
-            if recs.len() == a.limit {
-                more = true;
-                break;
-            }
-            // The index may be a moment behind: the record decides.
-            if let Some(v) = jobs.get(&e.job).await? {
-                if keep(&v.value)
-                    && !Status::is_terminal(v.value.status.parse().unwrap_or(Status::Completed))
-                {
-                    recs.push(v.value);
-                }
+        let of_kind =
+            |e: &leasehold_store::index::Entry| a.kind.as_ref().is_none_or(|k| &e.kind == k);
+        // The first page newest first (the default) reads the index from
+        // its end only (`Active::newest`); a row the index lists but whose
+        // record moved on sends it to the whole listing, which fills the page.
+        let mut page = None;
+        if a.sort == Sort::Newest && a.after.is_none() {
+            let newest = active.newest(filter, a.limit + 1, of_kind).await?;
+            let (rows, extra) = records_of(&jobs, newest, a.limit, &keep).await?;
+            if rows.dropped == 0 {
+                page = Some((rows.recs, extra));
             }
         }
+        (recs, more) = match page {
+            Some(p) => p,
+            None => {
+                let mut entries = active.list(filter).await?;
+                entries.retain(|(_, e)| of_kind(e));
+                entries.dedup_by(|x, y| x.1.job == y.1.job);
+                order(&mut entries, a.sort, a.after.as_deref(), |(_, e)| {
+                    (e.job.as_str(), e.created_at.as_str())
+                });
+                let (rows, extra) = records_of(&jobs, entries, a.limit, &keep).await?;
+                (rows.recs, extra)
+            }
+        };
     }
     if a.json {
         for r in &recs {

@@ -21,7 +21,7 @@
 //! Removal is a purge whose marker carries a short TTL, so removed keys
 //! vanish from the bucket instead of accumulating.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 pub mod view;
 
@@ -205,6 +205,25 @@ pub enum Filter<'a> {
     Held,
 }
 
+impl Filter<'_> {
+    /// The key pattern of these entries.
+    fn pattern(&self) -> String {
+        match self {
+            Filter::All => ">".to_string(),
+            Filter::Running => "run.>".to_string(),
+            Filter::RunningBy(w) => format!("run.{w}.*"),
+            Filter::Waiting => "wait.*".to_string(),
+            Filter::Parked => "park.*".to_string(),
+            Filter::Held => "hold.*".to_string(),
+        }
+    }
+}
+
+/// How far ahead of the server's clock the clock of a process creating a
+/// job may be (the fleet's `--clock-skew` default): [`Active::newest`]
+/// reads this much further back than the creation times it found.
+pub const CREATED_SKEW: Duration = Duration::from_secs(2);
+
 /// The index bucket.
 #[derive(Clone)]
 pub struct Active {
@@ -338,17 +357,102 @@ impl Active {
 
     /// The entries matching `filter`, sorted by key (job id within a status).
     pub async fn list(&self, filter: Filter<'_>) -> Result<Vec<(Key, Entry)>, StoreError> {
-        let pattern = match filter {
-            Filter::All => ">".to_string(),
-            Filter::Running => "run.>".to_string(),
-            Filter::RunningBy(w) => format!("run.{w}.*"),
-            Filter::Waiting => "wait.*".to_string(),
-            Filter::Parked => "park.*".to_string(),
-            Filter::Held => "hold.*".to_string(),
-        };
-        let mut v = self.scan(&pattern).await?;
+        let mut v = self.scan(&filter.pattern()).await?;
         v.sort_by(|a, b| a.1.job.cmp(&b.1.job).then(a.0.cmp(&b.0)));
         Ok(v)
+    }
+
+    /// The `n` newest entries matching `filter` and `keep`, newest created
+    /// first (then by job id), as [`Active::list`] sorted that way would
+    /// give them, without reading the whole index: the bucket is read from
+    /// its end in windows growing four times each, and the read stops once
+    /// every entry not read yet was written (so created, within
+    /// [`CREATED_SKEW`]) before the `n`-th newest found. The cost is `n`
+    /// plus the entries written since that job was created.
+    pub async fn newest(
+        &self,
+        filter: Filter<'_>,
+        n: usize,
+        keep: impl Fn(&Entry) -> bool,
+    ) -> Result<Vec<(Key, Entry)>, StoreError> {
+        let bucket = self.layout.active_bucket();
+        let mut stream = self
+            .js
+            .get_stream(format!("KV_{bucket}"))
+            .await
+            .map_err(|e| StoreError::nats("index stream", e))?;
+        let state = stream
+            .info()
+            .await
+            .map_err(|e| StoreError::nats("index stream info", e))?
+            .state
+            .clone();
+        let filters = vec![format!("$KV.{bucket}.{}", filter.pattern())];
+        let prefix = format!("$KV.{bucket}.");
+        let mut window = (4 * n as u64).max(256);
+        loop {
+            let lo = state
+                .last_sequence
+                .saturating_sub(window)
+                .max(state.first_sequence)
+                .max(1);
+            let msgs = crate::read::read_once(
+                &stream,
+                filters.clone(),
+                consumer::DeliverPolicy::ByStartSequence { start_sequence: lo },
+                "reading the newest index entries",
+            )
+            .await?;
+            // Every entry not read was written before the first one read.
+            let mut written_before = None;
+            let mut found: Vec<(Key, Entry)> = Vec::new();
+            for m in &msgs {
+                if written_before.is_none() {
+                    written_before = m.info().ok().map(|i| SystemTime::from(i.published));
+                }
+                if m.headers.as_ref().is_some_and(crate::is_removal) {
+                    continue;
+                }
+                let Some(key) = m.subject.strip_prefix(&prefix).and_then(Key::parse) else {
+                    continue;
+                };
+                if let Ok(e) = serde_json::from_slice::<Entry>(&m.payload) {
+                    if keep(&e) {
+                        found.push((key, e));
+                    }
+                }
+            }
+            found.sort_by(|a, b| {
+                b.1.created_at
+                    .cmp(&a.1.created_at)
+                    .then(a.1.job.cmp(&b.1.job))
+                    .then(a.0.cmp(&b.0))
+            });
+            found.dedup_by(|x, y| x.1.job == y.1.job);
+            let whole = lo <= state.first_sequence.max(1);
+            let enough = found.len() >= n
+                && match (
+                    written_before,
+                    found
+                        .get(n.saturating_sub(1))
+                        .and_then(|(_, e)| leasehold_core::time::parse_rfc3339(&e.created_at)),
+                ) {
+                    (Some(before), Some(nth)) => before + CREATED_SKEW < nth,
+                    _ => false,
+                };
+            tracing::debug!(
+                read = msgs.len(),
+                from = lo,
+                whole,
+                enough,
+                "newest index entries"
+            );
+            if whole || enough {
+                found.truncate(n);
+                return Ok(found);
+            }
+            window = window.saturating_mul(4);
+        }
     }
 
     /// The live entries under `pattern` (a key pattern with `*`/`>`).
