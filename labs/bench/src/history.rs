@@ -137,7 +137,6 @@ pub async fn history(o: &Opts) -> anyhow::Result<Value> {
         };
         let varz = side.s.monitor("/varz").await.unwrap_or(Value::Null);
         let took: Vec<f64> = swept[k].iter().map(|x| x.0).collect();
-        let med = |v: &[f64]| json!({"median": median(v), "min": v.iter().copied().fold(f64::NAN, f64::min), "samples": v});
         out.push(json!({
             "sweep_ms": med(&took),
             "sweep_jobs_seen": swept[k].iter().map(|x| x.1).collect::<Vec<_>>(),
@@ -223,11 +222,17 @@ pub(crate) fn sweeps(log: &str) -> Vec<(f64, u64)> {
 
 /// One `leasehold list --status running`: wall time (ms) and rows listed.
 async fn list(side: &Side) -> anyhow::Result<(f64, usize)> {
-    let url = side.s.url();
+    timed_list(side.s.url(), &["list", "--status", "running"]).await
+}
+
+/// One `leasehold` command listing jobs (`args`) against `url`: wall time
+/// (ms) and the rows printed (the header line aside).
+pub(crate) async fn timed_list(url: String, args: &[&str]) -> anyhow::Result<(f64, usize)> {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     let t0 = Instant::now();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(bin_path("leasehold"))
-            .args(["list", "--status", "running"])
+            .args(&args)
             .env("NATS_URL", url)
             .output()
     })
@@ -243,6 +248,11 @@ async fn list(side: &Side) -> anyhow::Result<(f64, usize)> {
         .count()
         .saturating_sub(1);
     Ok((took, rows))
+}
+
+/// A figure's samples: their median, their minimum and the samples.
+pub(crate) fn med(v: &[f64]) -> Value {
+    json!({"median": median(v), "min": v.iter().copied().fold(f64::NAN, f64::min), "samples": v})
 }
 
 /// A worker with a stable identity, started, then stopped with SIGTERM:

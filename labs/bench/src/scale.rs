@@ -5,7 +5,8 @@
 //! [`SMALL`]. The active jobs are written straight into the job bucket and
 //! the index (pipelined puts, as the history part seeds), half of them
 //! queued in backoff (`wait.<job>`, due in an hour) and half waiting on a
-//! durable timer (`hold.<job>`).
+//! durable timer (`hold.<job>`); 2.5 s later, 40 more on both sides (the
+//! newest jobs, as they come on a fleet whose jobs come over time).
 //!
 //! Measured in alternation on the two: the reaper's sweep (its own log),
 //! `leasehold list --status queued --limit 10`, a worker's start to its
@@ -14,12 +15,11 @@
 //! worker and the server. Targets (issue 34): each within 1.5x of the
 //! small side, and a sweep of at most 100 ms.
 
-use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
 use leasehold_core::time::rfc3339;
-use leasehold_harness::{bin_path, Proc};
+use leasehold_harness::Proc;
 use leasehold_store::index::{Active, Key};
 use leasehold_store::setup::SetupOptions;
 use leasehold_store::work::Work;
@@ -27,7 +27,7 @@ use leasehold_store::{Conn, Jobs};
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::history::{start_worker, sweeps};
+use crate::history::{med, start_worker, sweeps, timed_list};
 
 /// Active jobs on the small side.
 pub const SMALL: usize = 1_000;
@@ -37,6 +37,8 @@ pub const TARGET_RATIO: f64 = 1.5;
 pub const TARGET_SWEEP_MS: f64 = 100.0;
 /// Running sleep jobs on both sides.
 const LIVE: usize = 5;
+/// Active jobs created on both sides 2.5 s after the seeded ones.
+const LATE: usize = 40;
 /// Seeding falls back to this many jobs when the asked-for number would
 /// not fit the seeding budget.
 pub const FALLBACK_ACTIVE: usize = 200_000;
@@ -101,12 +103,20 @@ impl Side {
 pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
     let small = Side::start("small").await?;
     let large = Side::start("large").await?;
-    let seeded_small = seed(&small.conn, SMALL, Duration::from_secs(600)).await?;
-    let seeded = seed(&large.conn, o.active.max(SMALL), o.seed_budget).await?;
+    let seeded_small = seed(&small.conn, "act", SMALL, Duration::from_secs(600)).await?;
+    let seeded = seed(&large.conn, "act", o.active.max(SMALL), o.seed_budget).await?;
+    // Then, as on a fleet whose jobs come over time rather than in one
+    // burst, the newest jobs a while after the rest: `list`'s first page
+    // reads back to 2 s (the clock allowance) before its last job was
+    // created, which here covers these alone.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for side in [&small, &large] {
+        seed(&side.conn, "late", LATE, Duration::from_secs(60)).await?;
+    }
     let sides = [&small, &large];
     let want = [
-        SMALL + LIVE,
-        seeded["jobs"].as_u64().unwrap_or(0) as usize + LIVE,
+        SMALL + LATE + LIVE,
+        seeded["jobs"].as_u64().unwrap_or(0) as usize + LATE + LIVE,
     ];
     // Sweeps that saw every seeded job, over the same seconds on both.
     let n = o.samples.max(10);
@@ -138,6 +148,7 @@ pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
     for (k, side) in sides.iter().enumerate() {
         list(side).await?;
         m[k].rows = list(side).await?.1;
+        m[k].list_reads = list_reads(side).await?;
     }
     for i in 0..o.samples {
         let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -168,6 +179,7 @@ pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
             "sweep_jobs_seen": swept[k].iter().map(|x| x.1).collect::<Vec<_>>(),
             "list_queued_limit_10_ms": med(&m[k].list),
             "list_rows": m[k].rows,
+            "list_reads": m[k].list_reads,
             "worker_start_to_session_ms": med(&m[k].worker_start),
             "reaper_start_to_first_sweep_ms": med(&m[k].reaper_start),
             "reaper_rss_mib": round1(rss_mib(side.reaper.pid())),
@@ -193,7 +205,7 @@ pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
     };
     let sweep_large = f64_of(&b["sweep_ms"]["median"]);
     Ok(json!({
-        "method": "two servers side by side, each with a reaper (--interval 1s) and a worker running 5 sleep jobs; the large one also holds the seeded active jobs (half queued in backoff, half waiting on a timer), the small one 1,000; sweeps over the same seconds on both, CLI runs and starts alternated",
+        "method": "two servers side by side, each with a reaper (--interval 1s) and a worker running 5 sleep jobs; the large one also holds the seeded active jobs (half queued in backoff, half waiting on a timer, each created as it was written), the small one 1,000; 2.5 s later 40 more on both; sweeps over the same seconds on both, CLI runs and starts alternated; list_reads: what one list read of the index, window by window",
         "seeded": seeded,
         "seeded_small": seeded_small,
         "small": a,
@@ -210,10 +222,6 @@ pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
     }))
 }
 
-fn med(v: &[f64]) -> Value {
-    json!({"median": median(v), "min": v.iter().copied().fold(f64::NAN, f64::min), "samples": v})
-}
-
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
@@ -222,6 +230,7 @@ fn round1(x: f64) -> f64 {
 struct Samples {
     list: Vec<f64>,
     rows: usize,
+    list_reads: Vec<Value>,
     worker_start: Vec<f64>,
     reaper_start: Vec<f64>,
     second_reaper_rss: Vec<f64>,
@@ -229,26 +238,43 @@ struct Samples {
 
 /// One `leasehold list --status queued --limit 10`: wall time (ms) and rows.
 async fn list(side: &Side) -> anyhow::Result<(f64, usize)> {
+    timed_list(
+        side.s.url(),
+        &["list", "--status", "queued", "--limit", "10"],
+    )
+    .await
+}
+
+/// What one such `list` read of the index, window by window (its debug
+/// lines: `read`, `from`, `whole`, `enough`).
+async fn list_reads(side: &Side) -> anyhow::Result<Vec<Value>> {
     let url = side.s.url();
-    let t0 = Instant::now();
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(bin_path("leasehold"))
+        std::process::Command::new(leasehold_harness::bin_path("leasehold"))
             .args(["list", "--status", "queued", "--limit", "10"])
             .env("NATS_URL", url)
+            .env("RUST_LOG", "leasehold_store::index=debug")
+            .env("NO_COLOR", "1")
             .output()
     })
     .await??;
-    let took = ms(t0.elapsed());
-    anyhow::ensure!(
-        out.status.success(),
-        "leasehold list failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows = String::from_utf8_lossy(&out.stdout)
+    let field = |l: &str, k: &str| {
+        l.split_whitespace()
+            .find_map(|t| t.strip_prefix(k))
+            .map(str::to_string)
+    };
+    Ok(String::from_utf8_lossy(&out.stderr)
         .lines()
-        .count()
-        .saturating_sub(1);
-    Ok((took, rows))
+        .filter(|l| l.contains("newest index entries"))
+        .map(|l| {
+            json!({
+                "read": field(l, "read=").and_then(|v| v.parse::<u64>().ok()),
+                "from": field(l, "from=").and_then(|v| v.parse::<u64>().ok()),
+                "whole": field(l, "whole=").as_deref() == Some("true"),
+                "enough": field(l, "enough=").as_deref() == Some("true"),
+            })
+        })
+        .collect())
 }
 
 /// A second reaper: ms from its spawn to its first sweep that saw `jobs`
@@ -281,11 +307,11 @@ async fn reaper_start(s: &Server, jobs: usize) -> anyhow::Result<(f64, f64)> {
     Ok((took, rss))
 }
 
-/// Writes `n` active jobs straight into the job bucket and the index, 512
-/// puts in flight: even ones queued in backoff (due in an hour), odd ones
+/// Writes `n` active jobs (`<prefix>-<i>`) straight into the job bucket
+/// and the index, 256 in flight, each created as it is written: even ones queued in backoff (due in an hour), odd ones
 /// waiting on a timer. When the first 20,000 say the whole would take
 /// longer than `budget`, seeds [`FALLBACK_ACTIVE`] instead and says so.
-async fn seed(conn: &Conn, n: usize, budget: Duration) -> anyhow::Result<Value> {
+async fn seed(conn: &Conn, prefix: &str, n: usize, budget: Duration) -> anyhow::Result<Value> {
     let jobs = Jobs::open(conn).await?;
     let active = Active::open(conn).await?;
     let (kv, index) = (jobs.kv().clone(), active.kv().clone());
@@ -298,8 +324,11 @@ async fn seed(conn: &Conn, n: usize, budget: Duration) -> anyhow::Result<Value> 
     let probe = 20_000.min(n);
     let mut i = 0;
     while i < target {
-        let id = format!("act-{i}");
-        let mut r = leasehold_core::machine::new_record(&id, "sleep", Default::default(), 0, now);
+        let id = format!("{prefix}-{i}");
+        // Created as it is written, as a submitted job is.
+        let created = SystemTime::now();
+        let mut r =
+            leasehold_core::machine::new_record(&id, "sleep", Default::default(), 0, created);
         r.next_run_at = Some(later.clone());
         let key = if i % 2 == 0 {
             Key::Wait { job: id.clone() }

@@ -24,24 +24,10 @@ pub(super) const ROLL_WINDOW: Duration = Duration::from_millis(250);
 /// Answers the roll call with this reaper's id.
 pub(super) async fn answer_roll(
     inner: Arc<Inner>,
-    mut sub: async_nats::Subscriber,
+    sub: async_nats::Subscriber,
     shutdown: CancellationToken,
 ) {
-    loop {
-        let msg = tokio::select! {
-            m = sub.next() => match m { Some(m) => m, None => return },
-            _ = shutdown.cancelled() => return,
-        };
-        let Some(reply) = msg.reply else { continue };
-        if let Err(e) = inner
-            .conn
-            .client
-            .publish(reply, inner.id.clone().into())
-            .await
-        {
-            tracing::debug!(error = %e, "roll call answer failed");
-        }
-    }
+    answer_requests(inner, sub, shutdown, "roll call", |i| i.id.clone().into()).await
 }
 
 /// Calls the roll every [`ROLL_EVERY`] and keeps this reaper's share.

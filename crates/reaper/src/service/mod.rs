@@ -452,10 +452,14 @@ fn retention_by_kind(kinds: &[(String, Duration)]) -> String {
         .join(",")
 }
 
-async fn metrics_responder(
+/// Answers each request on `sub` with `body()` until `shutdown` (`what`
+/// names the answer in logs): the metrics responder and the roll call.
+async fn answer_requests(
     inner: Arc<Inner>,
     mut sub: async_nats::Subscriber,
     shutdown: CancellationToken,
+    what: &'static str,
+    body: impl Fn(&Inner) -> bytes::Bytes,
 ) {
     loop {
         let msg = tokio::select! {
@@ -463,9 +467,21 @@ async fn metrics_responder(
             _ = shutdown.cancelled() => return,
         };
         let Some(reply) = msg.reply else { continue };
-        let body = serde_json::to_vec(&*inner.metrics.borrow()).expect("metrics serialize");
-        if let Err(e) = inner.conn.client.publish(reply, body.into()).await {
-            tracing::debug!(error = %e, "metrics reply failed");
+        if let Err(e) = inner.conn.client.publish(reply, body(&inner)).await {
+            tracing::debug!(error = %e, "{what} reply failed");
         }
     }
+}
+
+async fn metrics_responder(
+    inner: Arc<Inner>,
+    sub: async_nats::Subscriber,
+    shutdown: CancellationToken,
+) {
+    answer_requests(inner, sub, shutdown, "metrics", |i| {
+        serde_json::to_vec(&*i.metrics.borrow())
+            .expect("metrics serialize")
+            .into()
+    })
+    .await
 }

@@ -430,13 +430,11 @@ impl Active {
             });
             found.dedup_by(|x, y| x.1.job == y.1.job);
             let whole = lo <= state.first_sequence.max(1);
+            let nth = found
+                .get(n.saturating_sub(1))
+                .and_then(|(_, e)| leasehold_core::time::parse_rfc3339(&e.created_at));
             let enough = found.len() >= n
-                && match (
-                    written_before,
-                    found
-                        .get(n.saturating_sub(1))
-                        .and_then(|(_, e)| leasehold_core::time::parse_rfc3339(&e.created_at)),
-                ) {
+                && match (written_before, nth) {
                     (Some(before), Some(nth)) => before + CREATED_SKEW < nth,
                     _ => false,
                 };
@@ -445,6 +443,8 @@ impl Active {
                 from = lo,
                 whole,
                 enough,
+                written_before = ?written_before.map(leasehold_core::time::rfc3339),
+                nth_created = ?nth.map(leasehold_core::time::rfc3339),
                 "newest index entries"
             );
             if whole || enough {
