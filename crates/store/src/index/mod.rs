@@ -387,7 +387,11 @@ impl Active {
             .map_err(|e| StoreError::nats("index stream info", e))?
             .state
             .clone();
-        let filters = vec![format!("$KV.{bucket}.{}", filter.pattern())];
+        // No subject filter on the server: a filtered consumer's pending
+        // count walks every subject the filter matches (each active job's),
+        // where an unfiltered one is a subtraction. The window's other keys
+        // are skipped here.
+        let wanted = format!("$KV.{bucket}.{}", filter.pattern());
         let prefix = format!("$KV.{bucket}.");
         let mut window = (4 * n as u64).max(256);
         loop {
@@ -398,7 +402,7 @@ impl Active {
                 .max(1);
             let msgs = crate::read::read_once(
                 &stream,
-                filters.clone(),
+                Vec::new(),
                 consumer::DeliverPolicy::ByStartSequence { start_sequence: lo },
                 "reading the newest index entries",
             )
@@ -410,7 +414,9 @@ impl Active {
                 if written_before.is_none() {
                     written_before = m.info().ok().map(|i| SystemTime::from(i.published));
                 }
-                if m.headers.as_ref().is_some_and(crate::is_removal) {
+                if m.headers.as_ref().is_some_and(crate::is_removal)
+                    || !crate::layout::subject_matches(&wanted, &m.subject)
+                {
                     continue;
                 }
                 let Some(key) = m.subject.strip_prefix(&prefix).and_then(Key::parse) else {
