@@ -137,3 +137,77 @@ async fn a_top_up_fetch_lost_with_its_connection_does_not_stall_the_worker() {
         a.output()
     );
 }
+
+/// Found by `make bench` (part `timers`, 10,000 sleeping jobs on one
+/// worker, run after the `research` part): three jobs failed with
+/// "maximum consumers limit reached (10026)" while their attempts read
+/// their steps, each read's short-lived consumer among hundreds at once,
+/// and spent the job's whole retry budget in a second. A read now waits
+/// for room under the limit in place. Here the index's stream allows one
+/// consumer, held by someone else for 600 ms: a listing of the index waits
+/// for it to go and reads the entry, instead of failing.
+#[tokio::test]
+async fn a_read_waits_for_room_under_the_servers_consumer_limit() {
+    use async_nats::jetstream::{consumer, stream};
+    use leasehold_testkit::doors::index::{Active, Filter};
+    use leasehold_testkit::doors::layout::NatsArgs;
+    let server = leasehold_harness::NatsServer::start();
+    leasehold_harness::wait_for_jetstream(&server.url(), Duration::from_secs(10)).await;
+    let conn = NatsArgs::local(server.url(), "lh")
+        .connect("test")
+        .await
+        .unwrap();
+    let s = conn
+        .js
+        .create_stream(stream::Config {
+            name: "KV_lh_active".into(),
+            subjects: vec!["$KV.lh_active.>".into()],
+            max_messages_per_subject: 1,
+            allow_direct: true,
+            max_consumers: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let active = Active::open(&conn).await.unwrap();
+    active
+        .kv()
+        .put(
+            "wait.j1",
+            serde_json::to_vec(&json!({"job": "j1", "kind": "echo", "status": "queued"}))
+                .unwrap()
+                .into(),
+        )
+        .await
+        .unwrap();
+    s.create_consumer(consumer::pull::Config {
+        durable_name: Some("holder".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // The limit is real: a second consumer is refused.
+    assert!(s
+        .create_consumer(consumer::pull::Config::default())
+        .await
+        .is_err());
+    let js = conn.js.clone();
+    let freed = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        js.delete_consumer_from_stream("holder", "KV_lh_active")
+            .await
+            .unwrap();
+    });
+    let t0 = std::time::Instant::now();
+    let listed = active
+        .list(Filter::All)
+        .await
+        .expect("the read waited for room");
+    assert_eq!(listed.len(), 1);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(500),
+        "it waited: {:?}",
+        t0.elapsed()
+    );
+    freed.await.unwrap();
+}

@@ -28,6 +28,11 @@ pub const READER_IDLE: Duration = Duration::from_secs(1);
 /// How long a read may wait for its next message before it is called stalled.
 const STALL: Duration = Duration::from_secs(10);
 
+/// How long a read waits, in all, for room under the server's consumer
+/// limit (10026) before it fails: each reader's consumer goes
+/// [`READER_IDLE`] after its read, so room comes back within about that.
+const BUSY_FOR: Duration = Duration::from_secs(30);
+
 /// Every message of `stream` under `filters` from `deliver` on that is
 /// there now, in stream order. `what` names the read in errors. A read
 /// that stalls (its consumer gone under a loaded server, a leader moving)
@@ -38,27 +43,48 @@ pub(crate) async fn read_once<I>(
     deliver: consumer::DeliverPolicy,
     what: &str,
 ) -> Result<Vec<jetstream::Message>, StoreError> {
-    match read(stream, filters.clone(), deliver, what).await {
-        Err(Stalled) => {
-            tracing::debug!(
-                read = what,
-                "a read stalled; reading again with a new consumer"
-            );
-            read(stream, filters, deliver, what).await
+    let busy_until = tokio::time::Instant::now() + BUSY_FOR;
+    let mut pauses =
+        leasehold_core::retry::Backoff::new(Duration::from_millis(50), Duration::from_millis(500));
+    let mut stalled = false;
+    loop {
+        match read(stream, filters.clone(), deliver, what).await {
+            Err(Stalled) if !stalled => {
+                tracing::debug!(
+                    read = what,
+                    "a read stalled; reading again with a new consumer"
+                );
+                stalled = true;
+            }
+            // Many reads at once (a fleet's timers waking, a burst of
+            // attempts replaying their steps) can fill the server's
+            // consumer limit for a moment: wait for room in place, rather
+            // than fail the read and spend a retry of the job on it.
+            Err(Busy(e)) if tokio::time::Instant::now() < busy_until => {
+                let pause = pauses.pause();
+                tracing::debug!(read = what, error = %e, ?pause, "the server's consumer limit is reached; reading again shortly");
+                tokio::time::sleep(pause).await;
+            }
+            r => {
+                return r.map_err(|e| match e {
+                    Stalled => StoreError::failed(format!("{what} stalled")),
+                    Failed(e) | Busy(e) => e,
+                })
+            }
         }
-        r => r,
     }
-    .map_err(|e| match e {
-        Stalled => StoreError::failed(format!("{what} stalled")),
-        Failed(e) => e,
-    })
 }
 
 enum ReadError {
     Stalled,
+    /// The server's consumer limit is reached (10026).
+    Busy(StoreError),
     Failed(StoreError),
 }
-use ReadError::{Failed, Stalled};
+use ReadError::{Busy, Failed, Stalled};
+
+/// The server's code for "maximum consumers limit reached".
+const CONSUMER_LIMIT: u64 = 10026;
 
 async fn read<I>(
     stream: &jetstream::stream::Stream<I>,
@@ -77,7 +103,15 @@ async fn read<I>(
             ..Default::default()
         })
         .await
-        .map_err(|e| Failed(StoreError::nats(what, e)))?;
+        .map_err(|e| {
+            if crate::answer::answer_of(&e) == crate::answer::Answer::Code(CONSUMER_LIMIT) {
+                Busy(StoreError::Unavailable(format!(
+                    "{what}: the server's consumer limit is reached: {e}"
+                )))
+            } else {
+                Failed(StoreError::nats(what, e))
+            }
+        })?;
     let mut pending = consumer.cached_info().num_pending;
     let mut out = Vec::new();
     if pending == 0 {

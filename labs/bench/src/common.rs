@@ -624,3 +624,60 @@ impl Report {
         }
     }
 }
+
+/// What [`seed_many`] wrote.
+pub struct Seeded {
+    /// How many it wrote (the fallback when the asked-for number would not
+    /// fit the budget).
+    pub n: usize,
+    /// Why it wrote the fallback instead, when it did.
+    pub note: Option<String>,
+    pub seconds: f64,
+}
+
+/// Runs `write(i)` for `i` in `0..n`, `in_flight` at once. When the first
+/// 20,000 say the whole would take longer than `budget`, writes `fallback`
+/// instead and says so (`what` names the items, on stderr and in the note).
+pub async fn seed_many<F>(
+    n: usize,
+    budget: Duration,
+    fallback: usize,
+    in_flight: usize,
+    what: &str,
+    mut write: impl FnMut(usize) -> anyhow::Result<F>,
+) -> anyhow::Result<Seeded>
+where
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let t0 = Instant::now();
+    let mut target = n;
+    let mut note = None;
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let probe = 20_000.min(n);
+    let mut i = 0;
+    while i < target {
+        pending.push(write(i)?);
+        while pending.len() >= in_flight {
+            pending.next().await.transpose()?;
+        }
+        i += 1;
+        if i == probe && target > fallback {
+            let rate = probe as f64 / t0.elapsed().as_secs_f64();
+            let projected = target as f64 / rate;
+            if projected > budget.as_secs_f64() {
+                note = Some(format!(
+                    "{target} {what} would take about {projected:.0} s to seed at {rate:.0}/s (budget {} s): seeded {fallback} instead",
+                    budget.as_secs()
+                ));
+                eprintln!("{}", note.as_deref().unwrap_or(""));
+                target = fallback;
+            }
+        }
+    }
+    while pending.next().await.transpose()?.is_some() {}
+    Ok(Seeded {
+        n: target,
+        note,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

@@ -307,13 +307,7 @@ async fn seed(s: &Server, conn: &Conn, n: usize, budget: Duration) -> anyhow::Re
     let jobs = Jobs::open(conn).await?;
     let kv = jobs.kv().clone();
     let now = std::time::SystemTime::now();
-    let t0 = Instant::now();
-    let mut target = n;
-    let mut note = None;
-    let mut pending = futures::stream::FuturesUnordered::new();
-    let probe = 20_000.min(n);
-    let mut i = 0;
-    while i < target {
+    let seeded = seed_many(n, budget, FALLBACK_RECORDS, 512, "records", |i| {
         let mut r = leasehold_core::machine::new_record(
             &format!("old-{i}"),
             "echo",
@@ -324,26 +318,13 @@ async fn seed(s: &Server, conn: &Conn, n: usize, budget: Duration) -> anyhow::Re
         r.status = "completed".into();
         let kv = kv.clone();
         let bytes = serde_json::to_vec(&r)?;
-        pending.push(async move { kv.put(r.id, bytes.into()).await });
-        while pending.len() >= 512 {
-            pending.next().await.transpose()?;
-        }
-        i += 1;
-        if i == probe && target > FALLBACK_RECORDS {
-            let rate = probe as f64 / t0.elapsed().as_secs_f64();
-            let projected = target as f64 / rate;
-            if projected > budget.as_secs_f64() {
-                note = Some(format!(
-                    "{target} records would take about {projected:.0} s to seed at {rate:.0}/s (budget {} s): seeded {FALLBACK_RECORDS} instead",
-                    budget.as_secs()
-                ));
-                eprintln!("history: {}", note.as_deref().unwrap_or(""));
-                target = FALLBACK_RECORDS;
-            }
-        }
-    }
-    while pending.next().await.transpose()?.is_some() {}
-    let took = t0.elapsed().as_secs_f64();
+        Ok(async move {
+            kv.put(r.id, bytes.into()).await?;
+            anyhow::Ok(())
+        })
+    })
+    .await?;
+    let (target, note, took) = (seeded.n, seeded.note, seeded.seconds);
     let info = conn
         .js
         .get_stream(format!("KV_{}", conn.layout.jobs_bucket()))

@@ -17,7 +17,6 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use futures::StreamExt;
 use leasehold_core::time::rfc3339;
 use leasehold_harness::Proc;
 use leasehold_store::index::{Active, Key};
@@ -315,15 +314,8 @@ async fn seed(conn: &Conn, prefix: &str, n: usize, budget: Duration) -> anyhow::
     let jobs = Jobs::open(conn).await?;
     let active = Active::open(conn).await?;
     let (kv, index) = (jobs.kv().clone(), active.kv().clone());
-    let now = SystemTime::now();
-    let later = rfc3339(now + Duration::from_secs(3600));
-    let t0 = Instant::now();
-    let mut target = n;
-    let mut note = None;
-    let mut pending = futures::stream::FuturesUnordered::new();
-    let probe = 20_000.min(n);
-    let mut i = 0;
-    while i < target {
+    let later = rfc3339(SystemTime::now() + Duration::from_secs(3600));
+    let seeded = seed_many(n, budget, FALLBACK_ACTIVE, 256, "active jobs", |i| {
         let id = format!("{prefix}-{i}");
         // Created as it is written, as a submitted job is.
         let created = SystemTime::now();
@@ -340,30 +332,14 @@ async fn seed(conn: &Conn, prefix: &str, n: usize, budget: Duration) -> anyhow::
         let rec = serde_json::to_vec(&r)?;
         let entry = serde_json::to_vec(&leasehold_store::index::Entry::of(&r))?;
         let (kv, index) = (kv.clone(), index.clone());
-        pending.push(async move {
+        Ok(async move {
             kv.put(id, rec.into()).await?;
             index.put(key.as_string(), entry.into()).await?;
             anyhow::Ok(())
-        });
-        while pending.len() >= 256 {
-            pending.next().await.transpose()?;
-        }
-        i += 1;
-        if i == probe && target > FALLBACK_ACTIVE {
-            let rate = probe as f64 / t0.elapsed().as_secs_f64();
-            let projected = target as f64 / rate;
-            if projected > budget.as_secs_f64() {
-                note = Some(format!(
-                    "{target} active jobs would take about {projected:.0} s to seed at {rate:.0}/s (budget {} s): seeded {FALLBACK_ACTIVE} instead",
-                    budget.as_secs()
-                ));
-                eprintln!("scale: {}", note.as_deref().unwrap_or(""));
-                target = FALLBACK_ACTIVE;
-            }
-        }
-    }
-    while pending.next().await.transpose()?.is_some() {}
-    let took = t0.elapsed().as_secs_f64();
+        })
+    })
+    .await?;
+    let (target, note, took) = (seeded.n, seeded.note, seeded.seconds);
     Ok(json!({
         "asked": n,
         "jobs": target,
