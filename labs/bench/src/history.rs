@@ -42,31 +42,7 @@ struct Side {
 
 impl Side {
     async fn start() -> anyhow::Result<Side> {
-        let (s, conn) = server(SetupOptions::default()).await?;
-        let url = s.url();
-        // Sweeps every second, so a handful of them are quick to collect.
-        let reaper = reaper(&url, &[("LH_INTERVAL", "1s".into())]).await?;
-        let bg = worker(
-            &url,
-            &[
-                ("LH_WORKER_ID", "hist-bg".into()),
-                ("LH_KINDS", "sleep".into()),
-            ],
-        );
-        wait_session(&conn, "hist-bg").await?;
-        let work = Work::new(&conn);
-        for i in 0..LIVE {
-            work.submit(
-                "sleep",
-                json!({"input": {"ms": 3_600_000}}).to_string().into(),
-                Some(&format!("live-{i}")),
-                None,
-            )
-            .await?;
-        }
-        for i in 0..LIVE {
-            wait_indexed(&conn, &format!("live-{i}")).await?;
-        }
+        let (s, conn, reaper, bg) = sleeping_side("hist-bg", LIVE).await?;
         Ok(Side {
             s,
             conn,
@@ -74,6 +50,52 @@ impl Side {
             _bg: bg,
         })
     }
+}
+
+/// The reaper's environment: a sweep every second (a handful are quick to
+/// collect), each sweep logged.
+pub(crate) fn reaper_env() -> [(&'static str, String); 2] {
+    [
+        ("LH_INTERVAL", "1s".into()),
+        (
+            "RUST_LOG",
+            "info,leasehold_reaper::service::sweep=debug".into(),
+        ),
+    ]
+}
+
+/// A fresh server with a reaper ([`reaper_env`]) and a worker `worker_id`
+/// running `live` sleep jobs of an hour (indexed): the server, a
+/// connection, the reaper and the worker.
+pub(crate) async fn sleeping_side(
+    worker_id: &str,
+    live: usize,
+) -> anyhow::Result<(Server, Conn, Proc, Proc)> {
+    let (s, conn) = server(SetupOptions::default()).await?;
+    let url = s.url();
+    let reaper = reaper(&url, &reaper_env()).await?;
+    let worker = worker(
+        &url,
+        &[
+            ("LH_WORKER_ID", worker_id.into()),
+            ("LH_KINDS", "sleep".into()),
+        ],
+    );
+    wait_session(&conn, worker_id).await?;
+    let work = Work::new(&conn);
+    for i in 0..live {
+        work.submit(
+            "sleep",
+            json!({"input": {"ms": 3_600_000}}).to_string().into(),
+            Some(&format!("live-{i}")),
+            None,
+        )
+        .await?;
+    }
+    for i in 0..live {
+        wait_indexed(&conn, &format!("live-{i}")).await?;
+    }
+    Ok((s, conn, reaper, worker))
 }
 
 /// Two servers side by side, one empty and one with the history, measured

@@ -20,13 +20,11 @@ use std::time::{Duration, Instant, SystemTime};
 use leasehold_core::time::rfc3339;
 use leasehold_harness::Proc;
 use leasehold_store::index::{Active, Key};
-use leasehold_store::setup::SetupOptions;
-use leasehold_store::work::Work;
 use leasehold_store::{Conn, Jobs};
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::history::{med, start_worker, sweeps, timed_list};
+use crate::history::{med, reaper_env, sleeping_side, start_worker, sweeps, timed_list};
 
 /// Active jobs on the small side.
 pub const SMALL: usize = 1_000;
@@ -55,41 +53,9 @@ struct Side {
     worker: Proc,
 }
 
-/// The reaper's environment: a sweep every second, each sweep logged.
-fn reaper_env() -> [(&'static str, String); 2] {
-    [
-        ("LH_INTERVAL", "1s".into()),
-        (
-            "RUST_LOG",
-            "info,leasehold_reaper::service::sweep=debug".into(),
-        ),
-    ]
-}
-
 impl Side {
     async fn start(tag: &str) -> anyhow::Result<Side> {
-        let (s, conn) = server(SetupOptions::default()).await?;
-        let url = s.url();
-        let reaper = reaper(&url, &reaper_env()).await?;
-        let id = format!("scale-{tag}");
-        let worker = worker(
-            &url,
-            &[("LH_WORKER_ID", id.clone()), ("LH_KINDS", "sleep".into())],
-        );
-        wait_session(&conn, &id).await?;
-        let work = Work::new(&conn);
-        for i in 0..LIVE {
-            work.submit(
-                "sleep",
-                json!({"input": {"ms": 3_600_000}}).to_string().into(),
-                Some(&format!("live-{i}")),
-                None,
-            )
-            .await?;
-        }
-        for i in 0..LIVE {
-            wait_indexed(&conn, &format!("live-{i}")).await?;
-        }
+        let (s, conn, reaper, worker) = sleeping_side(&format!("scale-{tag}"), LIVE).await?;
         Ok(Side {
             s,
             conn,
