@@ -51,7 +51,6 @@ pub fn owner_of(shard: u32, members: &[String]) -> Option<&str> {
 /// One reaper's share: the members it sees (itself always among them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Shards {
-    me: String,
     members: Vec<String>,
     mine: Vec<bool>,
 }
@@ -66,11 +65,7 @@ impl Shards {
         let mine = (0..SHARDS)
             .map(|s| owner_of(s, &members) == Some(me))
             .collect();
-        Shards {
-            me: me.to_string(),
-            members,
-            mine,
-        }
+        Shards { members, mine }
     }
 
     /// Whether the job (or worker) `id` is this reaper's to act on.
@@ -86,10 +81,6 @@ impl Shards {
     /// The reapers seen, this one included.
     pub fn members(&self) -> &[String] {
         &self.members
-    }
-
-    pub fn me(&self) -> &str {
-        &self.me
     }
 }
 

@@ -188,11 +188,6 @@ impl View {
             .is_ok_and(|r| r.is_ok())
     }
 
-    /// Whether the view holds the whole index now.
-    pub fn is_loaded(&self) -> bool {
-        *self.loaded.borrow()
-    }
-
     /// Every owner named by a running entry.
     pub fn owners(&self) -> Vec<Owner> {
         self.state.lock().unwrap().owners.keys().cloned().collect()
