@@ -453,6 +453,7 @@ pub struct Conn {
     pub js: async_nats::jetstream::Context,
     pub layout: Layout,
     pub link: Link,
+    elections: Arc<std::sync::OnceLock<crate::failover::Elections>>,
 }
 
 impl Conn {
@@ -463,7 +464,21 @@ impl Conn {
             js,
             layout,
             link: Link::default(),
+            elections: Arc::default(),
         }
+    }
+
+    /// The leaders' elections and the connection's returns (see
+    /// [`crate::failover`]), followed from the first call on.
+    pub fn elections(&self) -> crate::failover::Elections {
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Nothing to follow them with (a client built outside a
+            // runtime): requests wait for their own timeouts.
+            return crate::failover::Elections::none();
+        }
+        self.elections
+            .get_or_init(|| crate::failover::Elections::follow(self))
+            .clone()
     }
 
     /// How long the connection has been up (see [`Link`]).

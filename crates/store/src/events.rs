@@ -44,6 +44,9 @@ pub struct Events {
     stream: String,
     /// Bytes of events read through this handle (and its clones).
     read_bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// An event with a dedupe id lost with the stream's leader is published
+    /// again at its successor's election ([`crate::failover`]).
+    elections: crate::failover::Elections,
 }
 
 /// A refused or failed fenced publication.
@@ -96,6 +99,7 @@ impl Events {
             layout: conn.layout.clone(),
             stream: conn.layout.events_stream(),
             read_bytes: Default::default(),
+            elections: conn.elections(),
         }
     }
 
@@ -193,13 +197,18 @@ impl Events {
         if let Some(id) = msg_id {
             m = m.message_id(id);
         }
-        let ack = self
-            .js
-            .send_publish(subject, m)
-            .await
-            .map_err(|e| StoreError::nats("publish event", e))?
-            .await
-            .map_err(|e| StoreError::nats("publish event", e))?;
+        let once = || async {
+            self.js
+                .send_publish(subject.clone(), m.clone())
+                .await
+                .map_err(|e| StoreError::nats("publish event", e))?
+                .await
+                .map_err(|e| StoreError::nats("publish event", e))
+        };
+        let ack = match msg_id {
+            Some(_) => self.elections.reissue("publish an event", once).await?,
+            None => once().await?,
+        };
         Ok(ack.sequence)
     }
 
@@ -571,9 +580,27 @@ impl Fence {
             if let Some(id) = msg_id {
                 m = m.message_id(id);
             }
-            let res = match self.events.js.send_publish(subject.clone(), m).await {
-                Ok(fut) => fut.await,
-                Err(e) => Err(e),
+            // With a dedupe id, a copy of a stored event is acked as a
+            // duplicate: safe to publish again at a leader's election.
+            let once = || async {
+                match self
+                    .events
+                    .js
+                    .send_publish(subject.clone(), m.clone())
+                    .await
+                {
+                    Ok(fut) => fut.await,
+                    Err(e) => Err(e),
+                }
+            };
+            let res = match msg_id {
+                Some(_) => {
+                    self.events
+                        .elections
+                        .reissue("publish a fenced event", once)
+                        .await
+                }
+                None => once().await,
             };
             match res {
                 Ok(ack) => {

@@ -148,6 +148,9 @@ pub fn replace_spec(rec: &mut JobRecord, spec: &JobSpec) {
 pub struct Jobs {
     kv: kv::Store,
     payloads: kv::Store,
+    /// Writes lost with a leader are asked again at its successor's
+    /// election ([`crate::failover`]).
+    elections: crate::failover::Elections,
 }
 
 /// How many times a read-decide-write loop re-reads after conflicts before
@@ -159,7 +162,11 @@ impl Jobs {
     pub async fn open(conn: &Conn) -> Result<Self, StoreError> {
         let kv = crate::open_kv(conn, &conn.layout.jobs_bucket()).await?;
         let payloads = crate::open_kv(conn, &conn.layout.payloads_bucket()).await?;
-        Ok(Jobs { kv, payloads })
+        Ok(Jobs {
+            kv,
+            payloads,
+            elections: conn.elections(),
+        })
     }
 
     /// Moves a large input (and output) of `rec` beside it, once: the
@@ -286,7 +293,9 @@ impl Jobs {
 
     /// Creates the record only if the key is absent.
     pub async fn create(&self, rec: &JobRecord) -> Result<u64, JobsError> {
-        match self.kv.create(&rec.id, self.stored(rec).await?).await {
+        let stored = self.stored(rec).await?;
+        let create = || self.kv.create(&rec.id, stored.clone());
+        match self.elections.reissue("create a job record", create).await {
             Ok(rev) => Ok(rev),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
                 Err(JobsError::Exists(rec.id.clone()))
@@ -332,11 +341,9 @@ impl Jobs {
 
     /// Writes `rec` only if the record is still at `expected` revision.
     pub async fn update(&self, rec: &JobRecord, expected: u64) -> Result<u64, JobsError> {
-        match self
-            .kv
-            .update(&rec.id, self.stored(rec).await?, expected)
-            .await
-        {
+        let stored = self.stored(rec).await?;
+        let update = || self.kv.update(&rec.id, stored.clone(), expected);
+        match self.elections.reissue("update a job record", update).await {
             Ok(rev) => Ok(rev),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 Err(JobsError::Conflict(rec.id.clone()))

@@ -34,6 +34,35 @@ impl Layout {
         self.prefix.to_ascii_uppercase().replace('-', "_")
     }
 
+    /// The server's advisories of a new leader for any stream or consumer
+    /// of the account (`$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>`
+    /// and `...CONSUMER.LEADER_ELECTED.<stream>.<consumer>`).
+    pub fn leader_advisories(&self) -> String {
+        "$JS.EVENT.ADVISORY.*.LEADER_ELECTED.>".into()
+    }
+
+    /// The stream a leader advisory (see [`Layout::leader_advisories`])
+    /// names, when it is one of this namespace's streams, buckets or
+    /// object stores.
+    pub fn elected_stream<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let stream = subject.split('.').nth(5)?;
+        let buckets = self.prefix.replace('-', "_");
+        let ours = stream
+            .strip_prefix(&self.upper())
+            .or_else(|| {
+                stream
+                    .strip_prefix("KV_")
+                    .and_then(|s| s.strip_prefix(&buckets))
+            })
+            .or_else(|| {
+                stream
+                    .strip_prefix("OBJ_")
+                    .and_then(|s| s.strip_prefix(&buckets))
+            })
+            .is_some_and(|rest| rest.starts_with('_'));
+        ours.then_some(stream)
+    }
+
     /// Work-queue stream holding submission tickets.
     pub fn work_stream(&self) -> String {
         format!("{}_WORK", self.upper())
@@ -359,6 +388,45 @@ pub fn subject_matches(filter: &str, subject: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leader_advisories_name_the_namespaces_streams_only() {
+        let l = Layout::new("lh").unwrap();
+        let adv = "$JS.EVENT.ADVISORY";
+        for (subject, stream) in [
+            (
+                format!("{adv}.STREAM.LEADER_ELECTED.LH_WORK"),
+                Some("LH_WORK"),
+            ),
+            (
+                format!("{adv}.CONSUMER.LEADER_ELECTED.LH_WORK.lh_workers_echo"),
+                Some("LH_WORK"),
+            ),
+            (
+                format!("{adv}.STREAM.LEADER_ELECTED.KV_lh_jobs"),
+                Some("KV_lh_jobs"),
+            ),
+            (
+                format!("{adv}.STREAM.LEADER_ELECTED.OBJ_lh_artifacts"),
+                Some("OBJ_lh_artifacts"),
+            ),
+            (format!("{adv}.STREAM.LEADER_ELECTED.KV_lhx_jobs"), None),
+            (format!("{adv}.STREAM.LEADER_ELECTED.LHX_WORK"), None),
+            (format!("{adv}.STREAM.LEADER_ELECTED.ORDERS"), None),
+            ("$JS.EVENT.ADVISORY.STREAM".to_string(), None),
+        ] {
+            assert_eq!(l.elected_stream(&subject), stream, "{subject}");
+        }
+        let other = Layout::new("team-a").unwrap();
+        assert_eq!(
+            other.elected_stream(&format!("{adv}.STREAM.LEADER_ELECTED.KV_team_a_jobs")),
+            Some("KV_team_a_jobs")
+        );
+        assert_eq!(
+            other.elected_stream(&format!("{adv}.STREAM.LEADER_ELECTED.TEAM_A_EVENTS")),
+            Some("TEAM_A_EVENTS")
+        );
+    }
 
     #[test]
     fn default_names_match_the_contract() {

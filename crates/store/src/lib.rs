@@ -36,6 +36,7 @@ pub mod connect;
 pub mod dlq;
 pub mod effects;
 pub mod events;
+pub mod failover;
 pub mod flow;
 pub mod history;
 pub mod index;

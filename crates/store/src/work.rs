@@ -31,6 +31,9 @@ pub const JOB_ID_HEADER: &str = "Lh-Job-Id";
 pub struct Work {
     js: jetstream::Context,
     layout: Layout,
+    /// A ticket lost with the work stream's leader is published again at
+    /// its successor's election ([`crate::failover`]).
+    elections: crate::failover::Elections,
 }
 
 /// A stored ticket.
@@ -84,6 +87,7 @@ impl Work {
         Work {
             js: conn.js.clone(),
             layout: conn.layout.clone(),
+            elections: conn.elections(),
         }
     }
 
@@ -172,7 +176,15 @@ impl Work {
 
     /// The lanes of `kind` other than the default one that hold tickets
     /// now (waiting or held by a worker), with how many: one stream info.
+    /// A read, asked again at once when the work stream's leader is
+    /// elected while it waits (see [`crate::failover`]).
     pub async fn lanes(&self, kind: &str) -> Result<Vec<(Lane, u64)>, StoreError> {
+        self.elections
+            .reissue("count the lanes", || self.lanes_once(kind))
+            .await
+    }
+
+    async fn lanes_once(&self, kind: &str) -> Result<Vec<(Lane, u64)>, StoreError> {
         let stream = self.stream().await?;
         let mut info = stream
             .info_with_subjects(self.layout.lanes_filter(kind))
@@ -253,7 +265,9 @@ impl Work {
         if let Some(tp) = traceparent {
             m = m.header("traceparent", tp);
         }
-        self.publish(self.layout.lane_subject(kind, lane), m).await
+        let deduped = msg_id.is_some();
+        self.publish(self.layout.lane_subject(kind, lane), m, deduped)
+            .await
     }
 
     /// Publishes a fresh ticket for an existing record (re-enqueue, replay,
@@ -280,18 +294,33 @@ impl Work {
             m = m.header("traceparent", tp);
         }
         let lane = Lane::of(&spec);
-        self.publish(self.layout.lane_subject(&rec.kind, &lane), m)
+        self.publish(self.layout.lane_subject(&rec.kind, &lane), m, true)
             .await
     }
 
-    async fn publish(&self, subject: String, m: PublishMessage) -> Result<Published, StoreError> {
-        let ack = self
-            .js
-            .send_publish(subject, m)
-            .await
-            .map_err(|e| StoreError::nats("publish ticket", e))?
-            .await
-            .map_err(|e| crate::publish_refused(&self.layout.work_stream(), "ticket", e))?;
+    /// Publishes a ticket and waits for the stream's ack. One with a dedupe
+    /// id (`deduped`) is published again when the work stream (or any
+    /// leader) is elected while it waits: a second copy of a stored ticket
+    /// is acked as a duplicate.
+    async fn publish(
+        &self,
+        subject: String,
+        m: PublishMessage,
+        deduped: bool,
+    ) -> Result<Published, StoreError> {
+        let once = || async {
+            self.js
+                .send_publish(subject.clone(), m.clone())
+                .await
+                .map_err(|e| StoreError::nats("publish ticket", e))?
+                .await
+                .map_err(|e| crate::publish_refused(&self.layout.work_stream(), "ticket", e))
+        };
+        let ack = if deduped {
+            self.elections.reissue("publish a ticket", once).await?
+        } else {
+            once().await?
+        };
         Ok(Published {
             seq: ack.sequence,
             duplicate: ack.duplicate,
@@ -459,7 +488,8 @@ impl Work {
             m = m.header(JOB_ID_HEADER, id);
         }
         let lane = spec::lane_hint(&payload_copy, content_type(original).as_deref());
-        self.publish(self.layout.lane_subject(kind, &lane), m).await
+        self.publish(self.layout.lane_subject(kind, &lane), m, msg_id.is_some())
+            .await
     }
 }
 

@@ -230,6 +230,9 @@ pub struct Active {
     js: jetstream::Context,
     kv: kv::Store,
     layout: Layout,
+    /// Index writes lost with the bucket's leader are written again at its
+    /// successor's election ([`crate::failover`]).
+    elections: crate::failover::Elections,
 }
 
 impl Active {
@@ -239,6 +242,7 @@ impl Active {
             js: conn.js.clone(),
             kv,
             layout: conn.layout.clone(),
+            elections: conn.elections(),
         })
     }
 
@@ -248,9 +252,13 @@ impl Active {
 
     /// Writes the entry of `rec` under `key`.
     pub async fn put(&self, key: &Key, rec: &JobRecord) -> Result<(), StoreError> {
-        let value = serde_json::to_vec(&Entry::of(rec)).expect("entry serializes");
-        self.kv
-            .put(key.as_string(), value.into())
+        let value: bytes::Bytes = serde_json::to_vec(&Entry::of(rec))
+            .expect("entry serializes")
+            .into();
+        // The same value again: safe to write again at a leader's election.
+        let put = || self.kv.put(key.as_string(), value.clone());
+        self.elections
+            .reissue("index put", put)
             .await
             .map(|_| ())
             .map_err(|e| StoreError::nats("index put", e))
