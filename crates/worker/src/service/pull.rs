@@ -17,7 +17,12 @@
 //!
 //! No pull waits for ever: a pull whose request or answer is lost (with a
 //! connection, or a consumer leader moving) gives its slots back after its
-//! expiry plus [`LOST_PULL_GRACE`], and the loop asks again.
+//! expiry plus [`LOST_PULL_GRACE`], and the loop asks again. A pull is
+//! asked again at once when the connection comes back or a leader of the
+//! namespace is elected ([`leasehold_store::failover`]): a pull waiting at
+//! a consumer leader that died is gone, and a job submitted after a node's
+//! kill starts as soon as its consumer has a leader again, not after the
+//! pull's expiry and grace.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -224,6 +229,7 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
     // Tenants' limits apply from the first job.
     flow.wait_loaded(Duration::from_secs(5)).await;
     let mut lanes = Lanes::new();
+    let mut elected = shared.conn.elections();
     let refused = || Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut backoff = refused();
     while !shutdown.is_cancelled() {
@@ -311,6 +317,8 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
             };
             match poll {
                 Ok(batch) => {
+                    // A pull waiting at a leader that is gone: ask again.
+                    let batch = batch.take_until(Box::pin(elected.next()));
                     let idle = expires + LOST_PULL_GRACE;
                     let (got, failed, _) = take(
                         &shared,
@@ -379,6 +387,8 @@ async fn fetch_lanes(
             lanes.consumers.remove(&lane);
             continue;
         };
+        let mut elected = shared.conn.elections();
+        let batch = batch.take_until(Box::pin(async move { elected.next().await }));
         let (got, failed, pending) = take(
             shared,
             kind,
@@ -404,10 +414,10 @@ async fn fetch_lanes(
 /// message nor its end (its request or answer was lost), and how many the
 /// last message said were still pending. After shutdown began, tickets are
 /// handed back at once.
-async fn take(
+async fn take<E>(
     shared: &Arc<Shared>,
     kind: &str,
-    mut batch: async_nats::jetstream::consumer::pull::Batch,
+    mut batch: impl futures::Stream<Item = Result<async_nats::jetstream::Message, E>> + Unpin,
     permits: &mut Vec<OwnedSemaphorePermit>,
     tenants: &mut Vec<Option<Permit>>,
     shutdown: &CancellationToken,
