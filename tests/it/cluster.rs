@@ -647,3 +647,138 @@ async fn a_durable_sleep_wakes_once_at_its_time_across_the_kill_of_its_wake_ups_
     stop.cancel();
     w.wait().await.unwrap();
 }
+
+/// Waits until every stream of the cluster has a leader and every replica
+/// is current.
+async fn whole(conn: &Conn) {
+    eventually("the cluster whole", || async {
+        let m = conn
+            .client
+            .request("$JS.API.STREAM.NAMES", "".into())
+            .await
+            .map_err(|e| e.to_string())?;
+        let v: Value = serde_json::from_slice(&m.payload).map_err(|e| e.to_string())?;
+        for s in v["streams"].as_array().cloned().unwrap_or_default() {
+            let c = stream_cluster(conn, s.as_str().unwrap()).await;
+            let replicas = c["replicas"].as_array().cloned().unwrap_or_default();
+            if replicas.len() != 2
+                || replicas
+                    .iter()
+                    .any(|r| r["current"] != json!(true) || r["offline"] == json!(true))
+            {
+                return Err(format!("{s}: {c}"));
+            }
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// Item 3 of issue 34: a job submitted right after the kill -9 of the
+/// node leading the work stream starts as soon as the leaders on its path
+/// are elected again, not after the timeouts of the requests and pulls
+/// that were waiting at the dead node (5 s each, measured 5-10 s late
+/// before). The elections themselves are the server's (4-9 s after a
+/// kill: its Raft election timeout), so the bound is on the time from the
+/// last election on the job's path to its start. A sleep job running
+/// across the kill keeps its owner.
+#[tokio::test]
+async fn a_job_submitted_after_the_work_leaders_kill_starts_at_the_elections_not_after_timeouts() {
+    let _one = ONE_CLUSTER.lock().await;
+    let (mut c, conn) = cluster().await;
+    let mut o = Options::local(&c.url(), "lh");
+    o.kinds = vec!["echo".into(), "sleep".into()];
+    let stop = CancellationToken::new();
+    let w = leasehold::Worker::new(o).start(stop.clone()).await.unwrap();
+    let work = Work::new(&conn);
+    let jobs = Jobs::open(&conn).await.unwrap();
+    submit(&work, "echo", json!({"warm": 1}), "warm").await;
+    completed_once(&jobs, "warm").await;
+    whole(&conn).await;
+    submit(&work, "sleep", json!({"ms": 12000}), "across").await;
+    eventually("across running", || async {
+        match jobs.get("across").await.map_err(|e| e.to_string())? {
+            Some(v) if v.value.status == "running" => Ok(()),
+            other => Err(format!("{:?}", other.map(|v| v.value.status))),
+        }
+    })
+    .await;
+    let work_stream = conn.layout.work_stream();
+    let killed = node(
+        stream_cluster(&conn, &work_stream).await["leader"]
+            .as_str()
+            .unwrap(),
+    );
+    // Elections seen from a node that stays up.
+    let watcher = NatsArgs::local(c.nodes[(killed + 1) % 3].url(), "lh")
+        .connect("test elections")
+        .await
+        .unwrap();
+    let mut advisories = watcher
+        .client
+        .subscribe(conn.layout.leader_advisories())
+        .await
+        .unwrap();
+    watcher.client.flush().await.unwrap();
+    let path = [
+        work_stream.clone(),
+        format!("KV_{}", conn.layout.jobs_bucket()),
+        format!("KV_{}", conn.layout.active_bucket()),
+        format!("KV_{}", conn.layout.sessions_bucket()),
+        conn.layout.events_stream(),
+    ];
+    let elected = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = elected.clone();
+    let layout = conn.layout.clone();
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(m) = advisories.next().await {
+            if let Some(s) = layout.elected_stream(&m.subject) {
+                seen.lock()
+                    .unwrap()
+                    .push((s.to_string(), std::time::SystemTime::now()));
+            }
+        }
+    });
+    let t0 = std::time::SystemTime::now();
+    c.nodes[killed].kill();
+    submit(&work, "echo", json!({"after": "kill"}), "after-kill").await;
+    completed_once(&jobs, "after-kill").await;
+    let h = jobs.history("after-kill").await.unwrap();
+    let started = h
+        .iter()
+        .find(|v| v.value.status == "running")
+        .and_then(|v| leasehold_testkit::record::parse_rfc3339(&v.value.updated_at))
+        .expect("a running revision");
+    let elections = elected.lock().unwrap().clone();
+    let last = elections
+        .iter()
+        .filter(|(s, at)| path.contains(s) && *at <= started)
+        .map(|(_, at)| *at)
+        .max()
+        .unwrap_or(t0);
+    let ms = |t: std::time::SystemTime| t.duration_since(t0).unwrap_or_default().as_millis();
+    let lag = started.duration_since(last).unwrap_or_default();
+    eprintln!(
+        "node lh-n{killed} killed: started after {} ms, {} ms after the last election on its path ({} ms); elections: {:?}",
+        ms(started),
+        lag.as_millis(),
+        ms(last),
+        elections.iter().map(|(s, at)| format!("{s}@{}", ms(*at))).collect::<Vec<_>>()
+    );
+    assert!(
+        lag <= Duration::from_millis(2500),
+        "started {lag:?} after the last election on its path (its requests waited out their timeouts)"
+    );
+    // The job running across the kill kept its owner: one claim, one run.
+    completed_once(&jobs, "across").await;
+    let h = jobs.history("across").await.unwrap();
+    let statuses: Vec<&str> = h.iter().map(|v| v.value.status.as_str()).collect();
+    let first = statuses.iter().position(|s| *s == "running").unwrap();
+    assert!(
+        !statuses[first..].contains(&"queued"),
+        "no re-offer of the running job: {statuses:?}"
+    );
+    stop.cancel();
+    w.wait().await.unwrap();
+}
