@@ -58,10 +58,27 @@ pub fn unanswered(e: &dyn std::fmt::Display) -> bool {
 }
 
 /// The elections of the namespace's stream and consumer leaders and the
-/// connection's returns, as a count that grows with each.
+/// connection's returns, as counts that grow with each.
 #[derive(Clone, Debug)]
 pub struct Elections {
-    rx: watch::Receiver<u64>,
+    rx: watch::Receiver<Seen>,
+}
+
+/// What [`Elections`] counted so far.
+#[derive(Clone, Debug, Default)]
+struct Seen {
+    /// Elections and returns of the connection.
+    all: u64,
+    reconnects: u64,
+    /// Elections per stream (a consumer's counted under its stream).
+    per_stream: std::collections::BTreeMap<String, u64>,
+}
+
+impl Seen {
+    fn mark(&self, stream: &str) -> (u64, u64) {
+        let n = self.per_stream.get(stream).copied().unwrap_or(0);
+        (self.reconnects, n)
+    }
 }
 
 impl Elections {
@@ -70,7 +87,7 @@ impl Elections {
     /// NATS user without the permission) leaves the connection's returns
     /// alone to count; the requests' own timeouts still bound them.
     pub(crate) fn follow(conn: &Conn) -> Elections {
-        let (tx, rx) = watch::channel(0);
+        let (tx, rx) = watch::channel(Seen::default());
         tokio::spawn(follow(
             conn.client.clone(),
             conn.link.clone(),
@@ -82,16 +99,22 @@ impl Elections {
 
     /// Elections that never come (a request is never asked again).
     pub fn none() -> Elections {
-        let (tx, rx) = watch::channel(0);
+        let (tx, rx) = watch::channel(Seen::default());
         drop(tx);
         Elections { rx }
     }
 
-    /// Resolves at the next election or return of the connection (never,
-    /// when they cannot be followed).
-    pub async fn next(&mut self) {
-        if self.rx.changed().await.is_err() {
-            std::future::pending::<()>().await;
+    /// Resolves at the next election of `stream` (or of one of its
+    /// consumers) or return of the connection after this call.
+    pub async fn next_of(&mut self, stream: &str) {
+        let start = self.rx.borrow_and_update().mark(stream);
+        loop {
+            if self.rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            if self.rx.borrow_and_update().mark(stream) != start {
+                return;
+            }
         }
     }
 
@@ -146,7 +169,7 @@ impl Elections {
     }
 }
 
-async fn follow(client: async_nats::Client, link: Link, layout: Layout, tx: watch::Sender<u64>) {
+async fn follow(client: async_nats::Client, link: Link, layout: Layout, tx: watch::Sender<Seen>) {
     let mut sub = match client.subscribe(layout.leader_advisories()).await {
         Ok(s) => Some(s),
         Err(e) => {
@@ -165,13 +188,19 @@ async fn follow(client: async_nats::Client, link: Link, layout: Layout, tx: watc
         tokio::select! {
             _ = tx.closed() => return,
             _ = link.reconnected() => {
-                tx.send_modify(|n| *n += 1);
+                tx.send_modify(|s| {
+                    s.all += 1;
+                    s.reconnects += 1;
+                });
             }
             m = advisory => match m {
                 Some(m) => {
                     if let Some(stream) = layout.elected_stream(&m.subject) {
                         tracing::debug!(stream, subject = %m.subject, "a new leader");
-                        tx.send_modify(|n| *n += 1);
+                        tx.send_modify(|s| {
+                            s.all += 1;
+                            *s.per_stream.entry(stream.to_string()).or_default() += 1;
+                        });
                     }
                 }
                 None => sub = None,
@@ -186,7 +215,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_request_no_leader_took_is_asked_again_at_the_election_until_patience_runs_out() {
-        let (tx, rx) = watch::channel(0u64);
+        let (tx, rx) = watch::channel(Seen::default());
         let e = Elections { rx };
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
         let c = calls.clone();
@@ -204,7 +233,7 @@ mod tests {
             .await
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
-        tx.send_modify(|n| *n += 1);
+        tx.send_modify(|s| s.all += 1);
         assert_eq!(run.await.unwrap(), Ok(3));
         assert!(unanswered(&"no responders available for request"));
         assert!(!unanswered(&"wrong last sequence: 4"));
@@ -221,7 +250,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_request_is_asked_again_after_an_election_and_only_then() {
-        let (tx, rx) = watch::channel(0u64);
+        let (tx, rx) = watch::channel(Seen::default());
         let e = Elections { rx };
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
         // Every copy but the third is lost (never answered).
@@ -245,16 +274,16 @@ mod tests {
             1,
             "no election: asked once"
         );
-        tx.send_modify(|n| *n += 1);
+        tx.send_modify(|s| s.all += 1);
         tokio::time::sleep(ANSWER_GRACE + Duration::from_millis(10)).await;
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
-        tx.send_modify(|n| *n += 1);
+        tx.send_modify(|s| s.all += 1);
         assert_eq!(run.await.unwrap(), Ok(2), "the third copy's answer");
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_answer_within_the_grace_is_taken_and_not_asked_again() {
-        let (tx, rx) = watch::channel(0u64);
+        let (tx, rx) = watch::channel(Seen::default());
         let e = Elections { rx };
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
         let c = calls.clone();
@@ -269,9 +298,37 @@ mod tests {
             .await
         });
         tokio::task::yield_now().await;
-        tx.send_modify(|n| *n += 1);
+        tx.send_modify(|s| s.all += 1);
         assert_eq!(run.await.unwrap(), Ok(7));
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn next_of_a_stream_waits_for_that_streams_election_or_a_reconnect() {
+        let (tx, rx) = watch::channel(Seen::default());
+        let mut e = Elections { rx };
+        let elect = |stream: &'static str| {
+            move |s: &mut Seen| {
+                s.all += 1;
+                *s.per_stream.entry(stream.into()).or_default() += 1;
+            }
+        };
+        tx.send_modify(elect("LH_WORK"));
+        let mut waiting = Box::pin(e.next_of("LH_WORK"));
+        // One before the call does not count; another stream's does not.
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        tx.send_modify(elect("KV_lh_jobs"));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        tx.send_modify(elect("LH_WORK"));
+        assert!(futures::poll!(waiting.as_mut()).is_ready());
+        drop(waiting);
+        let mut waiting = Box::pin(e.next_of("LH_WORK"));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        tx.send_modify(|s| {
+            s.all += 1;
+            s.reconnects += 1;
+        });
+        assert!(futures::poll!(waiting.as_mut()).is_ready());
     }
 
     #[tokio::test(start_paused = true)]

@@ -19,8 +19,9 @@
 //! connection, or a consumer leader moving) gives its slots back after its
 //! expiry plus [`LOST_PULL_GRACE`], and the loop asks again. A pull is
 //! asked again at once when the connection comes back or a leader of the
-//! namespace is elected ([`leasehold_store::failover`]): a pull waiting at
-//! a consumer leader that died is gone, and a job submitted after a node's
+//! work stream or one of its consumers is elected
+//! ([`leasehold_store::failover`]): a pull waiting at a consumer leader that
+//! died is gone, and a job submitted after a node's
 //! kill starts as soon as its consumer has a leader again, not after the
 //! pull's expiry and grace.
 
@@ -230,6 +231,7 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
     flow.wait_loaded(Duration::from_secs(5)).await;
     let mut lanes = Lanes::new();
     let mut elected = shared.conn.elections();
+    let work_stream = shared.conn.layout.work_stream();
     let refused = || Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut backoff = refused();
     while !shutdown.is_cancelled() {
@@ -318,7 +320,7 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
             match poll {
                 Ok(batch) => {
                     // A pull waiting at a leader that is gone: ask again.
-                    let batch = batch.take_until(Box::pin(elected.next()));
+                    let batch = batch.take_until(Box::pin(elected.next_of(&work_stream)));
                     let idle = expires + LOST_PULL_GRACE;
                     let (got, failed, _) = take(
                         &shared,
@@ -388,7 +390,8 @@ async fn fetch_lanes(
             continue;
         };
         let mut elected = shared.conn.elections();
-        let batch = batch.take_until(Box::pin(async move { elected.next().await }));
+        let work_stream = shared.conn.layout.work_stream();
+        let batch = batch.take_until(Box::pin(async move { elected.next_of(&work_stream).await }));
         let (got, failed, pending) = take(
             shared,
             kind,
