@@ -115,8 +115,10 @@ model-venv:
 
 ## soak: a seeded chaos run on a 3-node cluster; SOAK_MINUTES (10), SOAK_SEED
 ## (drawn and printed when unset), SOAK_SINGLE=1 for one server, SOAK_PROFILE
-## (default, busy, operators, nats-restart: always one server, rolling: always
-## the cluster; `leasehold-soak --help` describes them). Writes
+## (default, busy, operators, nats-restart: always one server, rolling and
+## scale: always the cluster; scale is 100 worker processes and 3 reapers
+## under node kills, `make soak SOAK_PROFILE=scale`; `leasehold-soak --help`
+## describes them). Writes
 ## bench-results/soak-<seed>.json; exits non-zero when an invariant failed.
 SOAK_MINUTES ?= 10
 SOAK_OUT ?= bench-results

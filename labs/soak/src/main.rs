@@ -86,7 +86,11 @@ use crate::profile::{Knobs, Profile};
         before its worker starts), ids of it reused after a 5 s retention and a 20 s dedupe window, \
         and the kind pruned (refused while a ticket of it is queued, then done; a later submission \
         refused). Nothing may be lost, resurrected, rejected or delivered with another incarnation's \
-        document.\n\n\
+        document.\n\
+        - scale: 3-node cluster; 100 worker processes with 2 slots each and 3 reapers splitting the \
+        sweep by shard, the job mix at 1.5/s, the product's session timeout (10s), and kill -9 of \
+        nodes (leaders and followers, twice as often), of workers and of a reaper, every 10-25 s. \
+        Run it for 10 minutes (--minutes 10).\n\n\
         The seed is printed at start; --seed N (with the same --profile) replays the same plan (the jobs, \
         their times, the faults and their order). Then it stops injecting, restores everything, waits for every job to settle \
         and checks: lost (no record, or not terminal/parked-with-reason), duplicate effects at the sink, \
@@ -381,7 +385,7 @@ fn shape(k: &Knobs, only: &[String]) -> plan::Shape {
     plan::Shape {
         workers: k.workers,
         proxied: (k.workers.saturating_sub(k.proxied)..k.workers).collect(),
-        reapers: 2,
+        reapers: k.reapers,
         session_ms: k.session_timeout.as_millis() as u64,
         streams: if streams.is_empty() {
             vec!["LH_WORK".into()]
@@ -513,7 +517,7 @@ async fn run(a: Args) -> anyhow::Result<bool> {
     collect::create_audit(&conn, replicas).await?;
     fleet.start_sim().await?;
     say(format!("leasehold-sim at {}", fleet.sim_url));
-    fleet.add_reapers(2);
+    fleet.add_reapers(k.reapers);
     fleet.add_workers(k.workers, &shape.proxied).await?;
     for w in &fleet.workers {
         if let Some(p) = &w.proc {
@@ -525,10 +529,11 @@ async fn run(a: Args) -> anyhow::Result<bool> {
         .filter(|j| j.at_ms < run_len.as_millis() as u64)
         .count();
     say(format!(
-        "{} workers ({} behind fault proxies, {} slots), 2 reapers; {planned} jobs planned, {} faults drawn",
+        "{} workers ({} behind fault proxies, {} slots), {} reapers; {planned} jobs planned, {} faults drawn",
         k.workers,
         k.proxied,
         k.slots(),
+        k.reapers,
         fault_plan.len()
     ));
 

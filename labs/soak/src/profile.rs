@@ -16,6 +16,9 @@
 //!   with the `leasehold` CLI: reviews resumed and parked jobs cancelled,
 //!   dead letters replayed, a kind added to the running fleet and pruned,
 //!   ids reused after a short retention (see [`crate::ops`]).
+//! - `scale`: a wide fleet on the 3-node cluster: 100 worker processes
+//!   with 2 slots each and 3 reapers splitting the sweep, the job mix, and
+//!   the kill -9 of nodes (leaders and followers) and of workers.
 
 use std::time::Duration;
 
@@ -37,6 +40,9 @@ pub enum Profile {
     /// The default's faults while operators resume, cancel, replay, add and
     /// prune a kind, and reuse ids after a short retention.
     Operators,
+    /// 100 small workers and 3 reapers on the 3-node cluster, with kills
+    /// of nodes and workers.
+    Scale,
 }
 
 /// Long `sleep` jobs that keep slots busy: `lanes` chains of jobs, each
@@ -67,6 +73,7 @@ pub struct Knobs {
     pub profile: Profile,
     pub cluster: bool,
     pub workers: usize,
+    pub reapers: usize,
     pub proxied: usize,
     /// Concurrency of each worker slot; the last value repeats.
     pub concurrency: Vec<usize>,
@@ -158,6 +165,16 @@ impl Knobs {
             }
             Profile::NatsRestart => vec!["nats_restart_kill9", "nats_restart_sigterm"],
             Profile::Rolling => vec!["rolling_restart"],
+            // What a wide fleet on a cluster loses: nodes, and workers
+            // among many.
+            Profile::Scale => vec![
+                "kill9_node_leader",
+                "kill9_node_follower",
+                "kill9_node_leader",
+                "kill9_node_follower",
+                "kill9_worker_new_id",
+                "kill9_reaper",
+            ],
         }
     }
 }
@@ -170,6 +187,7 @@ impl Profile {
             Profile::NatsRestart => "nats-restart",
             Profile::Rolling => "rolling",
             Profile::Operators => "operators",
+            Profile::Scale => "scale",
         }
     }
 
@@ -182,6 +200,7 @@ impl Profile {
             profile: self,
             cluster,
             workers: 4,
+            reapers: 2,
             proxied: 2,
             concurrency: vec![8],
             rate: 1.5,
@@ -248,6 +267,22 @@ impl Profile {
                     ..base
                 }
             }
+            Profile::Scale => Knobs {
+                cluster: true,
+                workers: 100,
+                reapers: 3,
+                // No fault proxies: the faults are the nodes' and the
+                // workers' kills.
+                proxied: 0,
+                concurrency: vec![2],
+                rate: 1.5,
+                // The product's default session, as for `rolling`: a
+                // killed node's elections stall writes for 4-9 s.
+                session_timeout: s(10),
+                gap: (s(10), s(25)),
+                quiesce_timeout: s(300),
+                ..base
+            },
             Profile::Rolling => Knobs {
                 cluster: true,
                 // The product's default session: a restarted node's leader
@@ -305,6 +340,15 @@ mod tests {
         let mut deck = plan::fault_kinds(false, true);
         deck.push("partition_blip");
         assert_eq!(k.deck(), deck);
+    }
+
+    #[test]
+    fn scale_is_a_hundred_small_workers_and_three_reapers_on_the_cluster() {
+        let k = Profile::Scale.knobs(false).unwrap();
+        assert!(k.cluster);
+        assert_eq!((k.workers, k.reapers, k.proxied), (100, 3, 0));
+        assert_eq!(k.slots(), 200);
+        assert!(k.deck().iter().filter(|d| d.starts_with("kill9_node")).count() >= 4);
     }
 
     #[test]
