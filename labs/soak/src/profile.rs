@@ -348,7 +348,13 @@ mod tests {
         assert!(k.cluster);
         assert_eq!((k.workers, k.reapers, k.proxied), (100, 3, 0));
         assert_eq!(k.slots(), 200);
-        assert!(k.deck().iter().filter(|d| d.starts_with("kill9_node")).count() >= 4);
+        assert!(
+            k.deck()
+                .iter()
+                .filter(|d| d.starts_with("kill9_node"))
+                .count()
+                >= 4
+        );
     }
 
     #[test]
