@@ -235,7 +235,10 @@ impl Inner {
 
     /// Compares a rotating window of running entries whose owners live
     /// with their records: an entry left behind by a crash between a record
-    /// write and its index write is repaired.
+    /// write and its index write is repaired (in this reaper's shards), and
+    /// an entry whose record moved on leaves this reaper's view whatever its
+    /// shard (its counts stay true even when the entry came from a replica
+    /// that kept it after the leader removed it).
     pub(super) async fn verify_some(
         &self,
         verdicts: &HashMap<Owner, Verdict>,
@@ -248,25 +251,31 @@ impl Inner {
         }
         let mut held = Vec::new();
         for (key, owner) in window {
-            if !verdicts.get(&owner).is_some_and(Verdict::is_alive) || !shards.mine(key.job()) {
+            if !verdicts.get(&owner).is_some_and(Verdict::is_alive) {
                 continue;
             }
             let Key::Run { worker, job } = &key else {
                 continue;
             };
             let (worker, job) = (worker.clone(), job.clone());
+            let mine = shards.mine(&job);
             match self.recovery.jobs.get(&job).await {
                 Ok(Some(v)) if Key::of(&v.value).as_ref() == Some(&key) => {
-                    held.push((worker, job, v.value.epoch));
+                    if mine {
+                        held.push((worker, job, v.value.epoch));
+                    }
                 }
+                Ok(Some(v)) if !mine => self.view.forget(&key, v.value.epoch),
                 Ok(Some(v)) => match self.recovery.repair_moved_on(&v.value, &key).await {
                     Ok(()) => {
                         self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
+                        self.view.forget(&key, v.value.epoch);
                     }
                     Err(e) => {
                         tracing::debug!(job, error = %e, "verify: entry kept until the job's end is finished")
                     }
                 },
+                Ok(None) if !mine => {}
                 Ok(None) => {
                     if self
                         .recovery
@@ -276,6 +285,7 @@ impl Inner {
                         .is_ok()
                     {
                         self.stats.index_repairs.fetch_add(1, Ordering::Relaxed);
+                        self.view.forget(&key, u64::MAX);
                     }
                 }
                 Err(e) => tracing::debug!(job, error = %e, "verify: record unreadable"),

@@ -264,6 +264,29 @@ impl Active {
             .map_err(|e| StoreError::nats("index put", e))
     }
 
+    /// The entry under `k` and its revision, as the bucket's stream leader
+    /// has it (`None`: no entry, or a removal marker). A direct get may be
+    /// answered by any replica, and one can hold an entry the leader
+    /// removed: a node killed after the removal rebuilds its store and may
+    /// bring a purged value back once the purge's marker expired
+    /// (nats-server issue 8505). A removal judged on such a read is refused
+    /// for the revision it names, again and again.
+    async fn entry_from_leader(&self, k: &str) -> Result<Option<(u64, bytes::Bytes)>, StoreError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let subject = format!("$KV.{}.{k}", self.kv.name);
+        match self
+            .kv
+            .stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(m) if crate::is_removal(&m.headers) => Ok(None),
+            Ok(m) => Ok(Some((m.sequence, m.payload))),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(StoreError::nats("index read", e)),
+        }
+    }
+
     /// Removes `key` (a purge whose marker soon expires) unless its entry
     /// describes a later claim or a later incarnation of the job than the
     /// remover knows ([`Remover`]): a remover that paused between reading
@@ -285,24 +308,16 @@ impl Active {
         };
         let k = key.as_string();
         for _ in 0..REMOVE_TRIES {
-            let Some(e) = self
-                .kv
-                .entry(k.clone())
-                .await
-                .map_err(|e| StoreError::nats("index read", e))?
-            else {
+            let Some((revision, value)) = self.entry_from_leader(&k).await? else {
                 return Ok(());
             };
-            if e.operation != kv::Operation::Put {
-                return Ok(());
-            }
-            if !removable(&e.value, by) {
+            if !removable(&value, by) {
                 tracing::debug!(key = %k, epoch, "index entry is a later incarnation's; kept");
                 return Ok(());
             }
             match self
                 .kv
-                .purge_expect_revision_with_ttl(k.clone(), e.revision, REMOVED_MARKER_TTL)
+                .purge_expect_revision_with_ttl(k.clone(), revision, REMOVED_MARKER_TTL)
                 .await
             {
                 Ok(()) => return Ok(()),

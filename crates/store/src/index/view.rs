@@ -35,6 +35,7 @@ struct Slim {
     /// should have run, or when a look was put off to).
     at: Option<SystemTime>,
     owner: Option<Owner>,
+    epoch: u64,
 }
 
 /// The entries, their groups and orders.
@@ -113,6 +114,7 @@ impl State {
             created,
             at: None,
             owner: None,
+            epoch: e.epoch,
         };
         match &*k {
             Key::Run { worker, .. } => {
@@ -277,6 +279,19 @@ impl View {
         keys.into_iter()
             .filter_map(|k| Some(((**k).clone(), st.entries.get(k)?.owner.clone()?)))
             .collect()
+    }
+
+    /// Drops `key` from the view when its entry is of epoch `epoch` or an
+    /// earlier one: the job's record moved on from it. The bucket's own
+    /// removal comes through the watch; this covers an entry the view read
+    /// from a replica that still had it after the leader removed it (a
+    /// killed node's store may bring a purged entry back, nats-server issue
+    /// 8505), which no change of the bucket would ever remove.
+    pub fn forget(&self, key: &Key, epoch: u64) {
+        let mut st = self.state.lock().unwrap();
+        if st.entries.get(key).is_some_and(|s| s.epoch <= epoch) {
+            st.remove(key);
+        }
     }
 
     /// The counts now.
@@ -454,6 +469,26 @@ mod tests {
         // Putting off what is not a queued entry does nothing.
         v.put_off(&wait("zz"), t(5));
         assert_eq!(v.counts().in_flight, 1);
+    }
+
+    #[test]
+    fn forgetting_drops_an_entry_of_the_epoch_judged_and_never_a_later_claims() {
+        let v = view();
+        let mut e1 = entry("a", "s1", 1, Some(100));
+        e1.epoch = 1;
+        v.state.lock().unwrap().insert(run("w1", "a"), &e1);
+        // The record (epoch 1) moved on, but meanwhile the same worker
+        // claimed the job again (epoch 2): that entry stays.
+        let mut e2 = e1.clone();
+        e2.epoch = 2;
+        v.state.lock().unwrap().insert(run("w1", "a"), &e2);
+        v.forget(&run("w1", "a"), 1);
+        assert_eq!(v.counts().running, 1);
+        assert_eq!(v.runs_of(&owner("w1", "s1")), vec![run("w1", "a")]);
+        v.forget(&run("w1", "a"), 2);
+        assert_eq!(v.counts().running, 0);
+        assert!(v.owners().is_empty() && v.deadlines_by(t(1000)).is_empty());
+        v.forget(&run("w1", "zz"), u64::MAX);
     }
 
     #[test]
