@@ -321,7 +321,11 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     let (w, stop_w) = env.worker().await;
     let ids: Vec<String> = (0..24).map(|i| format!("split-{i}")).collect();
     for (i, id) in ids.iter().enumerate() {
-        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 4000 + i as u64, 0))
+        // Ticket 1: an earlier ticket than any re-offer's, as in life (a
+        // made-up later sequence made a worker that read the record
+        // before the reaper's write drop the re-offer's ticket as
+        // superseded, and the job waited for the stranded check).
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
             .await;
     }
     let mut by_b = 0;
@@ -352,7 +356,7 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     .unwrap();
     let more: Vec<String> = (0..12).map(|i| format!("alone-{i}")).collect();
     for (i, id) in more.iter().enumerate() {
-        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 5000 + i as u64, 0))
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
             .await;
     }
     for id in &more {
