@@ -212,25 +212,35 @@ async fn follow(client: async_nats::Client, link: Link, layout: Layout, tx: watc
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::sync::Arc;
+
+    type Run = tokio::task::JoinHandle<Result<u32, String>>;
+
+    /// One request under elections the test drives: its `n`-th copy
+    /// answers `answer(n)`. The sender, the count of copies, the run.
+    fn counted<F, Fut>(answer: F) -> (watch::Sender<Seen>, Arc<AtomicU32>, Run)
+    where
+        F: Fn(u32) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<u32, String>> + Send + 'static,
+    {
+        let (tx, rx) = watch::channel(Seen::default());
+        let e = Elections { rx };
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = calls.clone();
+        let run =
+            tokio::spawn(async move { e.reissue("test", || answer(c.fetch_add(1, SeqCst))).await });
+        (tx, calls, run)
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_request_no_leader_took_is_asked_again_at_the_election_until_patience_runs_out() {
-        let (tx, rx) = watch::channel(Seen::default());
-        let e = Elections { rx };
-        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let c = calls.clone();
-        let run = tokio::spawn(async move {
-            e.reissue("test", || {
-                let n = c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                async move {
-                    if n < 3 {
-                        Err("publish: no stream found for given subject".to_string())
-                    } else {
-                        Ok(n)
-                    }
-                }
-            })
-            .await
+        let (tx, _, run) = counted(|n| async move {
+            if n < 3 {
+                Err("publish: no stream found for given subject".to_string())
+            } else {
+                Ok(n)
+            }
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
         tx.send_modify(|s| s.all += 1);
@@ -250,57 +260,33 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_request_is_asked_again_after_an_election_and_only_then() {
-        let (tx, rx) = watch::channel(Seen::default());
-        let e = Elections { rx };
-        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
         // Every copy but the third is lost (never answered).
-        let c = calls.clone();
-        let run = tokio::spawn(async move {
-            e.reissue("test", || {
-                let n = c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                async move {
-                    if n < 2 {
-                        std::future::pending::<Result<u32, String>>().await
-                    } else {
-                        Ok(n)
-                    }
-                }
-            })
-            .await
+        let (tx, calls, run) = counted(|n| async move {
+            if n < 2 {
+                std::future::pending().await
+            } else {
+                Ok(n)
+            }
         });
         tokio::time::sleep(Duration::from_secs(3)).await;
-        assert_eq!(
-            calls.load(std::sync::atomic::Ordering::SeqCst),
-            1,
-            "no election: asked once"
-        );
+        assert_eq!(calls.load(SeqCst), 1, "no election: asked once");
         tx.send_modify(|s| s.all += 1);
         tokio::time::sleep(ANSWER_GRACE + Duration::from_millis(10)).await;
-        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(calls.load(SeqCst), 2);
         tx.send_modify(|s| s.all += 1);
         assert_eq!(run.await.unwrap(), Ok(2), "the third copy's answer");
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_answer_within_the_grace_is_taken_and_not_asked_again() {
-        let (tx, rx) = watch::channel(Seen::default());
-        let e = Elections { rx };
-        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let c = calls.clone();
-        let run = tokio::spawn(async move {
-            e.reissue("test", || {
-                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                async {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    Ok::<_, String>(7)
-                }
-            })
-            .await
+        let (tx, calls, run) = counted(|_| async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(7)
         });
         tokio::task::yield_now().await;
         tx.send_modify(|s| s.all += 1);
         assert_eq!(run.await.unwrap(), Ok(7));
-        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(calls.load(SeqCst), 1);
     }
 
     #[tokio::test(start_paused = true)]

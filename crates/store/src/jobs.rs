@@ -207,18 +207,9 @@ impl Jobs {
     /// input it has, or serve an empty result. A payload the leader lacks
     /// is left empty; the caller decides what that means.
     async fn internalize(&self, rec: &mut JobRecord) -> Result<(), JobsError> {
-        use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let fetch = |key: String| async move {
-            let subject = format!("$KV.{}.{key}", self.payloads.name);
-            match self
-                .payloads
-                .stream
-                .get_last_raw_message_by_subject(&subject)
-                .await
-            {
-                Ok(m) if crate::is_removal(&m.headers) => Ok(None),
-                Ok(m) => Ok(Some(String::from_utf8_lossy(&m.payload).into_owned())),
-                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            match crate::from_leader(&self.payloads, &key).await {
+                Ok(v) => Ok(v.map(|(_, p)| String::from_utf8_lossy(&p).into_owned())),
                 Err(e) => Err(JobsError::nats(format!("read {key}"), e)),
             }
         };
@@ -266,29 +257,17 @@ impl Jobs {
     /// such a read (an index entry removed, a write given up as "no job")
     /// can strand a job. Watches stay as they are (they follow, never decide).
     pub async fn get(&self, id: &str) -> Result<Option<Versioned<JobRecord>>, JobsError> {
-        use async_nats::jetstream::stream::LastRawMessageErrorKind;
-        let subject = format!("$KV.{}.{id}", self.kv.name);
-        let m = match self
-            .kv
-            .stream
-            .get_last_raw_message_by_subject(&subject)
+        let Some((revision, payload)) = crate::from_leader(&self.kv, id)
             .await
-        {
-            Ok(m) => m,
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
-            Err(e) => return Err(JobsError::nats(format!("read job {id}"), e)),
-        };
-        if crate::is_removal(&m.headers) {
+            .map_err(|e| JobsError::nats(format!("read job {id}"), e))?
+        else {
             return Ok(None);
-        }
-        let mut value = decode(id, &m.payload)?;
+        };
+        let mut value = decode(id, &payload)?;
         if value.input_beside || value.output_beside {
             self.internalize(&mut value).await?;
         }
-        Ok(Some(Versioned {
-            value,
-            revision: m.sequence,
-        }))
+        Ok(Some(Versioned { value, revision }))
     }
 
     /// Creates the record only if the key is absent.

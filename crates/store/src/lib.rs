@@ -243,6 +243,25 @@ pub fn is_wrong_last_sequence(err: &(dyn std::error::Error + 'static)) -> bool {
 /// Whether a KV message's headers mark its key removed: a delete or purge
 /// (`KV-Operation`), or a marker the server wrote (`Nats-Marker-Reason`: a
 /// per-message TTL ran out, a purge left a marker).
+/// The value under `key` of `kv` and its revision, as the bucket's stream
+/// leader has it (`None`: no value, or a removal marker). A direct get may
+/// be answered by any replica: one still catching up after a restart, or
+/// one whose store brought a purged value back (nats-server issue 8505).
+/// Every read that decides reads here.
+pub(crate) async fn from_leader(
+    kv: &async_nats::jetstream::kv::Store,
+    key: &str,
+) -> Result<Option<(u64, bytes::Bytes)>, async_nats::jetstream::stream::LastRawMessageError> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let subject = format!("$KV.{}.{key}", kv.name);
+    match kv.stream.get_last_raw_message_by_subject(&subject).await {
+        Ok(m) if is_removal(&m.headers) => Ok(None),
+        Ok(m) => Ok(Some((m.sequence, m.payload))),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 pub(crate) fn is_removal(h: &async_nats::HeaderMap) -> bool {
     h.get("Nats-Marker-Reason").is_some()
         || h.get("KV-Operation")

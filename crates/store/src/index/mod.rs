@@ -272,19 +272,9 @@ impl Active {
     /// (nats-server issue 8505). A removal judged on such a read is refused
     /// for the revision it names, again and again.
     async fn entry_from_leader(&self, k: &str) -> Result<Option<(u64, bytes::Bytes)>, StoreError> {
-        use async_nats::jetstream::stream::LastRawMessageErrorKind;
-        let subject = format!("$KV.{}.{k}", self.kv.name);
-        match self
-            .kv
-            .stream
-            .get_last_raw_message_by_subject(&subject)
+        crate::from_leader(&self.kv, k)
             .await
-        {
-            Ok(m) if crate::is_removal(&m.headers) => Ok(None),
-            Ok(m) => Ok(Some((m.sequence, m.payload))),
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-            Err(e) => Err(StoreError::nats("index read", e)),
-        }
+            .map_err(|e| StoreError::nats("index read", e))
     }
 
     /// Removes `key` (a purge whose marker soon expires) unless its entry
