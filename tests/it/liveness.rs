@@ -347,6 +347,58 @@ async fn a_worker_killed_between_the_claim_and_its_index_entry_is_recovered() {
     b.wait().await.unwrap();
 }
 
+/// With the consumer's ack wait equal to the session timeout (the product's
+/// defaults: 10 s each), a claim sends no wake-up NAK: the ticket's own
+/// redelivery is the wake-up. A worker killed between its claim and its
+/// index entry still loses nothing: the job runs again from its ticket,
+/// once more, and completes.
+// The fault proxy runs in this test's runtime: it needs threads of
+// its own while the test body blocks (e.g. waiting on a process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_wake_up_nak_the_ack_wait_recovers_a_job_killed_before_its_index_entry() {
+    let env = Fleet::with(SetupOptions {
+        ack_wait: Duration::from_secs(3),
+        ..SetupOptions::default()
+    })
+    .await;
+    let proxy = FaultProxy::start(&env.url()).await;
+    let mut a = env.worker_proc(
+        &[],
+        &[
+            ("NATS_URL", proxy.url()),
+            ("LH_SESSION_TIMEOUT", "3s".into()),
+        ],
+    );
+    wait_log(&a, "worker starting", Duration::from_secs(10)).await;
+    // The claim is written; the index entry that follows is held.
+    let hold = proxy.hold(&format!("$KV.{}.>", env.conn.layout.active_bucket()));
+    env.submit("sleep", json!({"input": {"ms": 1500}}), "no-nak")
+        .await;
+    hold.triggered().await;
+    let acks = format!("$JS.ACK.{}.>", env.conn.layout.work_stream());
+    assert_eq!(
+        proxy.published(&acks),
+        0,
+        "the claim sent no wake-up NAK (the ack wait is the wake-up)"
+    );
+    a.kill9();
+    assert_eq!(env.record("no-nak").await.unwrap().status, "running");
+    let (b, stop) = env.worker().await;
+    let done = env
+        .wait_status("no-nak", "completed", Duration::from_secs(30))
+        .await;
+    assert_eq!(done.worker_id.as_deref(), Some(b.worker_id.as_str()));
+    let events = env.events_of("no-nak").await;
+    let count = |t: &str| events.iter().filter(|e| e.r#type == t).count();
+    assert_eq!(
+        (count("claimed"), count("completed")),
+        (2, 1),
+        "claimed by the killed worker, then once from the redelivered ticket"
+    );
+    stop.cancel();
+    b.wait().await.unwrap();
+}
+
 // The fault proxy runs in this test's runtime: it needs threads of
 // its own while the test body blocks (e.g. waiting on a process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

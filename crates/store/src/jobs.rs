@@ -146,8 +146,11 @@ pub fn replace_spec(rec: &mut JobRecord, spec: &JobSpec) {
 /// The job-record bucket (and the payloads kept beside its records).
 #[derive(Clone)]
 pub struct Jobs {
-    kv: kv::Store,
-    payloads: kv::Store,
+    /// Shared, not copied: a `kv::Store` carries its stream's whole info,
+    /// and every attempt's gate holds a `Jobs` (a clone per job was a tenth
+    /// of a worker's time per echo job).
+    kv: Arc<kv::Store>,
+    payloads: Arc<kv::Store>,
     /// Writes lost with a leader are asked again at its successor's
     /// election ([`crate::failover`]).
     elections: crate::failover::Elections,
@@ -163,8 +166,8 @@ impl Jobs {
         let kv = crate::open_kv(conn, &conn.layout.jobs_bucket()).await?;
         let payloads = crate::open_kv(conn, &conn.layout.payloads_bucket()).await?;
         Ok(Jobs {
-            kv,
-            payloads,
+            kv: Arc::new(kv),
+            payloads: Arc::new(payloads),
             elections: conn.elections(),
         })
     }

@@ -202,19 +202,14 @@ impl Work {
         Ok(out)
     }
 
-    /// The ack wait of one kind's consumer (the server's backoff[0] when set).
+    /// The ack wait of one kind's consumer ([`first_redelivery`]).
     pub async fn ack_wait(&self, kind: &str) -> Result<Duration, StoreError> {
         let mut c = self.consumer(kind).await?;
         let info = c
             .info()
             .await
             .map_err(|e| StoreError::nats("consumer info", e))?;
-        Ok(info
-            .config
-            .backoff
-            .first()
-            .copied()
-            .unwrap_or(info.config.ack_wait))
+        Ok(first_redelivery(&info.config))
     }
 
     /// Publishes a submission as a client would.
@@ -706,6 +701,13 @@ impl Enqueued {
             _ => Enqueued::Error { id, error },
         }
     }
+}
+
+/// How long after a delivery a consumer with `cfg` redelivers a ticket that
+/// was neither acked nor NAKed: its ack wait, or the first step of its
+/// backoff when it has one.
+pub fn first_redelivery(cfg: &async_nats::jetstream::consumer::Config) -> Duration {
+    cfg.backoff.first().copied().unwrap_or(cfg.ack_wait)
 }
 
 #[cfg(test)]

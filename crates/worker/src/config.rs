@@ -72,7 +72,7 @@ pub struct Options {
     pub clock_skew: Duration,
     /// A job still running after this long is entered in the index of
     /// active jobs and its work ticket settled; until then the ticket (held,
-    /// with a wake-up one session timeout after the claim) covers it.
+    /// coming back one session timeout after the claim) covers it.
     #[arg(long, env = "LH_INDEX_AFTER", default_value = "1s", value_parser = parse_duration)]
     pub index_after: Duration,
     /// At SIGTERM/SIGINT, how long in-flight jobs may run on before they are handed back.
@@ -169,6 +169,19 @@ fn parse_share(v: &str) -> Result<f64, String> {
     }
 }
 
+/// How long after `--index-after` a held ticket may come back at the
+/// earliest: the index write's own time.
+const INDEX_MARGIN: Duration = Duration::from_secs(2);
+
+/// See [`Options::ticket_return`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TicketReturn {
+    /// After the claim, when the held ticket comes back by itself.
+    pub after: Duration,
+    /// Whether the claim NAKs the ticket with that delay.
+    pub set_wake_up: bool,
+}
+
 impl Options {
     /// Options for in-process workers of tests: defaults, the given server
     /// and prefix, and the test kinds allowed (`--dev-kinds`).
@@ -194,8 +207,30 @@ impl Options {
     /// indexed: one session timeout after the claim, and never before the
     /// job had its chance to be indexed.
     pub fn wake_after(&self) -> Duration {
-        self.session_timeout
-            .max(self.index_after + Duration::from_secs(2))
+        self.session_timeout.max(self.index_after + INDEX_MARGIN)
+    }
+
+    /// When a claimed job's held ticket comes back by itself if the job is
+    /// neither finished nor indexed by then, and whether its claim sets a
+    /// wake-up for that (a NAK delayed by [`Options::wake_after`]). Not when
+    /// the kind's consumer redelivers it on its own (`ack_wait`: its first
+    /// redelivery) after the job had its chance to be indexed and no later
+    /// than the wake-up would: then the wake-up is one message per job for
+    /// nothing (the defaults: 10s and 10s). `None`: the ack wait is not
+    /// known (yet), so the wake-up is set.
+    pub fn ticket_return(&self, ack_wait: Option<Duration>) -> TicketReturn {
+        match ack_wait {
+            Some(w) if self.index_after + INDEX_MARGIN <= w && w <= self.wake_after() => {
+                TicketReturn {
+                    after: w,
+                    set_wake_up: false,
+                }
+            }
+            _ => TicketReturn {
+                after: self.wake_after(),
+                set_wake_up: true,
+            },
+        }
     }
 
     /// Rejects contradictory settings with a message saying what to change.
@@ -293,5 +328,42 @@ mod tests {
         let o = Options::parse_from(["leasehold-worker", "--kinds", "echo,crash", "--dev-kinds"]);
         assert!(o.validate().is_ok());
         assert!(Options::local("nats://127.0.0.1:4222", "lh").dev_kinds);
+    }
+
+    #[test]
+    fn a_claim_sets_a_wake_up_only_when_the_ack_wait_would_not_do() {
+        let o = Options::parse_from(["leasehold-worker"]);
+        let s = Duration::from_secs;
+        // The defaults (10s session, 1s --index-after, 10s ack wait): the
+        // consumer's own redelivery is the wake-up.
+        assert_eq!(
+            o.ticket_return(Some(s(10))),
+            TicketReturn {
+                after: s(10),
+                set_wake_up: false
+            }
+        );
+        assert_eq!(
+            o.ticket_return(Some(s(3))),
+            TicketReturn {
+                after: s(3),
+                set_wake_up: false
+            }
+        );
+        // Later than the session timeout, too early to index, or unknown.
+        for w in [Some(s(30)), Some(Duration::from_millis(2500)), None] {
+            assert_eq!(
+                o.ticket_return(w),
+                TicketReturn {
+                    after: s(10),
+                    set_wake_up: true
+                },
+                "{w:?}"
+            );
+        }
+        // A short session (the soak's 3s): the wake-up comes first.
+        let o = Options::parse_from(["leasehold-worker", "--session-timeout", "3s"]);
+        assert!(o.ticket_return(Some(s(10))).set_wake_up);
+        assert!(!o.ticket_return(Some(s(3))).set_wake_up);
     }
 }

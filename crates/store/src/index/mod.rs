@@ -228,7 +228,8 @@ pub const CREATED_SKEW: Duration = Duration::from_secs(2);
 #[derive(Clone)]
 pub struct Active {
     js: jetstream::Context,
-    kv: kv::Store,
+    /// Shared, not copied (a `kv::Store` carries its stream's whole info).
+    kv: std::sync::Arc<kv::Store>,
     layout: Layout,
     /// Index writes lost with the bucket's leader are written again at its
     /// successor's election ([`crate::failover`]).
@@ -240,7 +241,7 @@ impl Active {
         let kv = crate::open_kv(conn, &conn.layout.active_bucket()).await?;
         Ok(Active {
             js: conn.js.clone(),
-            kv,
+            kv: std::sync::Arc::new(kv),
             layout: conn.layout.clone(),
             elections: conn.elections(),
         })

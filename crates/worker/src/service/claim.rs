@@ -636,13 +636,14 @@ impl Delivery {
         if indexed {
             index_now(&shared, &claimed.value).await;
         }
-        // The ticket becomes a wake-up call: it comes back by itself
-        // one session timeout from now, unless the job finished or
-        // was indexed (then it is acked first).
-        let _ = self
-            .msg
-            .ack_with(AckKind::Nak(Some(shared.opts.wake_after())))
-            .await;
+        // The ticket becomes a wake-up call: it comes back by itself one
+        // session timeout from now (or at the consumer's ack wait, when
+        // that is no later: then no NAK is needed), unless the job
+        // finished or was indexed (then it is acked first).
+        let back = shared.ticket_return(&self.kind);
+        if back.set_wake_up {
+            let _ = self.msg.ack_with(AckKind::Nak(Some(back.after))).await;
+        }
         attempt::run_claimed(
             shared.clone(),
             claimed,

@@ -15,9 +15,10 @@
 //!   `--session-renew` with a server-side TTL, the answers to pings and
 //!   cancel notifications, and what to do when the session was lost.
 //!
-//! Tickets are wake-up calls, not hostages: a claimed job's ticket is NAKed
-//! at once with a delay of one session timeout, so it comes back by itself
-//! only if the job neither finished nor was indexed by then; a job that
+//! Tickets are wake-up calls, not hostages: a claimed job's ticket comes
+//! back by itself one session timeout after the claim (a NAK with that
+//! delay, or the consumer's ack wait when that is as long: no message at
+//! all) only if the job neither finished nor was indexed by then; a job that
 //! outlives `--index-after` is indexed under its owner and its ticket acked.
 //! From then on the job's liveness is its owner's session alone, and a
 //! ticket that reaches a worker while the owner lives is settled at once.
@@ -310,6 +311,7 @@ impl Worker {
             handoff: CancellationToken::new(),
             unreturned: StdMutex::new(Vec::new()),
             suspect: StdMutex::new(None),
+            ack_waits: StdMutex::new(HashMap::new()),
             stats: Arc::new(Stats::default()),
             metrics: self.metrics.clone(),
             readiness: self.readiness.clone(),
@@ -368,6 +370,9 @@ pub(crate) struct Shared {
     pub(crate) unreturned: StdMutex<Vec<String>>,
     /// The one suspect job this process runs, if any (see `claim::SUSPECT_AFTER`).
     pub(crate) suspect: StdMutex<Option<String>>,
+    /// Each kind's consumer's first redelivery, as its pull loop found it
+    /// (see [`Shared::ticket_return`]).
+    pub(crate) ack_waits: StdMutex<HashMap<String, Duration>>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) metrics: Metrics,
     pub(crate) readiness: Readiness,
@@ -380,6 +385,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// When a claimed ticket of `kind` comes back by itself, and whether
+    /// its claim sets a wake-up for it (`Options::ticket_return`).
+    pub(crate) fn ticket_return(&self, kind: &str) -> crate::config::TicketReturn {
+        let w = self.ack_waits.lock().unwrap().get(kind).copied();
+        self.opts.ticket_return(w)
+    }
+
     /// A claim won.
     pub(crate) fn count_claim(&self, kind: &str, reclaim: bool) {
         self.metrics.claimed(kind);

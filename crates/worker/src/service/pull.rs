@@ -239,6 +239,8 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
         {
             match shared.work.consumer(&kind).await {
                 Ok(c) => {
+                    let first = leasehold_store::work::first_redelivery(&c.cached_info().config);
+                    shared.ack_waits.lock().unwrap().insert(kind.clone(), first);
                     v.insert(c);
                 }
                 Err(e) => {
@@ -455,12 +457,14 @@ async fn take<E>(
             .expect("never more messages than reserved slots");
         let tenant = tenants.pop().flatten();
         let shared = shared.clone();
-        tokio::spawn(async move {
+        // Boxed: the claim's and the attempt's state is large, and a task
+        // moves its future by value several times on the way in.
+        tokio::spawn(Box::pin(async move {
             // The tenant's running-jobs permit is held for the whole claim
             // and attempt.
             let _tenant = tenant;
             claim::handle_delivery(shared, msg, permit).await
-        });
+        }));
     }
     (n, false, pending)
 }

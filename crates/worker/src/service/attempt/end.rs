@@ -34,7 +34,8 @@ impl Attempt {
     /// enough for its ticket's wake-up to reach a worker that settled it.
     pub(super) fn maybe_indexed(&self) -> bool {
         self.indexed.load(Ordering::Relaxed)
-            || self.started.elapsed() + Duration::from_millis(200) >= self.shared.opts.wake_after()
+            || self.started.elapsed() + Duration::from_millis(200)
+                >= self.shared.ticket_return(&self.rec.kind).after
     }
 
     /// After the record's new state is written: the index follows it.

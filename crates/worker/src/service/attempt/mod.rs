@@ -127,7 +127,8 @@ pub(crate) async fn run_claimed(
     if let Some(tp) = rec.traceparent.as_deref() {
         trace::set_parent_from_traceparent(&span, tp);
     }
-    let task = tokio::spawn(
+    // Boxed, as the delivery's task: the attempt's state is large.
+    let task = tokio::spawn(Box::pin(
         run_attempt(
             shared.clone(),
             claimed,
@@ -136,7 +137,7 @@ pub(crate) async fn run_claimed(
             (stop_tx.clone(), stop_rx),
         )
         .instrument(span),
-    );
+    ));
     if let Err(e) = task.await {
         let why = if e.is_panic() {
             format!("internal error: the attempt panicked: {}", panic_text(e))
@@ -160,7 +161,8 @@ pub(crate) async fn run_claimed(
             timer: StdMutex::new(None),
             span: tracing::Span::current(),
         };
-        a.finish(End::retryable(why)).await;
+        // Boxed: this rare path's state stays out of every attempt's.
+        Box::pin(a.finish(End::retryable(why))).await;
     }
     {
         let mut running = shared.running.lock().unwrap();
