@@ -392,6 +392,42 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
     }
     // The race happened: the old owner did publish before being fenced off.
     assert!(before_marker > 0);
+
+    // A fenced event sent again with its dedupe id after its ack was lost
+    // (what `Elections::reissue` sends at a leader's election) is answered
+    // as a duplicate of the stored copy, not refused for the expected
+    // sequence it carries, stale by then: the R3 leader checks the id
+    // first, through either node.
+    let subject = conn.layout.event_subject("resent", "section");
+    let filter = conn.layout.job_events_filter("resent");
+    let copy = || {
+        async_nats::jetstream::message::PublishMessage::build()
+            .payload(r#"{"job_id":"resent","epoch":1,"type":"section"}"#.into())
+            .expected_last_subject_sequence(0)
+            .header(
+                "Nats-Expected-Last-Subject-Sequence-Subject",
+                filter.as_str(),
+            )
+            .message_id("resent-once")
+    };
+    let first = conn
+        .js
+        .send_publish(subject.clone(), copy())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(!first.duplicate);
+    for (via, js) in [("a follower", &stale.js), ("the leader", &fresh.js)] {
+        let again = js
+            .send_publish(subject.clone(), copy())
+            .await
+            .unwrap()
+            .await
+            .unwrap_or_else(|e| panic!("the copy sent via {via} was refused: {e}"));
+        assert!(again.duplicate, "via {via}: {again:?}");
+        assert_eq!(again.sequence, first.sequence, "via {via}");
+    }
 }
 
 /// A worker, a reaper and the CLI started while one node of three is down,

@@ -205,10 +205,10 @@ impl Events {
                 .await
                 .map_err(|e| StoreError::nats("publish event", e))
         };
-        let ack = match msg_id {
-            Some(_) => self.elections.reissue("publish an event", once).await?,
-            None => once().await?,
-        };
+        let ack = self
+            .elections
+            .reissue_if(msg_id.is_some(), "publish an event", once)
+            .await?;
         Ok(ack.sequence)
     }
 
@@ -593,15 +593,11 @@ impl Fence {
                     Err(e) => Err(e),
                 }
             };
-            let res = match msg_id {
-                Some(_) => {
-                    self.events
-                        .elections
-                        .reissue("publish a fenced event", once)
-                        .await
-                }
-                None => once().await,
-            };
+            let res = self
+                .events
+                .elections
+                .reissue_if(msg_id.is_some(), "publish a fenced event", once)
+                .await;
             match res {
                 Ok(ack) => {
                     self.last_seq = ack.sequence;

@@ -118,6 +118,27 @@ impl Elections {
         }
     }
 
+    /// [`Elections::reissue`] when `deduped` (a publish with a dedupe id:
+    /// a second copy is a duplicate, never a second message), else `op`
+    /// once: a publish without one would be stored twice.
+    pub async fn reissue_if<T, E, F, Fut>(
+        &self,
+        deduped: bool,
+        what: &str,
+        mut op: F,
+    ) -> Result<T, E>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: std::fmt::Display,
+    {
+        if deduped {
+            self.reissue(what, op).await
+        } else {
+            op().await
+        }
+    }
+
     /// Runs `op` (one request) and, when a leader is elected or the
     /// connection comes back while it waits, waits [`ANSWER_GRACE`] more
     /// for its answer and then runs it again, at most [`MAX_REISSUES`]
@@ -275,6 +296,28 @@ mod tests {
         assert_eq!(calls.load(SeqCst), 2);
         tx.send_modify(|s| s.all += 1);
         assert_eq!(run.await.unwrap(), Ok(2), "the third copy's answer");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_publish_without_a_dedupe_id_is_never_sent_twice() {
+        let (tx, rx) = watch::channel(Seen::default());
+        let e = Elections { rx };
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = calls.clone();
+        let run = tokio::spawn(async move {
+            e.reissue_if(false, "test", || {
+                let n = c.fetch_add(1, SeqCst);
+                async move {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    Ok::<_, String>(n)
+                }
+            })
+            .await
+        });
+        tokio::task::yield_now().await;
+        tx.send_modify(|s| s.all += 1);
+        assert_eq!(run.await.unwrap(), Ok(0), "the one copy's answer");
+        assert_eq!(calls.load(SeqCst), 1, "not asked again at the election");
     }
 
     #[tokio::test(start_paused = true)]

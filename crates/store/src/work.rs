@@ -311,11 +311,10 @@ impl Work {
                 .await
                 .map_err(|e| crate::publish_refused(&self.layout.work_stream(), "ticket", e))
         };
-        let ack = if deduped {
-            self.elections.reissue("publish a ticket", once).await?
-        } else {
-            once().await?
-        };
+        let ack = self
+            .elections
+            .reissue_if(deduped, "publish a ticket", once)
+            .await?;
         Ok(Published {
             seq: ack.sequence,
             duplicate: ack.duplicate,
