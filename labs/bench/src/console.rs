@@ -68,11 +68,20 @@ async fn ttfb(addr: &str, path: &str) -> anyhow::Result<(f64, String)> {
     Ok((ms, format!("H{}", head.lines().next().unwrap_or(""))))
 }
 
-async fn sample(addr: &str, path: &str, n: usize) -> anyhow::Result<Vec<f64>> {
+pub(crate) async fn sample(addr: &str, path: &str, n: usize) -> anyhow::Result<Vec<f64>> {
     let mut v = Vec::new();
     for _ in 0..n {
         let (ms, status) = ttfb(addr, path).await?;
-        anyhow::ensure!(status.contains(" 200"), "GET {path}: {status}");
+        if !status.contains(" 200") {
+            // What the console said, for the report.
+            let page = common::http_get_text(addr, path).await.unwrap_or_default();
+            let said = page
+                .split("<p class=\"error\">")
+                .nth(1)
+                .and_then(|t| t.split("</p>").next())
+                .unwrap_or(&page);
+            anyhow::bail!("GET {path}: {status}: {}", said.chars().take(500).collect::<String>());
+        }
         v.push(ms);
     }
     Ok(v)

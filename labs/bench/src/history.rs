@@ -72,17 +72,28 @@ pub(crate) async fn sleeping_side(
     live: usize,
 ) -> anyhow::Result<(Server, Conn, Proc, Proc)> {
     let (s, conn) = server(SetupOptions::default()).await?;
-    let url = s.url();
-    let reaper = reaper(&url, &reaper_env()).await?;
+    let (reaper, worker) = sleeping_on(&s.url(), &conn, worker_id, live).await?;
+    Ok((s, conn, reaper, worker))
+}
+
+/// On the server (or cluster) at `url`: a reaper ([`reaper_env`]) and a
+/// worker `worker_id` running `live` sleep jobs of an hour (indexed).
+pub(crate) async fn sleeping_on(
+    url: &str,
+    conn: &Conn,
+    worker_id: &str,
+    live: usize,
+) -> anyhow::Result<(Proc, Proc)> {
+    let reaper = reaper(url, &reaper_env()).await?;
     let worker = worker(
-        &url,
+        url,
         &[
             ("LH_WORKER_ID", worker_id.into()),
             ("LH_KINDS", "sleep".into()),
         ],
     );
-    wait_session(&conn, worker_id).await?;
-    let work = Work::new(&conn);
+    wait_session(conn, worker_id).await?;
+    let work = Work::new(conn);
     for i in 0..live {
         work.submit(
             "sleep",
@@ -93,9 +104,9 @@ pub(crate) async fn sleeping_side(
         .await?;
     }
     for i in 0..live {
-        wait_indexed(&conn, &format!("live-{i}")).await?;
+        wait_indexed(conn, &format!("live-{i}")).await?;
     }
-    Ok((s, conn, reaper, worker))
+    Ok((reaper, worker))
 }
 
 /// Two servers side by side, one empty and one with the history, measured
@@ -280,11 +291,11 @@ pub(crate) fn med(v: &[f64]) -> Value {
 /// A worker with a stable identity, started, then stopped with SIGTERM:
 /// ms from the spawn to its session key, and to its `worker starting` line.
 async fn start(side: &Side) -> anyhow::Result<(f64, f64)> {
-    start_worker(&side.s, &side.conn).await
+    start_worker(&side.s.url(), &side.conn).await
 }
 
 /// [`start`] against server `s` (connected as `conn`).
-pub(crate) async fn start_worker(s: &Server, conn: &Conn) -> anyhow::Result<(f64, f64)> {
+pub(crate) async fn start_worker(url: &str, conn: &Conn) -> anyhow::Result<(f64, f64)> {
     let sessions = leasehold_store::sessions::Sessions::open(conn).await?;
     let mut w = sessions.kv().watch("hist-start").await?;
     let t0 = Instant::now();
@@ -292,7 +303,7 @@ pub(crate) async fn start_worker(s: &Server, conn: &Conn) -> anyhow::Result<(f64
         "leasehold-worker",
         &["--worker-id", "hist-start"],
         &worker_env(
-            &s.url(),
+            url,
             &[("LH_KINDS", "sleep".into()), ("RUST_LOG", "info".into())],
         ),
     );
