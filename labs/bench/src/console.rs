@@ -80,7 +80,10 @@ pub(crate) async fn sample(addr: &str, path: &str, n: usize) -> anyhow::Result<V
                 .nth(1)
                 .and_then(|t| t.split("</p>").next())
                 .unwrap_or(&page);
-            anyhow::bail!("GET {path}: {status}: {}", said.chars().take(500).collect::<String>());
+            anyhow::bail!(
+                "GET {path}: {status}: {}",
+                said.chars().take(500).collect::<String>()
+            );
         }
         v.push(ms);
     }

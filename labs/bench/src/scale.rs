@@ -105,10 +105,7 @@ pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
     let large = Side::start("large").await?;
     let seeded_small = seed_with_late(&small.conn, "act", SMALL, Duration::from_secs(600)).await?;
     let seeded = seed_with_late(&large.conn, "act", o.active.max(SMALL), o.seed_budget).await?;
-    let want = [
-        SMALL + LATE + LIVE,
-        seeded_jobs(&seeded) + LATE + LIVE,
-    ];
+    let want = [SMALL + LATE + LIVE, seeded_jobs(&seeded) + LATE + LIVE];
     let out = measure(&[&small, &large], &want, o).await?;
     let mut v = compare(&out[0], &out[1]);
     v["method"] = json!("two servers side by side, each with a reaper (--interval 1s) and a worker running 5 sleep jobs; the large one also holds the seeded active jobs (half queued in backoff, half waiting on a timer, each created as it was written), the small one 1,000; 2.5 s later 40 more on both; sweeps over the same seconds on both, CLI runs and starts alternated; then a console on each, one after the other; list_reads: what one list read of the index, window by window");
@@ -390,7 +387,11 @@ async fn reaper_start(url: &str, jobs: usize) -> anyhow::Result<(f64, f64)> {
     let mut p = Proc::spawn(
         "leasehold-reaper",
         &[],
-        &[[("NATS_URL", url.to_string())].as_slice(), reaper_env().as_slice()].concat(),
+        &[
+            [("NATS_URL", url.to_string())].as_slice(),
+            reaper_env().as_slice(),
+        ]
+        .concat(),
     );
     let deadline = t0 + Duration::from_secs(300);
     let took = loop {
