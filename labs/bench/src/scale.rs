@@ -301,7 +301,7 @@ fn compare(a: &Value, b: &Value) -> Value {
     let plain = |k: &str| {
         let (x, y) = (f64_of(&a[k]), f64_of(&b[k]));
         // Not measured (the cluster's nodes have no monitoring port): no verdict.
-        let met = (x.is_finite() && y.is_finite()).then(|| y <= TARGET_RATIO * x);
+        let met = (x.is_finite() && y.is_finite()).then_some(y <= TARGET_RATIO * x);
         json!({"small": x, "large": y, "ratio": y / x, "target": format!("<= {TARGET_RATIO}x"), "met": met})
     };
     let sweep_large = f64_of(&b["sweep_ms"]["median"]);
