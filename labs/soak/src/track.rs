@@ -61,6 +61,15 @@ impl Tracker {
         t
     }
 
+    /// Whether the live view has `job` ended for good (a terminal status).
+    pub fn ended(&self, job: &str) -> bool {
+        self.recs.lock().unwrap().get(job).is_some_and(|r| {
+            r.status
+                .parse::<leasehold_core::Status>()
+                .is_ok_and(|s| s.is_terminal())
+        })
+    }
+
     /// Jobs running now (on `worker`, if given): the view's candidates,
     /// each read again (bounded to a few seconds in all).
     pub async fn running(&self, worker: Option<&str>) -> Vec<Affected> {
