@@ -240,9 +240,6 @@ pub fn is_wrong_last_sequence(err: &(dyn std::error::Error + 'static)) -> bool {
     )
 }
 
-/// Whether a KV message's headers mark its key removed: a delete or purge
-/// (`KV-Operation`), or a marker the server wrote (`Nats-Marker-Reason`: a
-/// per-message TTL ran out, a purge left a marker).
 /// The value under `key` of `kv` and its revision, as the bucket's stream
 /// leader has it (`None`: no value, or a removal marker). A direct get may
 /// be answered by any replica: one still catching up after a restart, or
@@ -262,6 +259,9 @@ pub(crate) async fn from_leader(
     }
 }
 
+/// Whether a KV message's headers mark its key removed: a delete or purge
+/// (`KV-Operation`), or a marker the server wrote (`Nats-Marker-Reason`: a
+/// per-message TTL ran out, a purge left a marker).
 pub(crate) fn is_removal(h: &async_nats::HeaderMap) -> bool {
     h.get("Nats-Marker-Reason").is_some()
         || h.get("KV-Operation")
