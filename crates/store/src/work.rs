@@ -202,16 +202,6 @@ impl Work {
         Ok(out)
     }
 
-    /// The ack wait of one kind's consumer ([`first_redelivery`]).
-    pub async fn ack_wait(&self, kind: &str) -> Result<Duration, StoreError> {
-        let mut c = self.consumer(kind).await?;
-        let info = c
-            .info()
-            .await
-            .map_err(|e| StoreError::nats("consumer info", e))?;
-        Ok(first_redelivery(&info.config))
-    }
-
     /// Publishes a submission as a client would.
     pub async fn submit(
         &self,
