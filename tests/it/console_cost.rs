@@ -311,6 +311,142 @@ async fn console_record_cache_stays_within_its_byte_bound_and_shows_evicted_jobs
     assert!(r.text().await.unwrap().contains("big-00"));
 }
 
+/// The ids of the active jobs' rows of a jobs page, in their order.
+fn active_ids(page: &str) -> Vec<String> {
+    let table = page
+        .split("<tbody id=\"active\"")
+        .nth(1)
+        .and_then(|s| s.split("</tbody>").next())
+        .unwrap_or_else(|| panic!("no active table in {page}"));
+    table
+        .split("data-id=\"")
+        .skip(1)
+        .filter_map(|s| s.split('"').next())
+        .map(String::from)
+        .collect()
+}
+
+/// Issue 34: a console that keeps no view of the index of active jobs
+/// (`--index-view off`, the path a console also takes while its view
+/// loads: seconds at a million active jobs) reads a jobs page from the
+/// index's end, never the whole index. It shows the rows a console with
+/// its view shows, in the same order, for a first page, a later page and
+/// a filter; it says "N+ matching" when the read stopped before the
+/// index's start, the exact count otherwise, and why on the page; the
+/// fleet page marks the counts it does not know; and a bulk cancel still
+/// finds every job it matches.
+#[tokio::test]
+async fn console_without_its_index_view_pages_from_the_index_end_and_counts_at_least() {
+    let env = Fleet::start().await;
+    for i in 0..30 {
+        env.seed_record(&record(&format!("q-{i:02}"), "queued"))
+            .await;
+    }
+    for i in 0..5 {
+        env.seed_record(&record(&format!("r-{i}"), "running")).await;
+    }
+    let off = spawn_console(&env, &[("LH_CONSOLE_INDEX_VIEW", "off".into())]).await;
+    let on = spawn_console(&env, &[]).await;
+    let c = http();
+    let get = |base: &str, q: &str| {
+        let c = c.clone();
+        let url = format!("{base}/jobs?{q}");
+        async move { c.get(url).send().await.unwrap().text().await.unwrap() }
+    };
+    // The console with its view counts them all once its view is loaded.
+    page_until(
+        &c,
+        &format!("{}/jobs?limit=50", on.base),
+        Duration::from_secs(20),
+        "the console's view never counted the 35 jobs",
+        |p| p.contains("35 matching</small>"),
+    )
+    .await;
+    for (q, off_count) in [
+        ("status=queued&limit=10", "11+ matching"),
+        ("status=queued&limit=10&offset=20", "30 matching"),
+        ("limit=50", "35 matching"),
+        ("kind=echo&prefix=r-&limit=3", "4+ matching"),
+    ] {
+        let (a, b) = (get(&off.base, q).await, get(&on.base, q).await);
+        assert!(
+            a.contains(&format!(">{off_count}</small>")),
+            "{q}: the console without its view should say {off_count}: {a}"
+        );
+        assert!(
+            a.contains("id=\"index-view\"") && a.contains("--index-view off"),
+            "{q}: the page does not say why its count is partial: {a}"
+        );
+        assert!(!b.contains("id=\"index-view\""), "{q}: {b}");
+        let rows = active_ids(&a);
+        assert!(!rows.is_empty(), "{q}: {a}");
+        assert_eq!(
+            rows,
+            active_ids(&b),
+            "{q}: the two consoles list different rows"
+        );
+    }
+    assert_eq!(
+        active_ids(&get(&off.base, "status=queued&limit=10&offset=20").await).len(),
+        10
+    );
+    let fleet = c
+        .get(format!("{}/fleet", off.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let notice = fleet
+        .split("id=\"index-view\">")
+        .nth(1)
+        .and_then(|s| s.split("</p>").next())
+        .expect("the fleet page without the view says its counts are not known");
+    assert!(
+        notice.contains("--index-view off") && notice.contains("not known"),
+        "{notice}"
+    );
+    // A bulk cancel of q-10..q-19 without the view: all ten, no other.
+    let confirm = c
+        .get(format!(
+            "{}/confirm?action=bulk-cancel&prefix=q-1",
+            off.base
+        ))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        confirm.contains("<b>10</b> active job(s) match"),
+        "{confirm}"
+    );
+    let csrf = confirm
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .unwrap()
+        .to_string();
+    let r = c
+        .post(format!("{}/actions/bulk-cancel", off.base))
+        .header("Origin", &off.base)
+        .form(&[("prefix", "q-1"), ("csrf", &csrf)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 303);
+    for i in 10..20 {
+        env.wait_status(&format!("q-{i}"), "cancelled", Duration::from_secs(30))
+            .await;
+    }
+    for id in ["q-09", "q-20", "r-0"] {
+        let r = env.record(id).await.unwrap();
+        assert_ne!(r.status, "cancelled", "{id} was not matched");
+    }
+}
+
 /// Sends one request, reads the answer's head (or `None` if none came
 /// within `wait`), and closes the connection: a browser that went away.
 async fn post_and_leave(base: &str, path: &str, form: &str, wait: Duration) -> Option<String> {

@@ -87,7 +87,15 @@ impl App {
         let events = Events::new(&conn);
         let metrics = ConsoleMetrics::default();
         let cache = RecordCache::new(args.record_cache_bytes, args.record_cache_records);
-        let feed = Feed::start(&jobs, &events, &active, cache, metrics.clone()).await?;
+        let feed = Feed::start(
+            &jobs,
+            &events,
+            &active,
+            cache,
+            metrics.clone(),
+            args.index_view,
+        )
+        .await?;
         let mut secrets: Vec<String> = [
             args.read_token.clone(),
             args.operator_token.clone(),

@@ -138,12 +138,14 @@ pub struct Gauges {
     /// (`kind` for the default lane, else `kind/tenant/priority`).
     pub queue_by_kind: BTreeMap<String, u64>,
     pub queue_by_lane: BTreeMap<String, u64>,
-    /// Index entries per status (every kind).
-    pub index_by_status: BTreeMap<String, u64>,
+    /// Index entries per status (every kind); `None`: not known (the
+    /// console keeps no view of the index, or its view is loading).
+    pub index_by_status: Option<BTreeMap<String, u64>>,
     /// Live worker sessions, their slots, and jobs running on them.
     pub workers: u64,
     pub slots_total: u64,
-    pub slots_in_use: u64,
+    /// `None`: not known, as `index_by_status`.
+    pub slots_in_use: Option<u64>,
     /// Provider keys cooling down now (after a 429 or a quota error):
     /// seconds left.
     pub cooling: BTreeMap<String, u64>,

@@ -92,10 +92,11 @@ impl Columns<'_> {
     }
 
     /// Per column: the last sampled gauge `f` reads.
-    fn gauge(&self, f: impl Fn(&crate::charts::Gauges) -> f64) -> Vec<Option<f64>> {
+    /// A gauge the sampler could not know (`None`) leaves no point.
+    fn gauge(&self, f: impl Fn(&crate::charts::Gauges) -> Option<f64>) -> Vec<Option<f64>> {
         self.cols
             .iter()
-            .map(|c| c.iter().rev().find_map(|s| s.gauges.as_ref().map(&f)))
+            .map(|c| c.iter().rev().find_map(|s| s.gauges.as_ref().and_then(&f)))
             .collect()
     }
 
@@ -398,9 +399,13 @@ pub fn render(ring: &Ring, now: SystemTime) -> String {
         Unit::Count,
         &c,
         &[
-            series("workers", 0, c.gauge(|g| g.workers as f64)),
-            series("slots in use", 2, c.gauge(|g| g.slots_in_use as f64)),
-            series("slots", 5, c.gauge(|g| g.slots_total as f64)),
+            series("workers", 0, c.gauge(|g| Some(g.workers as f64))),
+            series(
+                "slots in use",
+                2,
+                c.gauge(|g| g.slots_in_use.map(|n| n as f64)),
+            ),
+            series("slots", 5, c.gauge(|g| Some(g.slots_total as f64))),
         ],
     ));
     b.push_str(&tables(ring));
@@ -412,12 +417,16 @@ pub fn render(ring: &Ring, now: SystemTime) -> String {
 fn tables(ring: &Ring) -> String {
     let g = ring.samples().rev().find_map(|s| s.gauges.as_ref());
     let mut b = String::from("<div class=\"fc-tables\">");
-    let table = |b: &mut String, head: &str, unit: &str, m: Option<&BTreeMap<String, u64>>| {
+    // `Err`: the sampler could not know.
+    let table = |b: &mut String,
+                 head: &str,
+                 unit: &str,
+                 m: Result<Option<&BTreeMap<String, u64>>, ()>| {
         let _ = write!(b, "<table class=\"fc-table\"><thead><tr><th>{head}</th><th>{unit}</th></tr></thead><tbody>");
-        let m = m.filter(|m| !m.is_empty());
-        match m {
-            None => b.push_str("<tr><td colspan=\"2\">none</td></tr>"),
-            Some(m) => {
+        match m.map(|m| m.filter(|m| !m.is_empty())) {
+            Err(()) => b.push_str("<tr><td colspan=\"2\">not known</td></tr>"),
+            Ok(None) => b.push_str("<tr><td colspan=\"2\">none</td></tr>"),
+            Ok(Some(m)) => {
                 for (k, n) in m {
                     let _ = write!(b, "<tr><td>{}</td><td>{n}</td></tr>", esc(k));
                 }
@@ -429,19 +438,22 @@ fn tables(ring: &Ring) -> String {
         &mut b,
         "lane (kind/tenant/priority)",
         "tickets",
-        g.map(|g| &g.queue_by_lane),
+        Ok(g.map(|g| &g.queue_by_lane)),
     );
     table(
         &mut b,
         "index status",
         "jobs",
-        g.map(|g| &g.index_by_status),
+        match g {
+            Some(g) => g.index_by_status.as_ref().map(Some).ok_or(()),
+            None => Ok(None),
+        },
     );
     table(
         &mut b,
         "provider key cooling",
         "seconds left",
-        g.map(|g| &g.cooling),
+        Ok(g.map(|g| &g.cooling)),
     );
     b.push_str("</div>");
     b
@@ -489,7 +501,7 @@ mod tests {
                 queue_by_kind: [("echo".to_string(), 3)].into(),
                 workers: 2,
                 slots_total: 8,
-                slots_in_use: 1,
+                slots_in_use: Some(1),
                 ..Default::default()
             });
         }
@@ -508,7 +520,7 @@ mod tests {
             sums[..55].iter().all(|v| *v == Some(0.0)),
             "nothing before: {sums:?}"
         );
-        let g = c.gauge(|g| g.workers as f64);
+        let g = c.gauge(|g| Some(g.workers as f64));
         assert!(
             g[..55].iter().all(Option::is_none),
             "no gauge before the first sample"
@@ -516,6 +528,26 @@ mod tests {
         assert_eq!(g[59], Some(2.0));
         let total: f64 = sums.iter().flatten().sum();
         assert_eq!(total, (0..30).sum::<u64>() as f64);
+    }
+
+    #[test]
+    fn counts_the_sampler_could_not_know_are_said_so_not_drawn_as_zero() {
+        let (mut r, now) = ring();
+        r.at(now).unwrap().gauges = Some(Gauges {
+            workers: 2,
+            slots_total: 8,
+            slots_in_use: None,
+            index_by_status: None,
+            ..Default::default()
+        });
+        let c = columns(&r, now);
+        let used = c.gauge(|g| g.slots_in_use.map(|n| n as f64));
+        assert_eq!(used[59], Some(1.0), "the last known value, not 0");
+        let out = render(&r, now);
+        assert!(
+            out.contains("<th>index status</th><th>jobs</th></tr></thead><tbody><tr><td colspan=\"2\">not known</td>"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! hour ago and then live), kept in memory for the recent-jobs table.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -38,24 +38,6 @@ pub struct Counts {
     pub by_kind: BTreeMap<String, BTreeMap<String, u64>>,
 }
 
-/// Counts `entries` (the index's).
-pub fn count<'a>(entries: impl Iterator<Item = &'a Entry>) -> Counts {
-    let mut c = Counts::default();
-    for e in entries {
-        if e.status == "running" {
-            if let Some(w) = &e.worker_id {
-                *c.in_flight.entry(w.clone()).or_default() += 1;
-            }
-        }
-        *c.by_kind
-            .entry(e.kind.clone())
-            .or_default()
-            .entry(e.status.clone())
-            .or_default() += 1;
-    }
-    c
-}
-
 /// The outcomes the console counts as a job's end.
 pub const TERMINAL: &[&str] = &["completed", "failed", "cancelled", "dead", "rejected"];
 
@@ -72,63 +54,124 @@ pub struct Finished {
     pub at: SystemTime,
 }
 
+/// What the view keeps of an index entry: what pages filter on and the
+/// counts count. A page reads the records of the rows it shows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub kind: Arc<str>,
+    pub status: Arc<str>,
+    pub worker: Option<Arc<str>>,
+}
+
+/// Where a key's row is in the order: its job's creation (newest first),
+/// the job, the key. The strings are shared with the maps that name them.
+type Place = (Reverse<Arc<str>>, Arc<str>, Arc<str>);
+
 /// The index of active jobs as the watch has it, kept in the order pages
 /// show it (newest job first), so a page reads only the entries it shows:
-/// no copy, filter or sort of the whole index per request.
+/// no copy, filter or sort of the whole index per request. What it keeps
+/// of each entry is small ([`Row`]): a key, a job id and a creation time,
+/// each stored once, and kinds and statuses shared by every row that
+/// names them.
 #[derive(Debug, Default)]
 pub struct IndexView {
     /// Key -> its place in `order`.
-    places: HashMap<String, (Reverse<String>, String, String)>,
-    /// (created_at newest first, job, key) -> entry.
-    order: BTreeMap<(Reverse<String>, String, String), Entry>,
+    places: HashMap<Arc<str>, Place>,
+    order: BTreeMap<Place, Row>,
     /// Distinct jobs -> how many keys each has (a job may have two while
     /// it moves from waiting to running).
-    jobs: HashMap<String, u32>,
+    jobs: HashMap<Arc<str>, u32>,
+    /// Kinds and statuses, one copy each.
+    names: HashSet<Arc<str>>,
     /// What [`count`] would count of `order`, kept as entries come and
     /// go: the fleet's charts read it every sample without a pass over
     /// the index.
     tally: Counts,
 }
 
-/// Adds (`up`) or takes away one entry's share of `c`; a count that
+/// Counts rows (with their jobs' ids: unused, kept for the order's shape).
+#[cfg(test)]
+fn count<'a>(rows: impl Iterator<Item = &'a Row>) -> Counts {
+    let mut c = Counts::default();
+    for r in rows {
+        tally(&mut c, r, true);
+    }
+    c
+}
+
+/// Adds (`up`) or takes away one row's share of `c`; a count that
 /// reaches zero goes, so the maps hold only kinds and workers there are.
-fn tally(c: &mut Counts, e: &Entry, up: bool) {
-    fn step(m: &mut BTreeMap<String, u64>, k: &str, up: bool) {
+fn tally(c: &mut Counts, r: &Row, up: bool) {
+    /// One more or one fewer under `k`; none left, no key.
+    fn step<N>(m: &mut BTreeMap<String, N>, k: &str, up: bool)
+    where
+        N: Copy
+            + Default
+            + PartialEq
+            + From<u8>
+            + std::ops::Add<Output = N>
+            + std::ops::Sub<Output = N>,
+    {
+        let (zero, one) = (N::default(), N::from(1));
         if up {
-            *m.entry(k.to_string()).or_default() += 1;
+            match m.get_mut(k) {
+                Some(n) => *n = *n + one,
+                None => {
+                    m.insert(k.to_string(), one);
+                }
+            }
         } else if let Some(n) = m.get_mut(k) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
+            if *n != zero {
+                *n = *n - one;
+            }
+            if *n == zero {
                 m.remove(k);
             }
         }
     }
-    if e.status == "running" {
-        if let Some(w) = &e.worker_id {
-            if up {
-                *c.in_flight.entry(w.clone()).or_default() += 1;
-            } else if let Some(n) = c.in_flight.get_mut(w) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    c.in_flight.remove(w);
-                }
-            }
+    if &*r.status == "running" {
+        if let Some(w) = &r.worker {
+            step(&mut c.in_flight, w, up);
         }
     }
-    let kind = c.by_kind.entry(e.kind.clone()).or_default();
-    step(kind, &e.status, up);
-    if kind.is_empty() {
-        c.by_kind.remove(&e.kind);
+    if !c.by_kind.contains_key(&*r.kind) {
+        c.by_kind.insert(r.kind.to_string(), BTreeMap::new());
+    }
+    if let Some(kind) = c.by_kind.get_mut(&*r.kind) {
+        step(kind, &r.status, up);
+        if kind.is_empty() {
+            c.by_kind.remove(&*r.kind);
+        }
     }
 }
 
 impl IndexView {
-    pub fn insert(&mut self, key: String, e: Entry) {
-        self.remove(&key);
-        let place = (Reverse(e.created_at.clone()), e.job.clone(), key.clone());
-        *self.jobs.entry(e.job.clone()).or_insert(0) += 1;
-        tally(&mut self.tally, &e, true);
-        self.order.insert(place.clone(), e);
+    /// The one shared copy of a kind or a status.
+    fn name(&mut self, s: &str) -> Arc<str> {
+        if let Some(n) = self.names.get(s) {
+            return n.clone();
+        }
+        let n: Arc<str> = s.into();
+        self.names.insert(n.clone());
+        n
+    }
+
+    pub fn insert(&mut self, key: &str, e: Entry) {
+        self.remove(key);
+        let row = Row {
+            kind: self.name(&e.kind),
+            status: self.name(&e.status),
+            worker: e.worker_id.map(Arc::from),
+        };
+        let key: Arc<str> = key.into();
+        let job = match self.jobs.get_key_value(e.job.as_str()) {
+            Some((j, _)) => j.clone(),
+            None => Arc::from(e.job),
+        };
+        *self.jobs.entry(job.clone()).or_insert(0) += 1;
+        tally(&mut self.tally, &row, true);
+        let place = (Reverse(Arc::from(e.created_at)), job, key.clone());
+        self.order.insert(place.clone(), row);
         self.places.insert(key, place);
     }
 
@@ -136,8 +179,8 @@ impl IndexView {
         let Some(place) = self.places.remove(key) else {
             return;
         };
-        if let Some(e) = self.order.remove(&place) {
-            tally(&mut self.tally, &e, false);
+        if let Some(r) = self.order.remove(&place) {
+            tally(&mut self.tally, &r, false);
         }
         if let Some(n) = self.jobs.get_mut(&place.1) {
             *n -= 1;
@@ -152,23 +195,38 @@ impl IndexView {
         self.places.len()
     }
 
-    /// Every entry, newest job first.
-    pub fn values(&self) -> impl Iterator<Item = &Entry> {
-        self.order.values()
+    /// Every row with its job, newest job first.
+    pub fn rows(&self) -> impl Iterator<Item = (&Arc<str>, &Row)> {
+        self.order.iter().map(|((_, job, _), r)| (job, r))
     }
 
-    /// What [`count`] counts of the entries, without a pass over them.
+    /// What [`count`] counts of the rows, without a pass over them.
     pub fn counts(&self) -> Counts {
         self.tally.clone()
     }
 }
 
+/// Where the console's view of the index is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViewState {
+    /// Not kept (`--index-view off`): pages read the index's end, and the
+    /// counts are not known.
+    Off,
+    /// The watch is delivering the index: `read` entries so far, about
+    /// `left` to go (none known yet: 0).
+    Loading { read: u64, left: u64 },
+    /// Whole and following every change.
+    Live,
+}
+
 pub struct Feed {
     pub records: broadcast::Sender<Arc<JobRecord>>,
     pub finished: Arc<Mutex<VecDeque<Finished>>>,
-    /// The index of active jobs as its KV watch has it (key -> entry);
-    /// `None` until the watch delivered the current entries.
+    /// The index of active jobs as its KV watch has it; `None` until the
+    /// watch delivered the current entries, and always with the view off.
     pub index: Arc<std::sync::RwLock<Option<IndexView>>>,
+    /// How far the view is.
+    state: Arc<Mutex<ViewState>>,
     /// Records of active jobs (and of finished ones read for a page), kept
     /// current by the record watch, bounded by bytes and count.
     pub cache: Arc<Mutex<RecordCache>>,
@@ -182,19 +240,28 @@ impl Feed {
         active: &Active,
         cache: RecordCache,
         metrics: ConsoleMetrics,
+        view: bool,
     ) -> anyhow::Result<Feed> {
         let (tx, _) = broadcast::channel(4096);
         let finished = Arc::new(Mutex::new(VecDeque::new()));
         let index: Arc<std::sync::RwLock<Option<IndexView>>> = Default::default();
         let cache = Arc::new(Mutex::new(cache));
+        let state = Arc::new(Mutex::new(if view {
+            ViewState::Loading { read: 0, left: 0 }
+        } else {
+            ViewState::Off
+        }));
         let f = Feed {
             records: tx.clone(),
             finished: finished.clone(),
             index: index.clone(),
+            state: state.clone(),
             cache: cache.clone(),
             metrics: metrics.clone(),
         };
-        tokio::spawn(follow_index(active.kv().clone(), index.clone()));
+        if view {
+            tokio::spawn(follow_index(active.kv().clone(), index.clone(), state));
+        }
         tokio::spawn(follow_records(
             jobs.clone(),
             cache.clone(),
@@ -205,36 +272,47 @@ impl Feed {
         Ok(f)
     }
 
-    /// The index's entries (as `Active::list(Filter::All)` returns them),
-    /// when the watch has them.
-    pub fn entries(&self) -> Option<Vec<Entry>> {
-        let g = self.index.read().expect("index lock");
-        g.as_ref().map(|m| m.values().cloned().collect())
+    /// How far the view of the index is.
+    pub fn view_state(&self) -> ViewState {
+        *self.state.lock().expect("view state lock")
     }
 
-    /// One page of the index's entries that `keep` admits, newest first
-    /// (one per job), and how many there are; only the page is copied.
-    /// `unfiltered` (`keep` admits every entry) stops at the page's end: the
+    /// The jobs whose rows `keep` admits, newest first (each once), when
+    /// the view has the index.
+    pub fn matching(&self, keep: impl Fn(&str, &Row) -> bool) -> Option<Vec<Arc<str>>> {
+        let g = self.index.read().expect("index lock");
+        let mut out: Vec<Arc<str>> = Vec::new();
+        for (job, r) in g.as_ref()?.rows() {
+            if out.last() != Some(job) && keep(job, r) {
+                out.push(job.clone());
+            }
+        }
+        Some(out)
+    }
+
+    /// One page of the jobs whose rows `keep` admits, newest first (each
+    /// once), and how many there are; only the page is copied.
+    /// `unfiltered` (`keep` admits every row) stops at the page's end: the
     /// count is the index's own.
     pub fn page(
         &self,
-        keep: impl Fn(&Entry) -> bool,
+        keep: impl Fn(&str, &Row) -> bool,
         unfiltered: bool,
         offset: usize,
         limit: usize,
-    ) -> Option<(Vec<Entry>, usize)> {
+    ) -> Option<(Vec<Arc<str>>, usize)> {
         let g = self.index.read().expect("index lock");
         let m = g.as_ref()?;
         let mut out = Vec::with_capacity(limit.min(m.keys()));
         let (mut n, mut last): (usize, Option<&str>) = (0, None);
-        for ((_, job, _), e) in &m.order {
+        for (job, r) in m.rows() {
             // A job's keys are next to each other (same created_at and job).
-            if last == Some(job.as_str()) || !keep(e) {
+            if last == Some(&**job) || !keep(job, r) {
                 continue;
             }
-            last = Some(job.as_str());
+            last = Some(job);
             if n >= offset && out.len() < limit {
-                out.push(e.clone());
+                out.push(job.clone());
             }
             n += 1;
             if unfiltered && out.len() == limit {
@@ -287,13 +365,21 @@ impl Feed {
     }
 }
 
+/// How often (in entries) the load's progress is told while the watch
+/// delivers the index.
+const PROGRESS_EVERY: u64 = 4096;
+
 /// Keeps `idx` the index of active jobs as its KV watch has it (`None`
-/// while the watch is down: pages read the index itself then).
+/// while the watch is down or still delivering: pages read the index's
+/// end then), and `state` how far it is.
 async fn follow_index(
     kv: async_nats::jetstream::kv::Store,
     idx: Arc<std::sync::RwLock<Option<IndexView>>>,
+    state: Arc<Mutex<ViewState>>,
 ) {
+    let tell = |s: ViewState| *state.lock().expect("view state lock") = s;
     loop {
+        tell(ViewState::Loading { read: 0, left: 0 });
         // An empty bucket delivers nothing to wait for.
         let empty = match kv.status().await {
             Ok(st) => st.values() == 0,
@@ -301,46 +387,51 @@ async fn follow_index(
         };
         if empty {
             *idx.write().expect("index lock") = Some(IndexView::default());
+            tell(ViewState::Live);
         }
         match kv.watch_with_history(">").await {
             Ok(mut w) => {
                 let mut map = IndexView::default();
                 let mut live = empty;
+                let mut read = 0u64;
                 while let Some(e) = w.next().await {
                     let Ok(e) = e else { break };
-                    if Key::parse(&e.key).is_none() {
-                        if !live && e.delta == 0 {
-                            *idx.write().expect("index lock") = Some(std::mem::take(&mut map));
-                            live = true;
-                        }
-                        continue;
-                    }
-                    let put = e.operation == async_nats::jetstream::kv::Operation::Put;
-                    let entry = put
-                        .then(|| serde_json::from_slice::<Entry>(&e.value).ok())
-                        .flatten();
+                    read += 1;
+                    let entry = Key::parse(&e.key).map(|_| {
+                        (e.operation == async_nats::jetstream::kv::Operation::Put)
+                            .then(|| serde_json::from_slice::<Entry>(&e.value).ok())
+                            .flatten()
+                    });
                     if live {
                         let mut g = idx.write().expect("index lock");
                         let m = g.get_or_insert_with(IndexView::default);
                         match entry {
-                            Some(en) => m.insert(e.key.clone(), en),
-                            None => m.remove(&e.key),
+                            Some(Some(en)) => m.insert(&e.key, en),
+                            Some(None) => m.remove(&e.key),
+                            None => {}
                         };
-                    } else {
-                        match entry {
-                            Some(en) => map.insert(e.key.clone(), en),
-                            None => map.remove(&e.key),
-                        };
-                        if e.delta == 0 {
-                            *idx.write().expect("index lock") = Some(std::mem::take(&mut map));
-                            live = true;
-                        }
+                        continue;
+                    }
+                    match entry {
+                        Some(Some(en)) => map.insert(&e.key, en),
+                        Some(None) => map.remove(&e.key),
+                        None => {}
+                    };
+                    if e.delta == 0 {
+                        *idx.write().expect("index lock") = Some(std::mem::take(&mut map));
+                        tell(ViewState::Live);
+                        live = true;
+                    } else if read % PROGRESS_EVERY == 1 {
+                        tell(ViewState::Loading {
+                            read,
+                            left: e.delta,
+                        });
                     }
                 }
             }
             Err(e) => tracing::warn!(error = %e, "index watch failed; again in 1s"),
         }
-        // Until the watch is back, pages read the index itself.
+        // Until the watch is back, pages read the index's end.
         *idx.write().expect("index lock") = None;
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -447,18 +538,42 @@ mod tests {
     #[test]
     fn the_kept_counts_are_what_a_pass_over_the_index_counts() {
         let mut v = IndexView::default();
-        v.insert("a.q".into(), entry("a", "echo", "queued", None));
-        v.insert("b.r".into(), entry("b", "echo", "running", Some("w1")));
-        v.insert("c.r".into(), entry("c", "sleep", "running", Some("w1")));
+        v.insert("a.q", entry("a", "echo", "queued", None));
+        v.insert("b.r", entry("b", "echo", "running", Some("w1")));
+        v.insert("c.r", entry("c", "sleep", "running", Some("w1")));
         // A key written again replaces its entry's share.
-        v.insert("a.q".into(), entry("a", "echo", "running", Some("w2")));
-        assert_eq!(v.counts(), count(v.values()));
+        v.insert("a.q", entry("a", "echo", "running", Some("w2")));
+        assert_eq!(v.counts(), count(v.rows().map(|(_, r)| r)));
         assert_eq!(v.counts().in_flight.get("w1"), Some(&2));
         v.remove("c.r");
         v.remove("b.r");
         v.remove("nothing");
-        assert_eq!(v.counts(), count(v.values()));
+        assert_eq!(v.counts(), count(v.rows().map(|(_, r)| r)));
         assert!(!v.counts().by_kind.contains_key("sleep"));
         assert!(!v.counts().in_flight.contains_key("w1"));
+    }
+
+    #[test]
+    fn rows_come_newest_job_first_with_a_jobs_keys_side_by_side_and_names_shared() {
+        let mut v = IndexView::default();
+        let at = |job: &str, created: &str, status: &str| Entry {
+            created_at: created.into(),
+            ..entry(job, "echo", status, None)
+        };
+        v.insert("wait.old", at("old", "2026-01-01T00:00:01Z", "queued"));
+        v.insert("wait.new", at("new", "2026-01-01T00:00:09Z", "queued"));
+        v.insert("run.w.new", at("new", "2026-01-01T00:00:09Z", "running"));
+        v.insert("wait.mid", at("mid", "2026-01-01T00:00:05Z", "queued"));
+        let jobs: Vec<&str> = v.rows().map(|(j, _)| &**j).collect();
+        assert_eq!(jobs, ["new", "new", "mid", "old"]);
+        assert_eq!((v.keys(), v.jobs.len()), (4, 3));
+        // One copy of each kind and status, whatever the rows.
+        let kinds: Vec<_> = v.rows().map(|(_, r)| r.kind.clone()).collect();
+        assert!(kinds.windows(2).all(|w| Arc::ptr_eq(&w[0], &w[1])));
+        assert_eq!(v.names.len(), 3, "echo, queued, running");
+        v.remove("wait.new");
+        assert_eq!((v.keys(), v.jobs.len()), (3, 3));
+        v.remove("run.w.new");
+        assert_eq!((v.keys(), v.jobs.len()), (2, 2));
     }
 }

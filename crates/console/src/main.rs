@@ -143,6 +143,22 @@ pub struct Args {
     /// request reads the job's events from the start).
     #[arg(long, env = "LH_CONSOLE_WATERFALL_CACHE_BYTES", default_value = "32MiB", value_parser = parse_bytes)]
     pub waterfall_cache_bytes: usize,
+    /// Whether the console keeps a view of the index of active jobs in
+    /// memory (`on`, `off`; also true/false, yes/no, 1/0). On: exact counts
+    /// on the jobs and fleet pages, and a page is read from memory; it
+    /// costs ~0.5 KiB per active job and a read of the whole index at
+    /// start (seconds at a million active jobs), during which pages work as
+    /// if it were off. Off: nothing per active job and nothing read at
+    /// start; the jobs page reads its rows from the index's end and counts
+    /// "at least N", and the fleet page does not count jobs per kind and
+    /// status.
+    #[arg(
+        long,
+        env = "LH_CONSOLE_INDEX_VIEW",
+        default_value = "on",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub index_view: bool,
 }
 
 /// A chart interval: a duration of whole seconds, 1s to 10min.

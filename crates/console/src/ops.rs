@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use crate::actions;
 use crate::app::{App, Failure};
 use crate::auth::{Caller, Via};
+use crate::feed::ViewState;
 use crate::metrics::ConsoleMetrics;
 use crate::pages::{active_jobs, JobFilter};
 use crate::render::{self, esc};
@@ -288,6 +289,10 @@ async fn run(app: &App, caller: &Caller, op: &Op, what: Target) -> Result<(), St
     }
 }
 
+/// The page size that reads every match at once (far more than a fleet's
+/// active jobs).
+const WHOLE: usize = 1 << 30;
+
 /// Cancels every active job `filter` matches now: their ids first (page
 /// by page of the index, as the jobs list reads it), then [`PARALLEL`]
 /// cancels at a time.
@@ -298,12 +303,18 @@ async fn cancel_all(
     mut filter: JobFilter,
 ) -> Result<(), String> {
     let mut ids = Vec::new();
+    if app.feed.view_state() != ViewState::Live {
+        // Without the console's view, a page is read from the index's end
+        // back to its own end: one page of everything reads the index
+        // once, where page after page would read it again each time.
+        filter.limit = filter.limit.max(WHOLE);
+    }
     loop {
         let (page, total) = active_jobs(app, &filter).await.map_err(|e| e.message)?;
         ids.extend(page.iter().map(|r| r.id.clone()));
         op.update(|p| p.found = ids.len() as u64);
         filter.offset += filter.limit;
-        if filter.offset >= total || page.is_empty() {
+        if filter.offset >= total.n || page.is_empty() {
             break;
         }
     }

@@ -189,17 +189,23 @@ async fn gauges(app: &App, cooling: &Cooling, reads: &mut u64) -> Option<Gauges>
         }
     };
     *reads += sessions.len() as u64;
-    let counts = app.feed.counts().unwrap_or_default();
     g.workers = sessions.len() as u64;
     g.slots_total = sessions.iter().map(|s| s.slots as u64).sum();
-    g.slots_in_use = sessions
-        .iter()
-        .map(|s| counts.in_flight.get(&s.worker_id).copied().unwrap_or(0) as u64)
-        .sum();
-    for per in counts.by_kind.values() {
-        for (status, n) in per {
-            *g.index_by_status.entry(status.clone()).or_default() += n;
+    // Known only from the console's view of the index.
+    if let Some(counts) = app.feed.counts() {
+        g.slots_in_use = Some(
+            sessions
+                .iter()
+                .map(|s| counts.in_flight.get(&s.worker_id).copied().unwrap_or(0) as u64)
+                .sum(),
+        );
+        let mut by_status = BTreeMap::new();
+        for per in counts.by_kind.values() {
+            for (status, n) in per {
+                *by_status.entry(status.clone()).or_default() += n;
+            }
         }
+        g.index_by_status = Some(by_status);
     }
     let now = leasehold_store::flow::now_ms();
     for (id, until) in cooling {

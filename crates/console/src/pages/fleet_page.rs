@@ -8,7 +8,6 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use leasehold_store::index::Filter;
 use serde_json::json;
 
 use crate::app::{App, Failure};
@@ -27,13 +26,11 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
     let sessions = leasehold_operate::fleet::live_sessions(&app.sessions)
         .await
         .map_err(u)?;
-    let counts = match app.feed.counts() {
-        Some(c) => c,
-        None => {
-            let all = app.active.list(Filter::All).await.map_err(u)?;
-            crate::feed::count(all.iter().map(|(_, e)| e))
-        }
-    };
+    // The counts come from the console's view of the index, never from a
+    // read of the whole index per period; without the view, they are
+    // shown as not known.
+    let counts = app.feed.counts();
+    let unknown = counts.is_none();
     let queue = leasehold_operate::fleet::queue(&app.conn)
         .await
         .map_err(u)?;
@@ -43,7 +40,14 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
     let reapers = leasehold_operate::fleet::reaper_metrics(&app.conn, Duration::from_millis(300))
         .await
         .map_err(u)?;
-    let crate::feed::Counts { in_flight, by_kind } = counts;
+    let crate::feed::Counts { in_flight, by_kind } = counts.unwrap_or_default();
+    let known = |n: usize| {
+        if unknown {
+            "?".to_string()
+        } else {
+            n.to_string()
+        }
+    };
     let mut b = String::new();
     let _ = write!(b, "<h2>Workers <small>{}</small></h2><table><thead><tr><th>worker</th><th>session</th><th>host</th><th>pid</th><th>kinds</th><th>jobs in flight</th><th>slots</th><th>started</th><th>renewed</th></tr></thead><tbody>", sessions.len());
     for s in &sessions {
@@ -55,7 +59,7 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
             esc(&s.host),
             s.pid,
             esc(&s.kinds.join(", ")),
-            in_flight.get(&s.worker_id).copied().unwrap_or(0),
+            known(in_flight.get(&s.worker_id).copied().unwrap_or(0)),
             if s.slots > 0 { s.slots.to_string() } else { "-".into() },
             render::age(&s.started_at),
             render::age(&s.renewed_at),
@@ -75,7 +79,7 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
         .collect();
     for k in kinds {
         let c = by_kind.get(k);
-        let n = |s: &str| c.and_then(|c| c.get(s)).copied().unwrap_or(0);
+        let n = |s: &str| known(c.and_then(|c| c.get(s)).copied().unwrap_or(0) as usize);
         let _ = write!(
             b,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><a href=\"/reviews\">{}</a></td><td><a href=\"/dlq?kind={}\">{}</a></td></tr>",
@@ -89,6 +93,10 @@ pub async fn fleet_fragment(app: &App) -> Result<String, Failure> {
         );
     }
     b.push_str("</tbody></table>");
+    b.push_str(&super::view_notice(
+        app.feed.view_state(),
+        "the jobs in flight and the queued, running and parked counts (marked ?) are not known",
+    ));
     let _ = write!(b, "<h2>Reapers <small>{}</small></h2><table><thead><tr><th>reaper</th><th>last sweep</th><th>sweeps</th><th>recoveries</th><th>oldest in flight</th></tr></thead><tbody>", reapers.len());
     for r in &reapers {
         let _ = write!(

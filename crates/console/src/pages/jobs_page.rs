@@ -17,14 +17,36 @@ use crate::auth::Caller;
 use crate::feed::TERMINAL;
 use crate::render::{self, esc};
 
-use super::{bad, html, sse, tokio_stream_from, JobFilter, ACTIVE, Q};
+use super::{bad, html, sse, tokio_stream_from, view_notice, JobFilter, ACTIVE, Q};
+
+/// How many active jobs matched: all of them, or (read from the index's
+/// end while the console's view of the index is not there) at least so
+/// many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Matched {
+    pub n: usize,
+    pub more: bool,
+}
+
+impl std::fmt::Display for Matched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.n, if self.more { "+" } else { "" })
+    }
+}
 
 /// The active jobs matching `f` (index entries, then their records),
 /// newest first: the page asked for and how many matched.
+///
+/// From the console's view of the index when it has it (only the page is
+/// copied). Without it (`--index-view off`, or while the view loads), from
+/// the index's end ([`Active::newest`](leasehold_store::index::Active::newest)):
+/// the jobs up to the page's end and one more, so the count is "at least".
+/// A tenant is in the records only: then the records of every match are
+/// read (from the view, or a read of the status's entries).
 pub async fn active_jobs(
     app: &App,
     f: &JobFilter,
-) -> Result<(Vec<Arc<JobRecord>>, usize), Failure> {
+) -> Result<(Vec<Arc<JobRecord>>, Matched), Failure> {
     let which = match f.status.as_deref() {
         Some("running") => Filter::Running,
         Some("queued") => Filter::Waiting,
@@ -32,63 +54,77 @@ pub async fn active_jobs(
         Some("waiting") => Filter::Held,
         _ => Filter::All,
     };
-    let keep = |e: &leasehold_store::index::Entry| {
-        f.kind.as_ref().is_none_or(|k| *k == e.kind)
+    let admits = |job: &str, kind: &str, status: &str| {
+        f.kind.as_ref().is_none_or(|k| k == kind)
             && f.prefix
                 .as_ref()
-                .is_none_or(|p| e.job.starts_with(p.as_str()))
-            && f.status.as_ref().is_none_or(|s| *s == e.status)
+                .is_none_or(|p| job.starts_with(p.as_str()))
+            && f.status.as_ref().is_none_or(|s| s == status)
     };
-    // The index as the console's watch has it (only the page is copied);
-    // the index itself until then, or for a tenant (in the records only).
-    if f.tenant.is_none() {
-        let unfiltered = f.kind.is_none() && f.prefix.is_none() && f.status.is_none();
-        if let Some((page, total)) = app.feed.page(keep, unfiltered, f.offset, f.limit) {
-            let mut out = Vec::new();
-            for e in &page {
-                match app.feed.record(&app.jobs, &e.job).await {
-                    Ok(Some(r)) => out.push(r),
-                    Ok(None) => {}
-                    Err(e) => return Err(Failure::unavailable(e, false)),
-                }
-            }
-            return Ok((out, total));
-        }
-    }
-    let all = match app.feed.entries() {
-        Some(v) => v,
-        None => app
-            .active
-            .list(which)
-            .await
-            .map_err(|e| Failure::unavailable(e, false))?
-            .into_iter()
-            .map(|(_, e)| e)
-            .collect(),
-    };
-    let mut entries: Vec<_> = all.into_iter().filter(|e| keep(e)).collect();
-    entries.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.job.cmp(&b.job)));
-    entries.dedup_by(|a, b| a.job == b.job);
-    let mut out = Vec::new();
+    let of_row = |job: &str, r: &crate::feed::Row| admits(job, &r.kind, &r.status);
+    let of_entry = |e: &leasehold_store::index::Entry| admits(&e.job, &e.kind, &e.status);
+    let unavailable = |e| Failure::unavailable(e, false);
     if f.tenant.is_some() {
-        // The tenant is in the records only: read those of the matches.
+        let ids = match app.feed.matching(of_row) {
+            Some(ids) => ids,
+            None => {
+                let mut entries: Vec<_> = app
+                    .active
+                    .list(which)
+                    .await
+                    .map_err(unavailable)?
+                    .into_iter()
+                    .map(|(_, e)| e)
+                    .filter(of_entry)
+                    .collect();
+                entries.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.job.cmp(&b.job)));
+                entries.dedup_by(|a, b| a.job == b.job);
+                entries.into_iter().map(|e| Arc::from(e.job)).collect()
+            }
+        };
         let mut all = Vec::new();
-        for e in &entries {
-            if let Ok(Some(r)) = app.feed.record(&app.jobs, &e.job).await {
+        for id in &ids {
+            if let Ok(Some(r)) = app.feed.record(&app.jobs, id).await {
                 if f.admits(&r) {
                     all.push(r);
                 }
             }
         }
-        let total = all.len();
+        let total = Matched {
+            n: all.len(),
+            more: false,
+        };
         return Ok((
             all.into_iter().skip(f.offset).take(f.limit).collect(),
             total,
         ));
     }
-    let total = entries.len();
-    for e in entries.iter().skip(f.offset).take(f.limit) {
-        match app.feed.record(&app.jobs, &e.job).await {
+    let unfiltered = f.kind.is_none() && f.prefix.is_none() && f.status.is_none();
+    let (ids, total) = match app.feed.page(of_row, unfiltered, f.offset, f.limit) {
+        Some((ids, n)) => (ids, Matched { n, more: false }),
+        None => {
+            let want = f.offset + f.limit + 1;
+            let found = app
+                .active
+                .newest(which, want, of_entry)
+                .await
+                .map_err(unavailable)?;
+            let total = Matched {
+                n: found.len(),
+                more: found.len() == want,
+            };
+            let ids = found
+                .into_iter()
+                .skip(f.offset)
+                .take(f.limit)
+                .map(|(_, e)| Arc::from(e.job))
+                .collect();
+            (ids, total)
+        }
+    };
+    let mut out = Vec::new();
+    for id in &ids {
+        match app.feed.record(&app.jobs, id).await {
             Ok(Some(r)) => out.push(r),
             Ok(None) => {}
             Err(e) => return Err(Failure::unavailable(e, false)),
@@ -183,7 +219,11 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
             b,
             "<h2>Active <small id=\"active-count\">{total} matching</small></h2>"
         );
-        if caller.can_act && total > 0 {
+        b.push_str(&view_notice(
+            app.feed.view_state(),
+            "this list is read from the index's end, newest first, and its count says how many were read",
+        ));
+        if caller.can_act && total.n > 0 {
             let _ = write!(
                 b,
                 "<p><a class=\"button danger\" href=\"/confirm?action=bulk-cancel&{}\">cancel all {total} matching…</a></p>",
@@ -211,7 +251,7 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
                 f.offset.saturating_sub(f.limit)
             );
         }
-        if f.offset + f.limit < total {
+        if f.offset + f.limit < total.n {
             let _ = write!(
                 b,
                 "<a href=\"{}&offset={}\">older</a>",

@@ -133,3 +133,23 @@ pub async fn style() -> Response {
     )
         .into_response()
 }
+
+/// What a page says while the console has no view of the index: why, how
+/// far the view is, and `then` (what the page shows instead).
+pub fn view_notice(state: crate::feed::ViewState, then: &str) -> String {
+    use crate::feed::ViewState;
+    let why = match state {
+        ViewState::Live => return String::new(),
+        ViewState::Off => {
+            "The console keeps no view of the index of active jobs (<code>--index-view off</code>)"
+                .to_string()
+        }
+        ViewState::Loading { read, left } => format!(
+            "The console is reading the index of active jobs ({read} entries read, {left} to go)"
+        ),
+    };
+    format!(
+        "<p class=\"notice\" id=\"index-view\">{why}: {}.</p>",
+        render::esc(then)
+    )
+}
