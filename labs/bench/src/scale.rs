@@ -14,7 +14,9 @@
 //! whole into its view first), and the resident memory of the reaper, the
 //! worker and the server; then a console on each: its start to a jobs page
 //! that counts every active job, that page's time to first byte, and its
-//! memory. Targets (issue 34): each within 1.5x of the small side, and a
+//! memory; and a console with `--index-view off` on each: its start to a
+//! first jobs page, a page of 10 read from the index's end, its memory.
+//! Targets (issue 34): each within 1.5x of the small side, and a
 //! sweep of at most 100 ms.
 //!
 //! Then the same on a three-node cluster with the layout at R3
@@ -44,6 +46,9 @@ pub const TARGET_SWEEP_MS: f64 = 100.0;
 const LIVE: usize = 5;
 /// Active jobs created on both sides 2.5 s after the seeded ones.
 const LATE: usize = 40;
+/// The page the console without its view of the index is timed on: 10
+/// rows, as `list` above.
+const OFF_PAGE: &str = "/jobs?limit=10";
 /// Seeding falls back to this many jobs when the asked-for number would
 /// not fit the seeding budget.
 pub const FALLBACK_ACTIVE: usize = 200_000;
@@ -108,7 +113,7 @@ pub async fn scale(o: &Opts) -> anyhow::Result<Value> {
     let want = [SMALL + LATE + LIVE, seeded_jobs(&seeded) + LATE + LIVE];
     let out = measure(&[&small, &large], &want, o).await?;
     let mut v = compare(&out[0], &out[1]);
-    v["method"] = json!("two servers side by side, each with a reaper (--interval 1s) and a worker running 5 sleep jobs; the large one also holds the seeded active jobs (half queued in backoff, half waiting on a timer, each created as it was written), the small one 1,000; 2.5 s later 40 more on both; sweeps over the same seconds on both, CLI runs and starts alternated; then a console on each, one after the other; list_reads: what one list read of the index, window by window");
+    v["method"] = json!("two servers side by side, each with a reaper (--interval 1s) and a worker running 5 sleep jobs; the large one also holds the seeded active jobs (half queued in backoff, half waiting on a timer, each created as it was written), the small one 1,000; 2.5 s later 40 more on both; sweeps over the same seconds on both, CLI runs and starts alternated; then a console on each, one after the other, and one with --index-view off on each; list_reads: what one list read of the index, window by window");
     v["seeded"] = seeded;
     v["seeded_small"] = seeded_small;
     // The twins go before the cluster comes: it is measured alone.
@@ -258,6 +263,26 @@ async fn measure(sides: &[&Side], want: &[usize], o: &Opts) -> anyhow::Result<Ve
         m[k].console_ttfb = crate::console::sample(&addr, "/jobs", o.samples.max(5)).await?;
         m[k].console_rss = rss_mib(c.pid());
     }
+    // The same without the console's view of the index (`--index-view
+    // off`, also how a console serves pages while its view loads): its
+    // start to a first jobs page, a page of 10 (as `list` above) read
+    // from the index's end, and its memory.
+    for (k, side) in sides.iter().enumerate() {
+        let t0 = Instant::now();
+        let (c, addr) =
+            crate::console::console_with(&side.url, &[("LH_CONSOLE_INDEX_VIEW", "off".into())])
+                .await?;
+        let page = http_get_text(&addr, OFF_PAGE).await?;
+        anyhow::ensure!(
+            page.contains("id=\"index-view\""),
+            "the console with --index-view off did not answer its page: {}",
+            tail(&page, 5)
+        );
+        m[k].console_off_start.push(ms(t0.elapsed()));
+        crate::console::sample(&addr, OFF_PAGE, 3).await?;
+        m[k].console_off_ttfb = crate::console::sample(&addr, OFF_PAGE, o.samples.max(5)).await?;
+        m[k].console_off_rss = rss_mib(c.pid());
+    }
     let mut out = Vec::new();
     for (k, side) in sides.iter().enumerate() {
         let varz = match &side.s {
@@ -281,6 +306,9 @@ async fn measure(sides: &[&Side], want: &[usize], o: &Opts) -> anyhow::Result<Ve
             "console_start_to_counted_ms": med(&m[k].console_start),
             "console_jobs_page_ttfb_ms": med(&m[k].console_ttfb),
             "console_rss_mib": round1(m[k].console_rss),
+            "console_off_start_to_page_ms": med(&m[k].console_off_start),
+            "console_off_jobs_page_ttfb_ms": med(&m[k].console_off_ttfb),
+            "console_off_rss_mib": round1(m[k].console_off_rss),
         }));
     }
     Ok(out)
@@ -315,10 +343,13 @@ fn compare(a: &Value, b: &Value) -> Value {
         "reaper_start_to_first_sweep_ms": cmp("reaper_start_to_first_sweep_ms", 0.0),
         "console_jobs_page_ttfb_ms": cmp("console_jobs_page_ttfb_ms", 0.0),
         "console_start_to_counted_ms": cmp("console_start_to_counted_ms", 0.0),
+        "console_off_start_to_page_ms": cmp("console_off_start_to_page_ms", 0.0),
+        "console_off_jobs_page_ttfb_ms": cmp("console_off_jobs_page_ttfb_ms", 0.0),
         "reaper_rss_mib": plain("reaper_rss_mib"),
         "worker_rss_mib": plain("worker_rss_mib"),
         "server_mem_mib": plain("server_mem_mib"),
         "console_rss_mib": plain("console_rss_mib"),
+        "console_off_rss_mib": plain("console_off_rss_mib"),
     })
 }
 
@@ -337,6 +368,9 @@ struct Samples {
     console_start: Vec<f64>,
     console_ttfb: Vec<f64>,
     console_rss: f64,
+    console_off_start: Vec<f64>,
+    console_off_ttfb: Vec<f64>,
+    console_off_rss: f64,
 }
 
 /// One `leasehold list --status queued --limit 10`: wall time (ms) and rows.
@@ -488,6 +522,14 @@ fn rows_of(r: &mut Report, v: &Value, on: &str) {
             "console_start_to_counted_ms",
             "console start to its jobs page counting them ms",
         ),
+        (
+            "console_off_start_to_page_ms",
+            "console --index-view off: start to a jobs page ms",
+        ),
+        (
+            "console_off_jobs_page_ttfb_ms",
+            "console --index-view off: /jobs?limit=10 time to first byte ms",
+        ),
     ] {
         let x = &v[k];
         r.cmp(
@@ -515,6 +557,7 @@ fn rows_of(r: &mut Report, v: &Value, on: &str) {
         ("worker_rss_mib", "worker RSS MiB"),
         ("server_mem_mib", "nats-server memory MiB"),
         ("console_rss_mib", "console RSS MiB"),
+        ("console_off_rss_mib", "console --index-view off RSS MiB"),
     ] {
         let x = &v[k];
         if !f64_of(&x["small"]).is_finite() {
