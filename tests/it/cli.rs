@@ -1416,6 +1416,49 @@ async fn list_newest_first_reads_the_end_of_the_index_and_gives_the_whole_listin
     )
     .await;
     assert_eq!(ids(&next), all[5..10].to_vec());
+    // A later page reads the index's end too: back to its own last job
+    // (here in the newest burst), not the whole index.
+    let (code, later, err) = leasehold_testkit::cli_with(
+        &[
+            "list", "--status", "queued", "--limit", "5", "--after", &all[100], "--json",
+        ],
+        [
+            ("NATS_URL", url.as_str()),
+            ("RUST_LOG", "leasehold_store::index=debug"),
+            ("NO_COLOR", "1"),
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(ids(&later), all[101..106].to_vec());
+    assert!(
+        err.contains("whole=false enough=true") && !err.contains("whole=true"),
+        "{err}"
+    );
+    // A page in an older burst, and the last page, as the whole listing.
+    for at in [200, 440] {
+        let (_, p, _) = cli(
+            &url,
+            &[
+                "list", "--status", "queued", "--limit", "5", "--after", &all[at], "--json",
+            ],
+        )
+        .await;
+        assert_eq!(
+            ids(&p),
+            all[at + 1..(at + 6).min(450)].to_vec(),
+            "after {at}"
+        );
+    }
+    // A cursor no longer listed starts from the start, as before.
+    let (_, p, _) = cli(
+        &url,
+        &[
+            "list", "--status", "queued", "--limit", "5", "--after", "gone", "--json",
+        ],
+    )
+    .await;
+    assert_eq!(ids(&p), all[..5].to_vec());
     // A kind filter on the same path.
     let (_, none, _) = cli(
         &url,

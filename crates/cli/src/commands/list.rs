@@ -1,7 +1,7 @@
 //! `leasehold list`: the jobs that are not finished, from the index of
-//! active jobs (the cost follows the active jobs, not the history; the first
-//! page newest first reads only the index's end, so it costs its rows and
-//! what changed since they were created); `--all`
+//! active jobs (the cost follows the active jobs, not the history; a page
+//! newest first reads only the index's end, so it costs its rows and what
+//! changed since they were created); `--all`
 //! scans every record instead; `--finished` searches the history of
 //! finished jobs a page at a time (`finished.rs`).
 
@@ -107,6 +107,27 @@ fn order<T>(items: &mut Vec<T>, sort: Sort, after: Option<&str>, key: impl Fn(&T
             items.retain(|x| key(x).0 > after);
         }
     }
+}
+
+/// Where the job `id` is in a newest-first listing of `filter`'s entries
+/// that `of_kind` admits: its creation time and id, when it is listed
+/// there (`None`: not listed, and the listing starts from the start).
+async fn place_of(
+    active: &leasehold_store::index::Active,
+    jobs: &leasehold_store::Jobs,
+    id: &str,
+    filter: Filter<'_>,
+    of_kind: &impl Fn(&leasehold_store::index::Entry) -> bool,
+) -> anyhow::Result<Option<(String, String)>> {
+    let listed = active.keys_of(id).await?.iter().any(|k| filter.admits(k));
+    if !listed {
+        return Ok(None);
+    }
+    let Some(rec) = jobs.get(id).await? else {
+        return Ok(None);
+    };
+    let e = leasehold_store::index::Entry::of(&rec.value);
+    Ok(of_kind(&e).then_some((e.created_at, e.job)))
 }
 
 /// The records of `entries` in their order, up to `limit` that `keep`
@@ -262,15 +283,31 @@ pub async fn run(a: Args, nats: &NatsArgs) -> anyhow::Result<i32> {
         };
         let of_kind =
             |e: &leasehold_store::index::Entry| a.kind.as_ref().is_none_or(|k| &e.kind == k);
-        // The first page newest first (the default) reads the index from
-        // its end only (`Active::newest`); a row the index lists but whose
-        // record moved on sends it to the whole listing, which fills the page.
+        // Newest first (the default), a page reads the index from its end
+        // only (`Active::newest`): back to the page's last job, and for a
+        // later page (`--after`) the jobs after the cursor's place. A row
+        // the index lists but whose record moved on, or a cursor no longer
+        // listed, sends it to the whole listing, which fills the page.
         let mut page = None;
-        if a.sort == Sort::Newest && a.after.is_none() {
-            let newest = active.newest(filter, a.limit + 1, of_kind).await?;
-            let (rows, extra) = records_of(&jobs, newest, a.limit, &keep).await?;
-            if rows.dropped == 0 {
-                page = Some((rows.recs, extra));
+        if a.sort == Sort::Newest {
+            let cursor = match a.after.as_deref() {
+                None => Some(None),
+                Some(id) => place_of(&active, &jobs, id, filter, &of_kind)
+                    .await?
+                    .map(Some),
+            };
+            if let Some(cursor) = cursor {
+                let after = |e: &leasehold_store::index::Entry| {
+                    of_kind(e)
+                        && cursor.as_ref().is_none_or(|(created, job)| {
+                            e.created_at < *created || (e.created_at == *created && e.job > *job)
+                        })
+                };
+                let newest = active.newest(filter, a.limit + 1, after).await?;
+                let (rows, extra) = records_of(&jobs, newest, a.limit, &keep).await?;
+                if rows.dropped == 0 {
+                    page = Some((rows.recs, extra));
+                }
             }
         }
         (recs, more) = match page {

@@ -206,6 +206,11 @@ pub enum Filter<'a> {
 }
 
 impl Filter<'_> {
+    /// Whether `key` is one of these entries'.
+    pub fn admits(&self, key: &Key) -> bool {
+        crate::layout::subject_matches(&self.pattern(), &key.as_string())
+    }
+
     /// The key pattern of these entries.
     fn pattern(&self) -> String {
         match self {
@@ -549,6 +554,23 @@ mod tests {
         assert_eq!(Key::of(&r), Some(Key::Wait { job: "j".into() }));
         r.status = "completed".into();
         assert_eq!(Key::of(&r), None);
+    }
+
+    #[test]
+    fn a_filter_admits_the_keys_its_listing_reads() {
+        let run = Key::Run {
+            worker: "w-1".into(),
+            job: "j".into(),
+        };
+        let wait = Key::Wait { job: "j".into() };
+        assert!(Filter::All.admits(&run) && Filter::All.admits(&wait));
+        assert!(Filter::Running.admits(&run) && !Filter::Running.admits(&wait));
+        assert!(Filter::RunningBy("w-1").admits(&run));
+        assert!(!Filter::RunningBy("w-2").admits(&run));
+        assert!(Filter::Waiting.admits(&wait) && !Filter::Waiting.admits(&run));
+        assert!(Filter::Parked.admits(&Key::Park { job: "j".into() }));
+        assert!(Filter::Held.admits(&Key::Hold { job: "j".into() }));
+        assert!(!Filter::Held.admits(&wait));
     }
 
     #[test]
