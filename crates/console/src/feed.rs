@@ -3,6 +3,7 @@
 //! the jobs that finished in the last hour (terminal events, read from one
 //! hour ago and then live), kept in memory for the recent-jobs table.
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use futures::StreamExt;
 use leasehold_core::JobRecord;
 use leasehold_store::events::Events;
-use leasehold_store::index::{Active, Entry, Key};
+use leasehold_store::index::{Active, Key};
 use leasehold_store::{jobs, Jobs};
 use tokio::sync::broadcast;
 
@@ -61,6 +62,24 @@ pub struct Row {
     pub kind: Arc<str>,
     pub status: Arc<str>,
     pub worker: Option<Arc<str>>,
+}
+
+/// What the view reads of an index entry ([`leasehold_store::index::Entry`]'s JSON), borrowed
+/// from the message where it can be: at a start, a million entries are
+/// read and only what a [`Row`] keeps is copied.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Seen<'a> {
+    #[serde(borrow)]
+    pub job: Cow<'a, str>,
+    #[serde(borrow)]
+    pub kind: Cow<'a, str>,
+    #[serde(borrow)]
+    pub status: Cow<'a, str>,
+    #[serde(borrow)]
+    pub worker_id: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    pub created_at: Cow<'a, str>,
 }
 
 /// Where a key's row is in the order: its job's creation (newest first),
@@ -156,21 +175,21 @@ impl IndexView {
         n
     }
 
-    pub fn insert(&mut self, key: &str, e: Entry) {
+    pub fn insert(&mut self, key: &str, e: Seen<'_>) {
         self.remove(key);
         let row = Row {
             kind: self.name(&e.kind),
             status: self.name(&e.status),
-            worker: e.worker_id.map(Arc::from),
+            worker: e.worker_id.map(|w| Arc::from(&*w)),
         };
         let key: Arc<str> = key.into();
-        let job = match self.jobs.get_key_value(e.job.as_str()) {
+        let job = match self.jobs.get_key_value(&*e.job) {
             Some((j, _)) => j.clone(),
-            None => Arc::from(e.job),
+            None => Arc::from(&*e.job),
         };
         *self.jobs.entry(job.clone()).or_insert(0) += 1;
         tally(&mut self.tally, &row, true);
-        let place = (Reverse(Arc::from(e.created_at)), job, key.clone());
+        let place = (Reverse(Arc::from(&*e.created_at)), job, key.clone());
         self.order.insert(place.clone(), row);
         self.places.insert(key, place);
     }
@@ -399,7 +418,7 @@ async fn follow_index(
                     read += 1;
                     let entry = Key::parse(&e.key).map(|_| {
                         (e.operation == async_nats::jetstream::kv::Operation::Put)
-                            .then(|| serde_json::from_slice::<Entry>(&e.value).ok())
+                            .then(|| serde_json::from_slice::<Seen>(&e.value).ok())
                             .flatten()
                     });
                     if live {
@@ -523,16 +542,51 @@ async fn follow_finished(events: Events, finished: Arc<Mutex<VecDeque<Finished>>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use leasehold_store::index::Entry;
 
-    fn entry(job: &str, kind: &str, status: &str, worker: Option<&str>) -> Entry {
-        Entry {
-            job: job.into(),
-            kind: kind.into(),
-            status: status.into(),
-            worker_id: worker.map(String::from),
-            created_at: format!("2026-01-01T00:00:0{}Z", job.len() % 10),
-            ..Default::default()
+    fn entry(job: &str, kind: &str, status: &str, worker: Option<&str>) -> Seen<'static> {
+        Seen {
+            job: job.to_string().into(),
+            kind: kind.to_string().into(),
+            status: status.to_string().into(),
+            worker_id: worker.map(|w| w.to_string().into()),
+            created_at: format!("2026-01-01T00:00:0{}Z", job.len() % 10).into(),
         }
+    }
+
+    #[test]
+    fn an_entry_is_read_as_the_index_writes_it() {
+        let mut rec = leasehold_core::machine::new_record(
+            "j-1",
+            "echo",
+            Default::default(),
+            1,
+            SystemTime::now(),
+        );
+        rec.status = "running".into();
+        rec.worker_id = Some("w \"quoted\"".into());
+        let bytes = serde_json::to_vec(&Entry::of(&rec)).unwrap();
+        let e: Seen = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(
+            (
+                &*e.job,
+                &*e.kind,
+                &*e.status,
+                e.worker_id.as_deref(),
+                &*e.created_at
+            ),
+            (
+                "j-1",
+                "echo",
+                "running",
+                Some("w \"quoted\""),
+                rec.created_at.as_str()
+            )
+        );
+        assert!(
+            matches!(e.job, Cow::Borrowed(_)),
+            "an unescaped string is not copied"
+        );
     }
 
     #[test]
@@ -556,8 +610,8 @@ mod tests {
     #[test]
     fn rows_come_newest_job_first_with_a_jobs_keys_side_by_side_and_names_shared() {
         let mut v = IndexView::default();
-        let at = |job: &str, created: &str, status: &str| Entry {
-            created_at: created.into(),
+        let at = |job: &str, created: &str, status: &str| Seen {
+            created_at: created.to_string().into(),
             ..entry(job, "echo", status, None)
         };
         v.insert("wait.old", at("old", "2026-01-01T00:00:01Z", "queued"));

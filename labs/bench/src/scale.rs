@@ -256,7 +256,8 @@ async fn measure(sides: &[&Side], want: &[usize], o: &Opts) -> anyhow::Result<Ve
                 want[k],
                 tail(&c.output(), 20)
             );
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Often enough to time a small index's load (tens of ms).
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         m[k].console_start.push(ms(t0.elapsed()));
         crate::console::sample(&addr, "/jobs", 3).await?;
