@@ -395,24 +395,20 @@ impl Active {
         keep: impl Fn(&Entry) -> bool,
     ) -> Result<Vec<(Key, Entry)>, StoreError> {
         let bucket = self.layout.active_bucket();
-        let mut stream = self
+        // One stream info request: the one `get_stream` makes.
+        let stream = self
             .js
             .get_stream(format!("KV_{bucket}"))
             .await
             .map_err(|e| StoreError::nats("index stream", e))?;
-        let state = stream
-            .info()
-            .await
-            .map_err(|e| StoreError::nats("index stream info", e))?
-            .state
-            .clone();
+        let state = stream.cached_info().state.clone();
         // No subject filter on the server: a filtered consumer's pending
         // count walks every subject the filter matches (each active job's),
         // where an unfiltered one is a subtraction. The window's other keys
         // are skipped here.
         let wanted = format!("$KV.{bucket}.{}", filter.pattern());
         let prefix = format!("$KV.{bucket}.");
-        let mut window = (4 * n as u64).max(256);
+        let mut window = (n as u64).saturating_mul(4).max(256);
         loop {
             let lo = state
                 .last_sequence
