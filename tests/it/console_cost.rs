@@ -390,6 +390,18 @@ async fn console_without_its_index_view_pages_from_the_index_end_and_counts_at_l
         active_ids(&get(&off.base, "status=queued&limit=10&offset=20").await).len(),
         10
     );
+    // An offset past every job: an empty page and the count, on both.
+    for base in [&off.base, &on.base] {
+        let r = c
+            .get(format!("{base}/jobs?offset={}", usize::MAX))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let page = r.text().await.unwrap();
+        assert!(page.contains(">35 matching</small>"), "{page}");
+        assert!(active_ids(&page).is_empty());
+    }
     let fleet = c
         .get(format!("{}/fleet", off.base))
         .send()

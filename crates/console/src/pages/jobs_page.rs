@@ -103,7 +103,7 @@ pub async fn active_jobs(
     let (ids, total) = match app.feed.page(of_row, unfiltered, f.offset, f.limit) {
         Some((ids, n)) => (ids, Matched { n, more: false }),
         None => {
-            let want = f.offset + f.limit + 1;
+            let want = f.offset.saturating_add(f.limit).saturating_add(1);
             let found = app
                 .active
                 .newest(which, want, of_entry)
@@ -147,7 +147,7 @@ async fn finished_jobs(app: &App, f: &JobFilter) -> Vec<Arc<JobRecord>> {
     let max = if f.tenant.is_some() {
         usize::MAX
     } else {
-        f.offset + f.limit
+        f.offset.saturating_add(f.limit)
     };
     let mut out = Vec::new();
     let mut skipped = 0;
@@ -251,7 +251,7 @@ pub async fn jobs(State(app): State<Arc<App>>, caller: Caller, q: Q) -> Result<R
                 f.offset.saturating_sub(f.limit)
             );
         }
-        if f.offset + f.limit < total.n {
+        if f.offset.saturating_add(f.limit) < total.n {
             let _ = write!(
                 b,
                 "<a href=\"{}&offset={}\">older</a>",
