@@ -55,6 +55,20 @@ fn research_env(sim: &str) -> Vec<(&'static str, String)> {
     leasehold_testkit::research_env(sim, &format!("{sim}/v1"), "research,echo,sleep")
 }
 
+/// The body of a GET of `url`.
+pub(crate) async fn text(c: &reqwest::Client, url: &str) -> String {
+    c.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// The CSRF token of a page's form.
+pub(crate) fn csrf_of(page: &str) -> String {
+    page.split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .unwrap_or_else(|| panic!("no csrf field in {page}"))
+        .to_string()
+}
+
 pub(crate) fn http() -> reqwest::Client {
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
@@ -1345,12 +1359,7 @@ async fn console_without_auth_refuses_a_rebound_host_and_is_never_framed() {
         head.contains("content-security-policy: frame-ancestors 'none'"),
         "{head}"
     );
-    let csrf = body
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|s| s.split('"').next())
-        .expect("the confirmation's csrf field")
-        .to_string();
+    let csrf = csrf_of(&body);
     let (st, _, _) = raw_http(&console.base, &get(&format!("localhost:{port}"))).await;
     assert_eq!(st, 200, "localhost is a loopback name");
 
@@ -1434,12 +1443,7 @@ async fn console_refuses_ids_that_would_be_wildcards_with_400() {
         .text()
         .await
         .unwrap();
-    let csrf = page
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|s| s.split('"').next())
-        .expect("the confirmation's csrf field")
-        .to_string();
+    let csrf = csrf_of(&page);
     for id in ["%2A", "%3E", "wild-1.x", "wild%2B", "%C3%A9"] {
         for path in [
             format!("/jobs/{id}"),

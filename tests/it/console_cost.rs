@@ -12,7 +12,7 @@ use leasehold_testkit::doors::dlq::Dlq;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::console::{http, spawn_console, sse_until, start_console};
+use crate::console::{csrf_of, http, spawn_console, sse_until, start_console, text};
 use leasehold_testkit::Fleet;
 
 /// A metric's value from the console's `/metrics` (0 when absent).
@@ -348,11 +348,7 @@ async fn console_without_its_index_view_pages_from_the_index_end_and_counts_at_l
     let off = spawn_console(&env, &[("LH_CONSOLE_INDEX_VIEW", "off".into())]).await;
     let on = spawn_console(&env, &[]).await;
     let c = http();
-    let get = |base: &str, q: &str| {
-        let c = c.clone();
-        let url = format!("{base}/jobs?{q}");
-        async move { c.get(url).send().await.unwrap().text().await.unwrap() }
-    };
+    let get = async |base: &str, q: &str| text(&c, &format!("{base}/jobs?{q}")).await;
     // The console with its view counts them all once its view is loaded.
     page_until(
         &c,
@@ -402,14 +398,7 @@ async fn console_without_its_index_view_pages_from_the_index_end_and_counts_at_l
         assert!(page.contains(">35 matching</small>"), "{page}");
         assert!(active_ids(&page).is_empty());
     }
-    let fleet = c
-        .get(format!("{}/fleet", off.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let fleet = text(&c, &format!("{}/fleet", off.base)).await;
     let notice = fleet
         .split("id=\"index-view\">")
         .nth(1)
@@ -435,12 +424,7 @@ async fn console_without_its_index_view_pages_from_the_index_end_and_counts_at_l
         confirm.contains("<b>10</b> active job(s) match"),
         "{confirm}"
     );
-    let csrf = confirm
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|s| s.split('"').next())
-        .unwrap()
-        .to_string();
+    let csrf = csrf_of(&confirm);
     let r = c
         .post(format!("{}/actions/bulk-cancel", off.base))
         .header("Origin", &off.base)
@@ -532,12 +516,7 @@ async fn console_bulk_cancel_goes_on_after_the_browser_leaves_and_shows_its_prog
         confirm.contains(&format!("<b>{JOBS}</b> active job(s) match")),
         "{confirm}"
     );
-    let csrf = confirm
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|s| s.split('"').next())
-        .unwrap()
-        .to_string();
+    let csrf = csrf_of(&confirm);
     let form = format!("prefix=bc-&csrf={csrf}");
     let head = post_and_leave(
         &console.base,
