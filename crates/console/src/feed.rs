@@ -102,13 +102,13 @@ pub struct IndexView {
     jobs: HashMap<Arc<str>, u32>,
     /// Kinds and statuses, one copy each.
     names: HashSet<Arc<str>>,
-    /// What [`count`] would count of `order`, kept as entries come and
-    /// go: the fleet's charts read it every sample without a pass over
-    /// the index.
+    /// The counts of `order`'s rows, kept as entries come and go: the
+    /// fleet's charts read them every sample without a pass over the
+    /// index.
     tally: Counts,
 }
 
-/// Counts rows (with their jobs' ids: unused, kept for the order's shape).
+/// Counts rows in a pass over them: what the kept tally must equal.
 #[cfg(test)]
 fn count<'a>(rows: impl Iterator<Item = &'a Row>) -> Counts {
     let mut c = Counts::default();
@@ -219,7 +219,7 @@ impl IndexView {
         self.order.iter().map(|((_, job, _), r)| (job, r))
     }
 
-    /// What [`count`] counts of the rows, without a pass over them.
+    /// The counts of the rows, without a pass over them.
     pub fn counts(&self) -> Counts {
         self.tally.clone()
     }

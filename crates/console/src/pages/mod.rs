@@ -144,6 +144,9 @@ pub fn view_notice(state: crate::feed::ViewState, then: &str) -> String {
             "The console keeps no view of the index of active jobs (<code>--index-view off</code>)"
                 .to_string()
         }
+        ViewState::Loading { read: 0, .. } => {
+            "The console is starting to read the index of active jobs".to_string()
+        }
         ViewState::Loading { read, left } => format!(
             "The console is reading the index of active jobs ({read} entries read, {left} to go)"
         ),
