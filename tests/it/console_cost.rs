@@ -409,17 +409,11 @@ async fn console_without_its_index_view_pages_from_the_index_end_and_counts_at_l
         "{notice}"
     );
     // A bulk cancel of q-10..q-19 without the view: all ten, no other.
-    let confirm = c
-        .get(format!(
-            "{}/confirm?action=bulk-cancel&prefix=q-1",
-            off.base
-        ))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let confirm = text(
+        &c,
+        &format!("{}/confirm?action=bulk-cancel&prefix=q-1", off.base),
+    )
+    .await;
     assert!(
         confirm.contains("<b>10</b> active job(s) match"),
         "{confirm}"
