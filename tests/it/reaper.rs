@@ -316,6 +316,11 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
         .await
         .expect("reaper-b hears reaper-a")
         .unwrap();
+    // And reaper-a hears reaper-b: until both rolls agree, reaper-a still
+    // sweeps every shard (a job is acted on once either way: the writes
+    // are conditioned), and which of the two recovered a job is not yet
+    // the shards' answer.
+    leasehold_testkit::wait_log(&a, "reapers=2", Duration::from_secs(20)).await;
     let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
     assert!(share.owned() > 0 && share.owned() < SHARDS);
     let (w, stop_w) = env.worker().await;
