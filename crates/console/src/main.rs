@@ -156,6 +156,7 @@ pub struct Args {
         long,
         env = "LH_CONSOLE_INDEX_VIEW",
         default_value = "on",
+        action = clap::ArgAction::Set,
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     pub index_view: bool,
@@ -275,6 +276,20 @@ mod tests {
             .contains("KiB, MiB or GiB"));
         assert!(super::parse_bytes("lots").is_err());
         assert!(super::parse_bytes("").is_err());
+    }
+
+    #[test]
+    fn the_index_view_is_on_by_default_off_when_asked_and_a_bad_value_says_so() {
+        let parse =
+            |a: &[&str]| Args::try_parse_from(std::iter::once("c").chain(a.iter().copied()));
+        assert!(parse(&[]).unwrap().index_view);
+        assert!(!parse(&["--index-view", "off"]).unwrap().index_view);
+        assert!(parse(&["--index-view", "on"]).unwrap().index_view);
+        let err = parse(&["--index-view", "maybe"]).unwrap_err().to_string();
+        assert!(
+            err.contains("--index-view") && err.contains("maybe"),
+            "{err}"
+        );
     }
 
     #[test]
