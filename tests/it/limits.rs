@@ -318,6 +318,37 @@ async fn malformed_limits_are_refused_clearly() {
     assert!(out.trim().is_empty(), "nothing was written: {out}");
 }
 
+/// A limits entry that is not one (written by hand) is named by `limits
+/// list` (exit 1, with how to remove it), and stops no worker: it starts,
+/// says which entry it ignored, and runs the tenant's jobs.
+#[tokio::test]
+async fn an_unreadable_limits_entry_is_named_and_stops_no_worker() {
+    let env = Fleet::start().await;
+    let bucket = env.conn.layout.limits_bucket();
+    let kv = env.conn.js.get_key_value(&bucket).await.unwrap();
+    kv.put("tenant.broken.jobs", "not json".into())
+        .await
+        .unwrap();
+    let (code, out, err) = cli(&env.url(), &["limits", "list"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("limits tenant.broken.jobs are unreadable")
+            && err.contains(&format!("nats kv del {bucket} tenant.broken.jobs")),
+        "{err}"
+    );
+    let w = env.worker_proc(&[], &[]);
+    env.submit(
+        "sleep",
+        json!({"input": {"ms": 10}, "tenant": "broken"}),
+        "broken-0",
+    )
+    .await;
+    env.wait_status("broken-0", "completed", Duration::from_secs(30))
+        .await;
+    wait_log(&w, "limits entry unreadable", Duration::from_secs(5)).await;
+    assert!(w.output().contains("tenant.broken.jobs"), "{}", w.output());
+}
+
 /// In-flight requests of one flow control, and the most seen at once
 /// since the last reset.
 #[derive(Default)]

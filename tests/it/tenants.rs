@@ -9,6 +9,7 @@ use leasehold_harness::Proc;
 use leasehold_testkit::record::parse_rfc3339;
 use serde_json::json;
 
+use leasehold_testkit::doors::flow::FlowStore;
 use leasehold_testkit::*;
 
 fn sleep_job(tenant: &str, priority: Option<i32>, ms: u64) -> serde_json::Value {
@@ -186,6 +187,123 @@ async fn a_tenant_at_its_running_jobs_limit_waits_while_another_runs() {
             .any(|l| l.contains("\"tenant.capped.jobs\"") && l.contains("\"tenant\":\"capped\"")),
         "{out}"
     );
+}
+
+/// Submits `n` jobs of the capped tenant (`{prefix}-{i}`, `ms` each) and
+/// asserts they ran one at a time: each claimed after the one before it
+/// ended.
+async fn capped_one_at_a_time(env: &Fleet, prefix: &str, n: usize, ms: u64) {
+    for i in 0..n {
+        env.submit(
+            "sleep",
+            sleep_job("capped", None, ms),
+            &format!("{prefix}-{i}"),
+        )
+        .await;
+    }
+    let mut runs = Vec::new();
+    for i in 0..n {
+        let id = format!("{prefix}-{i}");
+        runs.push((
+            first_at(env, &id, "claimed").await,
+            finished_at(env, &id).await,
+        ));
+    }
+    runs.sort();
+    for w in runs.windows(2) {
+        assert!(
+            w[1].0 >= w[0].1,
+            "two of the capped tenant's jobs ran at once: {w:?}"
+        );
+    }
+}
+
+/// Two workers under `--jobs 1`: after a round of the capped tenant's
+/// jobs, both give their leases back while idle and their slices end.
+/// When the next round arrives, neither may take the one job on a share
+/// nobody granted (each worker's "local share" of 1 over 2 workers is one
+/// slot): the next round still runs one at a time.
+#[tokio::test]
+async fn a_tenants_running_jobs_limit_holds_when_an_idle_fleet_gets_work_again() {
+    let env = Fleet::start().await;
+    let (code, out, err) = cli(
+        &env.url(),
+        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let _w = workers(&env, 2, 16);
+    capped_one_at_a_time(&env, "first", 3, 300).await;
+    // Both gave their leases back (idle for a renewal) ...
+    let store = FlowStore::open(&env.conn).await.unwrap();
+    let id = leasehold_testkit::doors::flow::tenant_jobs_key("capped");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (rec, _) = store.lease(&id).await.unwrap();
+        if rec.leases.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the idle workers kept their leases: {rec:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // ... and their slices (3 s from their last write) have ended.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    capped_one_at_a_time(&env, "again", 4, 300).await;
+}
+
+/// A worker whose flow buckets cannot be opened at its start (the server
+/// never answers its lookup of `lh_flow`, dropped by the fault proxy)
+/// must not run a tenant's limit on its own: it waits and says so, while
+/// a worker that has the buckets runs the capped tenant's jobs one at a
+/// time; once its lookup is answered, it joins under the same limit.
+#[tokio::test]
+async fn a_worker_that_cannot_open_the_flow_buckets_at_its_start_runs_no_limited_job_alone() {
+    let env = Fleet::start().await;
+    let (code, out, err) = cli(
+        &env.url(),
+        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let lookup = format!("$JS.API.STREAM.INFO.KV_{}", env.conn.layout.flow_bucket());
+    proxy.drop_matching(&lookup);
+    let cut_off = env.worker_proc(
+        &["--worker-id", "cut-off"],
+        &[
+            ("LH_CONCURRENCY", "16".to_string()),
+            ("NATS_URL", proxy.url()),
+        ],
+    );
+    let _direct = env.worker_proc(
+        &["--worker-id", "direct"],
+        &[("LH_CONCURRENCY", "16".to_string())],
+    );
+    // Its lookup went unanswered (the request's timeout).
+    wait_log(&cut_off, "flow buckets", Duration::from_secs(30)).await;
+    assert!(proxy.published(&lookup) >= 1);
+    capped_one_at_a_time(&env, "cut", 4, 300).await;
+    for i in 0..4 {
+        let evs = env.events_of(&format!("cut-{i}")).await;
+        let by: Vec<_> = evs
+            .iter()
+            .filter(|e| e.r#type == "claimed")
+            .map(|e| e.worker_id.clone())
+            .collect();
+        assert_eq!(
+            by,
+            [Some("direct".to_string())],
+            "cut-{i} was claimed by a worker without the fleet's limits"
+        );
+    }
+    // Answered: it opens them, and the two share the limit.
+    proxy.clear();
+    wait_log(&cut_off, "provider limits", Duration::from_secs(30)).await;
+    capped_one_at_a_time(&env, "joined", 4, 300).await;
+    drop(cut_off);
 }
 
 /// Malformed tenants, priorities and weights are refused with what is

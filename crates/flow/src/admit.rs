@@ -13,10 +13,16 @@ use super::{
 
 impl Flow {
     /// What this process may use of `limits` now, and where on the fleet's
-    /// grid: its lease's slice while it lasts; otherwise (never granted, or
-    /// NATS away) a local share, off the grid: the local fraction, or the
-    /// limit over the workers last known, or nothing while none is known
-    /// (never the whole limit); without a coordinator, everything.
+    /// grid: its lease's slice while it lasts; without one, nothing until
+    /// the coordinator grants one, unless its last renewal did not land
+    /// (NATS away): then a local share, off the grid: the local fraction,
+    /// or the limit over the workers last known, or nothing while none is
+    /// known (never the whole limit); without a coordinator, everything.
+    ///
+    /// A lease given back while idle is not a failure: a worker whose
+    /// share ended that way waits for its next grant, so two workers that
+    /// were idle together never both take a limit of one (each a local
+    /// share of "at least 1").
     fn allowance(&self, s: &KeyState, limits: &Limits, now: Instant) -> (Slice, Option<Grid>) {
         let total = limits.as_slice();
         match s.slice {
@@ -29,7 +35,9 @@ impl Flow {
                 grid,
             ),
             _ if !self.coordinated() => (total, None),
-            // Not granted yet: wait for the first lease a moment, not longer.
+            // No renewal failed: the coordinator grants one at its next tick.
+            _ if !s.lost => (Slice::default(), None),
+            // The first lease failed: wait a moment for a retry, not longer.
             None if now.duration_since(s.created) < FIRST_LEASE_GRACE => (Slice::default(), None),
             _ => match (
                 *self.local_fraction.lock().expect("flow fraction"),

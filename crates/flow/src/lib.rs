@@ -28,10 +28,13 @@
 //! ([`Flow::set_limits`], [`Flow::set_slice`], [`Flow::pause`]), takes the
 //! demand out ([`Flow::demand`]) and publishes what [`Flow::outbound`]
 //! yields. Without a coordinator a process enforces the limits alone and
-//! its pauses are its own. When a slice's lease ends unrenewed (NATS away)
-//! or was never granted, the process falls back to a safe local share: the
-//! limit divided by the workers it last knew of, or
-//! [`Flow::set_local_fraction`] of it; knowing of none, it waits.
+//! its pauses are its own. A key without a live slice waits for the
+//! coordinator's grant (before its first lease, after it gave the lease
+//! back when idle, while a renewal is on its way); only when a renewal did
+//! not land ([`Flow::lease_failed`]: NATS away) does the process fall back
+//! to a safe local share once its slice ended: the limit divided by the
+//! workers it last knew of, or [`Flow::set_local_fraction`] of it; knowing
+//! of none, it waits.
 //!
 //! A bucket holds one second of its slice, never more: a slice below one
 //! request per second sends on its slots of the fleet's request grid
@@ -188,6 +191,13 @@ struct KeyState {
     /// Workers known at the last read of the lease record (the local
     /// share's divisor; `None`: never read).
     workers: Option<u64>,
+    /// The coordinator's last renewal did not land (NATS away, the write
+    /// refused, lost to other workers' writes every time): once the slice
+    /// ended, the local share applies. `false` while renewals land, before
+    /// the first one, and after the lease was given back: a key without a
+    /// live slice then waits for the coordinator's next grant, never uses a
+    /// share nobody granted.
+    lost: bool,
     /// The last grid slot a request was sent in.
     last_slot: Option<i64>,
     requests: Bucket,
@@ -261,8 +271,8 @@ const BURST: f64 = 1.0;
 /// slots never send closer together than half a slot.
 const SLOT_LATENESS: f64 = 0.5;
 
-/// How long a coordinated process waits for its first lease of a key
-/// before it uses the local share instead.
+/// How long a coordinated process whose first renewal of a key failed
+/// waits (for a retry) before it uses the local share instead.
 const FIRST_LEASE_GRACE: Duration = Duration::from_secs(2);
 
 impl Flow {
@@ -333,11 +343,13 @@ impl Flow {
         self.loaded.send_replace(true);
     }
 
-    /// Waits until [`Flow::mark_loaded`], at most `patience`: a worker takes
-    /// no job before it knows its tenant's limits.
-    pub async fn wait_loaded(&self, patience: Duration) {
+    /// Waits until [`Flow::mark_loaded`], at most `patience`: `false` when
+    /// the limits are still not known (a worker takes no job before it
+    /// knows its tenant's limits, and says why it waits).
+    pub async fn wait_loaded(&self, patience: Duration) -> bool {
         let mut rx = self.loaded.subscribe();
-        let _ = tokio::time::timeout(patience, rx.wait_for(|l| *l)).await;
+        let loaded = tokio::time::timeout(patience, rx.wait_for(|l| *l)).await;
+        loaded.is_ok()
     }
 
     /// Sets (or with `None` clears) a tenant's weight.
@@ -475,16 +487,23 @@ impl Flow {
         if let Some(s) = self.keys.lock().expect("flow lock").get_mut(id) {
             s.slice = Some((slice, until, grid));
             s.workers = Some(workers.max(1));
+            s.lost = false;
         }
         self.changed.notify_waiters();
     }
 
-    /// The coordinator read the lease record but its write did not land:
-    /// `workers` live ones are known (the local share's divisor).
-    pub fn set_workers(&self, id: &str, workers: u64) {
+    /// The coordinator's renewal did not land (its read or write failed,
+    /// took too long, or lost every retry): once the slice ends, this
+    /// process uses its local share, out of `workers` live ones when the
+    /// record was read (else the count last known).
+    pub fn lease_failed(&self, id: &str, workers: Option<u64>) {
         if let Some(s) = self.keys.lock().expect("flow lock").get_mut(id) {
-            s.workers = Some(workers.max(1));
+            if let Some(n) = workers {
+                s.workers = Some(n.max(1));
+            }
+            s.lost = true;
         }
+        self.changed.notify_waiters();
     }
 
     /// Pauses the key until `until` (a cooldown seen by another worker, or
@@ -563,6 +582,7 @@ impl Flow {
                     key: key.clone(),
                     slice: None,
                     workers: None,
+                    lost: false,
                     last_slot: None,
                     requests: Bucket {
                         level: 0.0,

@@ -131,11 +131,79 @@ async fn without_a_lease_a_worker_never_takes_the_whole_limit() {
     );
     f.ensure(&k);
     tokio::time::advance(FIRST_LEASE_GRACE + Duration::from_millis(1)).await;
+    assert!(
+        f.try_admit(&k, 1).is_err(),
+        "no renewal failed: it waits for its grant"
+    );
+    f.lease_failed(&k.id, None);
     assert!(f.try_admit(&k, 1).is_err(), "no worker known: it waits");
-    f.set_workers(&k.id, 2);
+    f.lease_failed(&k.id, Some(2));
     let p: Vec<_> = (0..2).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
     assert!(f.try_admit(&k, 1).is_err(), "half of 4");
     drop(p);
+}
+
+/// Two workers under a limit of one, each with a lease it gave back
+/// while idle, long ago: neither takes the one on a share nobody
+/// granted (each "at least 1" of 1 / 2 would be two at once). Only a
+/// renewal that did not land (NATS away) lets the local share apply.
+#[tokio::test(start_paused = true)]
+async fn a_lease_given_back_while_idle_waits_for_the_next_grant() {
+    let limit = Limits {
+        rpm: None,
+        tpm: None,
+        concurrency: Some(1),
+    };
+    let k = ProviderKey {
+        id: tenant_jobs_key("capped"),
+        info: ProviderInfo::default(),
+    };
+    let workers: Vec<(Arc<Flow>, _)> = (0..2)
+        .map(|_| {
+            let f = Arc::new(Flow::new());
+            let rx = f.outbound();
+            f.set_limits(&k.id, Some(limit));
+            f.ensure(&k);
+            // Granted nothing (the other held the one), then given back
+            // idle: the record said two workers.
+            f.set_slice(
+                &k.id,
+                Slice::default(),
+                Instant::now() + Duration::from_millis(2800),
+                2,
+                None,
+            );
+            (f, rx)
+        })
+        .collect();
+    tokio::time::advance(Duration::from_secs(10)).await;
+    for (f, _) in &workers {
+        assert!(
+            matches!(
+                f.try_admit(&k, 0),
+                Err(Wait::Limited {
+                    limit: "concurrency",
+                    ..
+                })
+            ),
+            "a lease given back is no share"
+        );
+        assert!(f.demand(&k.id).active, "its wait asks for a lease");
+    }
+    // NATS away from one: its renewal fails, and its local share (1 of 1
+    // over 2 workers, rounded up to one slot) applies.
+    workers[0].0.lease_failed(&k.id, Some(2));
+    assert!(workers[0].0.try_admit(&k, 0).is_ok());
+    assert!(workers[1].0.try_admit(&k, 0).is_err());
+    // A grant that lands ends the local share.
+    workers[0].0.set_slice(
+        &k.id,
+        Slice::default(),
+        Instant::now() + Duration::from_millis(2800),
+        2,
+        None,
+    );
+    assert!(workers[0].0.try_admit(&k, 0).is_err());
 }
 
 #[test]
@@ -338,7 +406,8 @@ async fn a_lapsed_lease_falls_back_to_a_local_share() {
         tokens_per_sec: f64::INFINITY,
         concurrency: 8,
     };
-    // Granted all 8, then the lease lapses with 4 workers known: 2.
+    // Granted all 8, then the lease lapses with 4 workers known while its
+    // renewal fails: 2.
     f.set_slice(
         &k.id,
         full,
@@ -346,6 +415,11 @@ async fn a_lapsed_lease_falls_back_to_a_local_share() {
         4,
         None,
     );
+    assert!(
+        f.try_admit(&k, 1).is_err(),
+        "lapsed while renewals land: it waits for the grant"
+    );
+    f.lease_failed(&k.id, None);
     let p: Vec<_> = (0..2).map(|_| f.try_admit(&k, 1).ok().unwrap()).collect();
     assert!(f.try_admit(&k, 1).is_err(), "not unlimited without NATS");
     drop(p);

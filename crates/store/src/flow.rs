@@ -35,6 +35,14 @@ pub struct LimitEntry {
 }
 
 /// What kind of pause an entry of `lh_flow` is.
+/// [`FlowStore::list_limits`]'s answer.
+#[derive(Debug, Default)]
+pub struct LimitsListing {
+    pub entries: Vec<(String, LimitEntry)>,
+    /// Keys whose entry is not a limits entry, with the parse error.
+    pub unreadable: Vec<(String, String)>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PauseKind {
     Cooldown,
@@ -102,12 +110,26 @@ impl FlowStore {
         })
     }
 
-    /// Every key's limits, by id.
-    pub async fn list_limits(&self) -> Result<Vec<(String, LimitEntry)>, StoreError> {
-        let mut out = Vec::new();
+    /// The limits bucket's name (for messages that say how to fix it).
+    pub fn limits_bucket(&self) -> &str {
+        &self.limits.name
+    }
+
+    /// Every key's limits, by id, and the keys whose entry cannot be
+    /// parsed (with why): the watch takes such an entry as no limits, the
+    /// CLI refuses to list past it. An error here is NATS's.
+    pub async fn list_limits(&self) -> Result<LimitsListing, StoreError> {
+        let mut out = LimitsListing::default();
         for id in keys(&self.limits, "list limits").await? {
-            if let Some(e) = self.get_limits(&id).await? {
-                out.push((id, e));
+            match self.limits.entry(&id).await {
+                Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                    match serde_json::from_slice(&e.value) {
+                        Ok(v) => out.entries.push((id, v)),
+                        Err(err) => out.unreadable.push((id, err.to_string())),
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => return Err(StoreError::nats("read limits", e)),
             }
         }
         Ok(out)

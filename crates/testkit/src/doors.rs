@@ -61,7 +61,9 @@ pub mod ledger {
 /// Fleet-wide flow control: a node's view ([`Flow`], started by
 /// [`crate::Fleet::flow_node`]) and the store the shared limits live in.
 pub mod flow {
-    pub use leasehold_flow::{provider_key, Flow, Limits, ProviderKey, Wait, LEARN_AFTER};
+    pub use leasehold_flow::{
+        provider_key, tenant_jobs_key, Flow, Limits, ProviderKey, Wait, LEARN_AFTER,
+    };
     pub use leasehold_store::flow::{now_ms, FlowStore, LimitEntry, PauseKind};
 }
 

@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
+use leasehold_core::retry::Backoff;
 use leasehold_flow::{Flow, Outbound};
 use leasehold_flow::{Learned, Pause, Renewals, Slice};
 use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
@@ -43,6 +44,10 @@ pub const RENEW: Duration = Duration::from_secs(1);
 /// How many times a lease write lost to another worker's is tried again
 /// (each after a random pause of up to 10 ms times the tries so far).
 const CONFLICT_RETRIES: u32 = 8;
+/// How long one renewal (its reads and writes, retries included) may take
+/// before it counts as failed: well inside [`LEASE`], so a worker cut off
+/// from NATS is on its local share about when its slice ends.
+const PATIENCE: Duration = Duration::from_secs(2);
 /// How often the coordinator looks for new demand.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -69,25 +74,38 @@ pub fn start_with(
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let store = match FlowStore::open(&conn).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "flow control is local to this worker (run `leasehold setup` for fleet-wide limits and cooldowns)");
-                flow.mark_loaded();
-                return;
-            }
+        // Coordinated from now on: until a lease is granted, a limited key
+        // waits (never the whole limit on this worker alone).
+        let outbound = flow.outbound();
+        let Some(store) = open(&conn, &shutdown).await else {
+            // No flow buckets (or shutting down): limits are local.
+            drop(outbound);
+            flow.mark_loaded();
+            return;
         };
         // The limits as they are, before any job is taken (a tenant's
-        // running-jobs limit applies from the first job); the watch below
-        // follows their changes.
-        match store.list_limits().await {
-            Ok(all) => {
-                for (id, e) in all {
-                    apply(&flow, FlowChange::Limits(id, Some(e)));
+        // running-jobs limit applies from the first job; the pull loop
+        // waits for them); the watch below follows their changes.
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        loop {
+            match store.list_limits().await {
+                Ok(all) => {
+                    for (id, e) in all.unreadable {
+                        tracing::warn!(key = %id, error = %e, bucket = store.limits_bucket(), "limits entry unreadable; taken as no limits (`nats kv del` removes it)");
+                    }
+                    for (id, e) in all.entries {
+                        apply(&flow, FlowChange::Limits(id, Some(e)));
+                    }
+                    break;
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the fleet's limits yet; the watch applies them when it can")
+                Err(e) => {
+                    let pause = backoff.pause();
+                    tracing::warn!(error = %e, ?pause, "cannot read the fleet's limits yet; no job is taken before they are known");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
             }
         }
         // And what the fleet learned: a server known to serve one request at
@@ -103,11 +121,36 @@ pub fn start_with(
             }
         }
         flow.mark_loaded();
-        let outbound = flow.outbound();
         let watch = tokio::spawn(follow(store.clone(), flow.clone(), shutdown.clone()));
         coordinate(store, flow, worker_id, outbound, shutdown).await;
         let _ = watch.await;
     })
+}
+
+/// The flow buckets, once NATS answers: `None` when the layout has none
+/// (set up before them: limits are then local to each worker, and it says
+/// so) or at shutdown. A server that does not answer is asked again, and
+/// meanwhile this worker's limited keys wait: a worker that could not read
+/// the buckets at its start never runs a fleet's limit alone.
+async fn open(conn: &Conn, shutdown: &CancellationToken) -> Option<FlowStore> {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    loop {
+        match FlowStore::open(conn).await {
+            Ok(s) => return Some(s),
+            Err(e @ StoreError::Missing(_)) => {
+                tracing::warn!(error = %e, "flow control is local to this worker (run `leasehold setup` for fleet-wide limits and cooldowns)");
+                return None;
+            }
+            Err(e) => {
+                let pause = backoff.pause();
+                tracing::warn!(error = %e, ?pause, "cannot open the flow buckets yet; limited tenants and providers wait until they open");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+        }
+    }
 }
 
 /// Applies every limit and pause as it is and as it changes, re-watching
@@ -275,9 +318,10 @@ async fn coordinate(
 /// One revision-conditioned write of `me`'s lease (retried on a
 /// conflict, after a random pause that grows with each one, so workers
 /// renewing at the same moment do not keep colliding): `Ok(true)` when
-/// something is held. A read whose write does
-/// not land still tells the process how many workers there are (its local
-/// share's divisor).
+/// something is held. A renewal that does not land within [`PATIENCE`]
+/// (NATS away, the write refused, every retry lost) is reported to the
+/// flow control ([`Flow::lease_failed`]): once its slice ends, it uses its
+/// local share, out of the workers its last read of the record counted.
 #[allow(clippy::too_many_arguments)]
 async fn renew(
     store: &FlowStore,
@@ -289,6 +333,49 @@ async fn renew(
     seen: &mut Renewals,
     renewals: &mut Counter,
 ) -> Result<bool, StoreError> {
+    let mut workers = None;
+    let tried = tokio::time::timeout(
+        PATIENCE,
+        write_lease(
+            store,
+            flow,
+            me,
+            key,
+            limits,
+            want,
+            seen,
+            renewals,
+            &mut workers,
+        ),
+    )
+    .await;
+    let failed = match tried {
+        Ok(Ok(Some(got))) => return Ok(got != Slice::default()),
+        Ok(Ok(None)) => StoreError::failed(format!(
+            "the lease record changed meanwhile, {CONFLICT_RETRIES} times"
+        )),
+        Ok(Err(e)) => e,
+        Err(_) => StoreError::Unavailable(format!("lease renewal unanswered after {PATIENCE:?}")),
+    };
+    flow.lease_failed(&key.id, workers);
+    Err(failed)
+}
+
+/// [`renew`]'s reads and writes: `Some(slice)` when the write landed
+/// (the flow control then has the slice), `None` when every retry lost to
+/// another worker's write; `workers` is what the last read counted.
+#[allow(clippy::too_many_arguments)]
+async fn write_lease(
+    store: &FlowStore,
+    flow: &Flow,
+    me: &str,
+    key: &leasehold_flow::ProviderKey,
+    limits: &leasehold_flow::Limits,
+    want: Slice,
+    seen: &mut Renewals,
+    renewals: &mut Counter,
+    workers: &mut Option<u64>,
+) -> Result<Option<Slice>, StoreError> {
     for attempt in 0..CONFLICT_RETRIES {
         if attempt > 0 {
             let jitter = rand::random::<f64>() * 10.0 * attempt as f64;
@@ -306,7 +393,7 @@ async fn renew(
             now_ms() + LEASE.as_millis() as u64,
             renewals.next(),
         );
-        let workers = rec.workers(me);
+        *workers = Some(rec.workers(me));
         match store.write_lease(&key.id, &rec, rev).await {
             Ok(_) => {
                 // The local view ends a margin before any reader's.
@@ -314,7 +401,7 @@ async fn renew(
                     &key.id,
                     got,
                     written + LEASE - Duration::from_millis(200),
-                    workers,
+                    rec.workers(me),
                     rec.grid(me, limits),
                 );
                 let total = limits.as_slice();
@@ -340,16 +427,13 @@ async fn renew(
                             .flow_limit(&key.info.model, name, fleet, slice);
                     }
                 }
-                return Ok(got != Slice::default());
+                return Ok(Some(got));
             }
-            Err(LeaseError::Conflict) => flow.set_workers(&key.id, workers),
-            Err(LeaseError::Store(e)) => {
-                flow.set_workers(&key.id, workers);
-                return Err(e);
-            }
+            Err(LeaseError::Conflict) => {}
+            Err(LeaseError::Store(e)) => return Err(e),
         }
     }
-    Ok(false)
+    Ok(None)
 }
 
 /// Writes a pause for the fleet; a storm of 429s is one write per key per

@@ -349,7 +349,14 @@ async fn list(store: &FlowStore, as_json: bool) -> anyhow::Result<i32> {
     use std::collections::BTreeMap;
     let mut rows: BTreeMap<String, serde_json::Value> = BTreeMap::new();
     let now = now_ms();
-    for (id, e) in store.list_limits().await? {
+    let listing = store.list_limits().await?;
+    if let Some((id, e)) = listing.unreadable.first() {
+        anyhow::bail!(
+            "limits {id} are unreadable: {e} (workers take them as no limits; `nats kv del {} {id}` removes them)",
+            store.limits_bucket()
+        );
+    }
+    for (id, e) in listing.entries {
         let r = rows.entry(id.clone()).or_insert_with(|| json!({"id": id}));
         r["limits"] = json!(e.limits);
         if let Some(p) = e.provider {

@@ -227,8 +227,18 @@ async fn arrivals(shared: &Shared, kind: &str) -> Option<async_nats::Subscriber>
 pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: CancellationToken) {
     let flow = shared.flow.clone();
     let mut arrived = arrivals(&shared, &kind).await;
-    // Tenants' limits apply from the first job.
-    flow.wait_loaded(Duration::from_secs(5)).await;
+    // Tenants' limits apply from the first job: none is taken before
+    // they are known (the flow coordination reads them, or finds the
+    // layout has none).
+    while !flow.wait_loaded(Duration::from_secs(5)).await {
+        tracing::warn!(
+            kind,
+            "waiting for the fleet's limits (lh_limits) before taking jobs"
+        );
+        if shutdown.is_cancelled() {
+            return;
+        }
+    }
     let mut lanes = Lanes::new();
     let mut elected = shared.conn.elections();
     let work_stream = shared.conn.layout.work_stream();
