@@ -374,6 +374,116 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     w.wait().await.unwrap();
 }
 
+/// The ids that answer one roll call within a second, sorted.
+async fn roll_call(env: &Fleet) -> Vec<String> {
+    let inbox = env.conn.client.new_inbox();
+    let mut answers = env.conn.client.subscribe(inbox.clone()).await.unwrap();
+    env.conn
+        .client
+        .publish_with_reply(
+            env.conn.layout.reaper_roll_subject(),
+            inbox,
+            bytes::Bytes::new(),
+        )
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    let end = tokio::time::Instant::now() + Duration::from_secs(1);
+    while let Ok(Some(m)) = tokio::time::timeout_at(end, answers.next()).await {
+        ids.push(String::from_utf8_lossy(&m.payload).into_owned());
+    }
+    ids.sort();
+    ids
+}
+
+/// A reaper that cannot read its view of the index yet (at a million
+/// active jobs that takes seconds; here the server never answers its
+/// watch, dropped by the fault proxy) answers no roll call, so it takes
+/// no shard it cannot sweep: the reaper that can sweeps them all, and
+/// every job of a gone worker is recovered, by it. Once the view is read,
+/// the new reaper answers and takes its share.
+#[tokio::test]
+async fn a_reaper_still_reading_its_view_takes_no_shards() {
+    use leasehold_testkit::doors::reaper::{Shards, SHARDS};
+    let env = Fleet::start().await;
+    let reaper = |id: &str, url: String| {
+        Proc::spawn(
+            "leasehold-reaper",
+            &[],
+            &[
+                ("NATS_URL", url),
+                ("LH_PREFIX", env.prefix.clone()),
+                ("LH_REAPER_ID", id.into()),
+                ("LH_INTERVAL", "300ms".into()),
+                ("RUST_LOG", "info".into()),
+            ],
+        )
+    };
+    let a = reaper("reaper-a", env.url());
+    leasehold_testkit::wait_log(&a, "reaper starting", Duration::from_secs(20)).await;
+    let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
+    let watch = format!(
+        "$JS.API.CONSUMER.CREATE.KV_{}",
+        env.conn.layout.active_bucket()
+    );
+    proxy.drop_matching(&watch);
+    proxy.drop_matching(&format!("{watch}.>"));
+    let b = reaper("reaper-b", proxy.url());
+    // It runs and hears reaper-a's answers ...
+    leasehold_testkit::wait_log(&b, "reapers=2", Duration::from_secs(20)).await;
+    assert!(
+        proxy.published(&format!("{watch}.>")) + proxy.published(&watch) >= 1,
+        "reaper-b asked for its watch"
+    );
+    // ... but answers no roll call itself.
+    assert_eq!(roll_call(&env).await, ["reaper-a"]);
+    let (w, stop_w) = env.worker().await;
+    let ids: Vec<String> = (0..16).map(|i| format!("blind-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
+            .await;
+    }
+    // ... but answers none itself: reaper-a sweeps every shard.
+    for id in &ids {
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+        assert_eq!(recovered_by(&env, id).await, "reaper reaper-a", "{id}");
+    }
+    assert!(
+        !a.output().contains("reapers=2"),
+        "reaper-a counted a reaper that could not sweep:\n{}",
+        a.output()
+    );
+    assert_eq!(roll_call(&env).await, ["reaper-a"]);
+    // Its view read, reaper-b answers and takes its share.
+    proxy.clear();
+    leasehold_testkit::wait_log(&b, "answering the roll call", Duration::from_secs(30)).await;
+    leasehold_testkit::wait_log(&a, "reapers=2", Duration::from_secs(20)).await;
+    let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
+    assert!(share.owned() > 0 && share.owned() < SHARDS);
+    let more: Vec<String> = (0..24).map(|i| format!("seen-{i}")).collect();
+    for (i, id) in more.iter().enumerate() {
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
+            .await;
+    }
+    let mut by_b = 0;
+    for id in &more {
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+        let want = if share.mine(id) {
+            "reaper reaper-b"
+        } else {
+            "reaper reaper-a"
+        };
+        assert_eq!(recovered_by(&env, id).await, want, "{id}");
+        by_b += usize::from(share.mine(id));
+    }
+    assert!(by_b > 0, "reaper-b recovered none of {}", more.len());
+    stop_w.cancel();
+    w.wait().await.unwrap();
+    drop((a, b));
+}
+
 #[tokio::test]
 async fn two_reapers_act_on_each_job_exactly_once() {
     let env = Fleet::start().await;

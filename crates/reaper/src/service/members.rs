@@ -1,5 +1,5 @@
-//! The reapers' roll call: every reaper answers `<prefix>.reaper.roll`
-//! with its id, and every [`ROLL_EVERY`] asks it and takes the answers
+//! The reapers' roll call: every reaper whose view of the index is read
+//! answers `<prefix>.reaper.roll` with its id, and every [`ROLL_EVERY`] asks it and takes the answers
 //! that came within [`ROLL_WINDOW`] as the live reapers. From them it
 //! computes its share of the shards ([`leasehold_core::shard`]): the sweep
 //! and the crash probe act only on the jobs and workers of its shards.
@@ -21,13 +21,29 @@ pub(super) const ROLL_EVERY: Duration = Duration::from_secs(1);
 /// How long a roll call waits for answers.
 pub(super) const ROLL_WINDOW: Duration = Duration::from_millis(250);
 
-/// Answers the roll call with this reaper's id.
+/// Answers the roll call with this reaper's id while its view of the
+/// index is read whole: a reaper still reading it (at its start, or after
+/// its watch was interrupted; seconds at a million active jobs) could not
+/// sweep the shards it would take, so it takes none and the others keep
+/// them.
 pub(super) async fn answer_roll(
     inner: Arc<Inner>,
     sub: async_nats::Subscriber,
     shutdown: CancellationToken,
 ) {
-    answer_requests(inner, sub, shutdown, "roll call", |i| i.id.clone().into()).await
+    let answering = std::sync::atomic::AtomicBool::new(false);
+    answer_requests(inner, sub, shutdown, "roll call", |i| {
+        let loaded = i.view.is_loaded();
+        if answering.swap(loaded, Ordering::Relaxed) != loaded {
+            if loaded {
+                tracing::info!(reaper_id = %i.id, "view of the index read; answering the roll call");
+            } else {
+                tracing::info!(reaper_id = %i.id, "reading the index again; not answering the roll call until it is read");
+            }
+        }
+        loaded.then(|| i.id.clone().into())
+    })
+    .await
 }
 
 /// Calls the roll every [`ROLL_EVERY`] and keeps this reaper's share.

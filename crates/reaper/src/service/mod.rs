@@ -459,7 +459,7 @@ async fn answer_requests(
     mut sub: async_nats::Subscriber,
     shutdown: CancellationToken,
     what: &'static str,
-    body: impl Fn(&Inner) -> bytes::Bytes,
+    body: impl Fn(&Inner) -> Option<bytes::Bytes>,
 ) {
     loop {
         let msg = tokio::select! {
@@ -467,7 +467,8 @@ async fn answer_requests(
             _ = shutdown.cancelled() => return,
         };
         let Some(reply) = msg.reply else { continue };
-        if let Err(e) = inner.conn.client.publish(reply, body(&inner)).await {
+        let Some(body) = body(&inner) else { continue };
+        if let Err(e) = inner.conn.client.publish(reply, body).await {
             tracing::debug!(error = %e, "{what} reply failed");
         }
     }
@@ -479,9 +480,11 @@ async fn metrics_responder(
     shutdown: CancellationToken,
 ) {
     answer_requests(inner, sub, shutdown, "metrics", |i| {
-        serde_json::to_vec(&*i.metrics.borrow())
-            .expect("metrics serialize")
-            .into()
+        Some(
+            serde_json::to_vec(&*i.metrics.borrow())
+                .expect("metrics serialize")
+                .into(),
+        )
     })
     .await
 }

@@ -190,6 +190,11 @@ impl View {
             .is_ok_and(|r| r.is_ok())
     }
 
+    /// Whether the entries present when the watch (re)began were all read.
+    pub fn is_loaded(&self) -> bool {
+        *self.loaded.borrow()
+    }
+
     /// Every owner named by a running entry.
     pub fn owners(&self) -> Vec<Owner> {
         self.state.lock().unwrap().owners.keys().cloned().collect()
