@@ -8,13 +8,15 @@
 //! The view may be a moment behind the bucket, like any reader of the
 //! index: every action taken on what it says reads the record first.
 
-use std::collections::{BTreeSet, HashMap};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use leasehold_core::time::parse_rfc3339;
+use serde::Deserialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -27,23 +29,58 @@ const RETRY: Duration = Duration::from_secs(1);
 /// The owner a running entry names: its worker and the session recorded.
 pub type Owner = (Arc<str>, Option<Arc<str>>);
 
-/// What the view keeps of one entry.
+/// What the view keeps of one entry (a running entry's owner is kept in
+/// [`State::runs`]: most active jobs are not running).
 #[derive(Debug, Clone)]
 struct Slim {
     created: SystemTime,
     /// A running job's deadline; a queued job's time to look at it (when it
     /// should have run, or when a look was put off to).
     at: Option<SystemTime>,
-    owner: Option<Owner>,
     epoch: u64,
+}
+
+/// What the view reads of an entry ([`Entry`]'s JSON), borrowed from the
+/// message where it can be: at a start, every active job's entry is read,
+/// and only what [`Slim`] keeps is taken. Lenient as [`Entry`] is (a field
+/// missing is its default), so an entry unreadable as one is unreadable
+/// here too.
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct Read<'a> {
+    #[serde(borrow)]
+    session: Option<Cow<'a, str>>,
+    epoch: u64,
+    #[serde(borrow)]
+    next_run_at: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    deadline: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    created_at: Cow<'a, str>,
+    #[serde(borrow)]
+    updated_at: Cow<'a, str>,
+}
+
+impl<'a> From<&'a Entry> for Read<'a> {
+    fn from(e: &'a Entry) -> Self {
+        let b = |s: &'a Option<String>| s.as_deref().map(Cow::Borrowed);
+        Read {
+            session: b(&e.session),
+            epoch: e.epoch,
+            next_run_at: b(&e.next_run_at),
+            deadline: b(&e.deadline),
+            created_at: Cow::Borrowed(&e.created_at),
+            updated_at: Cow::Borrowed(&e.updated_at),
+        }
+    }
 }
 
 /// The entries, their groups and orders.
 #[derive(Default)]
 struct State {
     entries: HashMap<Arc<Key>, Slim>,
-    /// Running entries, by key (worker, then job).
-    runs: BTreeSet<Arc<Key>>,
+    /// Running entries, by key (worker, then job), with their owners.
+    runs: BTreeMap<Arc<Key>, Owner>,
     /// How many running entries name each owner.
     owners: HashMap<Owner, usize>,
     deadlines: BTreeSet<(SystemTime, Arc<Key>)>,
@@ -71,7 +108,11 @@ pub struct Counts {
 
 /// When a queued entry should have run: its due time, or its last write.
 pub fn wait_due(e: &Entry) -> Option<SystemTime> {
-    parse_rfc3339(e.next_run_at.as_deref().unwrap_or(e.updated_at.as_str()))
+    due(e.next_run_at.as_deref(), &e.updated_at)
+}
+
+fn due(next_run_at: Option<&str>, updated_at: &str) -> Option<SystemTime> {
+    parse_rfc3339(next_run_at.unwrap_or(updated_at))
 }
 
 impl State {
@@ -81,12 +122,11 @@ impl State {
         };
         match &*k {
             Key::Run { .. } => {
-                self.runs.remove(&k);
-                if let Some(o) = &s.owner {
-                    if let Some(n) = self.owners.get_mut(o) {
+                if let Some(o) = self.runs.remove(&k) {
+                    if let Some(n) = self.owners.get_mut(&o) {
                         *n -= 1;
                         if *n == 0 {
-                            self.owners.remove(o);
+                            self.owners.remove(&o);
                         }
                     }
                 }
@@ -106,30 +146,28 @@ impl State {
         }
     }
 
-    fn insert(&mut self, key: Key, e: &Entry) {
+    fn insert(&mut self, key: Key, e: &Read<'_>) {
         self.remove(&key);
         let k = Arc::new(key);
         let created = parse_rfc3339(&e.created_at).unwrap_or(SystemTime::UNIX_EPOCH);
         let mut s = Slim {
             created,
             at: None,
-            owner: None,
             epoch: e.epoch,
         };
         match &*k {
             Key::Run { worker, .. } => {
                 let owner: Owner = (worker.as_str().into(), e.session.as_deref().map(Arc::from));
                 *self.owners.entry(owner.clone()).or_default() += 1;
-                s.owner = Some(owner);
                 s.at = e.deadline.as_deref().and_then(parse_rfc3339);
                 if let Some(at) = s.at {
                     self.deadlines.insert((at, k.clone()));
                 }
-                self.runs.insert(k.clone());
+                self.runs.insert(k.clone(), owner);
                 self.ages.insert((created, k.clone()));
             }
             Key::Wait { .. } => {
-                s.at = Some(wait_due(e).unwrap_or(created));
+                s.at = Some(due(e.next_run_at.as_deref(), &e.updated_at).unwrap_or(created));
                 self.waits.insert((s.at.unwrap_or(created), k.clone()));
                 self.ages.insert((created, k.clone()));
             }
@@ -209,13 +247,9 @@ impl View {
         };
         st.runs
             .range::<Key, _>(&from..)
-            .take_while(|k| matches!(&***k, Key::Run { worker, .. } if **worker == *owner.0))
-            .filter(|k| {
-                st.entries
-                    .get(*k)
-                    .is_some_and(|s| s.owner.as_ref() == Some(owner))
-            })
-            .map(|k| (**k).clone())
+            .take_while(|(k, _)| matches!(&***k, Key::Run { worker, .. } if **worker == *owner.0))
+            .filter(|(_, o)| *o == owner)
+            .map(|(k, _)| (**k).clone())
             .collect()
     }
 
@@ -226,7 +260,7 @@ impl View {
         st.deadlines
             .iter()
             .take_while(|(at, _)| *at <= by)
-            .filter_map(|(at, k)| Some(((**k).clone(), st.entries.get(k)?.owner.clone()?, *at)))
+            .filter_map(|(at, k)| Some(((**k).clone(), st.runs.get(k)?.clone(), *at)))
             .collect()
     }
 
@@ -266,7 +300,7 @@ impl View {
     pub fn runs_after(&self, cursor: Option<&Key>, n: usize) -> Vec<(Key, Owner)> {
         use std::ops::Bound::{Excluded, Unbounded};
         let st = self.state.lock().unwrap();
-        let mut keys: Vec<&Arc<Key>> = match cursor {
+        let mut runs: Vec<(&Arc<Key>, &Owner)> = match cursor {
             Some(c) => st
                 .runs
                 .range::<Key, _>((Excluded(c), Unbounded))
@@ -274,15 +308,15 @@ impl View {
                 .collect(),
             None => Vec::new(),
         };
-        let wrap = n.saturating_sub(keys.len());
-        keys.extend(
+        let wrap = n.saturating_sub(runs.len());
+        runs.extend(
             st.runs
                 .iter()
-                .take_while(|k| cursor.is_none_or(|c| &***k <= c))
+                .take_while(|(k, _)| cursor.is_none_or(|c| &***k <= c))
                 .take(wrap),
         );
-        keys.into_iter()
-            .filter_map(|k| Some(((**k).clone(), st.entries.get(k)?.owner.clone()?)))
+        runs.into_iter()
+            .map(|(k, o)| ((**k).clone(), o.clone()))
             .collect()
     }
 
@@ -358,7 +392,7 @@ fn apply(st: &mut State, e: &kv::Entry) {
         st.remove(&key);
         return;
     }
-    match serde_json::from_slice::<Entry>(&e.value) {
+    match serde_json::from_slice::<Read>(&e.value) {
         Ok(entry) => st.insert(key, &entry),
         Err(err) => {
             tracing::warn!(key = %e.key, error = %err, "unreadable index entry; skipped");
@@ -411,18 +445,54 @@ mod tests {
         (w.into(), Some(s.into()))
     }
 
+    /// The view reads an entry borrowed where it can (an escaped string is
+    /// copied), and refuses what [`Entry`] refuses.
+    #[test]
+    fn the_view_reads_an_entry_as_the_index_writes_it() {
+        let e = Entry {
+            job: "a".into(),
+            kind: "k".into(),
+            status: "running".into(),
+            session: Some("s\"1".into()),
+            ..entry("a", "s", 1, Some(5))
+        };
+        let json = serde_json::to_vec(&e).unwrap();
+        let r: Read = serde_json::from_slice(&json).unwrap();
+        assert_eq!(r.session.as_deref(), Some("s\"1"));
+        assert!(matches!(r.created_at, Cow::Borrowed(_)));
+        assert_eq!(r.deadline.as_deref(), e.deadline.as_deref());
+        for bad in [
+            &br#"{"epoch":"two"}"#[..],
+            br#"[1]"#,
+            b"not json",
+            br#"{"created_at":5}"#,
+        ] {
+            assert!(serde_json::from_slice::<Entry>(bad).is_err());
+            assert!(serde_json::from_slice::<Read>(bad).is_err());
+        }
+        // A field missing is its default, for both.
+        let r: Read = serde_json::from_slice(br#"{"epoch":3}"#).unwrap();
+        assert_eq!((r.epoch, r.created_at.as_ref()), (3, ""));
+    }
+
     #[test]
     fn owners_deadlines_and_due_waits_follow_the_entries() {
         let v = view();
         {
             let mut st = v.state.lock().unwrap();
-            st.insert(run("w1", "a"), &entry("a", "s1", 1, Some(100)));
-            st.insert(run("w1", "b"), &entry("b", "s1", 2, Some(50)));
-            st.insert(run("w2", "c"), &entry("c", "s9", 3, None));
-            st.insert(wait("d"), &entry("d", "", 0, Some(10)));
-            st.insert(wait("e"), &entry("e", "", 4, Some(500)));
-            st.insert(Key::Park { job: "f".into() }, &entry("f", "", 5, None));
-            st.insert(Key::Hold { job: "g".into() }, &entry("g", "", 6, None));
+            st.insert(run("w1", "a"), &Read::from(&entry("a", "s1", 1, Some(100))));
+            st.insert(run("w1", "b"), &Read::from(&entry("b", "s1", 2, Some(50))));
+            st.insert(run("w2", "c"), &Read::from(&entry("c", "s9", 3, None)));
+            st.insert(wait("d"), &Read::from(&entry("d", "", 0, Some(10))));
+            st.insert(wait("e"), &Read::from(&entry("e", "", 4, Some(500))));
+            st.insert(
+                Key::Park { job: "f".into() },
+                &Read::from(&entry("f", "", 5, None)),
+            );
+            st.insert(
+                Key::Hold { job: "g".into() },
+                &Read::from(&entry("g", "", 6, None)),
+            );
         }
         let mut owners = v.owners();
         owners.sort();
@@ -445,7 +515,7 @@ mod tests {
         // A claim moves b to another session; a's entry is removed.
         {
             let mut st = v.state.lock().unwrap();
-            st.insert(run("w1", "b"), &entry("b", "s2", 2, Some(70)));
+            st.insert(run("w1", "b"), &Read::from(&entry("b", "s2", 2, Some(70))));
             st.remove(&run("w1", "a"));
             st.remove(&run("w1", "a"));
         }
@@ -462,14 +532,14 @@ mod tests {
         v.state
             .lock()
             .unwrap()
-            .insert(wait("d"), &entry("d", "", 0, Some(10)));
+            .insert(wait("d"), &Read::from(&entry("d", "", 0, Some(10))));
         v.put_off(&wait("d"), t(100));
         assert!(v.waits_by(t(99)).is_empty());
         assert_eq!(v.waits_by(t(100)), vec![wait("d")]);
         v.state
             .lock()
             .unwrap()
-            .insert(wait("d"), &entry("d", "", 0, Some(20)));
+            .insert(wait("d"), &Read::from(&entry("d", "", 0, Some(20))));
         assert_eq!(v.waits_by(t(20)), vec![wait("d")]);
         // Putting off what is not a queued entry does nothing.
         v.put_off(&wait("zz"), t(5));
@@ -481,12 +551,18 @@ mod tests {
         let v = view();
         let mut e1 = entry("a", "s1", 1, Some(100));
         e1.epoch = 1;
-        v.state.lock().unwrap().insert(run("w1", "a"), &e1);
+        v.state
+            .lock()
+            .unwrap()
+            .insert(run("w1", "a"), &Read::from(&e1));
         // The record (epoch 1) moved on, but meanwhile the same worker
         // claimed the job again (epoch 2): that entry stays.
         let mut e2 = e1.clone();
         e2.epoch = 2;
-        v.state.lock().unwrap().insert(run("w1", "a"), &e2);
+        v.state
+            .lock()
+            .unwrap()
+            .insert(run("w1", "a"), &Read::from(&e2));
         v.forget(&run("w1", "a"), 1);
         assert_eq!(v.counts().running, 1);
         assert_eq!(v.runs_of(&owner("w1", "s1")), vec![run("w1", "a")]);
@@ -503,7 +579,7 @@ mod tests {
             v.state
                 .lock()
                 .unwrap()
-                .insert(run("w", j), &entry(j, "s", 0, None));
+                .insert(run("w", j), &Read::from(&entry(j, "s", 0, None)));
         }
         let jobs = |w: Vec<(Key, Owner)>| -> String {
             w.iter().map(|(k, _)| k.job().to_string()).collect()
