@@ -333,18 +333,7 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
         env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
             .await;
     }
-    let mut by_b = 0;
-    for id in &ids {
-        env.wait_status(id, "completed", Duration::from_secs(20))
-            .await;
-        let want = if share.mine(id) {
-            "reaper reaper-b"
-        } else {
-            "reaper reaper-a"
-        };
-        assert_eq!(recovered_by(&env, id).await, want, "{id}");
-        by_b += usize::from(share.mine(id));
-    }
+    let by_b = recovered_by_shard(&env, &ids, &share).await;
     assert!(
         by_b > 0 && by_b < ids.len(),
         "both reapers had jobs: {by_b} of {}",
@@ -372,6 +361,29 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     stop_reaper(b).await;
     stop_w.cancel();
     w.wait().await.unwrap();
+}
+
+/// Waits for each job to complete and asserts the reaper owning its shard
+/// (`share` is reaper-b's; reaper-a has the rest) recovered it; how many
+/// were reaper-b's.
+async fn recovered_by_shard(
+    env: &Fleet,
+    ids: &[String],
+    share: &leasehold_testkit::doors::reaper::Shards,
+) -> usize {
+    let mut by_b = 0;
+    for id in ids {
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+        let want = if share.mine(id) {
+            "reaper reaper-b"
+        } else {
+            "reaper reaper-a"
+        };
+        assert_eq!(recovered_by(env, id).await, want, "{id}");
+        by_b += usize::from(share.mine(id));
+    }
+    by_b
 }
 
 /// The ids that answer one roll call within a second, sorted.
@@ -466,18 +478,7 @@ async fn a_reaper_still_reading_its_view_takes_no_shards() {
         env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
             .await;
     }
-    let mut by_b = 0;
-    for id in &more {
-        env.wait_status(id, "completed", Duration::from_secs(20))
-            .await;
-        let want = if share.mine(id) {
-            "reaper reaper-b"
-        } else {
-            "reaper reaper-a"
-        };
-        assert_eq!(recovered_by(&env, id).await, want, "{id}");
-        by_b += usize::from(share.mine(id));
-    }
+    let by_b = recovered_by_shard(&env, &more, &share).await;
     assert!(by_b > 0, "reaper-b recovered none of {}", more.len());
     stop_w.cancel();
     w.wait().await.unwrap();

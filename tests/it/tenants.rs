@@ -136,12 +136,7 @@ async fn priority_orders_a_tenants_own_jobs() {
 #[tokio::test]
 async fn a_tenant_at_its_running_jobs_limit_waits_while_another_runs() {
     let env = Fleet::start().await;
-    let (code, out, err) = cli(
-        &env.url(),
-        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
-    )
-    .await;
-    assert_eq!(code, 0, "{out}{err}");
+    cap_at_one_job(&env).await;
     // Each idle kind of the four holds a slot for its poll: 16 leave the
     // sleep kind plenty.
     let _w = workers(&env, 2, 16);
@@ -189,6 +184,16 @@ async fn a_tenant_at_its_running_jobs_limit_waits_while_another_runs() {
     );
 }
 
+/// `leasehold limits set --tenant capped --jobs 1`.
+async fn cap_at_one_job(env: &Fleet) {
+    let (code, out, err) = cli(
+        &env.url(),
+        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+}
+
 /// Submits `n` jobs of the capped tenant (`{prefix}-{i}`, `ms` each) and
 /// asserts they ran one at a time: each claimed after the one before it
 /// ended.
@@ -226,12 +231,7 @@ async fn capped_one_at_a_time(env: &Fleet, prefix: &str, n: usize, ms: u64) {
 #[tokio::test]
 async fn a_tenants_running_jobs_limit_holds_when_an_idle_fleet_gets_work_again() {
     let env = Fleet::start().await;
-    let (code, out, err) = cli(
-        &env.url(),
-        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
-    )
-    .await;
-    assert_eq!(code, 0, "{out}{err}");
+    cap_at_one_job(&env).await;
     let _w = workers(&env, 2, 16);
     capped_one_at_a_time(&env, "first", 3, 300).await;
     // Both gave their leases back (idle for a renewal) ...
@@ -262,12 +262,7 @@ async fn a_tenants_running_jobs_limit_holds_when_an_idle_fleet_gets_work_again()
 #[tokio::test]
 async fn a_worker_that_cannot_open_the_flow_buckets_at_its_start_runs_no_limited_job_alone() {
     let env = Fleet::start().await;
-    let (code, out, err) = cli(
-        &env.url(),
-        &["limits", "set", "--tenant", "capped", "--jobs", "1"],
-    )
-    .await;
-    assert_eq!(code, 0, "{out}{err}");
+    cap_at_one_job(&env).await;
     let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
     let lookup = format!("$JS.API.STREAM.INFO.KV_{}", env.conn.layout.flow_bucket());
     proxy.drop_matching(&lookup);

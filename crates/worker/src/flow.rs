@@ -334,22 +334,70 @@ async fn renew(
     renewals: &mut Counter,
 ) -> Result<bool, StoreError> {
     let mut workers = None;
-    let tried = tokio::time::timeout(
-        PATIENCE,
-        write_lease(
-            store,
-            flow,
-            me,
-            key,
-            limits,
-            want,
-            seen,
-            renewals,
-            &mut workers,
-        ),
-    )
-    .await;
-    let failed = match tried {
+    // The reads and writes: `Some(slice)` when the write landed (the flow
+    // control then has the slice), `None` when every retry lost to another
+    // worker's write; `workers` is what the last read counted.
+    let attempts = async {
+        for attempt in 0..CONFLICT_RETRIES {
+            if attempt > 0 {
+                let jitter = rand::random::<f64>() * 10.0 * attempt as f64;
+                tokio::time::sleep(Duration::from_secs_f64(jitter / 1000.0)).await;
+            }
+            let (mut rec, rev) = store.lease(&key.id).await?;
+            // Before the write: every reader first sees it later than this.
+            let written = Instant::now();
+            seen.expire(&mut rec, me, mono_ms(), LEASE.as_millis() as u64);
+            rec.provider = key.info.clone();
+            let got = rec.grant(
+                me,
+                limits,
+                want,
+                now_ms() + LEASE.as_millis() as u64,
+                renewals.next(),
+            );
+            workers = Some(rec.workers(me));
+            match store.write_lease(&key.id, &rec, rev).await {
+                Ok(_) => {
+                    // The local view ends a margin before any reader's.
+                    flow.set_slice(
+                        &key.id,
+                        got,
+                        written + LEASE - Duration::from_millis(200),
+                        rec.workers(me),
+                        rec.grid(me, limits),
+                    );
+                    let total = limits.as_slice();
+                    for (name, fleet, slice) in [
+                        (
+                            "rpm",
+                            total.requests_per_sec * 60.0,
+                            got.requests_per_sec * 60.0,
+                        ),
+                        (
+                            "tpm",
+                            total.tokens_per_sec * 60.0,
+                            got.tokens_per_sec * 60.0,
+                        ),
+                        (
+                            "concurrency",
+                            total.concurrency as f64,
+                            got.concurrency as f64,
+                        ),
+                    ] {
+                        if fleet.is_finite() && fleet < u64::MAX as f64 {
+                            flow.observer()
+                                .flow_limit(&key.info.model, name, fleet, slice);
+                        }
+                    }
+                    return Ok::<_, StoreError>(Some(got));
+                }
+                Err(LeaseError::Conflict) => {}
+                Err(LeaseError::Store(e)) => return Err(e),
+            }
+        }
+        Ok(None)
+    };
+    let failed = match tokio::time::timeout(PATIENCE, attempts).await {
         Ok(Ok(Some(got))) => return Ok(got != Slice::default()),
         Ok(Ok(None)) => StoreError::failed(format!(
             "the lease record changed meanwhile, {CONFLICT_RETRIES} times"
@@ -359,81 +407,6 @@ async fn renew(
     };
     flow.lease_failed(&key.id, workers);
     Err(failed)
-}
-
-/// [`renew`]'s reads and writes: `Some(slice)` when the write landed
-/// (the flow control then has the slice), `None` when every retry lost to
-/// another worker's write; `workers` is what the last read counted.
-#[allow(clippy::too_many_arguments)]
-async fn write_lease(
-    store: &FlowStore,
-    flow: &Flow,
-    me: &str,
-    key: &leasehold_flow::ProviderKey,
-    limits: &leasehold_flow::Limits,
-    want: Slice,
-    seen: &mut Renewals,
-    renewals: &mut Counter,
-    workers: &mut Option<u64>,
-) -> Result<Option<Slice>, StoreError> {
-    for attempt in 0..CONFLICT_RETRIES {
-        if attempt > 0 {
-            let jitter = rand::random::<f64>() * 10.0 * attempt as f64;
-            tokio::time::sleep(Duration::from_secs_f64(jitter / 1000.0)).await;
-        }
-        let (mut rec, rev) = store.lease(&key.id).await?;
-        // Before the write: every reader first sees it later than this.
-        let written = Instant::now();
-        seen.expire(&mut rec, me, mono_ms(), LEASE.as_millis() as u64);
-        rec.provider = key.info.clone();
-        let got = rec.grant(
-            me,
-            limits,
-            want,
-            now_ms() + LEASE.as_millis() as u64,
-            renewals.next(),
-        );
-        *workers = Some(rec.workers(me));
-        match store.write_lease(&key.id, &rec, rev).await {
-            Ok(_) => {
-                // The local view ends a margin before any reader's.
-                flow.set_slice(
-                    &key.id,
-                    got,
-                    written + LEASE - Duration::from_millis(200),
-                    rec.workers(me),
-                    rec.grid(me, limits),
-                );
-                let total = limits.as_slice();
-                for (name, fleet, slice) in [
-                    (
-                        "rpm",
-                        total.requests_per_sec * 60.0,
-                        got.requests_per_sec * 60.0,
-                    ),
-                    (
-                        "tpm",
-                        total.tokens_per_sec * 60.0,
-                        got.tokens_per_sec * 60.0,
-                    ),
-                    (
-                        "concurrency",
-                        total.concurrency as f64,
-                        got.concurrency as f64,
-                    ),
-                ] {
-                    if fleet.is_finite() && fleet < u64::MAX as f64 {
-                        flow.observer()
-                            .flow_limit(&key.info.model, name, fleet, slice);
-                    }
-                }
-                return Ok(Some(got));
-            }
-            Err(LeaseError::Conflict) => {}
-            Err(LeaseError::Store(e)) => return Err(e),
-        }
-    }
-    Ok(None)
 }
 
 /// Writes a pause for the fleet; a storm of 429s is one write per key per
