@@ -34,7 +34,6 @@ pub struct LimitEntry {
     pub updated_at: String,
 }
 
-/// What kind of pause an entry of `lh_flow` is.
 /// [`FlowStore::list_limits`]'s answer.
 #[derive(Debug, Default)]
 pub struct LimitsListing {
@@ -43,6 +42,7 @@ pub struct LimitsListing {
     pub unreadable: Vec<(String, String)>,
 }
 
+/// What kind of pause an entry of `lh_flow` is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PauseKind {
     Cooldown,

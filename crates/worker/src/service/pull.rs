@@ -230,14 +230,17 @@ pub(crate) async fn pull_loop(shared: Arc<Shared>, kind: String, shutdown: Cance
     // Tenants' limits apply from the first job: none is taken before
     // they are known (the flow coordination reads them, or finds the
     // layout has none).
-    while !flow.wait_loaded(Duration::from_secs(5)).await {
+    loop {
+        tokio::select! {
+            loaded = flow.wait_loaded(Duration::from_secs(5)) => if loaded {
+                break;
+            },
+            _ = shutdown.cancelled() => return,
+        }
         tracing::warn!(
             kind,
             "waiting for the fleet's limits (lh_limits) before taking jobs"
         );
-        if shutdown.is_cancelled() {
-            return;
-        }
     }
     let mut lanes = Lanes::new();
     let mut elected = shared.conn.elections();
