@@ -1,8 +1,11 @@
 //! The reapers' roll call: every reaper whose view of the index is read
-//! answers `<prefix>.reaper.roll` with its id, and every [`ROLL_EVERY`] asks it and takes the answers
-//! that came within [`ROLL_WINDOW`] as the live reapers. From them it
-//! computes its share of the shards ([`leasehold_core::shard`]): the sweep
-//! and the crash probe act only on the jobs and workers of its shards.
+//! answers `<prefix>.reaper.roll` with its id, and every [`ROLL_EVERY`]
+//! asks it and takes the answers that came within [`ROLL_WINDOW`] as the
+//! live reapers. From them it computes its share of the shards
+//! ([`leasehold_core::shard`]): the sweep and the crash probe act only on
+//! the jobs and workers of its shards. A reaper still reading its view
+//! counts itself but answers nobody: the others keep the shards it would
+//! take until it can sweep them.
 //!
 //! A reaper that died (kill -9), is paused or cut off stops answering, so
 //! the others take its shards over at their next roll, within about a
