@@ -258,7 +258,8 @@ async fn a_tenants_running_jobs_limit_holds_when_an_idle_fleet_gets_work_again()
 /// never answers its lookup of `lh_flow`, dropped by the fault proxy)
 /// must not run a tenant's limit on its own: it waits and says so, while
 /// a worker that has the buckets runs the capped tenant's jobs one at a
-/// time; once its lookup is answered, it joins under the same limit.
+/// time; once its lookup is answered, it joins under the same limit. A
+/// worker stopped while it waits stops at once.
 #[tokio::test]
 async fn a_worker_that_cannot_open_the_flow_buckets_at_its_start_runs_no_limited_job_alone() {
     let env = Fleet::start().await;
@@ -277,9 +278,20 @@ async fn a_worker_that_cannot_open_the_flow_buckets_at_its_start_runs_no_limited
         &["--worker-id", "direct"],
         &[("LH_CONCURRENCY", "16".to_string())],
     );
+    // A third, stopped while it waits for the buckets, stops at once.
+    let mut stops = env.worker_proc(&["--worker-id", "stops"], &[("NATS_URL", proxy.url())]);
     // Its lookup went unanswered (the request's timeout).
     wait_log(&cut_off, "flow buckets", Duration::from_secs(30)).await;
     assert!(proxy.published(&lookup) >= 1);
+    wait_log(&stops, "flow buckets", Duration::from_secs(30)).await;
+    stops.term();
+    let exited = tokio::task::spawn_blocking(move || stops.wait_timeout(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "a worker waiting for the fleet's limits did not stop within 3 s of SIGTERM: {exited:?}"
+    );
     capped_one_at_a_time(&env, "cut", 4, 300).await;
     for i in 0..4 {
         let evs = env.events_of(&format!("cut-{i}")).await;
