@@ -77,36 +77,42 @@ pub fn start_with(
         // Coordinated from now on: until a lease is granted, a limited key
         // waits (never the whole limit on this worker alone).
         let outbound = flow.outbound();
-        let Some(store) = open(&conn, &shutdown).await else {
-            // No flow buckets (or shutting down): limits are local.
-            drop(outbound);
-            flow.mark_loaded();
-            return;
+        // A server that does not answer is asked again, and meanwhile this
+        // worker's limited keys wait: a worker that could not read the
+        // buckets at its start never runs a fleet's limit alone.
+        let store = match until_answered("open the flow buckets", &shutdown, || {
+            FlowStore::open(&conn)
+        })
+        .await
+        {
+            Some(Ok(s)) => s,
+            Some(Err(e)) => {
+                // A layout set up before the flow buckets: limits are local.
+                tracing::warn!(error = %e, "flow control is local to this worker (run `leasehold setup` for fleet-wide limits and cooldowns)");
+                drop(outbound);
+                flow.mark_loaded();
+                return;
+            }
+            None => return,
         };
         // The limits as they are, before any job is taken (a tenant's
         // running-jobs limit applies from the first job; the pull loop
         // waits for them); the watch below follows their changes.
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-        loop {
-            match store.list_limits().await {
-                Ok(all) => {
-                    for (id, e) in all.unreadable {
-                        tracing::warn!(key = %id, error = %e, bucket = store.limits_bucket(), "limits entry unreadable; taken as no limits (`nats kv del` removes it)");
-                    }
-                    for (id, e) in all.entries {
-                        apply(&flow, FlowChange::Limits(id, Some(e)));
-                    }
-                    break;
-                }
-                Err(e) => {
-                    let pause = backoff.pause();
-                    tracing::warn!(error = %e, ?pause, "cannot read the fleet's limits yet; no job is taken before they are known");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                }
+        let all = match until_answered("read the fleet's limits", &shutdown, || store.list_limits())
+            .await
+        {
+            Some(Ok(all)) => all,
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "cannot read the fleet's limits; this worker takes no job");
+                return;
             }
+            None => return,
+        };
+        for (id, e) in all.unreadable {
+            tracing::warn!(key = %id, error = %e, bucket = store.limits_bucket(), "limits entry unreadable; taken as no limits (`nats kv del` removes it)");
+        }
+        for (id, e) in all.entries {
+            apply(&flow, FlowChange::Limits(id, Some(e)));
         }
         // And what the fleet learned: a server known to serve one request at
         // a time gets one from the first request on.
@@ -127,28 +133,32 @@ pub fn start_with(
     })
 }
 
-/// The flow buckets, once NATS answers: `None` when the layout has none
-/// (set up before them: limits are then local to each worker, and it says
-/// so) or at shutdown. A server that does not answer is asked again, and
-/// meanwhile this worker's limited keys wait: a worker that could not read
-/// the buckets at its start never runs a fleet's limit alone.
-async fn open(conn: &Conn, shutdown: &CancellationToken) -> Option<FlowStore> {
+/// Runs `op` until NATS answers it: a transient error (no answer, a
+/// failed request) is tried again after a pause (100 ms doubling to 2 s,
+/// with a warning saying no job waits on it in vain); any other answer is
+/// returned; `None` at shutdown.
+async fn until_answered<T, F, Fut>(
+    what: &str,
+    shutdown: &CancellationToken,
+    mut op: F,
+) -> Option<Result<T, StoreError>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     loop {
-        match FlowStore::open(conn).await {
-            Ok(s) => return Some(s),
-            Err(e @ StoreError::Missing(_)) => {
-                tracing::warn!(error = %e, "flow control is local to this worker (run `leasehold setup` for fleet-wide limits and cooldowns)");
-                return None;
-            }
-            Err(e) => {
+        let pause = match op().await {
+            Err(e) if e.is_transient() => {
                 let pause = backoff.pause();
-                tracing::warn!(error = %e, ?pause, "cannot open the flow buckets yet; limited tenants and providers wait until they open");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return None,
-                    _ = tokio::time::sleep(pause) => {}
-                }
+                tracing::warn!(error = %e, ?pause, "cannot {what} yet; limited tenants and providers wait, and no job is taken before the limits are known");
+                pause
             }
+            other => return Some(other),
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(pause) => {}
         }
     }
 }
