@@ -297,17 +297,7 @@ async fn recovered_by(env: &Fleet, id: &str) -> String {
 async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     use leasehold_testkit::doors::reaper::{Shards, SHARDS};
     let env = Fleet::start().await;
-    let mut a = Proc::spawn(
-        "leasehold-reaper",
-        &[],
-        &[
-            ("NATS_URL", env.url()),
-            ("LH_PREFIX", env.prefix.clone()),
-            ("LH_REAPER_ID", "reaper-a".into()),
-            ("LH_INTERVAL", "300ms".into()),
-            ("RUST_LOG", "info".into()),
-        ],
-    );
+    let mut a = reaper_proc(&env, "reaper-a", env.url());
     let mut o = env.reaper_opts();
     o.reaper_id = Some("reaper-b".into());
     let b = env.reaper_with(o).await;
@@ -324,15 +314,7 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
     assert!(share.owned() > 0 && share.owned() < SHARDS);
     let (w, stop_w) = env.worker().await;
-    let ids: Vec<String> = (0..24).map(|i| format!("split-{i}")).collect();
-    for (i, id) in ids.iter().enumerate() {
-        // Ticket 1: an earlier ticket than any re-offer's, as in life (a
-        // made-up later sequence made a worker that read the record
-        // before the reaper's write drop the re-offer's ticket as
-        // superseded, and the job waited for the stranded check).
-        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
-            .await;
-    }
+    let ids = stranded_echoes(&env, "split", 24).await;
     let by_b = recovered_by_shard(&env, &ids, &share).await;
     assert!(
         by_b > 0 && by_b < ids.len(),
@@ -348,12 +330,7 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     .await
     .expect("reaper-b owns every shard once reaper-a is gone")
     .unwrap();
-    let more: Vec<String> = (0..12).map(|i| format!("alone-{i}")).collect();
-    for (i, id) in more.iter().enumerate() {
-        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
-            .await;
-    }
-    for id in &more {
+    for id in &stranded_echoes(&env, "alone", 12).await {
         env.wait_status(id, "completed", Duration::from_secs(20))
             .await;
         assert_eq!(recovered_by(&env, id).await, "reaper reaper-b", "{id}");
@@ -361,6 +338,35 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     stop_reaper(b).await;
     stop_w.cancel();
     w.wait().await.unwrap();
+}
+
+/// Seeds `n` echo jobs `<prefix>-<i>` whose running owner is gone (ticket
+/// 1: an earlier ticket than any re-offer's, as in life; a made-up later
+/// sequence made a worker that read the record before the reaper's write
+/// drop the re-offer's ticket as superseded, and the job waited for the
+/// stranded check). Their ids.
+async fn stranded_echoes(env: &Fleet, prefix: &str, n: usize) -> Vec<String> {
+    let ids: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
+            .await;
+    }
+    ids
+}
+
+/// A `leasehold-reaper` process `id` at `url`, sweeping every 300 ms.
+fn reaper_proc(env: &Fleet, id: &str, url: String) -> Proc {
+    Proc::spawn(
+        "leasehold-reaper",
+        &[],
+        &[
+            ("NATS_URL", url),
+            ("LH_PREFIX", env.prefix.clone()),
+            ("LH_REAPER_ID", id.into()),
+            ("LH_INTERVAL", "300ms".into()),
+            ("RUST_LOG", "info".into()),
+        ],
+    )
 }
 
 /// Waits for each job to complete and asserts the reaper owning its shard
@@ -418,20 +424,7 @@ async fn roll_call(env: &Fleet) -> Vec<String> {
 async fn a_reaper_still_reading_its_view_takes_no_shards() {
     use leasehold_testkit::doors::reaper::{Shards, SHARDS};
     let env = Fleet::start().await;
-    let reaper = |id: &str, url: String| {
-        Proc::spawn(
-            "leasehold-reaper",
-            &[],
-            &[
-                ("NATS_URL", url),
-                ("LH_PREFIX", env.prefix.clone()),
-                ("LH_REAPER_ID", id.into()),
-                ("LH_INTERVAL", "300ms".into()),
-                ("RUST_LOG", "info".into()),
-            ],
-        )
-    };
-    let a = reaper("reaper-a", env.url());
+    let a = reaper_proc(&env, "reaper-a", env.url());
     leasehold_testkit::wait_log(&a, "reaper starting", Duration::from_secs(20)).await;
     let proxy = leasehold_harness::FaultProxy::start(&env.url()).await;
     let watch = format!(
@@ -440,7 +433,7 @@ async fn a_reaper_still_reading_its_view_takes_no_shards() {
     );
     proxy.drop_matching(&watch);
     proxy.drop_matching(&format!("{watch}.>"));
-    let b = reaper("reaper-b", proxy.url());
+    let b = reaper_proc(&env, "reaper-b", proxy.url());
     // It runs and hears reaper-a's answers ...
     leasehold_testkit::wait_log(&b, "reapers=2", Duration::from_secs(20)).await;
     assert!(
@@ -450,13 +443,8 @@ async fn a_reaper_still_reading_its_view_takes_no_shards() {
     // ... but answers no roll call itself.
     assert_eq!(roll_call(&env).await, ["reaper-a"]);
     let (w, stop_w) = env.worker().await;
-    let ids: Vec<String> = (0..16).map(|i| format!("blind-{i}")).collect();
-    for (i, id) in ids.iter().enumerate() {
-        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
-            .await;
-    }
-    // ... but answers none itself: reaper-a sweeps every shard.
-    for id in &ids {
+    // So reaper-a sweeps every shard.
+    for id in &stranded_echoes(&env, "blind", 16).await {
         env.wait_status(id, "completed", Duration::from_secs(20))
             .await;
         assert_eq!(recovered_by(&env, id).await, "reaper reaper-a", "{id}");
@@ -473,11 +461,7 @@ async fn a_reaper_still_reading_its_view_takes_no_shards() {
     leasehold_testkit::wait_log(&a, "reapers=2", Duration::from_secs(20)).await;
     let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
     assert!(share.owned() > 0 && share.owned() < SHARDS);
-    let more: Vec<String> = (0..24).map(|i| format!("seen-{i}")).collect();
-    for (i, id) in more.iter().enumerate() {
-        env.seed_record(&abandoned(id, "echo", json!({"i": i}), 1, 0))
-            .await;
-    }
+    let more = stranded_echoes(&env, "seen", 24).await;
     let by_b = recovered_by_shard(&env, &more, &share).await;
     assert!(by_b > 0, "reaper-b recovered none of {}", more.len());
     stop_w.cancel();
