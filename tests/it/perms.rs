@@ -475,6 +475,111 @@ async fn each_binary_does_its_job_under_its_roles_user() {
     }
 }
 
+/// Submits an echo job as the submitter and waits for its end.
+async fn submit_echo(s: &Secured) -> (i32, String, String) {
+    let args = [
+        "submit",
+        "echo",
+        r#"{"input":{}}"#,
+        "--wait",
+        "--timeout",
+        "30s",
+    ];
+    s.cli("submitter", &args).await
+}
+
+/// After the server restarts, every long-running binary makes its watches
+/// anew (the client library deletes each ordered consumer it replaces) and
+/// carries on under its role's user: the server refuses nothing, and no
+/// binary warns of a missing permission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_binary_makes_its_watches_anew_after_a_server_restart_unrefused() {
+    let mut s = Secured::start();
+    let op = s.connect("operator").await;
+    let (code, out, err) = s
+        .cli(
+            "operator",
+            &["setup", "--kinds", "echo,sleep,fanout", "--ack-wait", "1s"],
+        )
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let worker = s.worker();
+    let mut renv = s.env("reaper");
+    renv.extend([
+        ("LH_INTERVAL", "500ms".to_string()),
+        ("RUST_LOG", "info".into()),
+    ]);
+    let reaper = Proc::spawn("leasehold-reaper", &[], &renv);
+    wait_gateway(&op).await;
+    wait_log(&reaper, "answering the roll call", Duration::from_secs(20)).await;
+    // A job run shows the worker's limits read and watched.
+    let (code, out, err) = submit_echo(&s).await;
+    assert_eq!(code, 0, "a job before the restart: {out}{err}");
+    let (console, base) = console(&s, &[]).await;
+    let before = reaper.output().matches("connection back").count();
+
+    s.server.restart();
+
+    // Each one's watches are made anew: the reaper reads the index again; a
+    // job started after the restart shows on the console's jobs page (its
+    // watch of the index); a limit set after the restart reaches the worker
+    // (its watch of the limits).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while reaper.output().matches("connection back").count() == before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the reaper did not read the index again after the restart:\n{}",
+            reaper.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let nap = [
+        "submit",
+        "sleep",
+        "--input",
+        r#"{"ms":60000}"#,
+        "--id",
+        "back-nap",
+    ];
+    let (code, out, err) = s.cli("submitter", &nap).await;
+    assert_eq!(code, 0, "a job after the restart: {out}{err}");
+    let http = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let page = crate::console::text(&http, &format!("{base}/jobs")).await;
+        if page.contains("/jobs/back-nap") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the console does not list back-nap after the restart:\n{page}\n{}",
+            console.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, out, err) = s
+        .cli(
+            "operator",
+            &["limits", "set", "--tenant", "after-restart", "--jobs", "2"],
+        )
+        .await;
+    assert_eq!(code, 0, "limits set after the restart: {out}{err}");
+    wait_log(&worker, "after-restart", Duration::from_secs(30)).await;
+    // ... and the fleet runs jobs again.
+    let (code, out, err) = submit_echo(&s).await;
+    assert_eq!(code, 0, "a job after the restart: {out}{err}");
+
+    assert_eq!(s.violations(), vec![], "the server refused these");
+    for p in [&worker, &reaper, &console] {
+        assert!(
+            !p.output().contains("refused an operation"),
+            "{}: {}",
+            p.name(),
+            p.output()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_role_must_not_do_is_refused_by_the_server() {
     let s = Secured::start();
@@ -588,9 +693,31 @@ async fn what_a_role_must_not_do_is_refused_by_the_server() {
     )
     .await;
 
+    // Deleting the ordered consumers of their own watches (which the client
+    // library makes anew), no worker, reaper or console deletes a shared
+    // consumer.
+    let r = s.connect("reaper").await;
+    let c = s.connect("console").await;
+    for (who, stream, consumer) in [
+        (&w, "LH_WORK", "lh_workers_echo"),
+        (&w, "LH_EVENTS", "lh_historian"),
+        (&w, "LH_SIGNALS", "lh_signal_wakes"),
+        (&r, "LH_EVENTS", "lh_historian"),
+        (&r, "KV_lh_sessions", "lh_session_ends"),
+        (&c, "KV_lh_sessions", "lh_session_ends"),
+        (&c, "LH_SIGNALS", "lh_signal_wakes"),
+    ] {
+        let subject = format!("$JS.API.CONSUMER.DELETE.{stream}.{consumer}");
+        refused(
+            who,
+            &subject,
+            who.js.delete_consumer_from_stream(consumer, stream),
+        )
+        .await;
+    }
+
     // A reaper purges by retention but may not delete a stream or purge the
     // work queue.
-    let r = s.connect("reaper").await;
     refused(
         &r,
         "$JS.API.STREAM.DELETE.LH_DLQ",
