@@ -38,6 +38,7 @@ pub mod effects;
 pub mod events;
 pub mod failover;
 pub mod flow;
+pub mod follow;
 pub mod history;
 pub mod index;
 pub mod jobs;

@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::kv;
-use futures::StreamExt;
 use leasehold_core::time::parse_rfc3339;
 use serde::Deserialize;
 use tokio::sync::watch;
@@ -22,9 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Active, Entry, Key};
 use crate::connect::Link;
-
-/// How long the follower waits before watching again after an error.
-const RETRY: Duration = Duration::from_secs(1);
 
 /// The owner a running entry names: its worker and the session recorded.
 pub type Owner = (Arc<str>, Option<Arc<str>>);
@@ -187,36 +183,16 @@ pub struct View {
 }
 
 impl View {
-    /// Starts following `active` until `shutdown`; the view fills as the
-    /// entries arrive ([`View::loaded`]). When the connection comes back
-    /// (`link`), the index is read again at once: a server that restarted
-    /// lost the watch's consumer, which the watch itself notices only after
-    /// its missed heartbeats.
+    /// Starts following `active` until `shutdown` (read again after an
+    /// error or a reconnect: [`crate::follow::follow`]); the view fills as
+    /// the entries arrive ([`View::loaded`]).
     pub fn follow(active: Active, link: Link, shutdown: CancellationToken) -> View {
-        let (tx, rx) = watch::channel(false);
-        let view = View {
-            state: Arc::default(),
-            loaded: rx,
-        };
-        let state = view.state.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    r = follow_once(&active, &state, &tx) => if let Err(e) = r {
-                        tracing::warn!(error = %e, "index watch interrupted; reading the index again");
-                        tokio::select! {
-                            _ = tokio::time::sleep(RETRY) => {}
-                            _ = shutdown.cancelled() => return,
-                        }
-                    },
-                    _ = link.reconnected() => {
-                        tracing::info!("connection back; reading the index again");
-                    }
-                    _ = shutdown.cancelled() => return,
-                }
-            }
-        });
-        view
+        let (state, followed) =
+            crate::follow::follow("the index", active.kv().clone(), link, shutdown, apply);
+        View {
+            state,
+            loaded: followed.loaded,
+        }
     }
 
     /// Waits until the entries present at the start were read (at most
@@ -347,40 +323,6 @@ impl View {
             oldest_in_flight: st.ages.first().map(|(at, k)| (k.job().to_string(), *at)),
         }
     }
-}
-
-/// One watch: the last entry of every key, then the changes, applied to
-/// `state` (emptied first: a watch again after an error reads it whole).
-async fn follow_once(
-    active: &Active,
-    state: &Mutex<State>,
-    loaded: &watch::Sender<bool>,
-) -> Result<(), String> {
-    let mut w = active
-        .kv()
-        .watch_with_history(">")
-        .await
-        .map_err(|e| e.to_string())?;
-    *state.lock().unwrap() = State::default();
-    let _ = loaded.send(false);
-    let empty = active
-        .kv()
-        .status()
-        .await
-        .map_err(|e| e.to_string())?
-        .values()
-        == 0;
-    if empty {
-        let _ = loaded.send(true);
-    }
-    while let Some(e) = w.next().await {
-        let e = e.map_err(|e| e.to_string())?;
-        apply(&mut state.lock().unwrap(), &e);
-        if e.delta == 0 && !*loaded.borrow() {
-            let _ = loaded.send(true);
-        }
-    }
-    Err("the watch ended".into())
 }
 
 /// Applies one change of the bucket.
