@@ -166,6 +166,58 @@ async fn a_reaper_whose_view_of_the_index_was_cut_by_a_server_kill_still_recover
     w.wait().await.unwrap();
 }
 
+/// A reaper follows the sessions and the schedules with one watch each:
+/// sweeps, probes and schedule checks (several a second here) read none of
+/// them and make no consumer, and a sweep still counts the live sessions,
+/// a worker's start and end included.
+#[tokio::test]
+async fn a_reapers_sweeps_probes_and_checks_make_no_consumer() {
+    let env = Fleet::start().await;
+    let mut o = env.reaper_opts();
+    o.interval = Duration::from_millis(100);
+    o.probe_interval = Duration::from_millis(100);
+    let r = env.reaper_with(o).await;
+    let mut sweeps = r.0.metrics_watch();
+    sweeps
+        .wait_for(|m| m.sweeps >= 1 && m.sessions == 0)
+        .await
+        .expect("the reaper sweeps");
+    let (w, stop_w) = env.worker().await;
+    sweeps
+        .wait_for(|m| m.sessions == 1)
+        .await
+        .expect("the sweep counts the worker's session");
+    let from = r.0.metrics().sweeps;
+    sweeps
+        .wait_for(|m| m.sweeps >= from + 20)
+        .await
+        .expect("twenty more sweeps");
+    let consumers = |stream: String| {
+        let js = env.conn.js.clone();
+        async move {
+            let s = js.get_stream(stream).await.unwrap();
+            let names: Vec<String> = s.consumer_names().map(Result::unwrap).collect().await;
+            names
+        }
+    };
+    let layout = &env.conn.layout;
+    let sessions = consumers(format!("KV_{}", layout.sessions_bucket())).await;
+    assert_eq!(
+        sessions.len(),
+        2,
+        "the shared consumer of ended sessions and the reaper's watch: {sessions:?}"
+    );
+    let schedules = consumers(format!("KV_{}", layout.schedules_bucket())).await;
+    assert_eq!(schedules.len(), 1, "the reaper's watch: {schedules:?}");
+    stop_w.cancel();
+    w.wait().await.unwrap();
+    sweeps
+        .wait_for(|m| m.sessions == 0)
+        .await
+        .expect("the sweep counts the worker's session gone");
+    stop_reaper(r).await;
+}
+
 #[tokio::test]
 async fn ticket_past_max_deliveries_is_dead_lettered_once() {
     let env = Fleet::with(SetupOptions {

@@ -461,12 +461,22 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     // first tick's wait is generous: a loaded machine once took longer
     // than 10 s to see the new schedule; what is asserted is once per
     // tick, not how soon.)
-    env.wait_status(
-        &format!("tick-{first}"),
-        "completed",
-        Duration::from_secs(30),
-    )
-    .await;
+    let first_id = format!("tick-{first}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while env
+        .record(&first_id)
+        .await
+        .is_none_or(|r| r.status != "completed")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{first_id} not completed within 30s: {:?}\nreaper 1:\n{}\nreaper 2:\n{}",
+            env.record(&first_id).await,
+            r1.output(),
+            r2.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let kill_tick = first + 4;
     let at = SystemTime::UNIX_EPOCH + Duration::from_secs(kill_tick);
     if let Ok(d) = at.duration_since(SystemTime::now()) {
@@ -625,6 +635,67 @@ async fn a_seconds_schedule_fires_every_tick_at_its_time_whatever_the_sweep_inte
         .await
         .unwrap()
         .is_none());
+    stop_reaper.cancel();
+    reaper.wait().await.unwrap();
+    stop.cancel();
+}
+
+/// A reaper follows the schedules with a watch: an unreadable entry is
+/// skipped and holds no other schedule back, and a removed schedule fires
+/// no more.
+#[tokio::test]
+async fn an_unreadable_schedule_holds_no_other_back_and_a_removed_one_fires_no_more() {
+    let env = Fleet::start().await;
+    let (_w, stop) = env.worker().await;
+    let bucket = env.conn.layout.schedules_bucket();
+    let kv = env.conn.js.get_key_value(&bucket).await.unwrap();
+    kv.put("bad", "not a schedule".into()).await.unwrap();
+    let (reaper, stop_reaper) = env
+        .reaper_with(ReaperOptions {
+            interval: Duration::from_millis(200),
+            ..ReaperOptions::local(&env.url(), &env.prefix)
+        })
+        .await;
+    let added = SystemTime::now();
+    let (code, out, err) = cli(
+        &env.url(),
+        &[
+            "schedule",
+            "add",
+            "every",
+            "--cron",
+            "* * * * * *",
+            "echo",
+            r#"{"input":{}}"#,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    // Three ticks fire, past the unreadable entry.
+    let first = unix(added) + 1;
+    for tick in first..first + 3 {
+        env.wait_status(
+            &format!("every-{tick}"),
+            "completed",
+            Duration::from_secs(15),
+        )
+        .await;
+    }
+    let (code, out, err) = cli(&env.url(), &["schedule", "remove", "every"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let removed = unix(SystemTime::now());
+    // Over the next two ticks (and ten checks) nothing more fires.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for tick in removed + 1..removed + 3 {
+        assert!(
+            env.jobs
+                .get(&format!("every-{tick}"))
+                .await
+                .unwrap()
+                .is_none(),
+            "every-{tick} fired after the schedule's removal"
+        );
+    }
     stop_reaper.cancel();
     reaper.wait().await.unwrap();
     stop.cancel();

@@ -1,6 +1,7 @@
 //! Firing recurring schedules: every reaper's schedules loop wakes at the
-//! next tick of any schedule (and at least every `--interval`, to see
-//! schedules added meanwhile), independently of the sweep.
+//! next tick of any schedule and when a schedule changes (it follows the
+//! bucket with a watch: a check reads no entry), independently of the
+//! sweep.
 //!
 //! For each schedule that is not paused, [`leasehold_core::schedule::due_ticks`]
 //! says which ticks fire now: every tick later than the one handled last,
@@ -21,7 +22,7 @@ use leasehold_core::schedule::{self, Schedule};
 use leasehold_core::spec::{self, Kinds};
 use leasehold_core::time::rfc3339;
 use leasehold_store::recovery::Recovery;
-use leasehold_store::schedules::{ScheduleError, Schedules};
+use leasehold_store::schedules::{ScheduleError, ScheduleView, Schedules};
 use leasehold_store::{Conn, StoreError};
 
 use crate::Options;
@@ -66,28 +67,22 @@ pub(crate) async fn dedupe_window(conn: &Conn) -> Duration {
     }
 }
 
-/// The changes to the schedules from now on (`None`: the bucket cannot be
-/// watched now; the loop then looks every `--interval`).
-pub(crate) async fn watch(conn: &Conn) -> Option<async_nats::jetstream::kv::Watch> {
-    Schedules::open(conn).await.ok()?.watch().await.ok()
-}
-
-/// Fires every due tick of every active schedule.
+/// Fires every due tick of every active schedule: those `view` shows, or,
+/// while it is being read, those read from the bucket.
 pub(crate) async fn fire_due(
-    conn: &Conn,
+    schedules: &Schedules,
+    view: &ScheduleView,
     recovery: &Recovery,
     kinds: &Kinds,
     opts: &Options,
     dedupe: Duration,
 ) -> Result<Check, StoreError> {
-    let schedules = match Schedules::open(conn).await {
-        Ok(s) => s,
-        // A layout set up before schedules existed: nothing to fire.
-        Err(StoreError::Missing(_)) => return Ok(Check::default()),
-        Err(e) => return Err(e),
+    let entries = match view.schedules() {
+        Some(e) => e,
+        None => schedules.list().await?,
     };
     let mut check = Check::default();
-    for (entry, revision) in schedules.list().await? {
+    for (entry, revision) in entries {
         if entry.paused {
             continue;
         }
@@ -164,7 +159,7 @@ pub(crate) async fn fire_due(
         }
         next.updated_at = rfc3339(SystemTime::now());
         match schedules.update(&next, revision).await {
-            Ok(_) => {}
+            Ok(written) => view.wrote(&next, written),
             // Another reaper recorded it (or the schedule changed): the
             // next check reads it again; the jobs are one job each either way.
             Err(ScheduleError::Conflict(_)) => {

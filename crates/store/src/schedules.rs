@@ -10,12 +10,15 @@
 //! read. A reaper that dies between the two leaves the tick to the next
 //! check, which submits the same job id again: deduplicated, never lost.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use leasehold_core::time::{parse_rfc3339, rfc3339};
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 
 use crate::{Conn, StoreError};
 
@@ -103,13 +106,18 @@ impl Schedules {
         }
     }
 
-    /// Every change to any schedule from now on (an added, changed, paused
-    /// or removed one), so a firer sees it at once.
-    pub async fn watch(&self) -> Result<kv::Watch, StoreError> {
-        self.kv
-            .watch_all()
-            .await
-            .map_err(|e| StoreError::nats("watch schedules", e))
+    /// Follows the bucket until `shutdown` (a reaper's): every schedule
+    /// in memory, kept by a watch, so a check reads no entry
+    /// ([`crate::follow::follow`]).
+    pub fn follow(&self, link: crate::connect::Link, shutdown: CancellationToken) -> ScheduleView {
+        let (state, followed) = crate::follow::follow(
+            "the schedules",
+            self.kv.clone(),
+            link,
+            shutdown,
+            Followed::apply,
+        );
+        ScheduleView { state, followed }
     }
 
     /// Every schedule, by name.
@@ -189,5 +197,69 @@ impl Schedules {
             .purge(name)
             .await
             .map_err(|e| ScheduleError::Store(StoreError::nats("remove schedule", e)))
+    }
+}
+
+/// The schedules as a watch shows them: name -> (entry, revision); a
+/// removed (or unreadable) one is kept as `None` at its revision, so a
+/// write of this process's that the removal followed cannot bring it back.
+#[derive(Default)]
+struct Followed(BTreeMap<String, (Option<Entry>, u64)>);
+
+impl Followed {
+    fn apply(&mut self, e: &kv::Entry) {
+        let entry = match e.operation {
+            kv::Operation::Put => match serde_json::from_slice::<Entry>(&e.value) {
+                Ok(entry) => Some(entry),
+                // One unreadable entry holds no other schedule back.
+                Err(err) => {
+                    tracing::warn!(schedule = %e.key, error = %err, "unreadable schedule; not fired (`leasehold schedule remove` it, or add it again)");
+                    None
+                }
+            },
+            _ => None,
+        };
+        self.0.insert(e.key.clone(), (entry, e.revision));
+    }
+}
+
+/// A live view of the schedules ([`Schedules::follow`]).
+#[derive(Clone)]
+pub struct ScheduleView {
+    state: Arc<Mutex<Followed>>,
+    followed: crate::follow::Followed,
+}
+
+impl ScheduleView {
+    /// Every schedule with its revision, by name; `None` while the view is
+    /// being read (at its start, after an error or a reconnect).
+    pub fn schedules(&self) -> Option<Vec<(Entry, u64)>> {
+        if !self.followed.is_loaded() {
+            return None;
+        }
+        let st = self.state.lock().unwrap();
+        Some(
+            st.0.values()
+                .filter_map(|(e, rev)| Some((e.clone()?, *rev)))
+                .collect(),
+        )
+    }
+
+    /// Records this process's own write of `entry` at `revision`, so the
+    /// next look does not wait for the watch to bring it (a later
+    /// revision the watch brought first is kept).
+    pub fn wrote(&self, entry: &Entry, revision: u64) {
+        let mut st = self.state.lock().unwrap();
+        if st.0.get(&entry.name).is_none_or(|(_, r)| *r < revision) {
+            st.0.insert(entry.name.clone(), (Some(entry.clone()), revision));
+        }
+    }
+
+    /// Resolves at the next change of any schedule (or a new read of them).
+    pub async fn changed(&mut self) {
+        if self.followed.changes.changed().await.is_err() {
+            // The follower stopped (shutdown): no change ever comes.
+            std::future::pending::<()>().await;
+        }
     }
 }

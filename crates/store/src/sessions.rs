@@ -24,6 +24,8 @@
 //! "no responders" to that request means the process's connection is gone,
 //! which a reaper uses to notice a crash long before the TTL runs out.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, kv, message::PublishMessage};
@@ -130,6 +132,19 @@ impl Sessions {
             kv,
             layout: conn.layout.clone(),
         })
+    }
+
+    /// Follows the live sessions until `shutdown` (a reaper's): every
+    /// session in memory, kept by a watch, so a probe or a count reads no
+    /// entry ([`crate::follow::follow`]).
+    pub fn follow(
+        &self,
+        link: crate::connect::Link,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> LiveSessions {
+        let (state, followed) =
+            crate::follow::follow("the sessions", self.kv.clone(), link, shutdown, Live::apply);
+        LiveSessions { state, followed }
     }
 
     pub fn kv(&self) -> &kv::Store {
@@ -352,5 +367,64 @@ mod tests {
         assert_eq!(ttl_header(Duration::from_secs(10)), "10000ms");
         assert_eq!(ttl_header(Duration::from_millis(2500)), "2500ms");
         assert_eq!(ttl_header(Duration::from_millis(10)), "1000ms");
+    }
+}
+
+/// A live session as the watch shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LiveSession {
+    pub worker: String,
+    /// The process incarnation.
+    pub session: String,
+    /// The revision of its last renewal.
+    pub revision: u64,
+    /// Its session timeout.
+    pub timeout: Duration,
+}
+
+/// The live sessions, by worker id.
+#[derive(Default)]
+struct Live(HashMap<String, LiveSession>);
+
+impl Live {
+    fn apply(&mut self, e: &kv::Entry) {
+        if e.operation != kv::Operation::Put {
+            self.0.remove(&e.key);
+            return;
+        }
+        let info: SessionInfo = serde_json::from_slice(&e.value).unwrap_or_default();
+        let live = LiveSession {
+            worker: e.key.clone(),
+            session: info.session,
+            revision: e.revision,
+            timeout: Duration::from_millis(info.timeout_ms),
+        };
+        self.0.insert(e.key.clone(), live);
+    }
+}
+
+/// A live view of the sessions ([`Sessions::follow`]).
+#[derive(Clone)]
+pub struct LiveSessions {
+    state: Arc<Mutex<Live>>,
+    followed: crate::follow::Followed,
+}
+
+impl LiveSessions {
+    /// Every live session; `None` while the view is being read (at its
+    /// start, after an error or a reconnect).
+    pub fn live(&self) -> Option<Vec<LiveSession>> {
+        if !self.followed.is_loaded() {
+            return None;
+        }
+        Some(self.state.lock().unwrap().0.values().cloned().collect())
+    }
+
+    /// How many sessions are live; `None` while the view is being read.
+    pub fn count(&self) -> Option<u64> {
+        if !self.followed.is_loaded() {
+            return None;
+        }
+        Some(self.state.lock().unwrap().0.len() as u64)
     }
 }

@@ -47,7 +47,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, consumer, kv, AckKind};
+use async_nats::jetstream::{self, consumer, AckKind};
 use futures::StreamExt;
 use leasehold_core::machine::{self, status_of};
 use leasehold_core::retry::Backoff;
@@ -58,7 +58,7 @@ use leasehold_store::index::view::{Owner, View};
 use leasehold_store::index::Key;
 use leasehold_store::liveness::Verdict;
 use leasehold_store::recovery::{self, Action, Recovery};
-use leasehold_store::sessions::{Ping, Runs, SessionInfo};
+use leasehold_store::sessions::{LiveSessions, Ping, Runs};
 use leasehold_store::timers::{self, DueError};
 use leasehold_store::work::{self, Ticket};
 use leasehold_store::{retry_unavailable, setup, Conn, JobsError, StoreError};
@@ -255,9 +255,13 @@ impl Reaper {
             .clone()
             .unwrap_or_else(|| ReaperMetrics::new(&reaper_id));
         let view = View::follow(recovery.active.clone(), conn.link.clone(), shutdown.clone());
+        let live = recovery
+            .sessions
+            .follow(conn.link.clone(), shutdown.clone());
         let (shards, _) = watch::channel(leasehold_core::shard::Shards::new(&reaper_id, []));
         let inner = Arc::new(Inner {
             view,
+            live,
             shards,
             recovery: Arc::new(recovery),
             conn,
@@ -301,6 +305,8 @@ struct Inner {
     readiness: Readiness,
     /// The live view of the index the sweep follows.
     view: View,
+    /// The live sessions, which the probe pings and the sweep counts.
+    live: LiveSessions,
     /// This reaper's share of the shards, from the last roll call
     /// (`members.rs`): the sweep and the probe act on its shards only.
     shards: watch::Sender<leasehold_core::shard::Shards>,

@@ -501,7 +501,12 @@ impl Inner {
         out
     }
 
+    /// The live sessions: the view's count, or while it is being read a
+    /// listing of the bucket.
     pub(super) async fn count_sessions(&self) -> Option<u64> {
+        if let Some(n) = self.live.count() {
+            return Some(n);
+        }
         let mut keys = self.recovery.sessions.kv().keys().await.ok()?;
         let mut n = 0;
         while let Some(Ok(_)) = keys.next().await {
