@@ -520,10 +520,10 @@ async fn every_binary_makes_its_watches_anew_after_a_server_restart_unrefused() 
 
     s.server.restart();
 
-    // Each one's watches are made anew: the reaper reads the index again; a
-    // job started after the restart shows on the console's jobs page (its
-    // watch of the index); a limit set after the restart reaches the worker
-    // (its watch of the limits).
+    // Each one's watches are made anew: the reaper reads the index again, the
+    // worker the limits (at once, not after missed heartbeats); a job
+    // started after the restart shows on the console's jobs page (its watch
+    // of the index); a limit set after the restart reaches the worker.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while reaper.output().matches("connection back").count() == before {
         assert!(
@@ -533,6 +533,12 @@ async fn every_binary_makes_its_watches_anew_after_a_server_restart_unrefused() 
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    wait_log(
+        &worker,
+        "reading the limits and pauses again",
+        Duration::from_secs(30),
+    )
+    .await;
     let nap = [
         "submit",
         "sleep",

@@ -32,6 +32,7 @@ use futures::StreamExt;
 use leasehold_core::retry::Backoff;
 use leasehold_flow::{Flow, Outbound};
 use leasehold_flow::{Learned, Pause, Renewals, Slice};
+use leasehold_store::connect::Link;
 use leasehold_store::flow::{now_ms, to_ms, FlowChange, FlowStore, LeaseError, PauseKind};
 use leasehold_store::{Conn, StoreError};
 use tokio::time::Instant;
@@ -127,7 +128,12 @@ pub fn start_with(
             }
         }
         flow.mark_loaded();
-        let watch = tokio::spawn(follow(store.clone(), flow.clone(), shutdown.clone()));
+        let watch = tokio::spawn(follow(
+            store.clone(),
+            flow.clone(),
+            conn.link.clone(),
+            shutdown.clone(),
+        ));
         coordinate(store, flow, worker_id, outbound, shutdown).await;
         let _ = watch.await;
     })
@@ -163,28 +169,37 @@ where
     }
 }
 
-/// Applies every limit and pause as it is and as it changes, re-watching
-/// after a lost connection.
-async fn follow(store: FlowStore, flow: Arc<Flow>, shutdown: CancellationToken) {
+/// Applies every limit and pause as it is and as it changes, watching
+/// anew after an error and at once when the connection comes back (a
+/// server that restarted lost the watch's consumers, which the watch
+/// itself notices only after its missed heartbeats).
+async fn follow(store: FlowStore, flow: Arc<Flow>, link: Link, shutdown: CancellationToken) {
     loop {
-        match store.watch().await {
+        let again = match store.watch().await {
             Ok(changes) => {
                 tokio::pin!(changes);
                 loop {
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
+                        _ = link.reconnected() => {
+                            tracing::info!("connection back; reading the limits and pauses again");
+                            break Duration::ZERO;
+                        }
                         c = changes.next() => match c {
                             Some(c) => apply(&flow, c),
-                            None => break,
+                            None => break Duration::from_secs(1),
                         },
                     }
                 }
             }
-            Err(e) => tracing::debug!(error = %e, "flow watch"),
-        }
+            Err(e) => {
+                tracing::debug!(error = %e, "flow watch");
+                Duration::from_secs(1)
+            }
+        };
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::time::sleep(again) => {}
         }
     }
 }
