@@ -328,17 +328,27 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
     stop_reaper(r).await;
 }
 
-/// Which reaper recovered `id` (the `by` of its one recovery event).
+/// Which reaper recovered `id` (the `by` of its one recovery event). The
+/// event follows the re-offer's record write, so a fast worker may have
+/// finished the job before it is published: it is waited for.
 async fn recovered_by(env: &Fleet, id: &str) -> String {
-    let by: Vec<String> = env
-        .events_of(id)
-        .await
-        .iter()
-        .filter(|e| e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true)))
-        .map(|e| e.data_map()["by"].as_str().unwrap_or_default().to_string())
-        .collect();
-    assert_eq!(by.len(), 1, "{id}: one recovery, by {by:?}");
-    by[0].clone()
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let by: Vec<String> = env
+            .events_of(id)
+            .await
+            .iter()
+            .filter(|e| {
+                e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true))
+            })
+            .map(|e| e.data_map()["by"].as_str().unwrap_or_default().to_string())
+            .collect();
+        if !by.is_empty() || tokio::time::Instant::now() > deadline {
+            assert_eq!(by.len(), 1, "{id}: one recovery, by {by:?}");
+            return by[0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Reapers split the sweep by a stable hash of the job id: with two, each
