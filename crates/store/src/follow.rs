@@ -1,8 +1,8 @@
 //! Following a bucket whole: the last value of every key, then each change,
 //! applied to a caller's state in memory, so that a periodic look at the
 //! bucket costs what changed instead of a read of every key. One follower
-//! for every such view (the reaper's index and schedules): when a view is
-//! whole, and when it is read anew, is decided here.
+//! for every such view (the reaper's index, sessions and schedules): when a
+//! view is whole, and when it is read anew, is decided here.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

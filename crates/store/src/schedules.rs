@@ -115,7 +115,7 @@ impl Schedules {
             self.kv.clone(),
             link,
             shutdown,
-            Followed::apply,
+            Known::apply,
         );
         ScheduleView { state, followed }
     }
@@ -204,9 +204,9 @@ impl Schedules {
 /// removed (or unreadable) one is kept as `None` at its revision, so a
 /// write of this process's that the removal followed cannot bring it back.
 #[derive(Default)]
-struct Followed(BTreeMap<String, (Option<Entry>, u64)>);
+struct Known(BTreeMap<String, (Option<Entry>, u64)>);
 
-impl Followed {
+impl Known {
     fn apply(&mut self, e: &kv::Entry) {
         let entry = match e.operation {
             kv::Operation::Put => match serde_json::from_slice::<Entry>(&e.value) {
@@ -226,7 +226,7 @@ impl Followed {
 /// A live view of the schedules ([`Schedules::follow`]).
 #[derive(Clone)]
 pub struct ScheduleView {
-    state: Arc<Mutex<Followed>>,
+    state: Arc<Mutex<Known>>,
     followed: crate::follow::Followed,
 }
 
