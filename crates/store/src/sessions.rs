@@ -358,24 +358,10 @@ pub fn ttl_header(d: Duration) -> String {
     format!("{}ms", d.as_millis().max(1000))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ttl_is_written_in_milliseconds_and_never_below_a_second() {
-        assert_eq!(ttl_header(Duration::from_secs(10)), "10000ms");
-        assert_eq!(ttl_header(Duration::from_millis(2500)), "2500ms");
-        assert_eq!(ttl_header(Duration::from_millis(10)), "1000ms");
-    }
-}
-
 /// A live session as the watch shows it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct LiveSession {
     pub worker: String,
-    /// The process incarnation.
-    pub session: String,
     /// The revision of its last renewal.
     pub revision: u64,
     /// Its session timeout.
@@ -395,7 +381,6 @@ impl Live {
         let info: SessionInfo = serde_json::from_slice(&e.value).unwrap_or_default();
         let live = LiveSession {
             worker: e.key.clone(),
-            session: info.session,
             revision: e.revision,
             timeout: Duration::from_millis(info.timeout_ms),
         };
@@ -426,5 +411,17 @@ impl LiveSessions {
             return None;
         }
         Some(self.state.lock().unwrap().0.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_is_written_in_milliseconds_and_never_below_a_second() {
+        assert_eq!(ttl_header(Duration::from_secs(10)), "10000ms");
+        assert_eq!(ttl_header(Duration::from_millis(2500)), "2500ms");
+        assert_eq!(ttl_header(Duration::from_millis(10)), "1000ms");
     }
 }
