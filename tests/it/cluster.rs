@@ -294,6 +294,12 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
             let job = format!("race-{i}");
             // The old owner claims and publishes as fast as it can until
             // it is told it lost the job.
+            // Every other job's new owner claims only once the old owner
+            // has landed a publish, so that the race happens on every
+            // machine however loaded (the others' markers land wherever
+            // the stagger puts them, before the old owner's first one too).
+            let (first_landed, landed_one) = tokio::sync::oneshot::channel::<()>();
+            let mut first_landed = Some(first_landed);
             let a = {
                 let job = job.clone();
                 tokio::spawn(async move {
@@ -313,7 +319,12 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
                     let mut landed = 0;
                     while Instant::now() < deadline {
                         match fence.publish("section", json!({"n": landed})).await {
-                            Ok(_) => landed += 1,
+                            Ok(_) => {
+                                landed += 1;
+                                if let Some(tx) = first_landed.take() {
+                                    let _ = tx.send(());
+                                }
+                            }
                             Err(FenceError::Lost { ours, newer_epoch }) => {
                                 assert_eq!((ours, newer_epoch), (1, 2));
                                 return (landed, true);
@@ -328,6 +339,10 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
             };
             // The new owner claims a moment later (staggered so the
             // markers land at every point of the old owner's stream).
+            if i % 2 == 0 {
+                // Dropped unsent if the old owner ended first: go on.
+                let _ = tokio::time::timeout(PATIENCE, landed_one).await;
+            }
             tokio::time::sleep(Duration::from_millis(5 * (i as u64 % 8))).await;
             let deadline = Instant::now() + PATIENCE;
             let mut fence = loop {
@@ -362,7 +377,12 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
     let mut before_marker = 0;
     while let Some(r) = races.join_next().await {
         let (job, landed) = r.unwrap();
-        let evs = events.read(&job).await.unwrap();
+        // Read again if a loaded server stalls the read: the events are
+        // all there by now (the new owner's were acked).
+        let evs = eventually(&format!("{job}'s events"), || async {
+            events.read(&job).await.map_err(|e| e.to_string())
+        })
+        .await;
         let marker = evs
             .iter()
             .position(|(_, e)| e.r#type == "claimed" && e.epoch == 2)
@@ -410,21 +430,46 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
             )
             .message_id("resent-once")
     };
-    let first = conn
-        .js
-        .send_publish(subject.clone(), copy())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(!first.duplicate);
-    for (via, js) in [("a follower", &stale.js), ("the leader", &fresh.js)] {
-        let again = js
+    // Sent until acked (an ack lost on a loaded machine: sent again, the
+    // dedupe id keeps it one message).
+    let first = eventually("the first copy", || async {
+        conn.js
             .send_publish(subject.clone(), copy())
             .await
-            .unwrap()
+            .map_err(|e| e.to_string())?
             .await
-            .unwrap_or_else(|e| panic!("the copy sent via {via} was refused: {e}"));
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let stored = eventually("the stored copies", || async {
+        Events::new(&conn)
+            .read("resent")
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    assert_eq!(
+        stored.iter().map(|(seq, _)| *seq).collect::<Vec<_>>(),
+        [first.sequence],
+        "one stored copy"
+    );
+    for (via, js) in [("a follower", &stale.js), ("the leader", &fresh.js)] {
+        // An ack that times out on a loaded machine is asked for again; a
+        // refusal is the failure this checks.
+        let deadline = Instant::now() + PATIENCE;
+        let again = loop {
+            let sent = match js.send_publish(subject.clone(), copy()).await {
+                Ok(ack) => ack.await,
+                Err(e) => Err(e),
+            };
+            match sent {
+                Ok(ack) => break ack,
+                Err(e)
+                    if e.kind() == async_nats::jetstream::context::PublishErrorKind::TimedOut
+                        && Instant::now() < deadline => {}
+                Err(e) => panic!("the copy sent via {via} was refused: {e}"),
+            }
+        };
         assert!(again.duplicate, "via {via}: {again:?}");
         assert_eq!(again.sequence, first.sequence, "via {via}");
     }
