@@ -9,7 +9,8 @@
 //! newest jobs, as they come on a fleet whose jobs come over time).
 //!
 //! Measured in alternation on the two: the reaper's sweep (its own log),
-//! `leasehold list --status queued --limit 10`, a worker's start to its
+//! `leasehold list --status queued --limit 10` (and `--sort oldest`, which
+//! reads every entry of the status), a worker's start to its
 //! session, a second reaper's start to its first sweep (it reads the index
 //! whole into its view first), and the resident memory of the reaper, the
 //! worker and the server; then a console on each: its start to a jobs page
@@ -230,6 +231,13 @@ async fn measure(sides: &[&Side], want: &[usize], o: &Opts) -> anyhow::Result<Ve
             m[k].worker_start.push(ts);
         }
     }
+    // Oldest first reads every entry of the status (the index's order is
+    // its writes'), so fewer times as well.
+    for i in 0..3.min(o.samples) {
+        for k in order(i) {
+            m[k].list_oldest.push(list_oldest(sides[k]).await?.0);
+        }
+    }
     // A second reaper's start, fewer times: it reads the index whole.
     for i in 0..3.min(o.samples) {
         for k in order(i) {
@@ -304,6 +312,7 @@ async fn measure(sides: &[&Side], want: &[usize], o: &Opts) -> anyhow::Result<Ve
             "sweep_jobs_seen": swept[k].iter().map(|x| x.1).collect::<Vec<_>>(),
             "list_queued_limit_10_ms": med(&m[k].list),
             "list_rows": m[k].rows,
+            "list_oldest_queued_limit_10_ms": med(&m[k].list_oldest),
             "list_reads": m[k].list_reads,
             "worker_start_to_session_ms": med(&m[k].worker_start),
             "reaper_start_to_first_sweep_ms": med(&m[k].reaper_start),
@@ -347,6 +356,7 @@ fn compare(a: &Value, b: &Value) -> Value {
         "sweep_ms": cmp("sweep_ms", 1.0),
         "sweep_absolute": {"large_median_ms": sweep_large, "target_ms": TARGET_SWEEP_MS, "met": sweep_large <= TARGET_SWEEP_MS},
         "list_queued_limit_10_ms": cmp("list_queued_limit_10_ms", 0.0),
+        "list_oldest_queued_limit_10_ms": cmp("list_oldest_queued_limit_10_ms", 0.0),
         "worker_start_to_session_ms": cmp("worker_start_to_session_ms", 0.0),
         "reaper_start_to_first_sweep_ms": cmp("reaper_start_to_first_sweep_ms", 0.0),
         "console_jobs_page_ttfb_ms": cmp("console_jobs_page_ttfb_ms", 0.0),
@@ -368,6 +378,7 @@ fn round1(x: f64) -> f64 {
 #[derive(Default)]
 struct Samples {
     list: Vec<f64>,
+    list_oldest: Vec<f64>,
     rows: usize,
     list_reads: Vec<Value>,
     worker_start: Vec<f64>,
@@ -386,6 +397,17 @@ async fn list(side: &Side) -> anyhow::Result<(f64, usize)> {
     timed_list(
         side.url.clone(),
         &["list", "--status", "queued", "--limit", "10"],
+    )
+    .await
+}
+
+/// One `leasehold list --status queued --sort oldest --limit 10`.
+async fn list_oldest(side: &Side) -> anyhow::Result<(f64, usize)> {
+    timed_list(
+        side.url.clone(),
+        &[
+            "list", "--status", "queued", "--sort", "oldest", "--limit", "10",
+        ],
     )
     .await
 }
@@ -513,6 +535,10 @@ fn rows_of(r: &mut Report, v: &Value, on: &str) {
         (
             "list_queued_limit_10_ms",
             "`leasehold list --status queued --limit 10` ms",
+        ),
+        (
+            "list_oldest_queued_limit_10_ms",
+            "`leasehold list --status queued --sort oldest --limit 10` ms",
         ),
         (
             "worker_start_to_session_ms",
