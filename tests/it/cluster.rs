@@ -292,14 +292,14 @@ async fn the_stale_owners_fenced_events_are_refused_on_r3_however_they_race() {
         let (old, new) = (old.clone(), new.clone());
         races.spawn(async move {
             let job = format!("race-{i}");
-            // The old owner claims and publishes as fast as it can until
-            // it is told it lost the job.
             // Every other job's new owner claims only once the old owner
             // has landed a publish, so that the race happens on every
             // machine however loaded (the others' markers land wherever
             // the stagger puts them, before the old owner's first one too).
             let (first_landed, landed_one) = tokio::sync::oneshot::channel::<()>();
             let mut first_landed = Some(first_landed);
+            // The old owner claims and publishes as fast as it can until
+            // it is told it lost the job.
             let a = {
                 let job = job.clone();
                 tokio::spawn(async move {
