@@ -394,8 +394,8 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     leasehold_testkit::wait_log(&a, "reapers=2", Duration::from_secs(20)).await;
     let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
     assert!(share.owned() > 0 && share.owned() < SHARDS);
-    let (w, stop_w) = env.worker().await;
-    let ids = stranded_echoes(&env, "split", 24).await;
+    let ids = reoffered_echoes(&env, "split", 24).await;
+    complete_with_a_worker(&env, &ids).await;
     let by_b = recovered_by_shard(&env, &ids, &share).await;
     assert!(
         by_b > 0 && by_b < ids.len(),
@@ -411,14 +411,12 @@ async fn reapers_split_the_sweep_by_shard_and_a_killed_reapers_shards_move() {
     .await
     .expect("reaper-b owns every shard once reaper-a is gone")
     .unwrap();
-    for id in &stranded_echoes(&env, "alone", 12).await {
-        env.wait_status(id, "completed", Duration::from_secs(20))
-            .await;
+    let alone = reoffered_echoes(&env, "alone", 12).await;
+    complete_with_a_worker(&env, &alone).await;
+    for id in &alone {
         assert_eq!(recovered_by(&env, id).await, "reaper reaper-b", "{id}");
     }
     stop_reaper(b).await;
-    stop_w.cancel();
-    w.wait().await.unwrap();
 }
 
 /// Seeds `n` echo jobs `<prefix>-<i>` whose running owner is gone (ticket
@@ -433,6 +431,30 @@ async fn stranded_echoes(env: &Fleet, prefix: &str, n: usize) -> Vec<String> {
             .await;
     }
     ids
+}
+
+/// [`stranded_echoes`], each then waited for until a reaper re-offered it
+/// (queued), with no worker running: a worker that took a re-offer's
+/// ticket before the reaper wrote the record would find the job still
+/// running by its gone owner and reclaim it itself; the reaper's write
+/// then loses, and no recovery event says which reaper found the job.
+async fn reoffered_echoes(env: &Fleet, prefix: &str, n: usize) -> Vec<String> {
+    let ids = stranded_echoes(env, prefix, n).await;
+    for id in &ids {
+        env.wait_status(id, "queued", Duration::from_secs(20)).await;
+    }
+    ids
+}
+
+/// Runs a worker until every one of `ids` completed, then stops it.
+async fn complete_with_a_worker(env: &Fleet, ids: &[String]) {
+    let (w, stop) = env.worker().await;
+    for id in ids {
+        env.wait_status(id, "completed", Duration::from_secs(20))
+            .await;
+    }
+    stop.cancel();
+    w.wait().await.unwrap();
 }
 
 /// A `leasehold-reaper` process `id` at `url`, sweeping every 300 ms.
@@ -450,9 +472,8 @@ fn reaper_proc(env: &Fleet, id: &str, url: String) -> Proc {
     )
 }
 
-/// Waits for each job to complete and asserts the reaper owning its shard
-/// (`share` is reaper-b's; reaper-a has the rest) recovered it; how many
-/// were reaper-b's.
+/// Asserts the reaper owning each job's shard (`share` is reaper-b's;
+/// reaper-a has the rest) recovered it; how many were reaper-b's.
 async fn recovered_by_shard(
     env: &Fleet,
     ids: &[String],
@@ -460,8 +481,6 @@ async fn recovered_by_shard(
 ) -> usize {
     let mut by_b = 0;
     for id in ids {
-        env.wait_status(id, "completed", Duration::from_secs(20))
-            .await;
         let want = if share.mine(id) {
             "reaper reaper-b"
         } else {
@@ -523,11 +542,10 @@ async fn a_reaper_still_reading_its_view_takes_no_shards() {
     );
     // ... but answers no roll call itself.
     assert_eq!(roll_call(&env).await, ["reaper-a"]);
-    let (w, stop_w) = env.worker().await;
     // So reaper-a sweeps every shard.
-    for id in &stranded_echoes(&env, "blind", 16).await {
-        env.wait_status(id, "completed", Duration::from_secs(20))
-            .await;
+    let blind = reoffered_echoes(&env, "blind", 16).await;
+    complete_with_a_worker(&env, &blind).await;
+    for id in &blind {
         assert_eq!(recovered_by(&env, id).await, "reaper reaper-a", "{id}");
     }
     assert!(
@@ -542,11 +560,10 @@ async fn a_reaper_still_reading_its_view_takes_no_shards() {
     leasehold_testkit::wait_log(&a, "reapers=2", Duration::from_secs(20)).await;
     let share = Shards::new("reaper-b", ["reaper-a".to_string()]);
     assert!(share.owned() > 0 && share.owned() < SHARDS);
-    let more = stranded_echoes(&env, "seen", 24).await;
+    let more = reoffered_echoes(&env, "seen", 24).await;
+    complete_with_a_worker(&env, &more).await;
     let by_b = recovered_by_shard(&env, &more, &share).await;
     assert!(by_b > 0, "reaper-b recovered none of {}", more.len());
-    stop_w.cancel();
-    w.wait().await.unwrap();
     drop((a, b));
 }
 
