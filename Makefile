@@ -50,13 +50,13 @@ build:
 
 ## test: unit and integration tests against real nats-server processes (the
 ## 3-node cluster tier included), then a short seeded chaos soak. The
-## integration tier runs last, so that a failure's message (libtest prints
-## it after the tier) is at the end of the output, where a CI log's tail
-## keeps it.
+## integration tier runs last, without backtraces, so that a failure's
+## message (libtest prints it after the tier) is at the end of the output,
+## where a CI log's tail keeps it.
 test: setup build python-sdk typescript-sdk
 	LH_PYTHON="$(LH_PY_VENV)/bin/python" LH_TYPESCRIPT_SDK="$(LH_TS_PREFIX)" \
 		$(CARGO) test --workspace --exclude leasehold-tests --no-fail-fast -- --test-threads=4
-	LH_PYTHON="$(LH_PY_VENV)/bin/python" LH_TYPESCRIPT_SDK="$(LH_TS_PREFIX)" \
+	RUST_BACKTRACE=0 LH_PYTHON="$(LH_PY_VENV)/bin/python" LH_TYPESCRIPT_SDK="$(LH_TS_PREFIX)" \
 		$(CARGO) test -p leasehold-tests -- --test-threads=4
 	$(MAKE) --no-print-directory soak-ci
 

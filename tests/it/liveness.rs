@@ -388,6 +388,9 @@ async fn without_a_wake_up_nak_the_ack_wait_recovers_a_job_killed_before_its_ind
         .wait_status("no-nak", "completed", Duration::from_secs(30))
         .await;
     assert_eq!(done.worker_id.as_deref(), Some(b.worker_id.as_str()));
+    // The record is written before its `completed` event.
+    env.wait_event("no-nak", "completed", Duration::from_secs(10))
+        .await;
     let events = env.events_of("no-nak").await;
     let count = |t: &str| events.iter().filter(|e| e.r#type == t).count();
     assert_eq!(

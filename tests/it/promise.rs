@@ -848,6 +848,9 @@ async fn a_kill_between_a_retrys_ticket_and_its_record_runs_the_job_once_more() 
     // The lost failure ran again (attempt 1 at epoch 2), then the retry.
     assert_eq!(done.attempts, 1, "{done:?}");
     assert_eq!(done.stale_reclaims, 1, "reclaimed once: {done:?}");
+    // The record is written before its `completed` event.
+    env.wait_event("mid-retry", "completed", Duration::from_secs(10))
+        .await;
     let events = env.events_of("mid-retry").await;
     let completed = events.iter().filter(|e| e.r#type == "completed").count();
     assert_eq!(completed, 1, "completed exactly once: {events:?}");

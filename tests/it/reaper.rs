@@ -92,8 +92,19 @@ async fn stranded_running_and_queued_jobs_are_reenqueued_and_complete() {
     );
     q.spec.as_mut().unwrap().id = Some("stranded-queued".into());
     env.seed_record(&q).await;
-    let (w, stop_w) = env.worker().await;
+    // The worker starts once both are re-offered: one that took the
+    // running job's new ticket before the reaper's record write would
+    // reclaim the job itself, and the reaper would count no recovery.
     let r = env.reaper().await;
+    let mut m = r.0.metrics_watch();
+    tokio::time::timeout(Duration::from_secs(15), async {
+        while r.0.stats.recoveries.load(Ordering::Relaxed) < 2 {
+            m.changed().await.unwrap();
+        }
+    })
+    .await
+    .expect("both re-offered within 15 s");
+    let (w, stop_w) = env.worker().await;
     let run = env
         .wait_status("stranded-run", "completed", Duration::from_secs(15))
         .await;
