@@ -31,6 +31,12 @@ impl Followed {
     pub fn is_loaded(&self) -> bool {
         *self.loaded.borrow()
     }
+
+    /// `read` of the followed `state` once it is whole; `None` while it is
+    /// being read (at its start, after an error or a reconnect).
+    pub fn read<S, R>(&self, state: &Mutex<S>, read: impl FnOnce(&S) -> R) -> Option<R> {
+        self.is_loaded().then(|| read(&state.lock().unwrap()))
+    }
 }
 
 /// Follows `kv` into a new state until `shutdown`: empties it, applies the

@@ -234,15 +234,11 @@ impl ScheduleView {
     /// Every schedule with its revision, by name; `None` while the view is
     /// being read (at its start, after an error or a reconnect).
     pub fn schedules(&self) -> Option<Vec<(Entry, u64)>> {
-        if !self.followed.is_loaded() {
-            return None;
-        }
-        let st = self.state.lock().unwrap();
-        Some(
-            st.0.values()
+        self.followed.read(&self.state, |k| {
+            k.0.values()
                 .filter_map(|(e, rev)| Some((e.clone()?, *rev)))
-                .collect(),
-        )
+                .collect()
+        })
     }
 
     /// Records this process's own write of `entry` at `revision`, so the

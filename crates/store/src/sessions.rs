@@ -399,18 +399,13 @@ impl LiveSessions {
     /// Every live session; `None` while the view is being read (at its
     /// start, after an error or a reconnect).
     pub fn live(&self) -> Option<Vec<LiveSession>> {
-        if !self.followed.is_loaded() {
-            return None;
-        }
-        Some(self.state.lock().unwrap().0.values().cloned().collect())
+        self.followed
+            .read(&self.state, |l| l.0.values().cloned().collect())
     }
 
     /// How many sessions are live; `None` while the view is being read.
     pub fn count(&self) -> Option<u64> {
-        if !self.followed.is_loaded() {
-            return None;
-        }
-        Some(self.state.lock().unwrap().0.len() as u64)
+        self.followed.read(&self.state, |l| l.0.len() as u64)
     }
 }
 
