@@ -362,23 +362,20 @@ async fn ticket_past_max_deliveries_is_dead_lettered_once() {
 /// event follows the re-offer's record write, so a fast worker may have
 /// finished the job before it is published: it is waited for.
 async fn recovered_by(env: &Fleet, id: &str) -> String {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let by: Vec<String> = env
-            .events_of(id)
-            .await
-            .iter()
-            .filter(|e| {
-                e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true))
-            })
-            .map(|e| e.data_map()["by"].as_str().unwrap_or_default().to_string())
-            .collect();
-        if !by.is_empty() || tokio::time::Instant::now() > deadline {
-            assert_eq!(by.len(), 1, "{id}: one recovery, by {by:?}");
-            return by[0].clone();
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let recovery = |e: &leasehold_proto::JobEvent| {
+        e.r#type == "progress" && e.data_map().get("recovered") == Some(&json!(true))
+    };
+    env.wait_event_where(id, "recovered", recovery, Duration::from_secs(10))
+        .await;
+    let by: Vec<String> = env
+        .events_of(id)
+        .await
+        .iter()
+        .filter(|e| recovery(e))
+        .map(|e| e.data_map()["by"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(by.len(), 1, "{id}: one recovery, by {by:?}");
+    by[0].clone()
 }
 
 /// Reapers split the sweep by a stable hash of the job id: with two, each

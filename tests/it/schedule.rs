@@ -340,6 +340,18 @@ async fn bad_run_times_are_refused_with_exit_2_and_the_reason() {
     stop.cancel();
 }
 
+/// `leasehold schedule add <name> --cron <cron> echo <spec>`, which must
+/// succeed; its stdout and stderr.
+async fn add_echo_schedule(url: &str, name: &str, cron: &str, spec: &str) -> (String, String) {
+    let (code, out, err) = cli(
+        url,
+        &["schedule", "add", name, "--cron", cron, "echo", spec],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    (out, err)
+}
+
 fn unix(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs()
 }
@@ -439,20 +451,7 @@ async fn a_schedule_fires_exactly_once_per_tick_with_two_reapers_one_killed_at_a
     leasehold_testkit::wait_log(&r1, "sweep", Duration::from_secs(20)).await;
     leasehold_testkit::wait_log(&r2, "sweep", Duration::from_secs(20)).await;
     let added = SystemTime::now();
-    let (code, out, err) = cli(
-        &url,
-        &[
-            "schedule",
-            "add",
-            "tick",
-            "--cron",
-            "*/2 * * * * *",
-            "echo",
-            r#"{"input":{"n":1}}"#,
-        ],
-    )
-    .await;
-    assert_eq!(code, 0, "{out}{err}");
+    let (out, err) = add_echo_schedule(&url, "tick", "*/2 * * * * *", r#"{"input":{"n":1}}"#).await;
     assert!(err.starts_with("schedule tick added; next tick "), "{err}");
     let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(doc["state"], "added", "{out}");
@@ -597,20 +596,7 @@ async fn a_seconds_schedule_fires_every_tick_at_its_time_whatever_the_sweep_inte
     assert_eq!(o.interval, Duration::from_secs(10));
     let (reaper, stop_reaper) = env.reaper_with(o).await;
     let added = SystemTime::now();
-    let (code, out, err) = cli(
-        &env.url(),
-        &[
-            "schedule",
-            "add",
-            "fine",
-            "--cron",
-            "*/2 * * * * *",
-            "echo",
-            r#"{"input":{}}"#,
-        ],
-    )
-    .await;
-    assert_eq!(code, 0, "{out}{err}");
+    add_echo_schedule(&env.url(), "fine", "*/2 * * * * *", r#"{"input":{}}"#).await;
     let first = unix(added) / 2 * 2 + 2;
     // Six ticks: ten seconds, within one sweep interval.
     for tick in (first..first + 12).step_by(2) {
@@ -657,20 +643,7 @@ async fn an_unreadable_schedule_holds_no_other_back_and_a_removed_one_fires_no_m
         })
         .await;
     let added = SystemTime::now();
-    let (code, out, err) = cli(
-        &env.url(),
-        &[
-            "schedule",
-            "add",
-            "every",
-            "--cron",
-            "* * * * * *",
-            "echo",
-            r#"{"input":{}}"#,
-        ],
-    )
-    .await;
-    assert_eq!(code, 0, "{out}{err}");
+    add_echo_schedule(&env.url(), "every", "* * * * * *", r#"{"input":{}}"#).await;
     // Three ticks fire, past the unreadable entry.
     let first = unix(added) + 1;
     for tick in first..first + 3 {

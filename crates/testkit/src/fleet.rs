@@ -402,12 +402,25 @@ impl Fleet {
         ty: &str,
         timeout: Duration,
     ) -> Vec<leasehold_proto::JobEvent> {
+        self.wait_event_where(id, ty, |e| e.r#type == ty, timeout)
+            .await
+    }
+
+    /// Like [`Fleet::wait_event`], until an event that `is` accepts has
+    /// landed (`ty` names it in the failure).
+    pub async fn wait_event_where(
+        &self,
+        id: &str,
+        ty: &str,
+        is: impl Fn(&leasehold_proto::JobEvent) -> bool,
+        timeout: Duration,
+    ) -> Vec<leasehold_proto::JobEvent> {
         let fut = async {
             let mut seen = Vec::new();
             let mut s = self.events.follow(id, 0).await.unwrap();
             while let Some(e) = s.next().await {
                 let (_, e) = e.unwrap();
-                let done = e.r#type == ty;
+                let done = is(&e);
                 seen.push(e);
                 if done {
                     return seen;
